@@ -1,0 +1,532 @@
+//! Host memory that guest RAM lives in.
+//!
+//! A [`Backing`] is one mapping in this process, created and unmapped by memvisor. Its kind
+//! decides everything the layers above need to know about the memory: the page size the kernel
+//! backs it with (4 KiB, or 2 MiB / 1 GiB for hugetlbfs), whether it is shared (visible through a
+//! file descriptor that can be handed to another process, e.g. a vhost-user back end) and, later,
+//! how a page of it is given back to the host. The kinds:
+//!
+//! | kind | mmap | page size | shared | fd |
+//! |---|---|---|---|---|
+//! | [`BackingKind::PrivateAnon`] | `MAP_PRIVATE\|MAP_ANONYMOUS` | 4 KiB | no | no |
+//! | [`BackingKind::SharedAnon`] | `MAP_SHARED\|MAP_ANONYMOUS` | 4 KiB | yes | no |
+//! | [`BackingKind::Memfd`] | `memfd_create` + `MAP_SHARED` | 4 KiB | yes | yes |
+//! | [`BackingKind::Thp`] | private anonymous, 2 MiB aligned, `MADV_HUGEPAGE` | 4 KiB (THP may back it with 2 MiB) | no | no |
+//! | [`BackingKind::Hugetlb`] | `memfd_create(MFD_HUGETLB)` + `MAP_SHARED` | 2 MiB or 1 GiB | yes | yes |
+//! | [`BackingKind::File`] | a regular file, `MAP_SHARED` or `MAP_PRIVATE` | 4 KiB | as asked | yes |
+//!
+//! THP pages can be split by the kernel at any time, so a THP backing reports 4 KiB: the
+//! guarantee, not the hope. Every mapping starts on a 2 MiB boundary, so that the kernel (and
+//! KVM's stage-2 tables) can use huge pages wherever the guest layout allows.
+//!
+//! A backing is shared between the slot table, DMA mappings and readers through `Arc`; it is
+//! unmapped when the last of them drops it, never earlier. Its memory is only reached with raw
+//! pointers (see `copy`), never through Rust references.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::Mutex;
+
+use crate::addr::{Hva, PageSize};
+use crate::copy;
+use crate::error::{Error, Result};
+
+/// Which kind of host memory to create.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BackingKind {
+    /// Private anonymous memory: the plain `malloc`-like case.
+    PrivateAnon,
+    /// Shared anonymous memory: survives fork, shared with children.
+    SharedAnon,
+    /// A memfd: shared memory with a file descriptor to hand to another process.
+    Memfd,
+    /// Private anonymous memory, 2 MiB aligned, with the transparent-huge-page hint.
+    Thp,
+    /// hugetlbfs pages of the given size (2 MiB or 1 GiB), through a `MFD_HUGETLB` memfd.
+    Hugetlb(PageSize),
+    /// A regular file at `path`, created or extended to the backing's size.
+    /// `shared: false` maps it copy-on-write: writes stay in this process.
+    File { path: PathBuf, shared: bool },
+}
+
+impl BackingKind {
+    /// Short name for tables and messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            BackingKind::PrivateAnon => "private-anon",
+            BackingKind::SharedAnon => "shared-anon",
+            BackingKind::Memfd => "memfd",
+            BackingKind::Thp => "thp",
+            BackingKind::Hugetlb(PageSize::Size1G) => "hugetlb-1g",
+            BackingKind::Hugetlb(_) => "hugetlb-2m",
+            BackingKind::File { shared: true, .. } => "file-shared",
+            BackingKind::File { shared: false, .. } => "file-private",
+        }
+    }
+}
+
+/// How to create a backing.
+#[derive(Clone, Debug, Default)]
+pub struct BackingOptions {
+    /// Fault every page in at creation (`MADV_POPULATE_WRITE`, or touching each page on kernels
+    /// older than 5.14), so the first guest access does not pay for it.
+    pub populate: bool,
+}
+
+/// Host memory for guest RAM: one mapping, unmapped on drop.
+#[derive(Debug)]
+pub struct Backing {
+    ptr: NonNull<u8>,
+    size: u64,
+    kind: BackingKind,
+    page_size: PageSize,
+    fd: Option<OwnedFd>,
+}
+
+// SAFETY: a Backing owns its mapping; the pointer is never used to build references, and all
+// access goes through raw copies whose callers check bounds. The mapping is valid from any thread.
+unsafe impl Send for Backing {}
+// SAFETY: as above; shared access only ever copies through raw pointers.
+unsafe impl Sync for Backing {}
+
+const ALIGN_2M: u64 = PageSize::Size2M.bytes();
+
+impl Backing {
+    /// Creates `size` bytes of `kind` memory, not populated.
+    pub fn new(kind: BackingKind, size: u64) -> Result<Backing> {
+        Self::with_options(kind, size, &BackingOptions::default())
+    }
+
+    /// Creates `size` bytes of `kind` memory.
+    ///
+    /// `size` must be a non-zero multiple of the kind's page size (EINVAL otherwise). hugetlbfs
+    /// memory needs enough free huge pages of its size: when they are missing the error says how
+    /// many and how to reserve them (see also [`HugePageReservation`]).
+    pub fn with_options(kind: BackingKind, size: u64, options: &BackingOptions) -> Result<Backing> {
+        let page_size = match kind {
+            BackingKind::Hugetlb(PageSize::Size4K) => {
+                return Err(Error::Unsupported {
+                    what: "hugetlbfs with 4 KiB pages",
+                    why: "use Hugetlb(Size2M) or Hugetlb(Size1G)".into(),
+                });
+            }
+            BackingKind::Hugetlb(p) => p,
+            _ => PageSize::Size4K,
+        };
+        if size == 0 {
+            return Err(Error::ZeroSize { what: "backing" });
+        }
+        page_size.check("backing size", size)?;
+        let len = usize::try_from(size).map_err(|_| Error::OutOfBounds {
+            what: "backing size",
+            start: 0,
+            len: size,
+            limit: usize::MAX as u64,
+        })?;
+
+        let fd = match &kind {
+            BackingKind::PrivateAnon | BackingKind::SharedAnon | BackingKind::Thp => None,
+            BackingKind::Memfd => Some(memfd(libc::MFD_CLOEXEC, size)?),
+            BackingKind::Hugetlb(p) => {
+                let free = free_huge_pages(*p)?;
+                let needed = size / p.bytes();
+                if free < needed {
+                    return Err(Error::HugePagesUnavailable {
+                        page_size: *p,
+                        needed,
+                        free,
+                    });
+                }
+                let flag = match p {
+                    PageSize::Size1G => libc::MFD_HUGE_1GB,
+                    _ => libc::MFD_HUGE_2MB,
+                };
+                Some(memfd(libc::MFD_CLOEXEC | libc::MFD_HUGETLB | flag, size)?)
+            }
+            BackingKind::File { path, .. } => {
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(path)
+                    .map_err(|source| Error::Os {
+                        op: "open backing file",
+                        source,
+                    })?;
+                let current = file
+                    .metadata()
+                    .map_err(|source| Error::Os {
+                        op: "stat backing file",
+                        source,
+                    })?
+                    .len();
+                if current < size {
+                    file.set_len(size).map_err(|source| Error::Os {
+                        op: "extend backing file",
+                        source,
+                    })?;
+                }
+                Some(OwnedFd::from(file))
+            }
+        };
+
+        let (share, anon) = match &kind {
+            BackingKind::PrivateAnon | BackingKind::Thp => (libc::MAP_PRIVATE, true),
+            BackingKind::SharedAnon => (libc::MAP_SHARED, true),
+            BackingKind::Memfd | BackingKind::Hugetlb(_) => (libc::MAP_SHARED, false),
+            BackingKind::File { shared, .. } => (
+                if *shared {
+                    libc::MAP_SHARED
+                } else {
+                    libc::MAP_PRIVATE
+                },
+                false,
+            ),
+        };
+        let ptr = map_aligned(len, share, anon, fd.as_ref(), page_size).map_err(|e| {
+            match (&kind, e.errno()) {
+                // Lost a race for the pages between the check above and the mmap.
+                (BackingKind::Hugetlb(p), libc::ENOMEM) => Error::HugePagesUnavailable {
+                    page_size: *p,
+                    needed: size / p.bytes(),
+                    free: free_huge_pages(*p).unwrap_or(0),
+                },
+                _ => e,
+            }
+        })?;
+        let backing = Backing {
+            ptr,
+            size,
+            kind,
+            page_size,
+            fd,
+        };
+        if backing.kind == BackingKind::Thp {
+            backing.madvise(libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)")?;
+        }
+        if options.populate {
+            backing.populate()?;
+        }
+        Ok(backing)
+    }
+
+    /// Faults every page in for writing.
+    pub fn populate(&self) -> Result<()> {
+        match self.madvise(libc::MADV_POPULATE_WRITE, "madvise(MADV_POPULATE_WRITE)") {
+            Err(e) if e.errno() == libc::EINVAL => {
+                // Kernels before 5.14 lack MADV_POPULATE_WRITE: touch one byte per page.
+                let step = self.page_size.bytes() as usize;
+                for off in (0..self.size as usize).step_by(step) {
+                    // SAFETY: off < size, inside our live mapping; a volatile read-then-write of
+                    // the same value faults the page in for writing without changing it.
+                    unsafe {
+                        let p = self.ptr.as_ptr().add(off);
+                        p.write_volatile(p.read_volatile());
+                    }
+                }
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    fn madvise(&self, advice: libc::c_int, op: &'static str) -> Result<()> {
+        // SAFETY: the range is exactly our own live mapping; madvise does not invalidate it.
+        let rc = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.size as usize, advice) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(Error::last_os(op))
+        }
+    }
+
+    /// Host address of the first byte.
+    #[inline]
+    pub fn hva(&self) -> Hva {
+        Hva::from_ptr(self.ptr.as_ptr())
+    }
+
+    /// Raw pointer to the first byte. Never turn it into a reference: the memory is shared.
+    #[inline]
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Size in bytes.
+    #[inline]
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The page size the kernel backs this memory with (the guaranteed one: 4 KiB for THP).
+    #[inline]
+    pub fn page_size(&self) -> PageSize {
+        self.page_size
+    }
+
+    /// What kind of memory this is.
+    #[inline]
+    pub fn kind(&self) -> &BackingKind {
+        &self.kind
+    }
+
+    /// Whether another mapping of the same memory (another process, a second mmap of the fd)
+    /// sees writes made here.
+    pub fn is_shared(&self) -> bool {
+        match &self.kind {
+            BackingKind::SharedAnon | BackingKind::Memfd | BackingKind::Hugetlb(_) => true,
+            BackingKind::File { shared, .. } => *shared,
+            BackingKind::PrivateAnon | BackingKind::Thp => false,
+        }
+    }
+
+    /// The file descriptor behind the memory (memfd, hugetlbfs memfd, file), to pass to another
+    /// process; `None` for anonymous memory.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// Copies `buf.len()` bytes at `offset` into `buf`. EFAULT, nothing copied, if the range
+    /// passes the end of the backing.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let p = self.checked_ptr(offset, buf.len())?;
+        // SAFETY: checked_ptr proved offset..offset+len lies in our live mapping.
+        unsafe { copy::from_guest(p, buf) };
+        Ok(())
+    }
+
+    /// Copies `buf` into the backing at `offset`. EFAULT, nothing copied, if the range passes
+    /// the end of the backing.
+    pub fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        let p = self.checked_ptr(offset, buf.len())?;
+        // SAFETY: checked_ptr proved offset..offset+len lies in our live mapping.
+        unsafe { copy::to_guest(buf, p) };
+        Ok(())
+    }
+
+    fn checked_ptr(&self, offset: u64, len: usize) -> Result<*mut u8> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.size => {
+                // SAFETY: offset < size, so the result stays inside our mapping.
+                Ok(unsafe { self.ptr.as_ptr().add(offset as usize) })
+            }
+            _ => Err(Error::Fault {
+                addr: offset.max(self.size),
+                start: offset,
+                len: len as u64,
+            }),
+        }
+    }
+}
+
+impl Drop for Backing {
+    fn drop(&mut self) {
+        // SAFETY: we own this mapping, and every user holds an Arc to us, so none is left.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.size as usize) };
+    }
+}
+
+fn memfd(flags: libc::c_uint, size: u64) -> Result<OwnedFd> {
+    // SAFETY: the name is a valid NUL-terminated string; flags are plain bits.
+    let raw = unsafe { libc::memfd_create(c"memvisor".as_ptr(), flags) };
+    if raw < 0 {
+        return Err(Error::last_os("memfd_create"));
+    }
+    // SAFETY: memfd_create returned a new descriptor that nothing else owns.
+    let file = unsafe { File::from_raw_fd(raw) };
+    file.set_len(size).map_err(|source| Error::Os {
+        op: "ftruncate memfd",
+        source,
+    })?;
+    Ok(OwnedFd::from(file))
+}
+
+/// Maps `len` bytes starting on a boundary of max(2 MiB, page size).
+fn map_aligned(
+    len: usize,
+    share: libc::c_int,
+    anon: bool,
+    fd: Option<&OwnedFd>,
+    page: PageSize,
+) -> Result<NonNull<u8>> {
+    let align = ALIGN_2M.max(page.bytes()) as usize;
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    // Reserve an address window with room to align, then place the real mapping in it.
+    let window = len.checked_add(align).ok_or(Error::OutOfBounds {
+        what: "backing size",
+        start: 0,
+        len: len as u64,
+        limit: (usize::MAX - align) as u64,
+    })?;
+    // SAFETY: a fresh PROT_NONE reservation at an address the kernel picks; touches nothing.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            window,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(Error::last_os("mmap (address reservation)"));
+    }
+    let start = (base as usize).next_multiple_of(align);
+    let flags = share | libc::MAP_FIXED | if anon { libc::MAP_ANONYMOUS } else { 0 };
+    let raw_fd = fd.map_or(-1, |f| f.as_raw_fd());
+    // SAFETY: [start, start+len) lies inside the reservation we own, so MAP_FIXED replaces only
+    // our own PROT_NONE pages.
+    let p = unsafe { libc::mmap(start as *mut _, len, prot, flags, raw_fd, 0) };
+    let err = (p == libc::MAP_FAILED).then(|| Error::last_os("mmap"));
+    // Give back what is left of the reservation (all of it if the real mmap failed).
+    let (keep_start, keep_end) = if err.is_some() {
+        (start, start)
+    } else {
+        (start, start + len)
+    };
+    // SAFETY: both pieces are parts of our reservation that the real mapping does not use.
+    unsafe {
+        if keep_start > base as usize {
+            libc::munmap(base, keep_start - base as usize);
+        }
+        let window_end = base as usize + window;
+        if window_end > keep_end {
+            libc::munmap(keep_end as *mut _, window_end - keep_end);
+        }
+    }
+    match err {
+        Some(e) => Err(e),
+        None => Ok(NonNull::new(p.cast()).expect("mmap returned null without MAP_FAILED")),
+    }
+}
+
+fn hugepage_dir(page: PageSize) -> String {
+    format!(
+        "/sys/kernel/mm/hugepages/hugepages-{}kB",
+        page.bytes() / 1024
+    )
+}
+
+fn read_counter(path: &str) -> Result<u64> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Os {
+        op: "read huge page counter",
+        source,
+    })?;
+    text.trim().parse().map_err(|_| Error::Unsupported {
+        what: "huge page counters",
+        why: format!("{path} holds {text:?}, not a number"),
+    })
+}
+
+/// Huge pages of `page` size that are free and not promised to another mapping.
+pub fn free_huge_pages(page: PageSize) -> Result<u64> {
+    let dir = hugepage_dir(page);
+    if !std::path::Path::new(&dir).exists() {
+        return Err(Error::Unsupported {
+            what: "huge pages of this size",
+            why: format!("{dir} does not exist (kernel without {page} hugetlb support)"),
+        });
+    }
+    let free = read_counter(&format!("{dir}/free_hugepages"))?;
+    let resv = read_counter(&format!("{dir}/resv_hugepages"))?;
+    Ok(free.saturating_sub(resv))
+}
+
+static POOL_LOCK: Mutex<()> = Mutex::new(());
+
+/// A temporary increase of the kernel's huge page pool, undone on drop.
+///
+/// For tests, benchmarks and simple tools that run as root: `add(Size2M, n)` grows
+/// `nr_hugepages` by `n` (so concurrent reservations never take each other's pages) and checks
+/// the kernel really found them; dropping shrinks the pool by the same amount. Pages still in
+/// use at that point stay until their mapping goes (the kernel turns them into surplus pages).
+#[derive(Debug)]
+pub struct HugePageReservation {
+    page: PageSize,
+    count: u64,
+}
+
+impl HugePageReservation {
+    /// Adds `count` pages of `page` size to the pool. Needs root (EACCES otherwise); fails with
+    /// ENOMEM, restoring the pool, if the kernel cannot find that many contiguous free blocks.
+    pub fn add(page: PageSize, count: u64) -> Result<Self> {
+        let _guard = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let path = format!("{}/nr_hugepages", hugepage_dir(page));
+        let before = free_huge_pages(page)?;
+        let nr = read_counter(&path)?;
+        write_counter(&path, nr + count)?;
+        let got = read_counter(&path)?.saturating_sub(nr);
+        if got < count {
+            write_counter(&path, nr)?;
+            return Err(Error::HugePagesUnavailable {
+                page_size: page,
+                needed: count,
+                free: before + got,
+            });
+        }
+        Ok(HugePageReservation { page, count })
+    }
+}
+
+impl Drop for HugePageReservation {
+    fn drop(&mut self) {
+        let _guard = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let path = format!("{}/nr_hugepages", hugepage_dir(self.page));
+        if let Ok(nr) = read_counter(&path) {
+            let _ = write_counter(&path, nr.saturating_sub(self.count));
+        }
+    }
+}
+
+fn write_counter(path: &str, value: u64) -> Result<()> {
+    std::fs::write(path, value.to_string()).map_err(|source| Error::Os {
+        op: "write nr_hugepages",
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_must_be_a_nonzero_page_multiple() {
+        let e = Backing::new(BackingKind::PrivateAnon, 0).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+        let e = Backing::new(BackingKind::Memfd, 0x1800).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+        assert!(e.to_string().contains("0x1800"), "{e}");
+    }
+
+    #[test]
+    fn mappings_start_on_2m_boundaries() {
+        for kind in [
+            BackingKind::PrivateAnon,
+            BackingKind::Thp,
+            BackingKind::Memfd,
+        ] {
+            let b = Backing::new(kind.clone(), 0x30_0000).unwrap();
+            assert!(
+                b.hva().is_aligned(PageSize::Size2M),
+                "{kind:?} at {:?}",
+                b.hva()
+            );
+        }
+    }
+
+    #[test]
+    fn read_write_are_bounds_checked() {
+        let b = Backing::new(BackingKind::PrivateAnon, 0x2000).unwrap();
+        b.write(0x1ffc, &[1, 2, 3, 4]).unwrap();
+        let mut out = [0u8; 4];
+        b.read(0x1ffc, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3, 4]);
+        let e = b.write(0x1ffd, &[0; 4]).unwrap_err();
+        assert_eq!(e.errno(), libc::EFAULT);
+        assert!(b.read(u64::MAX, &mut out).is_err());
+    }
+}

@@ -1,0 +1,168 @@
+//! Errors: one type for the whole library, each case carrying the values that were wrong.
+//!
+//! memvisor follows the rules and error codes of Linux's KVM memslot and VFIO type1 interfaces, so
+//! code written against those kernels sees the same errno here: [`Error::errno`] gives it. The
+//! message names the offending address, size or limit and, where there is one, what to do about
+//! it. Nothing in memvisor panics on bad input; every refusal is one of these.
+
+use std::io;
+
+use crate::addr::PageSize;
+
+/// What went wrong, with the numbers that were wrong.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A size of zero where a range is needed.
+    #[error("{what}: size is 0; a range needs at least one byte")]
+    ZeroSize { what: &'static str },
+
+    /// `start + len - 1` does not fit in 64 bits.
+    #[error("{what}: range {start:#x} + {len:#x} wraps past the top of the 64-bit address space")]
+    RangeWraps {
+        what: &'static str,
+        start: u64,
+        len: u64,
+    },
+
+    /// A value that must be a multiple of a page size is not.
+    #[error("{what} {value:#x} is not a multiple of {align:#x}")]
+    Misaligned {
+        what: &'static str,
+        value: u64,
+        align: u64,
+    },
+
+    /// A range that must lie inside something else does not.
+    #[error("{what}: {start:#x}+{len:#x} does not fit in {limit:#x} bytes")]
+    OutOfBounds {
+        what: &'static str,
+        start: u64,
+        len: u64,
+        limit: u64,
+    },
+
+    /// A numbered object (slot id, ...) beyond the supported maximum.
+    #[error("{what} {value} is out of range: the limit is {limit} (ids 0..{limit})")]
+    LimitExceeded {
+        what: &'static str,
+        value: u64,
+        limit: u64,
+    },
+
+    /// A range overlaps one that already exists.
+    #[error(
+        "{what} [{start:#x}, {last:#x}] overlaps existing {existing} [{existing_start:#x}, {existing_last:#x}]"
+    )]
+    Overlap {
+        what: &'static str,
+        start: u64,
+        last: u64,
+        existing: String,
+        existing_start: u64,
+        existing_last: u64,
+    },
+
+    /// An id that is already taken.
+    #[error("{what} {id} already exists; remove it first or pick another id")]
+    AlreadyExists { what: &'static str, id: u64 },
+
+    /// An id or address that names nothing.
+    #[error("{what} {id:#x} does not exist")]
+    NotFound { what: &'static str, id: u64 },
+
+    /// Memory access to an address nothing is mapped at (checked before anything is copied).
+    #[error("no memory at {addr:#x} (accessing {start:#x}+{len:#x}); nothing was copied")]
+    Fault { addr: u64, start: u64, len: u64 },
+
+    /// A write to memory that is mapped read-only (KVM refuses with EFAULT too).
+    #[error("{addr:#x} is in read-only {what}; the write of {start:#x}+{len:#x} copied nothing")]
+    ReadOnly {
+        what: String,
+        addr: u64,
+        start: u64,
+        len: u64,
+    },
+
+    /// Huge pages of the requested size are not available.
+    #[error(
+        "need {needed} free {page_size} huge pages but only {free} are free; reserve more as root: \
+         echo <count> > /sys/kernel/mm/hugepages/hugepages-{kib}kB/nr_hugepages",
+        kib = page_size.bytes() / 1024
+    )]
+    HugePagesUnavailable {
+        page_size: PageSize,
+        needed: u64,
+        free: u64,
+    },
+
+    /// A feature this kernel or machine does not have.
+    #[error("{what} is not supported here: {why}")]
+    Unsupported { what: &'static str, why: String },
+
+    /// A system call failed.
+    #[error("{op} failed: {source}")]
+    Os {
+        op: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl Error {
+    /// The errno Linux (KVM / VFIO type1) gives for the same condition.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Error::ZeroSize { .. }
+            | Error::RangeWraps { .. }
+            | Error::Misaligned { .. }
+            | Error::OutOfBounds { .. }
+            | Error::LimitExceeded { .. } => libc::EINVAL,
+            Error::Overlap { .. } | Error::AlreadyExists { .. } => libc::EEXIST,
+            Error::NotFound { .. } => libc::ENOENT,
+            Error::Fault { .. } | Error::ReadOnly { .. } => libc::EFAULT,
+            Error::HugePagesUnavailable { .. } => libc::ENOMEM,
+            Error::Unsupported { .. } => libc::EOPNOTSUPP,
+            Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+        }
+    }
+
+    /// The last OS error, tagged with the call that failed.
+    pub(crate) fn last_os(op: &'static str) -> Self {
+        Error::Os {
+            op,
+            source: io::Error::last_os_error(),
+        }
+    }
+}
+
+/// memvisor's result type.
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn os_error_keeps_its_errno() {
+        let e = Error::Os {
+            op: "mmap",
+            source: io::Error::from_raw_os_error(libc::ENOMEM),
+        };
+        assert_eq!(e.errno(), libc::ENOMEM);
+        assert!(e.to_string().starts_with("mmap failed"));
+    }
+
+    #[test]
+    fn huge_page_message_says_how_to_reserve() {
+        let e = Error::HugePagesUnavailable {
+            page_size: PageSize::Size2M,
+            needed: 4,
+            free: 1,
+        };
+        assert_eq!(e.errno(), libc::ENOMEM);
+        let msg = e.to_string();
+        assert!(msg.contains("hugepages-2048kB/nr_hugepages"), "{msg}");
+        assert!(msg.contains("need 4"), "{msg}");
+    }
+}

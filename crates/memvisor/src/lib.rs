@@ -1,0 +1,28 @@
+//! memvisor: guest memory and DMA mapping for userspace VMMs and device back ends.
+//!
+//! What the Linux kernel does for virtual machines in KVM's memslots, VFIO's type1 IOMMU driver
+//! and the balloon's free page reporting, memvisor does as a library, in layers that only ever
+//! look down:
+//!
+//! ```text
+//! addr     Gpa / Iova / Hva, page sizes, ranges that never wrap
+//! backing  host memory: anonymous, memfd, THP, hugetlbfs, file          (owns mmap/munmap)
+//! slots    guest physical -> host virtual: lock-free snapshots, per-vCPU cursors
+//! ```
+//!
+//! Every fallible call returns [`Error`], whose [`Error::errno`] is what KVM or VFIO would
+//! return for the same mistake. Guest memory is only ever copied through raw pointers; memvisor
+//! never hands out `&[u8]` over memory the guest or a device can change underneath it.
+#![cfg(target_os = "linux")]
+
+pub mod addr;
+pub mod backing;
+pub mod bitmap;
+mod copy;
+pub mod error;
+pub mod slots;
+
+pub use addr::{Gpa, Hva, Iova, PageSize, Range};
+pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation};
+pub use error::{Error, Result};
+pub use slots::{SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot, Translation};

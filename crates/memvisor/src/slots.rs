@@ -1,0 +1,794 @@
+//! The memslot table: guest physical addresses to host virtual addresses.
+//!
+//! A VM's RAM is a set of slots, each mapping a guest-physical range onto part of a [`Backing`].
+//! The table is read far more often than it changes — every emulated device access, every vCPU
+//! exit that touches guest memory translates an address — so readers never lock:
+//!
+//! * The slots live in an immutable [`Snapshot`], sorted by guest address. A change (insert,
+//!   remove, flag change, or any batch of them through [`SlotTable::update`]) builds a new
+//!   snapshot and swaps it in atomically; writers serialize on a mutex among themselves only.
+//! * A snapshot holds an `Arc` to every backing it names, so memory a reader can still reach stays
+//!   mapped until the last reader drops the snapshot: a concurrent remove never makes a reader
+//!   touch unmapped memory.
+//! * Lookup in a snapshot is a binary search, O(log n).
+//! * A [`SlotCursor`] (one per vCPU or device thread) remembers the last slot it hit and the
+//!   generation of the snapshot it came from (seed 003, KVM's per-vCPU `last_used_slot`). A hit
+//!   costs one load of the table's generation counter — a cache line only writers write — and a
+//!   bounds check; nothing shared is written on a lookup, so cursors on different threads never
+//!   contend. When the generation moved, the cursor reloads the snapshot and searches again: a
+//!   stale cursor is slower once, never wrong.
+//!
+//! Guest memory is reached through the table with [`SlotTable::read`], [`SlotTable::write`] and
+//! [`SlotTable::copy_within`], which may cross slot boundaries. They check the whole range first
+//! — unmapped memory is EFAULT, a write into a read-only slot is EFAULT as in KVM — and copy only
+//! if all of it is there. Writes through the table mark the slot's dirty bitmap when the slot has
+//! [`SlotFlags::LOG_DIRTY`]: device-model writes that KVM's own dirty log cannot see.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::BitOr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+
+use crate::addr::{Gpa, Hva, PageSize, Range};
+use crate::backing::Backing;
+use crate::bitmap::DirtyBitmap;
+use crate::copy;
+use crate::error::{Error, Result};
+
+/// A slot's number, as in KVM's `kvm_userspace_memory_region.slot`.
+pub type SlotId = u32;
+
+/// KVM's `KVM_USER_MEM_SLOTS` on x86-64: the default bound on slot ids.
+pub const DEFAULT_MAX_SLOTS: u32 = 32764;
+
+/// Slot flags.
+#[derive(Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct SlotFlags(u32);
+
+impl SlotFlags {
+    /// No flags: readable and writable, no dirty logging.
+    pub const NONE: SlotFlags = SlotFlags(0);
+    /// Guest memory the guest (and writes through the table) may not change (KVM_MEM_READONLY).
+    pub const READ_ONLY: SlotFlags = SlotFlags(1);
+    /// Keep a dirty bitmap of pages written through the table (KVM_MEM_LOG_DIRTY_PAGES).
+    pub const LOG_DIRTY: SlotFlags = SlotFlags(2);
+
+    /// Whether every flag in `other` is set.
+    #[inline]
+    pub const fn contains(self, other: SlotFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl BitOr for SlotFlags {
+    type Output = SlotFlags;
+    fn bitor(self, rhs: SlotFlags) -> SlotFlags {
+        SlotFlags(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for SlotFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut names = Vec::new();
+        if self.contains(SlotFlags::READ_ONLY) {
+            names.push("READ_ONLY");
+        }
+        if self.contains(SlotFlags::LOG_DIRTY) {
+            names.push("LOG_DIRTY");
+        }
+        write!(
+            f,
+            "SlotFlags({})",
+            if names.is_empty() {
+                "NONE".to_string()
+            } else {
+                names.join("|")
+            }
+        )
+    }
+}
+
+/// What to install: `size` bytes of `backing` starting at `offset`, seen by the guest at `gpa`.
+#[derive(Clone, Debug)]
+pub struct SlotSpec {
+    pub id: SlotId,
+    pub gpa: Gpa,
+    pub size: u64,
+    pub backing: Arc<Backing>,
+    pub offset: u64,
+    pub flags: SlotFlags,
+}
+
+impl SlotSpec {
+    /// The whole of `backing` at `gpa`, no flags.
+    pub fn new(id: SlotId, gpa: Gpa, backing: Arc<Backing>) -> Self {
+        SlotSpec {
+            id,
+            gpa,
+            size: backing.size(),
+            backing,
+            offset: 0,
+            flags: SlotFlags::NONE,
+        }
+    }
+
+    /// Only `size` bytes of the backing, from `offset`.
+    pub fn window(mut self, offset: u64, size: u64) -> Self {
+        self.offset = offset;
+        self.size = size;
+        self
+    }
+
+    /// With these flags.
+    pub fn flags(mut self, flags: SlotFlags) -> Self {
+        self.flags = flags;
+        self
+    }
+}
+
+/// An installed slot. Immutable: a flag change installs a new `Slot`.
+#[derive(Debug)]
+pub struct Slot {
+    id: SlotId,
+    range: Range<Gpa>,
+    backing: Arc<Backing>,
+    offset: u64,
+    flags: SlotFlags,
+    dirty: Option<Arc<DirtyBitmap>>,
+}
+
+impl Slot {
+    /// The slot's id.
+    pub fn id(&self) -> SlotId {
+        self.id
+    }
+    /// The guest-physical range it covers.
+    pub fn range(&self) -> Range<Gpa> {
+        self.range
+    }
+    /// Host address of the slot's first byte.
+    pub fn hva(&self) -> Hva {
+        Hva(self.backing.hva().0 + self.offset)
+    }
+    /// The memory behind it.
+    pub fn backing(&self) -> &Arc<Backing> {
+        &self.backing
+    }
+    /// Offset of the slot's first byte in the backing.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+    /// Its flags.
+    pub fn flags(&self) -> SlotFlags {
+        self.flags
+    }
+}
+
+/// The answer to a lookup: where a guest address lives on the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Translation {
+    /// Host address of the guest address.
+    pub hva: Hva,
+    /// Bytes from there to the end of the slot: the host memory is contiguous for this long.
+    pub len: u64,
+    /// The slot that holds it.
+    pub slot: SlotId,
+    /// Whether the slot refuses writes.
+    pub read_only: bool,
+}
+
+/// The part of a slot a lookup needs, packed for the search (32 bytes).
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    start: u64,
+    last: u64,
+    /// hva - gpa, wrapping: the host address of `gpa` is `gpa + delta`.
+    delta: u64,
+    id: SlotId,
+    read_only: bool,
+}
+
+impl Entry {
+    /// Matches no address: `start > last`.
+    const NONE: Entry = Entry {
+        start: 1,
+        last: 0,
+        delta: 0,
+        id: 0,
+        read_only: false,
+    };
+
+    #[inline(always)]
+    fn contains(&self, gpa: u64) -> bool {
+        gpa >= self.start && gpa <= self.last
+    }
+
+    #[inline(always)]
+    fn translate(&self, gpa: u64) -> Translation {
+        Translation {
+            hva: Hva(gpa.wrapping_add(self.delta)),
+            len: self.last - gpa + 1,
+            slot: self.id,
+            read_only: self.read_only,
+        }
+    }
+}
+
+/// An immutable view of the table at one generation.
+pub struct Snapshot {
+    generation: u64,
+    entries: Box<[Entry]>,
+    slots: Box<[Arc<Slot>]>,
+}
+
+impl fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Snapshot")
+            .field("generation", &self.generation)
+            .field("slots", &self.slots.len())
+            .finish()
+    }
+}
+
+impl Snapshot {
+    fn build(generation: u64, slots: Vec<Arc<Slot>>) -> Snapshot {
+        let entries = slots
+            .iter()
+            .map(|s| Entry {
+                start: s.range.start().0,
+                last: s.range.last().0,
+                delta: s.hva().0.wrapping_sub(s.range.start().0),
+                id: s.id,
+                read_only: s.flags.contains(SlotFlags::READ_ONLY),
+            })
+            .collect();
+        Snapshot {
+            generation,
+            entries,
+            slots: slots.into_boxed_slice(),
+        }
+    }
+
+    /// Counts changes: every published change gets a larger number.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether there are no slots.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The slots in guest-address order.
+    pub fn slots(&self) -> impl Iterator<Item = &Arc<Slot>> {
+        self.slots.iter()
+    }
+
+    /// The slot with this id.
+    pub fn slot(&self, id: SlotId) -> Option<&Arc<Slot>> {
+        self.slots.iter().find(|s| s.id == id)
+    }
+
+    /// Position (in guest-address order) of the slot holding `gpa`: binary search, O(log n).
+    #[inline]
+    pub fn find(&self, gpa: Gpa) -> Option<usize> {
+        let i = self.entries.partition_point(|e| e.start <= gpa.0);
+        let e = self.entries.get(i.checked_sub(1)?)?;
+        (gpa.0 <= e.last).then_some(i - 1)
+    }
+
+    /// Translates `gpa` if the slot at `index` holds it; the check a hint or cursor makes.
+    #[inline]
+    pub fn translate_at(&self, index: usize, gpa: Gpa) -> Option<Translation> {
+        let e = self.entries.get(index)?;
+        e.contains(gpa.0).then(|| e.translate(gpa.0))
+    }
+
+    /// Where `gpa` lives on the host, or `None` if no slot holds it.
+    #[inline]
+    pub fn lookup(&self, gpa: Gpa) -> Option<Translation> {
+        self.find(gpa).map(|i| self.entries[i].translate(gpa.0))
+    }
+
+    /// Checks that `[gpa, gpa + len)` is all in slots (and writable when `write`), then calls
+    /// `piece(index, gpa, host pointer, bytes)` for each slot-sized piece in order. EFAULT, with
+    /// no call made, if any byte is missing or read-only.
+    fn for_each_piece(
+        &self,
+        gpa: Gpa,
+        len: u64,
+        write: bool,
+        mut piece: impl FnMut(usize, u64, *mut u8, u64),
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let fault = |addr: u64| Error::Fault {
+            addr,
+            start: gpa.0,
+            len,
+        };
+        let last = gpa.0.checked_add(len - 1).ok_or(fault(u64::MAX))?;
+        let first = self.find(gpa).ok_or(fault(gpa.0))?;
+        // Pass 1: the pieces are consecutive entries; prove they are all there.
+        let mut i = first;
+        loop {
+            let e = &self.entries[i];
+            if write && e.read_only {
+                return Err(Error::ReadOnly {
+                    what: format!("slot {}", e.id),
+                    addr: e.start.max(gpa.0),
+                    start: gpa.0,
+                    len,
+                });
+            }
+            if last <= e.last {
+                break;
+            }
+            i += 1;
+            match self.entries.get(i) {
+                Some(next) if next.start == e.last + 1 => {}
+                _ => return Err(fault(e.last + 1)),
+            }
+        }
+        // Pass 2: hand out the pieces.
+        let mut addr = gpa.0;
+        for (index, e) in self.entries[first..=i].iter().enumerate() {
+            let n = last.min(e.last) - addr + 1;
+            piece(
+                first + index,
+                addr,
+                addr.wrapping_add(e.delta) as usize as *mut u8,
+                n,
+            );
+            addr = addr.wrapping_add(n);
+        }
+        Ok(())
+    }
+
+    /// Copies guest memory at `gpa` into `buf`; EFAULT and nothing copied if any of it is not in
+    /// a slot.
+    pub fn read(&self, gpa: Gpa, buf: &mut [u8]) -> Result<()> {
+        let mut done = 0usize;
+        self.for_each_piece(gpa, buf.len() as u64, false, |_, _, host, n| {
+            let n = n as usize;
+            // SAFETY: for_each_piece proved host..host+n lies in a slot of this snapshot, whose
+            // backing this snapshot keeps mapped; buf is caller memory, never guest memory.
+            unsafe { copy::from_guest(host, &mut buf[done..done + n]) };
+            done += n;
+        })
+    }
+
+    /// Copies `buf` into guest memory at `gpa`; EFAULT and nothing copied if any of it is not in
+    /// a slot or is in a read-only slot. Marks dirty pages in slots that log them.
+    pub fn write(&self, gpa: Gpa, buf: &[u8]) -> Result<()> {
+        let mut done = 0usize;
+        self.for_each_piece(gpa, buf.len() as u64, true, |index, addr, host, n| {
+            let n = n as usize;
+            // SAFETY: for_each_piece proved host..host+n lies in a writable slot of this
+            // snapshot, whose backing it keeps mapped; buf is caller memory.
+            unsafe { copy::to_guest(&buf[done..done + n], host) };
+            self.mark_dirty(index, addr, n as u64);
+            done += n;
+        })
+    }
+
+    /// Copies `len` bytes of guest memory from `src` to `dst` with memmove semantics (the ranges
+    /// may overlap). EFAULT, nothing copied, if either range is not all there or `dst` is
+    /// read-only.
+    pub fn copy_within(&self, src: Gpa, dst: Gpa, len: u64) -> Result<()> {
+        // Cut both ranges at every slot boundary of either, then copy chunk by chunk; walking
+        // backwards when dst is above src keeps overlapping copies correct.
+        let mut src_pieces = Vec::new();
+        self.for_each_piece(src, len, false, |_, _, host, n| src_pieces.push((host, n)))?;
+        let mut dst_pieces = Vec::new();
+        self.for_each_piece(dst, len, true, |index, addr, host, n| {
+            dst_pieces.push((index, addr, host, n))
+        })?;
+        let mut chunks = Vec::with_capacity(src_pieces.len() + dst_pieces.len());
+        let (mut si, mut di, mut s_used, mut d_used) = (0, 0, 0u64, 0u64);
+        while si < src_pieces.len() && di < dst_pieces.len() {
+            let (s_host, s_len) = src_pieces[si];
+            let (_, _, d_host, d_len) = dst_pieces[di];
+            let n = (s_len - s_used).min(d_len - d_used);
+            chunks.push((
+                s_host.wrapping_add(s_used as usize),
+                d_host.wrapping_add(d_used as usize),
+                n as usize,
+            ));
+            s_used += n;
+            d_used += n;
+            if s_used == s_len {
+                si += 1;
+                s_used = 0;
+            }
+            if d_used == d_len {
+                di += 1;
+                d_used = 0;
+            }
+        }
+        let copy_chunk = |&(s, d, n): &(*mut u8, *mut u8, usize)| {
+            // SAFETY: both pointers come from pieces for_each_piece proved are inside slots of
+            // this snapshot (dst writable), whose backings it keeps mapped; ptr::copy allows
+            // overlap.
+            unsafe { copy::within_guest(s, d, n) }
+        };
+        if dst > src {
+            chunks.iter().rev().for_each(copy_chunk);
+        } else {
+            chunks.iter().for_each(copy_chunk);
+        }
+        for (index, addr, _, n) in dst_pieces {
+            self.mark_dirty(index, addr, n);
+        }
+        Ok(())
+    }
+
+    fn mark_dirty(&self, index: usize, gpa: u64, len: u64) {
+        if let Some(bitmap) = &self.slots[index].dirty {
+            let page = PageSize::Size4K.shift();
+            let rel = gpa - self.entries[index].start;
+            let first = rel >> page;
+            let last = (rel + len - 1) >> page;
+            bitmap.mark(first, last - first + 1);
+        }
+    }
+}
+
+#[repr(align(128))]
+struct Padded<T>(T);
+
+struct Shared {
+    /// Generation of `current`; bumped after each swap. On its own cache line: only writers
+    /// write it, every cursor lookup reads it.
+    generation: Padded<AtomicU64>,
+    current: ArcSwap<Snapshot>,
+    writer: Mutex<()>,
+    max_slots: u32,
+}
+
+/// The memslot table. Cloning gives another handle to the same table.
+#[derive(Clone)]
+pub struct SlotTable {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for SlotTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotTable")
+            .field("snapshot", &*self.shared.current.load())
+            .field("max_slots", &self.shared.max_slots)
+            .finish()
+    }
+}
+
+impl Default for SlotTable {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SlotTable {
+    /// An empty table accepting slot ids `0..32764`, like KVM on x86-64.
+    pub fn new() -> Self {
+        Self::with_max_slots(DEFAULT_MAX_SLOTS)
+    }
+
+    /// An empty table accepting slot ids `0..max_slots`.
+    pub fn with_max_slots(max_slots: u32) -> Self {
+        SlotTable {
+            shared: Arc::new(Shared {
+                generation: Padded(AtomicU64::new(0)),
+                current: ArcSwap::from_pointee(Snapshot::build(0, Vec::new())),
+                writer: Mutex::new(()),
+                max_slots,
+            }),
+        }
+    }
+
+    /// The largest number of slots (and one past the largest id) the table accepts.
+    pub fn max_slots(&self) -> u32 {
+        self.shared.max_slots
+    }
+
+    /// Applies a batch of changes and publishes them as one new snapshot, or — if `edit`
+    /// returns an error — publishes nothing. Writers are serialized; readers are never blocked.
+    pub fn update<T>(&self, edit: impl FnOnce(&mut SlotEdit) -> Result<T>) -> Result<T> {
+        let _writer = self.shared.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let current = self.shared.current.load_full();
+        let mut draft = SlotEdit::from_snapshot(&current, self.shared.max_slots);
+        let value = edit(&mut draft)?;
+        let generation = current.generation + 1;
+        let slots = draft
+            .by_gpa
+            .values()
+            .map(|id| draft.by_id[id].clone())
+            .collect();
+        self.shared
+            .current
+            .store(Arc::new(Snapshot::build(generation, slots)));
+        self.shared
+            .generation
+            .0
+            .store(generation, Ordering::Release);
+        Ok(value)
+    }
+
+    /// Installs one slot. EINVAL for a bad id, size, alignment or a window past the backing's
+    /// end; EEXIST if the id is taken or the guest range overlaps another slot.
+    pub fn insert(&self, spec: SlotSpec) -> Result<()> {
+        self.update(|t| t.insert(spec))
+    }
+
+    /// Removes a slot; ENOENT if there is none with this id. Its backing stays mapped until the
+    /// last reader of an older snapshot lets go.
+    pub fn remove(&self, id: SlotId) -> Result<()> {
+        self.update(|t| t.remove(id).map(drop))
+    }
+
+    /// Changes a slot's flags; ENOENT if there is none with this id.
+    pub fn set_flags(&self, id: SlotId, flags: SlotFlags) -> Result<()> {
+        self.update(|t| t.set_flags(id, flags))
+    }
+
+    /// The current snapshot, to use for many lookups or to keep memory mapped.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.shared.current.load_full()
+    }
+
+    /// A cursor for one thread's lookups.
+    pub fn cursor(&self) -> SlotCursor {
+        let snapshot = self.snapshot();
+        SlotCursor {
+            generation: snapshot.generation,
+            shared: self.shared.clone(),
+            snapshot,
+            hit: Entry::NONE,
+        }
+    }
+
+    /// Where `gpa` lives on the host (binary search in the current snapshot).
+    pub fn lookup(&self, gpa: Gpa) -> Option<Translation> {
+        self.shared.current.load().lookup(gpa)
+    }
+
+    /// See [`Snapshot::read`].
+    pub fn read(&self, gpa: Gpa, buf: &mut [u8]) -> Result<()> {
+        self.shared.current.load().read(gpa, buf)
+    }
+
+    /// See [`Snapshot::write`].
+    pub fn write(&self, gpa: Gpa, buf: &[u8]) -> Result<()> {
+        self.shared.current.load().write(gpa, buf)
+    }
+
+    /// See [`Snapshot::copy_within`].
+    pub fn copy_within(&self, src: Gpa, dst: Gpa, len: u64) -> Result<()> {
+        self.shared.current.load().copy_within(src, dst, len)
+    }
+
+    /// Returns the slot's dirty bitmap (one bit per 4 KiB page, KVM_GET_DIRTY_LOG layout) and
+    /// clears it. ENOENT if there is no such slot or it does not log dirty pages.
+    pub fn take_dirty_log(&self, id: SlotId) -> Result<Vec<u64>> {
+        let snapshot = self.shared.current.load();
+        let slot = snapshot.slot(id).ok_or(Error::NotFound {
+            what: "slot",
+            id: id.into(),
+        })?;
+        match &slot.dirty {
+            Some(bitmap) => Ok(bitmap.take()),
+            None => Err(Error::NotFound {
+                what: "dirty log of slot",
+                id: id.into(),
+            }),
+        }
+    }
+}
+
+/// A batch of changes being prepared by [`SlotTable::update`].
+pub struct SlotEdit {
+    by_id: BTreeMap<SlotId, Arc<Slot>>,
+    /// Guest start address -> id; slots never overlap, so this orders them.
+    by_gpa: BTreeMap<u64, SlotId>,
+    max_slots: u32,
+}
+
+impl SlotEdit {
+    fn from_snapshot(snapshot: &Snapshot, max_slots: u32) -> Self {
+        SlotEdit {
+            by_id: snapshot.slots.iter().map(|s| (s.id, s.clone())).collect(),
+            by_gpa: snapshot
+                .slots
+                .iter()
+                .map(|s| (s.range.start().0, s.id))
+                .collect(),
+            max_slots,
+        }
+    }
+
+    /// Adds a slot to the batch; see [`SlotTable::insert`].
+    pub fn insert(&mut self, spec: SlotSpec) -> Result<()> {
+        if spec.id >= self.max_slots {
+            return Err(Error::LimitExceeded {
+                what: "slot id",
+                value: spec.id.into(),
+                limit: self.max_slots.into(),
+            });
+        }
+        let range = Range::new("slot", spec.gpa, spec.size)?;
+        PageSize::Size4K.check("slot guest address", spec.gpa.0)?;
+        let page = spec.backing.page_size();
+        page.check("slot size", spec.size)?;
+        page.check("slot offset in backing", spec.offset)?;
+        match spec.offset.checked_add(spec.size) {
+            Some(end) if end <= spec.backing.size() => {}
+            _ => {
+                return Err(Error::OutOfBounds {
+                    what: "slot window in backing",
+                    start: spec.offset,
+                    len: spec.size,
+                    limit: spec.backing.size(),
+                });
+            }
+        }
+        if self.by_id.contains_key(&spec.id) {
+            return Err(Error::AlreadyExists {
+                what: "slot",
+                id: spec.id.into(),
+            });
+        }
+        // The slot starting closest below our last byte is the only one that can overlap.
+        if let Some((_, &other)) = self.by_gpa.range(..=range.last().0).next_back() {
+            let other = &self.by_id[&other];
+            if other.range.overlaps(&range) {
+                return Err(Error::Overlap {
+                    what: "slot",
+                    start: range.start().0,
+                    last: range.last().0,
+                    existing: format!("slot {}", other.id),
+                    existing_start: other.range.start().0,
+                    existing_last: other.range.last().0,
+                });
+            }
+        }
+        let dirty = spec
+            .flags
+            .contains(SlotFlags::LOG_DIRTY)
+            .then(|| Arc::new(DirtyBitmap::new(spec.size >> PageSize::Size4K.shift())));
+        self.by_gpa.insert(range.start().0, spec.id);
+        self.by_id.insert(
+            spec.id,
+            Arc::new(Slot {
+                id: spec.id,
+                range,
+                backing: spec.backing,
+                offset: spec.offset,
+                flags: spec.flags,
+                dirty,
+            }),
+        );
+        Ok(())
+    }
+
+    /// Removes a slot from the batch and returns it; ENOENT if there is none with this id.
+    pub fn remove(&mut self, id: SlotId) -> Result<Arc<Slot>> {
+        let slot = self.by_id.remove(&id).ok_or(Error::NotFound {
+            what: "slot",
+            id: id.into(),
+        })?;
+        self.by_gpa.remove(&slot.range.start().0);
+        Ok(slot)
+    }
+
+    /// Changes a slot's flags. Turning LOG_DIRTY on starts a clear bitmap; leaving it on keeps
+    /// the bitmap (no marks are lost); turning it off drops it.
+    pub fn set_flags(&mut self, id: SlotId, flags: SlotFlags) -> Result<()> {
+        let old = self.by_id.get(&id).ok_or(Error::NotFound {
+            what: "slot",
+            id: id.into(),
+        })?;
+        let dirty = match (&old.dirty, flags.contains(SlotFlags::LOG_DIRTY)) {
+            (Some(bitmap), true) => Some(bitmap.clone()),
+            (None, true) => Some(Arc::new(DirtyBitmap::new(
+                old.range.len() >> PageSize::Size4K.shift(),
+            ))),
+            (_, false) => None,
+        };
+        let new = Slot {
+            id,
+            range: old.range,
+            backing: old.backing.clone(),
+            offset: old.offset,
+            flags,
+            dirty,
+        };
+        self.by_id.insert(id, Arc::new(new));
+        Ok(())
+    }
+
+    /// Number of slots in the batch's result so far.
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// Whether the batch's result is empty so far.
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+}
+
+/// One thread's view of the table, remembering the last slot it hit (seed 003).
+///
+/// Keep one per vCPU or device thread; it is `Send` but not shared. It holds the snapshot it last
+/// used, so the memory of slots removed since stays mapped until its next lookup (or until it is
+/// dropped) — call [`SlotCursor::refresh`] from an idle thread to let go sooner.
+pub struct SlotCursor {
+    shared: Arc<Shared>,
+    snapshot: Arc<Snapshot>,
+    generation: u64,
+    hit: Entry,
+}
+
+impl fmt::Debug for SlotCursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotCursor")
+            .field("generation", &self.generation)
+            .field("last_slot", &self.hit.id)
+            .finish()
+    }
+}
+
+impl SlotCursor {
+    /// Where `gpa` lives on the host. A hit on the last slot costs a load and a bounds check.
+    #[inline]
+    pub fn lookup(&mut self, gpa: Gpa) -> Option<Translation> {
+        if self.shared.generation.0.load(Ordering::Acquire) == self.generation
+            && self.hit.contains(gpa.0)
+        {
+            return Some(self.hit.translate(gpa.0));
+        }
+        self.lookup_slow(gpa)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn lookup_slow(&mut self, gpa: Gpa) -> Option<Translation> {
+        self.refresh();
+        let i = self.snapshot.find(gpa)?;
+        self.hit = self.snapshot.entries[i];
+        Some(self.hit.translate(gpa.0))
+    }
+
+    /// Moves to the table's current snapshot if it changed, letting go of the old one.
+    pub fn refresh(&mut self) {
+        if self.shared.generation.0.load(Ordering::Acquire) != self.generation {
+            self.snapshot = self.shared.current.load_full();
+            self.generation = self.snapshot.generation;
+            self.hit = Entry::NONE;
+        }
+    }
+
+    /// The snapshot the cursor answers from (after a refresh).
+    pub fn snapshot(&mut self) -> &Arc<Snapshot> {
+        self.refresh();
+        &self.snapshot
+    }
+
+    /// [`Snapshot::read`] on the current snapshot.
+    pub fn read(&mut self, gpa: Gpa, buf: &mut [u8]) -> Result<()> {
+        self.snapshot().read(gpa, buf)
+    }
+
+    /// [`Snapshot::write`] on the current snapshot.
+    pub fn write(&mut self, gpa: Gpa, buf: &[u8]) -> Result<()> {
+        self.snapshot().write(gpa, buf)
+    }
+}
