@@ -267,6 +267,16 @@ impl Backing {
         self.page_size
     }
 
+    /// The huge page size the kernel backs (or may back) this memory with: the hugetlbfs page
+    /// size, 2 MiB for THP (best effort: the kernel may split or not find them), else `None`.
+    pub fn huge_page_size(&self) -> Option<PageSize> {
+        match self.kind {
+            BackingKind::Hugetlb(p) => Some(p),
+            BackingKind::Thp => Some(PageSize::Size2M),
+            _ => None,
+        }
+    }
+
     /// What kind of memory this is.
     #[inline]
     pub fn kind(&self) -> &BackingKind {
