@@ -758,8 +758,7 @@ impl SlotCursor {
         self.lookup_slow(gpa)
     }
 
-    #[cold]
-    #[inline(never)]
+    #[inline]
     fn lookup_slow(&mut self, gpa: Gpa) -> Option<Translation> {
         self.refresh();
         let i = self.snapshot.find(gpa)?;
