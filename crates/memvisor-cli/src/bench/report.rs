@@ -1,0 +1,301 @@
+//! Turns finished experiments into output. A [`Section`] is one experiment together with its
+//! [`Outcome`]; the same list of sections is printed as text on the terminal
+//! ([`Section::to_text`]), serialized as the single JSON object of `--json` and `results.json`
+//! ([`to_json`]), and written as `report.md` plus one `<stem>.svg` per chart ([`write`]).
+
+use super::machine::Machine;
+use super::{Experiment, Mode, Outcome, Row, svg};
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use std::collections::HashSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// One experiment that ran, with what it produced.
+pub struct Section<'a> {
+    pub experiment: &'a dyn Experiment,
+    pub outcome: Outcome,
+}
+
+impl Section<'_> {
+    /// Tables, chart files, notes and skipped cases, for the terminal.
+    pub fn to_text(&self) -> String {
+        let (e, o) = (self.experiment, &self.outcome);
+        let mut out = format!("\n== {} — {} ==\n", e.name(), e.title());
+        for table in &o.tables {
+            out += &format!("\n{}", table.to_text());
+        }
+        if !o.charts.is_empty() {
+            out += "\n";
+        }
+        for (stem, _) in &o.charts {
+            out += &format!("chart: {stem}.svg\n");
+        }
+        for note in &o.notes {
+            out += &format!("note: {note}\n");
+        }
+        for skipped in &o.skipped {
+            out += &format!("skipped: {skipped}\n");
+        }
+        out
+    }
+}
+
+#[derive(Serialize)]
+struct Results<'a> {
+    machine: &'a Machine,
+    mode: Mode,
+    results: Vec<&'a Row>,
+}
+
+/// `{"machine": {...}, "mode": "quick"|"full", "results": [row, ...]}`, pretty-printed.
+pub fn to_json(machine: &Machine, mode: Mode, sections: &[Section]) -> Result<String> {
+    let results = Results {
+        machine,
+        mode,
+        results: sections.iter().flat_map(|s| &s.outcome.rows).collect(),
+    };
+    Ok(serde_json::to_string_pretty(&results)?)
+}
+
+/// Writes `report.md`, `results.json` and the charts into `dir` (which must exist) and returns the
+/// paths written, `report.md` first.
+pub fn write(
+    dir: &Path,
+    machine: &Machine,
+    mode: Mode,
+    sections: &[Section],
+) -> Result<Vec<PathBuf>> {
+    let mut files = vec![
+        (dir.join("report.md"), markdown(machine, mode, sections)),
+        (
+            dir.join("results.json"),
+            to_json(machine, mode, sections)? + "\n",
+        ),
+    ];
+    let mut stems = HashSet::new();
+    for s in sections {
+        for (stem, chart) in &s.outcome.charts {
+            let valid = !stem.is_empty()
+                && stem
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+            if !valid {
+                bail!(
+                    "experiment `{}` named a chart `{stem}`: chart stems must be non-empty and use only letters, digits, '-' and '_'",
+                    s.experiment.name()
+                );
+            }
+            if !stems.insert(stem.as_str()) {
+                bail!(
+                    "chart stem `{stem}` is used twice (last by experiment `{}`): start stems with the experiment name to keep them unique",
+                    s.experiment.name()
+                );
+            }
+            files.push((dir.join(format!("{stem}.svg")), svg::render(chart)));
+        }
+    }
+    for (path, contents) in &files {
+        fs::write(path, contents).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(files.into_iter().map(|(path, _)| path).collect())
+}
+
+fn markdown(machine: &Machine, mode: Mode, sections: &[Section]) -> String {
+    let mut out = format!(
+        "# memvisor benchmark report\n\n{}\n\nMode: {} · {} · memvisor {}\n",
+        machine.describe(),
+        mode.as_str(),
+        machine.date,
+        machine.memvisor_version
+    );
+    for s in sections {
+        let (e, o) = (s.experiment, &s.outcome);
+        out += &format!("\n## {} — {}\n\n{}\n", e.name(), e.title(), e.about());
+        for table in &o.tables {
+            out += &format!("\n{}", table.to_markdown());
+        }
+        for (stem, chart) in &o.charts {
+            let alt = chart.title.replace('[', "(").replace(']', ")");
+            out += &format!("\n![{alt}]({stem}.svg)\n");
+        }
+        for (heading, items) in [("Notes", &o.notes), ("Skipped", &o.skipped)] {
+            if !items.is_empty() {
+                out += &format!("\n{heading}:\n\n");
+                for item in items {
+                    out += &format!("- {item}\n");
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::{Chart, ChartGroup, Ctx, Row, Table, measure};
+
+    /// A tiny experiment that exercises every part of an [`Outcome`].
+    struct Fake;
+
+    impl Experiment for Fake {
+        fn name(&self) -> &'static str {
+            "fake"
+        }
+        fn title(&self) -> &'static str {
+            "counting <fast>"
+        }
+        fn about(&self) -> &'static str {
+            "Counts; exists only to test the framework."
+        }
+        fn run(&self, ctx: &mut Ctx) -> Result<Outcome> {
+            let mut out = Outcome::default();
+            let mut table = Table::new("loop time", &["case", "variant", "ns"]);
+            let mut groups = Vec::new();
+            let mut progress = ctx.progress("fake", 2);
+            for case in ["small", "big"] {
+                let mut bars = Vec::new();
+                for (variant, base) in [("slow", 100.0), ("fast", 10.0)] {
+                    let mut i = 0.0;
+                    let stats = measure(ctx.runs_or(3), || {
+                        i += 1.0;
+                        base + i
+                    });
+                    out.rows
+                        .push(Row::new("fake", case, variant, "time", "ns", &stats));
+                    let median = format!("{:.1}", stats.median);
+                    table.push(vec![case.into(), variant.into(), median]);
+                    bars.push((variant.into(), stats.median));
+                }
+                groups.push(ChartGroup {
+                    label: case.into(),
+                    bars,
+                });
+                progress.inc(1);
+            }
+            let (title, unit) = ("loop [time]".into(), "ns".into());
+            let chart = Chart {
+                title,
+                unit,
+                log_scale: true,
+                groups,
+            };
+            out.tables.push(table);
+            out.charts.push(("fake-loop".into(), chart));
+            out.notes.push("a note".into());
+            out.skipped.push("huge: needs root".into());
+            Ok(out)
+        }
+    }
+
+    fn fake_section(runs: Option<u32>) -> Section<'static> {
+        let outcome = Fake.run(&mut Ctx::new(Mode::Quick, runs)).unwrap();
+        Section {
+            experiment: &Fake,
+            outcome,
+        }
+    }
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let unique = format!("memvisor-{tag}-{}", std::process::id());
+        let dir = std::env::temp_dir().join(unique);
+        let _ = fs::remove_dir_all(&dir); // left over from an aborted run
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn writes_markdown_json_and_svg() {
+        let dir = temp_dir("report");
+        let machine = Machine::detect();
+        let sections = [fake_section(None)];
+        let paths = write(&dir, &machine, Mode::Full, &sections).unwrap();
+        let names: Vec<_> = paths
+            .iter()
+            .map(|p| p.strip_prefix(&dir).unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                Path::new("report.md"),
+                Path::new("results.json"),
+                Path::new("fake-loop.svg")
+            ]
+        );
+        let md = fs::read_to_string(&paths[0]).unwrap();
+        for want in [
+            "# memvisor benchmark report",
+            &machine.describe(),
+            "Mode: full",
+            "## fake — counting <fast>\n\nCounts; exists",
+            "**loop time**",
+            "| small | slow | 102.0 |",
+            "![loop (time)](fake-loop.svg)",
+            "Notes:\n\n- a note\n",
+            "Skipped:\n\n- huge: needs root\n",
+        ] {
+            assert!(md.contains(want), "report.md lacks {want:?}:\n{md}");
+        }
+        let json: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&paths[1]).unwrap()).unwrap();
+        assert_eq!(json["mode"], "full");
+        assert_eq!(json["results"].as_array().unwrap().len(), 4);
+        assert!(fs::read_to_string(&paths[2]).unwrap().starts_with("<svg"));
+        fs::remove_dir_all(&dir).unwrap();
+
+        let text = sections[0].to_text();
+        for want in [
+            "== fake — counting <fast> ==",
+            "loop time",
+            "chart: fake-loop.svg",
+            "note: a note",
+            "skipped: huge: needs root",
+        ] {
+            assert!(text.contains(want), "text lacks {want:?}:\n{text}");
+        }
+    }
+
+    #[test]
+    fn json_has_exact_field_names() {
+        let text = to_json(&Machine::detect(), Mode::Quick, &[fake_section(Some(5))]).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let keys = |v: &serde_json::Value| {
+            let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+            keys.sort();
+            keys.join(" ")
+        };
+        assert_eq!(keys(&json), "machine mode results");
+        assert_eq!(json["mode"], "quick");
+        assert_eq!(
+            keys(&json["machine"]),
+            "cores cpu_model date hostname kernel memory_gib memvisor_version thp"
+        );
+        let row = &json["results"][0];
+        assert_eq!(
+            keys(row),
+            "case experiment max median metric min runs unit variant"
+        );
+        assert_eq!(
+            (row["experiment"].as_str(), row["runs"].as_u64()),
+            (Some("fake"), Some(5))
+        );
+        let stats = ["median", "min", "max"].map(|k| row[k].as_f64().unwrap());
+        assert_eq!(stats, [103.0, 101.0, 105.0]);
+    }
+
+    #[test]
+    fn rejects_bad_or_duplicate_stems() {
+        let dir = temp_dir("stems");
+        for stems in [&["../evil"][..], &["same", "same"], &[""]] {
+            let mut section = fake_section(None);
+            section.outcome.charts = stems
+                .iter()
+                .map(|s| (s.to_string(), Chart::default()))
+                .collect();
+            assert!(write(&dir, &Machine::detect(), Mode::Quick, &[section]).is_err());
+            assert!(!dir.join("report.md").exists(), "nothing written on error");
+        }
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,146 @@
+//! The `memvisor` command. `memvisor bench` picks experiments from the registry
+//! ([`bench::all`]), runs them one after another with a shared [`Ctx`], prints each one's tables as
+//! it finishes and writes the report. Human-readable output goes to stdout, or to stderr with
+//! `--json` so that stdout carries exactly one JSON object. A failing experiment does not stop the
+//! others; the report covers those that succeeded and the exit code is non-zero.
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use memvisor_cli::bench::{self, Ctx, Experiment, Mode, machine::Machine, report};
+use std::io::{self, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "memvisor",
+    version,
+    about = "Guest memory and DMA mapping for userspace VMMs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Reproduce the seed experiments side by side and write report.md, results.json and SVG charts
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Experiments to run, in this order (default: all of them)
+    #[arg(value_name = "EXPERIMENT")]
+    experiments: Vec<String>,
+    /// Small sizes: the whole suite in under a minute on 2 cores (the default)
+    #[arg(long, conflicts_with = "full")]
+    quick: bool,
+    /// The seeds' sizes, where memory allows
+    #[arg(long)]
+    full: bool,
+    /// Directory for the report, created if missing
+    #[arg(long, value_name = "DIR", default_value = "target/memvisor-report")]
+    out: PathBuf,
+    /// Print one JSON object with all results on stdout; tables go to stderr
+    #[arg(long)]
+    json: bool,
+    /// Repetitions per measurement, overriding each experiment's default
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    runs: Option<u32>,
+}
+
+fn main() -> ExitCode {
+    let Command::Bench(args) = Cli::parse().command;
+    match run_bench(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The registered experiments named on the command line, in that order; all of them if none.
+fn select(names: &[String]) -> Result<Vec<Box<dyn Experiment>>> {
+    let mut registry = bench::all();
+    if names.is_empty() {
+        return Ok(registry);
+    }
+    let known: Vec<&str> = registry.iter().map(|e| e.name()).collect();
+    if let Some(bad) = names.iter().find(|n| !known.contains(&n.as_str())) {
+        let list = if known.is_empty() {
+            "(none registered yet)".to_string()
+        } else {
+            known.join(", ")
+        };
+        bail!("unknown experiment `{bad}`; known experiments: {list} (omit names to run them all)");
+    }
+    let mut selected = Vec::new();
+    for name in names {
+        if let Some(i) = registry.iter().position(|e| e.name() == name) {
+            selected.push(registry.remove(i));
+        }
+    }
+    Ok(selected)
+}
+
+fn run_bench(args: &BenchArgs) -> Result<()> {
+    let experiments = select(&args.experiments)?;
+    let mode = if args.full { Mode::Full } else { Mode::Quick };
+    std::fs::create_dir_all(&args.out).with_context(|| {
+        format!(
+            "cannot create output directory {}; pass a writable one with --out",
+            args.out.display()
+        )
+    })?;
+    let machine = Machine::detect();
+    let mut human: Box<dyn Write> = if args.json {
+        Box::new(io::stderr())
+    } else {
+        Box::new(io::stdout())
+    };
+    writeln!(human, "{}\nmode: {}", machine.describe(), mode.as_str())?;
+
+    let mut ctx = Ctx::new(mode, args.runs);
+    let mut sections = Vec::new();
+    let mut failed = Vec::new();
+    for (i, experiment) in experiments.iter().enumerate() {
+        human.flush()?;
+        eprintln!(
+            "[{}/{}] running {}",
+            i + 1,
+            experiments.len(),
+            experiment.name()
+        );
+        match experiment.run(&mut ctx) {
+            Ok(outcome) => {
+                let section = report::Section {
+                    experiment: experiment.as_ref(),
+                    outcome,
+                };
+                write!(human, "{}", section.to_text())?;
+                sections.push(section);
+            }
+            Err(err) => {
+                eprintln!("error: experiment `{}` failed: {err:#}", experiment.name());
+                failed.push(experiment.name());
+            }
+        }
+    }
+
+    let paths = report::write(&args.out, &machine, mode, &sections)?;
+    if args.json {
+        println!("{}", report::to_json(&machine, mode, &sections)?);
+    }
+    writeln!(human, "\nreport written to {}", paths[0].display())?;
+    human.flush()?;
+    if !failed.is_empty() {
+        bail!(
+            "{} experiment(s) failed: {}; see the messages above (the report covers the others)",
+            failed.len(),
+            failed.join(", ")
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,128 @@
+//! End-to-end checks of the `memvisor` binary: argument parsing and error reporting, run as a
+//! child process exactly as a user would.
+
+use std::process::{Command, Output};
+
+fn memvisor(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memvisor"))
+        .args(args)
+        .output()
+        .expect("run the memvisor binary")
+}
+
+#[test]
+fn bench_help_lists_options() {
+    let out = memvisor(&["bench", "--help"]);
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    for flag in [
+        "[EXPERIMENT]...",
+        "--quick",
+        "--full",
+        "--out <DIR>",
+        "--json",
+        "--runs <N>",
+    ] {
+        assert!(help.contains(flag), "help lacks {flag}:\n{help}");
+    }
+}
+
+#[test]
+fn unknown_experiment_fails_listing_known_ones() {
+    let out_dir = std::env::temp_dir().join(format!("memvisor-cli-unknown-{}", std::process::id()));
+    let out = memvisor(&[
+        "bench",
+        "no-such-experiment",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        out.stdout.is_empty(),
+        "nothing on stdout when the arguments are wrong"
+    );
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("unknown experiment `no-such-experiment`"),
+        "{err}"
+    );
+    assert!(err.contains("known experiments: "), "{err}");
+    for e in memvisor_cli::bench::all() {
+        assert!(err.contains(e.name()), "{err}");
+    }
+    assert!(
+        !out_dir.exists(),
+        "nothing is written before the arguments are checked"
+    );
+}
+
+#[test]
+fn quick_and_full_conflict() {
+    let out = memvisor(&["bench", "--quick", "--full"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8(out.stderr)
+            .unwrap()
+            .contains("cannot be used with")
+    );
+}
+
+/// The CI smoke run: `memvisor bench lookup --quick --json` gives well-formed rows for every
+/// variant and writes the report.
+#[test]
+fn lookup_json_has_rows_for_every_variant() {
+    let out_dir = std::env::temp_dir().join(format!("memvisor-cli-lookup-{}", std::process::id()));
+    let out = memvisor(&[
+        "bench",
+        "lookup",
+        "--quick",
+        "--json",
+        "--runs",
+        "1",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    assert_eq!(json["mode"], "quick");
+    let rows = json["results"].as_array().expect("results array");
+    for variant in ["binary", "vm-hint", "cursor", "vm-memory"] {
+        for metric in ["Populate memory time", "Iteration 2 time", "lookup"] {
+            let found: Vec<_> = rows
+                .iter()
+                .filter(|r| r["variant"] == variant && r["metric"] == metric)
+                .collect();
+            assert!(!found.is_empty(), "no {metric} row for {variant}");
+            for r in found {
+                assert_eq!(r["experiment"], "lookup");
+                let (min, median, max) = (
+                    r["min"].as_f64().unwrap(),
+                    r["median"].as_f64().unwrap(),
+                    r["max"].as_f64().unwrap(),
+                );
+                assert!(median.is_finite() && median > 0.0, "{r}");
+                assert!(min <= median && median <= max, "{r}");
+                assert!(r["runs"].as_u64().unwrap() >= 1, "{r}");
+                assert!(
+                    !r["case"].as_str().unwrap().is_empty()
+                        && !r["unit"].as_str().unwrap().is_empty()
+                );
+            }
+        }
+    }
+    let report = std::fs::read_to_string(out_dir.join("report.md")).expect("report.md written");
+    assert!(report.contains("Seed 003"), "report has the seed table");
+    for chart in ["lookup-iteration2.svg", "lookup-ns.svg"] {
+        let svg = std::fs::read_to_string(out_dir.join(chart)).expect("chart written");
+        assert!(
+            svg.starts_with("<svg") || svg.starts_with("<?xml"),
+            "{chart}"
+        );
+    }
+    std::fs::remove_dir_all(out_dir).unwrap();
+}
