@@ -26,3 +26,8 @@ pub use addr::{Gpa, Hva, Iova, PageSize, Range};
 pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation};
 pub use error::{Error, Result};
 pub use slots::{SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot, Translation};
+
+/// The README's API tour, compiled and run as a doctest so it cannot go stale.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeTour;
