@@ -267,21 +267,19 @@ fn iters_for(ns_per_op: f64) -> u64 {
 
 /// Median ns per lookup over `runs` runs, each sized by a short calibration run.
 fn lookup_stats(layout: &Layout, variant: Option<Variant>, addrs: &[Vec<u64>], runs: u32) -> Stats {
-    let time = |iters| match variant {
-        None => time_lookups(|| LoopOnly, addrs, iters),
-        Some(v) => lookup_ns(layout, v, addrs, iters),
-    };
-    let iters = iters_for(time(1 << 18));
-    measure(runs, || time(iters))
+    let iters = iters_for(lookup_ns(layout, variant, addrs, 1 << 18));
+    measure(runs, || lookup_ns(layout, variant, addrs, iters))
 }
 
-fn lookup_ns(layout: &Layout, variant: Variant, addrs: &[Vec<u64>], iters: u64) -> f64 {
+/// ns per lookup of `variant` (`None`: the bare loop).
+fn lookup_ns(layout: &Layout, variant: Option<Variant>, addrs: &[Vec<u64>], iters: u64) -> f64 {
     let snap = layout.table.snapshot();
     match variant {
-        Variant::Binary => time_lookups(|| Binary(snap.clone()), addrs, iters),
-        Variant::VmHint => time_lookups(|| VmHint(snap.clone(), &layout.hint), addrs, iters),
-        Variant::Cursor => time_lookups(|| Cursor(layout.table.cursor()), addrs, iters),
-        Variant::VmMemory => time_lookups(|| VmMemory(&layout.vm_memory), addrs, iters),
+        None => time_lookups(|| LoopOnly, addrs, iters),
+        Some(Variant::Binary) => time_lookups(|| Binary(snap.clone()), addrs, iters),
+        Some(Variant::VmHint) => time_lookups(|| VmHint(snap.clone(), &layout.hint), addrs, iters),
+        Some(Variant::Cursor) => time_lookups(|| Cursor(layout.table.cursor()), addrs, iters),
+        Some(Variant::VmMemory) => time_lookups(|| VmMemory(&layout.vm_memory), addrs, iters),
     }
 }
 
@@ -538,10 +536,7 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
     let one = address_lists(&layout, 1, true);
     let all = address_lists(&layout, threads_all, true);
     let scaling_of = |variant: Option<Variant>| {
-        let time = |addrs: &[Vec<u64>], iters| match variant {
-            None => time_lookups(|| LoopOnly, addrs, iters),
-            Some(v) => lookup_ns(&layout, v, addrs, iters),
-        };
+        let time = |addrs: &[Vec<u64>], iters| lookup_ns(&layout, variant, addrs, iters);
         let iters = iters_for(time(&one, 1 << 18));
         measure(sz.runs * 2, || {
             threads_all as f64 * time(&one, iters) / time(&all, iters)
