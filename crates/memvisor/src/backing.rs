@@ -324,6 +324,7 @@ impl Backing {
                 Ok(unsafe { self.ptr.as_ptr().add(offset as usize) })
             }
             _ => Err(Error::Fault {
+                space: "backing offset",
                 addr: offset.max(self.size),
                 start: offset,
                 len: len as u64,

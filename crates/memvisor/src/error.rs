@@ -71,9 +71,46 @@ pub enum Error {
     #[error("{what} {id:#x} does not exist")]
     NotFound { what: &'static str, id: u64 },
 
-    /// Memory access to an address nothing is mapped at (checked before anything is copied).
-    #[error("no memory at {addr:#x} (accessing {start:#x}+{len:#x}); nothing was copied")]
-    Fault { addr: u64, start: u64, len: u64 },
+    /// Access to an address nothing is mapped at (checked before anything is copied).
+    #[error(
+        "nothing is mapped at {space} {addr:#x} (accessing {start:#x}+{len:#x}); nothing was copied"
+    )]
+    Fault {
+        space: &'static str,
+        addr: u64,
+        start: u64,
+        len: u64,
+    },
+
+    /// An access the mapping's protection does not allow (VFIO: EPERM).
+    #[error(
+        "{access} access to iova {addr:#x} refused: the mapping [{start:#x}, {last:#x}] allows {allowed}"
+    )]
+    PermissionDenied {
+        access: &'static str,
+        addr: u64,
+        start: u64,
+        last: u64,
+        allowed: String,
+    },
+
+    /// A count limit would be exceeded (VFIO: ENOSPC for the DMA mapping limit).
+    #[error("{what}: {count} would exceed the limit of {limit}; {hint}")]
+    NoSpace {
+        what: &'static str,
+        count: u64,
+        limit: u64,
+        hint: &'static str,
+    },
+
+    /// The memory is temporarily unusable, e.g. its host address was invalidated for a live
+    /// update and not yet replaced.
+    #[error("iova {addr:#x} is busy: {why}")]
+    Busy { addr: u64, why: String },
+
+    /// A request that breaks a rule of the interface (EINVAL), said in words.
+    #[error("{0}")]
+    Invalid(String),
 
     /// A write to memory that is mapped read-only (KVM refuses with EFAULT too).
     #[error("{addr:#x} is in read-only {what}; the write of {start:#x}+{len:#x} copied nothing")]
@@ -117,7 +154,11 @@ impl Error {
             | Error::RangeWraps { .. }
             | Error::Misaligned { .. }
             | Error::OutOfBounds { .. }
-            | Error::LimitExceeded { .. } => libc::EINVAL,
+            | Error::LimitExceeded { .. }
+            | Error::Invalid(_) => libc::EINVAL,
+            Error::PermissionDenied { .. } => libc::EPERM,
+            Error::NoSpace { .. } => libc::ENOSPC,
+            Error::Busy { .. } => libc::EBUSY,
             Error::Overlap { .. } | Error::AlreadyExists { .. } => libc::EEXIST,
             Error::NotFound { .. } => libc::ENOENT,
             Error::Fault { .. } | Error::ReadOnly { .. } => libc::EFAULT,

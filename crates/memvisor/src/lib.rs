@@ -8,6 +8,7 @@
 //! addr     Gpa / Iova / Hva, page sizes, ranges that never wrap
 //! backing  host memory: anonymous, memfd, THP, hugetlbfs, file          (owns mmap/munmap)
 //! slots    guest physical -> host virtual: lock-free snapshots, per-vCPU cursors
+//! dma      I/O virtual -> host: the VFIO type1 model, translation, dma_read/write, dirty pages
 //! ```
 //!
 //! Every fallible call returns [`Error`], whose [`Error::errno`] is what KVM or VFIO would
@@ -19,11 +20,14 @@ pub mod addr;
 pub mod backing;
 pub mod bitmap;
 mod copy;
+pub mod dma;
 pub mod error;
+mod rangemap;
 pub mod slots;
 
 pub use addr::{Gpa, Hva, Iova, PageSize, Range};
 pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation};
+pub use dma::{Access, DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
 pub use error::{Error, Result};
 pub use slots::{SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot, Translation};
 

@@ -312,6 +312,7 @@ impl Snapshot {
             return Ok(());
         }
         let fault = |addr: u64| Error::Fault {
+            space: "gpa",
             addr,
             start: gpa.0,
             len,
@@ -352,6 +353,16 @@ impl Snapshot {
             addr = addr.wrapping_add(n);
         }
         Ok(())
+    }
+
+    /// The slots that hold `[gpa, gpa + len)`, in order, each with the guest address and length
+    /// of its piece. EFAULT if any byte is in no slot.
+    pub fn pieces(&self, gpa: Gpa, len: u64) -> Result<Vec<(Arc<Slot>, Gpa, u64)>> {
+        let mut out = Vec::new();
+        self.for_each_piece(gpa, len, false, |index, addr, _, n| {
+            out.push((self.slots[index].clone(), Gpa(addr), n))
+        })?;
+        Ok(out)
     }
 
     /// Copies guest memory at `gpa` into `buf`; EFAULT and nothing copied if any of it is not in

@@ -1,0 +1,720 @@
+//! DMA address spaces: the VFIO type1 (v2) mapping model in userspace.
+//!
+//! A [`DmaSpace`] is what a device sees: I/O virtual addresses (IOVAs) mapped onto host memory,
+//! one [`Mapping`] per successful `map` call. It follows the rules and error codes of Linux's
+//! VFIO type1 IOMMU driver (v2), so code written against VFIO behaves the same here:
+//!
+//! * `map` needs a non-zero size, IOVA / host address / size aligned to the smallest supported
+//!   page size, READ and/or WRITE, a range inside the allowed IOVA ranges (the aperture minus
+//!   reserved holes), no overlap with an existing mapping (EEXIST) and room under the mapping
+//!   count limit (ENOSPC). A guest range spanning several slots becomes one mapping per slot, all
+//!   or nothing.
+//! * `unmap` removes whole mappings only: a range that would cut a mapping at its start or end is
+//!   EINVAL; a range with nothing in it unmaps 0 bytes.
+//! * Live update (`invalidate_vaddr`, then `update_vaddr`) swaps the host memory behind an
+//!   unchanged IOVA range, e.g. when a VMM re-execs. In between, translation waits (up to
+//!   [`DmaConfig::vaddr_wait`]) and then fails with EBUSY; it never touches the old address.
+//!
+//! Readers never lock. The mappings live in an immutable snapshot — a persistent two-level range
+//! map (`rangemap`), so one change copies O(n / 256) pointers, not the whole table — swapped in
+//! atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
+//! the memory it maps, so memory a reader can still reach through an old snapshot stays mapped.
+//! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
+//! (`dma_read` / `dma_write`, seed 004a) and dirty tracking are in the submodules.
+
+mod dirty;
+mod rw;
+mod translate;
+
+use std::fmt;
+use std::ops::BitOr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+
+use crate::addr::{Gpa, Hva, Iova, PageSize, Range};
+use crate::backing::Backing;
+use crate::bitmap::DirtyBitmap;
+use crate::error::{Error, Result};
+use crate::rangemap::RangeMap;
+use crate::slots::{SlotFlags, Snapshot};
+
+pub use translate::{DmaCursor, Segment, Translation};
+
+/// What a mapping allows a device to do.
+#[derive(Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct Prot(u8);
+
+impl Prot {
+    /// Device reads (memory -> device).
+    pub const READ: Prot = Prot(1);
+    /// Device writes (device -> memory).
+    pub const WRITE: Prot = Prot(2);
+    /// Both.
+    pub const RW: Prot = Prot(3);
+
+    /// Whether every bit of `other` is set.
+    #[inline]
+    pub const fn contains(self, other: Prot) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl BitOr for Prot {
+    type Output = Prot;
+    fn bitor(self, rhs: Prot) -> Prot {
+        Prot(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for Prot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0 {
+            0 => "none",
+            1 => "READ",
+            2 => "WRITE",
+            _ => "READ|WRITE",
+        })
+    }
+}
+
+/// The direction of one access.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Access {
+    /// The device reads memory.
+    Read,
+    /// The device writes memory.
+    Write,
+}
+
+impl Access {
+    #[inline]
+    fn prot(self) -> Prot {
+        match self {
+            Access::Read => Prot::READ,
+            Access::Write => Prot::WRITE,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Access::Read => "read",
+            Access::Write => "write",
+        }
+    }
+}
+
+/// Limits and behaviour of a [`DmaSpace`], fixed at creation.
+#[derive(Clone, Debug)]
+pub struct DmaConfig {
+    /// Most mappings at once (VFIO's `dma_entry_limit`, default 65535).
+    pub max_mappings: u32,
+    /// Lowest and highest usable IOVA (inclusive), like an IOMMU's aperture.
+    pub aperture: (Iova, Iova),
+    /// Holes in the aperture no mapping may touch (MSI windows and the like).
+    pub reserved: Vec<Range<Iova>>,
+    /// Supported page sizes as a bitmap (VFIO's `iova_pgsizes`); the smallest sets the alignment
+    /// of every IOVA, size and host address.
+    pub page_sizes: u64,
+    /// How long a translation of an invalidated host address waits for `update_vaddr` before
+    /// failing with EBUSY. Zero fails at once.
+    pub vaddr_wait: Duration,
+}
+
+impl Default for DmaConfig {
+    fn default() -> Self {
+        DmaConfig {
+            max_mappings: 65535,
+            aperture: (Iova(0), Iova(u64::MAX)),
+            reserved: Vec::new(),
+            page_sizes: PageSize::Size4K.bytes()
+                | PageSize::Size2M.bytes()
+                | PageSize::Size1G.bytes(),
+            vaddr_wait: Duration::ZERO,
+        }
+    }
+}
+
+/// What `VFIO_IOMMU_GET_INFO` reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DmaInfo {
+    /// Supported page sizes (bitmap).
+    pub page_sizes: u64,
+    /// Where mappings may go: the aperture minus the reserved ranges, in order, as inclusive
+    /// `(first, last)` pairs like `struct vfio_iova_range` (the whole space has 2^64 bytes).
+    pub iova_ranges: Vec<(Iova, Iova)>,
+    /// The mapping count limit.
+    pub max_mappings: u32,
+    /// Mappings that can still be made (`VFIO_IOMMU_TYPE1_INFO_DMA_AVAIL`).
+    pub available: u32,
+}
+
+/// The host memory behind a mapping.
+#[derive(Clone, Debug)]
+struct Host {
+    hva: Hva,
+    /// Keeps the memory mapped; `None` for caller-managed memory (`map_raw`).
+    owner: Option<Arc<Backing>>,
+}
+
+/// One mapping: an IOVA range, its protection and (unless invalidated) its host memory.
+/// Immutable; a change installs a new record with the same [`Mapping::id`].
+#[derive(Debug)]
+pub struct Mapping {
+    id: u64,
+    iova: Range<Iova>,
+    prot: Prot,
+    host: Option<Host>,
+    dirty: Option<Arc<DirtyBitmap>>,
+}
+
+impl Mapping {
+    /// Stays the same for the mapping's whole life, across vaddr updates: the key pins and
+    /// other per-mapping state hang off.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    /// The IOVA range.
+    pub fn iova(&self) -> Range<Iova> {
+        self.iova
+    }
+    /// What devices may do.
+    pub fn prot(&self) -> Prot {
+        self.prot
+    }
+    /// Host address of the first byte; `None` while invalidated for a live update.
+    pub fn hva(&self) -> Option<Hva> {
+        self.host.as_ref().map(|h| h.hva)
+    }
+    /// The backing that holds the memory, when memvisor owns it.
+    pub fn backing(&self) -> Option<&Arc<Backing>> {
+        self.host.as_ref().and_then(|h| h.owner.as_ref())
+    }
+
+    fn with(&self, host: Option<Host>, dirty: Option<Arc<DirtyBitmap>>) -> Mapping {
+        Mapping {
+            id: self.id,
+            iova: self.iova,
+            prot: self.prot,
+            host,
+            dirty,
+        }
+    }
+}
+
+/// The mappings at one generation.
+struct DmaSnapshot {
+    generation: u64,
+    map: RangeMap<Arc<Mapping>>,
+}
+
+#[repr(align(128))]
+struct Padded<T>(T);
+
+struct Writer {
+    next_id: u64,
+    tracking: bool,
+}
+
+struct Shared {
+    generation: Padded<AtomicU64>,
+    current: ArcSwap<DmaSnapshot>,
+    writer: Mutex<Writer>,
+    /// Signalled after every vaddr update, for translations waiting on an invalidated range.
+    updated: (Mutex<()>, Condvar),
+    config: DmaConfig,
+    allowed: Vec<(Iova, Iova)>,
+    min_page: u64,
+}
+
+/// An I/O virtual address space with VFIO type1 semantics. Cloning gives another handle.
+#[derive(Clone)]
+pub struct DmaSpace {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for DmaSpace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let snap = self.shared.current.load();
+        f.debug_struct("DmaSpace")
+            .field("generation", &snap.generation)
+            .field("mappings", &snap.map.len())
+            .finish()
+    }
+}
+
+impl Default for DmaSpace {
+    fn default() -> Self {
+        Self::new(DmaConfig::default()).expect("the default configuration is valid")
+    }
+}
+
+/// A mapping about to be made: where, what, how.
+struct NewMapping {
+    iova: Range<Iova>,
+    host: Host,
+}
+
+impl DmaSpace {
+    /// A space with these limits. EINVAL if the page size bitmap is empty or lacks 4 KiB-multiple
+    /// sizes, or the aperture is empty.
+    pub fn new(config: DmaConfig) -> Result<Self> {
+        if config.page_sizes == 0 || config.page_sizes.trailing_zeros() < 12 {
+            return Err(Error::Invalid(format!(
+                "page size bitmap {:#x} must contain sizes of 4 KiB or more",
+                config.page_sizes
+            )));
+        }
+        let (lo, hi) = config.aperture;
+        if lo > hi {
+            return Err(Error::Invalid(format!("aperture {lo}..={hi} is empty")));
+        }
+        let min_page = 1u64 << config.page_sizes.trailing_zeros();
+        let allowed = allowed_ranges(lo, hi, &config.reserved);
+        Ok(DmaSpace {
+            shared: Arc::new(Shared {
+                generation: Padded(AtomicU64::new(0)),
+                current: ArcSwap::from_pointee(DmaSnapshot {
+                    generation: 0,
+                    map: RangeMap::default(),
+                }),
+                writer: Mutex::new(Writer {
+                    next_id: 1,
+                    tracking: false,
+                }),
+                updated: (Mutex::new(()), Condvar::new()),
+                config,
+                allowed,
+                min_page,
+            }),
+        })
+    }
+
+    /// The space's limits, like `VFIO_IOMMU_GET_INFO`.
+    pub fn info(&self) -> DmaInfo {
+        let count = self.shared.current.load().map.len() as u32;
+        DmaInfo {
+            page_sizes: self.shared.config.page_sizes,
+            iova_ranges: self.shared.allowed.clone(),
+            max_mappings: self.shared.config.max_mappings,
+            available: self.shared.config.max_mappings.saturating_sub(count),
+        }
+    }
+
+    /// Number of mappings.
+    pub fn len(&self) -> usize {
+        self.shared.current.load().map.len()
+    }
+
+    /// Whether nothing is mapped.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// All mappings, in IOVA order.
+    pub fn mappings(&self) -> Vec<Arc<Mapping>> {
+        self.shared
+            .current
+            .load()
+            .map
+            .iter()
+            .map(|(_, _, m)| m.clone())
+            .collect()
+    }
+
+    /// Maps `size` bytes of `backing` from `offset` at `iova`.
+    pub fn map_backing(
+        &self,
+        iova: Iova,
+        backing: &Arc<Backing>,
+        offset: u64,
+        size: u64,
+        prot: Prot,
+    ) -> Result<()> {
+        let host = self.backing_host(backing, offset, size)?;
+        let range = self.check_new_range(iova, size, prot)?;
+        self.insert(prot, vec![NewMapping { iova: range, host }])
+    }
+
+    /// Maps the guest range `[gpa, gpa + size)` of `slots` at `iova`: one mapping per slot the
+    /// range crosses, all or nothing. EFAULT if part of the range is in no slot, or a slot is
+    /// read-only and `prot` asks for WRITE.
+    pub fn map_guest(
+        &self,
+        iova: Iova,
+        slots: &Snapshot,
+        gpa: Gpa,
+        size: u64,
+        prot: Prot,
+    ) -> Result<()> {
+        let range = self.check_new_range(iova, size, prot)?;
+        let mut new = Vec::new();
+        for (slot, piece_gpa, len) in slots.pieces(gpa, size)? {
+            if prot.contains(Prot::WRITE) && slot.flags().contains(SlotFlags::READ_ONLY) {
+                return Err(Error::ReadOnly {
+                    what: format!("slot {}", slot.id()),
+                    addr: piece_gpa.0,
+                    start: gpa.0,
+                    len: size,
+                });
+            }
+            let in_slot = piece_gpa.0 - slot.range().start().0;
+            let host = self.backing_host(slot.backing(), slot.offset() + in_slot, len)?;
+            let start = Iova(range.start().0 + (piece_gpa.0 - gpa.0));
+            new.push(NewMapping {
+                iova: Range::new("dma mapping", start, len)?,
+                host,
+            });
+        }
+        self.insert(prot, new)
+    }
+
+    /// Maps `size` bytes of host memory at `hva` that the caller manages itself.
+    ///
+    /// # Safety
+    /// `hva .. hva + size` must stay mapped readable (and writable, for WRITE) until this
+    /// mapping is unmapped or its vaddr invalidated, and until every snapshot, cursor and copy
+    /// that saw it has finished: memvisor will read and write it on devices' behalf.
+    pub unsafe fn map_raw(&self, iova: Iova, hva: Hva, size: u64, prot: Prot) -> Result<()> {
+        let host = self.raw_host(hva, size)?;
+        let range = self.check_new_range(iova, size, prot)?;
+        self.insert(prot, vec![NewMapping { iova: range, host }])
+    }
+
+    /// Unmaps every mapping inside `[iova, iova + size)` and returns the bytes unmapped (0 if
+    /// there were none). EINVAL, nothing unmapped, if the range cuts a mapping at either end.
+    pub fn unmap(&self, iova: Iova, size: u64) -> Result<u64> {
+        let range = self.check_range(iova, size)?;
+        self.change(|map, _| {
+            let hit = whole_mappings(map, range)?;
+            let mut bytes = 0;
+            for (start, _) in &hit {
+                let m = map.remove(*start).expect("found above");
+                bytes += m.iova.len();
+            }
+            Ok((bytes, !hit.is_empty()))
+        })
+    }
+
+    /// Unmaps everything; returns the bytes unmapped.
+    pub fn unmap_all(&self) -> u64 {
+        self.change(|map, _| {
+            let bytes = map.iter().map(|(_, _, m)| m.iova.len()).sum();
+            let changed = !map.is_empty();
+            *map = RangeMap::default();
+            Ok((bytes, changed))
+        })
+        .expect("unmap_all cannot fail")
+    }
+
+    /// Invalidates the host address of every mapping inside `[iova, iova + size)`
+    /// (`VFIO_DMA_UNMAP_FLAG_VADDR`); returns the bytes invalidated. The IOVAs stay mapped, but
+    /// until [`DmaSpace::update_vaddr`] nothing reaches the old memory. EINVAL, nothing changed,
+    /// if the range cuts a mapping or any mapping in it is already invalidated.
+    pub fn invalidate_vaddr(&self, iova: Iova, size: u64) -> Result<u64> {
+        let range = self.check_range(iova, size)?;
+        self.change(|map, _| {
+            let hit = whole_mappings(map, range)?;
+            for (start, m) in &hit {
+                if m.host.is_none() {
+                    return Err(Error::Invalid(format!(
+                        "mapping at iova {start:#x} already has its vaddr invalidated"
+                    )));
+                }
+            }
+            let mut bytes = 0;
+            for (start, m) in &hit {
+                let pos = map.find(*start).expect("found above");
+                map.set(pos, Arc::new(m.with(None, m.dirty.clone())));
+                bytes += m.iova.len();
+            }
+            Ok((bytes, !hit.is_empty()))
+        })
+    }
+
+    /// Gives an invalidated mapping its new host memory: `size` bytes of `backing` from
+    /// `offset` (`VFIO_DMA_MAP_FLAG_VADDR`). ENOENT if no mapping is at `iova`; EINVAL if the
+    /// mapping's iova or size differ or its vaddr is not invalidated.
+    pub fn update_vaddr(
+        &self,
+        iova: Iova,
+        size: u64,
+        backing: &Arc<Backing>,
+        offset: u64,
+    ) -> Result<()> {
+        let host = self.backing_host(backing, offset, size)?;
+        self.update_host(iova, size, host)
+    }
+
+    /// [`DmaSpace::update_vaddr`] with caller-managed memory.
+    ///
+    /// # Safety
+    /// As for [`DmaSpace::map_raw`].
+    pub unsafe fn update_vaddr_raw(&self, iova: Iova, size: u64, hva: Hva) -> Result<()> {
+        let host = self.raw_host(hva, size)?;
+        self.update_host(iova, size, host)
+    }
+
+    fn update_host(&self, iova: Iova, size: u64, host: Host) -> Result<()> {
+        self.change(|map, _| {
+            let pos = map.find(iova.0).ok_or(Error::NotFound {
+                what: "dma mapping at iova",
+                id: iova.0,
+            })?;
+            let (start, _, m) = map.get(pos);
+            if start != iova.0 || m.iova.len() != size {
+                return Err(Error::Invalid(format!(
+                    "vaddr update of iova {iova}+{size:#x} must name the whole mapping \
+                     [{start:#x}, {:#x}]",
+                    m.iova.last().0
+                )));
+            }
+            if m.host.is_some() {
+                return Err(Error::Invalid(format!(
+                    "mapping at iova {iova} has a valid vaddr; invalidate it first"
+                )));
+            }
+            let new = Arc::new(m.with(Some(host), m.dirty.clone()));
+            map.set(pos, new);
+            Ok(((), true))
+        })?;
+        let (lock, cv) = &self.shared.updated;
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        cv.notify_all();
+        Ok(())
+    }
+
+    /// Waits until the mapping at `iova` has a valid host address or `deadline` passes; returns
+    /// whether it is valid now.
+    fn wait_for_vaddr(&self, iova: Iova, deadline: Instant) -> bool {
+        let (lock, cv) = &self.shared.updated;
+        let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let snap = self.shared.current.load();
+            match snap.map.find(iova.0) {
+                None => return true, // unmapped meanwhile: let the caller report it
+                Some(pos) if snap.map.get(pos).2.host.is_some() => return true,
+                Some(_) => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            guard = cv
+                .wait_timeout(guard, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn check_range(&self, iova: Iova, size: u64) -> Result<Range<Iova>> {
+        let page = self.shared.min_page;
+        let range = Range::new("dma range", iova, size)?;
+        for (what, value) in [("iova", iova.0), ("size", size)] {
+            if value % page != 0 {
+                return Err(Error::Misaligned {
+                    what,
+                    value,
+                    align: page,
+                });
+            }
+        }
+        Ok(range)
+    }
+
+    fn check_new_range(&self, iova: Iova, size: u64, prot: Prot) -> Result<Range<Iova>> {
+        if prot == Prot::default() {
+            return Err(Error::Invalid(format!(
+                "mapping at iova {iova} needs READ, WRITE or both"
+            )));
+        }
+        let range = self.check_range(iova, size)?;
+        if !self
+            .shared
+            .allowed
+            .iter()
+            .any(|&(lo, hi)| lo <= range.start() && range.last() <= hi)
+        {
+            return Err(Error::Invalid(format!(
+                "iova range {range:?} is outside the allowed ranges {:?} (aperture minus reserved)",
+                self.shared.allowed
+            )));
+        }
+        Ok(range)
+    }
+
+    fn backing_host(&self, backing: &Arc<Backing>, offset: u64, size: u64) -> Result<Host> {
+        match offset.checked_add(size) {
+            Some(end) if end <= backing.size() => {}
+            _ => {
+                return Err(Error::OutOfBounds {
+                    what: "dma mapping window in backing",
+                    start: offset,
+                    len: size,
+                    limit: backing.size(),
+                });
+            }
+        }
+        let mut host = self.raw_host(Hva(backing.hva().0 + offset), size)?;
+        host.owner = Some(backing.clone());
+        Ok(host)
+    }
+
+    fn raw_host(&self, hva: Hva, size: u64) -> Result<Host> {
+        if hva.0 % self.shared.min_page != 0 {
+            return Err(Error::Misaligned {
+                what: "host address",
+                value: hva.0,
+                align: self.shared.min_page,
+            });
+        }
+        Range::new("host range", hva, size)?;
+        Ok(Host { hva, owner: None })
+    }
+
+    /// Checks and inserts new mappings in one publish.
+    fn insert(&self, prot: Prot, new: Vec<NewMapping>) -> Result<()> {
+        let limit = self.shared.config.max_mappings;
+        self.change(|map, writer| {
+            let count = map.len() as u64 + new.len() as u64;
+            if count > limit as u64 {
+                return Err(Error::NoSpace {
+                    what: "dma mappings",
+                    count,
+                    limit: limit.into(),
+                    hint: "unmap some or raise DmaConfig::max_mappings",
+                });
+            }
+            for n in &new {
+                if let Some(pos) = map.first_ending_at_or_after(n.iova.start().0) {
+                    let (start, last, _) = map.get(pos);
+                    if start <= n.iova.last().0 {
+                        return Err(Error::Overlap {
+                            what: "dma mapping",
+                            start: n.iova.start().0,
+                            last: n.iova.last().0,
+                            existing: "mapping".into(),
+                            existing_start: start,
+                            existing_last: last,
+                        });
+                    }
+                }
+            }
+            for n in new {
+                let dirty = writer.tracking.then(|| self.new_bitmap(n.iova.len()));
+                let id = writer.next_id;
+                writer.next_id += 1;
+                let (start, last) = (n.iova.start().0, n.iova.last().0);
+                let m = Mapping {
+                    id,
+                    iova: n.iova,
+                    prot,
+                    host: Some(n.host),
+                    dirty,
+                };
+                map.insert(start, last, Arc::new(m));
+            }
+            Ok(((), true))
+        })
+    }
+
+    fn new_bitmap(&self, len: u64) -> Arc<DirtyBitmap> {
+        Arc::new(DirtyBitmap::new(len / self.shared.min_page))
+    }
+
+    /// Runs `edit` on a copy of the current mappings and publishes it if `edit` says it changed
+    /// something; on error nothing is published. Writers are serialized.
+    fn change<T>(
+        &self,
+        edit: impl FnOnce(&mut RangeMap<Arc<Mapping>>, &mut Writer) -> Result<(T, bool)>,
+    ) -> Result<T> {
+        let mut writer = self.shared.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let current = self.shared.current.load_full();
+        let mut map = current.map.clone();
+        let (value, changed) = edit(&mut map, &mut writer)?;
+        if changed {
+            let generation = current.generation + 1;
+            self.shared
+                .current
+                .store(Arc::new(DmaSnapshot { generation, map }));
+            self.shared
+                .generation
+                .0
+                .store(generation, Ordering::Release);
+        }
+        Ok(value)
+    }
+}
+
+/// The mappings lying in `range`, as (start, mapping); EINVAL if `range` cuts one at either end.
+fn whole_mappings(
+    map: &RangeMap<Arc<Mapping>>,
+    range: Range<Iova>,
+) -> Result<Vec<(u64, Arc<Mapping>)>> {
+    let (first, last) = (range.start().0, range.last().0);
+    let mut out = Vec::new();
+    let mut pos = map.first_ending_at_or_after(first);
+    while let Some(p) = pos {
+        let (start, end, m) = map.get(p);
+        if start > last {
+            break;
+        }
+        if start < first || end > last {
+            return Err(Error::Invalid(format!(
+                "range [{first:#x}, {last:#x}] would split mapping [{start:#x}, {end:#x}]; \
+                 type1 v2 unmaps whole mappings only"
+            )));
+        }
+        out.push((start, m.clone()));
+        pos = map.next(p);
+    }
+    Ok(out)
+}
+
+/// The aperture `[lo, hi]` minus the reserved ranges, as sorted disjoint inclusive pairs.
+fn allowed_ranges(lo: Iova, hi: Iova, reserved: &[Range<Iova>]) -> Vec<(Iova, Iova)> {
+    let mut holes: Vec<(u64, u64)> = reserved.iter().map(|r| (r.start().0, r.last().0)).collect();
+    holes.sort_unstable();
+    let mut out = Vec::new();
+    let mut next = Some(lo.0);
+    for (start, last) in holes {
+        let Some(from) = next else { break };
+        if last < from || start > hi.0 {
+            continue;
+        }
+        if start > from {
+            out.push((Iova(from), Iova(start - 1)));
+        }
+        next = last.checked_add(1);
+    }
+    if let Some(from) = next.filter(|&f| f <= hi.0) {
+        out.push((Iova(from), hi));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allowed_ranges_cut_holes() {
+        let r = |s: u64, len: u64| Range::new("t", Iova(s), len).unwrap();
+        let p = |a: u64, b: u64| (Iova(a), Iova(b));
+        let got = allowed_ranges(
+            Iova(0),
+            Iova(0xffff),
+            &[r(0x8000, 0x9000), r(0x1000, 0x1000)],
+        );
+        assert_eq!(got, vec![p(0, 0xfff), p(0x2000, 0x7fff)]);
+        let got = allowed_ranges(Iova(0x1000), Iova(0x4fff), &[r(0, 0x2000)]);
+        assert_eq!(got, vec![p(0x2000, 0x4fff)]);
+        let all = allowed_ranges(Iova(0), Iova(u64::MAX), &[]);
+        assert_eq!(all, vec![p(0, u64::MAX)]);
+        let top = allowed_ranges(Iova(0), Iova(u64::MAX), &[r(u64::MAX - 0xfff, 0x1000)]);
+        assert_eq!(top, vec![p(0, u64::MAX - 0x1000)]);
+        assert!(allowed_ranges(Iova(0), Iova(0xfff), &[r(0, 0x1000)]).is_empty());
+    }
+}

@@ -1,0 +1,321 @@
+//! IOVA translation: the device hot path.
+//!
+//! A device model turns each descriptor's IOVA into a host address it can copy to or from.
+//! [`DmaSpace::translate`] answers from the current snapshot (two binary searches);
+//! [`DmaSpace::translate_sg`] turns a range that spans mappings into a scatter-gather list;
+//! a [`DmaCursor`], one per device thread, remembers the last mapping it hit and the snapshot
+//! generation, so a repeated hit costs one load of a counter only writers write and a bounds
+//! check — like the memslot cursor (seed 003), but with the permission check and dirty marking
+//! a device access needs. Every path checks the access against the mapping's protection (EPERM),
+//! fails on unmapped IOVAs (EFAULT) and on invalidated host addresses (EBUSY, after waiting up to
+//! [`DmaConfig::vaddr_wait`](super::DmaConfig::vaddr_wait)), and marks written pages dirty when
+//! tracking is on.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::{Access, DmaSnapshot, DmaSpace, Mapping};
+use crate::addr::{Hva, Iova};
+use crate::error::{Error, Result};
+use crate::rangemap::Pos;
+
+/// Where an IOVA lives on the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Translation {
+    /// Host address of the IOVA.
+    pub hva: Hva,
+    /// Bytes usable from there: the requested length, or less where the mapping ends.
+    pub len: u64,
+}
+
+/// One host-contiguous piece of a scatter-gather list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// Host address.
+    pub hva: Hva,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl DmaSnapshot {
+    /// The mapping holding `iova`, checked for `access` and a valid host address.
+    #[inline]
+    fn resolve(&self, iova: u64, len: u64, access: Access) -> Result<(Pos, u64, &Arc<Mapping>)> {
+        let pos = self.map.find(iova).ok_or(Error::Fault {
+            space: "iova",
+            addr: iova,
+            start: iova,
+            len,
+        })?;
+        let (start, last, m) = self.map.get(pos);
+        if !m.prot.contains(access.prot()) {
+            return Err(Error::PermissionDenied {
+                access: access.name(),
+                addr: iova,
+                start,
+                last,
+                allowed: format!("{:?}", m.prot),
+            });
+        }
+        if m.host.is_none() {
+            return Err(Error::Busy {
+                addr: iova,
+                why: format!(
+                    "the host address of mapping [{start:#x}, {last:#x}] is invalidated for a \
+                     live update"
+                ),
+            });
+        }
+        Ok((pos, last, m))
+    }
+
+    /// Checks that `[iova, iova + len)` is all mapped, contiguously, for `access`; then calls
+    /// `piece(host address, bytes)` for each mapping-sized piece in order, marking written pages
+    /// dirty. Nothing is called if any check fails.
+    pub(super) fn for_each_piece(
+        &self,
+        iova: u64,
+        len: u64,
+        access: Access,
+        min_page: u64,
+        mut piece: impl FnMut(u64, u64),
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let end = iova.checked_add(len - 1).ok_or(Error::RangeWraps {
+            what: "dma access",
+            start: iova,
+            len,
+        })?;
+        let (first, mut last, _) = self.resolve(iova, len, access)?;
+        let mut pos = first;
+        while last < end {
+            let adjacent = self
+                .map
+                .next(pos)
+                .is_some_and(|p| self.map.get(p).0 == last + 1);
+            if !adjacent {
+                return Err(Error::Fault {
+                    space: "iova",
+                    addr: last + 1,
+                    start: iova,
+                    len,
+                });
+            }
+            (pos, last, _) = self.resolve(last + 1, len, access)?;
+        }
+        let mut addr = iova;
+        let mut pos = Some(first);
+        while let Some(p) = pos.filter(|_| addr <= end) {
+            let (start, last, m) = self.map.get(p);
+            let n = end.min(last) - addr + 1;
+            let hva = m.host.as_ref().expect("resolved above").hva.0 + (addr - start);
+            piece(hva, n);
+            // After the copy: a dirty read racing us then reports the page now or next time,
+            // never before the bytes landed.
+            if access == Access::Write {
+                mark_dirty(m, addr, n, min_page);
+            }
+            addr = addr.wrapping_add(n);
+            pos = self.map.next(p);
+        }
+        Ok(())
+    }
+}
+
+/// Marks the pages of `[iova, iova + n)` dirty in `m`'s bitmap, if it has one.
+#[inline]
+fn mark_dirty(m: &Mapping, iova: u64, n: u64, min_page: u64) {
+    if let Some(bitmap) = &m.dirty {
+        let rel = iova - m.iova.start().0;
+        let first = rel / min_page;
+        let last = (rel + n - 1) / min_page;
+        bitmap.mark(first, last - first + 1);
+    }
+}
+
+impl DmaSpace {
+    /// Runs `f` on the current snapshot; while it fails with EBUSY (an invalidated host address)
+    /// waits for a vaddr update, up to the configured time, and tries again.
+    pub(super) fn with_snapshot<T>(
+        &self,
+        mut f: impl FnMut(&DmaSnapshot) -> Result<T>,
+    ) -> Result<T> {
+        let mut deadline = None;
+        loop {
+            let result = f(&self.shared.current.load());
+            match result {
+                Err(Error::Busy { addr, .. }) if !self.shared.config.vaddr_wait.is_zero() => {
+                    let d = *deadline
+                        .get_or_insert_with(|| Instant::now() + self.shared.config.vaddr_wait);
+                    if Instant::now() >= d || !self.wait_for_vaddr(Iova(addr), d) {
+                        return result;
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Translates `iova` for an access of up to `len` bytes; the answer covers the part inside
+    /// the first mapping. EINVAL for `len` 0; EFAULT unmapped; EPERM not allowed; EBUSY
+    /// invalidated (after waiting). A write marks the pages dirty when tracking is on.
+    pub fn translate(&self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
+        if len == 0 {
+            return Err(Error::ZeroSize {
+                what: "translation",
+            });
+        }
+        let min_page = self.shared.min_page;
+        self.with_snapshot(|snap| {
+            let (_, last, m) = snap.resolve(iova.0, len, access)?;
+            let n = len.min(last - iova.0 + 1);
+            if access == Access::Write {
+                mark_dirty(m, iova.0, n, min_page);
+            }
+            let start = m.iova.start().0;
+            Ok(Translation {
+                hva: Hva(m.host.as_ref().expect("resolved").hva.0 + (iova.0 - start)),
+                len: n,
+            })
+        })
+    }
+
+    /// Translates `[iova, iova + len)`, which may span mappings, into host segments (adjacent
+    /// segments that are contiguous on the host are merged). Fails whole, like `translate`, if
+    /// any byte is unmapped, not allowed or invalidated.
+    pub fn translate_sg(&self, iova: Iova, len: u64, access: Access) -> Result<Vec<Segment>> {
+        if len == 0 {
+            return Err(Error::ZeroSize {
+                what: "translation",
+            });
+        }
+        let min_page = self.shared.min_page;
+        self.with_snapshot(|snap| {
+            let mut segments: Vec<Segment> = Vec::new();
+            snap.for_each_piece(iova.0, len, access, min_page, |hva, n| {
+                match segments.last_mut() {
+                    Some(s) if s.hva.0 + s.len == hva => s.len += n,
+                    _ => segments.push(Segment {
+                        hva: Hva(hva),
+                        len: n,
+                    }),
+                }
+            })?;
+            Ok(segments)
+        })
+    }
+
+    /// A cursor for one device thread's translations.
+    pub fn cursor(&self) -> DmaCursor {
+        let snapshot = self.shared.current.load_full();
+        DmaCursor {
+            generation: snapshot.generation,
+            space: self.clone(),
+            snapshot,
+            hit: Hit::NONE,
+        }
+    }
+}
+
+/// The last mapping a cursor hit, packed for the hit check.
+#[derive(Clone, Copy)]
+struct Hit {
+    start: u64,
+    last: u64,
+    /// hva - iova, wrapping.
+    delta: u64,
+    prot: u8,
+    dirty: bool,
+    pos: Pos,
+}
+
+impl Hit {
+    const NONE: Hit = Hit {
+        start: 1,
+        last: 0,
+        delta: 0,
+        prot: 0,
+        dirty: false,
+        pos: Pos::FIRST,
+    };
+}
+
+/// One device thread's translator, remembering the last mapping it hit.
+///
+/// Holds the snapshot it last used (and so the memory of mappings removed since) until its next
+/// translation; [`DmaCursor::refresh`] lets go sooner.
+pub struct DmaCursor {
+    space: DmaSpace,
+    snapshot: Arc<DmaSnapshot>,
+    generation: u64,
+    hit: Hit,
+}
+
+impl std::fmt::Debug for DmaCursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmaCursor")
+            .field("generation", &self.generation)
+            .field(
+                "last_hit",
+                &format_args!("[{:#x}, {:#x}]", self.hit.start, self.hit.last),
+            )
+            .finish()
+    }
+}
+
+impl DmaCursor {
+    /// [`DmaSpace::translate`], with a cache of the last mapping hit.
+    #[inline]
+    pub fn translate(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
+        let h = &self.hit;
+        if self.space.shared.generation.0.load(Ordering::Acquire) == self.generation
+            && iova.0 >= h.start
+            && iova.0 <= h.last
+            && h.prot & access.prot().0 != 0
+            && len != 0
+        {
+            let n = len.min(h.last - iova.0 + 1);
+            if h.dirty && access == Access::Write {
+                let m = self.snapshot.map.get(h.pos).2;
+                mark_dirty(m, iova.0, n, self.space.shared.min_page);
+            }
+            return Ok(Translation {
+                hva: Hva(iova.0.wrapping_add(h.delta)),
+                len: n,
+            });
+        }
+        self.translate_slow(iova, len, access)
+    }
+
+    fn translate_slow(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
+        let t = self.space.translate(iova, len, access)?;
+        // Cache the mapping from the snapshot the answer came from (or a newer one).
+        self.refresh();
+        if let Some(pos) = self.snapshot.map.find(iova.0) {
+            let (start, last, m) = self.snapshot.map.get(pos);
+            if let Some(host) = &m.host {
+                self.hit = Hit {
+                    start,
+                    last,
+                    delta: host.hva.0.wrapping_sub(start),
+                    prot: m.prot.0,
+                    dirty: m.dirty.is_some(),
+                    pos,
+                };
+            }
+        }
+        Ok(t)
+    }
+
+    /// Moves to the space's current snapshot if it changed, letting go of the old one.
+    pub fn refresh(&mut self) {
+        if self.space.shared.generation.0.load(Ordering::Acquire) != self.generation {
+            self.snapshot = self.space.shared.current.load_full();
+            self.generation = self.snapshot.generation;
+            self.hit = Hit::NONE;
+        }
+    }
+}

@@ -1,0 +1,527 @@
+//! The VFIO type1 (v2) semantics table of DESIGN.md, row by row, with the exact errno; the
+//! boundaries of the 64-bit IOVA space and the limits; translation and dirty bits.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use memvisor::dma::Segment;
+use memvisor::{
+    Access, Backing, BackingKind, DmaConfig, DmaSpace, Gpa, Iova, Prot, Range, SlotFlags, SlotSpec,
+    SlotTable,
+};
+
+const PAGE: u64 = 4096;
+
+fn mem(pages: u64) -> Arc<Backing> {
+    Arc::new(Backing::new(BackingKind::PrivateAnon, pages * PAGE).unwrap())
+}
+
+fn errno<T: std::fmt::Debug>(r: memvisor::Result<T>) -> i32 {
+    r.unwrap_err().errno()
+}
+
+#[test]
+fn map_rejects_bad_arguments_with_einval() {
+    let d = DmaSpace::default();
+    let b = mem(4);
+    assert_eq!(
+        errno(d.map_backing(Iova(0), &b, 0, 0, Prot::RW)),
+        libc::EINVAL,
+        "size 0"
+    );
+    assert_eq!(
+        errno(d.map_backing(Iova(0x800), &b, 0, PAGE, Prot::RW)),
+        libc::EINVAL,
+        "iova"
+    );
+    assert_eq!(
+        errno(d.map_backing(Iova(0), &b, 0, 0x1800, Prot::RW)),
+        libc::EINVAL,
+        "size"
+    );
+    assert_eq!(
+        errno(d.map_backing(Iova(0), &b, 0x10, PAGE, Prot::RW)),
+        libc::EINVAL,
+        "vaddr"
+    );
+    let e = d
+        .map_backing(Iova(0), &b, 0, PAGE, Prot::default())
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL);
+    assert!(e.to_string().contains("READ, WRITE"), "{e}");
+    let e = d
+        .map_backing(Iova(u64::MAX - 0xfff), &b, 0, 2 * PAGE, Prot::RW)
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "wraps");
+    assert!(e.to_string().contains("wraps"), "{e}");
+    assert_eq!(
+        errno(d.map_backing(Iova(0), &b, 2 * PAGE, 4 * PAGE, Prot::RW)),
+        libc::EINVAL,
+        "past backing"
+    );
+    // SAFETY: the mapping is refused, so memvisor never touches the address.
+    let e = unsafe { d.map_raw(Iova(0), memvisor::Hva(u64::MAX - 0xfff), 2 * PAGE, Prot::RW) };
+    assert_eq!(errno(e), libc::EINVAL, "host range wraps");
+    assert!(d.is_empty());
+}
+
+#[test]
+fn overlapping_maps_are_eexist_and_adjacent_ones_fine() {
+    let d = DmaSpace::default();
+    let b = mem(32);
+    d.map_backing(Iova(0x10000), &b, 0, 4 * PAGE, Prot::RW)
+        .unwrap();
+    for iova in [0x10000 - PAGE, 0x10000, 0x13000] {
+        let e = d
+            .map_backing(Iova(iova), &b, 0, 2 * PAGE, Prot::RW)
+            .unwrap_err();
+        assert_eq!(e.errno(), libc::EEXIST, "{iova:#x}");
+    }
+    assert_eq!(
+        errno(d.map_backing(Iova(0), &b, 0, 32 * PAGE, Prot::RW)),
+        libc::EEXIST,
+        "covers"
+    );
+    d.map_backing(Iova(0x10000 - PAGE), &b, 0, PAGE, Prot::READ)
+        .unwrap();
+    d.map_backing(Iova(0x14000), &b, 0, PAGE, Prot::WRITE)
+        .unwrap();
+    assert_eq!(d.len(), 3);
+}
+
+#[test]
+fn the_mapping_count_limit_is_exactly_reached_then_enospc() {
+    let d = DmaSpace::new(DmaConfig {
+        max_mappings: 8,
+        ..Default::default()
+    })
+    .unwrap();
+    let b = mem(1);
+    for i in 0..8 {
+        d.map_backing(Iova(i * PAGE), &b, 0, PAGE, Prot::RW)
+            .unwrap();
+    }
+    assert_eq!(d.info().available, 0);
+    let e = d
+        .map_backing(Iova(100 * PAGE), &b, 0, PAGE, Prot::RW)
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::ENOSPC);
+    assert!(e.to_string().contains("limit of 8"), "{e}");
+    // a guest range that would become several mappings is refused whole
+    d.unmap(Iova(0), 2 * PAGE).unwrap();
+    let t = SlotTable::new();
+    for (id, gpa) in [(0, 0), (1, PAGE), (2, 2 * PAGE)] {
+        t.insert(SlotSpec::new(id, Gpa(gpa), mem(1))).unwrap();
+    }
+    assert_eq!(
+        errno(d.map_guest(Iova(1 << 30), &t.snapshot(), Gpa(0), 3 * PAGE, Prot::RW)),
+        libc::ENOSPC
+    );
+    assert_eq!(d.len(), 6);
+    d.map_guest(Iova(1 << 30), &t.snapshot(), Gpa(0), 2 * PAGE, Prot::RW)
+        .unwrap();
+    assert_eq!(d.len(), 8);
+    // the default limit is VFIO's
+    assert_eq!(DmaSpace::default().info().max_mappings, 65535);
+}
+
+#[test]
+fn reserved_ranges_and_the_aperture_are_einval() {
+    let reserved = Range::new("msi", Iova(0xfee0_0000), 0x10_0000).unwrap();
+    let d = DmaSpace::new(DmaConfig {
+        aperture: (Iova(0), Iova((1 << 39) - 1)),
+        reserved: vec![reserved],
+        ..Default::default()
+    })
+    .unwrap();
+    let info = d.info();
+    assert_eq!(
+        info.iova_ranges,
+        vec![
+            (Iova(0), Iova(0xfedf_ffff)),
+            (Iova(0xfef0_0000), Iova((1 << 39) - 1))
+        ]
+    );
+    let b = mem(2);
+    for iova in [
+        0xfee0_0000,
+        0xfedf_f000,
+        0xfeef_f000,
+        1 << 39,
+        (1 << 39) - PAGE,
+    ] {
+        let r = d.map_backing(Iova(iova), &b, 0, 2 * PAGE, Prot::RW);
+        assert_eq!(errno(r), libc::EINVAL, "{iova:#x}");
+    }
+    d.map_backing(Iova(0xfedf_e000), &b, 0, 2 * PAGE, Prot::RW)
+        .unwrap();
+    d.map_backing(Iova((1 << 39) - 2 * PAGE), &b, 0, 2 * PAGE, Prot::RW)
+        .unwrap();
+}
+
+#[test]
+fn mappings_may_end_at_the_top_of_the_iova_space() {
+    let d = DmaSpace::default();
+    let b = mem(2);
+    let top = u64::MAX - 2 * PAGE + 1;
+    d.map_backing(Iova(top), &b, 0, 2 * PAGE, Prot::RW).unwrap();
+    d.dma_write(Iova(u64::MAX - 3), &[1, 2, 3, 4]).unwrap();
+    let mut out = [0; 4];
+    d.dma_read(Iova(u64::MAX - 3), &mut out).unwrap();
+    assert_eq!(out, [1, 2, 3, 4]);
+    let t = d.translate(Iova(u64::MAX), 100, Access::Read).unwrap();
+    assert_eq!(t.len, 1);
+    assert_eq!(t.hva.0, b.hva().0 + 2 * PAGE - 1);
+    // one byte past the top cannot be accessed
+    assert_eq!(errno(d.dma_read(Iova(u64::MAX), &mut out)), libc::EINVAL);
+    assert_eq!(d.unmap(Iova(top), 2 * PAGE).unwrap(), 2 * PAGE);
+}
+
+#[test]
+fn unmap_follows_v2_rules() {
+    let d = DmaSpace::default();
+    let b = mem(8);
+    d.map_backing(Iova(0x10000), &b, 0, 4 * PAGE, Prot::RW)
+        .unwrap();
+    d.map_backing(Iova(0x20000), &b, 0, 2 * PAGE, Prot::RW)
+        .unwrap();
+    // cutting a mapping at its start or its end is EINVAL and unmaps nothing
+    assert_eq!(errno(d.unmap(Iova(0x11000), 3 * PAGE)), libc::EINVAL);
+    assert_eq!(errno(d.unmap(Iova(0x10000), 2 * PAGE)), libc::EINVAL);
+    assert_eq!(
+        errno(d.unmap(Iova(0x10000), 0x11000)),
+        libc::EINVAL,
+        "cuts the second"
+    );
+    assert_eq!(d.len(), 2);
+    // bad arguments
+    assert_eq!(errno(d.unmap(Iova(0x10000), 0)), libc::EINVAL);
+    assert_eq!(errno(d.unmap(Iova(0x10800), PAGE)), libc::EINVAL);
+    // nothing there: success, 0 bytes
+    assert_eq!(d.unmap(Iova(0x40000), 16 * PAGE).unwrap(), 0);
+    // a range covering both (and holes) unmaps both and returns the bytes
+    assert_eq!(d.unmap(Iova(0), 0x100000).unwrap(), 6 * PAGE);
+    assert!(d.is_empty());
+    d.map_backing(Iova(0), &b, 0, PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(PAGE), &b, 0, 3 * PAGE, Prot::RW)
+        .unwrap();
+    assert_eq!(d.unmap_all(), 4 * PAGE);
+    assert_eq!(d.unmap_all(), 0);
+}
+
+#[test]
+fn rw_and_translate_check_mapping_and_permission() {
+    let d = DmaSpace::default();
+    let b = mem(4);
+    d.map_backing(Iova(0), &b, 0, 2 * PAGE, Prot::READ).unwrap();
+    d.map_backing(Iova(2 * PAGE), &b, 2 * PAGE, PAGE, Prot::WRITE)
+        .unwrap();
+    let mut buf = [0u8; 8];
+    assert_eq!(errno(d.dma_write(Iova(0), &buf)), libc::EPERM);
+    assert_eq!(errno(d.dma_read(Iova(2 * PAGE), &mut buf)), libc::EPERM);
+    assert_eq!(errno(d.translate(Iova(0), 8, Access::Write)), libc::EPERM);
+    assert_eq!(errno(d.dma_read(Iova(3 * PAGE), &mut buf)), libc::EFAULT);
+    assert_eq!(
+        errno(d.translate(Iova(3 * PAGE), 8, Access::Read)),
+        libc::EFAULT
+    );
+    // a write spanning the READ-only and WRITE mappings is refused whole
+    b.write(2 * PAGE - 4, &[7; 8]).unwrap();
+    assert_eq!(errno(d.dma_write(Iova(2 * PAGE - 4), &[1; 8])), libc::EPERM);
+    let mut check = [0; 8];
+    b.read(2 * PAGE - 4, &mut check).unwrap();
+    assert_eq!(check, [7; 8]);
+    // a read running past the last mapping fails before copying
+    let mut big = vec![0xee; 3 * PAGE as usize];
+    assert_eq!(errno(d.dma_read(Iova(0), &mut big)), libc::EPERM);
+    assert!(big.iter().all(|&x| x == 0xee));
+    assert_eq!(errno(d.translate(Iova(0), 0, Access::Read)), libc::EINVAL);
+}
+
+#[test]
+fn reads_and_writes_span_mappings_and_sg_lists_merge_host_contiguous_pieces() {
+    let d = DmaSpace::default();
+    let b = mem(8);
+    // iova [0, 2p) -> b[0, 2p); [2p, 3p) -> b[2p, 3p) (contiguous on host); [3p, 4p) -> b[6p, 7p)
+    d.map_backing(Iova(0), &b, 0, 2 * PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(2 * PAGE), &b, 2 * PAGE, PAGE, Prot::RW)
+        .unwrap();
+    d.map_backing(Iova(3 * PAGE), &b, 6 * PAGE, PAGE, Prot::RW)
+        .unwrap();
+    let data: Vec<u8> = (0..3 * PAGE).map(|i| (i % 251) as u8).collect();
+    d.dma_write(Iova(PAGE / 2), &data).unwrap();
+    let mut back = vec![0; data.len()];
+    d.dma_read(Iova(PAGE / 2), &mut back).unwrap();
+    assert_eq!(back, data);
+    let mut tail = vec![0; PAGE as usize / 2];
+    b.read(6 * PAGE, &mut tail).unwrap();
+    assert_eq!(tail, data[data.len() - PAGE as usize / 2..]);
+    let sg = d
+        .translate_sg(Iova(PAGE / 2), 3 * PAGE, Access::Read)
+        .unwrap();
+    assert_eq!(
+        sg,
+        vec![
+            Segment {
+                hva: memvisor::Hva(b.hva().0 + PAGE / 2),
+                len: 5 * PAGE / 2
+            },
+            Segment {
+                hva: memvisor::Hva(b.hva().0 + 6 * PAGE),
+                len: PAGE / 2
+            },
+        ]
+    );
+    assert_eq!(
+        errno(d.translate_sg(Iova(3 * PAGE), 2 * PAGE, Access::Read)),
+        libc::EFAULT
+    );
+}
+
+#[test]
+fn map_guest_makes_one_mapping_per_slot_piece() {
+    let t = SlotTable::new();
+    let (a, b) = (mem(2), mem(2));
+    t.insert(SlotSpec::new(0, Gpa(0x100000), a.clone()))
+        .unwrap();
+    t.insert(SlotSpec::new(1, Gpa(0x102000), b.clone()).flags(SlotFlags::READ_ONLY))
+        .unwrap();
+    let d = DmaSpace::default();
+    // WRITE over a read-only slot: EFAULT, nothing mapped
+    assert_eq!(
+        errno(d.map_guest(Iova(0), &t.snapshot(), Gpa(0x101000), 2 * PAGE, Prot::RW)),
+        libc::EFAULT
+    );
+    assert!(d.is_empty());
+    // a hole in guest memory: EFAULT
+    assert_eq!(
+        errno(d.map_guest(Iova(0), &t.snapshot(), Gpa(0x103000), 2 * PAGE, Prot::READ)),
+        libc::EFAULT
+    );
+    d.map_guest(
+        Iova(0x8000),
+        &t.snapshot(),
+        Gpa(0x101000),
+        2 * PAGE,
+        Prot::READ,
+    )
+    .unwrap();
+    let maps = d.mappings();
+    assert_eq!(maps.len(), 2);
+    assert_eq!(maps[0].hva().unwrap().0, a.hva().0 + PAGE);
+    assert_eq!(maps[1].hva().unwrap().0, b.hva().0);
+    assert_eq!(maps[1].iova().start(), Iova(0x9000));
+    b.write(0, b"slot1").unwrap();
+    let mut out = [0; 5];
+    d.dma_read(Iova(0x9000), &mut out).unwrap();
+    assert_eq!(&out, b"slot1");
+    // the mapping keeps the backing alive after the slot is gone
+    t.remove(1).unwrap();
+    drop(b);
+    d.dma_read(Iova(0x9000), &mut out).unwrap();
+    assert_eq!(&out, b"slot1");
+}
+
+#[test]
+fn vaddr_invalidate_and_update() {
+    let d = DmaSpace::default();
+    let (old, new) = (mem(2), mem(2));
+    old.write(0, b"old").unwrap();
+    new.write(0, b"new").unwrap();
+    d.map_backing(Iova(0x10000), &old, 0, 2 * PAGE, Prot::RW)
+        .unwrap();
+    let id = d.mappings()[0].id();
+    // update of a valid mapping, of nothing, of a different size
+    assert_eq!(
+        errno(d.update_vaddr(Iova(0x10000), 2 * PAGE, &new, 0)),
+        libc::EINVAL
+    );
+    assert_eq!(
+        errno(d.update_vaddr(Iova(0x40000), 2 * PAGE, &new, 0)),
+        libc::ENOENT
+    );
+    assert_eq!(
+        errno(d.invalidate_vaddr(Iova(0x10000), PAGE)),
+        libc::EINVAL,
+        "cuts it"
+    );
+    assert_eq!(
+        d.invalidate_vaddr(Iova(0x10000), 2 * PAGE).unwrap(),
+        2 * PAGE
+    );
+    assert_eq!(
+        errno(d.invalidate_vaddr(Iova(0x10000), 2 * PAGE)),
+        libc::EINVAL,
+        "already"
+    );
+    // while invalid: translation EBUSY, copies EFAULT, and the old memory is not touched
+    assert_eq!(
+        errno(d.translate(Iova(0x10000), 8, Access::Read)),
+        libc::EBUSY
+    );
+    assert_eq!(
+        errno(d.cursor().translate(Iova(0x10000), 8, Access::Read)),
+        libc::EBUSY
+    );
+    assert_eq!(errno(d.dma_write(Iova(0x10000), b"xxx")), libc::EFAULT);
+    assert_eq!(
+        errno(d.translate_sg(Iova(0x10000), 8, Access::Read)),
+        libc::EBUSY
+    );
+    assert_eq!(d.mappings()[0].hva(), None);
+    assert_eq!(
+        errno(d.update_vaddr(Iova(0x10000), PAGE, &new, 0)),
+        libc::EINVAL,
+        "size differs"
+    );
+    assert_eq!(
+        errno(d.update_vaddr(Iova(0x11000), PAGE, &new, 0)),
+        libc::EINVAL,
+        "iova differs"
+    );
+    d.update_vaddr(Iova(0x10000), 2 * PAGE, &new, 0).unwrap();
+    let mut out = [0; 3];
+    d.dma_read(Iova(0x10000), &mut out).unwrap();
+    assert_eq!(&out, b"new");
+    old.read(0, &mut out).unwrap();
+    assert_eq!(&out, b"old");
+    assert_eq!(d.mappings()[0].id(), id, "the mapping keeps its identity");
+    // an invalidated mapping can still be unmapped
+    d.invalidate_vaddr(Iova(0x10000), 2 * PAGE).unwrap();
+    assert_eq!(d.unmap(Iova(0x10000), 2 * PAGE).unwrap(), 2 * PAGE);
+}
+
+#[test]
+fn translation_waits_for_a_vaddr_update_up_to_the_configured_time() {
+    let d = DmaSpace::new(DmaConfig {
+        vaddr_wait: Duration::from_secs(5),
+        ..Default::default()
+    })
+    .unwrap();
+    let (old, new) = (mem(1), mem(1));
+    new.write(0, b"fresh").unwrap();
+    d.map_backing(Iova(0), &old, 0, PAGE, Prot::RW).unwrap();
+    d.invalidate_vaddr(Iova(0), PAGE).unwrap();
+    let updater = {
+        let (d, new) = (d.clone(), new.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            d.update_vaddr(Iova(0), PAGE, &new, 0).unwrap();
+        })
+    };
+    let mut out = [0; 5];
+    d.dma_read(Iova(0), &mut out).unwrap();
+    assert_eq!(
+        &out, b"fresh",
+        "the read waited for the update and saw the new memory"
+    );
+    updater.join().unwrap();
+    // with nobody updating, the wait ends with EBUSY after the configured time
+    let short = DmaSpace::new(DmaConfig {
+        vaddr_wait: Duration::from_millis(30),
+        ..Default::default()
+    })
+    .unwrap();
+    short.map_backing(Iova(0), &old, 0, PAGE, Prot::RW).unwrap();
+    short.invalidate_vaddr(Iova(0), PAGE).unwrap();
+    let start = Instant::now();
+    assert_eq!(
+        errno(short.translate(Iova(0), 1, Access::Read)),
+        libc::EBUSY
+    );
+    assert!(start.elapsed() >= Duration::from_millis(30));
+}
+
+#[test]
+fn a_cursor_follows_changes() {
+    let d = DmaSpace::default();
+    let (a, b) = (mem(1), mem(1));
+    d.map_backing(Iova(0), &a, 0, PAGE, Prot::RW).unwrap();
+    let mut c = d.cursor();
+    assert_eq!(
+        c.translate(Iova(8), 8, Access::Read).unwrap().hva.0,
+        a.hva().0 + 8
+    );
+    assert_eq!(c.translate(Iova(8), 8, Access::Write).unwrap().len, 8);
+    d.unmap(Iova(0), PAGE).unwrap();
+    assert_eq!(errno(c.translate(Iova(8), 8, Access::Read)), libc::EFAULT);
+    d.map_backing(Iova(0), &b, 0, PAGE, Prot::READ).unwrap();
+    assert_eq!(
+        c.translate(Iova(8), 8, Access::Read).unwrap().hva.0,
+        b.hva().0 + 8
+    );
+    assert_eq!(errno(c.translate(Iova(8), 8, Access::Write)), libc::EPERM);
+}
+
+#[test]
+fn dirty_bits_are_exactly_the_pages_written() {
+    let d = DmaSpace::default();
+    let b = mem(200);
+    d.map_backing(Iova(0), &b, 0, 100 * PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(100 * PAGE), &b, 100 * PAGE, 30 * PAGE, Prot::RW)
+        .unwrap();
+    d.map_backing(Iova(200 * PAGE), &b, 150 * PAGE, 10 * PAGE, Prot::RW)
+        .unwrap();
+    assert_eq!(
+        errno(d.get_and_clear_dirty(Iova(0), 130 * PAGE, PAGE)),
+        libc::EINVAL,
+        "off"
+    );
+    d.dma_write(Iova(0), &[1]).unwrap(); // before tracking: not recorded
+    d.start_dirty_tracking();
+    // across the first mapping boundary: pages 99, 100, 101
+    d.dma_write(Iova(99 * PAGE + 10), &vec![1; 2 * PAGE as usize])
+        .unwrap();
+    d.translate(Iova(5 * PAGE), 1, Access::Write).unwrap();
+    d.translate(Iova(6 * PAGE), 1, Access::Read).unwrap(); // reads mark nothing
+    d.cursor()
+        .translate(Iova(129 * PAGE), 1, Access::Write)
+        .unwrap();
+    d.translate_sg(Iova(200 * PAGE), 2 * PAGE, Access::Write)
+        .unwrap();
+    let pages = |words: &[u64]| -> Vec<u64> {
+        (0..words.len() as u64 * 64)
+            .filter(|&i| words[(i / 64) as usize] >> (i % 64) & 1 == 1)
+            .collect()
+    };
+    // the range is made of whole mappings with a hole: 0 .. 210 pages
+    let bits = d.get_and_clear_dirty(Iova(0), 210 * PAGE, PAGE).unwrap();
+    assert_eq!(bits.len(), 4);
+    assert_eq!(pages(&bits), vec![5, 99, 100, 101, 129, 200, 201]);
+    assert_eq!(
+        pages(&d.get_and_clear_dirty(Iova(0), 210 * PAGE, PAGE).unwrap()),
+        Vec::<u64>::new(),
+        "cleared"
+    );
+    // a range of one mapping in the middle, so bits are shifted into place
+    d.dma_write(Iova(101 * PAGE), &[1]).unwrap();
+    assert_eq!(
+        pages(
+            &d.get_and_clear_dirty(Iova(100 * PAGE), 30 * PAGE, PAGE)
+                .unwrap()
+        ),
+        vec![1]
+    );
+    // rules: smallest page size only, no cutting a mapping
+    assert_eq!(
+        errno(d.get_and_clear_dirty(Iova(0), 130 * PAGE, 2 << 20)),
+        libc::EINVAL
+    );
+    assert_eq!(
+        errno(d.get_and_clear_dirty(Iova(PAGE), 99 * PAGE, PAGE)),
+        libc::EINVAL
+    );
+    // mappings made while tracking are tracked; stopping drops the bits
+    d.map_backing(Iova(300 * PAGE), &b, 0, PAGE, Prot::RW)
+        .unwrap();
+    d.dma_write(Iova(300 * PAGE), &[1]).unwrap();
+    assert_eq!(
+        pages(&d.get_and_clear_dirty(Iova(300 * PAGE), PAGE, PAGE).unwrap()),
+        vec![0]
+    );
+    d.stop_dirty_tracking();
+    assert_eq!(
+        errno(d.get_and_clear_dirty(Iova(300 * PAGE), PAGE, PAGE)),
+        libc::EINVAL
+    );
+}
