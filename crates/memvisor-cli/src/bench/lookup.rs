@@ -24,7 +24,10 @@ use std::time::Instant;
 use memvisor::{Backing, BackingKind, Gpa, SlotCursor, SlotSpec, SlotTable, Snapshot};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
-use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, measure};
+use super::{
+    Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, iters_for, measure,
+    ns_per_op,
+};
 
 pub struct Lookup;
 
@@ -259,16 +262,9 @@ fn time_lookups<T: Translate>(make: impl Fn() -> T + Sync, addrs: &[Vec<u64>], i
     elapsed.as_nanos() as f64 / iters as f64
 }
 
-/// Enough iterations for about 30 ms of `ns_per_op`-priced work: long enough that scheduler noise
-/// on a shared machine averages out, short enough for the quick suite.
-fn iters_for(ns_per_op: f64) -> u64 {
-    ((30e6 / ns_per_op.max(0.1)) as u64).clamp(1 << 20, 1 << 26)
-}
-
-/// Median ns per lookup over `runs` runs, each sized by a short calibration run.
+/// Median ns per lookup over `runs` runs of about 30 ms each.
 fn lookup_stats(layout: &Layout, variant: Option<Variant>, addrs: &[Vec<u64>], runs: u32) -> Stats {
-    let iters = iters_for(lookup_ns(layout, variant, addrs, 1 << 18));
-    measure(runs, || lookup_ns(layout, variant, addrs, iters))
+    ns_per_op(runs, |iters| lookup_ns(layout, variant, addrs, iters))
 }
 
 /// ns per lookup of `variant` (`None`: the bare loop).

@@ -9,7 +9,9 @@
 mod lookup;
 pub mod machine;
 pub mod report;
+mod rw;
 pub mod svg;
+mod translate;
 
 use serde::Serialize;
 use std::io::Write;
@@ -19,7 +21,11 @@ use std::time::{Duration, Instant};
 /// To add one: write `src/bench/<name>.rs` with a type implementing [`Experiment`], declare it
 /// with `mod <name>;` above, and push `Box::new(<name>::TheType)` here.
 pub fn all() -> Vec<Box<dyn Experiment>> {
-    vec![Box::new(lookup::Lookup)]
+    vec![
+        Box::new(lookup::Lookup),
+        Box::new(translate::Translate),
+        Box::new(rw::Rw),
+    ]
 }
 
 /// How big the experiments go.
@@ -142,6 +148,20 @@ impl Stats {
 pub fn measure(runs: u32, mut f: impl FnMut() -> f64) -> Stats {
     let samples: Vec<f64> = (0..runs.max(1)).map(|_| f()).collect();
     Stats::from_samples(&samples)
+}
+
+/// Median cost per operation in ns over `runs` runs of `batch(iters)`, which performs the
+/// operation `iters` times and returns the ns each took. A short first call sizes `iters` so
+/// each run lasts about 30 ms: long enough to average out scheduler noise on a shared machine,
+/// short enough for the quick suite.
+pub fn ns_per_op(runs: u32, mut batch: impl FnMut(u64) -> f64) -> Stats {
+    let iters = iters_for(batch(1 << 12));
+    measure(runs, || batch(iters))
+}
+
+/// How many operations of `ns_per_op` ns each make about 30 ms.
+pub fn iters_for(ns_per_op: f64) -> u64 {
+    ((30e6 / ns_per_op.max(0.01)) as u64).clamp(1 << 6, 1 << 26)
 }
 
 /// Formats a number with about three significant digits and a k/M/G suffix for big values:

@@ -291,23 +291,36 @@ impl DmaCursor {
     }
 
     fn translate_slow(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
-        let t = self.space.translate(iova, len, access)?;
-        // Cache the mapping from the snapshot the answer came from (or a newer one).
-        self.refresh();
-        if let Some(pos) = self.snapshot.map.find(iova.0) {
-            let (start, last, m) = self.snapshot.map.get(pos);
-            if let Some(host) = &m.host {
-                self.hit = Hit {
-                    start,
-                    last,
-                    delta: host.hva.0.wrapping_sub(start),
-                    prot: m.prot.0,
-                    dirty: m.dirty.is_some(),
-                    pos,
-                };
-            }
+        if len == 0 {
+            return Err(Error::ZeroSize {
+                what: "translation",
+            });
         }
-        Ok(t)
+        self.refresh();
+        let (pos, last, m) = match self.snapshot.resolve(iova.0, len, access) {
+            Ok(found) => found,
+            // Invalidated: take the space's path, which waits for the update.
+            Err(Error::Busy { .. }) => return self.space.translate(iova, len, access),
+            Err(e) => return Err(e),
+        };
+        let start = m.iova.start().0;
+        let hva = m.host.as_ref().expect("resolved").hva.0;
+        self.hit = Hit {
+            start,
+            last,
+            delta: hva.wrapping_sub(start),
+            prot: m.prot.0,
+            dirty: m.dirty.is_some(),
+            pos,
+        };
+        let n = len.min(last - iova.0 + 1);
+        if access == Access::Write {
+            mark_dirty(m, iova.0, n, self.space.shared.min_page);
+        }
+        Ok(Translation {
+            hva: Hva(iova.0.wrapping_add(self.hit.delta)),
+            len: n,
+        })
     }
 
     /// Moves to the space's current snapshot if it changed, letting go of the old one.
