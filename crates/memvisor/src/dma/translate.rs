@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Access, DmaSnapshot, DmaSpace, Mapping};
+use super::{Access, DmaSnapshot, DmaSpace, Entry, Mapping};
 use crate::addr::{Hva, Iova};
 use crate::error::{Error, Result};
 use crate::rangemap::Pos;
@@ -41,24 +41,24 @@ pub struct Segment {
 impl DmaSnapshot {
     /// The mapping holding `iova`, checked for `access` and a valid host address.
     #[inline]
-    fn resolve(&self, iova: u64, len: u64, access: Access) -> Result<(Pos, u64, &Arc<Mapping>)> {
+    fn resolve(&self, iova: u64, len: u64, access: Access) -> Result<(Pos, u64, &Entry)> {
         let pos = self.map.find(iova).ok_or(Error::Fault {
             space: "iova",
             addr: iova,
             start: iova,
             len,
         })?;
-        let (start, last, m) = self.map.get(pos);
-        if !m.prot.contains(access.prot()) {
+        let (start, last, e) = self.map.get(pos);
+        if !e.prot.contains(access.prot()) {
             return Err(Error::PermissionDenied {
                 access: access.name(),
                 addr: iova,
                 start,
                 last,
-                allowed: format!("{:?}", m.prot),
+                allowed: format!("{:?}", e.prot),
             });
         }
-        if m.host.is_none() {
+        if !e.valid {
             return Err(Error::Busy {
                 addr: iova,
                 why: format!(
@@ -67,7 +67,7 @@ impl DmaSnapshot {
                 ),
             });
         }
-        Ok((pos, last, m))
+        Ok((pos, last, e))
     }
 
     /// Checks that `[iova, iova + len)` is all mapped, contiguously, for `access`; then calls
@@ -109,14 +109,13 @@ impl DmaSnapshot {
         let mut addr = iova;
         let mut pos = Some(first);
         while let Some(p) = pos.filter(|_| addr <= end) {
-            let (start, last, m) = self.map.get(p);
+            let (_, last, e) = self.map.get(p);
             let n = end.min(last) - addr + 1;
-            let hva = m.host.as_ref().expect("resolved above").hva.0 + (addr - start);
-            piece(hva, n);
+            piece(addr.wrapping_add(e.delta), n);
             // After the copy: a dirty read racing us then reports the page now or next time,
             // never before the bytes landed.
-            if access == Access::Write {
-                mark_dirty(m, addr, n, min_page);
+            if access == Access::Write && e.dirty {
+                mark_dirty(&e.mapping, addr, n, min_page);
             }
             addr = addr.wrapping_add(n);
             pos = self.map.next(p);
@@ -170,14 +169,13 @@ impl DmaSpace {
         }
         let min_page = self.shared.min_page;
         self.with_snapshot(|snap| {
-            let (_, last, m) = snap.resolve(iova.0, len, access)?;
+            let (_, last, e) = snap.resolve(iova.0, len, access)?;
             let n = len.min(last - iova.0 + 1);
-            if access == Access::Write {
-                mark_dirty(m, iova.0, n, min_page);
+            if access == Access::Write && e.dirty {
+                mark_dirty(&e.mapping, iova.0, n, min_page);
             }
-            let start = m.iova.start().0;
             Ok(Translation {
-                hva: Hva(m.host.as_ref().expect("resolved").hva.0 + (iova.0 - start)),
+                hva: Hva(iova.0.wrapping_add(e.delta)),
                 len: n,
             })
         })
@@ -279,8 +277,8 @@ impl DmaCursor {
         {
             let n = len.min(h.last - iova.0 + 1);
             if h.dirty && access == Access::Write {
-                let m = self.snapshot.map.get(h.pos).2;
-                mark_dirty(m, iova.0, n, self.space.shared.min_page);
+                let e = self.snapshot.map.get(h.pos).2;
+                mark_dirty(&e.mapping, iova.0, n, self.space.shared.min_page);
             }
             return Ok(Translation {
                 hva: Hva(iova.0.wrapping_add(h.delta)),
@@ -297,25 +295,23 @@ impl DmaCursor {
             });
         }
         self.refresh();
-        let (pos, last, m) = match self.snapshot.resolve(iova.0, len, access) {
+        let (pos, last, e) = match self.snapshot.resolve(iova.0, len, access) {
             Ok(found) => found,
             // Invalidated: take the space's path, which waits for the update.
             Err(Error::Busy { .. }) => return self.space.translate(iova, len, access),
             Err(e) => return Err(e),
         };
-        let start = m.iova.start().0;
-        let hva = m.host.as_ref().expect("resolved").hva.0;
         self.hit = Hit {
-            start,
+            start: e.mapping.iova.start().0,
             last,
-            delta: hva.wrapping_sub(start),
-            prot: m.prot.0,
-            dirty: m.dirty.is_some(),
+            delta: e.delta,
+            prot: e.prot.0,
+            dirty: e.dirty,
             pos,
         };
         let n = len.min(last - iova.0 + 1);
-        if access == Access::Write {
-            mark_dirty(m, iova.0, n, self.space.shared.min_page);
+        if access == Access::Write && e.dirty {
+            mark_dirty(&e.mapping, iova.0, n, self.space.shared.min_page);
         }
         Ok(Translation {
             hva: Hva(iova.0.wrapping_add(self.hit.delta)),
