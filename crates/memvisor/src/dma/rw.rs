@@ -18,50 +18,43 @@ impl DmaSpace {
     /// unmapped or its host address invalidated (after waiting up to `vaddr_wait`); EPERM if a
     /// mapping does not allow READ.
     pub fn dma_read(&self, iova: Iova, buf: &mut [u8]) -> Result<()> {
-        let min_page = self.shared.min_page;
-        self.with_snapshot(|snap| {
-            let mut done = 0usize;
-            snap.for_each_piece(
-                iova.0,
-                buf.len() as u64,
-                Access::Read,
-                min_page,
-                |hva, n| {
-                    let n = n as usize;
-                    // SAFETY: for_each_piece proved hva..hva+n lies in a valid mapping of this
-                    // snapshot, which keeps its memory mapped (or, for raw mappings, the caller
-                    // promised to); buf is caller memory, never guest memory.
-                    unsafe {
-                        copy::from_guest(hva as usize as *const u8, &mut buf[done..done + n])
-                    };
-                    done += n;
-                },
-            )
+        let len = buf.len();
+        self.copy_pieces(iova, len, Access::Read, |hva, at, n| {
+            // SAFETY: copy_pieces hands out only ranges inside valid mappings of the snapshot it
+            // holds, which keeps their memory mapped (or, for raw mappings, the caller promised
+            // to); buf is caller memory, never guest memory.
+            unsafe { copy::from_guest(hva as usize as *const u8, &mut buf[at..at + n]) }
         })
-        .map_err(|e| busy_is_fault(e, iova, buf.len()))
     }
 
     /// Copies `buf` to `[iova, iova + buf.len())`, marking the pages dirty when tracking is on.
     /// EFAULT, nothing copied, if any byte is unmapped or invalidated; EPERM if a mapping does
     /// not allow WRITE.
     pub fn dma_write(&self, iova: Iova, buf: &[u8]) -> Result<()> {
+        self.copy_pieces(iova, buf.len(), Access::Write, |hva, at, n| {
+            // SAFETY: as in dma_read; the mappings allow WRITE.
+            unsafe { copy::to_guest(&buf[at..at + n], hva as usize as *mut u8) }
+        })
+    }
+
+    /// Checks `[iova, iova + len)` for `access` against one snapshot, then calls
+    /// `copy(host address, offset in the caller's buffer, bytes)` for each piece.
+    fn copy_pieces(
+        &self,
+        iova: Iova,
+        len: usize,
+        access: Access,
+        mut copy: impl FnMut(u64, usize, usize),
+    ) -> Result<()> {
         let min_page = self.shared.min_page;
         self.with_snapshot(|snap| {
-            let mut done = 0usize;
-            snap.for_each_piece(
-                iova.0,
-                buf.len() as u64,
-                Access::Write,
-                min_page,
-                |hva, n| {
-                    let n = n as usize;
-                    // SAFETY: as in dma_read; the mapping allows WRITE.
-                    unsafe { copy::to_guest(&buf[done..done + n], hva as usize as *mut u8) };
-                    done += n;
-                },
-            )
+            let mut at = 0usize;
+            snap.for_each_piece(iova.0, len as u64, access, min_page, |hva, n| {
+                copy(hva, at, n as usize);
+                at += n as usize;
+            })
         })
-        .map_err(|e| busy_is_fault(e, iova, buf.len()))
+        .map_err(|e| busy_is_fault(e, iova, len))
     }
 }
 
