@@ -48,6 +48,12 @@ impl DmaSnapshot {
             start: iova,
             len,
         })?;
+        self.check(pos, iova, access)
+    }
+
+    /// The mapping at `pos` (which holds `iova`), checked for `access` and a valid host address.
+    #[inline]
+    fn check(&self, pos: Pos, iova: u64, access: Access) -> Result<(Pos, u64, &Entry)> {
         let (start, last, e) = self.map.get(pos);
         if !e.prot.contains(access.prot()) {
             return Err(Error::PermissionDenied {
@@ -92,19 +98,20 @@ impl DmaSnapshot {
         let (first, mut last, _) = self.resolve(iova, len, access)?;
         let mut pos = first;
         while last < end {
-            let adjacent = self
+            // The next piece must start right after this one; it is at the next position.
+            let next = self
                 .map
                 .next(pos)
-                .is_some_and(|p| self.map.get(p).0 == last + 1);
-            if !adjacent {
+                .filter(|&p| self.map.get(p).0 == last + 1);
+            let Some(next) = next else {
                 return Err(Error::Fault {
                     space: "iova",
                     addr: last + 1,
                     start: iova,
                     len,
                 });
-            }
-            (pos, last, _) = self.resolve(last + 1, len, access)?;
+            };
+            (pos, last, _) = self.check(next, last + 1, access)?;
         }
         let mut addr = iova;
         let mut pos = Some(first);
