@@ -121,6 +121,36 @@ pub enum Error {
         len: u64,
     },
 
+    /// Pinning would lock more memory than the limit allows (VFIO: ENOMEM). Nothing of the call
+    /// that failed stays pinned.
+    #[error(
+        "pinning {asked:#x} more bytes would lock {total:#x} bytes, over the {limit_kind} limit of \
+         {limit:#x} ({locked:#x} already locked); unpin or unmap something, raise the limit, or \
+         run with CAP_IPC_LOCK"
+    )]
+    LockLimit {
+        asked: u64,
+        locked: u64,
+        total: u64,
+        limit: u64,
+        limit_kind: &'static str,
+    },
+
+    /// More entries in one call than the interface takes (VFIO: E2BIG).
+    #[error("{what}: {count} entries in one call, the most is {limit}; split the call")]
+    TooBig {
+        what: &'static str,
+        count: u64,
+        limit: u64,
+    },
+
+    /// The process lacks a capability the request needs (EPERM).
+    #[error("{what} needs {capability}; run as root or grant it, or don't ask for it")]
+    NeedsCapability {
+        what: &'static str,
+        capability: &'static str,
+    },
+
     /// Huge pages of the requested size are not available.
     #[error(
         "need {needed} free {page_size} huge pages but only {free} are free; reserve more as root: \
@@ -156,7 +186,9 @@ impl Error {
             | Error::OutOfBounds { .. }
             | Error::LimitExceeded { .. }
             | Error::Invalid(_) => libc::EINVAL,
-            Error::PermissionDenied { .. } => libc::EPERM,
+            Error::PermissionDenied { .. } | Error::NeedsCapability { .. } => libc::EPERM,
+            Error::LockLimit { .. } => libc::ENOMEM,
+            Error::TooBig { .. } => libc::E2BIG,
             Error::NoSpace { .. } => libc::ENOSPC,
             Error::Busy { .. } => libc::EBUSY,
             Error::Overlap { .. } | Error::AlreadyExists { .. } => libc::EEXIST,

@@ -70,7 +70,7 @@ impl DmaSpace {
             ));
         }
         let snap = self.shared.current.load();
-        let mappings = whole_mappings(&snap.map, range)?;
+        let mappings = whole_mappings(&snap.map, range.start().0, range.last().0)?;
         let bits = size / page;
         let mut out = vec![0u64; bits.div_ceil(64) as usize];
         for (start, m) in mappings {

@@ -15,6 +15,12 @@
 //!   unchanged IOVA range, e.g. when a VMM re-execs. In between, translation waits (up to
 //!   [`DmaConfig::vaddr_wait`]) and then fails with EBUSY; it never touches the old address.
 //!
+//! Pinning hangs off mappings: in [`PinMode::Eager`] every mapping is pinned whole when it is
+//! made (replayed over existing mappings when the mode switches), in [`PinMode::Lazy`] only what
+//! emulated devices ask for through `pin_pages` is. Pins are counted per host page by the
+//! process-wide [`PinRegistry`] and per IOVA page for devices; an unmap that would pull memory
+//! from under a device's pins asks the device to unpin first (`external`).
+//!
 //! Readers never lock. The mappings live in an immutable snapshot — a persistent two-level range
 //! map (`rangemap`), so one change copies O(n / 256) pointers, not the whole table — swapped in
 //! atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
@@ -22,10 +28,16 @@
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
 //! (`dma_read` / `dma_write`, seed 004a) and dirty tracking are in the submodules.
 
+mod account;
+mod counts;
 mod dirty;
+mod external;
+mod mode;
+mod pin;
 mod rw;
 mod translate;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::BitOr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,7 +52,13 @@ use crate::bitmap::DirtyBitmap;
 use crate::error::{Error, Result};
 use crate::rangemap::RangeMap;
 use crate::slots::{SlotFlags, Snapshot};
+use counts::RunCounts;
+use external::Notifiers;
 
+pub use account::LockLimit;
+pub use external::{Grouping, NotifierId, PIN_PAGES_MAX};
+pub use mode::{Extent, PinMode};
+pub use pin::{HostExtent, PIN_BATCH, PinRegistry};
 pub use translate::{DmaCursor, Segment, Translation};
 
 /// What a mapping allows a device to do.
@@ -121,6 +139,18 @@ pub struct DmaConfig {
     /// How long a translation of an invalidated host address waits for `update_vaddr` before
     /// failing with EBUSY. Zero fails at once.
     pub vaddr_wait: Duration,
+    /// Whether `map` pins (Eager) or only `pin_pages` does (Lazy); see [`DmaSpace::set_pin_mode`].
+    pub pin_mode: PinMode,
+    /// Pages per pinning step ([`PIN_BATCH`]); 1 pins and unpins a page at a time, the
+    /// baseline the benchmarks measure against.
+    pub pin_batch: usize,
+    /// Read physical frames when pinning whole mappings and keep them in the extents (needs
+    /// CAP_SYS_ADMIN, as /proc/self/pagemap hides frames from everyone else).
+    pub frames: bool,
+    /// How `pin_pages` groups the pages it is given ([`Grouping::Adaptive`]).
+    pub grouping: Grouping,
+    /// The pin registry; `None` is the process's ([`PinRegistry::global`]).
+    pub registry: Option<Arc<PinRegistry>>,
 }
 
 impl Default for DmaConfig {
@@ -133,6 +163,11 @@ impl Default for DmaConfig {
                 | PageSize::Size2M.bytes()
                 | PageSize::Size1G.bytes(),
             vaddr_wait: Duration::ZERO,
+            pin_mode: PinMode::Lazy,
+            pin_batch: PIN_BATCH,
+            frames: false,
+            grouping: Grouping::Adaptive,
+            registry: None,
         }
     }
 }
@@ -157,6 +192,15 @@ struct Host {
     hva: Hva,
     /// Keeps the memory mapped; `None` for caller-managed memory (`map_raw`).
     owner: Option<Arc<Backing>>,
+}
+
+impl Host {
+    /// The page size of the memory: the unit pins are rounded out to.
+    fn granule(&self) -> u64 {
+        self.owner
+            .as_ref()
+            .map_or(PageSize::Size4K.bytes(), |b| b.page_size().bytes())
+    }
 }
 
 /// One mapping: an IOVA range, its protection and (unless invalidated) its host memory.
@@ -246,6 +290,11 @@ struct Padded<T>(T);
 struct Writer {
     next_id: u64,
     tracking: bool,
+    mode: PinMode,
+    /// Pins held for whole mappings in Eager mode, by mapping id.
+    eager: HashMap<u64, mode::Pinned>,
+    /// IOVA pages (4 KiB numbers) devices pinned through `pin_pages`, counted.
+    external: RunCounts,
 }
 
 struct Shared {
@@ -257,6 +306,8 @@ struct Shared {
     config: DmaConfig,
     allowed: Vec<(Iova, Iova)>,
     min_page: u64,
+    registry: Arc<PinRegistry>,
+    notifiers: Notifiers,
 }
 
 /// An I/O virtual address space with VFIO type1 semantics. Cloning gives another handle.
@@ -303,6 +354,7 @@ impl DmaSpace {
         }
         let min_page = 1u64 << config.page_sizes.trailing_zeros();
         let allowed = allowed_ranges(lo, hi, &config.reserved);
+        let registry = config.registry.clone().unwrap_or_else(PinRegistry::global);
         Ok(DmaSpace {
             shared: Arc::new(Shared {
                 generation: Padded(AtomicU64::new(0)),
@@ -313,11 +365,16 @@ impl DmaSpace {
                 writer: Mutex::new(Writer {
                     next_id: 1,
                     tracking: false,
+                    mode: config.pin_mode,
+                    eager: HashMap::new(),
+                    external: RunCounts::default(),
                 }),
                 updated: (Mutex::new(()), Condvar::new()),
                 config,
                 allowed,
                 min_page,
+                registry,
+                notifiers: Notifiers::default(),
             }),
         })
     }
@@ -340,7 +397,7 @@ impl DmaSpace {
 
     /// Whether nothing is mapped.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.shared.current.load().map.is_empty()
     }
 
     /// All mappings, in IOVA order.
@@ -415,38 +472,54 @@ impl DmaSpace {
 
     /// Unmaps every mapping inside `[iova, iova + size)` and returns the bytes unmapped (0 if
     /// there were none). EINVAL, nothing unmapped, if the range cuts a mapping at either end.
+    /// If devices hold pins in the range, the unmap notifiers are called so they can unpin;
+    /// EBUSY, nothing unmapped, if pins remain after that. Pins the space holds itself (Eager
+    /// mode) are dropped with the mappings.
     pub fn unmap(&self, iova: Iova, size: u64) -> Result<u64> {
         let range = self.check_range(iova, size)?;
-        self.change(|map, _| {
-            let hit = whole_mappings(map, range)?;
+        self.remove_mappings(range.start().0, range.last().0)
+    }
+
+    /// Unmaps everything; returns the bytes unmapped. EBUSY, nothing unmapped, if devices keep
+    /// pins after the unmap notifiers ran.
+    pub fn unmap_all(&self) -> Result<u64> {
+        self.remove_mappings(0, u64::MAX)
+    }
+
+    fn remove_mappings(&self, first: u64, last: u64) -> Result<u64> {
+        self.release_external(first, last)?;
+        self.change(|map, writer| {
+            let hit = whole_mappings(map, first, last)?;
+            self.check_no_external(writer, &hit)?;
             let mut bytes = 0;
-            for (start, _) in &hit {
-                let e = map.remove(*start).expect("found above");
-                bytes += e.mapping.iova.len();
+            for (_, m) in &hit {
+                self.unpin_mapping(writer, m.id);
+                bytes += m.iova.len();
+            }
+            if hit.len() == map.len() {
+                *map = RangeMap::default();
+            } else {
+                for (start, _) in &hit {
+                    map.remove(*start).expect("found above");
+                }
             }
             Ok((bytes, !hit.is_empty()))
         })
     }
 
-    /// Unmaps everything; returns the bytes unmapped.
-    pub fn unmap_all(&self) -> u64 {
-        self.change(|map, _| {
-            let bytes = map.iter().map(|(_, _, e)| e.mapping.iova.len()).sum();
-            let changed = !map.is_empty();
-            *map = RangeMap::default();
-            Ok((bytes, changed))
-        })
-        .expect("unmap_all cannot fail")
-    }
-
     /// Invalidates the host address of every mapping inside `[iova, iova + size)`
     /// (`VFIO_DMA_UNMAP_FLAG_VADDR`); returns the bytes invalidated. The IOVAs stay mapped, but
     /// until [`DmaSpace::update_vaddr`] nothing reaches the old memory. EINVAL, nothing changed,
-    /// if the range cuts a mapping or any mapping in it is already invalidated.
+    /// if the range cuts a mapping or any mapping in it is already invalidated. The old memory
+    /// is unpinned; pins devices hold there are asked back as for [`DmaSpace::unmap`] (EBUSY if
+    /// they stay). In Eager mode `update_vaddr` pins the new memory.
     pub fn invalidate_vaddr(&self, iova: Iova, size: u64) -> Result<u64> {
         let range = self.check_range(iova, size)?;
-        self.change(|map, _| {
-            let hit = whole_mappings(map, range)?;
+        let (first, last) = (range.start().0, range.last().0);
+        self.release_external(first, last)?;
+        self.change(|map, writer| {
+            let hit = whole_mappings(map, first, last)?;
+            self.check_no_external(writer, &hit)?;
             for (start, m) in &hit {
                 if m.host.is_none() {
                     return Err(Error::Invalid(format!(
@@ -456,6 +529,7 @@ impl DmaSpace {
             }
             let mut bytes = 0;
             for (start, m) in &hit {
+                self.unpin_mapping(writer, m.id);
                 let pos = map.find(*start).expect("found above");
                 map.set(pos, Entry::of(m.with(None, m.dirty.clone())));
                 bytes += m.iova.len();
@@ -488,7 +562,7 @@ impl DmaSpace {
     }
 
     fn update_host(&self, iova: Iova, size: u64, host: Host) -> Result<()> {
-        self.change(|map, _| {
+        self.change(|map, writer| {
             let pos = map.find(iova.0).ok_or(Error::NotFound {
                 what: "dma mapping at iova",
                 id: iova.0,
@@ -507,8 +581,12 @@ impl DmaSpace {
                     "mapping at iova {iova} has a valid vaddr; invalidate it first"
                 )));
             }
-            let new = Entry::of(m.with(Some(host), m.dirty.clone()));
-            map.set(pos, new);
+            let new = m.with(Some(host), m.dirty.clone());
+            if writer.mode == PinMode::Eager {
+                let pinned = self.pin_mapping(&new)?;
+                writer.eager.insert(new.id, pinned);
+            }
+            map.set(pos, Entry::of(new));
             Ok(((), true))
         })?;
         let (lock, cv) = &self.shared.updated;
@@ -633,18 +711,25 @@ impl DmaSpace {
                     }
                 }
             }
+            let mut made = Vec::with_capacity(new.len());
             for n in new {
                 let dirty = writer.tracking.then(|| self.new_bitmap(n.iova.len()));
                 let id = writer.next_id;
                 writer.next_id += 1;
-                let (start, last) = (n.iova.start().0, n.iova.last().0);
-                let m = Mapping {
+                made.push(Mapping {
                     id,
                     iova: n.iova,
                     prot,
                     host: Some(n.host),
                     dirty,
-                };
+                });
+            }
+            if writer.mode == PinMode::Eager {
+                let pinned = self.pin_all(&made)?;
+                writer.eager.extend(pinned);
+            }
+            for m in made {
+                let (start, last) = (m.iova.start().0, m.iova.last().0);
                 map.insert(start, last, Entry::of(m));
             }
             Ok(((), true))
@@ -655,13 +740,17 @@ impl DmaSpace {
         Arc::new(DirtyBitmap::new(len / self.shared.min_page))
     }
 
+    fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {
+        self.shared.writer.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Runs `edit` on a copy of the current mappings and publishes it if `edit` says it changed
     /// something; on error nothing is published. Writers are serialized.
     fn change<T>(
         &self,
         edit: impl FnOnce(&mut RangeMap<Entry>, &mut Writer) -> Result<(T, bool)>,
     ) -> Result<T> {
-        let mut writer = self.shared.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let mut writer = self.writer();
         let current = self.shared.current.load_full();
         let mut map = current.map.clone();
         let (value, changed) = edit(&mut map, &mut writer)?;
@@ -679,9 +768,30 @@ impl DmaSpace {
     }
 }
 
-/// The mappings lying in `range`, as (start, mapping); EINVAL if `range` cuts one at either end.
-fn whole_mappings(map: &RangeMap<Entry>, range: Range<Iova>) -> Result<Vec<(u64, Arc<Mapping>)>> {
-    let (first, last) = (range.start().0, range.last().0);
+impl Drop for Shared {
+    /// The last handle is gone: give back every pin the space and its devices still hold, so
+    /// nothing stays locked or charged.
+    fn drop(&mut self) {
+        let writer = self.writer.get_mut().unwrap_or_else(|e| e.into_inner());
+        let eager = std::mem::take(&mut writer.eager);
+        let external = std::mem::take(&mut writer.external);
+        self.drop_eager(eager);
+        self.drop_external(&external);
+    }
+}
+
+/// The index entry holding `iova` in `snap`, as (start, last, entry).
+fn snapshot_entry(snap: &DmaSnapshot, iova: u64) -> Option<(u64, u64, &Entry)> {
+    snap.map.find(iova).map(|p| snap.map.get(p))
+}
+
+/// The mappings lying in `[first, last]`, as (start, mapping); EINVAL if the range cuts one at
+/// either end.
+fn whole_mappings(
+    map: &RangeMap<Entry>,
+    first: u64,
+    last: u64,
+) -> Result<Vec<(u64, Arc<Mapping>)>> {
     let mut out = Vec::new();
     let mut pos = map.first_ending_at_or_after(first);
     while let Some(p) = pos {

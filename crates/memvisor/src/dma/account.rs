@@ -1,0 +1,149 @@
+//! Locked-memory accounting: how many bytes pins hold resident, against a limit.
+//!
+//! VFIO type1 charges every pinned page to the process's `locked_vm` and refuses with ENOMEM
+//! past `RLIMIT_MEMLOCK`, unless the process has CAP_IPC_LOCK. memvisor does the same, once per
+//! host page — the pin registry charges a page when its count goes 0 -> 1 and releases it on
+//! 1 -> 0, so a page pinned through two IOVAs or by two devices is charged once (iommufd's rule;
+//! type1 would count it twice). The limit is read when it is checked, so raising the rlimit of a
+//! running process takes effect at the next pin.
+//!
+//! [`Account`] lives inside the registry's lock: the check and the charge are one step, so
+//! concurrent pins can never overshoot the limit between them.
+
+use crate::error::{Error, Result};
+
+/// How much memory pins may lock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LockLimit {
+    /// `RLIMIT_MEMLOCK`'s soft limit, as the kernel would apply it: no limit with CAP_IPC_LOCK or
+    /// an infinite rlimit.
+    #[default]
+    Rlimit,
+    /// At most this many bytes, whatever the rlimit and capabilities say.
+    Bytes(u64),
+    /// No limit.
+    Unlimited,
+}
+
+impl LockLimit {
+    /// The limit in bytes and where it came from; `None` when there is none.
+    pub fn resolve(self) -> Option<(u64, &'static str)> {
+        match self {
+            LockLimit::Bytes(n) => Some((n, "caller-set")),
+            LockLimit::Unlimited => None,
+            LockLimit::Rlimit => {
+                if capable(Capability::IpcLock) {
+                    return None;
+                }
+                let mut rl = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                // SAFETY: getrlimit writes one rlimit into the struct we own.
+                let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) };
+                if rc != 0 || rl.rlim_cur == libc::RLIM_INFINITY {
+                    return None;
+                }
+                Some((rl.rlim_cur, "RLIMIT_MEMLOCK"))
+            }
+        }
+    }
+}
+
+/// Bytes locked by pins, and the limit they are held to.
+#[derive(Debug, Default)]
+pub(crate) struct Account {
+    pub limit: LockLimit,
+    locked: u64,
+}
+
+impl Account {
+    pub fn new(limit: LockLimit) -> Self {
+        Account { limit, locked: 0 }
+    }
+
+    /// Bytes charged now.
+    pub fn locked(&self) -> u64 {
+        self.locked
+    }
+
+    /// Whether `bytes` more fit under the limit; ENOMEM naming the limit, the request and what
+    /// is already locked if not.
+    pub fn check(&self, bytes: u64) -> Result<()> {
+        let Some((limit, kind)) = self.limit.resolve() else {
+            return Ok(());
+        };
+        match self.locked.checked_add(bytes) {
+            Some(total) if total <= limit => Ok(()),
+            total => Err(Error::LockLimit {
+                asked: bytes,
+                locked: self.locked,
+                total: total.unwrap_or(u64::MAX),
+                limit,
+                limit_kind: kind,
+            }),
+        }
+    }
+
+    /// Charges `bytes` if they fit.
+    pub fn charge(&mut self, bytes: u64) -> Result<()> {
+        self.check(bytes)?;
+        self.locked = self.locked.saturating_add(bytes);
+        Ok(())
+    }
+
+    /// Gives back `bytes` charged earlier.
+    pub fn release(&mut self, bytes: u64) {
+        debug_assert!(bytes <= self.locked, "releasing more than was charged");
+        self.locked = self.locked.saturating_sub(bytes);
+    }
+}
+
+/// The Linux capabilities memvisor asks about.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Capability {
+    /// Lock memory without limit.
+    IpcLock = 14,
+    /// Read physical frame numbers from /proc/self/pagemap.
+    SysAdmin = 21,
+}
+
+/// Whether the process has `cap` in its effective set (read from /proc/self/status).
+pub(crate) fn capable(cap: Capability) -> bool {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|bits| bits & (1 << cap as u32) != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_set_limit_refuses_past_it_and_says_by_how_much() {
+        let mut a = Account::new(LockLimit::Bytes(8192));
+        a.charge(4096).unwrap();
+        let e = a.charge(8192).unwrap_err();
+        assert_eq!(e.errno(), libc::ENOMEM);
+        let msg = e.to_string();
+        assert!(msg.contains("0x2000 more bytes"), "{msg}");
+        assert!(msg.contains("limit of 0x2000"), "{msg}");
+        assert!(msg.contains("0x1000 already locked"), "{msg}");
+        assert_eq!(a.locked(), 4096);
+        a.charge(4096).unwrap();
+        a.release(8192);
+        assert_eq!(a.locked(), 0);
+    }
+
+    #[test]
+    fn unlimited_takes_anything() {
+        let mut a = Account::new(LockLimit::Unlimited);
+        a.charge(u64::MAX).unwrap();
+        assert!(a.check(1).is_ok());
+    }
+}

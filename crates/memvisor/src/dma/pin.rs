@@ -1,0 +1,435 @@
+//! Pinning host memory for DMA: the process-wide registry, batched pins, extents, unpin by run.
+//!
+//! In a process, a pin is a promise that a host page stays resident and where it is until it is
+//! unpinned: the page is faulted in (`MADV_POPULATE_WRITE`, or `_READ` for read-only mappings),
+//! locked (`mlock`) and, when the consumer programs a real IOMMU or does IOVA-as-PA DMA, its
+//! physical frame read from `/proc/self/pagemap`. mlock does not nest — one munlock undoes any
+//! number of mlocks — so nesting lives here: one [`PinRegistry`] per process counts pins per host
+//! page ([`RunCounts`](super::counts) keyed by page number), across every DMA space, mapping and
+//! device. Only a 0 -> 1 transition locks and is charged to the locked-memory account, only a
+//! 1 -> 0 transition unlocks and is released; a page pinned through two IOVAs is locked and
+//! charged once.
+//!
+//! **Pinning goes in steps** of a batch of pages (512 by default, one 4 KiB page of pagemap
+//! entries — seed 000's batch). Per step: find the pages no one has pinned yet, fault them in
+//! outside the lock (the expensive part, zeroing fresh pages, runs while other threads pin), then
+//! under the lock check the limit, mlock those pages — one call per run of them — and count;
+//! then, outside the lock again, read the step's frames with one `pread` and extend the extents
+//! (runs contiguous in both virtual and physical address) kept across steps. If any step fails,
+//! every earlier step of the call is unpinned again: a pin is all or nothing.
+//!
+//! **Unpinning goes by run** (seed 001): one walk of the counts, one munlock and one accounting
+//! update per run that drops to zero, however many pages or huge pages it spans. A batch of one
+//! page turns both directions into the page-at-a-time baseline the benchmarks compare against.
+//!
+//! **Huge pages are whole units.** Counts are kept per 4 KiB page exactly as pinned, so any
+//! pattern of pins and unpins balances; but a hugetlbfs page cannot be locked or unlocked in
+//! part, so what is locked and charged is the memory's page (the granule): a huge page is locked
+//! when the first of its 4 KiB pages is pinned and unlocked when the last one is unpinned —
+//! decided per run by looking only at the run's two end units. Transparent huge pages are 4 KiB
+//! pages to mlock and need no rounding; they show up in the extents as 2 MiB runs of
+//! consecutive frames.
+//!
+//! Locking order: a DMA space's writer lock, then this registry's lock; nothing here calls up.
+//! Whoever must not race a pin (discarding memory) takes the registry's lock too.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use super::account::{Account, Capability, LockLimit, capable};
+use super::counts::RunCounts;
+use crate::addr::Hva;
+use crate::error::{Error, Result};
+
+/// Pages per step when pinning: one 4 KiB page of pagemap entries, as in seed 000.
+pub const PIN_BATCH: usize = 512;
+
+const PAGE: u64 = 4096;
+
+/// One piece of pinned memory, contiguous in host virtual address and, when frames were asked
+/// for, in physical frame numbers: the unit a hardware IOMMU would be programmed with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostExtent {
+    /// First byte.
+    pub hva: Hva,
+    /// Bytes.
+    pub len: u64,
+    /// Physical frame number of the first page, when frames were read.
+    pub pfn: Option<u64>,
+}
+
+/// What to pin.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PinRequest {
+    /// First byte, page aligned.
+    pub hva: u64,
+    /// Bytes, a page multiple.
+    pub len: u64,
+    /// Fault pages in writable (`MADV_POPULATE_WRITE`) rather than readable.
+    pub write: bool,
+    /// The memory's page size: pins are rounded out to it.
+    pub granule: u64,
+    /// Pages per step; 1 is the page-at-a-time baseline.
+    pub batch: usize,
+    /// Read physical frames and return extents split where frames are not consecutive.
+    pub frames: bool,
+}
+
+impl PinRequest {
+    /// The 4 KiB pages the pin counts.
+    fn pages(&self) -> (u64, u64) {
+        (self.hva / PAGE, (self.hva + self.len).div_ceil(PAGE))
+    }
+
+    /// The granule in pages.
+    fn unit(&self) -> u64 {
+        (self.granule / PAGE).max(1)
+    }
+}
+
+/// The units (granule-aligned page ranges of `unit` pages) that `runs` — runs of pages whose
+/// count just crossed zero, or is about to — make change state: those with no other counted
+/// page. Only a run's two end units can hold other pages, so only they are looked at.
+fn whole_units(pages: &RunCounts, runs: &[(u64, u64)], unit: u64) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
+    for &(s, e) in runs {
+        let mut us = s / unit * unit;
+        let mut ue = e.div_ceil(unit) * unit;
+        if us < s && pages.any_counted(us, s) {
+            us += unit;
+        }
+        if e < ue && pages.any_counted(e, ue) {
+            ue -= unit;
+        }
+        if us < ue {
+            match out.last_mut() {
+                Some(last) if last.1 >= us => last.1 = last.1.max(ue),
+                _ => out.push((us, ue)),
+            }
+        }
+    }
+    out
+}
+
+struct State {
+    pages: RunCounts,
+    account: Account,
+}
+
+/// Pin counts for every host page of the process, and the locked-memory account.
+///
+/// mlock is process-wide, so there should be one registry per process: [`PinRegistry::global`],
+/// which every [`DmaSpace`](super::DmaSpace) uses unless its config names another. Separate
+/// registries are safe only over memory no other registry pins (tests, benchmarks).
+pub struct PinRegistry {
+    state: Mutex<State>,
+    pagemap: OnceLock<std::result::Result<File, String>>,
+}
+
+impl std::fmt::Debug for PinRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.lock();
+        f.debug_struct("PinRegistry")
+            .field("pinned_pages", &st.pages.pages())
+            .field("locked_bytes", &st.account.locked())
+            .field("limit", &st.account.limit)
+            .finish()
+    }
+}
+
+impl PinRegistry {
+    /// A registry of its own, held to `limit`.
+    pub fn new(limit: LockLimit) -> Arc<Self> {
+        Arc::new(PinRegistry {
+            state: Mutex::new(State {
+                pages: RunCounts::default(),
+                account: Account::new(limit),
+            }),
+            pagemap: OnceLock::new(),
+        })
+    }
+
+    /// The process's registry, held to `RLIMIT_MEMLOCK` unless [`PinRegistry::set_limit`] says
+    /// otherwise.
+    pub fn global() -> Arc<Self> {
+        static GLOBAL: OnceLock<Arc<PinRegistry>> = OnceLock::new();
+        GLOBAL
+            .get_or_init(|| PinRegistry::new(LockLimit::Rlimit))
+            .clone()
+    }
+
+    /// Changes the limit. Pins already held stay; the next pin is checked against the new one.
+    pub fn set_limit(&self, limit: LockLimit) {
+        self.lock().account.limit = limit;
+    }
+
+    /// The limit pins are held to.
+    pub fn limit(&self) -> LockLimit {
+        self.lock().account.limit
+    }
+
+    /// Bytes locked by pins now (each page once, however often it is pinned).
+    pub fn locked_bytes(&self) -> u64 {
+        self.lock().account.locked()
+    }
+
+    /// How many pins hold the host page containing `hva`.
+    pub fn pin_count(&self, hva: Hva) -> u64 {
+        self.lock().pages.count(hva.0 / PAGE)
+    }
+
+    /// The pinned runs of host memory as `(first byte, bytes, count)`, in address order.
+    pub fn pinned(&self) -> Vec<(Hva, u64, u64)> {
+        self.lock()
+            .pages
+            .runs()
+            .map(|(s, e, c)| (Hva(s * PAGE), (e - s) * PAGE, c))
+            .collect()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Pins `req` in steps, all or nothing, and returns its extents: one for the whole range
+    /// unless frames were asked for.
+    pub(crate) fn pin(&self, req: &PinRequest) -> Result<Vec<HostExtent>> {
+        let pagemap = if req.frames {
+            Some(self.pagemap()?)
+        } else {
+            None
+        };
+        let (first, end) = req.pages();
+        let step = req.batch.max(1) as u64;
+        if end - first > step {
+            // Refuse up front when the whole call cannot fit, before any work; each step
+            // still checks again under the lock, since other pins may come in between.
+            let st = self.lock();
+            let gaps = st.pages.gaps(first, end);
+            let new: u64 = whole_units(&st.pages, &gaps, req.unit())
+                .iter()
+                .map(|(s, e)| e - s)
+                .sum();
+            st.account.check(new * PAGE)?;
+        }
+        let mut extents = Extents::default();
+        let mut at = first;
+        while at < end {
+            let step_end = end.min(at + step);
+            let done = self
+                .pin_step(req, at, step_end)
+                .and_then(|()| match pagemap {
+                    Some(file) => extents.read_frames(file, req, at, step_end),
+                    None => Ok(()),
+                });
+            if let Err(e) = done {
+                if at > first {
+                    self.unpin_pages(first, at, req);
+                }
+                return Err(e);
+            }
+            at = step_end;
+        }
+        if pagemap.is_none() {
+            extents.0.push(HostExtent {
+                hva: Hva(req.hva),
+                len: req.len,
+                pfn: None,
+            });
+        }
+        Ok(extents.0)
+    }
+
+    /// Pins pages `[start, end)`: faults in the units nobody holds yet, then locks, charges and
+    /// counts. On error nothing of the step stays pinned.
+    fn pin_step(&self, req: &PinRequest, start: u64, end: u64) -> Result<()> {
+        let mut st = self.lock();
+        let mut new = whole_units(&st.pages, &st.pages.gaps(start, end), req.unit());
+        if !new.is_empty() {
+            drop(st);
+            for &(s, e) in &new {
+                populate(s, e, req.write)?;
+            }
+            st = self.lock();
+            // Recompute: pins and unpins may have come in while the lock was free.
+            new = whole_units(&st.pages, &st.pages.gaps(start, end), req.unit());
+        }
+        let bytes: u64 = new.iter().map(|(s, e)| (e - s) * PAGE).sum();
+        st.account.charge(bytes)?;
+        for (i, &(s, e)) in new.iter().enumerate() {
+            if let Err(err) = mlock(s, e) {
+                for &(s, e) in &new[..i] {
+                    munlock(s, e);
+                }
+                st.account.release(bytes);
+                return Err(err);
+            }
+        }
+        st.pages.add(start, end);
+        Ok(())
+    }
+
+    /// Unpins what `req` pinned.
+    pub(crate) fn unpin(&self, req: &PinRequest) {
+        let (first, end) = req.pages();
+        self.unpin_pages(first, end, req);
+    }
+
+    /// Drops one pin from each page of `[first, end)`: one munlock and one release per run of
+    /// units that no pin holds any more, or a page at a time when the batch is 1.
+    fn unpin_pages(&self, first: u64, end: u64, req: &PinRequest) {
+        let step = if req.batch <= 1 { 1 } else { end - first };
+        let mut at = first;
+        while at < end {
+            let step_end = end.min(at + step);
+            let mut st = self.lock();
+            match st.pages.sub(at, step_end) {
+                Ok(zero) => {
+                    for (s, e) in whole_units(&st.pages, &zero, req.unit()) {
+                        munlock(s, e);
+                        st.account.release((e - s) * PAGE);
+                    }
+                }
+                // Callers only unpin what they pinned; a hole here is a bookkeeping bug, and
+                // unlocking someone else's pages would be worse than leaving this one.
+                Err(page) => debug_assert!(false, "unpin of page {page:#x}, which is not pinned"),
+            }
+            at = step_end;
+        }
+    }
+
+    fn pagemap(&self) -> Result<&File> {
+        let opened = self.pagemap.get_or_init(|| {
+            if !capable(Capability::SysAdmin) {
+                return Err("CAP_SYS_ADMIN".into());
+            }
+            File::open("/proc/self/pagemap").map_err(|e| e.to_string())
+        });
+        opened.as_ref().map_err(|why| match why.as_str() {
+            "CAP_SYS_ADMIN" => Error::NeedsCapability {
+                what: "reading physical frames from /proc/self/pagemap",
+                capability: "CAP_SYS_ADMIN",
+            },
+            other => Error::Unsupported {
+                what: "/proc/self/pagemap",
+                why: other.to_string(),
+            },
+        })
+    }
+}
+
+/// Extents under construction, kept across steps so a run continues into the next batch.
+#[derive(Default)]
+struct Extents(Vec<HostExtent>);
+
+impl Extents {
+    /// Reads the frames of the requested part of pages `[start, end)`, 512 entries per `pread`,
+    /// and extends the extents with them.
+    fn read_frames(&mut self, file: &File, req: &PinRequest, start: u64, end: u64) -> Result<()> {
+        let start = start.max(req.hva / PAGE);
+        let end = end.min((req.hva + req.len) / PAGE);
+        let mut buf = [0u64; PIN_BATCH];
+        let mut at = start;
+        while at < end {
+            let n = ((end - at) as usize).min(PIN_BATCH);
+            let bytes = pread_entries(file, at, &mut buf[..n])?;
+            for (i, &entry) in buf[..bytes].iter().enumerate() {
+                let page = at + i as u64;
+                if entry >> 63 == 0 {
+                    return Err(Error::Unsupported {
+                        what: "physical frames",
+                        why: format!("page at {:#x} is not present although pinned", page * PAGE),
+                    });
+                }
+                self.push(page * PAGE, entry & ((1 << 55) - 1));
+            }
+            at += bytes as u64;
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, hva: u64, pfn: u64) {
+        if let Some(last) = self.0.last_mut() {
+            let pages = last.len / PAGE;
+            if last.hva.0 + last.len == hva && last.pfn.map(|p| p + pages) == Some(pfn) {
+                last.len += PAGE;
+                return;
+            }
+        }
+        self.0.push(HostExtent {
+            hva: Hva(hva),
+            len: PAGE,
+            pfn: Some(pfn),
+        });
+    }
+}
+
+/// Reads pagemap entries for the pages from `page` into `out`; returns how many were read.
+fn pread_entries(file: &File, page: u64, out: &mut [u64]) -> Result<usize> {
+    let mut raw = [0u8; PIN_BATCH * 8];
+    let raw = &mut raw[..out.len() * 8];
+    let got = file.read_at(raw, page * 8).map_err(|source| Error::Os {
+        op: "pread(/proc/self/pagemap)",
+        source,
+    })?;
+    if got < 8 {
+        return Err(Error::Unsupported {
+            what: "physical frames",
+            why: format!("pagemap has no entry for {:#x}", page * PAGE),
+        });
+    }
+    for (o, chunk) in out.iter_mut().zip(raw[..got].chunks_exact(8)) {
+        *o = u64::from_ne_bytes(chunk.try_into().expect("8 bytes"));
+    }
+    Ok(got / 8)
+}
+
+/// Faults pages `[start, end)` in, writable or readable. Kernels without `MADV_POPULATE_*`
+/// (before 5.14) answer EINVAL; mlock faults the pages in for them.
+fn populate(start: u64, end: u64, write: bool) -> Result<()> {
+    let advice = if write {
+        libc::MADV_POPULATE_WRITE
+    } else {
+        libc::MADV_POPULATE_READ
+    };
+    // SAFETY: madvise(MADV_POPULATE_*) only faults pages in; it changes no mapping and no byte
+    // of memory a caller can see, whatever the range.
+    let rc = unsafe {
+        libc::madvise(
+            (start * PAGE) as *mut libc::c_void,
+            ((end - start) * PAGE) as usize,
+            advice,
+        )
+    };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+        return Err(Error::last_os("madvise(MADV_POPULATE) while pinning"));
+    }
+    Ok(())
+}
+
+fn mlock(start: u64, end: u64) -> Result<()> {
+    // SAFETY: mlock changes residency only, never contents or mappings.
+    let rc = unsafe {
+        libc::mlock(
+            (start * PAGE) as *const libc::c_void,
+            ((end - start) * PAGE) as usize,
+        )
+    };
+    if rc != 0 {
+        return Err(Error::last_os("mlock while pinning"));
+    }
+    Ok(())
+}
+
+/// Unlocks pages `[start, end)`. It fails only for memory that is no longer mapped, which has
+/// nothing left to unlock.
+fn munlock(start: u64, end: u64) {
+    // SAFETY: munlock changes residency only, never contents or mappings.
+    unsafe {
+        libc::munlock(
+            (start * PAGE) as *const libc::c_void,
+            ((end - start) * PAGE) as usize,
+        );
+    }
+}
