@@ -247,7 +247,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::UnmapAll => {
                 let bytes: u64 = model.maps.values().map(|m| m.pages * P).sum();
                 model.maps.clear();
-                prop_assert_eq!(d.unmap_all(), bytes);
+                prop_assert_eq!(d.unmap_all().unwrap(), bytes);
             }
             Op::Invalidate { page, pages } => {
                 let got = d

@@ -1,0 +1,667 @@
+//! The pinning engine, checked against the kernel's view: which pages are really mlocked
+//! (`VmFlags: lo` in /proc/self/smaps), what the account says, and a plain per-page model.
+//! Pin modes with replay and rollback, the locked-memory limit, pin_pages and its errors, the
+//! unmap notifier, extents over THP and hugetlbfs memory, and pins under concurrent map/unmap.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use memvisor::dma::{Grouping, LockLimit, PinMode, PinRegistry};
+use memvisor::{
+    Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Gpa, HugePageReservation, Iova,
+    PageSize, Prot, SlotSpec, SlotTable,
+};
+use proptest::prelude::*;
+
+const PAGE: u64 = 4096;
+const MIB: u64 = 1 << 20;
+
+fn mem(pages: u64) -> Arc<Backing> {
+    Arc::new(Backing::new(BackingKind::PrivateAnon, pages * PAGE).unwrap())
+}
+
+/// A space with a registry of its own (tests run in parallel over separate memory).
+fn space(mode: PinMode, limit: LockLimit) -> (DmaSpace, Arc<PinRegistry>) {
+    let registry = PinRegistry::new(limit);
+    let d = DmaSpace::new(DmaConfig {
+        pin_mode: mode,
+        registry: Some(registry.clone()),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    (d, registry)
+}
+
+/// The pages of `b` the kernel has mlocked, by index.
+fn locked_pages(b: &Backing) -> BTreeSet<u64> {
+    let (base, end) = (b.hva().0, b.hva().0 + b.size());
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut out = BTreeSet::new();
+    let mut vma = (0, 0);
+    for line in smaps.lines() {
+        if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if flags.split_whitespace().any(|f| f == "lo") {
+                for addr in (vma.0.max(base)..vma.1.min(end)).step_by(PAGE as usize) {
+                    out.insert((addr - base) / PAGE);
+                }
+            }
+        } else if let Some((range, _)) = line.split_once(' ') {
+            if let Some((s, e)) = range.split_once('-') {
+                if let (Ok(s), Ok(e)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) {
+                    vma = (s, e);
+                }
+            }
+        }
+    }
+    out
+}
+
+fn errno<T: std::fmt::Debug>(r: memvisor::Result<T>) -> i32 {
+    r.unwrap_err().errno()
+}
+
+fn iova_pages(iova: u64, n: u64) -> Vec<u64> {
+    (iova / PAGE..iova / PAGE + n).collect()
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// Eager-map backing pages `[page, page + len)` at a fresh IOVA.
+    Map { page: u64, len: u64 },
+    /// Unmap the n-th live mapping.
+    Unmap { nth: usize },
+    /// pin_pages of `len` pages from `page` of the n-th live mapping.
+    PinPages { nth: usize, page: u64, len: u64 },
+    /// unpin_pages of the n-th earlier pin_pages call still held.
+    UnpinPages { nth: usize },
+}
+
+const MODEL_PAGES: u64 = 48;
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0..MODEL_PAGES, 1..16u64).prop_map(|(page, len)| Op::Map {
+            page,
+            len: len.min(MODEL_PAGES - page)
+        }),
+        any::<usize>().prop_map(|nth| Op::Unmap { nth }),
+        (any::<usize>(), 0..16u64, 1..6u64).prop_map(|(nth, page, len)| Op::PinPages {
+            nth,
+            page,
+            len
+        }),
+        any::<usize>().prop_map(|nth| Op::UnpinPages { nth }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Overlapping Eager mappings of one backing at many IOVAs, plus device pins on top: after
+    /// every step the kernel's locked pages, the account and the per-page counts equal a plain
+    /// per-page model.
+    #[test]
+    fn pin_counts_match_the_model(ops in prop::collection::vec(op(), 1..40)) {
+        let b = mem(MODEL_PAGES);
+        let (d, registry) = space(PinMode::Eager, LockLimit::Unlimited);
+        let mut model = vec![0u64; MODEL_PAGES as usize];
+        // live mappings: (iova, first backing page, pages); held device pins: (iova pages, backing pages)
+        let mut live: Vec<(u64, u64, u64)> = Vec::new();
+        let mut held: Vec<(Vec<u64>, Vec<u64>)> = Vec::new();
+        let mut next_iova = 0x100_0000u64;
+        for op in ops {
+            match op {
+                Op::Map { page, len } => {
+                    d.map_backing(Iova(next_iova), &b, page * PAGE, len * PAGE, Prot::RW).unwrap();
+                    live.push((next_iova, page, len));
+                    (page..page + len).for_each(|p| model[p as usize] += 1);
+                    next_iova += 0x10_0000;
+                }
+                Op::Unmap { nth } if !live.is_empty() => {
+                    let (iova, page, len) = live[nth % live.len()];
+                    let pinned = held.iter().any(|(ip, _)| ip[0] >= iova / PAGE && ip[0] < iova / PAGE + len);
+                    let r = d.unmap(Iova(iova), len * PAGE);
+                    if pinned {
+                        // nobody registered a notifier: the device keeps its pins
+                        prop_assert_eq!(r.unwrap_err().errno(), libc::EBUSY);
+                    } else {
+                        prop_assert_eq!(r.unwrap(), len * PAGE);
+                        live.retain(|m| m.0 != iova);
+                        (page..page + len).for_each(|p| model[p as usize] -= 1);
+                    }
+                }
+                Op::PinPages { nth, page, len } if !live.is_empty() => {
+                    let (iova, first, mlen) = live[nth % live.len()];
+                    let page = page % mlen;
+                    let len = len.min(mlen - page);
+                    let pages = iova_pages(iova + page * PAGE, len);
+                    let hvas = d.pin_pages(&pages, Prot::WRITE).unwrap();
+                    let backing_pages: Vec<u64> = (first + page..first + page + len).collect();
+                    for (h, bp) in hvas.iter().zip(&backing_pages) {
+                        prop_assert_eq!(h.0, b.hva().0 + bp * PAGE);
+                        model[*bp as usize] += 1;
+                    }
+                    held.push((pages, backing_pages));
+                }
+                Op::UnpinPages { nth } if !held.is_empty() => {
+                    let (pages, backing_pages) = held.remove(nth % held.len());
+                    d.unpin_pages(&pages).unwrap();
+                    backing_pages.iter().for_each(|&p| model[p as usize] -= 1);
+                }
+                _ => {}
+            }
+            let want: BTreeSet<u64> = (0..MODEL_PAGES).filter(|&p| model[p as usize] > 0).collect();
+            prop_assert_eq!(locked_pages(&b), want.clone(), "mlocked pages");
+            prop_assert_eq!(registry.locked_bytes(), want.len() as u64 * PAGE, "account");
+            for p in 0..MODEL_PAGES {
+                prop_assert_eq!(registry.pin_count(memvisor::Hva(b.hva().0 + p * PAGE)), model[p as usize]);
+            }
+        }
+        for (pages, _) in held {
+            d.unpin_pages(&pages).unwrap();
+        }
+        d.unmap_all().unwrap();
+        prop_assert!(locked_pages(&b).is_empty());
+        prop_assert_eq!(registry.locked_bytes(), 0);
+    }
+}
+
+#[test]
+fn a_page_mapped_twice_is_locked_and_charged_once() {
+    let b = mem(8);
+    let (d, registry) = space(PinMode::Eager, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &b, 0, 8 * PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(0x10_0000), &b, 0, 8 * PAGE, Prot::READ)
+        .unwrap();
+    assert_eq!(registry.locked_bytes(), 8 * PAGE);
+    assert_eq!(registry.pin_count(b.hva()), 2);
+    d.unmap(Iova(0), 8 * PAGE).unwrap();
+    assert_eq!(
+        locked_pages(&b).len(),
+        8,
+        "still pinned through the second IOVA"
+    );
+    d.unmap(Iova(0x10_0000), 8 * PAGE).unwrap();
+    assert!(locked_pages(&b).is_empty());
+    assert_eq!(registry.locked_bytes(), 0);
+}
+
+#[test]
+fn lazy_maps_pin_nothing_and_eager_replays_and_unpins() {
+    let b = mem(16);
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &b, 0, 4 * PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(0x10_0000), &b, 8 * PAGE, 8 * PAGE, Prot::READ)
+        .unwrap();
+    assert!(locked_pages(&b).is_empty());
+    assert_eq!(errno(d.extents(Iova(0))), libc::EINVAL);
+    d.set_pin_mode(PinMode::Eager).unwrap();
+    assert_eq!(d.pin_mode(), PinMode::Eager);
+    let want: BTreeSet<u64> = (0..4).chain(8..16).collect();
+    assert_eq!(locked_pages(&b), want);
+    assert_eq!(registry.locked_bytes(), 12 * PAGE);
+    let ext = d.extents(Iova(0x10_0000)).unwrap();
+    assert_eq!(ext.len(), 1, "one extent without frames: {ext:?}");
+    assert_eq!(
+        (ext[0].iova, ext[0].hva, ext[0].len, ext[0].pfn),
+        (
+            Iova(0x10_0000),
+            memvisor::Hva(b.hva().0 + 8 * PAGE),
+            8 * PAGE,
+            None
+        )
+    );
+    d.set_pin_mode(PinMode::Lazy).unwrap();
+    assert!(locked_pages(&b).is_empty());
+    assert_eq!(registry.locked_bytes(), 0);
+}
+
+#[test]
+fn the_limit_refuses_with_enomem_and_leaves_nothing_pinned_or_mapped() {
+    let b = mem(16);
+    let (d, registry) = space(PinMode::Eager, LockLimit::Bytes(8 * PAGE));
+    d.map_backing(Iova(0), &b, 0, 6 * PAGE, Prot::RW).unwrap();
+    let e = d
+        .map_backing(Iova(0x10_0000), &b, 6 * PAGE, 4 * PAGE, Prot::RW)
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::ENOMEM);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("0x4000 more") && msg.contains("0x8000") && msg.contains("0x6000 already"),
+        "{msg}"
+    );
+    assert_eq!(d.len(), 1, "the refused mapping is not there");
+    assert_eq!(registry.locked_bytes(), 6 * PAGE);
+    assert_eq!(locked_pages(&b), (0..6).collect());
+    // Pages already pinned cost nothing: a second IOVA over them fits.
+    d.map_backing(Iova(0x20_0000), &b, 0, 6 * PAGE, Prot::RW)
+        .unwrap();
+    // A guest range over two slots where only the first piece fits: the first piece's pin is
+    // rolled back.
+    let b2 = mem(4);
+    let t = SlotTable::new();
+    t.insert(SlotSpec::new(0, Gpa(0), b.clone()).window(12 * PAGE, 2 * PAGE))
+        .unwrap();
+    t.insert(SlotSpec::new(1, Gpa(2 * PAGE), b2.clone()))
+        .unwrap();
+    let e = d
+        .map_guest(Iova(0x30_0000), &t.snapshot(), Gpa(0), 6 * PAGE, Prot::RW)
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::ENOMEM);
+    assert_eq!(registry.locked_bytes(), 6 * PAGE);
+    assert_eq!(locked_pages(&b), (0..6).collect());
+    assert!(locked_pages(&b2).is_empty());
+    // A batch of one page makes the same call fail part way through its steps, with the same
+    // all-or-nothing result.
+    let (d1, r1) = {
+        let registry = PinRegistry::new(LockLimit::Bytes(3 * PAGE));
+        let d = DmaSpace::new(DmaConfig {
+            pin_mode: PinMode::Eager,
+            pin_batch: 1,
+            registry: Some(registry.clone()),
+            ..DmaConfig::default()
+        })
+        .unwrap();
+        (d, registry)
+    };
+    let b3 = mem(4);
+    assert_eq!(
+        errno(d1.map_backing(Iova(0), &b3, 0, 4 * PAGE, Prot::RW)),
+        libc::ENOMEM
+    );
+    assert_eq!(r1.locked_bytes(), 0);
+    assert!(locked_pages(&b3).is_empty());
+}
+
+#[test]
+fn a_failed_replay_leaves_the_space_lazy_and_nothing_pinned() {
+    let b = mem(16);
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Bytes(10 * PAGE));
+    for i in 0..3 {
+        d.map_backing(Iova(i * 0x10_0000), &b, i * 5 * PAGE, 5 * PAGE, Prot::RW)
+            .unwrap();
+    }
+    assert_eq!(errno(d.set_pin_mode(PinMode::Eager)), libc::ENOMEM);
+    assert_eq!(d.pin_mode(), PinMode::Lazy);
+    assert_eq!(registry.locked_bytes(), 0);
+    assert!(locked_pages(&b).is_empty());
+    d.unmap(Iova(0x20_0000), 5 * PAGE).unwrap();
+    d.set_pin_mode(PinMode::Eager).unwrap();
+    assert_eq!(registry.locked_bytes(), 10 * PAGE);
+}
+
+#[test]
+fn pin_pages_refuses_bad_requests_with_type1_errnos() {
+    let b = mem(8);
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &b, 0, 4 * PAGE, Prot::READ).unwrap();
+    let e = d.pin_pages(&[0, 4], Prot::READ).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "page 4 is not mapped");
+    assert!(e.to_string().contains("0x4000"), "{e}");
+    assert_eq!(errno(d.pin_pages(&[1], Prot::WRITE)), libc::EPERM);
+    let many: Vec<u64> = (0..513).collect();
+    let e = d.pin_pages(&many, Prot::READ).unwrap_err();
+    assert_eq!(e.errno(), libc::E2BIG);
+    assert!(e.to_string().contains("513"), "{e}");
+    assert_eq!(errno(d.pin_pages(&[], Prot::READ)), libc::EINVAL);
+    assert_eq!(errno(d.pin_pages(&[0], Prot::default())), libc::EINVAL);
+    assert_eq!(errno(d.pin_pages(&[u64::MAX], Prot::READ)), libc::EINVAL);
+    assert_eq!(registry.locked_bytes(), 0, "failed calls pin nothing");
+    assert_eq!(d.device_pinned_pages(), 0);
+    // unpinning what is not pinned
+    d.pin_pages(&[2], Prot::READ).unwrap();
+    assert_eq!(errno(d.unpin_pages(&[2, 2])), libc::EINVAL);
+    assert_eq!(
+        d.device_pinned_pages(),
+        1,
+        "the failed unpin changed nothing"
+    );
+    d.unpin_pages(&[2]).unwrap();
+    assert_eq!(registry.locked_bytes(), 0);
+}
+
+#[test]
+fn pin_pages_nests_per_page_in_every_grouping() {
+    for grouping in [Grouping::PerPage, Grouping::Runs, Grouping::Adaptive] {
+        let b = mem(64);
+        let registry = PinRegistry::new(LockLimit::Unlimited);
+        let d = DmaSpace::new(DmaConfig {
+            grouping,
+            registry: Some(registry.clone()),
+            ..DmaConfig::default()
+        })
+        .unwrap();
+        d.map_backing(Iova(0), &b, 0, 32 * PAGE, Prot::RW).unwrap();
+        d.map_backing(Iova(32 * PAGE), &b, 32 * PAGE, 32 * PAGE, Prot::RW)
+            .unwrap();
+        // a run across the two mappings, single pages, and a repeat
+        let pages: Vec<u64> = (28..36).chain([40, 50, 50]).collect();
+        let hvas = d.pin_pages(&pages, Prot::RW).unwrap();
+        for (p, h) in pages.iter().zip(&hvas) {
+            assert_eq!(h.0, b.hva().0 + p * PAGE, "{grouping:?}");
+        }
+        assert_eq!(registry.pin_count(memvisor::Hva(b.hva().0 + 50 * PAGE)), 2);
+        assert_eq!(d.device_pinned_pages(), 10);
+        let want: BTreeSet<u64> = (28..36).chain([40, 50]).collect();
+        assert_eq!(locked_pages(&b), want, "{grouping:?}");
+        d.unpin_pages(&[50]).unwrap();
+        assert!(locked_pages(&b).contains(&50));
+        d.unpin_pages(&pages[..pages.len() - 1]).unwrap();
+        assert!(locked_pages(&b).is_empty(), "{grouping:?}");
+        assert_eq!(registry.locked_bytes(), 0);
+    }
+}
+
+#[test]
+fn unmap_asks_devices_to_unpin_and_is_busy_when_they_do_not() {
+    let b = mem(16);
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0x10_0000), &b, 0, 8 * PAGE, Prot::RW)
+        .unwrap();
+    d.map_backing(Iova(0x20_0000), &b, 8 * PAGE, 8 * PAGE, Prot::RW)
+        .unwrap();
+    d.pin_pages(&[0x100, 0x101, 0x203], Prot::RW).unwrap();
+
+    // A device that does not let go: EBUSY, nothing unmapped, pins intact.
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let seen = calls.clone();
+    let stubborn = d.add_unmap_notifier(move |iova, size| seen.lock().unwrap().push((iova, size)));
+    let e = d.unmap(Iova(0x10_0000), 0x20_0000).unwrap_err();
+    assert_eq!(e.errno(), libc::EBUSY);
+    assert!(e.to_string().contains("unpin_pages"), "{e}");
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![(Iova(0x10_0000), 8 * PAGE), (Iova(0x20_0000), 8 * PAGE)],
+        "called once per pinned mapping with its range"
+    );
+    assert_eq!(d.len(), 2);
+    assert_eq!(d.device_pinned_pages(), 3);
+    assert_eq!(
+        errno(d.invalidate_vaddr(Iova(0x20_0000), 8 * PAGE)),
+        libc::EBUSY
+    );
+    assert_eq!(errno(d.unmap_all()), libc::EBUSY);
+    assert!(d.remove_unmap_notifier(stubborn));
+
+    // A device that unpins what it is told about: the unmap goes through.
+    let dev = d.clone();
+    d.add_unmap_notifier(move |iova, size| {
+        let pages: Vec<u64> = (iova.0 / PAGE..(iova.0 + size) / PAGE).collect();
+        for p in pages {
+            while dev.unpin_pages(&[p]).is_ok() {}
+        }
+    });
+    assert_eq!(d.unmap(Iova(0x10_0000), 0x20_0000).unwrap(), 16 * PAGE);
+    assert_eq!(d.device_pinned_pages(), 0);
+    assert_eq!(registry.locked_bytes(), 0);
+    assert!(locked_pages(&b).is_empty());
+}
+
+#[test]
+fn dropping_the_space_gives_every_pin_back() {
+    let b = mem(8);
+    let registry = PinRegistry::new(LockLimit::Unlimited);
+    {
+        let d = DmaSpace::new(DmaConfig {
+            pin_mode: PinMode::Eager,
+            registry: Some(registry.clone()),
+            ..DmaConfig::default()
+        })
+        .unwrap();
+        d.map_backing(Iova(0), &b, 0, 4 * PAGE, Prot::RW).unwrap();
+        d.map_backing(Iova(0x10_0000), &b, 4 * PAGE, 4 * PAGE, Prot::RW)
+            .unwrap();
+        d.pin_pages(&[0x100, 0x100, 0x101], Prot::READ).unwrap();
+        assert_eq!(locked_pages(&b).len(), 8);
+    }
+    assert_eq!(registry.locked_bytes(), 0);
+    assert!(locked_pages(&b).is_empty());
+}
+
+#[test]
+fn live_update_moves_eager_pins_to_the_new_memory() {
+    let old = mem(4);
+    let new = mem(4);
+    let (d, registry) = space(PinMode::Eager, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &old, 0, 4 * PAGE, Prot::RW).unwrap();
+    assert_eq!(locked_pages(&old).len(), 4);
+    d.invalidate_vaddr(Iova(0), 4 * PAGE).unwrap();
+    assert!(locked_pages(&old).is_empty());
+    assert_eq!(registry.locked_bytes(), 0);
+    assert_eq!(errno(d.pin_pages(&[0], Prot::READ)), libc::EBUSY);
+    d.update_vaddr(Iova(0), 4 * PAGE, &new, 0).unwrap();
+    assert_eq!(locked_pages(&new).len(), 4);
+    assert_eq!(registry.locked_bytes(), 4 * PAGE);
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Frame numbers of `pages` pages from `hva`, read independently of memvisor.
+fn frames(hva: u64, pages: u64) -> Vec<u64> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open("/proc/self/pagemap").unwrap();
+    let mut raw = vec![0u8; pages as usize * 8];
+    f.read_exact_at(&mut raw, hva / PAGE * 8).unwrap();
+    raw.chunks_exact(8)
+        .map(|c| u64::from_ne_bytes(c.try_into().unwrap()) & ((1 << 55) - 1))
+        .collect()
+}
+
+/// Checks that `extents` are exactly the maximal physically contiguous runs of the mapping.
+fn assert_exact_extents(d: &DmaSpace, iova: u64, b: &Backing, len: u64) {
+    let ext = d.extents(Iova(iova)).unwrap();
+    let pfns = frames(b.hva().0, len / PAGE);
+    let mut want = Vec::new();
+    let mut start = 0;
+    for i in 1..=pfns.len() {
+        if i == pfns.len() || pfns[i] != pfns[i - 1] + 1 {
+            want.push((
+                iova + start as u64 * PAGE,
+                (i - start) as u64 * PAGE,
+                pfns[start],
+            ));
+            start = i;
+        }
+    }
+    let got: Vec<_> = ext
+        .iter()
+        .map(|x| (x.iova.0, x.len, x.pfn.unwrap()))
+        .collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn extents_are_the_physically_contiguous_runs() {
+    if !is_root() {
+        println!("skipping extent checks: reading frames needs CAP_SYS_ADMIN (run as root)");
+        return;
+    }
+    let frames_space = || {
+        DmaSpace::new(DmaConfig {
+            pin_mode: PinMode::Eager,
+            frames: true,
+            registry: Some(PinRegistry::new(LockLimit::Unlimited)),
+            ..DmaConfig::default()
+        })
+        .unwrap()
+    };
+    // THP: every huge page the kernel gave us is one physically contiguous 2 MiB unit.
+    let thp = Arc::new(
+        Backing::with_options(
+            BackingKind::Thp,
+            8 * MIB,
+            &BackingOptions { populate: true },
+        )
+        .unwrap(),
+    );
+    let d = frames_space();
+    d.map_backing(Iova(0), &thp, 0, 8 * MIB, Prot::RW).unwrap();
+    assert_exact_extents(&d, 0, &thp, 8 * MIB);
+    let pfns = frames(thp.hva().0, 8 * MIB / PAGE);
+    let huge = (0..4)
+        .filter(|h| {
+            let p = &pfns[h * 512..(h + 1) * 512];
+            p[0] % 512 == 0 && p.windows(2).all(|w| w[1] == w[0] + 1)
+        })
+        .count();
+    if huge == 0 {
+        println!(
+            "THP gave no huge pages here (fragmented memory?): extents were checked as 4 KiB runs"
+        );
+    }
+    for x in d.extents(Iova(0)).unwrap() {
+        // a huge page never straddles two extents
+        let pfn = x.pfn.unwrap();
+        if x.len >= 2 * MIB {
+            assert!(pfn % 512 == 0 || x.iova.0 % (2 * MIB) != 0, "{x:?}");
+        }
+    }
+    // 4 KiB memory: pages are wherever the allocator put them; the extents still match.
+    let small = mem(256);
+    d.map_backing(Iova(0x1000_0000), &small, 0, 256 * PAGE, Prot::RW)
+        .unwrap();
+    assert_exact_extents(&d, 0x1000_0000, &small, 256 * PAGE);
+
+    // hugetlbfs: each 2 MiB page is one contiguous unit, charged whole even when pinned in part.
+    let _pool = match HugePageReservation::add(PageSize::Size2M, 2) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("skipping hugetlbfs extents: {e}");
+            return;
+        }
+    };
+    let h = Arc::new(Backing::new(BackingKind::Hugetlb(PageSize::Size2M), 4 * MIB).unwrap());
+    let d = frames_space();
+    d.map_backing(Iova(0), &h, 0, 4 * MIB, Prot::RW).unwrap();
+    assert_exact_extents(&d, 0, &h, 4 * MIB);
+    for x in d.extents(Iova(0)).unwrap() {
+        assert_eq!(x.len % (2 * MIB), 0, "{x:?}");
+        assert_eq!(x.pfn.unwrap() % 512, 0, "{x:?}");
+    }
+    d.unmap_all().unwrap();
+    let registry = PinRegistry::new(LockLimit::Unlimited);
+    let d = DmaSpace::new(DmaConfig {
+        registry: Some(registry.clone()),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    d.map_backing(Iova(0), &h, 0, 4 * MIB, Prot::RW).unwrap();
+    d.pin_pages(&[3], Prot::RW).unwrap();
+    assert_eq!(registry.locked_bytes(), 2 * MIB, "the whole huge page");
+    d.pin_pages(&[7, 600], Prot::RW).unwrap();
+    assert_eq!(registry.locked_bytes(), 4 * MIB);
+    d.unpin_pages(&[3]).unwrap();
+    assert_eq!(
+        registry.locked_bytes(),
+        4 * MIB,
+        "page 7 holds the first huge page"
+    );
+    d.unpin_pages(&[7]).unwrap();
+    assert_eq!(registry.locked_bytes(), 2 * MIB);
+    d.unpin_pages(&[600]).unwrap();
+    assert_eq!(registry.locked_bytes(), 0);
+}
+
+/// Devices pin and unpin overlapping pages while another thread maps and unmaps (Eager) and the
+/// notifier unpins on demand: at the end every count and the account are zero and nothing in
+/// the backing is locked.
+#[test]
+fn pins_stay_exact_under_concurrent_map_and_unmap() {
+    let b = mem(64);
+    let (d, registry) = space(PinMode::Eager, LockLimit::Unlimited);
+    // Mapping k (k = 0..4) maps backing pages [k*12, k*12 + 28) at iova k << 20: they overlap.
+    let base = |k: u64| k << 20;
+    let stop = Arc::new(AtomicBool::new(false));
+    // Pins each device thread holds, so the notifier can give them back.
+    let held: Arc<Vec<Mutex<Vec<Vec<u64>>>>> =
+        Arc::new((0..2).map(|_| Mutex::new(Vec::new())).collect());
+    let dev = d.clone();
+    let held_n = held.clone();
+    let notified = Arc::new(AtomicUsize::new(0));
+    let notified_n = notified.clone();
+    d.add_unmap_notifier(move |iova, size| {
+        notified_n.fetch_add(1, Ordering::Relaxed);
+        let (lo, hi) = (iova.0 / PAGE, (iova.0 + size) / PAGE);
+        for h in held_n.iter() {
+            h.lock().unwrap().retain(|pages| {
+                if pages[0] >= lo && pages[0] < hi {
+                    dev.unpin_pages(pages).unwrap();
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+    });
+    let pins = Arc::new(AtomicUsize::new(0));
+    std::thread::scope(|s| {
+        for t in 0..2usize {
+            let (d, stop, held, pins) = (d.clone(), stop.clone(), held.clone(), pins.clone());
+            s.spawn(move || {
+                let mut x = t as u64 + 1;
+                while !stop.load(Ordering::Relaxed) {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let k = (x >> 33) % 4;
+                    let first = (x >> 40) % 24;
+                    let pages = iova_pages(base(k) + first * PAGE, 1 + (x >> 50) % 4);
+                    let mut mine = held[t].lock().unwrap();
+                    if d.pin_pages(&pages, Prot::RW).is_ok() {
+                        pins.fetch_add(1, Ordering::Relaxed);
+                        mine.push(pages);
+                    }
+                    if mine.len() > 8 {
+                        let p = mine.remove(0);
+                        d.unpin_pages(&p).unwrap();
+                    }
+                }
+            });
+        }
+        let (d, stop, b, pins, notified) = (
+            d.clone(),
+            stop.clone(),
+            b.clone(),
+            pins.clone(),
+            notified.clone(),
+        );
+        s.spawn(move || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            let mut round = 0u64;
+            while round < 300
+                || ((pins.load(Ordering::Relaxed) < 300 || notified.load(Ordering::Relaxed) < 10)
+                    && std::time::Instant::now() < deadline)
+            {
+                round += 1;
+                let k = round % 4;
+                let _ = d.map_backing(Iova(base(k)), &b, k * 12 * PAGE, 28 * PAGE, Prot::RW);
+                if round % 3 == 2 {
+                    let _ = d.unmap(Iova(base((round / 3) % 4)), 28 * PAGE);
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+    });
+    assert!(
+        pins.load(Ordering::Relaxed) > 0,
+        "the devices pinned something"
+    );
+    assert!(
+        notified.load(Ordering::Relaxed) > 0,
+        "some unmap met device pins"
+    );
+    for h in held.iter() {
+        for pages in h.lock().unwrap().drain(..) {
+            d.unpin_pages(&pages).unwrap();
+        }
+    }
+    assert_eq!(d.device_pinned_pages(), 0);
+    d.unmap_all().unwrap();
+    assert_eq!(registry.locked_bytes(), 0);
+    assert!(registry.pinned().is_empty());
+    assert!(locked_pages(&b).is_empty());
+}
