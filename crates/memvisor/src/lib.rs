@@ -9,6 +9,7 @@
 //! backing  host memory: anonymous, memfd, THP, hugetlbfs, file          (owns mmap/munmap)
 //! slots    guest physical -> host virtual: lock-free snapshots, per-vCPU cursors
 //! dma      I/O virtual -> host: the VFIO type1 model, translation, dma_read/write, dirty pages
+//! vm_memory  (feature `vm-memory`) rust-vmm's vm-memory traits over the slot table
 //! ```
 //!
 //! Every fallible call returns [`Error`], whose [`Error::errno`] is what KVM or VFIO would
@@ -24,7 +25,11 @@ pub mod dma;
 pub mod error;
 mod rangemap;
 pub mod slots;
+#[cfg(feature = "vm-memory")]
+pub mod vm_memory;
 
+#[cfg(feature = "vm-memory")]
+pub use crate::vm_memory::{DirtySlice, SlotMemory, SlotRegion, SlotRegions, SlotSpace};
 pub use addr::{Gpa, Hva, Iova, PageSize, Range};
 pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation};
 pub use dma::{Access, DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};

@@ -165,6 +165,11 @@ impl Slot {
     pub fn flags(&self) -> SlotFlags {
         self.flags
     }
+    /// The dirty bitmap writes through the table mark, when the slot logs them.
+    #[cfg(feature = "vm-memory")]
+    pub(crate) fn dirty_bitmap(&self) -> Option<&Arc<DirtyBitmap>> {
+        self.dirty.as_ref()
+    }
 }
 
 /// The answer to a lookup: where a guest address lives on the host.
@@ -548,6 +553,12 @@ impl SlotTable {
     /// Changes a slot's flags; ENOENT if there is none with this id.
     pub fn set_flags(&self, id: SlotId, flags: SlotFlags) -> Result<()> {
         self.update(|t| t.set_flags(id, flags))
+    }
+
+    /// The generation of the current snapshot: one load, no reference taken. A view built from
+    /// a snapshot of this generation is still current.
+    pub fn generation(&self) -> u64 {
+        self.shared.generation.0.load(Ordering::Acquire)
     }
 
     /// The current snapshot, to use for many lookups or to keep memory mapped.
