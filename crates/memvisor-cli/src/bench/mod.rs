@@ -8,6 +8,8 @@
 
 mod lookup;
 pub mod machine;
+mod map_unmap;
+mod pin;
 pub mod report;
 mod rw;
 pub mod svg;
@@ -25,6 +27,8 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
         Box::new(lookup::Lookup),
         Box::new(translate::Translate),
         Box::new(rw::Rw),
+        Box::new(pin::Pin),
+        Box::new(map_unmap::MapUnmap),
     ]
 }
 

@@ -1,0 +1,227 @@
+//! `memvisor bench pin`: seed 000, pinning a guest's memory page by page vs in batches of 512.
+//!
+//! Seed 000 made VFIO pin a guest's memory 512 pages per step instead of one at a time and
+//! reported the time to pin 1–120 GB. Here an Eager [`DmaSpace`] maps populated private 4 KiB
+//! memory in one `map_backing` call, which pins all of it: every page faulted in, mlocked,
+//! counted, charged and its physical frame read into extents. The per-page variant sets
+//! `pin_batch = 1` (one populate, one mlock and one 8-byte pagemap read per page); the batched
+//! variant uses the default 512 (one of each per 2 MiB, one 4 KiB pagemap read). Frames are
+//! read only with CAP_SYS_ADMIN; without it both variants pin without frames and say so.
+//! Each run maps fresh memory into a fresh space; the unmap after it is not timed.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use memvisor::dma::{LockLimit, PIN_BATCH, PinMode, PinRegistry};
+use memvisor::{Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Iova, Prot};
+
+use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table};
+
+pub struct Pin;
+
+const GIB: u64 = 1 << 30;
+
+/// An Eager space pinning `batch` pages per step into a registry of its own.
+pub(super) fn eager_space(batch: usize, frames: bool) -> anyhow::Result<DmaSpace> {
+    Ok(DmaSpace::new(DmaConfig {
+        pin_mode: PinMode::Eager,
+        pin_batch: batch,
+        frames,
+        registry: Some(PinRegistry::new(LockLimit::Unlimited)),
+        ..DmaConfig::default()
+    })?)
+}
+
+/// Whether this process may read physical frames (CAP_SYS_ADMIN; root has it).
+pub(super) fn can_read_frames() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << 21) != 0)
+}
+
+/// Mean and (population) standard deviation, as the seed reports them.
+pub(super) fn mean_std(samples: &[f64]) -> (f64, f64) {
+    let n = samples.len() as f64;
+    let mean = samples.iter().sum::<f64>() / n;
+    let var = samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / n;
+    (mean, var.sqrt())
+}
+
+/// Seconds to pin `size` bytes of fresh populated 4 KiB memory with an Eager map.
+fn pin_seconds(size: u64, batch: usize, frames: bool) -> anyhow::Result<f64> {
+    let memory = populated(size)?;
+    let dma = eager_space(batch, frames)?;
+    let start = Instant::now();
+    dma.map_backing(Iova(0), &memory, 0, size, Prot::RW)?;
+    let secs = start.elapsed().as_secs_f64();
+    dma.unmap_all()?;
+    Ok(secs)
+}
+
+fn populated(size: u64) -> anyhow::Result<Arc<Backing>> {
+    Ok(Arc::new(Backing::with_options(
+        BackingKind::PrivateAnon,
+        size,
+        &BackingOptions { populate: true },
+    )?))
+}
+
+/// Seconds for the work no pinning scheme can avoid: one mlock of the whole range and, with
+/// frames, one pass of 4 KiB pagemap reads over it.
+fn floor_seconds(size: u64, frames: bool) -> anyhow::Result<f64> {
+    use std::os::unix::fs::FileExt;
+    let memory = populated(size)?;
+    let pagemap = std::fs::File::open("/proc/self/pagemap")?;
+    let mut buf = vec![0u8; 4096];
+    let (p, len) = (memory.as_ptr().cast::<libc::c_void>(), size as usize);
+    let start = Instant::now();
+    // SAFETY: the range is the live backing; mlock changes residency, not contents.
+    if unsafe { libc::mlock(p, len) } != 0 {
+        anyhow::bail!("mlock: {}", std::io::Error::last_os_error());
+    }
+    if frames {
+        for off in (0..size).step_by(2 << 20) {
+            pagemap.read_exact_at(&mut buf, (memory.hva().raw() + off) / 4096 * 8)?;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    // SAFETY: as above.
+    unsafe { libc::munlock(p, len) };
+    Ok(secs)
+}
+
+impl Experiment for Pin {
+    fn name(&self) -> &'static str {
+        "pin"
+    }
+
+    fn title(&self) -> &'static str {
+        "Pinning a guest for DMA: page at a time vs batches of 512 (seed 000)"
+    }
+
+    fn about(&self) -> &'static str {
+        "Reproduces seed 000 (vfio/type1: pin 512 pages per step). An Eager DmaSpace maps \
+         populated private 4 KiB memory in one call, which pins all of it: fault-in, mlock, \
+         count, charge, and the physical frames read into extents (with CAP_SYS_ADMIN). \
+         Per-page does one populate + mlock + pagemap read per page; batched does one of each \
+         per 512 pages. Average seconds and standard deviation over runs, fresh memory each \
+         run. Target: batched at least 5x faster."
+    }
+
+    fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {
+        let (sizes, default_runs): (&[u64], u32) = match ctx.mode {
+            Mode::Quick => (&[1, 2, 4], 2),
+            Mode::Full => (&[1, 2, 4, 8, 16], 5),
+        };
+        let runs = ctx.runs_or(default_runs);
+        let frames = can_read_frames();
+        let variants = [("per-page", 1usize), ("batch of 512", PIN_BATCH)];
+        let mut out = Outcome::default();
+        if !frames {
+            out.skipped.push(
+                "physical frames: reading /proc/self/pagemap frames needs CAP_SYS_ADMIN; both \
+                 variants pin without frames"
+                    .into(),
+            );
+        }
+        let mut progress = ctx.progress("pin", sizes.len() as u64 * 2 * runs as u64);
+        let mut table = Table::new(
+            "Pin time by guest size (lower is better)",
+            &[
+                "mem (GiB)",
+                "speedup",
+                "per-page avg s",
+                "(std)",
+                "batched avg s",
+                "(std)",
+                "per-page GB/s",
+                "batched GB/s",
+                "floor s",
+                "batched / floor",
+            ],
+        );
+        let mut chart = Chart {
+            title: "Seconds to pin (log scale)".into(),
+            unit: "s".into(),
+            log_scale: true,
+            groups: Vec::new(),
+        };
+        for &gib in sizes {
+            let size = gib * GIB;
+            let mut avg = Vec::new();
+            let mut cells = Vec::new();
+            for (name, batch) in variants {
+                let mut samples = Vec::new();
+                for _ in 0..runs {
+                    samples.push(pin_seconds(size, batch, frames)?);
+                    progress.inc(1);
+                }
+                let (mean, std) = mean_std(&samples);
+                let stats = Stats::from_samples(&samples);
+                out.rows.push(Row::new(
+                    "pin",
+                    &format!("{gib} GiB"),
+                    name,
+                    "pin time",
+                    "s",
+                    &stats,
+                ));
+                avg.push(mean);
+                cells.push(format!("{mean:.3}"));
+                cells.push(format!("({std:.3})"));
+            }
+            let gbps: Vec<String> = avg
+                .iter()
+                .map(|s| format!("{:.1}", size as f64 / s / 1e9))
+                .collect();
+            let mut row = vec![gib.to_string(), format!("{:.1}x", avg[0] / avg[1])];
+            row.extend(cells);
+            row.extend(gbps);
+            let floor = Stats::from_samples(
+                &(0..runs)
+                    .map(|_| floor_seconds(size, frames))
+                    .collect::<anyhow::Result<Vec<_>>>()?,
+            );
+            out.rows.push(Row::new(
+                "pin",
+                &format!("{gib} GiB"),
+                "floor (one mlock + pagemap pass)",
+                "pin time",
+                "s",
+                &floor,
+            ));
+            row.push(format!("{:.3}", floor.median));
+            row.push(format!("{:.2}x", avg[1] / floor.median));
+            table.push(row);
+            chart.groups.push(ChartGroup {
+                label: format!("{gib} GiB"),
+                bars: variants
+                    .iter()
+                    .zip(&avg)
+                    .map(|((n, _), s)| (n.to_string(), *s))
+                    .collect(),
+            });
+        }
+        progress.finish();
+        table.note = Some(format!(
+            "{runs} runs each, fresh populated memory per run; frames {}. The floor is one \
+             mlock of the whole range plus one pass of 4 KiB pagemap reads (median). Seed 000 (kernel, \
+             1 GB: 0.61 s -> 0.56 s, 8% faster) batched get_user_pages inside a pin path that \
+             zeroes pages; here memory is populated first, so what remains is the per-step \
+             cost the batch removes.",
+            if frames {
+                "read"
+            } else {
+                "not read (no CAP_SYS_ADMIN)"
+            }
+        ));
+        out.tables.push(table);
+        out.charts.push(("pin-seconds".into(), chart));
+        Ok(out)
+    }
+}
