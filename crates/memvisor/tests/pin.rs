@@ -665,3 +665,70 @@ fn pins_stay_exact_under_concurrent_map_and_unmap() {
     assert!(registry.pinned().is_empty());
     assert!(locked_pages(&b).is_empty());
 }
+
+/// Threads race to pin under one limit: the account never passes it, every refusal is ENOMEM,
+/// and what is charged at the end is exactly what is still pinned.
+#[test]
+fn the_limit_holds_under_concurrent_pins() {
+    const LIMIT_PAGES: u64 = 64;
+    let registry = PinRegistry::new(LockLimit::Bytes(LIMIT_PAGES * PAGE));
+    let over = AtomicBool::new(false);
+    let stop = AtomicBool::new(false);
+    let (refused, pinned) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                if registry.locked_bytes() > LIMIT_PAGES * PAGE {
+                    over.store(true, Ordering::Relaxed);
+                }
+            }
+        });
+        let workers: Vec<_> = (0..3u64)
+            .map(|t| {
+                let (registry, refused, pinned) = (&registry, &refused, &pinned);
+                s.spawn(move || {
+                    let b = mem(32);
+                    let d = DmaSpace::new(DmaConfig {
+                        pin_mode: PinMode::Eager,
+                        pin_batch: 8,
+                        registry: Some(registry.clone()),
+                        ..DmaConfig::default()
+                    })
+                    .unwrap();
+                    for round in 0..200u64 {
+                        let len = 8 + (round * 7 + t) % 24;
+                        match d.map_backing(Iova(0), &b, 0, len * PAGE, Prot::RW) {
+                            Ok(()) => {
+                                pinned.fetch_add(1, Ordering::Relaxed);
+                                d.unmap(Iova(0), len * PAGE).unwrap();
+                            }
+                            Err(e) => {
+                                assert_eq!(e.errno(), libc::ENOMEM, "{e}");
+                                refused.fetch_add(1, Ordering::Relaxed);
+                                assert!(
+                                    locked_pages(&b).is_empty(),
+                                    "a refused pin left pages locked"
+                                );
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert!(
+        !over.load(Ordering::Relaxed),
+        "the account went past the limit"
+    );
+    assert!(pinned.load(Ordering::Relaxed) > 0);
+    println!(
+        "{} pins, {} refused at the limit",
+        pinned.load(Ordering::Relaxed),
+        refused.load(Ordering::Relaxed)
+    );
+    assert_eq!(registry.locked_bytes(), 0);
+}

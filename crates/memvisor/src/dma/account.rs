@@ -141,6 +141,24 @@ mod tests {
     }
 
     #[test]
+    fn the_rlimit_default_follows_the_kernel_rule() {
+        let resolved = LockLimit::Rlimit.resolve();
+        if capable(Capability::IpcLock) {
+            assert_eq!(resolved, None, "CAP_IPC_LOCK locks without limit");
+        } else {
+            let mut rl = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes one rlimit into the struct we own.
+            assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) }, 0);
+            let want =
+                (rl.rlim_cur != libc::RLIM_INFINITY).then_some((rl.rlim_cur, "RLIMIT_MEMLOCK"));
+            assert_eq!(resolved, want);
+        }
+    }
+
+    #[test]
     fn unlimited_takes_anything() {
         let mut a = Account::new(LockLimit::Unlimited);
         a.charge(u64::MAX).unwrap();
