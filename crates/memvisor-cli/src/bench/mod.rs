@@ -8,6 +8,7 @@
 
 mod lookup;
 pub mod machine;
+mod pin_pages;
 pub mod report;
 mod rw;
 pub mod svg;
@@ -25,6 +26,7 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
         Box::new(lookup::Lookup),
         Box::new(translate::Translate),
         Box::new(rw::Rw),
+        Box::new(pin_pages::PinPages),
     ]
 }
 
