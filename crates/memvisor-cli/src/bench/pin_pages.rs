@@ -822,7 +822,8 @@ impl Experiment for PinPages {
                     .collect();
                 out.notes.push(format!(
                     "THP backings of '{}', MiB of {} mapped by huge pages before -> after the \
-                     runs: {}",
+                     runs: {} (an mlock of less than a whole 2 MiB splits the VMA and the huge \
+                     page's PMD, and munlock does not put it back)",
                     case.label(),
                     CASE_SIZE >> 20,
                     each.join(", ")
