@@ -126,3 +126,56 @@ fn lookup_json_has_rows_for_every_variant() {
     }
     std::fs::remove_dir_all(out_dir).unwrap();
 }
+
+/// `memvisor bench pin-pages --quick --json --runs 1` gives pin and unpin rows for every
+/// variant, on the single calls and on both replays, and writes its charts.
+#[test]
+fn pin_pages_json_has_rows_for_every_variant() {
+    let out_dir =
+        std::env::temp_dir().join(format!("memvisor-cli-pin-pages-{}", std::process::id()));
+    let out = memvisor(&[
+        "bench",
+        "pin-pages",
+        "--quick",
+        "--json",
+        "--runs",
+        "1",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let rows = json["results"].as_array().expect("results array");
+    for variant in ["per-page", "runs", "adaptive"] {
+        for (case, metric) in [
+            ("4 KiB, 1 page", "pin"),
+            ("4 KiB, 512 pages", "unpin"),
+            ("THP, 512 pages", "pin"),
+            ("replay vfio-ccw guest boot", "pin+unpin per call"),
+            ("replay fio", "pin+unpin per call"),
+        ] {
+            let r = rows
+                .iter()
+                .find(|r| r["variant"] == variant && r["case"] == case && r["metric"] == metric)
+                .unwrap_or_else(|| panic!("no {case} / {metric} row for {variant}"));
+            assert_eq!(r["experiment"], "pin-pages");
+            assert_eq!(r["unit"], "ns");
+            let median = r["median"].as_f64().unwrap();
+            assert!(median.is_finite() && median > 0.0, "{r}");
+        }
+    }
+    let report = std::fs::read_to_string(out_dir.join("report.md")).expect("report.md written");
+    assert!(
+        report.contains("seed before"),
+        "report has the seed's figures"
+    );
+    for chart in ["pin-pages-call.svg", "pin-pages-replay.svg"] {
+        assert!(out_dir.join(chart).exists(), "{chart}");
+    }
+    std::fs::remove_dir_all(out_dir).unwrap();
+}

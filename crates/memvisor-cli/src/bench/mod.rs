@@ -10,6 +10,7 @@ mod lookup;
 pub mod machine;
 mod map_unmap;
 mod pin;
+mod pin_pages;
 pub mod report;
 mod rw;
 pub mod svg;
@@ -29,6 +30,7 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
         Box::new(rw::Rw),
         Box::new(pin::Pin),
         Box::new(map_unmap::MapUnmap),
+        Box::new(pin_pages::PinPages),
     ]
 }
 
