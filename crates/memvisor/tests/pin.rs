@@ -732,3 +732,66 @@ fn the_limit_holds_under_concurrent_pins() {
     );
     assert_eq!(registry.locked_bytes(), 0);
 }
+
+/// KiB of `b` the kernel maps with transparent huge pages (AnonHugePages over its areas).
+fn anon_huge_kib(b: &Backing) -> u64 {
+    let (base, end) = (b.hva().0, b.hva().0 + b.size());
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        if let Some(v) = line.strip_prefix("AnonHugePages:") {
+            if inside {
+                kib += v
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap();
+            }
+        } else if let Some((range, _)) = line.split_once(' ') {
+            if let Some((s, e)) = range.split_once('-') {
+                if let (Ok(s), Ok(e)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) {
+                    inside = s < end && e > base;
+                }
+            }
+        }
+    }
+    kib
+}
+
+/// Pinning one 4 KiB page of THP memory locks its whole huge page, so the huge page survives
+/// the pin and the unpin (mlock of part of it would split its mapping for good).
+#[test]
+fn a_pin_inside_a_transparent_huge_page_keeps_it_whole() {
+    let thp = Arc::new(
+        Backing::with_options(
+            BackingKind::Thp,
+            4 * MIB,
+            &BackingOptions { populate: true },
+        )
+        .unwrap(),
+    );
+    let before = anon_huge_kib(&thp);
+    if before < 4096 {
+        println!("skipping: THP gave {before} KiB of huge pages here, not 4096");
+        return;
+    }
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &thp, 0, 4 * MIB, Prot::RW).unwrap();
+    d.pin_pages(&[1], Prot::RW).unwrap();
+    assert_eq!(
+        registry.locked_bytes(),
+        2 * MIB,
+        "the whole huge page is locked"
+    );
+    assert_eq!(locked_pages(&thp), (0..512).collect());
+    assert_eq!(anon_huge_kib(&thp), 4096, "still mapped huge while pinned");
+    d.unpin_pages(&[1]).unwrap();
+    assert_eq!(registry.locked_bytes(), 0);
+    assert_eq!(
+        anon_huge_kib(&thp),
+        4096,
+        "still mapped huge after the unpin"
+    );
+}

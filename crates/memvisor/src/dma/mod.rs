@@ -195,11 +195,13 @@ struct Host {
 }
 
 impl Host {
-    /// The page size of the memory: the unit pins are rounded out to.
+    /// The unit pins lock memory in: the huge page size of hugetlbfs and THP memory (mlock of
+    /// part of a transparent huge page splits its mapping for good), else 4 KiB.
     fn granule(&self) -> u64 {
         self.owner
             .as_ref()
-            .map_or(PageSize::Size4K.bytes(), |b| b.page_size().bytes())
+            .and_then(|b| b.huge_page_size())
+            .map_or(PageSize::Size4K.bytes(), |p| p.bytes())
     }
 }
 

@@ -25,11 +25,11 @@
 //!
 //! **Huge pages are whole units.** Counts are kept per 4 KiB page exactly as pinned, so any
 //! pattern of pins and unpins balances; but a hugetlbfs page cannot be locked or unlocked in
-//! part, so what is locked and charged is the memory's page (the granule): a huge page is locked
+//! part, and mlocking part of a transparent huge page splits its mapping into 4 KiB entries for
+//! good. So what is locked and charged is the memory's huge page (the granule): it is locked
 //! when the first of its 4 KiB pages is pinned and unlocked when the last one is unpinned —
-//! decided per run by looking only at the run's two end units. Transparent huge pages are 4 KiB
-//! pages to mlock and need no rounding; they show up in the extents as 2 MiB runs of
-//! consecutive frames.
+//! decided per run by looking only at the run's two end units. A single pinned 4 KiB page of
+//! THP memory therefore locks and charges 2 MiB, as it does on hugetlbfs.
 //!
 //! Locking order: a DMA space's writer lock, then this registry's lock; nothing here calls up.
 //! Whoever must not race a pin (discarding memory) takes the registry's lock too.
