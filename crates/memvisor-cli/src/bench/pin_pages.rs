@@ -12,11 +12,12 @@
 //! **Part 1, one call.** A `pin_pages` call of 1 page and of 512 contiguous pages (2 MiB
 //! aligned, so one huge page on THP and hugetlbfs memory) on populated 4 KiB, THP and
 //! hugetlbfs 2 MiB memory. Every timed call pins pages no one holds, so it takes the 0->1 path
-//! (fault-in check with `MADV_POPULATE_WRITE`, then `mlock`); right after, `unpin_pages` takes
+//! (`mlock` of what is new — on THP and hugetlbfs the whole 2 MiB page); right after, `unpin_pages` takes
 //! them back to 0 (`munlock`). Pin and unpin are timed separately, call by call, and the calls
 //! rotate through a 64 MiB mapping so that consecutive calls touch different pages (and huge
-//! pages). The 1-page and the 512-page cases use separate backings, so the PMD splits that
-//! 4 KiB-sized mlocks cause in a THP never reach the 512-page case. The seed's own kernel
+//! pages). Every variant has its own backing, so nothing one variant does to the memory can
+//! change what another measures; a note reports whether the THP backings kept their huge pages
+//! (memvisor locks THP memory in whole huge pages so that they do). The seed's own kernel
 //! figures are printed next to ours.
 //!
 //! **Part 2, replay.** Seed 002's two `@npage` histograms (BASE kernel: vfio-ccw guest boot, and
@@ -387,9 +388,9 @@ fn ratio_cell(s: &Stats) -> String {
     }
 }
 
-/// One memory kind × call size of part 1, with a backing and a space per variant: pinning a
-/// THP 4 KiB at a time splits its huge pages (a partial mlock splits the VMA and the PMD), and
-/// that must not change what the other variants measure.
+/// One memory kind × call size of part 1, with a backing and a space per variant, so nothing
+/// one variant does to its memory (such as splitting a THP's mapping) changes what the others
+/// measure.
 struct Case {
     memory: Memory,
     pages: u64,
@@ -472,7 +473,7 @@ impl Experiment for PinPages {
         "Reproduces seed 002 (vfio_iommu_type1_pin_pages: pin contiguous runs at once). Part 1: \
          ns for one pin_pages call of 1 page and of 512 contiguous (2 MiB aligned) pages on \
          populated 4 KiB, THP and hugetlbfs 2 MiB memory, each call on pages no one holds \
-         (0->1: MADV_POPULATE_WRITE + mlock), pin and unpin (munlock) timed separately, calls \
+         (0->1: mlock of what is new), pin and unpin (munlock) timed separately, calls \
          rotating through 64 MiB; the seed's kernel figures alongside. Part 2: a replay of the \
          seed's two vfio-ccw npage histograms (guest boot, fio) with run lengths drawn from its \
          pin_contiguous_pages histogram, 4 calls outstanding, in 256 MiB of 4 KiB memory. \
@@ -654,7 +655,7 @@ impl Experiment for PinPages {
             })
             .join("; ");
         pin_table.note = Some(format!(
-            "Each call pins pages no one holds (MADV_POPULATE_WRITE + mlock of what is new; on \
+            "Each call pins pages no one holds (mlock of what is new; on THP and \
              hugetlbfs the whole 2 MiB page), and is undone by unpin_pages right after, timed \
              apart (see the next table). Mean per call over {iters_one} calls (1 page) or \
              {iters_many} calls (512 pages, 2 MiB aligned, rotating over {CHUNKS} huge-page \
@@ -822,8 +823,8 @@ impl Experiment for PinPages {
                     .collect();
                 out.notes.push(format!(
                     "THP backings of '{}', MiB of {} mapped by huge pages before -> after the \
-                     runs: {} (an mlock of less than a whole 2 MiB splits the VMA and the huge \
-                     page's PMD, and munlock does not put it back)",
+                     runs: {} (an mlock of less than a whole 2 MiB would split the huge page's \
+                     PMD for good; memvisor locks THP in whole huge pages)",
                     case.label(),
                     CASE_SIZE >> 20,
                     each.join(", ")
