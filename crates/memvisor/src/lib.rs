@@ -9,6 +9,7 @@
 //! backing  host memory: anonymous, memfd, THP, hugetlbfs, file          (owns mmap/munmap)
 //! slots    guest physical -> host virtual: lock-free snapshots, per-vCPU cursors
 //! dma      I/O virtual -> host: the VFIO type1 model, translation, dma_read/write, dirty pages
+//! discard  free page reporting, host side: reported guest memory given back, pinned pages kept
 //! vm_memory  (feature `vm-memory`) rust-vmm's vm-memory traits over the slot table
 //! ```
 //!
@@ -21,6 +22,7 @@ pub mod addr;
 pub mod backing;
 pub mod bitmap;
 mod copy;
+pub mod discard;
 pub mod dma;
 pub mod error;
 mod rangemap;
@@ -32,6 +34,7 @@ pub mod vm_memory;
 pub use crate::vm_memory::{DirtySlice, SlotMemory, SlotRegion, SlotRegions, SlotSpace};
 pub use addr::{Gpa, Hva, Iova, PageSize, Range};
 pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation};
+pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutcome};
 pub use dma::{Access, DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
 pub use error::{Error, Result};
 pub use slots::{SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot, Translation};

@@ -165,8 +165,7 @@ impl Slot {
     pub fn flags(&self) -> SlotFlags {
         self.flags
     }
-    /// The dirty bitmap writes through the table mark, when the slot logs them.
-    #[cfg(feature = "vm-memory")]
+    /// The dirty bitmap writes through the table (and discards) mark, when the slot logs them.
     pub(crate) fn dirty_bitmap(&self) -> Option<&Arc<DirtyBitmap>> {
         self.dirty.as_ref()
     }
@@ -288,6 +287,14 @@ impl Snapshot {
         let i = self.entries.partition_point(|e| e.start <= gpa.0);
         let e = self.entries.get(i.checked_sub(1)?)?;
         (gpa.0 <= e.last).then_some(i - 1)
+    }
+
+    /// The slots that hold any of `[first, last]` (inclusive), in guest-address order: two
+    /// binary searches.
+    pub(crate) fn overlapping(&self, first: Gpa, last: Gpa) -> &[Arc<Slot>] {
+        let from = self.entries.partition_point(|e| e.last < first.0);
+        let to = self.entries.partition_point(|e| e.start <= last.0);
+        &self.slots[from..to.max(from)]
     }
 
     /// Translates `gpa` if the slot at `index` holds it; the check a hint or cursor makes.

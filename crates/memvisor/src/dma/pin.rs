@@ -189,6 +189,15 @@ impl PinRegistry {
             .collect()
     }
 
+    /// Runs `f` on the pin counts of every host page (4 KiB page numbers, `hva / 4096`) while
+    /// holding the lock every pin and unpin takes. Whatever `f` sees unpinned stays unpinned
+    /// until it returns: a pin that races it either counted its pages before `f` ran or locks
+    /// (and faults in) the pages after `f` is done with them. Discarding uses this; keep `f`
+    /// short, pins wait for it.
+    pub(crate) fn with_pins_locked<R>(&self, f: impl FnOnce(&RunCounts) -> R) -> R {
+        f(&self.lock().pages)
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
