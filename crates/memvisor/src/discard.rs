@@ -298,6 +298,11 @@ impl Discarder {
         };
         let page_size = backing.page_size();
         let page = page_size.bytes();
+        // The unit pins lock: a pinned 4 KiB page keeps its whole huge page.
+        let unit = backing
+            .huge_page_size()
+            .map_or(page, |p| p.bytes())
+            .max(page);
         // Host addresses of the piece, [start, end); aligned inward to whole pages.
         let start = slot.hva().0 + (first - slot.range().start().0);
         let end = start + len;
@@ -321,9 +326,23 @@ impl Discarder {
             let chunk_end = a_end.min((at / chunk + 1) * chunk);
             done.clear();
             self.registry.with_pins_locked(|pins| {
-                for (s, e) in pins.gaps(at / PAGE, chunk_end / PAGE) {
-                    // Whole pages of the backing with no pinned 4 KiB page in them.
-                    let (s, e) = ((s * PAGE).next_multiple_of(page), e * PAGE / page * page);
+                // Pins lock huge pages (THP too) whole: look at the whole units the chunk
+                // touches, and keep every unit holding a pin, even where the report covers
+                // only part of it.
+                let (w0, w1) = (at / unit * unit, chunk_end.div_ceil(unit) * unit);
+                for (s, e) in pins.gaps(w0 / PAGE, w1 / PAGE) {
+                    let (mut s, mut e) = (s * PAGE, e * PAGE);
+                    if s > w0 {
+                        s = s.next_multiple_of(unit);
+                    }
+                    if e < w1 {
+                        e = e / unit * unit;
+                    }
+                    // Whole pages of the backing inside the report.
+                    let (s, e) = (
+                        s.max(at).next_multiple_of(page),
+                        e.min(chunk_end) / page * page,
+                    );
                     if s < e {
                         done.push((s, e, method.apply(backing, s, e).err()));
                     }

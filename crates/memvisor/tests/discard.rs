@@ -427,6 +427,27 @@ fn pinned_pages_are_skipped_and_keep_their_bytes() {
     assert_eq!(held(&b, 300, 0), Held::Zero);
 }
 
+/// THP memory is pinned in whole huge pages, so a pin inside one keeps all of it: reported as
+/// skipped, never half-discarded (MADV_DONTNEED would refuse the locked part anyway).
+#[test]
+fn a_pin_keeps_its_whole_transparent_huge_page() {
+    let _s = serial();
+    let (t, b) = guest(BackingKind::Thp, 4 * MIB, SlotFlags::NONE);
+    let (discarder, dma) = with_pins(&t, &b);
+    dma.pin_pages(&[700], Prot::RW).unwrap(); // inside the second 2 MiB
+    let out = discarder.report(&[(Gpa(BASE + PAGE), 4 * MIB - 2 * PAGE)]);
+    assert_eq!(
+        out,
+        ReportOutcome {
+            discarded: 2 * MIB - PAGE,
+            skipped_pinned: 2 * MIB - PAGE,
+            rejected: vec![],
+        }
+    );
+    check_pages(&b, &[(1, 512)]);
+    dma.unpin_pages(&[700]).unwrap();
+}
+
 /// Pinners pin random pages, write a fresh pattern, wait for reports to go by, check the
 /// pattern, unpin — while a reporter reports overlapping ranges of the same memory over and
 /// over. A pinned page never loses a byte; a page pinned right after a discard reads as zeros
