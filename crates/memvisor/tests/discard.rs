@@ -450,8 +450,8 @@ fn a_pin_keeps_its_whole_transparent_huge_page() {
 
 /// Pinners pin random pages, write a fresh pattern, wait for reports to go by, check the
 /// pattern, unpin — while a reporter reports overlapping ranges of the same memory over and
-/// over. A pinned page never loses a byte; a page pinned right after a discard reads as zeros
-/// (never half old, half new). Private memory (where the kernel itself refuses MADV_DONTNEED
+/// over. A pinned page never loses a byte, however the pins and reports interleave. Private
+/// memory (where the kernel itself refuses MADV_DONTNEED
 /// on locked pages) and a memfd (where punching a hole would free locked pages too).
 #[test]
 fn pins_racing_reports_never_lose_bytes() {
@@ -498,10 +498,11 @@ fn race(kind: BackingKind, time: Duration) {
                         }
                         dma.pin_pages(&pages, Prot::RW).unwrap();
                         for &p in &pages {
-                            // Discarded between the write and the pin, or not at all.
-                            let h = held(b, p, rounds);
-                            assert_ne!(h, Held::Other, "page {p} torn before its pin");
-                            if h == Held::Zero {
+                            // Before the pin a report may discard the page, even in the middle
+                            // of the write above (the guest would not write memory it reported;
+                            // this test does, to make the race tight). From the pin on, nothing
+                            // may change it: write the round's pattern again and check it below.
+                            if held(b, p, rounds) != Held::Pattern {
                                 b.write(p * PAGE, &[pattern(p, rounds); PAGE as usize])
                                     .unwrap();
                             }
