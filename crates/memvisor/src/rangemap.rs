@@ -72,13 +72,22 @@ struct Head<V> {
     values: Vec<V>,
 }
 
-/// How many of a group's 8 sorted `keys` pass `below`; written out so that it compiles to
-/// independent compares and adds (a generic sum gets vectorized badly without SSE4.2's 64-bit
-/// compare).
+/// How many of a group's 8 sorted `keys` are below `key`.
+///
+/// Counted as 8 minus the keys at or above it, on purpose: LLVM vectorizes a plain sum of
+/// `k < key` into eight scalar compares packed into a vector and a software popcount when the
+/// target lacks SSE4.2's 64-bit compare (as the x86_64 baseline does), several times the
+/// latency; this form stays a chain of compare and add-with-carry. (Checked on the `find`
+/// machine code; `cfg!(target_feature = "sse4.2")` builds get vector compares either way.)
 #[inline(always)]
-fn count8(keys: [u64; GROUP], below: impl Fn(u64) -> bool) -> usize {
-    let b = |i: usize| usize::from(below(keys[i]));
-    ((b(0) + b(1)) + (b(2) + b(3))) + ((b(4) + b(5)) + (b(6) + b(7)))
+fn below(keys: &[u64; GROUP], key: u64) -> usize {
+    GROUP - keys.iter().map(|&k| usize::from(k >= key)).sum::<usize>()
+}
+
+/// How many of a group's 8 sorted `keys` are at or below `key`.
+#[inline(always)]
+fn at_or_below(keys: &[u64; GROUP], key: u64) -> usize {
+    GROUP - keys.iter().map(|&k| usize::from(k > key)).sum::<usize>()
 }
 
 impl<H: Copy + Default, V: Clone> Chunk<H, V> {
@@ -104,8 +113,15 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
     fn group(&self, key: u64) -> usize {
         let t = &self.tops;
         let q = usize::from(t[7] < key) + usize::from(t[15] < key) + usize::from(t[23] < key);
-        let line: [u64; GROUP] = t[q * GROUP..][..GROUP].try_into().expect("8 tops");
-        q * GROUP + count8(line, |k| k < key)
+        self.group_in(q, key)
+    }
+
+    /// [`Chunk::group`] when it is known to be in the `q`th line of `tops`: at most
+    /// `GROUP * GROUP` entries (so groups from 8 on are empty) and `q` = 0, say.
+    #[inline(always)]
+    fn group_in(&self, q: usize, key: u64) -> usize {
+        let line: &[u64; GROUP] = self.tops[q * GROUP..][..GROUP].try_into().expect("8 tops");
+        q * GROUP + below(line, key)
     }
 
     /// The group's ends and its pairs' starts.
@@ -125,13 +141,14 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
             return self.head.len;
         }
         // Unused slots end at u64::MAX and never count: the result is at most `len`.
-        g * GROUP + count8(self.group_keys(g).0, |k| k < key)
+        g * GROUP + below(&self.group_keys(g).0, key)
     }
 
-    /// The slot whose range holds `key`.
-    #[inline]
-    fn find(&self, key: u64) -> Option<usize> {
-        let g = self.group(key);
+    /// The slot whose range holds `key`, if any, looking in group `g` only: the group holding
+    /// the first range that ends at or after `key` ([`Chunk::group`]), or 0 when the chunk has
+    /// at most [`GROUP`] entries.
+    #[inline(always)]
+    fn find_in(&self, g: usize, key: u64) -> Option<usize> {
         if g == GROUPS {
             return None;
         }
@@ -140,8 +157,8 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
         // below it. Counting every start reads the group's pairs while its ends are still
         // loading, instead of reading one pair after the ends arrive.
         let (lasts, starts) = self.group_keys(g);
-        let j = count8(lasts, |k| k < key);
-        let s = count8(starts, |k| k <= key);
+        let j = below(&lasts, key);
+        let s = at_or_below(&starts, key);
         let i = g * GROUP + j;
         // Unused slots start (and end) at u64::MAX, so for that key alone the count can point
         // at one: check `len` then (only then, it is on another line).
@@ -224,6 +241,9 @@ struct TopIndex {
     shift: u32,
     /// `buckets + 1` entries, the last one the chunk count.
     bounds: Box<[u32]>,
+    /// The chunks' first keys, then two `u64::MAX` so that the two after any bound can be read
+    /// without a bounds branch.
+    firsts: Box<[u64]>,
 }
 
 impl TopIndex {
@@ -252,22 +272,32 @@ impl TopIndex {
             bounds.push(c as u32);
         }
         bounds.push(n as u32);
+        let padded = firsts.iter().copied().chain([u64::MAX; 2]).collect();
         Some(TopIndex {
             base,
             shift,
             bounds: bounds.into_boxed_slice(),
+            firsts: padded,
         })
     }
 
     /// The chunk whose first key is the last one at or before `key`.
     #[inline]
-    fn chunk_for(&self, firsts: &[u64], key: u64) -> Option<usize> {
+    fn chunk_for(&self, key: u64) -> Option<usize> {
         let off = key.checked_sub(self.base)?;
         let buckets = self.bounds.len() - 1;
         let b = usize::try_from(off >> self.shift).map_or(buckets - 1, |b| b.min(buckets - 1));
         let (lo, hi) = (self.bounds[b] as usize, self.bounds[b + 1] as usize);
-        // key >= base = firsts[0], so lo >= 1.
-        Some(lo + firsts[lo..hi].partition_point(|&f| f <= key) - 1)
+        // key >= base = firsts[0], so lo >= 1. With keys spread over their range a bucket holds
+        // no chunk start or one (rarely two): count those without branching on how many, as
+        // a branch on it is a coin toss for random keys.
+        if hi - lo > 2 {
+            return Some(lo + self.firsts[lo..hi].partition_point(|&f| f <= key) - 1);
+        }
+        let f = &self.firsts[lo..lo + 2];
+        let n = (usize::from(lo < hi) & usize::from(f[0] <= key))
+            + (usize::from(lo + 1 < hi) & usize::from(f[1] <= key));
+        Some(lo - 1 + n)
     }
 }
 
@@ -297,7 +327,7 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     #[inline]
     fn chunk_for(&self, key: u64) -> Option<usize> {
         match &self.top {
-            Some(top) => top.chunk_for(&self.firsts, key),
+            Some(top) => top.chunk_for(key),
             None => self.firsts.partition_point(|&f| f <= key).checked_sub(1),
         }
     }
@@ -322,12 +352,36 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     /// The position of the range holding `key`.
     #[inline]
     pub fn find(&self, key: u64) -> Option<Pos> {
-        let c = self.chunk_for(key)?;
-        let i = self.chunks[c].find(key)?;
-        Some(Pos {
+        self.lookup(key).map(|(pos, ..)| pos)
+    }
+
+    /// The range holding `key`: its position, start, last and hot value. The lookup behind
+    /// every translation, so written to be inlined: with one chunk it skips the chunk search;
+    /// with at most `GROUP * GROUP` ranges in all (every chunk then has at most that many, so
+    /// only the first line of `tops` is in use) it counts that line only, and with at most
+    /// [`GROUP`] it skips the group search.
+    #[inline(always)]
+    pub fn lookup(&self, key: u64) -> Option<(Pos, u64, u64, H)> {
+        let c = if self.chunks.len() > 1 {
+            self.chunk_for(key)?
+        } else {
+            0
+        };
+        let chunk = self.chunks.get(c)?;
+        let g = if self.len <= GROUP {
+            0
+        } else if self.len <= GROUP * GROUP {
+            chunk.group_in(0, key)
+        } else {
+            chunk.group(key)
+        };
+        let i = chunk.find_in(g, key)?;
+        let item = chunk.items[i];
+        let pos = Pos {
             chunk: c as u32,
             index: i as u32,
-        })
+        };
+        Some((pos, item.start, chunk.lasts[i], item.hot))
     }
 
     /// The position of the first range that ends at or after `key`.
@@ -609,6 +663,38 @@ mod tests {
             map.remove(i * 4).unwrap();
         }
         assert!(map.is_empty() && map.chunks.is_empty());
+    }
+
+    #[test]
+    fn few_ranges_left_in_many_chunks() {
+        // Removals never merge chunks: a map can hold few ranges spread over many chunks, and
+        // the lookups that count only the first group or the first line of tops must still
+        // search the right chunk.
+        for keep in [
+            1u64,
+            5,
+            GROUP as u64,
+            9,
+            40,
+            (GROUP * GROUP) as u64,
+            65,
+            100,
+        ] {
+            let mut map = RangeMap::default();
+            let mut model = BTreeMap::new();
+            let n = 12 * MAX_CHUNK as u64;
+            for i in 0..n {
+                insert(&mut map, &mut model, i * 4, i * 4 + 1, i as u32);
+            }
+            let step = n / keep;
+            for i in (0..n).filter(|i| i % step != step / 2 || i / step >= keep) {
+                map.remove(i * 4).unwrap();
+                model.remove(&(i * 4));
+            }
+            assert_eq!(map.len(), keep as usize);
+            assert!(map.chunks.len() > 1 || keep == 1);
+            check(&map, &model, &[0, 1, n * 4, u64::MAX]);
+        }
     }
 
     #[test]

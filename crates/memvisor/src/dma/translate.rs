@@ -49,13 +49,22 @@ struct Found {
 
 impl DmaSnapshot {
     /// The mapping holding `iova`, checked for `access` and a valid host address. Reads the
-    /// index only, never the mapping record.
-    #[inline]
+    /// index only, never the mapping record. Inlined into each translation path: a call
+    /// would pass the result through memory.
+    #[inline(always)]
     fn resolve(&self, iova: u64, len: u64, access: Access) -> Result<Found> {
-        match self.map.find(iova) {
-            Some(pos) => self.check(pos, iova, access),
-            None => Err(unmapped(iova, len)),
+        let Some((pos, start, last, hot)) = self.map.lookup(iova) else {
+            return Err(unmapped(iova, len));
+        };
+        if !hot.prot().contains(access.prot()) || !hot.valid() {
+            return Err(refused(iova, start, last, hot, access));
         }
+        Ok(Found {
+            pos,
+            start,
+            last,
+            hot,
+        })
     }
 
     /// The mapping at `pos` (which holds `iova`), checked for `access` and a valid host address.
@@ -270,6 +279,8 @@ struct Hit {
 }
 
 impl Hit {
+    /// No mapping: no protection, so every access misses (the range check alone would not, as
+    /// `last - start` wraps).
     const NONE: Hit = Hit {
         start: 1,
         last: 0,
@@ -308,11 +319,14 @@ impl DmaCursor {
     #[inline]
     pub fn translate(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
         let h = &self.hit;
-        if self.space.shared.generation.0.load(Ordering::Acquire) == self.generation
-            && iova.0 >= h.start
-            && iova.0 <= h.last
-            && h.prot & access.prot().0 != 0
-            && len != 0
+        // One compare for the range (`iova - start` wraps above `last - start` when below),
+        // and the conditions joined without short-circuits: the outcome is one branch, which
+        // a miss-heavy stream predicts well, rather than a chain of coin tosses.
+        let current = self.space.shared.generation.0.load(Ordering::Acquire) == self.generation;
+        if current
+            & (iova.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
+            & (h.prot & access.prot().0 != 0)
+            & (len != 0)
         {
             let n = len.min(h.last - iova.0 + 1);
             if h.dirty && access == Access::Write {
@@ -360,11 +374,18 @@ impl DmaCursor {
     }
 
     /// Moves to the space's current snapshot if it changed, letting go of the old one.
+    #[inline]
     pub fn refresh(&mut self) {
         if self.space.shared.generation.0.load(Ordering::Acquire) != self.generation {
-            self.snapshot = self.space.shared.current.load_full();
-            self.generation = self.snapshot.generation;
-            self.hit = Hit::NONE;
+            self.reload();
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn reload(&mut self) {
+        self.snapshot = self.space.shared.current.load_full();
+        self.generation = self.snapshot.generation;
+        self.hit = Hit::NONE;
     }
 }
