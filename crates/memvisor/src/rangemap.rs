@@ -14,13 +14,19 @@
 //! lookup that misses every cache: a chunk stores its bounds in fixed arrays right behind the
 //! chunk pointer — the ends (`lasts`), and (start, hot value) pairs — in groups of [`GROUP`]
 //! entries, one 64-byte line of ends per group, plus `tops`, the end of each group's last entry.
-//! A lookup finds the chunk through a bucket table over the chunks' first keys (a few KiB that
-//! stay cached; a binary search when keys are too skewed for buckets), picks a group with a few
-//! compares on `tops`, then counts that group's ends and starts below the key, reading its line of
-//! ends and its two lines of pairs at once. So the only dependent steps that can miss the cache
-//! are the chunk's `tops` and the group's lines. Unused slots hold `u64::MAX` ends and starts.
-//! The bucket table is rebuilt by [`RangeMap::reindex`] after changes that move a chunk's
-//! first key (rare: splits, emptied chunks, a new first range); until then lookups binary-search.
+//! A lookup finds the chunk through a bucket table over the chunks' first keys (one 16-byte
+//! entry per bucket says which chunk holds the bucket's lowest key and where the next one
+//! starts, if it starts there; a binary search when keys are too skewed for buckets), picks a
+//! group with a few compares on `tops`, then counts that group's ends and starts below the key,
+//! reading its line of ends and its two lines of pairs at once. So the only dependent steps
+//! that can miss the cache are the bucket, the chunk pointer, the chunk's `tops` and the
+//! group's lines. Unused slots hold `u64::MAX` ends and starts. The bucket table is rebuilt by
+//! [`RangeMap::reindex`] after changes that move a chunk's first key (rare: splits, emptied
+//! chunks, a new first range); until then lookups binary-search. Small maps skip steps: one
+//! chunk needs no chunk search, at most 64 ranges use one line of `tops`, at most 8 one group.
+//!
+//! The counts are written so that they compile to compare/add-with-carry chains on baseline
+//! x86_64 (see [`below`]); nothing here needs SSE4.2 or POPCNT.
 //!
 //! The map does not check for overlap: its owner validates a change before making it.
 
@@ -227,23 +233,32 @@ pub struct RangeMap<H, V> {
     len: usize,
     /// A shortcut into `firsts`, valid for the `firsts` it was built from: every change to
     /// `firsts` drops it, [`RangeMap::reindex`] builds it again.
-    top: Option<Arc<TopIndex>>,
+    top: Option<TopIndex>,
 }
 
-/// Buckets over the range of chunk first keys: `bounds[b]` is how many chunks start at or below
-/// bucket `b`'s lowest key, so a key in bucket `b` is in one of the chunks
-/// `bounds[b] - 1 ..= bounds[b + 1] - 1`; with keys spread over their range that is one or two
-/// chunks, found with a load instead of a binary search's chain of dependent loads. Skewed keys
-/// fall back to a binary search over the bucket's chunks.
-#[derive(Debug)]
+/// Buckets over the range of chunk first keys, so that finding a key's chunk is one load (plus
+/// the chunk pointer) instead of a binary search's chain of dependent loads. Bucket `b` covers
+/// keys from `base + (b << shift)`; the last bucket also takes every key above. Each bucket
+/// says which chunk holds its lowest key and the first key of the chunk starting in it, if
+/// one does: with keys spread over their range (buckets outnumber chunks two to one) that is
+/// all a lookup needs. Buckets where two or more chunks start fall back to a binary search
+/// over the chunks' first keys.
+#[derive(Clone, Debug)]
 struct TopIndex {
     base: u64,
     shift: u32,
-    /// `buckets + 1` entries, the last one the chunk count.
-    bounds: Box<[u32]>,
-    /// The chunks' first keys, then two `u64::MAX` so that the two after any bound can be read
-    /// without a bounds branch.
-    firsts: Box<[u64]>,
+    buckets: Arc<[Bucket]>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    /// The first key of chunk `chunk + 1` if that chunk starts in this bucket; unused (and
+    /// `u64::MAX`) when none does.
+    split: u64,
+    /// The chunk holding the bucket's lowest key: the last one starting at or below it.
+    chunk: u32,
+    /// How many chunks start in the bucket past its lowest key.
+    starts: u32,
 }
 
 impl TopIndex {
@@ -257,47 +272,56 @@ impl TopIndex {
         }
         let base = firsts[0];
         let span = firsts[n - 1] - base;
-        let buckets = (2 * n).next_power_of_two();
-        let log = buckets.trailing_zeros();
-        // The smallest shift that puts the last chunk's first key in bucket `buckets - 1` or
+        let count = (2 * n).next_power_of_two();
+        let log = count.trailing_zeros();
+        // The smallest shift that puts the last chunk's first key in bucket `count - 1` or
         // below; `b << shift` never overflows since `b < 2^log` and `shift <= 64 - log`.
         let shift = (u64::BITS - span.leading_zeros()).saturating_sub(log);
-        let mut bounds = Vec::with_capacity(buckets + 1);
+        // `upto[b]`: how many chunks start at or below bucket b's lowest key.
+        let low = |b: u64| base.saturating_add(b << shift);
+        let mut upto = Vec::with_capacity(count + 1);
         let mut c = 0;
-        for b in 0..buckets as u64 {
-            let low = base.saturating_add(b << shift);
-            while c < n && firsts[c] <= low {
+        for b in 0..count as u64 {
+            while c < n && firsts[c] <= low(b) {
                 c += 1;
             }
-            bounds.push(c as u32);
+            upto.push(c);
         }
-        bounds.push(n as u32);
-        let padded = firsts.iter().copied().chain([u64::MAX; 2]).collect();
+        upto.push(n);
+        let buckets = upto
+            .windows(2)
+            .map(|w| {
+                let (lo, hi) = (w[0], w[1]);
+                Bucket {
+                    // lo >= 1: firsts[0] = base is the lowest key of bucket 0.
+                    split: if hi > lo { firsts[lo] } else { u64::MAX },
+                    chunk: (lo - 1) as u32,
+                    starts: (hi - lo) as u32,
+                }
+            })
+            .collect();
         Some(TopIndex {
             base,
             shift,
-            bounds: bounds.into_boxed_slice(),
-            firsts: padded,
+            buckets,
         })
     }
 
     /// The chunk whose first key is the last one at or before `key`.
-    #[inline]
-    fn chunk_for(&self, key: u64) -> Option<usize> {
+    #[inline(always)]
+    fn chunk_for(&self, firsts: &[u64], key: u64) -> Option<usize> {
         let off = key.checked_sub(self.base)?;
-        let buckets = self.bounds.len() - 1;
-        let b = usize::try_from(off >> self.shift).map_or(buckets - 1, |b| b.min(buckets - 1));
-        let (lo, hi) = (self.bounds[b] as usize, self.bounds[b + 1] as usize);
-        // key >= base = firsts[0], so lo >= 1. With keys spread over their range a bucket holds
-        // no chunk start or one (rarely two): count those without branching on how many, as
-        // a branch on it is a coin toss for random keys.
-        if hi - lo > 2 {
-            return Some(lo + self.firsts[lo..hi].partition_point(|&f| f <= key) - 1);
+        let last = self.buckets.len() - 1;
+        let b = usize::try_from(off >> self.shift).map_or(last, |b| b.min(last));
+        let bucket = self.buckets[b];
+        let c = bucket.chunk as usize;
+        if bucket.starts > 1 {
+            // Keys bunched together: search the chunks starting in this bucket.
+            let after = &firsts[c + 1..=c + bucket.starts as usize];
+            return Some(c + after.partition_point(|&f| f <= key));
         }
-        let f = &self.firsts[lo..lo + 2];
-        let n = (usize::from(lo < hi) & usize::from(f[0] <= key))
-            + (usize::from(lo + 1 < hi) & usize::from(f[1] <= key));
-        Some(lo - 1 + n)
+        // Without a branch on whether a chunk starts here: that is a coin toss for random keys.
+        Some(c + (usize::from(bucket.starts != 0) & usize::from(key >= bucket.split)))
     }
 }
 
@@ -327,7 +351,7 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     #[inline]
     fn chunk_for(&self, key: u64) -> Option<usize> {
         match &self.top {
-            Some(top) => top.chunk_for(key),
+            Some(top) => top.chunk_for(&self.firsts, key),
             None => self.firsts.partition_point(|&f| f <= key).checked_sub(1),
         }
     }
@@ -336,7 +360,7 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     /// without it, only slower: call it once after a batch of changes, before publishing.
     pub fn reindex(&mut self) {
         if self.top.is_none() {
-            self.top = TopIndex::build(&self.firsts).map(Arc::new);
+            self.top = TopIndex::build(&self.firsts);
         }
     }
 
