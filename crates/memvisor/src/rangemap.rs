@@ -352,6 +352,16 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     fn chunk_for(&self, key: u64) -> Option<usize> {
         match &self.top {
             Some(top) => top.chunk_for(&self.firsts, key),
+            // No index: too few chunks for one (count their first keys at or below `key`, which
+            // a miss-heavy stream does not mispredict), or a writer's map before `reindex`.
+            None if self.firsts.len() < TopIndex::MIN_CHUNKS => {
+                let n = self
+                    .firsts
+                    .iter()
+                    .map(|&f| usize::from(f <= key))
+                    .sum::<usize>();
+                n.checked_sub(1)
+            }
             None => self.firsts.partition_point(|&f| f <= key).checked_sub(1),
         }
     }
