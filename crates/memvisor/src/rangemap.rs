@@ -1,4 +1,4 @@
-//! A persistent map of disjoint `u64` ranges, cheap to copy and change.
+//! A persistent map of disjoint `u64` ranges, cheap to copy and change, quick to search.
 //!
 //! Readers of memvisor's tables hold immutable snapshots; a writer publishes a changed copy. For a
 //! handful of ranges a sorted array copied on every change is fine, but an IOMMU address space
@@ -7,15 +7,36 @@
 //! chunks of at most [`MAX_CHUNK`] entries, each chunk behind an `Arc`. Cloning the map copies
 //! only the chunk pointers (and their first keys); changing it copies only the chunk it touches
 //! (`Arc::make_mut`), splitting chunks that grow too big and dropping chunks that become empty.
-//! So a publish costs O(n / chunk) pointer copies plus O(chunk), and a lookup is two binary
-//! searches over contiguous arrays: the chunks' first keys, then the chunk's starts.
+//! So a publish costs O(n / chunk) pointer copies plus O(chunk).
+//!
+//! Each entry has a small `Copy` "hot" value kept inline next to its bounds, and a cold value of
+//! any type kept apart; a lookup reads only bounds and the hot value. The layout is built for a
+//! lookup that misses every cache: a chunk stores its bounds in fixed arrays right behind the
+//! chunk pointer — the ends (`lasts`), and (start, hot value) pairs — in groups of [`GROUP`]
+//! entries, one 64-byte line of ends per group, plus `tops`, the end of each group's last entry.
+//! A lookup finds the chunk through a bucket table over the chunks' first keys (one 16-byte
+//! entry per bucket says which chunk holds the bucket's lowest key and where the next one
+//! starts, if it starts there; a binary search when keys are too skewed for buckets), picks a
+//! group with a few compares on `tops`, then counts that group's ends and starts below the key,
+//! reading its line of ends and its two lines of pairs at once. So the only dependent steps
+//! that can miss the cache are the bucket, the chunk pointer, the chunk's `tops` and the
+//! group's lines. Unused slots hold `u64::MAX` ends and starts. The bucket table is rebuilt by
+//! [`RangeMap::reindex`] after changes that move a chunk's first key (rare: splits, emptied
+//! chunks, a new first range); until then lookups binary-search. Small maps skip steps: one
+//! chunk needs no chunk search, at most 64 ranges use one line of `tops`, at most 8 one group.
+//!
+//! The counts are written so that they compile to compare/add-with-carry chains on baseline
+//! x86_64 (see [`below`]); nothing here needs SSE4.2 or POPCNT.
 //!
 //! The map does not check for overlap: its owner validates a change before making it.
 
 use std::sync::Arc;
 
-/// Most entries in a chunk; a chunk that would grow past it is split in two halves.
+/// Most entries in a chunk; a chunk that would grow past it is split.
 pub const MAX_CHUNK: usize = 256;
+/// Entries per group: one cache line of `u64` ends.
+pub const GROUP: usize = 8;
+const GROUPS: usize = MAX_CHUNK / GROUP;
 
 /// Where an entry lives: chunk and position in it. Valid only for the map it came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,33 +50,293 @@ impl Pos {
     pub const FIRST: Pos = Pos { chunk: 0, index: 0 };
 }
 
+/// An entry's start and hot value, side by side: the lines a lookup reads last.
+#[derive(Clone, Copy, Debug)]
+struct Item<H> {
+    start: u64,
+    hot: H,
+}
+
+/// Up to [`MAX_CHUNK`] entries in order, in slots `0..len`; the arrays are inline so the chunk
+/// pointer leads straight to them. Aligned so that every group's ends and (for 8-byte hot values)
+/// pairs start a cache line.
 #[derive(Clone, Debug)]
-struct Chunk<V> {
-    starts: Vec<u64>,
-    lasts: Vec<u64>,
+#[repr(C, align(64))]
+struct Chunk<H, V> {
+    /// `tops[g]` = `lasts[g * GROUP + GROUP - 1]`.
+    tops: [u64; GROUPS],
+    /// What a lookup does not read, on a line of its own.
+    head: Head<V>,
+    lasts: [u64; MAX_CHUNK],
+    items: [Item<H>; MAX_CHUNK],
+}
+
+#[derive(Clone, Debug)]
+#[repr(C, align(64))]
+struct Head<V> {
+    len: usize,
     values: Vec<V>,
 }
 
-/// Disjoint inclusive ranges `[start, last]`, each with a value.
-#[derive(Clone, Debug)]
-pub struct RangeMap<V> {
-    /// `firsts[c]` is the start of chunk `c`'s first range.
-    firsts: Vec<u64>,
-    chunks: Vec<Arc<Chunk<V>>>,
-    len: usize,
+/// How many of a group's 8 sorted `keys` are below `key`.
+///
+/// Counted as 8 minus the keys at or above it, on purpose: LLVM vectorizes a plain sum of
+/// `k < key` into eight scalar compares packed into a vector and a software popcount when the
+/// target lacks SSE4.2's 64-bit compare (as the x86_64 baseline does), several times the
+/// latency; this form stays a chain of compare and add-with-carry. (Checked on the `find`
+/// machine code; `cfg!(target_feature = "sse4.2")` builds get vector compares either way.)
+#[inline(always)]
+fn below(keys: &[u64; GROUP], key: u64) -> usize {
+    GROUP - keys.iter().map(|&k| usize::from(k >= key)).sum::<usize>()
 }
 
-impl<V> Default for RangeMap<V> {
+/// How many of a group's 8 sorted `keys` are at or below `key`.
+#[inline(always)]
+fn at_or_below(keys: &[u64; GROUP], key: u64) -> usize {
+    GROUP - keys.iter().map(|&k| usize::from(k > key)).sum::<usize>()
+}
+
+impl<H: Copy + Default, V: Clone> Chunk<H, V> {
+    fn new() -> Self {
+        Chunk {
+            tops: [u64::MAX; GROUPS],
+            lasts: [u64::MAX; MAX_CHUNK],
+            items: [Item {
+                start: u64::MAX,
+                hot: H::default(),
+            }; MAX_CHUNK],
+            head: Head {
+                len: 0,
+                values: Vec::new(),
+            },
+        }
+    }
+
+    /// The group holding the first range that ends at or after `key`; `GROUPS` if none. Three
+    /// compares on the top of every 8th group pick a line of `tops` (their loads overlap), then
+    /// its 8 entries are counted.
+    #[inline(always)]
+    fn group(&self, key: u64) -> usize {
+        let t = &self.tops;
+        let q = usize::from(t[7] < key) + usize::from(t[15] < key) + usize::from(t[23] < key);
+        self.group_in(q, key)
+    }
+
+    /// [`Chunk::group`] when it is known to be in the `q`th line of `tops`: at most
+    /// `GROUP * GROUP` entries (so groups from 8 on are empty) and `q` = 0, say.
+    #[inline(always)]
+    fn group_in(&self, q: usize, key: u64) -> usize {
+        let line: &[u64; GROUP] = self.tops[q * GROUP..][..GROUP].try_into().expect("8 tops");
+        q * GROUP + below(line, key)
+    }
+
+    /// The group's ends and its pairs' starts.
+    #[inline(always)]
+    fn group_keys(&self, g: usize) -> ([u64; GROUP], [u64; GROUP]) {
+        let base = g * GROUP;
+        let lasts: [u64; GROUP] = self.lasts[base..][..GROUP].try_into().expect("8 ends");
+        let items = &self.items[base..][..GROUP];
+        (lasts, std::array::from_fn(|i| items[i].start))
+    }
+
+    /// The first slot whose range ends at or after `key`; `len` if none.
+    #[inline]
+    fn first_ending_at_or_after(&self, key: u64) -> usize {
+        let g = self.group(key);
+        if g == GROUPS {
+            return self.head.len;
+        }
+        // Unused slots end at u64::MAX and never count: the result is at most `len`.
+        g * GROUP + below(&self.group_keys(g).0, key)
+    }
+
+    /// The slot whose range holds `key`, if any, looking in group `g` only: the group holding
+    /// the first range that ends at or after `key` ([`Chunk::group`]), or 0 when the chunk has
+    /// at most [`GROUP`] entries.
+    #[inline(always)]
+    fn find_in(&self, g: usize, key: u64) -> Option<usize> {
+        if g == GROUPS {
+            return None;
+        }
+        // The first range of the group ending at or after `key` holds it iff it starts at or
+        // before `key`, i.e. iff more of the group's (sorted) starts are <= key than ends are
+        // below it. Counting every start reads the group's pairs while its ends are still
+        // loading, instead of reading one pair after the ends arrive.
+        let (lasts, starts) = self.group_keys(g);
+        let j = below(&lasts, key);
+        let s = at_or_below(&starts, key);
+        let i = g * GROUP + j;
+        // Unused slots start (and end) at u64::MAX, so for that key alone the count can point
+        // at one: check `len` then (only then, it is on another line).
+        (j < s && (key != u64::MAX || i < self.head.len)).then_some(i)
+    }
+
+    fn insert(&mut self, i: usize, start: u64, last: u64, hot: H, value: V) {
+        let len = self.head.len;
+        debug_assert!(len < MAX_CHUNK && i <= len);
+        self.lasts.copy_within(i..len, i + 1);
+        self.items.copy_within(i..len, i + 1);
+        self.lasts[i] = last;
+        self.items[i] = Item { start, hot };
+        self.head.values.insert(i, value);
+        self.head.len += 1;
+        self.fix_tops();
+    }
+
+    fn remove(&mut self, i: usize) -> V {
+        let len = self.head.len;
+        self.lasts.copy_within(i + 1..len, i);
+        self.items.copy_within(i + 1..len, i);
+        self.clear_from(len - 1);
+        self.head.len -= 1;
+        self.fix_tops();
+        self.head.values.remove(i)
+    }
+
+    /// Moves slots `at..` into a new chunk.
+    fn split_off(&mut self, at: usize) -> Self {
+        let mut upper = Chunk::new();
+        let n = self.head.len - at;
+        upper.lasts[..n].copy_from_slice(&self.lasts[at..self.head.len]);
+        upper.items[..n].copy_from_slice(&self.items[at..self.head.len]);
+        upper.head.values = self.head.values.split_off(at);
+        upper.head.len = n;
+        upper.fix_tops();
+        self.clear_from(at);
+        self.head.len = at;
+        self.fix_tops();
+        upper
+    }
+
+    fn clear_from(&mut self, at: usize) {
+        self.lasts[at..].fill(u64::MAX);
+        self.items[at..].fill(Item {
+            start: u64::MAX,
+            hot: H::default(),
+        });
+    }
+
+    fn fix_tops(&mut self) {
+        for (g, top) in self.tops.iter_mut().enumerate() {
+            *top = self.lasts[g * GROUP + GROUP - 1];
+        }
+    }
+}
+
+/// Disjoint inclusive ranges `[start, last]`, each with a hot value `H` (read by every lookup,
+/// kept inline; small and `Copy`) and a value `V` (kept apart).
+#[derive(Clone, Debug)]
+pub struct RangeMap<H, V> {
+    /// `firsts[c]` is the start of chunk `c`'s first range.
+    firsts: Vec<u64>,
+    chunks: Vec<Arc<Chunk<H, V>>>,
+    len: usize,
+    /// A shortcut into `firsts`, valid for the `firsts` it was built from: every change to
+    /// `firsts` drops it, [`RangeMap::reindex`] builds it again.
+    top: Option<TopIndex>,
+}
+
+/// Buckets over the range of chunk first keys, so that finding a key's chunk is one load (plus
+/// the chunk pointer) instead of a binary search's chain of dependent loads. Bucket `b` covers
+/// keys from `base + (b << shift)`; the last bucket also takes every key above. Each bucket
+/// says which chunk holds its lowest key and the first key of the chunk starting in it, if
+/// one does: with keys spread over their range (buckets outnumber chunks two to one) that is
+/// all a lookup needs. Buckets where two or more chunks start fall back to a binary search
+/// over the chunks' first keys.
+#[derive(Clone, Debug)]
+struct TopIndex {
+    base: u64,
+    shift: u32,
+    buckets: Arc<[Bucket]>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    /// The first key of chunk `chunk + 1` if that chunk starts in this bucket; unused (and
+    /// `u64::MAX`) when none does.
+    split: u64,
+    /// The chunk holding the bucket's lowest key: the last one starting at or below it.
+    chunk: u32,
+    /// How many chunks start in the bucket past its lowest key.
+    starts: u32,
+}
+
+impl TopIndex {
+    /// Fewer chunks than this are searched directly.
+    const MIN_CHUNKS: usize = 8;
+
+    fn build(firsts: &[u64]) -> Option<TopIndex> {
+        let n = firsts.len();
+        if n < TopIndex::MIN_CHUNKS || u32::try_from(n).is_err() {
+            return None;
+        }
+        let base = firsts[0];
+        let span = firsts[n - 1] - base;
+        let count = (2 * n).next_power_of_two();
+        let log = count.trailing_zeros();
+        // The smallest shift that puts the last chunk's first key in bucket `count - 1` or
+        // below; `b << shift` never overflows since `b < 2^log` and `shift <= 64 - log`.
+        let shift = (u64::BITS - span.leading_zeros()).saturating_sub(log);
+        // `upto[b]`: how many chunks start at or below bucket b's lowest key.
+        let low = |b: u64| base.saturating_add(b << shift);
+        let mut upto = Vec::with_capacity(count + 1);
+        let mut c = 0;
+        for b in 0..count as u64 {
+            while c < n && firsts[c] <= low(b) {
+                c += 1;
+            }
+            upto.push(c);
+        }
+        upto.push(n);
+        let buckets = upto
+            .windows(2)
+            .map(|w| {
+                let (lo, hi) = (w[0], w[1]);
+                Bucket {
+                    // lo >= 1: firsts[0] = base is the lowest key of bucket 0.
+                    split: if hi > lo { firsts[lo] } else { u64::MAX },
+                    chunk: (lo - 1) as u32,
+                    starts: (hi - lo) as u32,
+                }
+            })
+            .collect();
+        Some(TopIndex {
+            base,
+            shift,
+            buckets,
+        })
+    }
+
+    /// The chunk whose first key is the last one at or before `key`.
+    #[inline(always)]
+    fn chunk_for(&self, firsts: &[u64], key: u64) -> Option<usize> {
+        let off = key.checked_sub(self.base)?;
+        let last = self.buckets.len() - 1;
+        let b = usize::try_from(off >> self.shift).map_or(last, |b| b.min(last));
+        let bucket = self.buckets[b];
+        let c = bucket.chunk as usize;
+        if bucket.starts > 1 {
+            // Keys bunched together: search the chunks starting in this bucket.
+            let after = &firsts[c + 1..=c + bucket.starts as usize];
+            return Some(c + after.partition_point(|&f| f <= key));
+        }
+        // Without a branch on whether a chunk starts here: that is a coin toss for random keys.
+        Some(c + (usize::from(bucket.starts != 0) & usize::from(key >= bucket.split)))
+    }
+}
+
+impl<H, V> Default for RangeMap<H, V> {
     fn default() -> Self {
         RangeMap {
             firsts: Vec::new(),
             chunks: Vec::new(),
             len: 0,
+            top: None,
         }
     }
 }
 
-impl<V: Clone> RangeMap<V> {
+impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     /// Number of ranges.
     pub fn len(&self) -> usize {
         self.len
@@ -66,24 +347,83 @@ impl<V: Clone> RangeMap<V> {
         self.len == 0
     }
 
+    /// The chunk whose first key is the last one at or before `key`.
+    #[inline]
+    fn chunk_for(&self, key: u64) -> Option<usize> {
+        match &self.top {
+            Some(top) => top.chunk_for(&self.firsts, key),
+            // No index: too few chunks for one (count their first keys at or below `key`, which
+            // a miss-heavy stream does not mispredict), or a writer's map before `reindex`.
+            None if self.firsts.len() < TopIndex::MIN_CHUNKS => {
+                let n = self
+                    .firsts
+                    .iter()
+                    .map(|&f| usize::from(f <= key))
+                    .sum::<usize>();
+                n.checked_sub(1)
+            }
+            None => self.firsts.partition_point(|&f| f <= key).checked_sub(1),
+        }
+    }
+
+    /// Builds the index over the chunks' first keys if a change dropped it. Lookups are right
+    /// without it, only slower: call it once after a batch of changes, before publishing.
+    pub fn reindex(&mut self) {
+        if self.top.is_none() {
+            self.top = TopIndex::build(&self.firsts);
+        }
+    }
+
+    /// Sets the first key of chunk `c` after a change to it, dropping the index if it moved.
+    fn refirst(&mut self, c: usize) {
+        let first = self.chunks[c].items[0].start;
+        if self.firsts[c] != first {
+            self.firsts[c] = first;
+            self.top = None;
+        }
+    }
+
     /// The position of the range holding `key`.
     #[inline]
     pub fn find(&self, key: u64) -> Option<Pos> {
-        let c = self.firsts.partition_point(|&f| f <= key).checked_sub(1)?;
-        let chunk = &self.chunks[c];
-        let i = chunk.starts.partition_point(|&s| s <= key).checked_sub(1)?;
-        (key <= chunk.lasts[i]).then_some(Pos {
+        self.lookup(key).map(|(pos, ..)| pos)
+    }
+
+    /// The range holding `key`: its position, start, last and hot value. The lookup behind
+    /// every translation, so written to be inlined: with one chunk it skips the chunk search;
+    /// with at most `GROUP * GROUP` ranges in all (every chunk then has at most that many, so
+    /// only the first line of `tops` is in use) it counts that line only, and with at most
+    /// [`GROUP`] it skips the group search.
+    #[inline(always)]
+    pub fn lookup(&self, key: u64) -> Option<(Pos, u64, u64, H)> {
+        let c = if self.chunks.len() > 1 {
+            self.chunk_for(key)?
+        } else {
+            0
+        };
+        let chunk = self.chunks.get(c)?;
+        let g = if self.len <= GROUP {
+            0
+        } else if self.len <= GROUP * GROUP {
+            chunk.group_in(0, key)
+        } else {
+            chunk.group(key)
+        };
+        let i = chunk.find_in(g, key)?;
+        let item = chunk.items[i];
+        let pos = Pos {
             chunk: c as u32,
             index: i as u32,
-        })
+        };
+        Some((pos, item.start, chunk.lasts[i], item.hot))
     }
 
     /// The position of the first range that ends at or after `key`.
     pub fn first_ending_at_or_after(&self, key: u64) -> Option<Pos> {
-        let c = self.firsts.partition_point(|&f| f <= key).saturating_sub(1);
+        let c = self.chunk_for(key).unwrap_or(0);
         let chunk = self.chunks.get(c)?;
-        let i = chunk.lasts.partition_point(|&l| l < key);
-        if i < chunk.lasts.len() {
+        let i = chunk.first_ending_at_or_after(key);
+        if i < chunk.head.len {
             Some(Pos {
                 chunk: c as u32,
                 index: i as u32,
@@ -97,19 +437,29 @@ impl<V: Clone> RangeMap<V> {
         }
     }
 
-    /// The range at `pos`: start, last, value.
+    /// The range at `pos`: start, last, hot value (not the value: a lookup reads only these).
     #[inline]
-    pub fn get(&self, pos: Pos) -> (u64, u64, &V) {
+    pub fn bounds(&self, pos: Pos) -> (u64, u64, H) {
         let chunk = &self.chunks[pos.chunk as usize];
         let i = pos.index as usize;
-        (chunk.starts[i], chunk.lasts[i], &chunk.values[i])
+        let item = chunk.items[i];
+        (item.start, chunk.lasts[i], item.hot)
+    }
+
+    /// The range at `pos`: start, last, hot value, value.
+    #[inline]
+    pub fn get(&self, pos: Pos) -> (u64, u64, H, &V) {
+        let chunk = &self.chunks[pos.chunk as usize];
+        let i = pos.index as usize;
+        let item = chunk.items[i];
+        (item.start, chunk.lasts[i], item.hot, &chunk.head.values[i])
     }
 
     /// The position after `pos`, in address order.
     #[inline]
     pub fn next(&self, pos: Pos) -> Option<Pos> {
         let chunk = &self.chunks[pos.chunk as usize];
-        if (pos.index as usize) + 1 < chunk.starts.len() {
+        if (pos.index as usize) + 1 < chunk.head.len {
             Some(Pos {
                 chunk: pos.chunk,
                 index: pos.index + 1,
@@ -122,49 +472,65 @@ impl<V: Clone> RangeMap<V> {
         }
     }
 
-    /// All ranges in address order.
-    pub fn iter(&self) -> impl Iterator<Item = (u64, u64, &V)> {
+    /// All ranges in address order: start, last, hot value, value.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64, H, &V)> {
         self.chunks.iter().flat_map(|c| {
-            c.starts
-                .iter()
-                .zip(&c.lasts)
-                .zip(&c.values)
-                .map(|((&s, &l), v)| (s, l, v))
+            (0..c.head.len).map(move |i| {
+                (
+                    c.items[i].start,
+                    c.lasts[i],
+                    c.items[i].hot,
+                    &c.head.values[i],
+                )
+            })
         })
     }
 
     /// Adds `[start, last]`. The caller guarantees it overlaps nothing already there.
-    pub fn insert(&mut self, start: u64, last: u64, value: V) {
+    pub fn insert(&mut self, start: u64, last: u64, hot: H, value: V) {
         debug_assert!(start <= last);
         self.len += 1;
         if self.chunks.is_empty() {
+            let mut chunk = Chunk::new();
+            chunk.insert(0, start, last, hot, value);
             self.firsts.push(start);
-            self.chunks.push(Arc::new(Chunk {
-                starts: vec![start],
-                lasts: vec![last],
-                values: vec![value],
-            }));
+            self.chunks.push(Arc::new(chunk));
+            self.top = None;
             return;
         }
-        let c = self
-            .firsts
-            .partition_point(|&f| f <= start)
-            .saturating_sub(1);
+        let c = self.chunk_for(start).unwrap_or(0);
+        let last_chunk = c + 1 == self.chunks.len();
         let chunk = Arc::make_mut(&mut self.chunks[c]);
-        let i = chunk.starts.partition_point(|&s| s < start);
-        chunk.starts.insert(i, start);
-        chunk.lasts.insert(i, last);
-        chunk.values.insert(i, value);
-        self.firsts[c] = chunk.starts[0];
-        if chunk.starts.len() > MAX_CHUNK {
-            let half = chunk.starts.len() / 2;
-            let upper = Chunk {
-                starts: chunk.starts.split_off(half),
-                lasts: chunk.lasts.split_off(half),
-                values: chunk.values.split_off(half),
-            };
-            self.firsts.insert(c + 1, upper.starts[0]);
-            self.chunks.insert(c + 1, Arc::new(upper));
+        let i = chunk.items[..chunk.head.len].partition_point(|it| it.start < start);
+        let split = if chunk.head.len < MAX_CHUNK {
+            None
+        } else if last_chunk && i == chunk.head.len {
+            // Appending past the end of the map (ascending inserts): start a new chunk and
+            // leave this one full, rather than leaving a trail of half-full chunks.
+            Some(MAX_CHUNK)
+        } else if c == 0 && i == 0 {
+            // Likewise for descending inserts at the front.
+            Some(0)
+        } else {
+            Some(MAX_CHUNK / 2)
+        };
+        match split {
+            None => {
+                chunk.insert(i, start, last, hot, value);
+                self.refirst(c);
+            }
+            Some(at) => {
+                let mut upper = chunk.split_off(at);
+                if i < at || (i == at && at == 0) {
+                    chunk.insert(i, start, last, hot, value);
+                } else {
+                    upper.insert(i - at, start, last, hot, value);
+                }
+                self.firsts[c] = chunk.items[0].start;
+                self.firsts.insert(c + 1, upper.items[0].start);
+                self.chunks.insert(c + 1, Arc::new(upper));
+                self.top = None;
+            }
         }
     }
 
@@ -172,53 +538,136 @@ impl<V: Clone> RangeMap<V> {
     pub fn remove(&mut self, start: u64) -> Option<V> {
         let pos = self.find(start)?;
         let c = pos.chunk as usize;
-        if self.chunks[c].starts[pos.index as usize] != start {
+        let i = pos.index as usize;
+        if self.chunks[c].items[i].start != start {
             return None;
         }
         let chunk = Arc::make_mut(&mut self.chunks[c]);
-        let i = pos.index as usize;
-        chunk.starts.remove(i);
-        chunk.lasts.remove(i);
-        let value = chunk.values.remove(i);
-        if chunk.starts.is_empty() {
+        let value = chunk.remove(i);
+        if chunk.head.len == 0 {
             self.chunks.remove(c);
             self.firsts.remove(c);
+            self.top = None;
         } else {
-            self.firsts[c] = chunk.starts[0];
+            self.refirst(c);
         }
         self.len -= 1;
         Some(value)
     }
 
-    /// Replaces the value of the range at `pos`.
-    pub fn set(&mut self, pos: Pos, value: V) {
+    /// Replaces the hot value and value of the range at `pos`.
+    pub fn set(&mut self, pos: Pos, hot: H, value: V) {
         let chunk = Arc::make_mut(&mut self.chunks[pos.chunk as usize]);
-        chunk.values[pos.index as usize] = value;
+        chunk.items[pos.index as usize].hot = hot;
+        chunk.head.values[pos.index as usize] = value;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use std::collections::BTreeMap;
 
-    /// A plain model: start -> (last, value).
-    fn check(map: &RangeMap<u32>, model: &BTreeMap<u64, (u64, u32)>) {
-        assert_eq!(map.len(), model.len());
-        let listed: Vec<_> = map.iter().map(|(s, l, &v)| (s, (l, v))).collect();
-        let expected: Vec<_> = model.iter().map(|(&s, &lv)| (s, lv)).collect();
-        assert_eq!(listed, expected);
-        for (&s, &(l, v)) in model {
-            for key in [s, l, s + (l - s) / 2] {
-                let (fs, fl, &fv) = map.get(map.find(key).unwrap());
-                assert_eq!((fs, fl, fv), (s, l, v), "find({key})");
+    type Model = BTreeMap<u64, (u64, u32)>;
+
+    /// The structure's own invariants: chunk sizes, order, padding, tops, firsts.
+    fn invariants(map: &RangeMap<u64, u32>) {
+        assert_eq!(map.firsts.len(), map.chunks.len());
+        assert_eq!(
+            map.chunks.iter().map(|c| c.head.len).sum::<usize>(),
+            map.len()
+        );
+        let mut prev_last: Option<u64> = None;
+        for (c, chunk) in map.chunks.iter().enumerate() {
+            assert!(chunk.head.len > 0 && chunk.head.len <= MAX_CHUNK);
+            assert_eq!(chunk.head.values.len(), chunk.head.len);
+            assert_eq!(map.firsts[c], chunk.items[0].start);
+            for i in 0..chunk.head.len {
+                let (s, l) = (chunk.items[i].start, chunk.lasts[i]);
+                assert!(s <= l);
+                assert!(
+                    prev_last.is_none_or(|p| p < s),
+                    "ranges overlap or are out of order"
+                );
+                prev_last = Some(l);
+                assert_eq!(
+                    chunk.items[i].hot,
+                    s ^ 0x5a5a,
+                    "hot value follows its range"
+                );
             }
-            if let Some(before) = s.checked_sub(1) {
-                if !model.values().any(|&(l2, _)| l2 == before) {
-                    assert!(map.find(before).is_none() || map.get(map.find(before).unwrap()).1 < s);
-                }
+            for i in chunk.head.len..MAX_CHUNK {
+                assert_eq!((chunk.lasts[i], chunk.items[i].start), (u64::MAX, u64::MAX));
+            }
+            for g in 0..GROUPS {
+                assert_eq!(chunk.tops[g], chunk.lasts[g * GROUP + GROUP - 1]);
             }
         }
+    }
+
+    /// Compares everything the map answers with a plain model: start -> (last, value), with and
+    /// without its top index.
+    fn check(map: &RangeMap<u64, u32>, model: &Model, probes: &[u64]) {
+        let mut indexed = map.clone();
+        indexed.reindex();
+        assert_eq!(
+            indexed.top.is_some(),
+            map.chunks.len() >= TopIndex::MIN_CHUNKS
+        );
+        check_one(&indexed, model, probes);
+        let mut plain = map.clone();
+        plain.top = None;
+        check_one(&plain, model, probes);
+    }
+
+    fn check_one(map: &RangeMap<u64, u32>, model: &Model, probes: &[u64]) {
+        invariants(map);
+        assert_eq!(map.len(), model.len());
+        let listed: Vec<_> = map.iter().map(|(s, l, _, &v)| (s, (l, v))).collect();
+        let expected: Vec<_> = model.iter().map(|(&s, &lv)| (s, lv)).collect();
+        assert_eq!(listed, expected);
+        // walking with next() visits the same ranges
+        let mut walked = Vec::new();
+        let mut pos = map.first_ending_at_or_after(0);
+        while let Some(p) = pos {
+            let (s, l, _, &v) = map.get(p);
+            walked.push((s, (l, v)));
+            pos = map.next(p);
+        }
+        assert_eq!(walked, expected);
+        let mut keys: Vec<u64> = probes.to_vec();
+        for (&s, &(l, _)) in model {
+            keys.extend([s, l, s + (l - s) / 2, s.wrapping_sub(1), l.wrapping_add(1)]);
+        }
+        for key in keys {
+            let holder = model
+                .range(..=key)
+                .next_back()
+                .filter(|(_, (l, _))| *l >= key)
+                .map(|(&s, &(l, v))| (s, l, v));
+            let found = map.find(key).map(|p| {
+                let (s, l, h, &v) = map.get(p);
+                assert_eq!(h, s ^ 0x5a5a);
+                (s, l, v)
+            });
+            assert_eq!(found, holder, "find({key:#x})");
+            // ranges are disjoint and sorted: the holder, else the first starting after key
+            let first_end = holder.or_else(|| {
+                let after = model.range(key.checked_add(1)?..).next()?;
+                Some((*after.0, after.1.0, after.1.1))
+            });
+            let got = map.first_ending_at_or_after(key).map(|p| {
+                let (s, l, _, &v) = map.get(p);
+                (s, l, v)
+            });
+            assert_eq!(got, first_end, "first_ending_at_or_after({key:#x})");
+        }
+    }
+
+    fn insert(map: &mut RangeMap<u64, u32>, model: &mut Model, start: u64, last: u64, v: u32) {
+        map.insert(start, last, start ^ 0x5a5a, v);
+        model.insert(start, (last, v));
     }
 
     #[test]
@@ -229,13 +678,10 @@ mod tests {
         let n = 2000u64;
         for k in 0..n {
             let i = k * 7919 % n;
-            map.insert(i * 4, i * 4 + 2, i as u32);
-            model.insert(i * 4, (i * 4 + 2, i as u32));
+            insert(&mut map, &mut model, i * 4, i * 4 + 2, i as u32);
         }
         assert!(map.chunks.len() > n as usize / MAX_CHUNK);
-        assert!(map.chunks.iter().all(|c| c.starts.len() <= MAX_CHUNK));
-        check(&map, &model);
-        assert!(map.find(3).is_none() && map.find(n * 4).is_none());
+        check(&map, &model, &[3, n * 4, u64::MAX]);
         // a clone shares chunks and is unaffected by changes to the original
         let before = map.clone();
         for i in (0..n).filter(|i| i % 3 != 0) {
@@ -243,9 +689,9 @@ mod tests {
             model.remove(&(i * 4));
         }
         assert_eq!(map.remove(1), None, "not a range start");
-        check(&map, &model);
+        check(&map, &model, &[]);
         assert_eq!(before.len(), n as usize);
-        assert_eq!(before.get(before.find(4 * 5).unwrap()).2, &5);
+        assert_eq!(before.get(before.find(4 * 5).unwrap()).3, &5);
         // remove everything
         for i in (0..n).filter(|i| i % 3 == 0) {
             map.remove(i * 4).unwrap();
@@ -254,10 +700,61 @@ mod tests {
     }
 
     #[test]
+    fn few_ranges_left_in_many_chunks() {
+        // Removals never merge chunks: a map can hold few ranges spread over many chunks, and
+        // the lookups that count only the first group or the first line of tops must still
+        // search the right chunk.
+        for keep in [
+            1u64,
+            5,
+            GROUP as u64,
+            9,
+            40,
+            (GROUP * GROUP) as u64,
+            65,
+            100,
+        ] {
+            let mut map = RangeMap::default();
+            let mut model = BTreeMap::new();
+            let n = 12 * MAX_CHUNK as u64;
+            for i in 0..n {
+                insert(&mut map, &mut model, i * 4, i * 4 + 1, i as u32);
+            }
+            let step = n / keep;
+            for i in (0..n).filter(|i| i % step != step / 2 || i / step >= keep) {
+                map.remove(i * 4).unwrap();
+                model.remove(&(i * 4));
+            }
+            assert_eq!(map.len(), keep as usize);
+            assert!(map.chunks.len() > 1 || keep == 1);
+            check(&map, &model, &[0, 1, n * 4, u64::MAX]);
+        }
+    }
+
+    #[test]
+    fn ascending_and_descending_inserts_fill_chunks() {
+        for descending in [false, true] {
+            let mut map = RangeMap::default();
+            let mut model = BTreeMap::new();
+            let n = 10 * MAX_CHUNK as u64 + 3;
+            for k in 0..n {
+                let i = if descending { n - 1 - k } else { k };
+                insert(&mut map, &mut model, i * 2, i * 2, i as u32);
+            }
+            assert_eq!(
+                map.chunks.len(),
+                11,
+                "full chunks, descending: {descending}"
+            );
+            check(&map, &model, &[]);
+        }
+    }
+
+    #[test]
     fn walking_and_range_queries() {
         let mut map = RangeMap::default();
         for i in 0..600u64 {
-            map.insert(i * 10, i * 10 + 4, i as u32);
+            map.insert(i * 10, i * 10 + 4, 0u8, i as u32);
         }
         let mut pos = map.find(0).unwrap();
         let mut seen = 1;
@@ -276,18 +773,143 @@ mod tests {
         }
         assert!(map.first_ending_at_or_after(5995).is_none());
         let p = map.find(20).unwrap();
-        map.set(p, 99);
-        assert_eq!(map.get(map.find(22).unwrap()).2, &99);
+        map.set(p, 7, 99);
+        assert_eq!(map.get(map.find(22).unwrap()).2, 7);
+        assert_eq!(map.get(map.find(22).unwrap()).3, &99);
     }
 
     #[test]
     fn ranges_at_the_top_of_the_space() {
         let mut map = RangeMap::default();
-        map.insert(u64::MAX - 9, u64::MAX, 1u32);
-        map.insert(0, 0, 2);
-        assert_eq!(map.get(map.find(u64::MAX).unwrap()).2, &1);
-        assert_eq!(map.get(map.find(0).unwrap()).2, &2);
-        assert!(map.find(1).is_none());
+        let mut model = BTreeMap::new();
+        insert(&mut map, &mut model, u64::MAX - 9, u64::MAX, 1);
+        insert(&mut map, &mut model, 0, 0, 2);
+        check(&map, &model, &[1, u64::MAX, u64::MAX - 10]);
         assert_eq!(map.remove(u64::MAX - 9), Some(1));
+        model.remove(&(u64::MAX - 9));
+        // u64::MAX is the padding value too: it must not be found in unused slots
+        check(&map, &model, &[u64::MAX, u64::MAX - 1]);
+        for i in 0..20 {
+            insert(
+                &mut map,
+                &mut model,
+                u64::MAX - 100 + i * 3,
+                u64::MAX - 100 + i * 3 + 1,
+                i as u32,
+            );
+        }
+        check(&map, &model, &[u64::MAX]);
+    }
+
+    #[test]
+    fn top_index_with_clustered_and_extreme_keys() {
+        let mut map = RangeMap::default();
+        let mut model = BTreeMap::new();
+        // three clusters far apart, one at the very top: most buckets are empty, a few hold
+        // many chunks
+        for i in 0..3000u64 {
+            let base = [0, 1 << 40, u64::MAX - (1 << 20)][(i % 3) as usize];
+            let s = base + (i / 3) * 16;
+            insert(&mut map, &mut model, s, s + 7, i as u32);
+        }
+        let probes: Vec<u64> = (0..64)
+            .map(|k| k << 58)
+            .chain([u64::MAX, 1 << 40])
+            .collect();
+        check(&map, &model, &probes);
+        // every change drops the index, and lookups stay right until it is rebuilt
+        map.reindex();
+        assert!(map.top.is_some());
+        let first = map.firsts[5];
+        map.remove(first).unwrap();
+        model.remove(&first);
+        assert!(map.top.is_none(), "a chunk's first key moved");
+        check_one(&map, &model, &probes);
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// Insert a range of `width + 1` keys at `slot * 8` if it overlaps nothing.
+        Insert { slot: u64, width: u64 },
+        /// Insert `n` ranges of one key at consecutive slots from `slot`, up or down.
+        Run { slot: u64, n: u64, down: bool },
+        /// Remove the range starting at (or after) `slot * 8`.
+        Remove { slot: u64 },
+        /// Remove `n` ranges from the one at (or after) `slot * 8`.
+        RemoveRun { slot: u64, n: usize },
+        /// Keep a clone; later checks verify it did not change.
+        Snapshot,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let slot = 0u64..2000;
+        prop_oneof![
+            4 => (slot.clone(), 0u64..8).prop_map(|(slot, width)| Op::Insert { slot, width }),
+            1 => (slot.clone(), 1u64..700, any::<bool>())
+                .prop_map(|(slot, n, down)| Op::Run { slot, n, down }),
+            3 => slot.clone().prop_map(|slot| Op::Remove { slot }),
+            1 => (slot, 1usize..400).prop_map(|(slot, n)| Op::RemoveRun { slot, n }),
+            1 => Just(Op::Snapshot),
+        ]
+    }
+
+    fn free(model: &Model, start: u64, last: u64) -> bool {
+        model
+            .range(..=last)
+            .next_back()
+            .is_none_or(|(_, (l, _))| *l < start)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+        #[test]
+        fn range_map_matches_a_btree_map(ops in proptest::collection::vec(op(), 1..40)) {
+            let mut map = RangeMap::default();
+            let mut model = Model::new();
+            let mut snapshots = Vec::new();
+            let mut v = 0u32;
+            for op in ops {
+                match op {
+                    Op::Insert { slot, width } => {
+                        let (s, l) = (slot * 8, slot * 8 + width);
+                        if free(&model, s, l) {
+                            v += 1;
+                            insert(&mut map, &mut model, s, l, v);
+                        }
+                    }
+                    Op::Run { slot, n, down } => {
+                        for k in 0..n {
+                            let s = if down { slot.saturating_sub(k) } else { slot + k } * 8;
+                            if free(&model, s, s) {
+                                v += 1;
+                                insert(&mut map, &mut model, s, s, v);
+                            }
+                        }
+                    }
+                    Op::Remove { slot } => {
+                        let start = model.range(slot * 8..).next().map(|(&s, _)| s);
+                        if let Some(s) = start {
+                            prop_assert_eq!(map.remove(s), model.remove(&s).map(|(_, v)| v));
+                        }
+                        prop_assert_eq!(map.remove(slot * 8 + 1), None);
+                    }
+                    Op::RemoveRun { slot, n } => {
+                        let starts: Vec<u64> =
+                            model.range(slot * 8..).take(n).map(|(&s, _)| s).collect();
+                        for s in starts {
+                            prop_assert_eq!(map.remove(s), model.remove(&s).map(|(_, v)| v));
+                        }
+                    }
+                    Op::Snapshot => {
+                        snapshots.push((map.clone(), model.clone()));
+                        map.reindex();
+                    }
+                }
+            }
+            check(&map, &model, &[0, u64::MAX]);
+            for (snap, model) in &snapshots {
+                check(snap, model, &[]);
+            }
+        }
     }
 }

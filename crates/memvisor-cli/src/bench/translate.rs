@@ -3,7 +3,7 @@
 //! A guest with a vIOMMU maps its DMA buffers one 4 KiB page at a time, so a device back end may
 //! face tens of thousands of small mappings. This experiment builds N scattered 4 KiB mappings
 //! (N = 1, 64, 10 000, 100 000; every other IOVA page left as a hole, host pages shuffled) and
-//! times `DmaSpace::translate` (a snapshot load and two binary searches) against a per-thread
+//! times `DmaSpace::translate` (a snapshot load and an index lookup) against a per-thread
 //! `DmaCursor` on three address patterns: all in one mapping (the cursor always hits),
 //! hit-heavy (runs of 16 accesses in one mapping, as a device walking a buffer does) and
 //! miss-heavy (every access in a random mapping). A loop that only reads the address list is the
@@ -137,7 +137,7 @@ impl Experiment for Translate {
     fn about(&self) -> &'static str {
         "The device hot path of issue 3. N scattered 4 KiB mappings (a vIOMMU guest's pattern); \
          ns per translation of a 64-byte access through DmaSpace::translate (no cursor: \
-         snapshot load + two binary searches) and through a DmaCursor, on all-hit, hit-heavy \
+         snapshot load + index lookup) and through a DmaCursor, on all-hit, hit-heavy \
          (runs of 16 in one mapping) and miss-heavy (random mapping each time) address \
          patterns; one thread. 'loop only' reads the address list and nothing else. Targets: \
          cursor hit <= 5 ns, miss <= 40 ns at 100 000 mappings."

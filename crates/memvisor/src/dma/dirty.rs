@@ -9,7 +9,7 @@
 //! clears the bits of any range made of whole mappings, holes allowed, in the
 //! `KVM_GET_DIRTY_LOG` / VFIO layout.
 
-use super::{DmaSpace, Entry, whole_mappings};
+use super::{DmaSpace, index_set, whole_mappings};
 use crate::addr::Iova;
 use crate::error::{Error, Result};
 
@@ -42,9 +42,9 @@ impl DmaSpace {
             writer.tracking = on;
             let mut pos = map.first_ending_at_or_after(0);
             while let Some(p) = pos {
-                let m = map.get(p).2.mapping.clone();
+                let m = map.get(p).3.clone();
                 let dirty = on.then(|| self.new_bitmap(m.iova.len()));
-                map.set(p, Entry::of(m.with(m.host.clone(), dirty)));
+                index_set(map, p, m.with(m.host.clone(), dirty));
                 pos = map.next(p);
             }
             Ok(((), true))

@@ -254,13 +254,13 @@ impl DmaSpace {
         prot: Prot,
     ) -> std::result::Result<(PinRequest, u64), Stop> {
         let iova = page_iova(page)?;
-        let Some((start, last, e)) = snapshot_entry(snap, iova) else {
+        let Some((start, last, hot, m)) = snapshot_entry(snap, iova) else {
             return Err(Error::Invalid(format!(
                 "pin_pages: iova page {page:#x} (iova {iova:#x}) is not mapped"
             ))
             .into());
         };
-        if !e.prot.contains(prot) {
+        if !hot.prot().contains(prot) {
             return Err(Error::PermissionDenied {
                 access: if prot.contains(Prot::WRITE) {
                     "write"
@@ -270,17 +270,16 @@ impl DmaSpace {
                 addr: iova,
                 start,
                 last,
-                allowed: format!("{:?}", e.prot),
+                allowed: format!("{:?}", hot.prot()),
             }
             .into());
         }
-        if !e.valid {
+        if !hot.valid() {
             return Err(Stop::Invalidated(iova));
         }
         let pieces = (end - page).min((last - iova) / PAGE + 1);
-        let m = &e.mapping;
         let mut req = self.shared.pin_request(m);
-        req.hva = e.delta.wrapping_add(iova);
+        req.hva = hot.delta().wrapping_add(iova);
         req.len = pieces * PAGE;
         req.write = prot.contains(Prot::WRITE);
         req.frames = false;
@@ -320,13 +319,13 @@ impl Shared {
             let iova = page * PAGE;
             // Device pins keep their mappings from being unmapped or invalidated, so the
             // mapping is there and valid.
-            let Some((_, last, e)) = snapshot_entry(snap, iova).filter(|(_, _, e)| e.valid) else {
+            let Some((_, last, hot, m)) = snapshot_entry(snap, iova).filter(|e| e.2.valid()) else {
                 debug_assert!(false, "device-pinned iova {iova:#x} has no valid mapping");
                 return;
             };
             let pieces = (end - page).min((last - iova) / PAGE + 1);
-            let mut req = self.pin_request(&e.mapping);
-            req.hva = e.delta.wrapping_add(iova);
+            let mut req = self.pin_request(m);
+            req.hva = hot.delta().wrapping_add(iova);
             req.len = pieces * PAGE;
             self.registry.unpin(&req);
             page += pieces;

@@ -50,7 +50,7 @@ use crate::addr::{Gpa, Hva, Iova, PageSize, Range};
 use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
 use crate::error::{Error, Result};
-use crate::rangemap::RangeMap;
+use crate::rangemap::{Pos, RangeMap};
 use crate::slots::{SlotFlags, Snapshot};
 use counts::RunCounts;
 use external::Notifiers;
@@ -250,40 +250,78 @@ impl Mapping {
     }
 }
 
-/// What the index keeps per mapping: the fields every translation needs, next to the range so
-/// a lookup never has to touch the mapping record (with 100 000 mappings the records are
-/// megabytes away; these stay in the index's compact arrays), and the record itself.
-#[derive(Clone)]
-struct Entry {
+/// What the index keeps inline per mapping, packed in one word: the fields every translation
+/// needs, next to the range, so a lookup never touches the mapping record (with 100 000 mappings
+/// the records are megabytes away). The high bits are `hva - iova` (wrapping); both are
+/// multiples of the smallest page size (4 KiB or more), so its low 12 bits are free for the
+/// protection and two flags.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+struct Hot(u64);
+
+impl Hot {
+    const PROT: u64 = 0b11;
+    const VALID: u64 = 1 << 2;
+    const DIRTY: u64 = 1 << 3;
+    const FLAGS: u64 = 0xfff;
+
+    /// The hot word of `mapping`: the only place it is derived.
+    fn of(mapping: &Mapping) -> Hot {
+        let start = mapping.iova.start().0;
+        let (delta, valid) = match &mapping.host {
+            Some(h) => (h.hva.0.wrapping_sub(start), Hot::VALID),
+            None => (0, 0),
+        };
+        debug_assert_eq!(delta & Hot::FLAGS, 0, "iova and hva are page aligned");
+        let dirty = if mapping.dirty.is_some() {
+            Hot::DIRTY
+        } else {
+            0
+        };
+        Hot(delta | u64::from(mapping.prot.0) | valid | dirty)
+    }
+
     /// hva - iova, wrapping; meaningless unless `valid`.
-    delta: u64,
-    prot: Prot,
-    valid: bool,
-    dirty: bool,
-    mapping: Arc<Mapping>,
+    #[inline]
+    fn delta(self) -> u64 {
+        self.0 & !Hot::FLAGS
+    }
+
+    #[inline]
+    fn prot(self) -> Prot {
+        Prot((self.0 & Hot::PROT) as u8)
+    }
+
+    /// Whether the mapping has a host address (not invalidated for a live update).
+    #[inline]
+    fn valid(self) -> bool {
+        self.0 & Hot::VALID != 0
+    }
+
+    /// Whether the mapping has a dirty bitmap.
+    #[inline]
+    fn dirty(self) -> bool {
+        self.0 & Hot::DIRTY != 0
+    }
 }
 
-impl Entry {
-    /// The index entry of `mapping`: the only place the hot fields are derived.
-    fn of(mapping: Mapping) -> Entry {
-        let start = mapping.iova.start().0;
-        Entry {
-            delta: mapping
-                .host
-                .as_ref()
-                .map_or(0, |h| h.hva.0.wrapping_sub(start)),
-            prot: mapping.prot,
-            valid: mapping.host.is_some(),
-            dirty: mapping.dirty.is_some(),
-            mapping: Arc::new(mapping),
-        }
-    }
+/// The index: IOVA ranges, each with its hot word and its mapping record.
+type Index = RangeMap<Hot, Arc<Mapping>>;
+
+/// Puts `mapping` into `map` at `start`.
+fn index_insert(map: &mut Index, mapping: Mapping) {
+    let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
+    map.insert(start, last, Hot::of(&mapping), Arc::new(mapping));
+}
+
+/// Replaces the mapping at `pos` with `mapping` (same range).
+fn index_set(map: &mut Index, pos: Pos, mapping: Mapping) {
+    map.set(pos, Hot::of(&mapping), Arc::new(mapping));
 }
 
 /// The mappings at one generation.
 struct DmaSnapshot {
     generation: u64,
-    map: RangeMap<Entry>,
+    map: Index,
 }
 
 #[repr(align(128))]
@@ -409,7 +447,7 @@ impl DmaSpace {
             .load()
             .map
             .iter()
-            .map(|(_, _, e)| e.mapping.clone())
+            .map(|(_, _, _, m)| m.clone())
             .collect()
     }
 
@@ -533,7 +571,7 @@ impl DmaSpace {
             for (start, m) in &hit {
                 self.unpin_mapping(writer, m.id);
                 let pos = map.find(*start).expect("found above");
-                map.set(pos, Entry::of(m.with(None, m.dirty.clone())));
+                index_set(map, pos, m.with(None, m.dirty.clone()));
                 bytes += m.iova.len();
             }
             Ok((bytes, !hit.is_empty()))
@@ -569,8 +607,7 @@ impl DmaSpace {
                 what: "dma mapping at iova",
                 id: iova.0,
             })?;
-            let (start, _, e) = map.get(pos);
-            let m = &e.mapping;
+            let (start, _, _, m) = map.get(pos);
             if start != iova.0 || m.iova.len() != size {
                 return Err(Error::Invalid(format!(
                     "vaddr update of iova {iova}+{size:#x} must name the whole mapping \
@@ -588,7 +625,7 @@ impl DmaSpace {
                 let pinned = self.pin_mapping(&new)?;
                 writer.eager.insert(new.id, pinned);
             }
-            map.set(pos, Entry::of(new));
+            index_set(map, pos, new);
             Ok(((), true))
         })?;
         let (lock, cv) = &self.shared.updated;
@@ -606,7 +643,7 @@ impl DmaSpace {
             let snap = self.shared.current.load();
             match snap.map.find(iova.0) {
                 None => return true, // unmapped meanwhile: let the caller report it
-                Some(pos) if snap.map.get(pos).2.valid => return true,
+                Some(pos) if snap.map.get(pos).2.valid() => return true,
                 Some(_) => {}
             }
             let now = Instant::now();
@@ -700,7 +737,7 @@ impl DmaSpace {
             }
             for n in &new {
                 if let Some(pos) = map.first_ending_at_or_after(n.iova.start().0) {
-                    let (start, last, _) = map.get(pos);
+                    let (start, last, _, _) = map.get(pos);
                     if start <= n.iova.last().0 {
                         return Err(Error::Overlap {
                             what: "dma mapping",
@@ -731,8 +768,7 @@ impl DmaSpace {
                 writer.eager.extend(pinned);
             }
             for m in made {
-                let (start, last) = (m.iova.start().0, m.iova.last().0);
-                map.insert(start, last, Entry::of(m));
+                index_insert(map, m);
             }
             Ok(((), true))
         })
@@ -750,13 +786,14 @@ impl DmaSpace {
     /// something; on error nothing is published. Writers are serialized.
     fn change<T>(
         &self,
-        edit: impl FnOnce(&mut RangeMap<Entry>, &mut Writer) -> Result<(T, bool)>,
+        edit: impl FnOnce(&mut Index, &mut Writer) -> Result<(T, bool)>,
     ) -> Result<T> {
         let mut writer = self.writer();
         let current = self.shared.current.load_full();
         let mut map = current.map.clone();
         let (value, changed) = edit(&mut map, &mut writer)?;
         if changed {
+            map.reindex();
             let generation = current.generation + 1;
             self.shared
                 .current
@@ -782,22 +819,18 @@ impl Drop for Shared {
     }
 }
 
-/// The index entry holding `iova` in `snap`, as (start, last, entry).
-fn snapshot_entry(snap: &DmaSnapshot, iova: u64) -> Option<(u64, u64, &Entry)> {
+/// The index entry holding `iova` in `snap`, as (start, last, hot word, mapping).
+fn snapshot_entry(snap: &DmaSnapshot, iova: u64) -> Option<(u64, u64, Hot, &Arc<Mapping>)> {
     snap.map.find(iova).map(|p| snap.map.get(p))
 }
 
 /// The mappings lying in `[first, last]`, as (start, mapping); EINVAL if the range cuts one at
 /// either end.
-fn whole_mappings(
-    map: &RangeMap<Entry>,
-    first: u64,
-    last: u64,
-) -> Result<Vec<(u64, Arc<Mapping>)>> {
+fn whole_mappings(map: &Index, first: u64, last: u64) -> Result<Vec<(u64, Arc<Mapping>)>> {
     let mut out = Vec::new();
     let mut pos = map.first_ending_at_or_after(first);
     while let Some(p) = pos {
-        let (start, end, e) = map.get(p);
+        let (start, end, _, m) = map.get(p);
         if start > last {
             break;
         }
@@ -807,7 +840,7 @@ fn whole_mappings(
                  type1 v2 unmaps whole mappings only"
             )));
         }
-        out.push((start, e.mapping.clone()));
+        out.push((start, m.clone()));
         pos = map.next(p);
     }
     Ok(out)

@@ -73,8 +73,8 @@ impl DmaSpace {
                 PinMode::Eager => {
                     let live: Vec<_> = map
                         .iter()
-                        .filter(|(_, _, e)| e.valid)
-                        .map(|(_, _, e)| e.mapping.clone())
+                        .filter(|(_, _, hot, _)| hot.valid())
+                        .map(|(_, _, _, m)| m.clone())
                         .collect();
                     let pinned = self.pin_all(live.iter().map(|m| &**m))?;
                     writer.eager.extend(pinned);
@@ -101,19 +101,23 @@ impl DmaSpace {
             id: iova.0,
         };
         let pos = snap.map.find(iova.0).ok_or(not_found)?;
-        let (start, _, e) = snap.map.get(pos);
+        let (start, _, hot, m) = snap.map.get(pos);
         if start != iova.0 {
             return Err(Error::NotFound {
                 what: "dma mapping starting at iova",
                 id: iova.0,
             });
         }
-        let pinned = writer.eager.get(&e.mapping.id).ok_or_else(|| {
+        let pinned = writer.eager.get(&m.id).ok_or_else(|| {
             Error::Invalid(format!(
                 "mapping at iova {iova} is not pinned (pin mode {:?}{}); only Eager mode pins \
                  whole mappings",
                 writer.mode,
-                if e.valid { "" } else { ", vaddr invalidated" }
+                if hot.valid() {
+                    ""
+                } else {
+                    ", vaddr invalidated"
+                }
             ))
         })?;
         Ok(pinned

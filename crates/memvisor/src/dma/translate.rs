@@ -1,12 +1,12 @@
 //! IOVA translation: the device hot path.
 //!
 //! A device model turns each descriptor's IOVA into a host address it can copy to or from.
-//! [`DmaSpace::translate`] answers from the current snapshot (two binary searches);
-//! [`DmaSpace::translate_sg`] turns a range that spans mappings into a scatter-gather list;
-//! a [`DmaCursor`], one per device thread, remembers the last mapping it hit and the snapshot
-//! generation, so a repeated hit costs one load of a counter only writers write and a bounds
-//! check — like the memslot cursor (seed 003), but with the permission check and dirty marking
-//! a device access needs. Every path checks the access against the mapping's protection (EPERM),
+//! [`DmaSpace::translate`] answers from the current snapshot (an index lookup that reads a few
+//! cache lines and never the mapping record); [`DmaSpace::translate_sg`] turns a range that
+//! spans mappings into a scatter-gather list; a [`DmaCursor`], one per device thread, remembers
+//! the last mapping it hit and the snapshot generation, so a repeated hit costs one load of a
+//! counter only writers write and a bounds check — like the memslot cursor (seed 003), but with
+//! the permission check and dirty marking a device access needs. Every path checks the access against the mapping's protection (EPERM),
 //! fails on unmapped IOVAs (EFAULT) and on invalidated host addresses (EBUSY, after waiting up to
 //! [`DmaConfig::vaddr_wait`](super::DmaConfig::vaddr_wait)), and marks written pages dirty when
 //! tracking is on.
@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Access, DmaSnapshot, DmaSpace, Entry, Mapping};
+use super::{Access, DmaSnapshot, DmaSpace, Hot, Mapping};
 use crate::addr::{Hva, Iova};
 use crate::error::{Error, Result};
 use crate::rangemap::Pos;
@@ -38,42 +38,48 @@ pub struct Segment {
     pub len: u64,
 }
 
+/// A mapping found for an access: where it is in the index and what the access needs.
+#[derive(Clone, Copy)]
+struct Found {
+    pos: Pos,
+    start: u64,
+    last: u64,
+    hot: Hot,
+}
+
 impl DmaSnapshot {
-    /// The mapping holding `iova`, checked for `access` and a valid host address.
-    #[inline]
-    fn resolve(&self, iova: u64, len: u64, access: Access) -> Result<(Pos, u64, &Entry)> {
-        let pos = self.map.find(iova).ok_or(Error::Fault {
-            space: "iova",
-            addr: iova,
-            start: iova,
-            len,
-        })?;
-        self.check(pos, iova, access)
+    /// The mapping holding `iova`, checked for `access` and a valid host address. Reads the
+    /// index only, never the mapping record. Inlined into each translation path: a call
+    /// would pass the result through memory.
+    #[inline(always)]
+    fn resolve(&self, iova: u64, len: u64, access: Access) -> Result<Found> {
+        let Some((pos, start, last, hot)) = self.map.lookup(iova) else {
+            return Err(unmapped(iova, len));
+        };
+        if !hot.prot().contains(access.prot()) || !hot.valid() {
+            return Err(refused(iova, start, last, hot, access));
+        }
+        Ok(Found {
+            pos,
+            start,
+            last,
+            hot,
+        })
     }
 
     /// The mapping at `pos` (which holds `iova`), checked for `access` and a valid host address.
     #[inline]
-    fn check(&self, pos: Pos, iova: u64, access: Access) -> Result<(Pos, u64, &Entry)> {
-        let (start, last, e) = self.map.get(pos);
-        if !e.prot.contains(access.prot()) {
-            return Err(Error::PermissionDenied {
-                access: access.name(),
-                addr: iova,
-                start,
-                last,
-                allowed: format!("{:?}", e.prot),
-            });
+    fn check(&self, pos: Pos, iova: u64, access: Access) -> Result<Found> {
+        let (start, last, hot) = self.map.bounds(pos);
+        if !hot.prot().contains(access.prot()) || !hot.valid() {
+            return Err(refused(iova, start, last, hot, access));
         }
-        if !e.valid {
-            return Err(Error::Busy {
-                addr: iova,
-                why: format!(
-                    "the host address of mapping [{start:#x}, {last:#x}] is invalidated for a \
-                     live update"
-                ),
-            });
-        }
-        Ok((pos, last, e))
+        Ok(Found {
+            pos,
+            start,
+            last,
+            hot,
+        })
     }
 
     /// Checks that `[iova, iova + len)` is all mapped, contiguously, for `access`; then calls
@@ -95,14 +101,15 @@ impl DmaSnapshot {
             start: iova,
             len,
         })?;
-        let (first, mut last, _) = self.resolve(iova, len, access)?;
+        let found = self.resolve(iova, len, access)?;
+        let (first, mut last) = (found.pos, found.last);
         let mut pos = first;
         while last < end {
             // The next piece must start right after this one; it is at the next position.
             let next = self
                 .map
                 .next(pos)
-                .filter(|&p| self.map.get(p).0 == last + 1);
+                .filter(|&p| self.map.bounds(p).0 == last + 1);
             let Some(next) = next else {
                 return Err(Error::Fault {
                     space: "iova",
@@ -111,23 +118,57 @@ impl DmaSnapshot {
                     len,
                 });
             };
-            (pos, last, _) = self.check(next, last + 1, access)?;
+            Found { pos, last, .. } = self.check(next, last + 1, access)?;
         }
         let mut addr = iova;
         let mut pos = Some(first);
         while let Some(p) = pos.filter(|_| addr <= end) {
-            let (_, last, e) = self.map.get(p);
+            let (_, last, hot, m) = self.map.get(p);
             let n = end.min(last) - addr + 1;
-            piece(addr.wrapping_add(e.delta), n);
+            piece(addr.wrapping_add(hot.delta()), n);
             // After the copy: a dirty read racing us then reports the page now or next time,
             // never before the bytes landed.
-            if access == Access::Write && e.dirty {
-                mark_dirty(&e.mapping, addr, n, min_page);
+            if access == Access::Write && hot.dirty() {
+                mark_dirty(m, addr, n, min_page);
             }
             addr = addr.wrapping_add(n);
             pos = self.map.next(p);
         }
         Ok(())
+    }
+}
+
+/// EFAULT for an access of `len` bytes at `iova`, which is in no mapping.
+#[cold]
+#[inline(never)]
+fn unmapped(iova: u64, len: u64) -> Error {
+    Error::Fault {
+        space: "iova",
+        addr: iova,
+        start: iova,
+        len,
+    }
+}
+
+/// Why the mapping `[start, last]` with `hot` refuses `access` at `iova`: EPERM if its protection
+/// does not allow it, else EBUSY (host address invalidated).
+#[cold]
+#[inline(never)]
+fn refused(iova: u64, start: u64, last: u64, hot: Hot, access: Access) -> Error {
+    if !hot.prot().contains(access.prot()) {
+        return Error::PermissionDenied {
+            access: access.name(),
+            addr: iova,
+            start,
+            last,
+            allowed: format!("{:?}", hot.prot()),
+        };
+    }
+    Error::Busy {
+        addr: iova,
+        why: format!(
+            "the host address of mapping [{start:#x}, {last:#x}] is invalidated for a live update"
+        ),
     }
 }
 
@@ -176,13 +217,13 @@ impl DmaSpace {
         }
         let min_page = self.shared.min_page;
         self.with_snapshot(|snap| {
-            let (_, last, e) = snap.resolve(iova.0, len, access)?;
-            let n = len.min(last - iova.0 + 1);
-            if access == Access::Write && e.dirty {
-                mark_dirty(&e.mapping, iova.0, n, min_page);
+            let found = snap.resolve(iova.0, len, access)?;
+            let n = len.min(found.last - iova.0 + 1);
+            if access == Access::Write && found.hot.dirty() {
+                mark_dirty(snap.map.get(found.pos).3, iova.0, n, min_page);
             }
             Ok(Translation {
-                hva: Hva(iova.0.wrapping_add(e.delta)),
+                hva: Hva(iova.0.wrapping_add(found.hot.delta())),
                 len: n,
             })
         })
@@ -238,6 +279,8 @@ struct Hit {
 }
 
 impl Hit {
+    /// No mapping: no protection, so every access misses (the range check alone would not, as
+    /// `last - start` wraps).
     const NONE: Hit = Hit {
         start: 1,
         last: 0,
@@ -276,16 +319,19 @@ impl DmaCursor {
     #[inline]
     pub fn translate(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
         let h = &self.hit;
-        if self.space.shared.generation.0.load(Ordering::Acquire) == self.generation
-            && iova.0 >= h.start
-            && iova.0 <= h.last
-            && h.prot & access.prot().0 != 0
-            && len != 0
+        // One compare for the range (`iova - start` wraps above `last - start` when below),
+        // and the conditions joined without short-circuits: the outcome is one branch, which
+        // a miss-heavy stream predicts well, rather than a chain of coin tosses.
+        let current = self.space.shared.generation.0.load(Ordering::Acquire) == self.generation;
+        if current
+            & (iova.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
+            & (h.prot & access.prot().0 != 0)
+            & (len != 0)
         {
             let n = len.min(h.last - iova.0 + 1);
             if h.dirty && access == Access::Write {
-                let e = self.snapshot.map.get(h.pos).2;
-                mark_dirty(&e.mapping, iova.0, n, self.space.shared.min_page);
+                let m = self.snapshot.map.get(h.pos).3;
+                mark_dirty(m, iova.0, n, self.space.shared.min_page);
             }
             return Ok(Translation {
                 hva: Hva(iova.0.wrapping_add(h.delta)),
@@ -302,23 +348,24 @@ impl DmaCursor {
             });
         }
         self.refresh();
-        let (pos, last, e) = match self.snapshot.resolve(iova.0, len, access) {
+        let found = match self.snapshot.resolve(iova.0, len, access) {
             Ok(found) => found,
             // Invalidated: take the space's path, which waits for the update.
             Err(Error::Busy { .. }) => return self.space.translate(iova, len, access),
             Err(e) => return Err(e),
         };
         self.hit = Hit {
-            start: e.mapping.iova.start().0,
-            last,
-            delta: e.delta,
-            prot: e.prot.0,
-            dirty: e.dirty,
-            pos,
+            start: found.start,
+            last: found.last,
+            delta: found.hot.delta(),
+            prot: found.hot.prot().0,
+            dirty: found.hot.dirty(),
+            pos: found.pos,
         };
-        let n = len.min(last - iova.0 + 1);
-        if access == Access::Write && e.dirty {
-            mark_dirty(&e.mapping, iova.0, n, self.space.shared.min_page);
+        let n = len.min(found.last - iova.0 + 1);
+        if access == Access::Write && found.hot.dirty() {
+            let m = self.snapshot.map.get(found.pos).3;
+            mark_dirty(m, iova.0, n, self.space.shared.min_page);
         }
         Ok(Translation {
             hva: Hva(iova.0.wrapping_add(self.hit.delta)),
@@ -327,11 +374,18 @@ impl DmaCursor {
     }
 
     /// Moves to the space's current snapshot if it changed, letting go of the old one.
+    #[inline]
     pub fn refresh(&mut self) {
         if self.space.shared.generation.0.load(Ordering::Acquire) != self.generation {
-            self.snapshot = self.space.shared.current.load_full();
-            self.generation = self.snapshot.generation;
-            self.hit = Hit::NONE;
+            self.reload();
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn reload(&mut self) {
+        self.snapshot = self.space.shared.current.load_full();
+        self.generation = self.snapshot.generation;
+        self.hit = Hit::NONE;
     }
 }
