@@ -11,27 +11,15 @@ use memvisor::{
 
 const MIB: u64 = 1 << 20;
 
-/// The smaps fields of the mapping that starts at `addr`, in KiB.
+mod common;
+
+/// A size field of the mapping that starts at `addr`, in KiB.
 fn smaps_field(addr: u64, field: &str) -> u64 {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let mut in_mapping = false;
-    for line in smaps.lines() {
-        if let Some((range, _)) = line.split_once(' ') {
-            if let Some((start, _)) = range.split_once('-') {
-                if let Ok(start) = u64::from_str_radix(start, 16) {
-                    in_mapping = start == addr;
-                    continue;
-                }
-            }
-        }
-        if in_mapping {
-            if let Some(rest) = line.strip_prefix(field) {
-                let rest = rest.trim_start_matches(':').trim();
-                return rest.trim_end_matches("kB").trim().parse().unwrap();
-            }
-        }
-    }
-    panic!("no mapping at {addr:#x} with field {field}");
+    common::vmas(addr, addr + 1)
+        .iter()
+        .find(|v| v.start == addr)
+        .and_then(|v| v.kib(field))
+        .unwrap_or_else(|| panic!("no mapping at {addr:#x} with field {field}"))
 }
 
 fn round_trip(b: &Backing) {
@@ -196,11 +184,6 @@ fn thp_backing_gets_huge_pages_when_the_kernel_allows() {
     );
 }
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 /// All hugetlbfs checks in one test: they adjust the machine-wide pool, so they run in order.
 #[test]
 fn hugetlb_backings() {
@@ -227,7 +210,7 @@ fn hugetlb_backings() {
             .errno(),
         libc::EOPNOTSUPP
     );
-    if !is_root() {
+    if !common::is_root() {
         println!("skipping hugetlb mapping tests: reserving huge pages needs root");
         return;
     }

@@ -17,6 +17,8 @@ use memvisor::{
 };
 
 const PAGE: u64 = 4096;
+mod common;
+
 const MIB: u64 = 1 << 20;
 /// Where guest RAM starts in these tests: not 0, so guest and host offsets differ.
 const BASE: u64 = 1 << 30;
@@ -27,35 +29,8 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Sum of an smaps field (in bytes) over the mappings that overlap `[start, end)`.
-fn smaps_sum(start: u64, end: u64, field: &str) -> u64 {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let mut inside = false;
-    let mut total = 0;
-    for line in smaps.lines() {
-        let header = line
-            .split_once(' ')
-            .and_then(|(range, _)| range.split_once('-'))
-            .and_then(|(s, e)| {
-                Some((
-                    u64::from_str_radix(s, 16).ok()?,
-                    u64::from_str_radix(e, 16).ok()?,
-                ))
-            });
-        if let Some((s, e)) = header {
-            inside = s < end && start < e;
-        } else if inside {
-            if let Some(rest) = line.strip_prefix(field).and_then(|r| r.strip_prefix(':')) {
-                let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().unwrap();
-                total += kib * 1024;
-            }
-        }
-    }
-    total
-}
-
 fn rss(b: &Backing) -> u64 {
-    smaps_sum(b.hva().0, b.hva().0 + b.size(), "Rss")
+    common::smaps_sum(b.hva().0, b.hva().0 + b.size(), "Rss")
 }
 
 /// Bytes the file behind `b` has allocated.
@@ -179,13 +154,13 @@ fn madv_free_frees_lazily() {
     let d = own_registry(&t, true);
     let (rss0, lazy0) = (
         rss(&b),
-        smaps_sum(b.hva().0, b.hva().0 + b.size(), "LazyFree"),
+        common::smaps_sum(b.hva().0, b.hva().0 + b.size(), "LazyFree"),
     );
     let out = d.report(&[(Gpa(BASE), MIB)]);
     assert_eq!(out, clean(MIB));
     let (rss1, lazy1) = (
         rss(&b),
-        smaps_sum(b.hva().0, b.hva().0 + b.size(), "LazyFree"),
+        common::smaps_sum(b.hva().0, b.hva().0 + b.size(), "LazyFree"),
     );
     // Pages still mapped are lazily free; pages the kernel took already left Rss. Pages still
     // in the kernel's per-CPU batches (up to 31 per CPU) show up as neither yet.

@@ -14,6 +14,8 @@ use memvisor::{
 };
 use proptest::prelude::*;
 
+mod common;
+
 const PAGE: u64 = 4096;
 const MIB: u64 = 1 << 20;
 
@@ -36,25 +38,12 @@ fn space(mode: PinMode, limit: LockLimit) -> (DmaSpace, Arc<PinRegistry>) {
 /// The pages of `b` the kernel has mlocked, by index.
 fn locked_pages(b: &Backing) -> BTreeSet<u64> {
     let (base, end) = (b.hva().0, b.hva().0 + b.size());
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let mut out = BTreeSet::new();
-    let mut vma = (0, 0);
-    for line in smaps.lines() {
-        if let Some(flags) = line.strip_prefix("VmFlags:") {
-            if flags.split_whitespace().any(|f| f == "lo") {
-                for addr in (vma.0.max(base)..vma.1.min(end)).step_by(PAGE as usize) {
-                    out.insert((addr - base) / PAGE);
-                }
-            }
-        } else if let Some((range, _)) = line.split_once(' ') {
-            if let Some((s, e)) = range.split_once('-') {
-                if let (Ok(s), Ok(e)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) {
-                    vma = (s, e);
-                }
-            }
-        }
-    }
-    out
+    common::vmas(base, end)
+        .iter()
+        .filter(|v| v.has_flag("lo"))
+        .flat_map(|v| (v.start.max(base)..v.end.min(end)).step_by(PAGE as usize))
+        .map(|addr| (addr - base) / PAGE)
+        .collect()
 }
 
 fn errno<T: std::fmt::Debug>(r: memvisor::Result<T>) -> i32 {
@@ -435,11 +424,6 @@ fn live_update_moves_eager_pins_to_the_new_memory() {
     assert_eq!(registry.locked_bytes(), 4 * PAGE);
 }
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 /// Frame numbers of `pages` pages from `hva`, read independently of memvisor.
 fn frames(hva: u64, pages: u64) -> Vec<u64> {
     use std::os::unix::fs::FileExt;
@@ -476,7 +460,7 @@ fn assert_exact_extents(d: &DmaSpace, iova: u64, b: &Backing, len: u64) {
 
 #[test]
 fn extents_are_the_physically_contiguous_runs() {
-    if !is_root() {
+    if !common::is_root() {
         println!("skipping extent checks: reading frames needs CAP_SYS_ADMIN (run as root)");
         return;
     }
@@ -735,29 +719,7 @@ fn the_limit_holds_under_concurrent_pins() {
 
 /// KiB of `b` the kernel maps with transparent huge pages (AnonHugePages over its areas).
 fn anon_huge_kib(b: &Backing) -> u64 {
-    let (base, end) = (b.hva().0, b.hva().0 + b.size());
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let mut inside = false;
-    let mut kib = 0;
-    for line in smaps.lines() {
-        if let Some(v) = line.strip_prefix("AnonHugePages:") {
-            if inside {
-                kib += v
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<u64>()
-                    .unwrap();
-            }
-        } else if let Some((range, _)) = line.split_once(' ') {
-            if let Some((s, e)) = range.split_once('-') {
-                if let (Ok(s), Ok(e)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) {
-                    inside = s < end && e > base;
-                }
-            }
-        }
-    }
-    kib
+    common::smaps_sum(b.hva().0, b.hva().0 + b.size(), "AnonHugePages") / 1024
 }
 
 /// Pinning one 4 KiB page of THP memory locks its whole huge page, so the huge page survives
