@@ -278,11 +278,12 @@ impl DmaSpace {
             return Err(Stop::Invalidated(iova));
         }
         let pieces = (end - page).min((last - iova) / PAGE + 1);
-        let mut req = self.shared.pin_request(m);
-        req.hva = hot.delta().wrapping_add(iova);
-        req.len = pieces * PAGE;
-        req.write = prot.contains(Prot::WRITE);
-        req.frames = false;
+        let req = self.shared.device_request(
+            m,
+            hot.delta().wrapping_add(iova),
+            pieces * PAGE,
+            prot.contains(Prot::WRITE),
+        );
         self.shared.registry.pin(&req)?;
         writer.external.add(page, page + pieces);
         if req.write {
@@ -324,9 +325,7 @@ impl Shared {
                 return;
             };
             let pieces = (end - page).min((last - iova) / PAGE + 1);
-            let mut req = self.pin_request(m);
-            req.hva = hot.delta().wrapping_add(iova);
-            req.len = pieces * PAGE;
+            let req = self.device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE, false);
             self.registry.unpin(&req);
             page += pieces;
         }

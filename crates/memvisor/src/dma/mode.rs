@@ -96,18 +96,15 @@ impl DmaSpace {
     pub fn extents(&self, iova: Iova) -> Result<Vec<Extent>> {
         let writer = self.writer();
         let snap = self.shared.current.load();
-        let not_found = Error::NotFound {
-            what: "dma mapping starting at iova",
-            id: iova.0,
-        };
-        let pos = snap.map.find(iova.0).ok_or(not_found)?;
-        let (start, _, hot, m) = snap.map.get(pos);
-        if start != iova.0 {
-            return Err(Error::NotFound {
+        let (start, _, hot, m) = snap
+            .map
+            .find(iova.0)
+            .map(|pos| snap.map.get(pos))
+            .filter(|&(start, ..)| start == iova.0)
+            .ok_or(Error::NotFound {
                 what: "dma mapping starting at iova",
                 id: iova.0,
-            });
-        }
+            })?;
         let pinned = writer.eager.get(&m.id).ok_or_else(|| {
             Error::Invalid(format!(
                 "mapping at iova {iova} is not pinned (pin mode {:?}{}); only Eager mode pins \
@@ -183,6 +180,24 @@ impl Shared {
             granule: host.granule(),
             batch: self.config.pin_batch,
             frames: self.config.frames,
+        }
+    }
+
+    /// The request for part of `m` that a device pins through `pin_pages`: `len` bytes from host
+    /// address `hva`, without frames (devices get host addresses).
+    pub(super) fn device_request(
+        &self,
+        m: &Mapping,
+        hva: u64,
+        len: u64,
+        write: bool,
+    ) -> PinRequest {
+        PinRequest {
+            hva,
+            len,
+            write,
+            frames: false,
+            ..self.pin_request(m)
         }
     }
 
