@@ -56,30 +56,14 @@ impl DmaSnapshot {
         let Some((pos, start, last, hot)) = self.map.lookup(iova) else {
             return Err(unmapped(iova, len));
         };
-        if !hot.prot().contains(access.prot()) || !hot.valid() {
-            return Err(refused(iova, start, last, hot, access));
-        }
-        Ok(Found {
-            pos,
-            start,
-            last,
-            hot,
-        })
+        checked(pos, start, last, hot, iova, access)
     }
 
     /// The mapping at `pos` (which holds `iova`), checked for `access` and a valid host address.
     #[inline]
     fn check(&self, pos: Pos, iova: u64, access: Access) -> Result<Found> {
         let (start, last, hot) = self.map.bounds(pos);
-        if !hot.prot().contains(access.prot()) || !hot.valid() {
-            return Err(refused(iova, start, last, hot, access));
-        }
-        Ok(Found {
-            pos,
-            start,
-            last,
-            hot,
-        })
+        checked(pos, start, last, hot, iova, access)
     }
 
     /// Checks that `[iova, iova + len)` is all mapped, contiguously, for `access`; then calls
@@ -136,6 +120,20 @@ impl DmaSnapshot {
         }
         Ok(())
     }
+}
+
+/// `Found` if the mapping allows `access` and has a valid host address.
+#[inline(always)]
+fn checked(pos: Pos, start: u64, last: u64, hot: Hot, iova: u64, access: Access) -> Result<Found> {
+    if !hot.prot().contains(access.prot()) || !hot.valid() {
+        return Err(refused(iova, start, last, hot, access));
+    }
+    Ok(Found {
+        pos,
+        start,
+        last,
+        hot,
+    })
 }
 
 /// EFAULT for an access of `len` bytes at `iova`, which is in no mapping.
