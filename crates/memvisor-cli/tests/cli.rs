@@ -10,6 +10,26 @@ fn memvisor(args: &[&str]) -> Output {
         .expect("run the memvisor binary")
 }
 
+/// `memvisor bench EXP --quick --json --runs 1 --out OUT_DIR`: must succeed; its stdout parsed.
+fn quick_json(experiment: &str, out_dir: &std::path::Path) -> serde_json::Value {
+    let out = memvisor(&[
+        "bench",
+        experiment,
+        "--quick",
+        "--json",
+        "--runs",
+        "1",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
+
 #[test]
 fn bench_help_lists_options() {
     let out = memvisor(&["bench", "--help"]);
@@ -72,23 +92,7 @@ fn quick_and_full_conflict() {
 #[test]
 fn lookup_json_has_rows_for_every_variant() {
     let out_dir = std::env::temp_dir().join(format!("memvisor-cli-lookup-{}", std::process::id()));
-    let out = memvisor(&[
-        "bench",
-        "lookup",
-        "--quick",
-        "--json",
-        "--runs",
-        "1",
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value =
-        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let json = quick_json("lookup", &out_dir);
     assert_eq!(json["mode"], "quick");
     let rows = json["results"].as_array().expect("results array");
     for variant in ["binary", "vm-hint", "cursor", "vm-memory"] {
@@ -133,23 +137,7 @@ fn lookup_json_has_rows_for_every_variant() {
 fn pin_pages_json_has_rows_for_every_variant() {
     let out_dir =
         std::env::temp_dir().join(format!("memvisor-cli-pin-pages-{}", std::process::id()));
-    let out = memvisor(&[
-        "bench",
-        "pin-pages",
-        "--quick",
-        "--json",
-        "--runs",
-        "1",
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value =
-        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let json = quick_json("pin-pages", &out_dir);
     let rows = json["results"].as_array().expect("results array");
     for variant in ["per-page", "runs", "adaptive"] {
         for (case, metric) in [
