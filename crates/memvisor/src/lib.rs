@@ -11,6 +11,7 @@
 //! dma      I/O virtual -> host: the VFIO type1 model, translation, dma_read/write, dirty pages
 //! discard  free page reporting, host side: reported guest memory given back, pinned pages kept
 //! vm_memory  (feature `vm-memory`) rust-vmm's vm-memory traits over the slot table
+//! balloon  (feature `virtio-balloon`) virtio-balloon free page reporting queue -> discard
 //! ```
 //!
 //! Every fallible call returns [`Error`], whose [`Error::errno`] is what KVM or VFIO would
@@ -20,6 +21,8 @@
 
 pub mod addr;
 pub mod backing;
+#[cfg(feature = "virtio-balloon")]
+pub mod balloon;
 pub mod bitmap;
 mod copy;
 pub mod discard;

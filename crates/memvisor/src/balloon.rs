@@ -1,0 +1,434 @@
+//! A virtio-balloon device model for free page reporting: the guest's reports, taken off a
+//! virtqueue in guest memory and handed to [`Discarder::report`].
+//!
+//! **The protocol.** A Linux guest with `virtio_balloon` and `mm/page_reporting` negotiates
+//! `VIRTIO_BALLOON_F_REPORTING` (feature bit 5). When enough memory has been free for a while it
+//! takes up to 32 free blocks of order 9 or more (2 MiB and up) off its free lists, puts them on
+//! the reporting queue as **one descriptor chain of device-writable buffers**, one buffer per
+//! block, notifies the device, and waits until the device returns the chain in the used ring.
+//! Only then does it put the blocks back on its free lists — and from that moment it may reuse
+//! them. So the host's work happens between the pop and the used entry: [`Balloon::process_queue`]
+//! pops each chain, checks it, discards the memory its buffers name, and only then marks it used.
+//!
+//! **The checks.** The guest is not trusted. A chain is taken whole or not at all: every buffer is
+//! checked before anything is discarded, and one bad buffer refuses the whole chain
+//! ([`ChainError`]): a driver-readable buffer (reported memory is always device-writable), a
+//! length or address that is not a multiple of 4 KiB, a buffer outside guest memory, a chain with
+//! more descriptors than the queue has (only a loop makes one), a chain whose next link cannot be
+//! read. A refused chain is logged (`log::warn!`), counted, and still returned as used, so the
+//! guest gets its memory back and the device keeps working; nothing outside the chain's own
+//! buffers is ever touched, and of a refused chain nothing at all. What survives the checks is one
+//! [`Discarder::report`], which applies its own per-range rules (whole pages of the backing, pins,
+//! read-only slots, private files) and says what it did; that [`ReportOutcome`] comes back per
+//! chain in [`Processed`]. An available ring that is corrupt (an index more than a queue ahead) is
+//! the one error [`Balloon::process_queue`] returns: the device then refuses to work until
+//! [`Balloon::reset`], which is virtio's `DEVICE_NEEDS_RESET`.
+//!
+//! **Page poisoning.** With `VIRTIO_BALLOON_F_PAGE_POISON` (bit 4) the driver writes the value it
+//! fills free pages with into the config field `poison_val`. A non-zero value is passed to
+//! [`Discarder::set_page_poison`]: a discarded page would come back as zeros, not as that value,
+//! so nothing is discarded while it is set (QEMU does the same).
+//!
+//! **What this models.** Feature negotiation, the 16-byte config space and the reporting queue —
+//! what free page reporting needs. The inflate, deflate, statistics and free page hinting queues
+//! are not modelled; with none of the optional queues negotiated, the reporting queue is virtqueue
+//! number 2 ([`REPORTING_QUEUE_INDEX`]). The transport (PCI or MMIO) stays with the VMM: it
+//! configures [`Balloon::queue_mut`] (size, ring addresses, ready) through
+//! [`virtio_queue::QueueT`], forwards config accesses and feature words, calls
+//! [`Balloon::process_queue`] when the guest notifies the queue, and interrupts the guest when
+//! that says to.
+
+use std::fmt;
+
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryBackend};
+
+pub use virtio_queue;
+
+use crate::addr::Gpa;
+use crate::discard::{DiscardOptions, Discarder, ReportOutcome};
+use crate::error::{Error, Result};
+use crate::vm_memory::{SlotMemory, SlotSpace};
+
+/// virtio device type of a memory balloon.
+pub const DEVICE_TYPE: u32 = 5;
+/// Feature bit: the driver fills free pages with `poison_val`.
+pub const VIRTIO_BALLOON_F_PAGE_POISON: u32 = 4;
+/// Feature bit: free page reporting through the reporting queue.
+pub const VIRTIO_BALLOON_F_REPORTING: u32 = 5;
+/// Feature bit: the virtio 1.0 interface (little-endian, modern layout).
+pub const VIRTIO_F_VERSION_1: u32 = 32;
+/// Feature bit: used and available ring event indexes (notification suppression).
+pub const VIRTIO_RING_F_EVENT_IDX: u32 = 29;
+/// The reporting queue's number when neither the statistics nor the free page hinting queue was
+/// negotiated (the only configuration this model offers): after inflate (0) and deflate (1).
+pub const REPORTING_QUEUE_INDEX: u16 = 2;
+/// Bytes of the config space: `num_pages`, `actual`, `free_page_hint_cmd_id`, `poison_val`, each a
+/// little-endian u32.
+pub const CONFIG_SIZE: u64 = 16;
+const CONFIG_ACTUAL: u64 = 4;
+const CONFIG_POISON_VAL: u64 = 12;
+
+/// The page size of virtio-balloon: reported buffers are whole pages of this size.
+const PAGE: u64 = 4096;
+
+/// Why a whole descriptor chain was refused. `index` counts descriptors from the chain's head
+/// (0); addresses are guest physical.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChainError {
+    /// The head index is outside the descriptor table, or the descriptor cannot be read.
+    #[error("chain head {head} names no readable descriptor (queue size {queue_size})")]
+    NoDescriptors { head: u16, queue_size: u16 },
+    /// A buffer the device may only read: reported memory is handed to the device to write.
+    #[error(
+        "descriptor {index} ({addr:#x}+{len:#x}) is driver-readable; reported pages must be device-writable"
+    )]
+    DriverReadable { index: u32, addr: u64, len: u32 },
+    /// A buffer that is not whole 4 KiB pages at a 4 KiB boundary (or is empty).
+    #[error("descriptor {index} ({addr:#x}+{len:#x}) is not whole 4 KiB pages")]
+    NotWholePages { index: u32, addr: u64, len: u32 },
+    /// A buffer not entirely inside guest memory.
+    #[error("descriptor {index} ({addr:#x}+{len:#x}) is not inside guest memory")]
+    OutsideGuestMemory { index: u32, addr: u64, len: u32 },
+    /// More descriptors than the queue holds: the links form a loop (or an indirect table is
+    /// longer than the queue).
+    #[error("chain is longer than the queue's {queue_size} descriptors (a loop?)")]
+    TooLong { queue_size: u16 },
+    /// A descriptor says another follows, but it cannot be read (index past the table, or the
+    /// table is not in guest memory).
+    #[error("descriptor {index} links to descriptor {next}, which cannot be read")]
+    BrokenLink { index: u32, next: u16 },
+}
+
+/// What became of one descriptor chain.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChainReport {
+    /// The chain's head index, as returned in the used ring.
+    pub head: u16,
+    /// What the discard did, or why the chain was refused whole.
+    pub result: std::result::Result<ReportOutcome, ChainError>,
+}
+
+/// What one [`Balloon::process_queue`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Processed {
+    /// Every chain taken off the queue, in order.
+    pub chains: Vec<ChainReport>,
+    /// Whether the guest must be interrupted (chains were returned, and it did not suppress it).
+    pub notify: bool,
+}
+
+/// Running totals since the device was created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReportingStats {
+    /// Chains taken off the queue.
+    pub chains: u64,
+    /// Chains refused whole.
+    pub refused_chains: u64,
+    /// Bytes given back to the host.
+    pub discarded: u64,
+    /// Bytes kept because they are pinned.
+    pub skipped_pinned: u64,
+    /// Bytes of accepted chains that [`Discarder::report`] refused (partial huge pages, read-only
+    /// slots, poisoning, ...).
+    pub rejected: u64,
+}
+
+/// The virtio-balloon device's free page reporting: features, config space and the reporting
+/// queue over memvisor's guest memory. See the module documentation.
+pub struct Balloon {
+    memory: SlotSpace,
+    discarder: Discarder,
+    queue: Queue,
+    acked: u64,
+    actual: u32,
+    poison_val: u32,
+    stats: ReportingStats,
+    broken: Option<String>,
+}
+
+impl fmt::Debug for Balloon {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Balloon")
+            .field("acked", &format_args!("{:#x}", self.acked))
+            .field("poison_val", &format_args!("{:#x}", self.poison_val))
+            .field("stats", &self.stats)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Balloon {
+    /// A balloon over `memory` that discards reported memory as `options` say, with a reporting
+    /// queue of at most `queue_max` entries (a power of two, at most 32768).
+    pub fn new(memory: SlotSpace, options: DiscardOptions, queue_max: u16) -> Result<Self> {
+        let queue = Queue::new(queue_max).map_err(|e| {
+            Error::Invalid(format!(
+                "balloon queue size {queue_max}: {e}; use a power of two from 1 to 32768"
+            ))
+        })?;
+        let discarder = Discarder::with_options(memory.table(), options);
+        Ok(Balloon {
+            memory,
+            discarder,
+            queue,
+            acked: 0,
+            actual: 0,
+            poison_val: 0,
+            stats: ReportingStats::default(),
+            broken: None,
+        })
+    }
+
+    /// The features this device offers: virtio 1.0, free page reporting, page poisoning and
+    /// event indexes.
+    pub fn device_features(&self) -> u64 {
+        [
+            VIRTIO_F_VERSION_1,
+            VIRTIO_RING_F_EVENT_IDX,
+            VIRTIO_BALLOON_F_REPORTING,
+            VIRTIO_BALLOON_F_PAGE_POISON,
+        ]
+        .iter()
+        .fold(0, |f, bit| f | 1 << bit)
+    }
+
+    /// Takes the driver's features. Bits the device did not offer are refused (EINVAL), and so is
+    /// a set without `VIRTIO_F_VERSION_1`, which this modern-only device needs.
+    pub fn ack_features(&mut self, features: u64) -> Result<()> {
+        let extra = features & !self.device_features();
+        if extra != 0 {
+            return Err(Error::Invalid(format!(
+                "balloon: driver acked features {extra:#x} the device does not offer (offered {:#x})",
+                self.device_features()
+            )));
+        }
+        if features & 1 << VIRTIO_F_VERSION_1 == 0 {
+            return Err(Error::Invalid(format!(
+                "balloon: driver features {features:#x} lack VIRTIO_F_VERSION_1; only the modern \
+                 interface is supported"
+            )));
+        }
+        self.acked = features;
+        self.queue
+            .set_event_idx(features & 1 << VIRTIO_RING_F_EVENT_IDX != 0);
+        self.apply_poison();
+        Ok(())
+    }
+
+    /// The features the driver acked.
+    pub fn acked_features(&self) -> u64 {
+        self.acked
+    }
+
+    fn has(&self, bit: u32) -> bool {
+        self.acked & 1 << bit != 0
+    }
+
+    fn config(&self) -> [u8; CONFIG_SIZE as usize] {
+        let mut c = [0u8; CONFIG_SIZE as usize];
+        // num_pages (the inflate target) stays 0: this model never asks for memory.
+        c[CONFIG_ACTUAL as usize..][..4].copy_from_slice(&self.actual.to_le_bytes());
+        c[CONFIG_POISON_VAL as usize..][..4].copy_from_slice(&self.poison_val.to_le_bytes());
+        c
+    }
+
+    /// Reads config space at `offset`; bytes past its end read as zero.
+    pub fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let c = self.config();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = offset
+                .checked_add(i as u64)
+                .and_then(|o| c.get(usize::try_from(o).ok()?))
+                .copied()
+                .unwrap_or(0);
+        }
+    }
+
+    /// Writes config space at `offset`. The driver may write `actual` and `poison_val`; other
+    /// bytes are the device's and writes to them are ignored with a warning.
+    pub fn write_config(&mut self, offset: u64, data: &[u8]) {
+        let mut c = self.config();
+        for (i, &b) in data.iter().enumerate() {
+            let o = offset.saturating_add(i as u64);
+            if (CONFIG_ACTUAL..CONFIG_ACTUAL + 4).contains(&o)
+                || (CONFIG_POISON_VAL..CONFIG_POISON_VAL + 4).contains(&o)
+            {
+                c[o as usize] = b;
+            } else {
+                log::warn!("balloon: driver wrote read-only config byte {o:#x}; ignored");
+            }
+        }
+        let field = |at: u64| u32::from_le_bytes(c[at as usize..][..4].try_into().unwrap());
+        self.actual = field(CONFIG_ACTUAL);
+        self.poison_val = field(CONFIG_POISON_VAL);
+        self.apply_poison();
+    }
+
+    /// The poison value counts only with `VIRTIO_BALLOON_F_PAGE_POISON` negotiated.
+    fn apply_poison(&self) {
+        let value = if self.has(VIRTIO_BALLOON_F_PAGE_POISON) {
+            self.poison_val
+        } else {
+            0
+        };
+        self.discarder.set_page_poison(value);
+    }
+
+    /// The reporting queue, to read its state.
+    pub fn queue(&self) -> &Queue {
+        &self.queue
+    }
+
+    /// The reporting queue, for the transport to set its size, ring addresses and readiness.
+    pub fn queue_mut(&mut self) -> &mut Queue {
+        &mut self.queue
+    }
+
+    /// Totals since the device was created.
+    pub fn stats(&self) -> ReportingStats {
+        self.stats
+    }
+
+    /// Back to the state after [`Balloon::new`] (virtio device reset): features, config and
+    /// queue cleared, a broken ring forgotten. Totals are kept.
+    pub fn reset(&mut self) {
+        self.queue.reset();
+        self.acked = 0;
+        self.actual = 0;
+        self.poison_val = 0;
+        self.broken = None;
+        self.apply_poison();
+    }
+
+    /// Handles every chain the driver made available: checks it, discards what it reports and
+    /// returns it as used (length 0: the device writes nothing into the buffers). Errors (EINVAL)
+    /// when the queue is not ready or its rings are not in guest memory, and when the available
+    /// ring is corrupt — after which the device needs a [`Balloon::reset`].
+    pub fn process_queue(&mut self) -> Result<Processed> {
+        if let Some(why) = &self.broken {
+            return Err(Error::Invalid(format!(
+                "balloon reporting queue is broken ({why}); reset the device"
+            )));
+        }
+        if !self.has(VIRTIO_BALLOON_F_REPORTING) {
+            return Err(Error::Invalid(
+                "balloon: VIRTIO_BALLOON_F_REPORTING was not negotiated; the reporting queue does \
+                 not exist"
+                    .into(),
+            ));
+        }
+        let memory = self.memory.memory();
+        let mem: &SlotMemory = &memory;
+        if !self.queue.is_valid(mem) {
+            return Err(Error::Invalid(format!(
+                "balloon reporting queue is not usable: ready={}, size {}, descriptors at {:#x}, \
+                 available ring at {:#x}, used ring at {:#x} must be set and inside guest memory",
+                self.queue.ready(),
+                self.queue.size(),
+                self.queue.desc_table(),
+                self.queue.avail_ring(),
+                self.queue.used_ring()
+            )));
+        }
+        let mut out = Processed::default();
+        loop {
+            let chain = match self.queue.iter(mem) {
+                Ok(mut avail) => avail.next(),
+                Err(e) => {
+                    let why = format!(
+                        "available ring unusable: {e} (next available index {})",
+                        self.queue.next_avail()
+                    );
+                    log::error!("balloon: {why}; the device needs a reset");
+                    self.broken = Some(why.clone());
+                    return Err(Error::Invalid(format!("balloon: {why}; reset the device")));
+                }
+            };
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            let result = chain_ranges(mem, chain, self.queue.size()).map(|ranges| {
+                let outcome = self.discarder.report(&ranges);
+                self.stats.discarded += outcome.discarded;
+                self.stats.skipped_pinned += outcome.skipped_pinned;
+                self.stats.rejected += outcome.rejected_bytes();
+                for r in &outcome.rejected {
+                    log::debug!(
+                        "balloon: kept {:#x}+{:#x} of a report: {}",
+                        r.gpa.0,
+                        r.len,
+                        r.reason
+                    );
+                }
+                outcome
+            });
+            self.stats.chains += 1;
+            if let Err(e) = &result {
+                self.stats.refused_chains += 1;
+                log::warn!("balloon: refused report chain at head {head}: {e}");
+            }
+            // Only now may the guest reuse the blocks: their discard is done.
+            if let Err(e) = self.queue.add_used(mem, head, 0) {
+                // Only a head outside the table gets here; there is no entry to return.
+                log::warn!("balloon: cannot return chain head {head}: {e}");
+            }
+            out.chains.push(ChainReport { head, result });
+        }
+        if !out.chains.is_empty() {
+            out.notify = self.queue.needs_notification(mem).unwrap_or(true);
+        }
+        Ok(out)
+    }
+}
+
+/// The ranges a chain reports, if every one of its buffers is acceptable.
+fn chain_ranges(
+    mem: &SlotMemory,
+    chain: DescriptorChain<&SlotMemory>,
+    queue_size: u16,
+) -> std::result::Result<Vec<(Gpa, u64)>, ChainError> {
+    let head = chain.head_index();
+    let mut ranges: Vec<(Gpa, u64)> = Vec::new();
+    let mut last: Option<Descriptor> = None;
+    let mut count: u32 = 0;
+    // One past the queue's size is enough to see a chain that is too long.
+    for desc in chain.take(usize::from(queue_size) + 1) {
+        let index = count;
+        count += 1;
+        if count > u32::from(queue_size) {
+            return Err(ChainError::TooLong { queue_size });
+        }
+        let (addr, len) = (desc.addr().0, desc.len());
+        if !desc.is_write_only() {
+            return Err(ChainError::DriverReadable { index, addr, len });
+        }
+        if len == 0 || addr % PAGE != 0 || u64::from(len) % PAGE != 0 {
+            return Err(ChainError::NotWholePages { index, addr, len });
+        }
+        if !GuestMemoryBackend::check_range(mem.regions(), GuestAddress(addr), len as usize) {
+            return Err(ChainError::OutsideGuestMemory { index, addr, len });
+        }
+        match ranges.last_mut() {
+            // Linux's blocks are often neighbours: one range for a run of them.
+            Some((g, l)) if g.0.checked_add(*l) == Some(addr) => *l += u64::from(len),
+            _ => ranges.push((Gpa(addr), u64::from(len))),
+        }
+        last = Some(desc);
+    }
+    match last {
+        None => Err(ChainError::NoDescriptors { head, queue_size }),
+        // The iterator stopped although the last descriptor links on: it ran out of its
+        // queue-size budget (a loop), or the next descriptor could not be read.
+        Some(d) if d.has_next() => Err(if count >= u32::from(queue_size) {
+            ChainError::TooLong { queue_size }
+        } else {
+            ChainError::BrokenLink {
+                index: count - 1,
+                next: d.next(),
+            }
+        }),
+        Some(_) => Ok(ranges),
+    }
+}
