@@ -155,6 +155,13 @@ impl SplitRing {
             .unwrap();
     }
 
+    /// Writes `used_event` (with `VIRTIO_RING_F_EVENT_IDX`): interrupt me once the used index
+    /// passes this.
+    pub fn set_used_event(&self, idx: u16) {
+        let at = self.avail + 4 + 2 * u64::from(self.size);
+        self.mem.write(Gpa(at), &idx.to_le_bytes()).unwrap();
+    }
+
     fn read_u32(&self, at: u64) -> u32 {
         let mut b = [0u8; 4];
         self.mem.read(Gpa(at), &mut b).unwrap();

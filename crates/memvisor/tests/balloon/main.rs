@@ -13,7 +13,7 @@ use std::thread;
 
 use memvisor::balloon::{
     Balloon, CONFIG_SIZE, ChainError, VIRTIO_BALLOON_F_PAGE_POISON, VIRTIO_BALLOON_F_REPORTING,
-    VIRTIO_F_VERSION_1,
+    VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
 use memvisor::dma::{LockLimit, PinRegistry};
 use memvisor::{
@@ -537,6 +537,25 @@ fn config_space_lets_the_driver_write_only_actual_and_poison_val() {
     let mut tail = [1u8; 2];
     dev.read_config(u64::MAX, &mut tail);
     assert_eq!(tail, [0, 0]);
+}
+
+#[test]
+fn event_indexes_suppress_interrupts_the_driver_does_not_want() {
+    let _s = serial();
+    let g = Guest::new(BackingKind::PrivateAnon, 8 * MIB);
+    let (mut dev, mut ring) = g.device(FEATURES | 1 << VIRTIO_RING_F_EVENT_IDX);
+    // Interrupt me after the used index passes 2: the first two returns stay quiet.
+    ring.set_used_event(2);
+    for (block, want) in [(0, false), (1, false), (2, true)] {
+        let head = good(&mut ring, block);
+        ring.publish(head);
+        let done = dev.process_queue().unwrap();
+        assert_eq!(done.chains.len(), 1);
+        assert_eq!(done.notify, want, "return {block}");
+        assert_eq!(ring.get_used(), Some((head, 0)));
+    }
+    // Nothing returned: nothing to say.
+    assert!(!dev.process_queue().unwrap().notify);
 }
 
 #[test]
