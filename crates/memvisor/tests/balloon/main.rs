@@ -25,6 +25,8 @@ use proptest::prelude::*;
 #[path = "../common/mod.rs"]
 mod common;
 mod driver;
+#[path = "../../examples/balloon.rs"]
+mod example;
 
 use driver::{Desc, Reporter, SplitRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 
@@ -416,6 +418,12 @@ fn malformed_chains_are_refused_whole_and_the_device_goes_on() {
         let stats = dev.stats();
         assert_eq!((stats.chains, stats.refused_chains), (2, 1), "{what}");
     }
+}
+
+#[test]
+fn example_runs() {
+    let _s = serial();
+    example::main().unwrap();
 }
 
 #[test]
