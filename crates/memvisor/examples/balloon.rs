@@ -29,7 +29,7 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A passthrough device maps all of RAM and pins one page at 4 MiB + 8 KiB.
     let dma = DmaSpace::new(DmaConfig::default())?;
     dma.map_backing(Iova(0), &ram, 0, ram.size(), Prot::RW)?;
-    dma.pin_pages(&[(4 * MIB >> 12) + 2], Prot::RW)?;
+    dma.pin_pages(&[(4 * MIB) / 4096 + 2], Prot::RW)?;
 
     // The device model: the transport acks features and sets the queue up as the guest says.
     let mut balloon = Balloon::new(space.clone(), DiscardOptions::default(), 16)?;
