@@ -1,19 +1,18 @@
 //! A VMM's side of free page reporting: a virtio-balloon reporting queue over memvisor memory,
 //! with a device holding a pin on part of the reported memory. The guest's part (one report of
-//! two 2 MiB blocks on a split ring) is played by a few writes into guest memory.
+//! two 2 MiB blocks) is played by memvisor's guest-side ring.
 //!
 //! Run with `cargo run -p memvisor --features virtio-balloon --example balloon`;
 //! `cargo test --workspace` runs it too (tests/balloon).
 
 use std::sync::Arc;
 
-use memvisor::balloon::virtio_queue::QueueT;
+use memvisor::balloon::guest::GuestRing;
 use memvisor::balloon::{Balloon, VIRTIO_BALLOON_F_REPORTING, VIRTIO_F_VERSION_1};
 use memvisor::{
     Backing, BackingKind, DiscardOptions, DmaConfig, DmaSpace, Gpa, Iova, Prot, SlotSpace,
     SlotSpec, SlotTable,
 };
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, Le16, Le32, Le64};
 
 const MIB: u64 = 1 << 20;
 
@@ -31,29 +30,16 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     dma.map_backing(Iova(0), &ram, 0, ram.size(), Prot::RW)?;
     dma.pin_pages(&[(4 * MIB) / 4096 + 2], Prot::RW)?;
 
-    // The device model: the transport acks features and sets the queue up as the guest says.
-    let mut balloon = Balloon::new(space.clone(), DiscardOptions::default(), 16)?;
+    // The device model; the transport acks the driver's features.
+    let mut balloon = Balloon::new(space, DiscardOptions::default(), 16)?;
     balloon.ack_features(1 << VIRTIO_F_VERSION_1 | 1 << VIRTIO_BALLOON_F_REPORTING)?;
-    let (desc, avail, used) = (0x1000u64, 0x2000u64, 0x3000u64);
-    let q = balloon.queue_mut();
-    q.set_size(16);
-    q.set_desc_table_address(Some(desc as u32), Some(0));
-    q.set_avail_ring_address(Some(avail as u32), Some(0));
-    q.set_used_ring_address(Some(used as u32), Some(0));
-    q.set_ready(true);
 
-    // The guest reports the blocks at 2 MiB and 4 MiB: descriptors 0 -> 1, device-writable.
-    let mem = space.memory();
-    for (i, block) in [2 * MIB, 4 * MIB].into_iter().enumerate() {
-        let at = GuestAddress(desc + 16 * i as u64);
-        let (flags, next) = if i == 0 { (2 | 1, 1) } else { (2, 0) }; // WRITE | NEXT
-        mem.write_obj(Le64::from(block), at)?;
-        mem.write_obj(Le32::from(2 * MIB as u32), GuestAddress(at.0 + 8))?;
-        mem.write_obj(Le16::from(flags), GuestAddress(at.0 + 12))?;
-        mem.write_obj(Le16::from(next), GuestAddress(at.0 + 14))?;
-    }
-    mem.write_obj(Le16::from(0), GuestAddress(avail + 4))?; // ring[0] = head 0
-    mem.write_obj(Le16::from(1), GuestAddress(avail + 2))?; // idx = 1
+    // The guest's driver lays its ring out at 4 KiB (the transport passes the addresses on to
+    // the queue) and reports the blocks at 2 MiB and 4 MiB as one chain.
+    let mut ring = GuestRing::new(&table, Gpa(0x1000), 16)?;
+    ring.configure(balloon.queue_mut());
+    let head = ring.add_inbuf(&[(2 * MIB, 2 * MIB as u32), (4 * MIB, 2 * MIB as u32)])?;
+    ring.publish(head)?;
 
     // The guest notified the queue: the VMM's event loop runs the device.
     let done = balloon.process_queue()?;
@@ -69,6 +55,8 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     assert_eq!(outcome.skipped_pinned, 4096);
     assert_eq!(outcome.discarded, 4 * MIB - 4096);
+
+    assert_eq!(ring.get_used()?, Some((head, 0)));
 
     // The pinned page kept its bytes; the rest of the report reads as zeros.
     let mut byte = [0u8; 1];

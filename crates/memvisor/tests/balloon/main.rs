@@ -28,7 +28,8 @@ mod driver;
 #[path = "../../examples/balloon.rs"]
 mod example;
 
-use driver::{Desc, Reporter, SplitRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use driver::Reporter;
+use memvisor::balloon::guest::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 
 const PAGE: u64 = 4096;
 const MIB: u64 = 1 << 20;
@@ -76,7 +77,7 @@ impl Guest {
     }
 
     /// A negotiated device and the driver's ring, configured.
-    fn device(&self, features: u64) -> (Balloon, SplitRing) {
+    fn device(&self, features: u64) -> (Balloon, GuestRing) {
         let mut dev = Balloon::new(
             SlotSpace::new(self.table.clone()),
             DiscardOptions {
@@ -87,7 +88,7 @@ impl Guest {
         )
         .unwrap();
         dev.ack_features(features).unwrap();
-        let ring = SplitRing::new(&self.table, Gpa(RING), QUEUE);
+        let ring = GuestRing::new(&self.table, Gpa(RING), QUEUE).unwrap();
         ring.configure(dev.queue_mut());
         (dev, ring)
     }
@@ -260,7 +261,7 @@ fn linux_like_reports_free_memfd_memory() {
 }
 
 /// A valid one-buffer chain over RAM block `i` of 2 MiB.
-fn good(ring: &mut SplitRing, i: u64) -> u16 {
+fn good(ring: &mut GuestRing, i: u64) -> u16 {
     ring.add_inbuf(&[(BASE + i * 2 * MIB, 2 * MIB as u32)])
         .unwrap()
 }
@@ -394,10 +395,10 @@ fn malformed_chains_are_refused_whole_and_the_device_goes_on() {
     for (what, ids, descs, want) in cases {
         let g = Guest::new(BackingKind::PrivateAnon, 8 * MIB);
         let (mut dev, mut ring) = g.device(FEATURES);
-        let bad = ring.add_raw(&ids, &descs);
-        ring.publish(bad);
+        let bad = ring.add_raw(&ids, &descs).unwrap();
+        ring.publish(bad).unwrap();
         let after = good(&mut ring, 3);
-        ring.publish(after);
+        ring.publish(after).unwrap();
         let done = dev.process_queue().unwrap();
         assert_eq!(done.chains.len(), 2, "{what}");
         assert_eq!(done.chains[0].head, bad);
@@ -413,8 +414,8 @@ fn malformed_chains_are_refused_whole_and_the_device_goes_on() {
         let block3: Vec<u64> = (3 * 512..4 * 512).collect();
         assert_eq!(g.changed(), block3, "{what}");
         // Both chains came back, the bad one first.
-        assert_eq!(ring.get_used(), Some((bad, 0)), "{what}");
-        assert_eq!(ring.get_used(), Some((after, 0)), "{what}");
+        assert_eq!(ring.get_used().unwrap(), Some((bad, 0)), "{what}");
+        assert_eq!(ring.get_used().unwrap(), Some((after, 0)), "{what}");
         let stats = dev.stats();
         assert_eq!((stats.chains, stats.refused_chains), (2, 1), "{what}");
     }
@@ -431,9 +432,9 @@ fn a_head_outside_the_table_is_skipped() {
     let _s = serial();
     let g = Guest::new(BackingKind::PrivateAnon, 8 * MIB);
     let (mut dev, mut ring) = g.device(FEATURES);
-    ring.publish(QUEUE + 3);
+    ring.publish(QUEUE + 3).unwrap();
     let after = good(&mut ring, 1);
-    ring.publish(after);
+    ring.publish(after).unwrap();
     let done = dev.process_queue().unwrap();
     assert_eq!(
         done.chains[0].result,
@@ -444,8 +445,8 @@ fn a_head_outside_the_table_is_skipped() {
     );
     assert_eq!(done.chains[1].result.as_ref().unwrap().discarded, 2 * MIB);
     // No used entry can name a head outside the table: only the good chain comes back.
-    assert_eq!(ring.get_used(), Some((after, 0)));
-    assert_eq!(ring.get_used(), None);
+    assert_eq!(ring.get_used().unwrap(), Some((after, 0)));
+    assert_eq!(ring.get_used().unwrap(), None);
 }
 
 #[test]
@@ -454,9 +455,9 @@ fn a_corrupt_available_index_breaks_the_device_until_reset() {
     let g = Guest::new(BackingKind::PrivateAnon, 8 * MIB);
     let (mut dev, mut ring) = g.device(FEATURES);
     let head = good(&mut ring, 0);
-    ring.publish(head);
+    ring.publish(head).unwrap();
     // The driver claims more entries than the queue has.
-    ring.set_avail_idx(QUEUE + 5);
+    ring.set_avail_idx(QUEUE + 5).unwrap();
     let e = dev.process_queue().unwrap_err();
     assert_eq!(e.errno(), libc::EINVAL);
     assert!(e.to_string().contains("reset"), "{e}");
@@ -465,10 +466,10 @@ fn a_corrupt_available_index_breaks_the_device_until_reset() {
 
     dev.reset();
     dev.ack_features(FEATURES).unwrap();
-    let mut ring = SplitRing::new(&g.table, Gpa(RING), QUEUE);
+    let mut ring = GuestRing::new(&g.table, Gpa(RING), QUEUE).unwrap();
     ring.configure(dev.queue_mut());
     let head = good(&mut ring, 2);
-    ring.publish(head);
+    ring.publish(head).unwrap();
     let done = dev.process_queue().unwrap();
     assert_eq!(done.chains[0].result.as_ref().unwrap().discarded, 2 * MIB);
 }
@@ -492,7 +493,7 @@ fn an_unusable_queue_is_an_error() {
     let e = dev.process_queue().unwrap_err();
     assert!(e.to_string().contains("ready=false"), "{e}");
     // Rings outside guest memory.
-    let ring = SplitRing::new(&g.table, Gpa(RING), QUEUE);
+    let ring = GuestRing::new(&g.table, Gpa(RING), QUEUE).unwrap();
     ring.configure(dev.queue_mut());
     use memvisor::balloon::virtio_queue::QueueT;
     dev.queue_mut()
@@ -553,14 +554,14 @@ fn event_indexes_suppress_interrupts_the_driver_does_not_want() {
     let g = Guest::new(BackingKind::PrivateAnon, 8 * MIB);
     let (mut dev, mut ring) = g.device(FEATURES | 1 << VIRTIO_RING_F_EVENT_IDX);
     // Interrupt me after the used index passes 2: the first two returns stay quiet.
-    ring.set_used_event(2);
+    ring.set_used_event(2).unwrap();
     for (block, want) in [(0, false), (1, false), (2, true)] {
         let head = good(&mut ring, block);
-        ring.publish(head);
+        ring.publish(head).unwrap();
         let done = dev.process_queue().unwrap();
         assert_eq!(done.chains.len(), 1);
         assert_eq!(done.notify, want, "return {block}");
-        assert_eq!(ring.get_used(), Some((head, 0)));
+        assert_eq!(ring.get_used().unwrap(), Some((head, 0)));
     }
     // Nothing returned: nothing to say.
     assert!(!dev.process_queue().unwrap().notify);
@@ -576,7 +577,7 @@ fn page_poison_stops_discards_only_when_negotiated() {
     let (mut dev, mut ring) = g.device(FEATURES | 1 << VIRTIO_BALLOON_F_PAGE_POISON);
     dev.write_config(12, &poison.to_le_bytes());
     let head = good(&mut ring, 0);
-    ring.publish(head);
+    ring.publish(head).unwrap();
     let out = dev.process_queue().unwrap().chains[0]
         .result
         .clone()
@@ -593,7 +594,7 @@ fn page_poison_stops_discards_only_when_negotiated() {
     // A zero poison value (Linux with init_on_free): freed pages are zeros anyway.
     dev.write_config(12, &[0; 4]);
     let head = good(&mut ring, 1);
-    ring.publish(head);
+    ring.publish(head).unwrap();
     let out = dev.process_queue().unwrap().chains[0]
         .result
         .clone()
@@ -604,7 +605,7 @@ fn page_poison_stops_discards_only_when_negotiated() {
     let (mut dev, mut ring) = g.device(FEATURES);
     dev.write_config(12, &poison.to_le_bytes());
     let head = good(&mut ring, 2);
-    ring.publish(head);
+    ring.publish(head).unwrap();
     let out = dev.process_queue().unwrap().chains[0]
         .result
         .clone()
@@ -705,8 +706,8 @@ proptest! {
                     }
                 }
             }
-            let head = ring.add_raw(&ids, &descs);
-            ring.publish(head);
+            let head = ring.add_raw(&ids, &descs).unwrap();
+            ring.publish(head).unwrap();
             heads.push(head);
         }
         let done = dev.process_queue().unwrap();
@@ -720,7 +721,7 @@ proptest! {
             prop_assert!(g.page(p) == vec![0u8; PAGE as usize]);
         }
         for &h in &heads {
-            prop_assert_eq!(ring.get_used(), Some((h, 0)));
+            prop_assert_eq!(ring.get_used().unwrap(), Some((h, 0)));
         }
         prop_assert_eq!(dev.stats().discarded, want_bytes);
     }

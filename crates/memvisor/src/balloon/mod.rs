@@ -46,6 +46,8 @@ use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryBackend};
 
 pub use virtio_queue;
 
+pub mod guest;
+
 use crate::addr::Gpa;
 use crate::discard::{DiscardOptions, Discarder, ReportOutcome};
 use crate::error::{Error, Result};
