@@ -167,3 +167,76 @@ fn pin_pages_json_has_rows_for_every_variant() {
     }
     std::fs::remove_dir_all(out_dir).unwrap();
 }
+
+/// `memvisor bench report --quick --json --runs 1`: for every kind of memory the discard
+/// reclaims everything, and with a tenth pinned it skips exactly the pinned bytes and reclaims
+/// the rest. hugetlbfs is checked when it ran (it needs root to reserve huge pages).
+#[test]
+fn report_json_reclaims_all_but_the_pins() {
+    let out_dir = std::env::temp_dir().join(format!("memvisor-cli-report-{}", std::process::id()));
+    let json = quick_json("report", &out_dir);
+    let rows: Vec<&serde_json::Value> = json["results"]
+        .as_array()
+        .expect("results array")
+        .iter()
+        .filter(|r| r["experiment"] == "report")
+        .collect();
+    for r in &rows {
+        let (min, median, max) = (
+            r["min"].as_f64().unwrap(),
+            r["median"].as_f64().unwrap(),
+            r["max"].as_f64().unwrap(),
+        );
+        assert!(median.is_finite() && median > 0.0, "{r}");
+        assert!(min <= median && median <= max, "{r}");
+    }
+    let metric = |case: &str, variant: &str, metric: &str| {
+        rows.iter()
+            .find(|r| r["case"] == case && r["variant"] == variant && r["metric"] == metric)
+            .map(|r| r["median"].as_f64().unwrap())
+    };
+    let mut kinds = vec!["4 KiB private anon", "THP", "memfd"];
+    if metric("hugetlbfs 2 MiB", "discard", "discard throughput").is_some() {
+        kinds.push("hugetlbfs 2 MiB");
+    }
+    for kind in kinds {
+        for variant in [
+            "discard",
+            "discard, 10% pinned",
+            "floor (one syscall)",
+            "floor (2 MiB steps)",
+        ] {
+            assert!(
+                metric(kind, variant, "discard throughput").is_some(),
+                "no {kind} / {variant} throughput row"
+            );
+        }
+        // Nothing left resident after a discard: the (zero) resident-after row is left out.
+        let before = metric(kind, "discard", "resident before").expect("resident before");
+        assert!(before >= 1024.0, "{kind}: {before} MiB resident before");
+        assert_eq!(metric(kind, "discard", "resident after"), None, "{kind}");
+        let pinned = "discard, 10% pinned";
+        let skipped = metric(kind, pinned, "skipped pinned").expect("skipped pinned");
+        let kept = metric(kind, pinned, "pinned").expect("pinned");
+        let after = metric(kind, pinned, "resident after").expect("resident after");
+        assert!(
+            skipped > 0.0 && skipped == kept,
+            "{kind}: {skipped} vs {kept}"
+        );
+        assert!(
+            after < before && (after - kept).abs() < 1.0,
+            "{kind}: {after}"
+        );
+        assert!(
+            metric(kind, "touch after discard", "touch").is_some(),
+            "{kind}"
+        );
+    }
+    assert!(metric("4 KiB private anon", "MADV_FREE", "LazyFree").is_some());
+    let report = std::fs::read_to_string(out_dir.join("report.md")).expect("report.md written");
+    assert!(report.contains("Pinned pages across a report"), "{report}");
+    for chart in ["report-gbps.svg", "report-touch.svg"] {
+        assert!(out_dir.join(chart).exists(), "{chart}");
+    }
+    std::fs::remove_dir_all(out_dir).unwrap();
+}

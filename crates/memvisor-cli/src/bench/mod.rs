@@ -9,6 +9,7 @@
 mod lookup;
 pub mod machine;
 mod map_unmap;
+mod page_report;
 mod pin;
 mod pin_pages;
 pub mod report;
@@ -31,6 +32,7 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
         Box::new(pin::Pin),
         Box::new(map_unmap::MapUnmap),
         Box::new(pin_pages::PinPages),
+        Box::new(page_report::PageReport),
     ]
 }
 
