@@ -202,6 +202,7 @@ fn report_json_reclaims_all_but_the_pins() {
     for kind in kinds {
         for variant in [
             "discard",
+            "balloon queue",
             "discard, 10% pinned",
             "floor (one syscall)",
             "floor (2 MiB steps)",
@@ -215,6 +216,14 @@ fn report_json_reclaims_all_but_the_pins() {
         let before = metric(kind, "discard", "resident before").expect("resident before");
         assert!(before >= 1024.0, "{kind}: {before} MiB resident before");
         assert_eq!(metric(kind, "discard", "resident after"), None, "{kind}");
+        // Through the virtio queue too: all of it discarded, nothing left.
+        let queued = metric(kind, "balloon queue", "discarded").expect("queue discarded");
+        assert_eq!(queued, before, "{kind}");
+        assert_eq!(
+            metric(kind, "balloon queue", "resident after"),
+            None,
+            "{kind}"
+        );
         let pinned = "discard, 10% pinned";
         let skipped = metric(kind, pinned, "skipped pinned").expect("skipped pinned");
         let kept = metric(kind, pinned, "pinned").expect("pinned");

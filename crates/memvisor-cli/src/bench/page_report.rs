@@ -20,6 +20,9 @@
 //!
 //! - `discard`: `Discarder::report`, 32 blocks of 2 MiB per call, until the whole range is
 //!   reported;
+//! - `balloon queue`: the same reports through the virtio-balloon device ([`Balloon`]): the
+//!   guest's ring gets each report as a chain of 32 buffers, the device pops and checks it, hands
+//!   it to the discarder and returns it used; the gap to `discard` is the queue's cost;
 //! - `discard, 10% pinned`: the same with a tenth of the memory pinned first through a Lazy
 //!   [`DmaSpace`] (`pin_pages`) on a registry the discarder shares: every tenth 4 KiB page for the
 //!   4 KiB kinds (runs of a few pages every tenth run if one-page runs would need more memory
@@ -31,8 +34,9 @@
 //!   stay until the kernel reclaims, so the run reads smaps `LazyFree` too;
 //! - `floor (one syscall)` and `floor (2 MiB steps)`: the raw system calls memvisor makes —
 //!   `madvise(MADV_DONTNEED)` for private memory, `fallocate(PUNCH_HOLE|KEEP_SIZE)` for the memfd
-//!   and hugetlbfs — once over the whole range, and once per 2 MiB as the discarder does; the gap
-//!   between the second floor and `discard` is memvisor's bookkeeping.
+//!   and hugetlbfs — once over the whole range, and once per 2 MiB block. The discarder joins
+//!   a report's touching blocks and makes one call per 2 MiB of 4 KiB memory (the second floor's
+//!   calls, so the gap to it is memvisor's bookkeeping) or per 64 MiB of huge pages.
 //!
 //! The seed's own numbers are guest page-fault benchmarks: what reported memory costs when the
 //! guest touches it again. The refault table times one volatile byte write per 4 KiB page over
@@ -48,10 +52,12 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Instant;
 
+use memvisor::balloon::guest::GuestRing;
+use memvisor::balloon::{Balloon, VIRTIO_BALLOON_F_REPORTING, VIRTIO_F_VERSION_1};
 use memvisor::dma::{LockLimit, PIN_PAGES_MAX, PinMode, PinRegistry};
 use memvisor::{
     Backing, BackingKind, BackingOptions, DiscardOptions, Discarder, DmaConfig, DmaSpace, Gpa,
-    HugePageReservation, Iova, PageSize, Prot, SlotSpec, SlotTable,
+    HugePageReservation, Iova, PageSize, Prot, SlotSpace, SlotSpec, SlotTable,
 };
 
 use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table};
@@ -67,6 +73,9 @@ const BLOCK: u64 = 2 * MIB;
 const BLOCKS_PER_REPORT: usize = 32;
 /// Where guest RAM starts: above 4 GiB, as on a PC with a PCI hole below.
 const BASE: u64 = 4 * GIB;
+/// Where the balloon's ring lives in guest memory, and its size.
+const RING: u64 = 0;
+const QUEUE_SIZE: u16 = 64;
 /// One pinned unit in this many.
 const PIN_EVERY: u64 = 10;
 
@@ -119,14 +128,16 @@ impl Kind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Variant {
     Discard,
+    Queue,
     Pinned,
     MadvFree,
     Floor,
     FloorSteps,
 }
 
-const VARIANTS: [Variant; 5] = [
+const VARIANTS: [Variant; 6] = [
     Variant::Discard,
+    Variant::Queue,
     Variant::Pinned,
     Variant::MadvFree,
     Variant::Floor,
@@ -137,6 +148,7 @@ impl Variant {
     fn name(self) -> &'static str {
         match self {
             Variant::Discard => "discard",
+            Variant::Queue => "balloon queue",
             Variant::Pinned => "discard, 10% pinned",
             Variant::MadvFree => "MADV_FREE",
             Variant::Floor => "floor (one syscall)",
@@ -197,8 +209,14 @@ impl Guest {
         }
         let backing = Arc::new(backing);
         let slots = SlotTable::new();
+        let ring = Backing::new(
+            BackingKind::PrivateAnon,
+            GuestRing::bytes(QUEUE_SIZE).next_multiple_of(PAGE),
+        )
+        .map_err(|e| e.to_string())?;
         slots
             .insert(SlotSpec::new(0, Gpa(BASE), backing.clone()))
+            .and_then(|()| slots.insert(SlotSpec::new(1, Gpa(RING), Arc::new(ring))))
             .map_err(|e| e.to_string())?;
         Ok(Guest {
             kind,
@@ -221,6 +239,19 @@ impl Guest {
                 use_madv_free,
             },
         )
+    }
+
+    /// A negotiated balloon device and the guest's ring, set up.
+    fn balloon(&self) -> anyhow::Result<(Balloon, GuestRing)> {
+        let options = DiscardOptions {
+            registry: Some(self.registry.clone()),
+            use_madv_free: false,
+        };
+        let mut dev = Balloon::new(SlotSpace::new(self.slots.clone()), options, QUEUE_SIZE)?;
+        dev.ack_features(1 << VIRTIO_F_VERSION_1 | 1 << VIRTIO_BALLOON_F_REPORTING)?;
+        let ring = GuestRing::new(&self.slots, Gpa(RING), QUEUE_SIZE)?;
+        ring.configure(dev.queue_mut());
+        Ok((dev, ring))
     }
 
     /// The raw discard of `[offset, offset + len)` of the backing: one system call.
@@ -422,6 +453,40 @@ fn report_all(d: &Discarder, size: u64) -> anyhow::Result<(u64, u64, f64)> {
         );
     }
     Ok((discarded, skipped, secs))
+}
+
+/// The same reports as [`report_all`], through the virtio-balloon device: for each, the guest
+/// puts its 32 blocks on the ring as one chain, and the device pops, checks and discards it and
+/// returns it used. The time includes the guest's ring writes (a few hundred bytes a report).
+fn report_via_queue(g: &Guest, size: u64) -> anyhow::Result<(u64, u64, f64)> {
+    let (mut dev, mut ring) = g.balloon()?;
+    let mut bufs = Vec::with_capacity(BLOCKS_PER_REPORT);
+    let mut at = 0;
+    let start = Instant::now();
+    while at < size {
+        bufs.clear();
+        while bufs.len() < BLOCKS_PER_REPORT && at < size {
+            bufs.push((BASE + at, BLOCK.min(size - at) as u32));
+            at += BLOCK;
+        }
+        let head = ring.add_inbuf(&bufs)?;
+        ring.publish(head)?;
+        let done = dev.process_queue()?;
+        if ring.get_used()? != Some((head, 0)) {
+            anyhow::bail!("the balloon did not return report {head}");
+        }
+        for c in done.chains {
+            if let Err(e) = c.result {
+                anyhow::bail!("the balloon refused report {}: {e}", c.head);
+            }
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let stats = dev.stats();
+    if stats.rejected != 0 {
+        anyhow::bail!("the balloon's discards refused {} bytes", stats.rejected);
+    }
+    Ok((stats.discarded, stats.skipped_pinned, secs))
 }
 
 /// Page faults this process has taken that needed no I/O (`ru_minflt`).
@@ -646,6 +711,7 @@ fn measure_kind(
             }
             let (discarded, skipped, secs) = match variant {
                 Variant::Discard | Variant::Pinned => report_all(&g.discarder(false), size)?,
+                Variant::Queue => report_via_queue(g, size)?,
                 Variant::MadvFree => report_all(&g.discarder(true), size)?,
                 Variant::Floor => {
                     let start = Instant::now();
@@ -699,7 +765,7 @@ fn measure_kind(
                         unpin(&dma, &plan)?;
                     }
                 }
-                Variant::Floor | Variant::FloorSteps => {}
+                Variant::Queue | Variant::Floor | Variant::FloorSteps => {}
             }
             progress.inc(1);
         }
@@ -1005,9 +1071,10 @@ fn tables(out: &mut Outcome, size: u64, runs: u32, results: &[(Kind, KindResult)
          pinned variant, which discards only 90% of them. Resident: smaps Rss of the mapping \
          (private anon, THP), smaps Private_Hugetlb + Shared_Hugetlb (hugetlbfs), st_blocks \
          (memfd). vs floor: GB/s as a share of one raw madvise(MADV_DONTNEED) / \
-         fallocate(PUNCH_HOLE) over the whole range; the 2 MiB floor makes the same system \
-         calls as the discarder, so the gap to it is memvisor's bookkeeping (slot lookup, the \
-         pin check under the registry lock, the outcome). MADV_FREE leaves pages resident \
+         fallocate(PUNCH_HOLE) over the whole range. The 2 MiB floor makes one call per reported \
+         block; the discarder joins touching blocks and makes one call per 2 MiB of 4 KiB \
+         memory (the same calls: the gap is memvisor's bookkeeping — slot lookup, the pin check \
+         under the registry lock, the outcome) or per 64 MiB of huge pages. MADV_FREE leaves pages resident \
          until the kernel needs them: its resident-after is not a leak."
     ));
     pins.note = Some(
