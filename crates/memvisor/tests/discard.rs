@@ -612,5 +612,11 @@ fn huge_pages_go_only_whole_and_unpinned() {
     assert_eq!(out, clean(huge));
     assert_eq!(free_2m(), free + 1);
     check_pages(&b, &[(1024, 1536), (1536, 2048)]);
+    // Huge page 0 in two touching halves of one report: both are free at once, so it goes.
+    let free = free_2m();
+    let out = discarder.report(&[(Gpa(BASE), huge / 2), (Gpa(BASE + huge / 2), huge / 2)]);
+    assert_eq!(out, clean(huge));
+    assert_eq!(free_2m(), free + 1);
+    check_pages(&b, &[(0, 512), (1024, 1536), (1536, 2048)]);
     drop((discarder, dma, t, b));
 }
