@@ -15,7 +15,8 @@
 //! ([`ChainError`]): a driver-readable buffer (reported memory is always device-writable), a
 //! length or address that is not a multiple of 4 KiB, a buffer outside guest memory, a chain with
 //! more descriptors than the queue has (only a loop makes one), a chain whose next link cannot be
-//! read. A refused chain is logged (`log::warn!`), counted, and still returned as used, so the
+//! read. Indirect descriptor tables are not offered (`VIRTIO_RING_F_INDIRECT_DESC`), but a driver
+//! that uses one anyway has it followed and checked the same way. A refused chain is logged (`log::warn!`), counted, and still returned as used, so the
 //! guest gets its memory back and the device keeps working; nothing outside the chain's own
 //! buffers is ever touched, and of a refused chain nothing at all. What survives the checks is one
 //! [`Discarder::report`], which applies its own per-range rules (whole pages of the backing, pins,

@@ -428,6 +428,53 @@ fn example_runs() {
 }
 
 #[test]
+fn indirect_tables_are_followed_and_checked_like_any_chain() {
+    let _s = serial();
+    const VRING_DESC_F_INDIRECT: u16 = 4;
+    let g = Guest::new(BackingKind::PrivateAnon, 8 * MIB);
+    let (mut dev, mut ring) = g.device(FEATURES);
+    // Two tables of two descriptors in the ring's slot, past the ring itself.
+    let tables = [RING + 0x8000, RING + 0x9000];
+    let entries = |table: u64, second_flags: u16| {
+        let mut raw = Vec::new();
+        for (addr, flags, next) in [
+            (BASE, VRING_DESC_F_WRITE | VRING_DESC_F_NEXT, 1u16),
+            (BASE + 2 * MIB, second_flags, 0),
+        ] {
+            raw.extend_from_slice(&addr.to_le_bytes());
+            raw.extend_from_slice(&(2 * MIB as u32).to_le_bytes());
+            raw.extend_from_slice(&flags.to_le_bytes());
+            raw.extend_from_slice(&next.to_le_bytes());
+        }
+        g.table.write(Gpa(table), &raw).unwrap();
+    };
+    // The first table's second buffer is driver-readable: refused whole.
+    entries(tables[0], 0);
+    entries(tables[1], VRING_DESC_F_WRITE);
+    for (id, table) in [(20u16, tables[0]), (21, tables[1])] {
+        let indirect = Desc {
+            addr: table,
+            len: 32,
+            flags: VRING_DESC_F_INDIRECT,
+            next: 0,
+        };
+        let head = ring.add_raw(&[id], &[indirect]).unwrap();
+        ring.publish(head).unwrap();
+    }
+    let done = dev.process_queue().unwrap();
+    assert_eq!(
+        done.chains[0].result,
+        Err(ChainError::DriverReadable {
+            index: 1,
+            addr: BASE + 2 * MIB,
+            len: 2 * MIB as u32
+        })
+    );
+    assert_eq!(done.chains[1].result.as_ref().unwrap().discarded, 4 * MIB);
+    assert_eq!(g.changed(), (0..1024).collect::<Vec<u64>>());
+}
+
+#[test]
 fn a_head_outside_the_table_is_skipped() {
     let _s = serial();
     let g = Guest::new(BackingKind::PrivateAnon, 8 * MIB);
