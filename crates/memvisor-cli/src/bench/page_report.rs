@@ -422,22 +422,28 @@ fn smaps_sum(start: u64, end: u64, fields: &[&str]) -> anyhow::Result<Vec<u64>> 
     Ok(sums)
 }
 
+/// The whole guest as the guest's driver reports it: 2 MiB blocks, 32 to a report.
+fn report_batches(size: u64) -> Vec<Vec<(Gpa, u64)>> {
+    let blocks: Vec<(Gpa, u64)> = (0..size)
+        .step_by(BLOCK as usize)
+        .map(|at| (Gpa(BASE + at), BLOCK.min(size - at)))
+        .collect();
+    blocks
+        .chunks(BLOCKS_PER_REPORT)
+        .map(<[_]>::to_vec)
+        .collect()
+}
+
 /// Reports the whole guest as the guest's driver would: 32 blocks of 2 MiB per report.
 /// Returns bytes discarded, skipped because pinned, and the seconds it took; any refused byte
 /// is an error (the memory here is all discardable).
 fn report_all(d: &Discarder, size: u64) -> anyhow::Result<(u64, u64, f64)> {
     let (mut discarded, mut skipped) = (0, 0);
     let mut refused = Vec::new();
-    let mut ranges = Vec::with_capacity(BLOCKS_PER_REPORT);
-    let mut at = 0;
+    let reports = report_batches(size);
     let start = Instant::now();
-    while at < size {
-        ranges.clear();
-        while ranges.len() < BLOCKS_PER_REPORT && at < size {
-            ranges.push((Gpa(BASE + at), BLOCK.min(size - at)));
-            at += BLOCK;
-        }
-        let out = d.report(&ranges);
+    for ranges in &reports {
+        let out = d.report(ranges);
         discarded += out.discarded;
         skipped += out.skipped_pinned;
         refused.extend(out.rejected);
@@ -460,16 +466,13 @@ fn report_all(d: &Discarder, size: u64) -> anyhow::Result<(u64, u64, f64)> {
 /// returns it used. The time includes the guest's ring writes (a few hundred bytes a report).
 fn report_via_queue(g: &Guest, size: u64) -> anyhow::Result<(u64, u64, f64)> {
     let (mut dev, mut ring) = g.balloon()?;
-    let mut bufs = Vec::with_capacity(BLOCKS_PER_REPORT);
-    let mut at = 0;
+    let reports: Vec<Vec<(u64, u32)>> = report_batches(size)
+        .iter()
+        .map(|r| r.iter().map(|&(gpa, len)| (gpa.0, len as u32)).collect())
+        .collect();
     let start = Instant::now();
-    while at < size {
-        bufs.clear();
-        while bufs.len() < BLOCKS_PER_REPORT && at < size {
-            bufs.push((BASE + at, BLOCK.min(size - at) as u32));
-            at += BLOCK;
-        }
-        let head = ring.add_inbuf(&bufs)?;
+    for bufs in &reports {
+        let head = ring.add_inbuf(bufs)?;
         ring.publish(head)?;
         let done = dev.process_queue()?;
         if ring.get_used()? != Some((head, 0)) {
