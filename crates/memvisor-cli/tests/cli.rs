@@ -10,6 +10,17 @@ fn memvisor(args: &[&str]) -> Output {
         .expect("run the memvisor binary")
 }
 
+/// A row's statistics are a positive median between its min and max.
+fn check_stats(r: &serde_json::Value) {
+    let (min, median, max) = (
+        r["min"].as_f64().unwrap(),
+        r["median"].as_f64().unwrap(),
+        r["max"].as_f64().unwrap(),
+    );
+    assert!(median.is_finite() && median > 0.0, "{r}");
+    assert!(min <= median && median <= max, "{r}");
+}
+
 /// `memvisor bench EXP --quick --json --runs 1 --out OUT_DIR`: must succeed; its stdout parsed.
 fn quick_json(experiment: &str, out_dir: &std::path::Path) -> serde_json::Value {
     let out = memvisor(&[
@@ -104,13 +115,7 @@ fn lookup_json_has_rows_for_every_variant() {
             assert!(!found.is_empty(), "no {metric} row for {variant}");
             for r in found {
                 assert_eq!(r["experiment"], "lookup");
-                let (min, median, max) = (
-                    r["min"].as_f64().unwrap(),
-                    r["median"].as_f64().unwrap(),
-                    r["max"].as_f64().unwrap(),
-                );
-                assert!(median.is_finite() && median > 0.0, "{r}");
-                assert!(min <= median && median <= max, "{r}");
+                check_stats(r);
                 assert!(r["runs"].as_u64().unwrap() >= 1, "{r}");
                 assert!(
                     !r["case"].as_str().unwrap().is_empty()
@@ -182,13 +187,7 @@ fn report_json_reclaims_all_but_the_pins() {
         .filter(|r| r["experiment"] == "report")
         .collect();
     for r in &rows {
-        let (min, median, max) = (
-            r["min"].as_f64().unwrap(),
-            r["median"].as_f64().unwrap(),
-            r["max"].as_f64().unwrap(),
-        );
-        assert!(median.is_finite() && median > 0.0, "{r}");
-        assert!(min <= median && median <= max, "{r}");
+        check_stats(r);
     }
     let metric = |case: &str, variant: &str, metric: &str| {
         rows.iter()

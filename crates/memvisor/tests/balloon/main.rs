@@ -260,6 +260,15 @@ fn linux_like_reports_free_memfd_memory() {
     end_to_end(BackingKind::Memfd);
 }
 
+/// Reports RAM block `i` of 2 MiB alone and returns what the device did with it.
+fn report_block(dev: &mut Balloon, ring: &mut GuestRing, i: u64) -> memvisor::ReportOutcome {
+    let head = good(ring, i);
+    ring.publish(head).unwrap();
+    let mut done = dev.process_queue().unwrap();
+    assert_eq!(done.chains.len(), 1);
+    done.chains.remove(0).result.unwrap()
+}
+
 /// A valid one-buffer chain over RAM block `i` of 2 MiB.
 fn good(ring: &mut GuestRing, i: u64) -> u16 {
     ring.add_inbuf(&[(BASE + i * 2 * MIB, 2 * MIB as u32)])
@@ -623,12 +632,7 @@ fn page_poison_stops_discards_only_when_negotiated() {
     // Negotiated and non-zero: nothing discarded, every byte refused with the value.
     let (mut dev, mut ring) = g.device(FEATURES | 1 << VIRTIO_BALLOON_F_PAGE_POISON);
     dev.write_config(12, &poison.to_le_bytes());
-    let head = good(&mut ring, 0);
-    ring.publish(head).unwrap();
-    let out = dev.process_queue().unwrap().chains[0]
-        .result
-        .clone()
-        .unwrap();
+    let out = report_block(&mut dev, &mut ring, 0);
     assert_eq!(out.discarded, 0);
     assert_eq!(out.rejected.len(), 1);
     assert_eq!(
@@ -640,23 +644,13 @@ fn page_poison_stops_discards_only_when_negotiated() {
 
     // A zero poison value (Linux with init_on_free): freed pages are zeros anyway.
     dev.write_config(12, &[0; 4]);
-    let head = good(&mut ring, 1);
-    ring.publish(head).unwrap();
-    let out = dev.process_queue().unwrap().chains[0]
-        .result
-        .clone()
-        .unwrap();
+    let out = report_block(&mut dev, &mut ring, 1);
     assert_eq!(out.discarded, 2 * MIB);
 
     // Written without the feature: the value does not count.
     let (mut dev, mut ring) = g.device(FEATURES);
     dev.write_config(12, &poison.to_le_bytes());
-    let head = good(&mut ring, 2);
-    ring.publish(head).unwrap();
-    let out = dev.process_queue().unwrap().chains[0]
-        .result
-        .clone()
-        .unwrap();
+    let out = report_block(&mut dev, &mut ring, 2);
     assert_eq!(out.discarded, 2 * MIB);
 }
 
