@@ -80,6 +80,8 @@ pub struct BackingOptions {
 pub struct Backing {
     ptr: NonNull<u8>,
     size: u64,
+    /// Bytes mapped: `size`, rounded up to whole huge pages for THP.
+    mapped: usize,
     kind: BackingKind,
     page_size: PageSize,
     fd: Option<OwnedFd>,
@@ -119,7 +121,14 @@ impl Backing {
             return Err(Error::ZeroSize { what: "backing" });
         }
         page_size.check("backing size", size)?;
-        let len = usize::try_from(size).map_err(|_| Error::OutOfBounds {
+        // THP memory is mapped in whole huge pages: pins lock it a huge page at a time, and the
+        // last huge page must not reach past the mapping into someone else's memory. The tail
+        // past `size` is never handed out.
+        let mapped = match kind {
+            BackingKind::Thp => size.checked_next_multiple_of(ALIGN_2M).unwrap_or(size),
+            _ => size,
+        };
+        let len = usize::try_from(mapped).map_err(|_| Error::OutOfBounds {
             what: "backing size",
             start: 0,
             len: size,
@@ -200,6 +209,7 @@ impl Backing {
         let backing = Backing {
             ptr,
             size,
+            mapped: len,
             kind,
             page_size,
             fd,
@@ -235,7 +245,7 @@ impl Backing {
 
     fn madvise(&self, advice: libc::c_int, op: &'static str) -> Result<()> {
         // SAFETY: the range is exactly our own live mapping; madvise does not invalidate it.
-        let rc = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.size as usize, advice) };
+        let rc = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.mapped, advice) };
         if rc == 0 {
             Ok(())
         } else {
@@ -336,7 +346,7 @@ impl Backing {
 impl Drop for Backing {
     fn drop(&mut self) {
         // SAFETY: we own this mapping, and every user holds an Arc to us, so none is left.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.size as usize) };
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.mapped) };
     }
 }
 

@@ -336,12 +336,12 @@ impl Discarder {
         while at < a_end {
             let chunk_end = a_end.min((at / chunk + 1) * chunk);
             done.clear();
-            self.registry.with_pins_locked(|pins| {
+            self.registry.with_locked(|locked| {
                 // Pins lock huge pages (THP too) whole: look at the whole units the chunk
                 // touches, and keep every unit holding a pin, even where the report covers
                 // only part of it.
                 let (w0, w1) = (at / unit * unit, chunk_end.div_ceil(unit) * unit);
-                for (s, e) in pins.gaps(w0 / PAGE, w1 / PAGE) {
+                for (s, e) in locked.gaps(w0 / PAGE, w1 / PAGE) {
                     let (mut s, mut e) = (s * PAGE, e * PAGE);
                     if s > w0 {
                         s = s.next_multiple_of(unit);

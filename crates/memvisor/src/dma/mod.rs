@@ -32,6 +32,7 @@ mod account;
 mod counts;
 mod dirty;
 mod external;
+mod locked;
 mod mode;
 mod pin;
 mod rw;

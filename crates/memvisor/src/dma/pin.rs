@@ -40,6 +40,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::account::{Account, Capability, LockLimit, capable};
 use super::counts::RunCounts;
+use super::locked::Locked;
 use crate::addr::Hva;
 use crate::error::{Error, Result};
 
@@ -78,9 +79,16 @@ pub(crate) struct PinRequest {
 }
 
 impl PinRequest {
-    /// The 4 KiB pages the pin counts.
+    /// The 4 KiB pages the pin counts (`hva` and `len` are page multiples; the end may be
+    /// the top of the address space).
     fn pages(&self) -> (u64, u64) {
-        (self.hva / PAGE, (self.hva + self.len).div_ceil(PAGE))
+        (self.hva / PAGE, self.hva / PAGE + self.len.div_ceil(PAGE))
+    }
+
+    /// Pages `[start, end)` rounded out to whole units: what pinning them locks.
+    fn units(&self, start: u64, end: u64) -> (u64, u64) {
+        let unit = self.unit();
+        (start / unit * unit, end.div_ceil(unit) * unit)
     }
 
     /// The granule in pages.
@@ -90,8 +98,8 @@ impl PinRequest {
 }
 
 /// The units (granule-aligned page ranges of `unit` pages) that `runs` — runs of pages whose
-/// count just crossed zero, or is about to — make change state: those with no other counted
-/// page. Only a run's two end units can hold other pages, so only they are looked at.
+/// count just dropped to zero — free: those with no other counted page. Only a run's two end
+/// units can hold other pages, so only they are looked at.
 fn whole_units(pages: &RunCounts, runs: &[(u64, u64)], unit: u64) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
     for &(s, e) in runs {
@@ -114,8 +122,85 @@ fn whole_units(pages: &RunCounts, runs: &[(u64, u64)], unit: u64) -> Vec<(u64, u
 }
 
 struct State {
+    /// Pins per 4 KiB host page.
     pages: RunCounts,
+    /// What is mlocked on the pins' behalf: whole units around pinned pages, and locks whose
+    /// munlock failed. The account charges exactly this.
+    locked: Locked,
+    /// Runs a munlock failed for (the kernel could not split the area, e.g. at
+    /// `vm.max_map_count`): still locked and charged, tried again at the next pin or unpin.
+    stuck: Vec<(u64, u64)>,
     account: Account,
+}
+
+impl State {
+    /// Unlocks and releases what the pages of `runs` (no longer pinned) held locked: the units
+    /// of every lock around them that no pin is left in. A munlock that fails leaves its pages
+    /// locked, charged and remembered in `stuck`.
+    fn release(&mut self, runs: &[(u64, u64)]) {
+        for &(s, e) in runs {
+            for unit in self.locked.units_around(s, e) {
+                for (us, ue) in whole_units(&self.pages, &[(s, e)], unit) {
+                    for (a, b, u) in self.locked.remove(us, ue) {
+                        if munlock(a, b).is_ok() {
+                            self.account.release((b - a) * PAGE);
+                        } else {
+                            self.locked.insert(a, b, u);
+                            self.stuck.push((a, b));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The account charges exactly what is locked.
+    fn check_account(&self) {
+        debug_assert_eq!(self.account.locked(), self.locked.pages() * PAGE);
+    }
+
+    /// Tries the failed munlocks again (their pages may since have been pinned again, which
+    /// keeps them).
+    fn retry_stuck(&mut self) {
+        if self.stuck.is_empty() {
+            return;
+        }
+        let stuck = std::mem::take(&mut self.stuck);
+        let free: Vec<(u64, u64)> = stuck
+            .iter()
+            .flat_map(|&(s, e)| self.pages.gaps(s, e))
+            .collect();
+        self.release(&free);
+    }
+
+    /// Locks `[start, end)` (not locked now) in units of `unit` pages and charges it, all or
+    /// nothing.
+    fn lock_runs(&mut self, runs: &[(u64, u64)], unit: u64) -> Result<()> {
+        let bytes: u64 = runs.iter().map(|(s, e)| (e - s) * PAGE).sum();
+        self.account.charge(bytes)?;
+        for (i, &(s, e)) in runs.iter().enumerate() {
+            if let Err(err) = mlock(s, e) {
+                // A failed mlock may have locked part of its range (the areas before the one
+                // that could not be split or faulted in): undo it with the others.
+                for &(s, e) in &runs[..=i] {
+                    if munlock(s, e).is_err() {
+                        self.locked.insert(s, e, unit);
+                        self.stuck.push((s, e));
+                    } else {
+                        self.account.release((e - s) * PAGE);
+                    }
+                }
+                for &(s, e) in &runs[i + 1..] {
+                    self.account.release((e - s) * PAGE);
+                }
+                return Err(err);
+            }
+        }
+        for &(s, e) in runs {
+            self.locked.insert(s, e, unit);
+        }
+        Ok(())
+    }
 }
 
 /// Pin counts for every host page of the process, and the locked-memory account.
@@ -145,6 +230,8 @@ impl PinRegistry {
         Arc::new(PinRegistry {
             state: Mutex::new(State {
                 pages: RunCounts::default(),
+                locked: Locked::default(),
+                stuck: Vec::new(),
                 account: Account::new(limit),
             }),
             pagemap: OnceLock::new(),
@@ -189,13 +276,13 @@ impl PinRegistry {
             .collect()
     }
 
-    /// Runs `f` on the pin counts of every host page (4 KiB page numbers, `hva / 4096`) while
-    /// holding the lock every pin and unpin takes. Whatever `f` sees unpinned stays unpinned
-    /// until it returns: a pin that races it either counted its pages before `f` ran or locks
-    /// (and faults in) the pages after `f` is done with them. Discarding uses this; keep `f`
-    /// short, pins wait for it.
-    pub(crate) fn with_pins_locked<R>(&self, f: impl FnOnce(&RunCounts) -> R) -> R {
-        f(&self.lock().pages)
+    /// Runs `f` on the host pages held locked for pins (4 KiB page numbers, `hva / 4096`; whole
+    /// huge pages where memory is locked in them) while holding the lock every pin and unpin
+    /// takes. Whatever `f` sees unlocked stays unpinned until it returns: a pin that races it
+    /// either locked its pages before `f` ran or locks (and faults in) the pages after `f` is
+    /// done with them. Discarding uses this; keep `f` short, pins wait for it.
+    pub(crate) fn with_locked<R>(&self, f: impl FnOnce(&Locked) -> R) -> R {
+        f(&self.lock().locked)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -216,26 +303,25 @@ impl PinRegistry {
             // Refuse up front when the whole call cannot fit, before any work; each step
             // still checks again under the lock, since other pins may come in between.
             let st = self.lock();
-            let gaps = st.pages.gaps(first, end);
-            let new: u64 = whole_units(&st.pages, &gaps, req.unit())
-                .iter()
-                .map(|(s, e)| e - s)
-                .sum();
+            let (us, ue) = req.units(first, end);
+            let new: u64 = st.locked.gaps(us, ue).iter().map(|(s, e)| e - s).sum();
             st.account.check(new * PAGE)?;
         }
         let mut extents = Extents::default();
         let mut at = first;
         while at < end {
-            let step_end = end.min(at + step);
-            let done = self
-                .pin_step(req, at, step_end)
-                .and_then(|()| match pagemap {
-                    Some(file) => extents.read_frames(file, req, at, step_end),
-                    None => Ok(()),
-                });
+            let step_end = end.min(at.saturating_add(step));
+            let pinned = self.pin_step(req, at, step_end);
+            let step_pinned = pinned.is_ok();
+            let done = pinned.and_then(|()| match pagemap {
+                Some(file) => extents.read_frames(file, req, at, step_end),
+                None => Ok(()),
+            });
             if let Err(e) = done {
-                if at > first {
-                    self.unpin_pages(first, at, req);
+                // A step that failed pinned nothing; a step whose frames could not be read did.
+                let pinned_to = if step_pinned { step_end } else { at };
+                if pinned_to > first {
+                    self.unpin_pages(first, pinned_to, req);
                 }
                 return Err(e);
             }
@@ -251,23 +337,16 @@ impl PinRegistry {
         Ok(extents.0)
     }
 
-    /// Pins pages `[start, end)`: locks (faulting in), charges and counts the units nobody
-    /// holds yet. On error nothing of the step stays pinned.
+    /// Pins pages `[start, end)`: locks (faulting in), charges and counts what no lock holds
+    /// yet, in whole units. On error nothing of the step stays pinned or charged.
     fn pin_step(&self, req: &PinRequest, start: u64, end: u64) -> Result<()> {
         let mut st = self.lock();
-        let new = whole_units(&st.pages, &st.pages.gaps(start, end), req.unit());
-        let bytes: u64 = new.iter().map(|(s, e)| (e - s) * PAGE).sum();
-        st.account.charge(bytes)?;
-        for (i, &(s, e)) in new.iter().enumerate() {
-            if let Err(err) = mlock(s, e) {
-                for &(s, e) in &new[..i] {
-                    munlock(s, e);
-                }
-                st.account.release(bytes);
-                return Err(err);
-            }
-        }
+        st.retry_stuck();
+        let (us, ue) = req.units(start, end);
+        let new = st.locked.gaps(us, ue);
+        st.lock_runs(&new, req.unit())?;
         st.pages.add(start, end);
+        st.check_account();
         Ok(())
     }
 
@@ -283,19 +362,16 @@ impl PinRegistry {
         let step = if req.batch <= 1 { 1 } else { end - first };
         let mut at = first;
         while at < end {
-            let step_end = end.min(at + step);
+            let step_end = end.min(at.saturating_add(step));
             let mut st = self.lock();
+            st.retry_stuck();
             match st.pages.sub(at, step_end) {
-                Ok(zero) => {
-                    for (s, e) in whole_units(&st.pages, &zero, req.unit()) {
-                        munlock(s, e);
-                        st.account.release((e - s) * PAGE);
-                    }
-                }
+                Ok(zero) => st.release(&zero),
                 // Callers only unpin what they pinned; a hole here is a bookkeeping bug, and
                 // unlocking someone else's pages would be worse than leaving this one.
                 Err(page) => debug_assert!(false, "unpin of page {page:#x}, which is not pinned"),
             }
+            st.check_account();
             at = step_end;
         }
     }
@@ -400,14 +476,19 @@ fn mlock(start: u64, end: u64) -> Result<()> {
     Ok(())
 }
 
-/// Unlocks pages `[start, end)`. It fails only for memory that is no longer mapped, which has
-/// nothing left to unlock.
-fn munlock(start: u64, end: u64) {
+/// Unlocks pages `[start, end)`. It fails with ENOMEM when the kernel cannot split an area
+/// (`vm.max_map_count`) or part of the range is no longer mapped; the pages that could not be
+/// unlocked then stay locked.
+fn munlock(start: u64, end: u64) -> Result<()> {
     // SAFETY: munlock changes residency only, never contents or mappings.
-    unsafe {
+    let rc = unsafe {
         libc::munlock(
             (start * PAGE) as *const libc::c_void,
             ((end - start) * PAGE) as usize,
-        );
+        )
+    };
+    if rc != 0 {
+        return Err(Error::last_os("munlock while unpinning"));
     }
+    Ok(())
 }
