@@ -457,6 +457,23 @@ pub fn free_huge_pages(page: PageSize) -> Result<u64> {
     Ok(free.saturating_sub(resv))
 }
 
+/// `MemAvailable` of /proc/meminfo, in bytes: what could become huge pages without swapping.
+fn available_memory() -> Result<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").map_err(|source| Error::Os {
+        op: "read /proc/meminfo",
+        source,
+    })?;
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib * 1024)
+        .ok_or_else(|| Error::Unsupported {
+            what: "MemAvailable",
+            why: "/proc/meminfo does not say".into(),
+        })
+}
+
 static POOL_LOCK: Mutex<()> = Mutex::new(());
 
 /// A temporary increase of the kernel's huge page pool, undone on drop.
@@ -479,7 +496,19 @@ impl HugePageReservation {
         let path = format!("{}/nr_hugepages", hugepage_dir(page));
         let before = free_huge_pages(page)?;
         let nr = read_counter(&path)?;
-        write_counter(&path, nr + count)?;
+        // Never ask the kernel for more than memory holds: it would try to take all of it.
+        let fits = available_memory()? / page.bytes();
+        let target = match nr.checked_add(count) {
+            Some(target) if count <= fits => target,
+            _ => {
+                return Err(Error::HugePagesUnavailable {
+                    page_size: page,
+                    needed: count,
+                    free: before + fits,
+                });
+            }
+        };
+        write_counter(&path, target)?;
         let got = read_counter(&path)?.saturating_sub(nr);
         if got < count {
             write_counter(&path, nr)?;

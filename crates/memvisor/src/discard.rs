@@ -187,14 +187,20 @@ pub struct ReportOutcome {
 impl ReportOutcome {
     /// Total bytes refused.
     pub fn rejected_bytes(&self) -> u64 {
-        self.rejected.iter().map(|r| r.len).sum()
+        // Ranges of different reports may overlap, so the total can pass 2^64: it saturates.
+        self.rejected
+            .iter()
+            .fold(0u64, |sum, r| sum.saturating_add(r.len))
     }
 
     fn reject(&mut self, gpa: u64, len: u64, reason: RejectReason) {
         if let Some(last) = self.rejected.last_mut() {
+            let joined = last.len.checked_add(len);
             if last.reason == reason && last.gpa.0.checked_add(last.len) == Some(gpa) {
-                last.len += len;
-                return;
+                if let Some(joined) = joined.filter(|&j| last.gpa.0.checked_add(j - 1).is_some()) {
+                    last.len = joined;
+                    return;
+                }
             }
         }
         self.rejected.push(Rejected {

@@ -76,10 +76,19 @@ impl GuestRing {
             });
         }
         let n = u64::from(size);
+        let bytes = Self::bytes(size);
+        // The whole ring must fit below 2^64 before any of its addresses is computed.
+        if at.0.checked_add(bytes - 1).is_none() {
+            return Err(Error::RangeWraps {
+                what: "ring",
+                start: at.0,
+                len: bytes,
+            });
+        }
         let desc = at.0;
         let avail = desc + 16 * n;
         let used = avail + (6 + 2 * n).next_multiple_of(4);
-        mem.write(at, &vec![0; Self::bytes(size) as usize])?;
+        mem.write(at, &vec![0; bytes as usize])?;
         Ok(GuestRing {
             mem: mem.clone(),
             size,

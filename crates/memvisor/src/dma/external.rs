@@ -26,7 +26,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use super::counts::RunCounts;
 use super::pin::PinRequest;
@@ -91,7 +90,7 @@ impl DmaSpace {
         if prot == Prot::default() {
             return Err(Error::Invalid("pin_pages needs READ, WRITE or both".into()));
         }
-        let deadline = Instant::now() + self.shared.config.vaddr_wait;
+        let deadline = self.vaddr_deadline();
         loop {
             match self.try_pin_pages(pages, prot) {
                 Ok(hvas) => return Ok(hvas),
@@ -290,7 +289,7 @@ impl DmaSpace {
             if let Some(bitmap) = &m.dirty {
                 let min = self.shared.min_page;
                 let first = (iova - start) / min;
-                let last_bit = (iova + req.len - 1 - start) / min;
+                let last_bit = (iova - start + (req.len - 1)) / min;
                 bitmap.mark(first, last_bit - first + 1);
             }
         }

@@ -635,9 +635,15 @@ impl DmaSpace {
         Ok(())
     }
 
-    /// Waits until the mapping at `iova` has a valid host address or `deadline` passes; returns
-    /// whether it is valid now.
-    fn wait_for_vaddr(&self, iova: Iova, deadline: Instant) -> bool {
+    /// When a wait for a vaddr update that starts now gives up: `None` for never (a wait too
+    /// long to express as an `Instant`, such as `Duration::MAX`).
+    fn vaddr_deadline(&self) -> Option<Instant> {
+        Instant::now().checked_add(self.shared.config.vaddr_wait)
+    }
+
+    /// Waits until the mapping at `iova` has a valid host address or `deadline` passes (never,
+    /// for `None`); returns whether it is valid now.
+    fn wait_for_vaddr(&self, iova: Iova, deadline: Option<Instant>) -> bool {
         let (lock, cv) = &self.shared.updated;
         let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -647,14 +653,18 @@ impl DmaSpace {
                 Some(pos) if snap.map.get(pos).2.valid() => return true,
                 Some(_) => {}
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            guard = cv
-                .wait_timeout(guard, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            guard = match deadline {
+                None => cv.wait(guard).unwrap_or_else(|e| e.into_inner()),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return false;
+                    }
+                    cv.wait_timeout(guard, deadline - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
         }
     }
 

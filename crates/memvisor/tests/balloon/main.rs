@@ -767,3 +767,12 @@ proptest! {
         prop_assert_eq!(dev.stats().discarded, want_bytes);
     }
 }
+
+#[test]
+fn a_ring_placed_at_the_top_of_guest_addresses_is_refused() {
+    let table = SlotTable::new();
+    for at in [u64::MAX - 15, u64::MAX - 4095, (u64::MAX - 1000) / 16 * 16] {
+        let e = GuestRing::new(&table, Gpa(at), 256).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    }
+}

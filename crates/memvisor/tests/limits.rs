@@ -1,0 +1,400 @@
+//! Exhausted limits and values at the edges, each a regression test of a way pinning once went
+//! wrong: a failed `mlock` or `munlock` (the process's `vm.max_map_count`, a file truncated under
+//! its mapping), THP memory that does not end on a huge page, the same page pinned through two
+//! granules, and arithmetic at the top of the address space. After every step the registry's
+//! locked bytes must equal what the kernel says this process has locked (`VmLck`), so the tests
+//! here run one at a time (`serial()`) and nothing else in this binary locks memory.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use memvisor::dma::{LockLimit, PinMode, PinRegistry};
+use memvisor::{
+    Backing, BackingKind, BackingOptions, DiscardOptions, Discarder, DmaConfig, DmaSpace, Gpa, Hva,
+    Iova, Prot, RejectReason, SlotSpec, SlotTable,
+};
+
+mod common;
+
+const PAGE: u64 = 4096;
+const MIB: u64 = 1 << 20;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the kernel says this process has locked, in bytes.
+fn vm_lck() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmLck:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmLck in /proc/self/status");
+    kib * 1024
+}
+
+/// A Lazy space on a registry of its own, without a limit.
+fn space() -> (DmaSpace, Arc<PinRegistry>) {
+    let registry = PinRegistry::new(LockLimit::Unlimited);
+    let d = DmaSpace::new(DmaConfig {
+        registry: Some(registry.clone()),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    (d, registry)
+}
+
+/// Asserts that the registry accounts exactly what the kernel holds locked beyond `base`.
+#[track_caller]
+fn assert_accounted(registry: &PinRegistry, base: u64, step: &str) {
+    assert_eq!(
+        registry.locked_bytes(),
+        vm_lck() - base,
+        "{step}: the registry's locked bytes differ from the kernel's VmLck"
+    );
+}
+
+/// Fills the process's memory map up to `vm.max_map_count` (within one area of slack), so that
+/// any split of an area fails with ENOMEM; dropping it gives the room back.
+struct MapFiller {
+    base: *mut libc::c_void,
+    len: usize,
+}
+
+impl MapFiller {
+    fn new() -> MapFiller {
+        let max: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let len = (max + 16) * 2 * PAGE as usize;
+        // SAFETY: a fresh private reservation the kernel places; nothing else uses it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        // Every other page readable: each mprotect splits off one more area, until the kernel
+        // refuses.
+        for i in 0..max + 16 {
+            // SAFETY: the page lies inside our own reservation.
+            let rc = unsafe {
+                libc::mprotect(
+                    base.cast::<u8>().add((2 * i + 1) * PAGE as usize).cast(),
+                    PAGE as usize,
+                    libc::PROT_READ,
+                )
+            };
+            if rc != 0 {
+                assert_eq!(
+                    std::io::Error::last_os_error().raw_os_error(),
+                    Some(libc::ENOMEM)
+                );
+                return MapFiller { base, len };
+            }
+        }
+        panic!("vm.max_map_count was never reached");
+    }
+}
+
+impl Drop for MapFiller {
+    fn drop(&mut self) {
+        // SAFETY: our own reservation, used by nothing else.
+        unsafe { libc::munmap(self.base, self.len) };
+    }
+}
+
+#[test]
+fn a_munlock_that_fails_keeps_its_pages_accounted_and_is_retried() {
+    let _s = serial();
+    let base = vm_lck();
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * PAGE).unwrap());
+    let slots = SlotTable::new();
+    slots.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
+    let (d, registry) = space();
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    d.pin_pages(&[8, 9, 10], Prot::RW).unwrap();
+    assert_accounted(&registry, base, "pinned 3 pages");
+    {
+        let _full = MapFiller::new();
+        // Unlocking the middle page needs the locked area split in three: the kernel says no.
+        d.unpin_pages(&[9]).unwrap();
+        assert_eq!(registry.locked_bytes(), 3 * PAGE);
+        assert_accounted(&registry, base, "unpin with vm.max_map_count reached");
+        // A discard must leave the still-locked page alone instead of failing on it.
+        let discarder = Discarder::with_options(
+            &slots,
+            DiscardOptions {
+                registry: Some(registry.clone()),
+                ..DiscardOptions::default()
+            },
+        );
+        let out = discarder.report(&[(Gpa(0), b.size())]);
+        assert!(
+            !out.rejected
+                .iter()
+                .any(|r| matches!(r.reason, RejectReason::Failed { .. })),
+            "{out:?}"
+        );
+        assert_eq!(out.skipped_pinned, 3 * PAGE);
+    }
+    // With room in the map again, the next unpin retries the failed munlock first.
+    d.unpin_pages(&[8, 10]).unwrap();
+    assert_eq!(registry.locked_bytes(), 0);
+    assert_accounted(&registry, base, "unpinned all");
+}
+
+#[test]
+fn a_failed_mlock_is_undone_whole() {
+    let _s = serial();
+    let base = vm_lck();
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * PAGE).unwrap());
+    let (d, registry) = space();
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    {
+        let _full = MapFiller::new();
+        let e = d.pin_pages(&[20, 21], Prot::RW).unwrap_err();
+        assert_eq!(e.errno(), libc::ENOMEM, "{e}");
+        assert_eq!(registry.locked_bytes(), 0);
+        assert_eq!(d.device_pinned_pages(), 0);
+        assert_accounted(&registry, base, "failed pin");
+    }
+    d.pin_pages(&[20, 21], Prot::RW).unwrap();
+    assert_accounted(&registry, base, "pin after room came back");
+    d.unpin_pages(&[20, 21]).unwrap();
+    assert_accounted(&registry, base, "unpinned");
+}
+
+#[test]
+fn pinning_a_file_truncated_under_its_mapping_fails_and_locks_nothing() {
+    let _s = serial();
+    let base = vm_lck();
+    let dir = std::env::temp_dir().join(format!("memvisor-limits-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("truncated");
+    let b = Arc::new(
+        Backing::new(
+            BackingKind::File {
+                path: path.clone(),
+                shared: true,
+            },
+            32 * PAGE,
+        )
+        .unwrap(),
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(16 * PAGE)
+        .unwrap();
+    let (d, registry) = space();
+    d.set_pin_mode(PinMode::Eager).unwrap();
+    let e = d
+        .map_backing(Iova(0), &b, 0, b.size(), Prot::RW)
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::ENOMEM, "{e}");
+    assert!(d.is_empty());
+    assert_eq!(registry.locked_bytes(), 0);
+    assert_accounted(&registry, base, "failed pin of a truncated file");
+    drop(d);
+    drop(b);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn thp_memory_that_ends_inside_a_huge_page_locks_only_its_own_memory() {
+    let _s = serial();
+    let base = vm_lck();
+    let b = Arc::new(
+        Backing::with_options(
+            BackingKind::Thp,
+            3 * MIB,
+            &BackingOptions { populate: true },
+        )
+        .unwrap(),
+    );
+    let (d, registry) = space();
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    let last = b.size() / PAGE - 1;
+    d.pin_pages(&[last], Prot::RW).unwrap();
+    // The last huge page is locked whole, and all of it is the backing's own memory.
+    assert_eq!(registry.locked_bytes(), 2 * MIB);
+    assert_accounted(&registry, base, "pinned the last page");
+    let end = b.hva().0 + 4 * MIB;
+    for vma in common::vmas(b.hva().0 + 2 * MIB, end) {
+        assert!(
+            vma.end <= end || !vma.has_flag("lo"),
+            "locked past the backing"
+        );
+    }
+    d.unpin_pages(&[last]).unwrap();
+    assert_accounted(&registry, base, "unpinned");
+    assert_eq!(registry.locked_bytes(), 0);
+}
+
+#[test]
+fn one_page_pinned_through_a_4k_and_a_2m_granule_is_unlocked_with_its_last_pin() {
+    let _s = serial();
+    let base = vm_lck();
+    let b = Arc::new(
+        Backing::with_options(
+            BackingKind::Thp,
+            4 * MIB,
+            &BackingOptions { populate: true },
+        )
+        .unwrap(),
+    );
+    let (d, registry) = space();
+    // IOVA 0: the backing (pins lock whole huge pages); IOVA 1 GiB: the same memory as raw
+    // memory (pins lock 4 KiB pages).
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    const RAW: u64 = 1 << 30;
+    // SAFETY: `b` outlives the space's use of it: the space is dropped first.
+    unsafe { d.map_raw(Iova(RAW), b.hva(), b.size(), Prot::RW) }.unwrap();
+    let raw_page = |p: u64| RAW / PAGE + p;
+    for order in [[0usize, 1], [1, 0]] {
+        d.pin_pages(&[raw_page(3)], Prot::RW).unwrap();
+        assert_accounted(&registry, base, "4 KiB pin");
+        d.pin_pages(&[7], Prot::RW).unwrap();
+        assert_eq!(registry.locked_bytes(), 2 * MIB);
+        assert_accounted(&registry, base, "2 MiB pin beside it");
+        d.pin_pages(&[3], Prot::RW).unwrap();
+        assert_accounted(&registry, base, "the same page through both");
+        d.unpin_pages(&[3]).unwrap();
+        let unpins = [raw_page(3), 7];
+        for i in order {
+            d.unpin_pages(&[unpins[i]]).unwrap();
+            assert_accounted(&registry, base, "one of the two unpinned");
+        }
+        assert_eq!(registry.locked_bytes(), 0, "order {order:?}");
+    }
+    drop(d);
+}
+
+#[test]
+fn a_huge_vaddr_wait_waits_instead_of_overflowing() {
+    let _s = serial();
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 16 * PAGE).unwrap());
+    let d = DmaSpace::new(DmaConfig {
+        vaddr_wait: Duration::MAX,
+        registry: Some(PinRegistry::new(LockLimit::Unlimited)),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    d.invalidate_vaddr(Iova(0), b.size()).unwrap();
+    let updater = {
+        let (d, b) = (d.clone(), b.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            d.update_vaddr(Iova(0), b.size(), &b, 0).unwrap();
+        })
+    };
+    let t = d.translate(Iova(PAGE), 8, memvisor::Access::Read).unwrap();
+    assert_eq!(t.hva, Hva(b.hva().0 + PAGE));
+    d.pin_pages(&[2], Prot::READ).unwrap();
+    d.unpin_pages(&[2]).unwrap();
+    updater.join().unwrap();
+}
+
+#[test]
+fn a_pin_batch_of_usize_max_pins_in_one_step() {
+    let _s = serial();
+    let base = vm_lck();
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * PAGE).unwrap());
+    let registry = PinRegistry::new(LockLimit::Unlimited);
+    let d = DmaSpace::new(DmaConfig {
+        pin_batch: usize::MAX,
+        pin_mode: PinMode::Eager,
+        registry: Some(registry.clone()),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    assert_eq!(registry.locked_bytes(), b.size());
+    assert_accounted(&registry, base, "eager map");
+    d.unmap_all().unwrap();
+    assert_accounted(&registry, base, "unmapped");
+}
+
+#[test]
+fn a_write_pin_at_the_top_of_the_iova_space_is_tracked() {
+    let _s = serial();
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 4 * PAGE).unwrap());
+    let (d, _registry) = space();
+    let top = u64::MAX - b.size() + 1;
+    d.map_backing(Iova(top), &b, 0, b.size(), Prot::RW).unwrap();
+    d.start_dirty_tracking();
+    let last = u64::MAX / PAGE;
+    d.pin_pages(&[last], Prot::WRITE).unwrap();
+    let bits = d.get_and_clear_dirty(Iova(top), b.size(), PAGE).unwrap();
+    assert_eq!(bits, vec![0b1000]);
+    d.unpin_pages(&[last]).unwrap();
+}
+
+#[test]
+fn reports_whose_ranges_add_up_past_2_to_the_64_are_refused_not_overflowed() {
+    let _s = serial();
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 16 * PAGE).unwrap());
+    let t = SlotTable::new();
+    t.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
+    let discarder = Discarder::with_options(
+        &t,
+        DiscardOptions {
+            registry: Some(PinRegistry::new(LockLimit::Unlimited)),
+            ..DiscardOptions::default()
+        },
+    );
+    let half = 1u64 << 63;
+    // Touching halves of the whole space, then the same huge range again and again.
+    let out = discarder.report(&[
+        (Gpa(0), half),
+        (Gpa(half), half),
+        (Gpa(0), u64::MAX),
+        (Gpa(0), u64::MAX),
+        (Gpa(0), u64::MAX),
+    ]);
+    assert_eq!(out.discarded, 4 * b.size());
+    assert_eq!(
+        out.rejected_bytes(),
+        u64::MAX,
+        "saturates rather than wraps"
+    );
+}
+
+#[test]
+fn a_huge_page_reservation_too_big_for_memory_is_refused_up_front() {
+    let _s = serial();
+    if !common::is_root() {
+        println!("skipped: needs root to change the huge page pool");
+        return;
+    }
+    // With one page reserved the pool is not empty, so `pool + count` can pass 2^64.
+    let _one = match memvisor::HugePageReservation::add(memvisor::PageSize::Size2M, 1) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("skipped: cannot reserve one 2 MiB huge page: {e}");
+            return;
+        }
+    };
+    let before = memvisor::backing::free_huge_pages(memvisor::PageSize::Size2M).unwrap();
+    for count in [u64::MAX, u64::MAX / 2, 1 << 40] {
+        let e = memvisor::HugePageReservation::add(memvisor::PageSize::Size2M, count).unwrap_err();
+        assert_eq!(e.errno(), libc::ENOMEM, "{e}");
+    }
+    assert_eq!(
+        memvisor::backing::free_huge_pages(memvisor::PageSize::Size2M).unwrap(),
+        before
+    );
+}
