@@ -82,6 +82,14 @@ pub enum Error {
         len: u64,
     },
 
+    /// A CPU copy (`dma_read` / `dma_write`) over an IOVA nothing is mapped at (type1's
+    /// `vfio_dma_rw` says EINVAL, not EFAULT).
+    #[error(
+        "nothing is mapped at iova {addr:#x} (copying {start:#x}+{len:#x}); nothing was copied; \
+         map the range first"
+    )]
+    NotMapped { addr: u64, start: u64, len: u64 },
+
     /// An access the mapping's protection does not allow (VFIO: EPERM).
     #[error(
         "{access} access to iova {addr:#x} refused: the mapping [{start:#x}, {last:#x}] allows {allowed}"
@@ -185,6 +193,7 @@ impl Error {
             | Error::Misaligned { .. }
             | Error::OutOfBounds { .. }
             | Error::LimitExceeded { .. }
+            | Error::NotMapped { .. }
             | Error::Invalid(_) => libc::EINVAL,
             Error::PermissionDenied { .. } | Error::NeedsCapability { .. } => libc::EPERM,
             Error::LockLimit { .. } => libc::ENOMEM,

@@ -220,7 +220,7 @@ fn rw_and_translate_check_mapping_and_permission() {
     assert_eq!(errno(d.dma_write(Iova(0), &buf)), libc::EPERM);
     assert_eq!(errno(d.dma_read(Iova(2 * PAGE), &mut buf)), libc::EPERM);
     assert_eq!(errno(d.translate(Iova(0), 8, Access::Write)), libc::EPERM);
-    assert_eq!(errno(d.dma_read(Iova(3 * PAGE), &mut buf)), libc::EFAULT);
+    assert_eq!(errno(d.dma_read(Iova(3 * PAGE), &mut buf)), libc::EINVAL);
     assert_eq!(
         errno(d.translate(Iova(3 * PAGE), 8, Access::Read)),
         libc::EFAULT
@@ -524,4 +524,58 @@ fn dirty_bits_are_exactly_the_pages_written() {
         errno(d.get_and_clear_dirty(Iova(300 * PAGE), PAGE, PAGE)),
         libc::EINVAL
     );
+}
+
+/// Where type1 answers differently from what one might guess, memvisor answers as type1 does.
+#[test]
+fn errnos_and_their_order_follow_type1() {
+    let b = mem(8);
+    let d = DmaSpace::new(DmaConfig {
+        max_mappings: 2,
+        aperture: (Iova(0), Iova(0xff_ffff)),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    d.map_backing(Iova(0), &b, 0, PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(2 * PAGE), &b, PAGE, PAGE, Prot::WRITE)
+        .unwrap();
+    // vfio_dma_do_map: overlap (EEXIST) before the entry limit (ENOSPC) before the valid
+    // IOVA ranges (EINVAL).
+    let far = Iova(1 << 40);
+    assert_eq!(
+        errno(d.map_backing(Iova(0), &b, 0, PAGE, Prot::RW)),
+        libc::EEXIST
+    );
+    assert_eq!(
+        errno(d.map_backing(far, &b, 0, PAGE, Prot::RW)),
+        libc::ENOSPC
+    );
+    d.unmap(Iova(2 * PAGE), PAGE).unwrap();
+    assert_eq!(
+        errno(d.map_backing(far, &b, 0, PAGE, Prot::RW)),
+        libc::EINVAL
+    );
+    // vfio_dma_rw: nothing mapped or nothing to copy is EINVAL; a CPU write needs READ too.
+    d.map_backing(Iova(2 * PAGE), &b, PAGE, PAGE, Prot::WRITE)
+        .unwrap();
+    let mut buf = [0u8; 16];
+    assert_eq!(errno(d.dma_read(Iova(PAGE), &mut buf)), libc::EINVAL);
+    assert_eq!(errno(d.dma_write(Iova(PAGE - 8), &buf)), libc::EINVAL);
+    assert_eq!(errno(d.dma_read(Iova(0), &mut [])), libc::EINVAL);
+    assert_eq!(errno(d.dma_write(Iova(0), &[])), libc::EINVAL);
+    assert_eq!(errno(d.dma_write(Iova(2 * PAGE), &buf)), libc::EPERM);
+    d.dma_write(Iova(0), &buf).unwrap();
+    // Translation is a device's IOMMU lookup, not vfio_dma_rw: unmapped is EFAULT there.
+    assert_eq!(
+        errno(d.translate(Iova(PAGE), 8, Access::Read)),
+        libc::EFAULT
+    );
+    // VFIO_DMA_MAP_FLAG_VADDR looks up the range: one that overlaps an invalidated mapping
+    // without starting at it is EINVAL, one that touches nothing ENOENT.
+    d.invalidate_vaddr(Iova(0), PAGE).unwrap();
+    let e = d.update_vaddr(Iova(0), 2 * PAGE, &b, 0).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    let e = d.update_vaddr(Iova(PAGE), PAGE, &b, 0).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOENT, "{e}");
+    d.update_vaddr(Iova(0), PAGE, &b, 0).unwrap();
 }

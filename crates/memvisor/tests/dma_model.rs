@@ -123,20 +123,22 @@ impl Model {
         }
         Ok(out)
     }
-    /// Walks [addr, addr+len) for an access: the pieces (mapping start, from byte, n) or errno.
+    /// Walks [addr, addr+len) for an access needing the `need` prot bits: the pieces (mapping
+    /// start, from byte, n) or errno (`unmapped` for a byte in no mapping, `busy` for an
+    /// invalidated host address).
     fn walk(
         &self,
         addr: u64,
         len: u64,
-        write: bool,
+        need: u8,
+        unmapped: i32,
         busy: i32,
     ) -> Result<Vec<(u64, u64, u64)>, i32> {
         let mut out = Vec::new();
         let mut pos = addr;
         while pos < addr + len {
-            let (s, m) = self.at(pos / P).ok_or(libc::EFAULT)?;
-            let need = if write { 2 } else { 1 };
-            if m.prot & need == 0 {
+            let (s, m) = self.at(pos / P).ok_or(unmapped)?;
+            if m.prot & need != need {
                 return Err(libc::EPERM);
             }
             if m.mem.is_none() {
@@ -199,20 +201,19 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     to_prot(prot),
                 ));
                 let end = page + pages;
-                let expect = if prot == 0
-                    || off + pages > BACKING_PAGES
-                    || end > SPACE
-                    || (page < RESERVED.1 && end > RESERVED.0)
-                {
+                // type1's order: arguments, overlap, the entry limit, the valid IOVA ranges.
+                let expect = if prot == 0 || off + pages > BACKING_PAGES {
                     Some(libc::EINVAL)
-                } else if model.maps.len() >= LIMIT {
-                    Some(libc::ENOSPC)
                 } else if model
                     .maps
                     .iter()
                     .any(|(&s, m)| s < end && page < s + m.pages)
                 {
                     Some(libc::EEXIST)
+                } else if model.maps.len() >= LIMIT {
+                    Some(libc::ENOSPC)
+                } else if end > SPACE || (page < RESERVED.1 && end > RESERVED.0) {
+                    Some(libc::EINVAL)
                 } else {
                     None
                 };
@@ -283,7 +284,13 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let expect = if off + pages > BACKING_PAGES {
                     Some(libc::EINVAL)
                 } else {
-                    match model.at(page) {
+                    // The first mapping the range touches is the one it names.
+                    let touched = model
+                        .maps
+                        .iter()
+                        .find(|(s, m)| **s < page + pages && page < **s + m.pages)
+                        .map(|(&s, m)| (s, m));
+                    match touched {
                         None => Some(libc::ENOENT),
                         Some((s, m)) if s != page || m.pages != pages || m.mem.is_some() => {
                             Some(libc::EINVAL)
@@ -309,7 +316,13 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let expect = if len == 0 {
                     Err(libc::EINVAL)
                 } else {
-                    match model.walk(addr, 1, write, libc::EBUSY) {
+                    match model.walk(
+                        addr,
+                        1,
+                        if write { 2 } else { 1 },
+                        libc::EFAULT,
+                        libc::EBUSY,
+                    ) {
                         Err(e) => Err(e),
                         Ok(_) => {
                             let (s, m) = model.at(addr / P).unwrap();
@@ -343,7 +356,12 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Read { addr, len } => {
                 let mut buf = vec![0xa5; len as usize];
                 let got = err(d.dma_read(Iova(addr), &mut buf));
-                let walk = model.walk(addr, len, false, libc::EFAULT);
+                // type1's vfio_dma_rw: EINVAL for nothing to copy or an unmapped byte.
+                let walk = if len == 0 {
+                    Err(libc::EINVAL)
+                } else {
+                    model.walk(addr, len, 1, libc::EINVAL, libc::EFAULT)
+                };
                 prop_assert_eq!(
                     got,
                     walk.as_ref().err().copied(),
@@ -372,7 +390,12 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Write { addr, len, byte } => {
                 let got = err(d.dma_write(Iova(addr), &vec![byte; len as usize]));
-                let walk = model.walk(addr, len, true, libc::EFAULT);
+                // A CPU write needs READ as well as WRITE.
+                let walk = if len == 0 {
+                    Err(libc::EINVAL)
+                } else {
+                    model.walk(addr, len, 3, libc::EINVAL, libc::EFAULT)
+                };
                 prop_assert_eq!(
                     got,
                     walk.as_ref().err().copied(),

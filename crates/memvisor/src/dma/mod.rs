@@ -116,13 +116,6 @@ impl Access {
             Access::Write => Prot::WRITE,
         }
     }
-
-    fn name(self) -> &'static str {
-        match self {
-            Access::Read => "read",
-            Access::Write => "write",
-        }
-    }
 }
 
 /// Limits and behaviour of a [`DmaSpace`], fixed at creation.
@@ -463,7 +456,7 @@ impl DmaSpace {
     ) -> Result<()> {
         let host = self.backing_host(backing, offset, size)?;
         let range = self.check_new_range(iova, size, prot)?;
-        self.insert(prot, vec![NewMapping { iova: range, host }])
+        self.insert(range, prot, vec![NewMapping { iova: range, host }])
     }
 
     /// Maps the guest range `[gpa, gpa + size)` of `slots` at `iova`: one mapping per slot the
@@ -496,7 +489,7 @@ impl DmaSpace {
                 host,
             });
         }
-        self.insert(prot, new)
+        self.insert(range, prot, new)
     }
 
     /// Maps `size` bytes of host memory at `hva` that the caller manages itself.
@@ -508,7 +501,7 @@ impl DmaSpace {
     pub unsafe fn map_raw(&self, iova: Iova, hva: Hva, size: u64, prot: Prot) -> Result<()> {
         let host = self.raw_host(hva, size)?;
         let range = self.check_new_range(iova, size, prot)?;
-        self.insert(prot, vec![NewMapping { iova: range, host }])
+        self.insert(range, prot, vec![NewMapping { iova: range, host }])
     }
 
     /// Unmaps every mapping inside `[iova, iova + size)` and returns the bytes unmapped (0 if
@@ -580,8 +573,9 @@ impl DmaSpace {
     }
 
     /// Gives an invalidated mapping its new host memory: `size` bytes of `backing` from
-    /// `offset` (`VFIO_DMA_MAP_FLAG_VADDR`). ENOENT if no mapping is at `iova`; EINVAL if the
-    /// mapping's iova or size differ or its vaddr is not invalidated.
+    /// `offset` (`VFIO_DMA_MAP_FLAG_VADDR`). ENOENT if no mapping lies in the range; EINVAL if
+    /// the mapping it touches does not start at `iova` with `size` bytes, or its vaddr is not
+    /// invalidated.
     pub fn update_vaddr(
         &self,
         iova: Iova,
@@ -603,11 +597,17 @@ impl DmaSpace {
     }
 
     fn update_host(&self, iova: Iova, size: u64, host: Host) -> Result<()> {
+        let range = self.check_range(iova, size)?;
         self.change(|map, writer| {
-            let pos = map.find(iova.0).ok_or(Error::NotFound {
-                what: "dma mapping at iova",
-                id: iova.0,
-            })?;
+            // Like type1 (`vfio_find_dma` over the whole range): any mapping the range touches
+            // is the one it names, and it must match exactly.
+            let pos = map
+                .first_ending_at_or_after(range.start().0)
+                .filter(|&p| map.get(p).0 <= range.last().0)
+                .ok_or(Error::NotFound {
+                    what: "dma mapping in the range starting at iova",
+                    id: iova.0,
+                })?;
             let (start, _, _, m) = map.get(pos);
             if start != iova.0 || m.iova.len() != size {
                 return Err(Error::Invalid(format!(
@@ -689,7 +689,12 @@ impl DmaSpace {
                 "mapping at iova {iova} needs READ, WRITE or both"
             )));
         }
-        let range = self.check_range(iova, size)?;
+        self.check_range(iova, size)
+    }
+
+    /// EINVAL unless `range` lies inside one of the allowed IOVA ranges (type1's
+    /// `vfio_iommu_iova_dma_valid`).
+    fn check_allowed(&self, range: Range<Iova>) -> Result<()> {
         if !self
             .shared
             .allowed
@@ -701,7 +706,7 @@ impl DmaSpace {
                 self.shared.allowed
             )));
         }
-        Ok(range)
+        Ok(())
     }
 
     fn backing_host(&self, backing: &Arc<Backing>, offset: u64, size: u64) -> Result<Host> {
@@ -733,19 +738,12 @@ impl DmaSpace {
         Ok(Host { hva, owner: None })
     }
 
-    /// Checks and inserts new mappings in one publish.
-    fn insert(&self, prot: Prot, new: Vec<NewMapping>) -> Result<()> {
+    /// Checks and inserts new mappings, the pieces of `range`, in one publish. The checks run
+    /// in type1's order (`vfio_dma_do_map`): overlap (EEXIST), then the mapping count (ENOSPC),
+    /// then the allowed IOVA ranges (EINVAL).
+    fn insert(&self, range: Range<Iova>, prot: Prot, new: Vec<NewMapping>) -> Result<()> {
         let limit = self.shared.config.max_mappings;
         self.change(|map, writer| {
-            let count = map.len() as u64 + new.len() as u64;
-            if count > limit as u64 {
-                return Err(Error::NoSpace {
-                    what: "dma mappings",
-                    count,
-                    limit: limit.into(),
-                    hint: "unmap some or raise DmaConfig::max_mappings",
-                });
-            }
             for n in &new {
                 if let Some(pos) = map.first_ending_at_or_after(n.iova.start().0) {
                     let (start, last, _, _) = map.get(pos);
@@ -761,6 +759,16 @@ impl DmaSpace {
                     }
                 }
             }
+            let count = map.len() as u64 + new.len() as u64;
+            if count > limit as u64 {
+                return Err(Error::NoSpace {
+                    what: "dma mappings",
+                    count,
+                    limit: limit.into(),
+                    hint: "unmap some or raise DmaConfig::max_mappings",
+                });
+            }
+            self.check_allowed(range)?;
             let mut made = Vec::with_capacity(new.len());
             for n in new {
                 let dirty = writer.tracking.then(|| self.new_bitmap(n.iova.len()));

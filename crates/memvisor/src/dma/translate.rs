@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Access, DmaSnapshot, DmaSpace, Hot, Mapping};
+use super::{Access, DmaSnapshot, DmaSpace, Hot, Mapping, Prot};
 use crate::addr::{Hva, Iova};
 use crate::error::{Error, Result};
 use crate::rangemap::Pos;
@@ -52,18 +52,18 @@ impl DmaSnapshot {
     /// index only, never the mapping record. Inlined into each translation path: a call
     /// would pass the result through memory.
     #[inline(always)]
-    fn resolve(&self, iova: u64, len: u64, access: Access) -> Result<Found> {
+    fn resolve(&self, iova: u64, len: u64, need: Prot) -> Result<Found> {
         let Some((pos, start, last, hot)) = self.map.lookup(iova) else {
             return Err(unmapped(iova, len));
         };
-        checked(pos, start, last, hot, iova, access)
+        checked(pos, start, last, hot, iova, need)
     }
 
     /// The mapping at `pos` (which holds `iova`), checked for `access` and a valid host address.
     #[inline]
-    fn check(&self, pos: Pos, iova: u64, access: Access) -> Result<Found> {
+    fn check(&self, pos: Pos, iova: u64, need: Prot) -> Result<Found> {
         let (start, last, hot) = self.map.bounds(pos);
-        checked(pos, start, last, hot, iova, access)
+        checked(pos, start, last, hot, iova, need)
     }
 
     /// Checks that `[iova, iova + len)` is all mapped, contiguously, for `access`; then calls
@@ -73,7 +73,7 @@ impl DmaSnapshot {
         &self,
         iova: u64,
         len: u64,
-        access: Access,
+        need: Prot,
         min_page: u64,
         mut piece: impl FnMut(u64, u64),
     ) -> Result<()> {
@@ -85,7 +85,7 @@ impl DmaSnapshot {
             start: iova,
             len,
         })?;
-        let found = self.resolve(iova, len, access)?;
+        let found = self.resolve(iova, len, need)?;
         let (first, mut last) = (found.pos, found.last);
         let mut pos = first;
         while last < end {
@@ -102,7 +102,7 @@ impl DmaSnapshot {
                     len,
                 });
             };
-            Found { pos, last, .. } = self.check(next, last + 1, access)?;
+            Found { pos, last, .. } = self.check(next, last + 1, need)?;
         }
         let mut addr = iova;
         let mut pos = Some(first);
@@ -112,7 +112,7 @@ impl DmaSnapshot {
             piece(addr.wrapping_add(hot.delta()), n);
             // After the copy: a dirty read racing us then reports the page now or next time,
             // never before the bytes landed.
-            if access == Access::Write && hot.dirty() {
+            if need.contains(Prot::WRITE) && hot.dirty() {
                 mark_dirty(m, addr, n, min_page);
             }
             addr = addr.wrapping_add(n);
@@ -122,11 +122,11 @@ impl DmaSnapshot {
     }
 }
 
-/// `Found` if the mapping allows `access` and has a valid host address.
+/// `Found` if the mapping allows `need` and has a valid host address.
 #[inline(always)]
-fn checked(pos: Pos, start: u64, last: u64, hot: Hot, iova: u64, access: Access) -> Result<Found> {
-    if !hot.prot().contains(access.prot()) || !hot.valid() {
-        return Err(refused(iova, start, last, hot, access));
+fn checked(pos: Pos, start: u64, last: u64, hot: Hot, iova: u64, need: Prot) -> Result<Found> {
+    if !hot.prot().contains(need) || !hot.valid() {
+        return Err(refused(iova, start, last, hot, need));
     }
     Ok(Found {
         pos,
@@ -152,10 +152,14 @@ fn unmapped(iova: u64, len: u64) -> Error {
 /// does not allow it, else EBUSY (host address invalidated).
 #[cold]
 #[inline(never)]
-fn refused(iova: u64, start: u64, last: u64, hot: Hot, access: Access) -> Error {
-    if !hot.prot().contains(access.prot()) {
+fn refused(iova: u64, start: u64, last: u64, hot: Hot, need: Prot) -> Error {
+    if !hot.prot().contains(need) {
         return Error::PermissionDenied {
-            access: access.name(),
+            access: if need.contains(Prot::WRITE) {
+                "write"
+            } else {
+                "read"
+            },
             addr: iova,
             start,
             last,
@@ -215,7 +219,7 @@ impl DmaSpace {
         }
         let min_page = self.shared.min_page;
         self.with_snapshot(|snap| {
-            let found = snap.resolve(iova.0, len, access)?;
+            let found = snap.resolve(iova.0, len, access.prot())?;
             let n = len.min(found.last - iova.0 + 1);
             if access == Access::Write && found.hot.dirty() {
                 mark_dirty(snap.map.get(found.pos).3, iova.0, n, min_page);
@@ -239,15 +243,19 @@ impl DmaSpace {
         let min_page = self.shared.min_page;
         self.with_snapshot(|snap| {
             let mut segments: Vec<Segment> = Vec::new();
-            snap.for_each_piece(iova.0, len, access, min_page, |hva, n| {
-                match segments.last_mut() {
+            snap.for_each_piece(
+                iova.0,
+                len,
+                access.prot(),
+                min_page,
+                |hva, n| match segments.last_mut() {
                     Some(s) if s.hva.0 + s.len == hva => s.len += n,
                     _ => segments.push(Segment {
                         hva: Hva(hva),
                         len: n,
                     }),
-                }
-            })?;
+                },
+            )?;
             Ok(segments)
         })
     }
@@ -346,7 +354,7 @@ impl DmaCursor {
             });
         }
         self.refresh();
-        let found = match self.snapshot.resolve(iova.0, len, access) {
+        let found = match self.snapshot.resolve(iova.0, len, access.prot()) {
             Ok(found) => found,
             // Invalidated: take the space's path, which waits for the update.
             Err(Error::Busy { .. }) => return self.space.translate(iova, len, access),
