@@ -8,13 +8,15 @@
 //! crosses between a caller's buffer and guest memory goes through the three functions here,
 //! which copy in a way the compiler must treat as a device access:
 //!
-//! * on x86-64, one `rep movsb` in inline assembly. The compiler sees an opaque instruction that
-//!   reads and writes memory, as the kernel's `copy_{to,from}_user` are; it cannot assume the
-//!   bytes stay put, tear them into a race it may exploit, or read them twice. On CPUs with fast
-//!   string moves (ERMS / FSRM, every x86-64 server of the last decade) it runs at memcpy speed
-//!   from a few dozen bytes up.
-//! * elsewhere, volatile loads and stores a `u64` at a time where both sides are aligned, as
-//!   vm-memory does, and a byte at a time for the rest.
+//! * on x86-64, inline assembly: up to 2 KiB, unaligned 16-byte SSE2 moves (a short copy as
+//!   overlapping head and tail moves, all loads before the stores, as the C library's memcpy
+//!   does; a longer one 128 bytes at a time), from 2 KiB one `rep movsb`. The compiler sees
+//!   opaque instructions that read and write memory, as the kernel's `copy_{to,from}_user`
+//!   are; it cannot assume the bytes stay put, read them twice or tear them into a race it may
+//!   exploit. Measured against glibc's memcpy on the reference machine (AMD EPYC, random offsets
+//!   in a 16 MiB window): equal up to 256 bytes and from 2 KiB, about 0.6x between.
+//! * elsewhere, volatile loads and stores, a `u64` at a time where both sides are aligned, as
+//!   vm-memory does for small copies, and a byte at a time for the rest.
 //!
 //! A racing writer can make the copied bytes any mix of old and new values — exactly the
 //! semantics of a DMA read — but cannot make the program misbehave. Callers check bounds and keep
@@ -28,7 +30,7 @@
 #[inline]
 pub(crate) unsafe fn from_guest(src: *const u8, dst: &mut [u8]) {
     // SAFETY: the caller guarantees `src` is readable for `dst.len()` bytes and disjoint from
-    // `dst`; `dst` is a valid exclusive buffer of that length.
+    // `dst`, a valid exclusive buffer of that length.
     unsafe { forward(src, dst.as_mut_ptr(), dst.len()) }
 }
 
@@ -50,10 +52,14 @@ pub(crate) unsafe fn to_guest(src: &[u8], dst: *mut u8) {
 /// `src` must be readable and `dst` writable for `len` bytes for the whole call.
 pub(crate) unsafe fn within_guest(src: *const u8, dst: *mut u8, len: usize) {
     let (s, d) = (src as usize, dst as usize);
-    if d <= s || d >= s.saturating_add(len) {
-        // SAFETY: as the caller guarantees; a forward copy reads every source byte before the
-        // destination can reach it when dst is below src or past its end.
+    if d.saturating_add(len) <= s || s.saturating_add(len) <= d {
+        // SAFETY: as the caller guarantees; the ranges are disjoint.
         return unsafe { forward(src, dst, len) };
+    }
+    if d < s {
+        // SAFETY: as the caller guarantees; a byte-by-byte upward move reads every source byte
+        // before the destination reaches it when dst is below src.
+        return unsafe { upward_bytes(src, dst, len) };
     }
     // dst overlaps the source from above: move chunks from the end down through a buffer of our
     // own, so every source chunk is read before a destination chunk covers it.
@@ -62,7 +68,8 @@ pub(crate) unsafe fn within_guest(src: *const u8, dst: *mut u8, len: usize) {
     while end > 0 {
         let n = end.min(buf.len());
         let at = end - n;
-        // SAFETY: `at + n <= len`, inside both caller-guaranteed ranges; `buf` is our own.
+        // SAFETY: `at + n <= len`, inside both caller-guaranteed ranges; `buf` is our own and
+        // disjoint from both.
         unsafe {
             forward(src.add(at), buf.as_mut_ptr(), n);
             forward(buf.as_ptr(), dst.add(at), n);
@@ -71,24 +78,158 @@ pub(crate) unsafe fn within_guest(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
-/// Copies `len` bytes from `src` to `dst`, lowest address first.
-///
-/// # Safety
-/// `src` readable and `dst` writable for `len` bytes; if they overlap, `dst <= src`.
 #[cfg(target_arch = "x86_64")]
-#[inline]
-unsafe fn forward(src: *const u8, dst: *mut u8, len: usize) {
-    // SAFETY: `rep movsb` copies rcx bytes from [rsi] to [rdi] upwards (the direction flag is
-    // clear on entry to inline assembly, as Rust requires); the caller guarantees both ranges.
-    // It touches no stack and leaves the flags alone.
-    unsafe {
-        std::arch::asm!(
-            "rep movsb",
-            inout("rcx") len => _,
-            inout("rsi") src => _,
-            inout("rdi") dst => _,
-            options(nostack, preserves_flags)
-        );
+pub(crate) use x86::{forward, upward_bytes};
+
+/// The x86-64 copies. Every function: `src` readable and `dst` writable for the bytes it
+/// names, the two ranges disjoint (except `upward_bytes`, see there).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::asm;
+
+    /// Copies `len` bytes from `src` to `dst`, which do not overlap.
+    ///
+    /// # Safety
+    /// `src` readable and `dst` writable for `len` bytes, disjoint.
+    #[inline]
+    pub(crate) unsafe fn forward(src: *const u8, dst: *mut u8, len: usize) {
+        // SAFETY (every arm): each helper touches only bytes below `len` of both ranges (the
+        // head and tail moves overlap each other, never the ends), which the caller
+        // guarantees.
+        unsafe {
+            match len {
+                0..=3 => upward_bytes(src, dst, len),
+                4..=7 => head_tail_4(src, dst, len),
+                8..=16 => head_tail_8(src, dst, len),
+                17..=32 => head_tail_16(src, dst, len),
+                33..=64 => head_tail_32(src, dst, len),
+                65..=128 => head_tail_64(src, dst, len),
+                129..LARGE => {
+                    let mut i = 0;
+                    while i + 128 < len {
+                        block_128(src.add(i), dst.add(i));
+                        i += 128;
+                    }
+                    block_128(src.add(len - 128), dst.add(len - 128));
+                }
+                _ => upward_bytes(src, dst, len),
+            }
+        }
+    }
+
+    /// From this many bytes `rep movsb` is as fast as vector moves here.
+    const LARGE: usize = 2048;
+
+    /// `rep movsb`: copies `len` bytes upwards, one byte after another as far as any reader can
+    /// tell, so `dst` may overlap `src` from below.
+    ///
+    /// # Safety
+    /// `src` readable and `dst` writable for `len` bytes; if they overlap, `dst < src`.
+    #[inline]
+    pub(crate) unsafe fn upward_bytes(src: *const u8, dst: *mut u8, len: usize) {
+        // SAFETY: rep movsb moves rcx bytes from [rsi] to [rdi] upwards (the direction flag is
+        // clear on entry to inline assembly, as Rust requires); the caller guarantees both
+        // ranges. No stack, flags untouched.
+        unsafe {
+            asm!(
+                "rep movsb",
+                inout("rcx") len => _,
+                inout("rsi") src => _,
+                inout("rdi") dst => _,
+                options(nostack, preserves_flags)
+            )
+        }
+    }
+
+    /// Copies bytes `[0, 4)` and `[len - 4, len)`, both loads first.
+    #[inline]
+    unsafe fn head_tail_4(s: *const u8, d: *mut u8, len: usize) {
+        // SAFETY: 4 <= len, so both 4-byte moves lie inside the caller's ranges.
+        unsafe {
+            asm!("mov {a:e}, [{s}]", "mov {b:e}, [{s} + {t}]", "mov [{d}], {a:e}", "mov [{d} + {t}], {b:e}",
+                s = in(reg) s, d = in(reg) d, t = in(reg) len - 4, a = out(reg) _, b = out(reg) _,
+                options(nostack, preserves_flags))
+        }
+    }
+
+    /// Copies bytes `[0, 8)` and `[len - 8, len)`, both loads first.
+    #[inline]
+    unsafe fn head_tail_8(s: *const u8, d: *mut u8, len: usize) {
+        // SAFETY: 8 <= len, so both 8-byte moves lie inside the caller's ranges.
+        unsafe {
+            asm!("mov {a}, [{s}]", "mov {b}, [{s} + {t}]", "mov [{d}], {a}", "mov [{d} + {t}], {b}",
+                s = in(reg) s, d = in(reg) d, t = in(reg) len - 8, a = out(reg) _, b = out(reg) _,
+                options(nostack, preserves_flags))
+        }
+    }
+
+    /// Copies bytes `[0, 16)` and `[len - 16, len)`, both loads first.
+    #[inline]
+    unsafe fn head_tail_16(s: *const u8, d: *mut u8, len: usize) {
+        // SAFETY: 16 <= len, so both 16-byte moves lie inside the caller's ranges.
+        unsafe {
+            asm!("movdqu xmm0, [{s}]", "movdqu xmm1, [{s} + {t}]", "movdqu [{d}], xmm0", "movdqu [{d} + {t}], xmm1",
+                s = in(reg) s, d = in(reg) d, t = in(reg) len - 16, out("xmm0") _, out("xmm1") _,
+                options(nostack, preserves_flags))
+        }
+    }
+
+    /// Copies bytes `[0, 32)` and `[len - 32, len)`, all loads first.
+    #[inline]
+    unsafe fn head_tail_32(s: *const u8, d: *mut u8, len: usize) {
+        // SAFETY: 32 <= len, so all four 16-byte moves lie inside the caller's ranges.
+        unsafe {
+            asm!(
+                "movdqu xmm0, [{s}]", "movdqu xmm1, [{s} + 16]",
+                "movdqu xmm2, [{s} + {t}]", "movdqu xmm3, [{s} + {t} + 16]",
+                "movdqu [{d}], xmm0", "movdqu [{d} + 16], xmm1",
+                "movdqu [{d} + {t}], xmm2", "movdqu [{d} + {t} + 16], xmm3",
+                s = in(reg) s, d = in(reg) d, t = in(reg) len - 32,
+                out("xmm0") _, out("xmm1") _, out("xmm2") _, out("xmm3") _,
+                options(nostack, preserves_flags))
+        }
+    }
+
+    /// Copies bytes `[0, 64)` and `[len - 64, len)`, all loads first.
+    #[inline]
+    unsafe fn head_tail_64(s: *const u8, d: *mut u8, len: usize) {
+        // SAFETY: 64 <= len, so all eight 16-byte moves lie inside the caller's ranges.
+        unsafe {
+            asm!(
+                "movdqu xmm0, [{s}]", "movdqu xmm1, [{s} + 16]",
+                "movdqu xmm2, [{s} + 32]", "movdqu xmm3, [{s} + 48]",
+                "movdqu xmm4, [{s} + {t}]", "movdqu xmm5, [{s} + {t} + 16]",
+                "movdqu xmm6, [{s} + {t} + 32]", "movdqu xmm7, [{s} + {t} + 48]",
+                "movdqu [{d}], xmm0", "movdqu [{d} + 16], xmm1",
+                "movdqu [{d} + 32], xmm2", "movdqu [{d} + 48], xmm3",
+                "movdqu [{d} + {t}], xmm4", "movdqu [{d} + {t} + 16], xmm5",
+                "movdqu [{d} + {t} + 32], xmm6", "movdqu [{d} + {t} + 48], xmm7",
+                s = in(reg) s, d = in(reg) d, t = in(reg) len - 64,
+                out("xmm0") _, out("xmm1") _, out("xmm2") _, out("xmm3") _,
+                out("xmm4") _, out("xmm5") _, out("xmm6") _, out("xmm7") _,
+                options(nostack, preserves_flags))
+        }
+    }
+
+    /// Copies 128 bytes, all loads first.
+    #[inline]
+    unsafe fn block_128(s: *const u8, d: *mut u8) {
+        // SAFETY: the caller passes 128 bytes inside its ranges.
+        unsafe {
+            asm!(
+                "movdqu xmm0, [{s}]", "movdqu xmm1, [{s} + 16]",
+                "movdqu xmm2, [{s} + 32]", "movdqu xmm3, [{s} + 48]",
+                "movdqu xmm4, [{s} + 64]", "movdqu xmm5, [{s} + 80]",
+                "movdqu xmm6, [{s} + 96]", "movdqu xmm7, [{s} + 112]",
+                "movdqu [{d}], xmm0", "movdqu [{d} + 16], xmm1",
+                "movdqu [{d} + 32], xmm2", "movdqu [{d} + 48], xmm3",
+                "movdqu [{d} + 64], xmm4", "movdqu [{d} + 80], xmm5",
+                "movdqu [{d} + 96], xmm6", "movdqu [{d} + 112], xmm7",
+                s = in(reg) s, d = in(reg) d,
+                out("xmm0") _, out("xmm1") _, out("xmm2") _, out("xmm3") _,
+                out("xmm4") _, out("xmm5") _, out("xmm6") _, out("xmm7") _,
+                options(nostack, preserves_flags))
+        }
     }
 }
 
@@ -96,6 +237,9 @@ unsafe fn forward(src: *const u8, dst: *mut u8, len: usize) {
 ///
 /// # Safety
 /// `src` readable and `dst` writable for `len` bytes; if they overlap, `dst <= src`.
+#[cfg(not(target_arch = "x86_64"))]
+use forward as upward_bytes;
+
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn forward(src: *const u8, dst: *mut u8, len: usize) {
     let mut i = 0;
@@ -128,15 +272,24 @@ mod tests {
 
     #[test]
     fn copies_every_length_and_offset() {
-        let src: Vec<u8> = (0..300u32).map(|i| (i * 7 + 1) as u8).collect();
-        for len in [0usize, 1, 7, 8, 9, 63, 64, 65, 200] {
+        let src: Vec<u8> = (0..5100u32).map(|i| (i * 7 + 1) as u8).collect();
+        for len in (0usize..300).chain([511, 512, 513, 1000, 2047, 2048, 2049, 5000]) {
             for off in 0..8 {
-                let mut dst = vec![0u8; 300];
-                // SAFETY: both buffers are ours and long enough.
-                unsafe { from_guest(src.as_ptr().add(off), &mut dst[off..off + len]) };
-                assert_eq!(&dst[off..off + len], &src[off..off + len]);
-                assert!(dst[..off].iter().all(|&b| b == 0));
-                assert!(dst[off + len..].iter().all(|&b| b == 0));
+                for skew in 0..3 {
+                    let mut dst = vec![0u8; 5100];
+                    let at = off + skew;
+                    // SAFETY: both buffers are ours and long enough.
+                    unsafe { from_guest(src.as_ptr().add(off), &mut dst[at..at + len]) };
+                    assert_eq!(&dst[at..at + len], &src[off..off + len]);
+                    assert!(dst[..at].iter().all(|&b| b == 0));
+                    assert!(dst[at + len..].iter().all(|&b| b == 0));
+                    let mut back = vec![0u8; 5100];
+                    // SAFETY: as above.
+                    unsafe { to_guest(&src[off..off + len], back.as_mut_ptr().add(at)) };
+                    assert_eq!(&back[at..at + len], &src[off..off + len]);
+                    assert!(back[..at].iter().all(|&b| b == 0));
+                    assert!(back[at + len..].iter().all(|&b| b == 0));
+                }
             }
         }
     }
