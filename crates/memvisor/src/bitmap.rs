@@ -26,6 +26,24 @@ impl DirtyBitmap {
         }
     }
 
+    /// A clear bitmap for `pages` pages, or `None` if its memory cannot be had (the caller
+    /// answers ENOMEM, as the kernel does when a dirty bitmap cannot be allocated).
+    pub fn try_new(pages: u64) -> Option<Self> {
+        let words = usize::try_from(pages.div_ceil(64)).ok()?;
+        let mut v: Vec<AtomicU64> = Vec::new();
+        v.try_reserve_exact(words).ok()?;
+        v.extend((0..words).map(|_| AtomicU64::new(0)));
+        Some(DirtyBitmap {
+            words: v.into_boxed_slice(),
+            pages,
+        })
+    }
+
+    /// Marks every page.
+    pub fn mark_all(&self) {
+        self.mark(0, self.pages);
+    }
+
     /// Number of pages covered.
     pub fn pages(&self) -> u64 {
         self.pages

@@ -159,6 +159,10 @@ pub enum Error {
         capability: &'static str,
     },
 
+    /// Memory for memvisor's own bookkeeping could not be had (ENOMEM).
+    #[error("{what}: could not allocate {bytes:#x} bytes; track fewer or smaller mappings")]
+    OutOfMemory { what: &'static str, bytes: u64 },
+
     /// Huge pages of the requested size are not available.
     #[error(
         "need {needed} free {page_size} huge pages but only {free} are free; reserve more as root: \
@@ -203,7 +207,7 @@ impl Error {
             Error::Overlap { .. } | Error::AlreadyExists { .. } => libc::EEXIST,
             Error::NotFound { .. } => libc::ENOENT,
             Error::Fault { .. } | Error::ReadOnly { .. } => libc::EFAULT,
-            Error::HugePagesUnavailable { .. } => libc::ENOMEM,
+            Error::HugePagesUnavailable { .. } | Error::OutOfMemory { .. } => libc::ENOMEM,
             Error::Unsupported { .. } => libc::EOPNOTSUPP,
             Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
         }

@@ -468,7 +468,7 @@ fn dirty_bits_are_exactly_the_pages_written() {
         "off"
     );
     d.dma_write(Iova(0), &[1]).unwrap(); // before tracking: not recorded
-    d.start_dirty_tracking();
+    d.start_dirty_tracking().unwrap();
     // across the first mapping boundary: pages 99, 100, 101
     d.dma_write(Iova(99 * PAGE + 10), &vec![1; 2 * PAGE as usize])
         .unwrap();

@@ -411,7 +411,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Track(on) => {
                 if on {
-                    d.start_dirty_tracking()
+                    d.start_dirty_tracking().unwrap()
                 } else {
                     d.stop_dirty_tracking()
                 }

@@ -335,7 +335,7 @@ fn a_write_pin_at_the_top_of_the_iova_space_is_tracked() {
     let (d, _registry) = space();
     let top = u64::MAX - b.size() + 1;
     d.map_backing(Iova(top), &b, 0, b.size(), Prot::RW).unwrap();
-    d.start_dirty_tracking();
+    d.start_dirty_tracking().unwrap();
     let last = u64::MAX / PAGE;
     d.pin_pages(&[last], Prot::WRITE).unwrap();
     let bits = d.get_and_clear_dirty(Iova(top), b.size(), PAGE).unwrap();

@@ -84,7 +84,7 @@ impl DmaSpace {
     /// empty), EPERM if a mapping does not allow `prot`, E2BIG for more than [`PIN_PAGES_MAX`]
     /// pages, ENOMEM past the locked-memory limit, EBUSY if a mapping's host address stays
     /// invalidated past [`DmaConfig::vaddr_wait`](super::DmaConfig::vaddr_wait). Pages pinned
-    /// for WRITE are marked dirty while dirty tracking is on.
+    /// are dirty while dirty tracking is on and they stay pinned, whatever `prot` (type1's rule).
     pub fn pin_pages(&self, pages: &[u64], prot: Prot) -> Result<Vec<Hva>> {
         check_count("pin_pages", pages)?;
         if prot == Prot::default() {
@@ -277,21 +277,18 @@ impl DmaSpace {
             return Err(Stop::Invalidated(iova));
         }
         let pieces = (end - page).min((last - iova) / PAGE + 1);
-        let req = self.shared.device_request(
-            m,
-            hot.delta().wrapping_add(iova),
-            pieces * PAGE,
-            prot.contains(Prot::WRITE),
-        );
+        let req = self
+            .shared
+            .device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE);
         self.shared.registry.pin(&req)?;
         writer.external.add(page, page + pieces);
-        if req.write {
-            if let Some(bitmap) = &m.dirty {
-                let min = self.shared.min_page;
-                let first = (iova - start) / min;
-                let last_bit = (iova - start + (req.len - 1)) / min;
-                bitmap.mark(first, last_bit - first + 1);
-            }
+        // Pinned pages are dirty while pinned, whatever the protection (type1 marks them
+        // when pinned, and every read of the log marks them again).
+        if let Some(bitmap) = &m.dirty {
+            let min = self.shared.min_page;
+            let first = (iova - start) / min;
+            let last_bit = (iova - start + (req.len - 1)) / min;
+            bitmap.mark(first, last_bit - first + 1);
         }
         Ok((req, pieces))
     }
@@ -324,7 +321,7 @@ impl Shared {
                 return;
             };
             let pieces = (end - page).min((last - iova) / PAGE + 1);
-            let req = self.device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE, false);
+            let req = self.device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE);
             self.registry.unpin(&req);
             page += pieces;
         }

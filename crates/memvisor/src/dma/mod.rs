@@ -57,6 +57,7 @@ use counts::RunCounts;
 use external::Notifiers;
 
 pub use account::LockLimit;
+pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
 pub use external::{Grouping, NotifierId, PIN_PAGES_MAX};
 pub use mode::{Extent, PinMode};
 pub use pin::{HostExtent, PIN_BATCH, PinRegistry};
@@ -324,6 +325,8 @@ struct Padded<T>(T);
 struct Writer {
     next_id: u64,
     tracking: bool,
+    /// Devices attached that write memory without telling the space ([`UnloggedDevice`]).
+    unlogged: usize,
     mode: PinMode,
     /// Pins held for whole mappings in Eager mode, by mapping id.
     eager: HashMap<u64, mode::Pinned>,
@@ -399,6 +402,7 @@ impl DmaSpace {
                 writer: Mutex::new(Writer {
                     next_id: 1,
                     tracking: false,
+                    unlogged: 0,
                     mode: config.pin_mode,
                     eager: HashMap::new(),
                     external: RunCounts::default(),
@@ -521,24 +525,7 @@ impl DmaSpace {
     }
 
     fn remove_mappings(&self, first: u64, last: u64) -> Result<u64> {
-        self.release_external(first, last)?;
-        self.change(|map, writer| {
-            let hit = whole_mappings(map, first, last)?;
-            self.check_no_external(writer, &hit)?;
-            let mut bytes = 0;
-            for (_, m) in &hit {
-                self.unpin_mapping(writer, m.id);
-                bytes += m.iova.len();
-            }
-            if hit.len() == map.len() {
-                *map = RangeMap::default();
-            } else {
-                for (start, _) in &hit {
-                    map.remove(*start).expect("found above");
-                }
-            }
-            Ok((bytes, !hit.is_empty()))
-        })
+        self.remove_mappings_with(first, last, |_, _| true)
     }
 
     /// Invalidates the host address of every mapping inside `[iova, iova + size)`
@@ -771,7 +758,10 @@ impl DmaSpace {
             self.check_allowed(range)?;
             let mut made = Vec::with_capacity(new.len());
             for n in new {
-                let dirty = writer.tracking.then(|| self.new_bitmap(n.iova.len()));
+                let dirty = match writer.tracking {
+                    true => Some(self.new_bitmap(n.iova.len())?),
+                    false => None,
+                };
                 let id = writer.next_id;
                 writer.next_id += 1;
                 made.push(Mapping {
@@ -793,8 +783,22 @@ impl DmaSpace {
         })
     }
 
-    fn new_bitmap(&self, len: u64) -> Arc<DirtyBitmap> {
-        Arc::new(DirtyBitmap::new(len / self.shared.min_page))
+    /// A clear dirty bitmap for a mapping of `len` bytes; ENOMEM if its memory cannot be had.
+    fn new_bitmap(&self, len: u64) -> Result<Arc<DirtyBitmap>> {
+        let pages = len / self.shared.min_page;
+        if pages > DIRTY_BITMAP_PAGES_MAX {
+            // type1's vfio_dma_bitmap_alloc refuses such a mapping the same way.
+            return Err(Error::Invalid(format!(
+                "a mapping of {pages:#x} pages is too large to track: a dirty bitmap holds at \
+                 most {DIRTY_BITMAP_PAGES_MAX:#x} pages"
+            )));
+        }
+        DirtyBitmap::try_new(pages)
+            .map(Arc::new)
+            .ok_or(Error::OutOfMemory {
+                what: "dirty bitmap",
+                bytes: pages.div_ceil(8),
+            })
     }
 
     fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {

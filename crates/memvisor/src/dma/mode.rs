@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 
 use super::pin::{HostExtent, PinRequest};
-use super::{DmaSpace, Mapping, Prot, Shared, Writer};
+use super::{DmaSpace, Mapping, Shared, Writer};
 use crate::addr::{Hva, Iova};
 use crate::error::{Error, Result};
 
@@ -85,7 +85,10 @@ impl DmaSpace {
                     }
                 }
             }
+            let before = writer.scope();
             writer.mode = mode;
+            // Leaving Eager mode ends the all-mapped dirty scope (its consumer logged nothing).
+            super::dirty::scope_ended(writer, before, map);
             Ok(((), false))
         })
     }
@@ -176,7 +179,6 @@ impl Shared {
         PinRequest {
             hva: host.hva.0,
             len: m.iova.len(),
-            write: m.prot.contains(Prot::WRITE),
             granule: host.granule(),
             batch: self.config.pin_batch,
             frames: self.config.frames,
@@ -185,17 +187,10 @@ impl Shared {
 
     /// The request for part of `m` that a device pins through `pin_pages`: `len` bytes from host
     /// address `hva`, without frames (devices get host addresses).
-    pub(super) fn device_request(
-        &self,
-        m: &Mapping,
-        hva: u64,
-        len: u64,
-        write: bool,
-    ) -> PinRequest {
+    pub(super) fn device_request(&self, m: &Mapping, hva: u64, len: u64) -> PinRequest {
         PinRequest {
             hva,
             len,
-            write,
             frames: false,
             ..self.pin_request(m)
         }

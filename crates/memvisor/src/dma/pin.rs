@@ -68,8 +68,6 @@ pub(crate) struct PinRequest {
     pub hva: u64,
     /// Bytes, a page multiple.
     pub len: u64,
-    /// The device may write: pages it pins are marked dirty while tracking is on.
-    pub write: bool,
     /// The memory's page size: pins are rounded out to it.
     pub granule: u64,
     /// Pages per step; 1 is the page-at-a-time baseline.
