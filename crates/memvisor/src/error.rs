@@ -116,6 +116,11 @@ pub enum Error {
     #[error("iova {addr:#x} is busy: {why}")]
     Busy { addr: u64, why: String },
 
+    /// Refused at once because something else in the space is busy (EBUSY), e.g. device access
+    /// while any host address is invalidated under [`VaddrRule::Refuse`](crate::dma::VaddrRule).
+    #[error("access at iova {addr:#x} refused: {why}")]
+    Refused { addr: u64, why: String },
+
     /// A request that breaks a rule of the interface (EINVAL), said in words.
     #[error("{0}")]
     Invalid(String),
@@ -203,7 +208,7 @@ impl Error {
             Error::LockLimit { .. } => libc::ENOMEM,
             Error::TooBig { .. } => libc::E2BIG,
             Error::NoSpace { .. } => libc::ENOSPC,
-            Error::Busy { .. } => libc::EBUSY,
+            Error::Busy { .. } | Error::Refused { .. } => libc::EBUSY,
             Error::Overlap { .. } | Error::AlreadyExists { .. } => libc::EEXIST,
             Error::NotFound { .. } => libc::ENOENT,
             Error::Fault { .. } | Error::ReadOnly { .. } => libc::EFAULT,

@@ -579,3 +579,82 @@ fn errnos_and_their_order_follow_type1() {
     assert_eq!(e.errno(), libc::ENOENT, "{e}");
     d.update_vaddr(Iova(0), PAGE, &b, 0).unwrap();
 }
+
+/// The two kernels' rules for an invalidated host address, each as a VMM would see it.
+#[test]
+fn vaddr_rules_follow_the_kernel_version_chosen() {
+    use memvisor::dma::VaddrRule;
+    for rule in [VaddrRule::Wait, VaddrRule::Refuse] {
+        let b = mem(8);
+        let d = DmaSpace::new(DmaConfig {
+            vaddr_rule: rule,
+            vaddr_wait: Duration::from_millis(20),
+            registry: Some(memvisor::dma::PinRegistry::new(
+                memvisor::dma::LockLimit::Unlimited,
+            )),
+            ..DmaConfig::default()
+        })
+        .unwrap();
+        d.map_backing(Iova(0), &b, 0, 4 * PAGE, Prot::RW).unwrap();
+        d.map_backing(Iova(16 * PAGE), &b, 4 * PAGE, 4 * PAGE, Prot::RW)
+            .unwrap();
+        d.invalidate_vaddr(Iova(0), 4 * PAGE).unwrap();
+        let mut buf = [0u8; 8];
+        // The other mapping: usable under Wait (5.12-6.2), refused under Refuse (6.3 on).
+        let other = d.dma_read(Iova(16 * PAGE), &mut buf);
+        let pin = d.pin_pages(&[16], Prot::READ);
+        // The invalidated mapping itself.
+        let start = Instant::now();
+        let own = d.dma_read(Iova(0), &mut buf);
+        let waited = start.elapsed();
+        match rule {
+            VaddrRule::Wait => {
+                other.unwrap();
+                pin.unwrap();
+                d.unpin_pages(&[16]).unwrap();
+                assert_eq!(own.unwrap_err().errno(), libc::EFAULT);
+                assert!(waited >= Duration::from_millis(20), "waited {waited:?}");
+            }
+            VaddrRule::Refuse => {
+                assert_eq!(other.unwrap_err().errno(), libc::EBUSY);
+                assert_eq!(pin.unwrap_err().errno(), libc::EBUSY);
+                assert_eq!(own.unwrap_err().errno(), libc::EBUSY);
+                assert!(waited < Duration::from_millis(20), "waited {waited:?}");
+            }
+        }
+        // Translation fails only on the invalidated mapping, under both rules.
+        d.translate(Iova(16 * PAGE), 8, Access::Read).unwrap();
+        assert_eq!(errno(d.translate(Iova(0), 8, Access::Read)), libc::EBUSY);
+        d.update_vaddr(Iova(0), 4 * PAGE, &b, 0).unwrap();
+        d.dma_read(Iova(16 * PAGE), &mut buf).unwrap();
+        // Invalidation with a device that pins attached: asked back under Wait, refused under
+        // Refuse.
+        let id = d.add_unmap_notifier(|_, _| {});
+        let got = d.invalidate_vaddr(Iova(0), 4 * PAGE);
+        match rule {
+            VaddrRule::Wait => assert_eq!(got.unwrap(), 4 * PAGE),
+            VaddrRule::Refuse => assert_eq!(got.unwrap_err().errno(), libc::EBUSY),
+        }
+        assert!(d.remove_unmap_notifier(id));
+    }
+}
+
+/// type1 ignores an unpin of a page that is not pinned; memvisor refuses the whole call, so a
+/// device's bookkeeping bug cannot drop a pin another device holds. A documented choice.
+#[test]
+fn unpinning_a_page_that_is_not_pinned_is_einval_and_unpins_nothing() {
+    let b = mem(8);
+    let d = DmaSpace::new(DmaConfig {
+        registry: Some(memvisor::dma::PinRegistry::new(
+            memvisor::dma::LockLimit::Unlimited,
+        )),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    d.pin_pages(&[1, 2], Prot::RW).unwrap();
+    let e = d.unpin_pages(&[1, 2, 3]).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    assert_eq!(d.device_pinned_pages(), 2, "nothing was unpinned");
+    d.unpin_pages(&[1, 2]).unwrap();
+}

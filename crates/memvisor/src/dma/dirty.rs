@@ -282,6 +282,7 @@ impl DmaSpace {
             if !also(writer, &hit) {
                 return Ok((0, false));
             }
+            writer.invalid -= hit.iter().filter(|(_, m)| m.host.is_none()).count() as u64;
             let mut bytes = 0;
             for (_, m) in &hit {
                 self.unpin_mapping(writer, m.id);

@@ -90,6 +90,7 @@ impl DmaSpace {
         if prot == Prot::default() {
             return Err(Error::Invalid("pin_pages needs READ, WRITE or both".into()));
         }
+        self.refuse_while_invalid(&self.shared.current.load(), pages[0] * PAGE)?;
         let deadline = self.vaddr_deadline();
         loop {
             match self.try_pin_pages(pages, prot) {
@@ -151,6 +152,11 @@ impl DmaSpace {
         let id = NotifierId(n.next.fetch_add(1, Ordering::Relaxed));
         lock(&n.list).push((id, Arc::new(notify)));
         id
+    }
+
+    /// Whether any unmap notifier is registered (a device that pins is attached).
+    pub(super) fn has_unmap_notifiers(&self) -> bool {
+        !lock(&self.shared.notifiers.list).is_empty()
     }
 
     /// Unregisters a notifier; returns whether it was registered.

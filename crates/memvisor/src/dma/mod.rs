@@ -132,8 +132,10 @@ pub struct DmaConfig {
     /// of every IOVA, size and host address.
     pub page_sizes: u64,
     /// How long a translation of an invalidated host address waits for `update_vaddr` before
-    /// failing with EBUSY. Zero fails at once.
+    /// failing with EBUSY. Zero fails at once. Used by [`VaddrRule::Wait`].
     pub vaddr_wait: Duration,
+    /// Which kernel's rule for invalidated host addresses the space follows.
+    pub vaddr_rule: VaddrRule,
     /// Whether `map` pins (Eager) or only `pin_pages` does (Lazy); see [`DmaSpace::set_pin_mode`].
     pub pin_mode: PinMode,
     /// Pages per pinning step ([`PIN_BATCH`]); 1 pins and unpins a page at a time, the
@@ -158,6 +160,7 @@ impl Default for DmaConfig {
                 | PageSize::Size2M.bytes()
                 | PageSize::Size1G.bytes(),
             vaddr_wait: Duration::ZERO,
+            vaddr_rule: VaddrRule::Wait,
             pin_mode: PinMode::Lazy,
             pin_batch: PIN_BATCH,
             frames: false,
@@ -165,6 +168,25 @@ impl Default for DmaConfig {
             registry: None,
         }
     }
+}
+
+/// What happens to device access while a host address is invalidated for a live update
+/// (between [`DmaSpace::invalidate_vaddr`] and [`DmaSpace::update_vaddr`]). Linux changed the
+/// rule in 6.3 (and in 6.1.20 of the 6.1 stable series); a VMM picks the one it was written for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VaddrRule {
+    /// Linux 5.12 to 6.2: an access that reaches an invalidated mapping waits for its update
+    /// (here up to [`DmaConfig::vaddr_wait`]; the kernel waits without limit until the process
+    /// is killed), then fails: EBUSY for translation and `pin_pages`, EFAULT for
+    /// `dma_read` / `dma_write`. Other mappings work as usual, and invalidation is allowed
+    /// while devices that pin are attached (their pins are asked back first).
+    #[default]
+    Wait,
+    /// Linux 6.3 on: while any mapping's host address is invalidated, `dma_read`, `dma_write`
+    /// and `pin_pages` fail at once with EBUSY, whatever mapping they name (translation still
+    /// fails only on the invalidated mapping, at once). Invalidation is refused with EBUSY
+    /// while a device that pins is attached, i.e. an unmap notifier is registered.
+    Refuse,
 }
 
 /// What `VFIO_IOMMU_GET_INFO` reports.
@@ -317,6 +339,8 @@ fn index_set(map: &mut Index, pos: Pos, mapping: Mapping) {
 struct DmaSnapshot {
     generation: u64,
     map: Index,
+    /// Mappings whose host address is invalidated.
+    invalid: u64,
 }
 
 #[repr(align(128))]
@@ -327,6 +351,8 @@ struct Writer {
     tracking: bool,
     /// Devices attached that write memory without telling the space ([`UnloggedDevice`]).
     unlogged: usize,
+    /// Mappings whose host address is invalidated.
+    invalid: u64,
     mode: PinMode,
     /// Pins held for whole mappings in Eager mode, by mapping id.
     eager: HashMap<u64, mode::Pinned>,
@@ -398,11 +424,13 @@ impl DmaSpace {
                 current: ArcSwap::from_pointee(DmaSnapshot {
                     generation: 0,
                     map: RangeMap::default(),
+                    invalid: 0,
                 }),
                 writer: Mutex::new(Writer {
                     next_id: 1,
                     tracking: false,
                     unlogged: 0,
+                    invalid: 0,
                     mode: config.pin_mode,
                     eager: HashMap::new(),
                     external: RunCounts::default(),
@@ -535,6 +563,14 @@ impl DmaSpace {
     /// is unpinned; pins devices hold there are asked back as for [`DmaSpace::unmap`] (EBUSY if
     /// they stay). In Eager mode `update_vaddr` pins the new memory.
     pub fn invalidate_vaddr(&self, iova: Iova, size: u64) -> Result<u64> {
+        if self.shared.config.vaddr_rule == VaddrRule::Refuse && self.has_unmap_notifiers() {
+            return Err(Error::Busy {
+                addr: iova.0,
+                why: "a device that pins is attached (an unmap notifier is registered); \
+                      VaddrRule::Refuse, as Linux 6.3 on, allows no vaddr invalidation then"
+                    .into(),
+            });
+        }
         let range = self.check_range(iova, size)?;
         let (first, last) = (range.start().0, range.last().0);
         self.release_external(first, last)?;
@@ -555,6 +591,7 @@ impl DmaSpace {
                 index_set(map, pos, m.with(None, m.dirty.clone()));
                 bytes += m.iova.len();
             }
+            writer.invalid += hit.len() as u64;
             Ok((bytes, !hit.is_empty()))
         })
     }
@@ -614,6 +651,7 @@ impl DmaSpace {
                 writer.eager.insert(new.id, pinned);
             }
             index_set(map, pos, new);
+            writer.invalid -= 1;
             Ok(((), true))
         })?;
         let (lock, cv) = &self.shared.updated;
@@ -625,7 +663,15 @@ impl DmaSpace {
     /// When a wait for a vaddr update that starts now gives up: `None` for never (a wait too
     /// long to express as an `Instant`, such as `Duration::MAX`).
     fn vaddr_deadline(&self) -> Option<Instant> {
-        Instant::now().checked_add(self.shared.config.vaddr_wait)
+        Instant::now().checked_add(self.vaddr_wait())
+    }
+
+    /// How long an access waits for a vaddr update: never under [`VaddrRule::Refuse`].
+    fn vaddr_wait(&self) -> Duration {
+        match self.shared.config.vaddr_rule {
+            VaddrRule::Wait => self.shared.config.vaddr_wait,
+            VaddrRule::Refuse => Duration::ZERO,
+        }
     }
 
     /// Waits until the mapping at `iova` has a valid host address or `deadline` passes (never,
@@ -818,9 +864,11 @@ impl DmaSpace {
         if changed {
             map.reindex();
             let generation = current.generation + 1;
-            self.shared
-                .current
-                .store(Arc::new(DmaSnapshot { generation, map }));
+            self.shared.current.store(Arc::new(DmaSnapshot {
+                generation,
+                map,
+                invalid: writer.invalid,
+            }));
             self.shared
                 .generation
                 .0

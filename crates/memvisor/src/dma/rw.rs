@@ -8,7 +8,7 @@
 //! the copy cannot unmap memory under it: the copy completes against the old mappings or, if it
 //! started after the unmap, fails with EINVAL. Nothing is copied when any check fails.
 
-use super::{DmaSpace, Prot};
+use super::{DmaSnapshot, DmaSpace, Prot, VaddrRule};
 use crate::addr::Iova;
 use crate::copy;
 use crate::error::{Error, Result};
@@ -52,6 +52,7 @@ impl DmaSpace {
         }
         let min_page = self.shared.min_page;
         self.with_snapshot(|snap| {
+            self.refuse_while_invalid(snap, iova.0)?;
             let mut at = 0usize;
             snap.for_each_piece(iova.0, len as u64, need, min_page, |hva, n| {
                 copy(hva, at, n as usize);
@@ -59,6 +60,25 @@ impl DmaSpace {
             })
         })
         .map_err(|e| as_type1_rw(e, iova, len))
+    }
+}
+
+impl DmaSpace {
+    /// Under [`VaddrRule::Refuse`], EBUSY while any mapping of `snap` has its host address
+    /// invalidated (Linux 6.3's container-wide check in `vfio_dma_rw` and `pin_pages`).
+    pub(super) fn refuse_while_invalid(&self, snap: &DmaSnapshot, iova: u64) -> Result<()> {
+        if snap.invalid > 0 && self.shared.config.vaddr_rule == VaddrRule::Refuse {
+            return Err(Error::Refused {
+                addr: iova,
+                why: format!(
+                    "{} mapping(s) of the space have their host address invalidated; \
+                     VaddrRule::Refuse, as Linux 6.3 on, refuses all device access until \
+                     update_vaddr",
+                    snap.invalid
+                ),
+            });
+        }
+        Ok(())
     }
 }
 

@@ -196,7 +196,7 @@ impl DmaSpace {
         loop {
             let result = f(&self.shared.current.load());
             match result {
-                Err(Error::Busy { addr, .. }) if !self.shared.config.vaddr_wait.is_zero() => {
+                Err(Error::Busy { addr, .. }) if !self.vaddr_wait().is_zero() => {
                     let d = *deadline.get_or_insert_with(|| self.vaddr_deadline());
                     if d.is_some_and(|d| Instant::now() >= d) || !self.wait_for_vaddr(Iova(addr), d)
                     {
