@@ -14,7 +14,9 @@
 //!   of the log while it stays pinned**: each read clears the bitmap and marks the pinned pages
 //!   again, so the read after the unpin reports it once more (a write just before the unpin is
 //!   not lost). It is dirty at the first read after tracking starts if it was pinned before, and
-//!   marked when pinned while tracking is on.
+//!   marked when pinned while tracking is on. A `pin_pages` call that fails part way leaves the
+//!   pages it had pinned marked, as type1 does: reporting a page too many is safe, clearing a
+//!   bit could drop the mark of a write made meanwhile.
 //! * **Devices that log nothing.** A device that writes memory behind the space's back — a
 //!   hardware device behind a real IOMMU, a process given raw host addresses — makes every
 //!   mapped page potentially dirty: type1's "pinned page dirty scope" is then off. Here that
