@@ -1,7 +1,7 @@
 //! Turns finished experiments into output. A [`Section`] is one experiment together with its
 //! [`Outcome`]; the same list of sections is printed as text on the terminal
 //! ([`Section::to_text`]), serialized as the single JSON object of `--json` and `results.json`
-//! ([`to_json`]), and written as `report.md` plus one `<stem>.svg` per chart ([`write`]).
+//! ([`to_json`]), and written as `report.md` plus one `<stem>.svg` per chart ([`write()`]).
 
 use super::machine::Machine;
 use super::{Experiment, Mode, Outcome, Row, svg};
