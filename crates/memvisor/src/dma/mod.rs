@@ -5,15 +5,20 @@
 //! VFIO type1 IOMMU driver (v2), so code written against VFIO behaves the same here:
 //!
 //! * `map` needs a non-zero size, IOVA / host address / size aligned to the smallest supported
-//!   page size, READ and/or WRITE, a range inside the allowed IOVA ranges (the aperture minus
-//!   reserved holes), no overlap with an existing mapping (EEXIST) and room under the mapping
-//!   count limit (ENOSPC). A guest range spanning several slots becomes one mapping per slot, all
-//!   or nothing.
+//!   page size and READ and/or WRITE (EINVAL); then, in `vfio_dma_do_map`'s order, no overlap
+//!   with an existing mapping (EEXIST), room under the mapping count limit (ENOSPC) and a range
+//!   inside the allowed IOVA ranges, the aperture minus reserved holes (EINVAL). A guest range
+//!   spanning several slots becomes one mapping per slot, all or nothing.
 //! * `unmap` removes whole mappings only: a range that would cut a mapping at its start or end is
 //!   EINVAL; a range with nothing in it unmaps 0 bytes.
 //! * Live update (`invalidate_vaddr`, then `update_vaddr`) swaps the host memory behind an
-//!   unchanged IOVA range, e.g. when a VMM re-execs. In between, translation waits (up to
-//!   [`DmaConfig::vaddr_wait`]) and then fails with EBUSY; it never touches the old address.
+//!   unchanged IOVA range, e.g. when a VMM re-execs. In between, nothing touches the old
+//!   address; [`VaddrRule`] says whether accesses wait for the update (up to
+//!   [`DmaConfig::vaddr_wait`], Linux 5.12–6.2) or every copy and pin fails at once with EBUSY
+//!   (Linux 6.3 on).
+//!
+//! The README's "Type1 fidelity" table lists every errno with the kernel function it follows,
+//! and the few places memvisor chooses otherwise.
 //!
 //! Pinning hangs off mappings: in [`PinMode::Eager`] every mapping is pinned whole when it is
 //! made (replayed over existing mappings when the mode switches), in [`PinMode::Lazy`] only what
