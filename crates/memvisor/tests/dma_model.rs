@@ -16,6 +16,8 @@ use memvisor::dma::{LockLimit, PinMode, PinRegistry};
 use memvisor::{Access, Backing, BackingKind, DmaConfig, DmaSpace, Iova, Prot, Range};
 use proptest::prelude::*;
 
+mod common;
+
 const P: u64 = 4096;
 /// IOVA space of 64 pages, pages 40..44 reserved; 3 backings of 16 pages; at most 12 mappings.
 const SPACE: u64 = 64;
@@ -261,7 +263,7 @@ impl Model {
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let reserved = Range::new("r", Iova(RESERVED.0 * P), (RESERVED.1 - RESERVED.0) * P).unwrap();
     let registry = PinRegistry::new(LockLimit::Unlimited);
-    let base = vm_lck();
+    let base = common::vm_lck();
     let d = DmaSpace::new(DmaConfig {
         max_mappings: LIMIT as u32,
         aperture: (Iova(0), Iova(SPACE * P - 1)),
@@ -659,7 +661,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             "locked bytes after {}",
             step
         );
-        prop_assert_eq!(vm_lck() - base, locked, "VmLck after {}", step);
+        prop_assert_eq!(common::vm_lck() - base, locked, "VmLck after {}", step);
         prop_assert_eq!(
             d.device_pinned_pages(),
             model.pins.len() as u64,
@@ -671,7 +673,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     drop(cursor);
     drop(d);
     prop_assert_eq!(registry.locked_bytes(), 0);
-    prop_assert_eq!(vm_lck(), base, "VmLck after the space was dropped");
+    prop_assert_eq!(common::vm_lck(), base, "VmLck after the space was dropped");
     // the backings hold exactly the model's bytes
     for (i, b) in backings.iter().enumerate() {
         let mut all = vec![0; (BACKING_PAGES * P) as usize];
@@ -697,17 +699,6 @@ fn pin_arguments(pages: &[u64], prot: u8) -> Option<i32> {
         return Some(libc::EINVAL);
     }
     None
-}
-
-/// What the kernel says this process has locked, in bytes.
-fn vm_lck() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmLck:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .expect("VmLck in /proc/self/status")
-        * 1024
 }
 
 fn to_prot(bits: u8) -> Prot {

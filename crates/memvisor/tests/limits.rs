@@ -25,17 +25,6 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// What the kernel says this process has locked, in bytes.
-fn vm_lck() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmLck:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmLck in /proc/self/status");
-    kib * 1024
-}
-
 /// A Lazy space on a registry of its own, without a limit.
 fn space() -> (DmaSpace, Arc<PinRegistry>) {
     let registry = PinRegistry::new(LockLimit::Unlimited);
@@ -52,7 +41,7 @@ fn space() -> (DmaSpace, Arc<PinRegistry>) {
 fn assert_accounted(registry: &PinRegistry, base: u64, step: &str) {
     assert_eq!(
         registry.locked_bytes(),
-        vm_lck() - base,
+        common::vm_lck() - base,
         "{step}: the registry's locked bytes differ from the kernel's VmLck"
     );
 }
@@ -117,7 +106,7 @@ impl Drop for MapFiller {
 #[test]
 fn a_munlock_that_fails_keeps_its_pages_accounted_and_is_retried() {
     let _s = serial();
-    let base = vm_lck();
+    let base = common::vm_lck();
     let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * PAGE).unwrap());
     let slots = SlotTable::new();
     slots.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
@@ -157,7 +146,7 @@ fn a_munlock_that_fails_keeps_its_pages_accounted_and_is_retried() {
 #[test]
 fn a_failed_mlock_is_undone_whole() {
     let _s = serial();
-    let base = vm_lck();
+    let base = common::vm_lck();
     let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * PAGE).unwrap());
     let (d, registry) = space();
     d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
@@ -178,7 +167,7 @@ fn a_failed_mlock_is_undone_whole() {
 #[test]
 fn pinning_a_file_truncated_under_its_mapping_fails_and_locks_nothing() {
     let _s = serial();
-    let base = vm_lck();
+    let base = common::vm_lck();
     let dir = std::env::temp_dir().join(format!("memvisor-limits-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("truncated");
@@ -215,7 +204,7 @@ fn pinning_a_file_truncated_under_its_mapping_fails_and_locks_nothing() {
 #[test]
 fn thp_memory_that_ends_inside_a_huge_page_locks_only_its_own_memory() {
     let _s = serial();
-    let base = vm_lck();
+    let base = common::vm_lck();
     let b = Arc::new(
         Backing::with_options(
             BackingKind::Thp,
@@ -246,7 +235,7 @@ fn thp_memory_that_ends_inside_a_huge_page_locks_only_its_own_memory() {
 #[test]
 fn one_page_pinned_through_a_4k_and_a_2m_granule_is_unlocked_with_its_last_pin() {
     let _s = serial();
-    let base = vm_lck();
+    let base = common::vm_lck();
     let b = Arc::new(
         Backing::with_options(
             BackingKind::Thp,
@@ -311,7 +300,7 @@ fn a_huge_vaddr_wait_waits_instead_of_overflowing() {
 #[test]
 fn a_pin_batch_of_usize_max_pins_in_one_step() {
     let _s = serial();
-    let base = vm_lck();
+    let base = common::vm_lck();
     let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * PAGE).unwrap());
     let registry = PinRegistry::new(LockLimit::Unlimited);
     let d = DmaSpace::new(DmaConfig {

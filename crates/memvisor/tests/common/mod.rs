@@ -1,5 +1,5 @@
 //! What the kernel says about this process's memory, for tests that check by resident or locked
-//! memory rather than by return codes: the areas of /proc/self/smaps, and whether we are root.
+//! memory rather than by return codes: the areas of /proc/self/smaps, VmLck, and whether we are root.
 #![allow(dead_code)] // each test binary uses part of it
 
 /// One memory area of /proc/self/smaps: `[start, end)` and its field lines.
@@ -73,4 +73,15 @@ pub fn smaps_sum(start: u64, end: u64, field: &str) -> u64 {
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
+}
+
+/// What the kernel says this process has locked (`VmLck` of /proc/self/status), in bytes.
+pub fn vm_lck() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmLck:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmLck in /proc/self/status")
+        * 1024
 }
