@@ -14,6 +14,16 @@
 //! | [`BackingKind::Thp`] | private anonymous, 2 MiB aligned, `MADV_HUGEPAGE` | 4 KiB (THP may back it with 2 MiB) | no | no |
 //! | [`BackingKind::Hugetlb`] | `memfd_create(MFD_HUGETLB)` + `MAP_SHARED` | 2 MiB or 1 GiB | yes | yes |
 //! | [`BackingKind::File`] | a regular file, `MAP_SHARED` or `MAP_PRIVATE` | 4 KiB | as asked | yes |
+//! | [`BackingKind::Received`] | a descriptor from another process (a VMM's memfd, hugetlbfs or shared file), `MAP_SHARED` from a file offset | the file's | yes | yes |
+//!
+//! A received descriptor comes from a peer that is not trusted (a vhost-user or vfio-user
+//! frontend): [`Backing::from_fd`] checks it is a regular file at least as long as the range
+//! asked for (touching a page past the end of a file is `SIGBUS`, not an error), that offset and
+//! size are whole pages of the file system's page size, and maps it. A peer can still shrink the
+//! file afterwards; that is the one thing a process that maps another's memory cannot rule out
+//! (`F_SEAL_SHRINK` would, but QEMU does not seal its memory). [`SharedMappings`] maps one range
+//! of one file once per process, so every device that receives the same guest memory shares one
+//! backing — and the pins of one are seen by the discards of another.
 //!
 //! THP pages can be split by the kernel at any time, so a THP backing reports 4 KiB: the
 //! guarantee, not the hope. Every mapping starts on a 2 MiB boundary, so that the kernel (and
@@ -23,11 +33,12 @@
 //! unmapped when the last of them drops it, never earlier. Its memory is only reached with raw
 //! pointers (see `copy`), never through Rust references.
 
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::ptr::NonNull;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::addr::{Hva, PageSize};
 use crate::copy;
@@ -49,6 +60,9 @@ pub enum BackingKind {
     /// A regular file at `path`, created or extended to the backing's size.
     /// `shared: false` maps it copy-on-write: writes stay in this process.
     File { path: PathBuf, shared: bool },
+    /// A shared file descriptor received from another process, mapped from a file offset (see
+    /// [`Backing::from_fd`]); `page_size` is the file system's (hugetlbfs: its huge page size).
+    Received { page_size: PageSize },
 }
 
 impl BackingKind {
@@ -63,6 +77,7 @@ impl BackingKind {
             BackingKind::Hugetlb(_) => "hugetlb-2m",
             BackingKind::File { shared: true, .. } => "file-shared",
             BackingKind::File { shared: false, .. } => "file-private",
+            BackingKind::Received { .. } => "received-fd",
         }
     }
 }
@@ -85,6 +100,8 @@ pub struct Backing {
     kind: BackingKind,
     page_size: PageSize,
     fd: Option<OwnedFd>,
+    /// Where in the file behind `fd` the mapping starts (0 unless received).
+    file_offset: u64,
 }
 
 // SAFETY: a Backing owns its mapping; the pointer is never used to build references, and all
@@ -115,6 +132,12 @@ impl Backing {
                 });
             }
             BackingKind::Hugetlb(p) => p,
+            BackingKind::Received { .. } => {
+                return Err(Error::Unsupported {
+                    what: "creating a Received backing",
+                    why: "map a descriptor from another process with Backing::from_fd".into(),
+                });
+            }
             _ => PageSize::Size4K,
         };
         if size == 0 {
@@ -180,6 +203,7 @@ impl Backing {
                 }
                 Some(OwnedFd::from(file))
             }
+            BackingKind::Received { .. } => unreachable!("refused above"),
         };
 
         let (share, anon) = match &kind {
@@ -194,8 +218,9 @@ impl Backing {
                 },
                 false,
             ),
+            BackingKind::Received { .. } => unreachable!("refused above"),
         };
-        let ptr = map_aligned(len, share, anon, fd.as_ref(), page_size).map_err(|e| {
+        let ptr = map_aligned(len, share, anon, fd.as_ref(), 0, page_size).map_err(|e| {
             match (&kind, e.errno()) {
                 // Lost a race for the pages between the check above and the mmap.
                 (BackingKind::Hugetlb(p), libc::ENOMEM) => Error::HugePagesUnavailable {
@@ -213,6 +238,7 @@ impl Backing {
             kind,
             page_size,
             fd,
+            file_offset: 0,
         };
         if backing.kind == BackingKind::Thp {
             backing.madvise(libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)")?;
@@ -221,6 +247,70 @@ impl Backing {
             backing.populate()?;
         }
         Ok(backing)
+    }
+
+    /// Maps `size` bytes of the file behind `fd`, from `file_offset`, shared: memory another
+    /// process (a VMM) hands over, e.g. in a vhost-user memory table. The descriptor is
+    /// checked, not trusted: EINVAL if it is not a regular file (memfds and hugetlbfs files are),
+    /// if `file_offset` or `size` is not a multiple of the file's page size, or if the range passes
+    /// the file's end; EACCES (from mmap) if it is not open for reading and writing. The backing
+    /// keeps the descriptor; the kind is [`BackingKind::Received`] with the page size of the file
+    /// system (hugetlbfs: its huge page size).
+    pub fn from_fd(fd: OwnedFd, file_offset: u64, size: u64) -> Result<Backing> {
+        let (st, page_size) = file_identity(&fd)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(Error::Invalid(format!(
+                "memory descriptor is not a regular file (mode {:o}); send a memfd, hugetlbfs \
+                 or shared file",
+                st.st_mode
+            )));
+        }
+        if size == 0 {
+            return Err(Error::ZeroSize { what: "backing" });
+        }
+        page_size.check("received memory offset", file_offset)?;
+        page_size.check("received memory size", size)?;
+        let file_len = st.st_size.max(0) as u64;
+        if file_offset
+            .checked_add(size)
+            .is_none_or(|end| end > file_len)
+        {
+            return Err(Error::OutOfBounds {
+                what: "received memory range (past the end of the file: touching it would be SIGBUS)",
+                start: file_offset,
+                len: size,
+                limit: file_len,
+            });
+        }
+        let len = usize::try_from(size).map_err(|_| Error::OutOfBounds {
+            what: "backing size",
+            start: 0,
+            len: size,
+            limit: usize::MAX as u64,
+        })?;
+        let ptr = map_aligned(
+            len,
+            libc::MAP_SHARED,
+            false,
+            Some(&fd),
+            file_offset,
+            page_size,
+        )?;
+        Ok(Backing {
+            ptr,
+            size,
+            mapped: len,
+            kind: BackingKind::Received { page_size },
+            page_size,
+            fd: Some(fd),
+            file_offset,
+        })
+    }
+
+    /// Where the mapping starts in the file behind [`Backing::fd`]: 0 for memory memvisor
+    /// created, the offset it was given for a received descriptor.
+    pub fn file_offset(&self) -> u64 {
+        self.file_offset
     }
 
     /// Faults every page in for writing.
@@ -283,6 +373,7 @@ impl Backing {
         match self.kind {
             BackingKind::Hugetlb(p) => Some(p),
             BackingKind::Thp => Some(PageSize::Size2M),
+            BackingKind::Received { page_size } if page_size.bytes() > 4096 => Some(page_size),
             _ => None,
         }
     }
@@ -297,7 +388,10 @@ impl Backing {
     /// sees writes made here.
     pub fn is_shared(&self) -> bool {
         match &self.kind {
-            BackingKind::SharedAnon | BackingKind::Memfd | BackingKind::Hugetlb(_) => true,
+            BackingKind::SharedAnon
+            | BackingKind::Memfd
+            | BackingKind::Hugetlb(_)
+            | BackingKind::Received { .. } => true,
             BackingKind::File { shared, .. } => *shared,
             BackingKind::PrivateAnon | BackingKind::Thp => false,
         }
@@ -371,6 +465,7 @@ fn map_aligned(
     share: libc::c_int,
     anon: bool,
     fd: Option<&OwnedFd>,
+    file_offset: u64,
     page: PageSize,
 ) -> Result<NonNull<u8>> {
     let align = ALIGN_2M.max(page.bytes()) as usize;
@@ -401,7 +496,16 @@ fn map_aligned(
     let raw_fd = fd.map_or(-1, |f| f.as_raw_fd());
     // SAFETY: [start, start+len) lies inside the reservation we own, so MAP_FIXED replaces only
     // our own PROT_NONE pages.
-    let p = unsafe { libc::mmap(start as *mut _, len, prot, flags, raw_fd, 0) };
+    let p = unsafe {
+        libc::mmap(
+            start as *mut _,
+            len,
+            prot,
+            flags,
+            raw_fd,
+            file_offset as libc::off_t,
+        )
+    };
     let err = (p == libc::MAP_FAILED).then(|| Error::last_os("mmap"));
     // Give back what is left of the reservation (all of it if the real mmap failed).
     let (keep_start, keep_end) = if err.is_some() {
@@ -423,6 +527,85 @@ fn map_aligned(
         Some(e) => Err(e),
         None => Ok(NonNull::new(p.cast()).expect("mmap returned null without MAP_FAILED")),
     }
+}
+
+/// The process's received mappings, by file and range: a range of a file that is already mapped
+/// (and still alive) is handed out again instead of being mapped a second time.
+///
+/// Two vhost-user devices of one VMM each receive the guest's memory as their own descriptors;
+/// mapped twice, the memory would have two host addresses, and a pin made through one mapping
+/// would be invisible to a discard through the other (pins are known by host address). Through
+/// [`SharedMappings::map`] both get the same [`Backing`]. Files are told apart by device and
+/// inode; only the same offset and size match (a VMM sends the same table to each device).
+#[derive(Debug, Default)]
+pub struct SharedMappings {
+    live: Mutex<HashMap<(u64, u64, u64, u64), Weak<Backing>>>,
+}
+
+impl SharedMappings {
+    /// The process's table.
+    pub fn global() -> &'static SharedMappings {
+        static GLOBAL: OnceLock<SharedMappings> = OnceLock::new();
+        GLOBAL.get_or_init(SharedMappings::default)
+    }
+
+    /// The backing for `size` bytes of the file behind `fd` from `file_offset`: the live one if
+    /// this range of this file is mapped already (then `fd` is closed), else a new one made by
+    /// [`Backing::from_fd`], with its checks.
+    pub fn map(&self, fd: OwnedFd, file_offset: u64, size: u64) -> Result<Arc<Backing>> {
+        let (st, _) = file_identity(&fd)?;
+        let key = (st.st_dev, st.st_ino, file_offset, size);
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        live.retain(|_, b| b.strong_count() > 0);
+        if let Some(b) = live.get(&key).and_then(Weak::upgrade) {
+            return Ok(b);
+        }
+        let backing = Arc::new(Backing::from_fd(fd, file_offset, size)?);
+        live.insert(key, Arc::downgrade(&backing));
+        Ok(backing)
+    }
+
+    /// Live mappings in the table.
+    pub fn len(&self) -> usize {
+        let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        live.values().filter(|b| b.strong_count() > 0).count()
+    }
+
+    /// Whether no mapping is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// `fstat` and the page size of the file system behind `fd` (hugetlbfs: its huge pages).
+fn file_identity(fd: &OwnedFd) -> Result<(libc::stat, PageSize)> {
+    // SAFETY: fstat and fstatfs write only into the structs we pass; the fd is ours.
+    let (st, sfs) = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+            return Err(Error::last_os("fstat (memory descriptor)"));
+        }
+        let mut sfs: libc::statfs = std::mem::zeroed();
+        if libc::fstatfs(fd.as_raw_fd(), &mut sfs) != 0 {
+            return Err(Error::last_os("fstatfs (memory descriptor)"));
+        }
+        (st, sfs)
+    };
+    let page = if sfs.f_type == libc::HUGETLBFS_MAGIC {
+        match sfs.f_bsize as u64 {
+            b if b == PageSize::Size2M.bytes() => PageSize::Size2M,
+            b if b == PageSize::Size1G.bytes() => PageSize::Size1G,
+            b => {
+                return Err(Error::Unsupported {
+                    what: "hugetlbfs page size",
+                    why: format!("{b} bytes; memvisor knows 2 MiB and 1 GiB"),
+                });
+            }
+        }
+    } else {
+        PageSize::Size4K
+    };
+    Ok((st, page))
 }
 
 fn hugepage_dir(page: PageSize) -> String {

@@ -22,7 +22,7 @@
 //! |---|---|---|
 //! | private anonymous, THP | `madvise(MADV_DONTNEED)` (`MADV_FREE` with [`DiscardOptions::use_madv_free`]) | pages freed now (lazily with `MADV_FREE`); the next touch maps a zero page |
 //! | shared anonymous | `madvise(MADV_REMOVE)` | the shmem pages behind it are freed |
-//! | memfd, hugetlbfs | `fallocate(PUNCH_HOLE \| KEEP_SIZE)` at the file offset | the file's pages are freed, in every mapping of it |
+//! | memfd, hugetlbfs, received descriptor | `fallocate(PUNCH_HOLE \| KEEP_SIZE)` at the file offset | the file's pages are freed, in every mapping of it |
 //! | shared file | `fallocate(PUNCH_HOLE \| KEEP_SIZE)` | **the file itself changes**: the range reads as zeros for every user |
 //! | private file | refused ([`RejectReason::PrivateFileMapping`]) | punching would change the file for every user of it, and `MADV_DONTNEED` would bring back the file's old bytes, not zeros |
 //! | read-only slot | refused ([`RejectReason::ReadOnlySlot`]) | ROM-like memory: the guest cannot have freed it |
@@ -305,9 +305,10 @@ impl Discarder {
             BackingKind::PrivateAnon | BackingKind::Thp if self.use_madv_free => Method::Free,
             BackingKind::PrivateAnon | BackingKind::Thp => Method::DontNeed,
             BackingKind::SharedAnon => Method::Remove,
-            BackingKind::Memfd | BackingKind::Hugetlb(_) | BackingKind::File { .. } => {
-                Method::PunchHole
-            }
+            BackingKind::Memfd
+            | BackingKind::Hugetlb(_)
+            | BackingKind::File { .. }
+            | BackingKind::Received { .. } => Method::PunchHole,
         };
         let page_size = backing.page_size();
         let page = page_size.bytes();
@@ -472,10 +473,11 @@ impl Method {
                 let Some(fd) = backing.fd() else {
                     return Err(libc::EBADF);
                 };
-                let offset = (start - backing.hva().0) as libc::off_t;
+                let offset = (backing.file_offset() + (start - backing.hva().0)) as libc::off_t;
                 // SAFETY: fallocate only changes the file behind our own descriptor; the range
-                // is inside the file (the backing maps the file from offset 0), and the mapping
-                // stays valid — punched pages read back as zeros.
+                // is inside the file (the backing maps it from `file_offset`, checked against
+                // the file's length), and the mapping stays valid — punched pages read back as
+                // zeros.
                 unsafe {
                     libc::fallocate(
                         fd.as_raw_fd(),

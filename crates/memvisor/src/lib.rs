@@ -36,7 +36,7 @@ pub mod vm_memory;
 #[cfg(feature = "vm-memory")]
 pub use crate::vm_memory::{DirtySlice, SlotMemory, SlotRegion, SlotRegions, SlotSpace};
 pub use addr::{Gpa, Hva, Iova, PageSize, Range};
-pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation};
+pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation, SharedMappings};
 pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutcome};
 pub use dma::{Access, DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
 pub use error::{Error, Result};

@@ -263,6 +263,9 @@ impl GuestMemoryRegion for SlotRegion {
         Some(matches!(
             self.slot.backing().kind(),
             BackingKind::Hugetlb(_)
+                | BackingKind::Received {
+                    page_size: PageSize::Size2M | PageSize::Size1G
+                }
         ))
     }
 }
