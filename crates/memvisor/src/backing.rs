@@ -539,8 +539,11 @@ fn map_aligned(
 /// inode; only the same offset and size match (a VMM sends the same table to each device).
 #[derive(Debug, Default)]
 pub struct SharedMappings {
-    live: Mutex<HashMap<(u64, u64, u64, u64), Weak<Backing>>>,
+    live: Mutex<HashMap<FileRange, Weak<Backing>>>,
 }
+
+/// A range of a file: device, inode, offset, size.
+type FileRange = (u64, u64, u64, u64);
 
 impl SharedMappings {
     /// The process's table.
