@@ -3,3 +3,4 @@
 //! tests are ordinary public items of one crate rather than dead code in a binary.
 
 pub mod bench;
+pub mod serve;

@@ -7,6 +7,7 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use memvisor_cli::bench::{self, Ctx, Experiment, Mode, machine::Machine, report};
+use memvisor_cli::serve;
 use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -26,6 +27,28 @@ struct Cli {
 enum Command {
     /// Reproduce the seed experiments side by side and write report.md, results.json and SVG charts
     Bench(BenchArgs),
+    /// Serve a virtio-blk device over a raw image on a vhost-user socket (until SIGINT/SIGTERM)
+    #[command(name = "vhost-user-blk")]
+    VhostUserBlk(BlkArgs),
+}
+
+#[derive(Args)]
+struct BlkArgs {
+    /// Unix socket to listen on (QEMU: -chardev socket,path=PATH)
+    #[arg(long, value_name = "PATH")]
+    socket: PathBuf,
+    /// Raw disk image to serve
+    #[arg(long, value_name = "FILE")]
+    disk: PathBuf,
+    /// Queues to offer
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    queues: u16,
+    /// Serve the image read-only
+    #[arg(long)]
+    read_only: bool,
+    /// Write what the device did (requests, bytes, pinned-page histogram) as JSON on exit
+    #[arg(long, value_name = "FILE")]
+    stats: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -51,14 +74,30 @@ struct BenchArgs {
 }
 
 fn main() -> ExitCode {
-    let Command::Bench(args) = Cli::parse().command;
-    match run_bench(&args) {
+    let result = match Cli::parse().command {
+        Command::Bench(args) => run_bench(&args),
+        Command::VhostUserBlk(args) => run_blk(&args),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE
         }
     }
+}
+
+fn run_blk(args: &BlkArgs) -> Result<()> {
+    serve::init_logging();
+    serve::stop_on_signals();
+    let options = memvisor_vhost::BlkOptions {
+        queues: args.queues,
+        read_only: args.read_only,
+        ..Default::default()
+    };
+    let report = serve::blk(&args.socket, &args.disk, options)?;
+    eprintln!("{}", serde_json::to_string_pretty(&report)?);
+    serve::write_json(args.stats.as_ref(), &report)
 }
 
 /// The registered experiments named on the command line, in that order; all of them if none.

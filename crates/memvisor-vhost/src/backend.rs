@@ -1,0 +1,626 @@
+//! The back end of one vhost-user socket: the protocol state machine, the vrings, and the loop
+//! that serves one frontend after another.
+//!
+//! **Model.** A [`Device`] knows its virtio features, config space and how to process a queue;
+//! everything else is here. One thread serves one socket: it `poll`s the connection and the
+//! kick descriptors of started rings, handles each message in order and processes a queue when
+//! its kick fires, so device code never races the protocol (a memory table never changes while
+//! a request is being processed, and pins taken for a request are released before the next
+//! message is read). Several sockets are several threads, sharing memvisor's process-wide
+//! state: one mapping per range of guest memory, one pin registry.
+//!
+//! **Rings.** A ring is configured by `SET_VRING_NUM`/`ADDR`/`BASE`, starts when its kick
+//! descriptor arrives (`SET_VRING_KICK`) and stops at `GET_VRING_BASE`, which answers with the
+//! next index the device would have taken. With protocol features negotiated a ring also needs
+//! `SET_VRING_ENABLE 1` before it is processed. Ring addresses arrive as the frontend's own
+//! virtual addresses and are turned into guest physical ones through the memory table at
+//! `SET_VRING_ADDR` time; the queue is checked against guest memory when it starts.
+//!
+//! **Bad messages.** Every request is checked before it changes anything. A refused request is
+//! answered with a non-zero `REPLY_ACK` when the frontend asked for one and logged otherwise;
+//! the back end's state stays as it was. A request whose reply is data (`GET_*`) and fails, or a
+//! stream that cannot be framed, ends the connection. When a connection ends, for whatever
+//! reason, the device is reset and every mapping of that frontend dropped: the next frontend
+//! starts clean.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestAddressSpace;
+
+use crate::error::{Error, Result};
+use crate::memory::{FrontendMemory, MAX_REGIONS};
+use crate::proto::{self, F_PROTOCOL_FEATURES, protocol, req};
+use crate::wire::{self, Message};
+
+/// A virtio device served over vhost-user.
+pub trait Device: Send {
+    /// Short name for logs.
+    fn name(&self) -> &'static str;
+    /// Virtio feature bits the device offers (`VIRTIO_F_VERSION_1` and device bits); the
+    /// back end adds vhost-user's own.
+    fn features(&self) -> u64;
+    /// Protocol feature bits the device needs beyond the back end's own (e.g. `CONFIG`).
+    fn protocol_features(&self) -> u64 {
+        0
+    }
+    /// Number of queues.
+    fn queues(&self) -> u16;
+    /// Largest queue size.
+    fn queue_max(&self) -> u16 {
+        256
+    }
+    /// The driver's accepted features; EINVAL refuses them.
+    fn set_features(&mut self, features: u64) -> Result<()>;
+    /// Reads config bytes at `offset` (bytes past the device's config read as zero).
+    fn read_config(&self, offset: u32, data: &mut [u8]);
+    /// Writes config bytes at `offset`.
+    fn write_config(&mut self, offset: u32, data: &[u8]) -> Result<()> {
+        let _ = (offset, data);
+        Err(Error::Invalid(format!(
+            "{}: the config space is read-only",
+            self.name()
+        )))
+    }
+    /// Processes what the driver made available on queue `index`; returns whether the driver
+    /// should be notified. An error means the queue is broken (the driver needs a reset); a bad
+    /// request is answered on the ring, not with an error.
+    fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool>;
+    /// Back to the state before feature negotiation.
+    fn reset(&mut self);
+}
+
+/// What the back end offers by itself.
+const PROTOCOL: u64 = protocol::MQ
+    | protocol::REPLY_ACK
+    | protocol::BACKEND_REQ
+    | protocol::CONFIGURE_MEM_SLOTS
+    | protocol::RESET_DEVICE;
+
+#[derive(Default)]
+struct Vring {
+    size: u16,
+    /// Guest physical addresses of desc, avail, used.
+    addr: Option<(u64, u64, u64)>,
+    base: u16,
+    kick: Option<File>,
+    call: Option<File>,
+    err: Option<File>,
+    enabled: bool,
+    started: bool,
+    queue: Option<Queue>,
+}
+
+/// One socket's back end.
+pub struct Backend<D: Device> {
+    device: D,
+    memory: FrontendMemory,
+    vrings: Vec<Vring>,
+    acked: u64,
+    protocol_acked: u64,
+    backend_req: Option<UnixStream>,
+    /// Set by the frontend's `SET_STATUS`.
+    status: u8,
+    /// Requests handled and refused over this back end's life (for the logs and tests).
+    pub stats: BackendStats,
+}
+
+/// Counts of what a back end saw.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendStats {
+    /// Connections served.
+    pub connections: u64,
+    /// Messages handled.
+    pub messages: u64,
+    /// Messages refused (state left as it was).
+    pub refused: u64,
+    /// Kicks processed.
+    pub kicks: u64,
+}
+
+impl<D: Device> Backend<D> {
+    /// A back end for `device`.
+    pub fn new(device: D) -> Result<Self> {
+        let n = device.queues() as usize;
+        Ok(Backend {
+            device,
+            memory: FrontendMemory::new()?,
+            vrings: (0..n).map(|_| Vring::default()).collect(),
+            acked: 0,
+            protocol_acked: 0,
+            backend_req: None,
+            status: 0,
+            stats: BackendStats::default(),
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// The frontend's memory as held now.
+    pub fn memory(&self) -> &FrontendMemory {
+        &self.memory
+    }
+
+    /// Serves frontends on `listener` one after another until `stop` is set.
+    pub fn serve(&mut self, listener: &UnixListener, stop: &AtomicBool) -> Result<()> {
+        listener.set_nonblocking(true).map_err(|source| Error::Os {
+            op: "set listener non-blocking",
+            source,
+        })?;
+        while !stop.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((sock, _)) => {
+                    sock.set_nonblocking(false).map_err(|source| Error::Os {
+                        op: "set socket blocking",
+                        source,
+                    })?;
+                    self.stats.connections += 1;
+                    log::info!("{}: frontend connected", self.device.name());
+                    match self.run(&sock, stop) {
+                        Ok(()) | Err(Error::Disconnected) => {
+                            log::info!("{}: frontend disconnected", self.device.name())
+                        }
+                        Err(e) => log::warn!("{}: connection ended: {e}", self.device.name()),
+                    }
+                    self.disconnect();
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    poll_one(listener.as_raw_fd(), 200);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(source) => {
+                    return Err(Error::Os {
+                        op: "accept",
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Serves one connected frontend until it leaves, the stream breaks, or `stop` is set.
+    pub fn run(&mut self, sock: &UnixStream, stop: &AtomicBool) -> Result<()> {
+        while !stop.load(Ordering::Relaxed) {
+            let mut fds = vec![libc::pollfd {
+                fd: sock.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            let mut rings = Vec::new();
+            for (i, v) in self.vrings.iter().enumerate() {
+                if let (true, Some(k)) = (v.started, &v.kick) {
+                    fds.push(libc::pollfd {
+                        fd: k.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                    rings.push(i);
+                }
+            }
+            // SAFETY: `fds` is a live array of pollfd of the given length.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 200) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::Os {
+                    op: "poll",
+                    source: e,
+                });
+            }
+            for (slot, &ring) in fds[1..].iter().zip(&rings) {
+                if slot.revents & libc::POLLIN != 0 {
+                    self.kicked(ring)?;
+                }
+            }
+            if fds[0].revents != 0 {
+                let msg = wire::recv(sock)?;
+                self.message(sock, msg)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles one message and sends what it needs back.
+    pub fn message(&mut self, sock: &UnixStream, msg: Message) -> Result<()> {
+        self.stats.messages += 1;
+        let request = msg.header.request;
+        let ack = msg.needs_reply() && self.protocol_acked & protocol::REPLY_ACK != 0;
+        match self.handle(msg) {
+            Ok(Some(reply)) => wire::reply(sock, request, &reply),
+            Ok(None) if ack => wire::reply(sock, request, &0u64.to_le_bytes()),
+            Ok(None) => Ok(()),
+            Err(e) => {
+                self.stats.refused += 1;
+                log::warn!(
+                    "{}: {} refused: {e}",
+                    self.device.name(),
+                    req::name(request)
+                );
+                if has_reply(request) {
+                    // The frontend waits for data we cannot give: the conversation is over.
+                    return Err(e);
+                }
+                if ack {
+                    wire::reply(sock, request, &(e.errno() as u64).to_le_bytes())?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Applies one request; `Some(payload)` for requests that answer with data.
+    fn handle(&mut self, mut msg: Message) -> Result<Option<Vec<u8>>> {
+        let request = msg.header.request;
+        let p = &msg.payload[..];
+        match request {
+            req::GET_FEATURES => {
+                proto::exact(request, p, 0)?;
+                Ok(Some(self.offered().to_le_bytes().to_vec()))
+            }
+            req::SET_FEATURES => {
+                let f = proto::u64_payload(request, p)?;
+                let unknown = f & !self.offered();
+                if unknown != 0 {
+                    return Err(Error::Invalid(format!(
+                        "SET_FEATURES {f:#x}: bits {unknown:#x} were not offered"
+                    )));
+                }
+                self.device.set_features(f & !F_PROTOCOL_FEATURES)?;
+                self.acked = f;
+                if f & F_PROTOCOL_FEATURES == 0 {
+                    // Without protocol features a ring is enabled from the start.
+                    for v in &mut self.vrings {
+                        v.enabled = true;
+                    }
+                }
+                Ok(None)
+            }
+            req::GET_PROTOCOL_FEATURES => {
+                proto::exact(request, p, 0)?;
+                Ok(Some(self.protocol_offered().to_le_bytes().to_vec()))
+            }
+            req::SET_PROTOCOL_FEATURES => {
+                let f = proto::u64_payload(request, p)?;
+                let unknown = f & !self.protocol_offered();
+                if unknown != 0 {
+                    return Err(Error::Invalid(format!(
+                        "SET_PROTOCOL_FEATURES {f:#x}: bits {unknown:#x} were not offered"
+                    )));
+                }
+                self.protocol_acked = f;
+                Ok(None)
+            }
+            req::SET_OWNER => Ok(None),
+            req::RESET_OWNER | req::RESET_DEVICE => {
+                self.reset()?;
+                Ok(None)
+            }
+            req::GET_QUEUE_NUM => {
+                proto::exact(request, p, 0)?;
+                Ok(Some((self.vrings.len() as u64).to_le_bytes().to_vec()))
+            }
+            req::GET_MAX_MEM_SLOTS => {
+                proto::exact(request, p, 0)?;
+                Ok(Some((MAX_REGIONS as u64).to_le_bytes().to_vec()))
+            }
+            req::SET_MEM_TABLE => {
+                let regions = proto::mem_table(p)?;
+                let fds = std::mem::take(&mut msg.fds);
+                self.memory.set_table(&regions, fds)?;
+                log::info!(
+                    "{}: memory table of {} regions",
+                    self.device.name(),
+                    regions.len()
+                );
+                Ok(None)
+            }
+            req::ADD_MEM_REG => {
+                let r = proto::single_region(request, p)?;
+                let fd = msg.take_fd("the region")?;
+                self.memory.add(r, fd)?;
+                Ok(None)
+            }
+            req::REM_MEM_REG => {
+                // QEMU attaches a descriptor it need not; it is closed with the message.
+                let r = proto::single_region(request, p)?;
+                self.stop_rings_in(r.gpa, r.size);
+                self.memory.remove(r)?;
+                Ok(None)
+            }
+            req::SET_VRING_NUM => {
+                let (i, num) = proto::vring_state(request, p)?;
+                let max = self.device.queue_max();
+                if num == 0 || num > max as u32 || !num.is_power_of_two() {
+                    return Err(Error::Invalid(format!(
+                        "SET_VRING_NUM {num} for ring {i}: a power of two from 1 to {max}"
+                    )));
+                }
+                let v = self.ring(request, i)?;
+                v.size = num as u16;
+                Ok(None)
+            }
+            req::SET_VRING_ADDR => {
+                let a = proto::vring_addr(p)?;
+                let size = u64::from(self.ring(request, a.index)?.size.max(1));
+                let desc = self
+                    .memory
+                    .user_to_gpa(a.desc, 16 * size, "descriptor table")?;
+                let avail = self
+                    .memory
+                    .user_to_gpa(a.avail, 6 + 2 * size, "available ring")?;
+                let used = self.memory.user_to_gpa(a.used, 6 + 8 * size, "used ring")?;
+                let v = self.ring(request, a.index)?;
+                if v.started {
+                    return Err(Error::Invalid(format!(
+                        "SET_VRING_ADDR for ring {} while it runs",
+                        a.index
+                    )));
+                }
+                v.addr = Some((desc, avail, used));
+                Ok(None)
+            }
+            req::SET_VRING_BASE => {
+                let (i, base) = proto::vring_state(request, p)?;
+                if base > u16::MAX as u32 {
+                    return Err(Error::Invalid(format!(
+                        "SET_VRING_BASE {base} for ring {i}: a split ring index is 16 bits"
+                    )));
+                }
+                self.ring(request, i)?.base = base as u16;
+                Ok(None)
+            }
+            req::GET_VRING_BASE => {
+                let (i, _) = proto::vring_state(request, p)?;
+                let v = self.ring(request, i)?;
+                let next = v.queue.as_ref().map_or(v.base, |q| q.next_avail());
+                v.started = false;
+                v.kick = None;
+                v.queue = None;
+                v.base = next;
+                Ok(Some(proto::vring_state_bytes(i, next as u32)))
+            }
+            req::SET_VRING_KICK | req::SET_VRING_CALL | req::SET_VRING_ERR => {
+                let arg = proto::u64_payload(request, p)?;
+                let i = (arg & 0xff) as u32;
+                let fd = if arg & proto::VRING_NOFD != 0 {
+                    if !msg.fds.is_empty() {
+                        return Err(Error::Invalid(format!(
+                            "{}: no-descriptor flag set but a descriptor was sent",
+                            req::name(request)
+                        )));
+                    }
+                    None
+                } else {
+                    Some(File::from(msg.take_fd("the eventfd")?))
+                };
+                self.ring(request, i)?;
+                match request {
+                    req::SET_VRING_KICK => {
+                        let Some(kick) = fd else {
+                            return Err(Error::Invalid(format!(
+                                "SET_VRING_KICK for ring {i} without a descriptor: \
+                                 polling rings are not supported"
+                            )));
+                        };
+                        self.start_ring(i as usize, kick)?;
+                    }
+                    req::SET_VRING_CALL => self.vrings[i as usize].call = fd,
+                    _ => self.vrings[i as usize].err = fd,
+                }
+                Ok(None)
+            }
+            req::SET_VRING_ENABLE => {
+                let (i, on) = proto::vring_state(request, p)?;
+                if on > 1 {
+                    return Err(Error::Invalid(format!(
+                        "SET_VRING_ENABLE {on} for ring {i}: 0 or 1"
+                    )));
+                }
+                if self.acked & F_PROTOCOL_FEATURES == 0 {
+                    return Err(Error::Invalid(
+                        "SET_VRING_ENABLE without negotiated protocol features".into(),
+                    ));
+                }
+                self.ring(request, i)?.enabled = on == 1;
+                if on == 1 && self.vrings[i as usize].started {
+                    // Kicks that came while the ring was disabled were read and not acted on.
+                    self.process(i as usize)?;
+                }
+                Ok(None)
+            }
+            req::GET_CONFIG => {
+                let (offset, size, _) = proto::config(request, p)?;
+                let mut data = vec![0u8; size as usize];
+                self.device.read_config(offset, &mut data);
+                Ok(Some(proto::config_bytes(offset, 0, &data)))
+            }
+            req::SET_CONFIG => {
+                let (offset, _, data) = proto::config(request, p)?;
+                self.device.write_config(offset, data)?;
+                Ok(None)
+            }
+            req::SET_BACKEND_REQ_FD => {
+                let fd = msg.take_fd("the back-end channel")?;
+                self.backend_req = Some(UnixStream::from(fd));
+                Ok(None)
+            }
+            req::SET_STATUS => {
+                let s = proto::u64_payload(request, p)?;
+                self.status = s as u8;
+                Ok(None)
+            }
+            req::GET_STATUS => {
+                proto::exact(request, p, 0)?;
+                Ok(Some(u64::from(self.status).to_le_bytes().to_vec()))
+            }
+            _ => Err(Error::Invalid(format!(
+                "request {request} ({}) is not supported by this back end",
+                req::name(request)
+            ))),
+        }
+    }
+
+    fn offered(&self) -> u64 {
+        self.device.features() | F_PROTOCOL_FEATURES
+    }
+
+    fn protocol_offered(&self) -> u64 {
+        PROTOCOL | self.device.protocol_features()
+    }
+
+    fn ring(&mut self, request: u32, index: u32) -> Result<&mut Vring> {
+        let n = self.vrings.len();
+        self.vrings.get_mut(index as usize).ok_or_else(|| {
+            Error::Invalid(format!(
+                "{}: ring {index} does not exist (the device has {n})",
+                req::name(request)
+            ))
+        })
+    }
+
+    fn start_ring(&mut self, i: usize, kick: File) -> Result<()> {
+        let event_idx = self.acked & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let mem = self.memory.space().memory();
+        let max = self.device.queue_max();
+        let v = &mut self.vrings[i];
+        let Some((desc, avail, used)) = v.addr else {
+            return Err(Error::Invalid(format!(
+                "SET_VRING_KICK for ring {i} before SET_VRING_ADDR"
+            )));
+        };
+        let mut q = Queue::new(max).map_err(queue_error)?;
+        q.set_size(if v.size == 0 { q.max_size() } else { v.size });
+        q.set_desc_table_address(Some(desc as u32), Some((desc >> 32) as u32));
+        q.set_avail_ring_address(Some(avail as u32), Some((avail >> 32) as u32));
+        q.set_used_ring_address(Some(used as u32), Some((used >> 32) as u32));
+        q.set_next_avail(v.base);
+        q.set_next_used(v.base);
+        q.set_event_idx(event_idx);
+        q.set_ready(true);
+        if !q.is_valid(&*mem) {
+            return Err(Error::Invalid(format!(
+                "ring {i}: size {} at desc {desc:#x} avail {avail:#x} used {used:#x} is misaligned \
+                 or outside guest memory",
+                q.size()
+            )));
+        }
+        v.queue = Some(q);
+        v.kick = Some(kick);
+        v.started = true;
+        Ok(())
+    }
+
+    /// A kick on ring `i`: clear the eventfd, process if enabled.
+    fn kicked(&mut self, i: usize) -> Result<()> {
+        if let Some(k) = &mut self.vrings[i].kick {
+            let mut b = [0u8; 8];
+            // An eventfd read of 8 bytes clears it; EAGAIN cannot happen after POLLIN.
+            let _ = k.read(&mut b);
+        }
+        self.stats.kicks += 1;
+        self.process(i)
+    }
+
+    fn process(&mut self, i: usize) -> Result<()> {
+        let v = &mut self.vrings[i];
+        if !(v.started && v.enabled) {
+            return Ok(());
+        }
+        let Some(q) = v.queue.as_mut() else {
+            return Ok(());
+        };
+        match self.device.process(i as u16, q, &self.memory) {
+            Ok(true) => {
+                if let Some(c) = &mut v.call {
+                    let _ = c.write(&1u64.to_le_bytes());
+                }
+            }
+            Ok(false) => {}
+            Err(e) => {
+                // The ring is broken (corrupt indexes): stop it and tell the frontend.
+                log::warn!("{}: ring {i} stopped: {e}", self.device.name());
+                v.started = false;
+                if let Some(err) = &mut v.err {
+                    let _ = err.write(&1u64.to_le_bytes());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops rings whose memory lies in a region about to go.
+    fn stop_rings_in(&mut self, gpa: u64, size: u64) {
+        for v in &mut self.vrings {
+            if let Some((d, a, u)) = v.addr
+                && [d, a, u].iter().any(|x| x.wrapping_sub(gpa) < size)
+            {
+                v.started = false;
+                v.queue = None;
+            }
+        }
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        for v in &mut self.vrings {
+            *v = Vring::default();
+        }
+        self.device.reset();
+        self.acked = 0;
+        self.status = 0;
+        Ok(())
+    }
+
+    /// A frontend left: forget everything it set up.
+    fn disconnect(&mut self) {
+        let _ = self.reset();
+        self.protocol_acked = 0;
+        self.backend_req = None;
+        if let Err(e) = self.memory.clear() {
+            log::warn!(
+                "{}: dropping the frontend's memory: {e}",
+                self.device.name()
+            );
+        }
+    }
+}
+
+/// Virtio feature bit: used/available event indexes.
+pub const VIRTIO_RING_F_EVENT_IDX: u32 = 29;
+
+fn queue_error(e: virtio_queue::Error) -> Error {
+    Error::Invalid(format!("virtqueue: {e}"))
+}
+
+/// Requests whose reply is data, not an ack.
+fn has_reply(request: u32) -> bool {
+    matches!(
+        request,
+        req::GET_FEATURES
+            | req::GET_PROTOCOL_FEATURES
+            | req::GET_VRING_BASE
+            | req::GET_QUEUE_NUM
+            | req::GET_CONFIG
+            | req::GET_MAX_MEM_SLOTS
+            | req::GET_STATUS
+    )
+}
+
+fn poll_one(fd: i32, ms: i32) {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    unsafe { libc::poll(&mut p, 1, ms) };
+}

@@ -1,0 +1,35 @@
+//! vhost-user back ends on memvisor's guest memory.
+//!
+//! A vhost-user frontend (QEMU) runs the guest and hands a device's virtqueues to a back-end
+//! process over a Unix socket: it sends the guest's memory as file descriptors, the rings'
+//! addresses, and eventfds for kicks and interrupts. This crate is that back-end process's
+//! protocol layer and two devices, with memvisor as the memory underneath:
+//!
+//! * [`wire`] frames messages and passes descriptors; [`proto`] parses each payload from bytes,
+//!   checking sizes. Both are this crate's own: rust-vmm's `vhost` 0.18 keeps its socket
+//!   endpoint private and its back-end request handler has no way to receive `IOTLB_MSG`
+//!   (rust-vmm/vhost issue 312), which the IOMMU support built on this layer needs.
+//! * [`memory`] turns the frontend's memory table into memvisor backings, slots and a
+//!   [`memvisor::DmaSpace`] — the one memory model; the front end adds none of its own.
+//! * [`backend`] is the protocol state machine and the serving loop; a [`backend::Device`] only
+//!   knows its features, config space and queues.
+//! * [`blk`] is virtio-blk over a raw image with `preadv`/`pwritev` straight into guest memory,
+//!   pages pinned through memvisor for the duration of each request.
+//!
+//! Virtqueues are read with rust-vmm's `virtio-queue` over memvisor's vm-memory adapter.
+//! Every message and every descriptor is untrusted input: a refused one gets an error reply
+//! (or an `IOERR` status on the ring) and leaves the back end's state as it was.
+
+#![cfg(target_os = "linux")]
+
+pub mod backend;
+pub mod blk;
+pub mod error;
+pub mod memory;
+pub mod proto;
+pub mod wire;
+
+pub use backend::{Backend, BackendStats, Device};
+pub use blk::{Blk, BlkOptions, BlkStats};
+pub use error::{Error, Result};
+pub use memory::FrontendMemory;

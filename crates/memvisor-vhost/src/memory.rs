@@ -1,0 +1,296 @@
+//! The frontend's guest memory, as memvisor holds it.
+//!
+//! A frontend describes guest RAM as regions: a guest physical range, the file descriptor and
+//! offset it lives at, and the address the frontend itself has it mapped at (its "user
+//! address"; vring addresses arrive in those). [`FrontendMemory`] turns each region into
+//! memvisor objects and nothing else:
+//!
+//! * a [`Backing`] for the descriptor, through the process's [`SharedMappings`] — so two devices
+//!   of one VMM share one mapping, and one device's pins hold against another's discards;
+//! * a slot in a [`SlotTable`] (GPA -> host address), which the vring code reads through the
+//!   vm-memory adapter ([`SlotSpace`]);
+//! * a mapping in a [`DmaSpace`] at IOVA = GPA, through which devices translate, copy and pin
+//!   their buffers. Without an IOMMU the device's addresses are guest physical, so the space is
+//!   the identity over the slots; under an IOMMU (next step) the same space holds the IOTLB's
+//!   entries instead, and device code does not change.
+//!
+//! The region list itself is kept only to turn user addresses into guest physical ones.
+//!
+//! **Checks.** A region is refused (EINVAL, state unchanged) if it is empty, wraps, overlaps
+//! another in guest physical or user address space, or if its descriptor fails
+//! [`Backing::from_fd`]'s checks (not a regular file, range past the file's end, unaligned). A
+//! `SET_MEM_TABLE` is applied whole or not at all.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use memvisor::{
+    Backing, DmaConfig, DmaSpace, Gpa, Iova, Prot, SharedMappings, SlotSpace, SlotSpec, SlotTable,
+};
+
+use crate::error::{Error, Result};
+use crate::proto::Region;
+
+/// Regions a frontend may add with `ADD_MEM_REG` (answered to `GET_MAX_MEM_SLOTS`).
+pub const MAX_REGIONS: usize = 32;
+
+/// One region as received, with the slot it became.
+#[derive(Clone, Debug)]
+struct Held {
+    region: Region,
+    slot: u32,
+}
+
+/// The frontend's memory: regions, slots, and the device address space over them.
+pub struct FrontendMemory {
+    held: Vec<Held>,
+    slots: SlotTable,
+    space: SlotSpace,
+    dma: Arc<DmaSpace>,
+}
+
+impl std::fmt::Debug for FrontendMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrontendMemory")
+            .field("regions", &self.held.len())
+            .finish()
+    }
+}
+
+impl FrontendMemory {
+    /// No memory yet.
+    pub fn new() -> Result<Self> {
+        let slots = SlotTable::with_max_slots(MAX_REGIONS as u32);
+        Ok(FrontendMemory {
+            held: Vec::new(),
+            space: SlotSpace::new(slots.clone()),
+            slots,
+            dma: Arc::new(DmaSpace::new(DmaConfig::default())?),
+        })
+    }
+
+    /// Guest memory as vm-memory sees it (for virtqueues).
+    pub fn space(&self) -> &SlotSpace {
+        &self.space
+    }
+
+    /// The slot table (GPA -> host).
+    pub fn slots(&self) -> &SlotTable {
+        &self.slots
+    }
+
+    /// The device address space: IOVA = GPA over every region.
+    pub fn dma(&self) -> &Arc<DmaSpace> {
+        &self.dma
+    }
+
+    /// Regions held.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Whether no region is held.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    /// `SET_MEM_TABLE`: replaces every region, all or nothing.
+    pub fn set_table(&mut self, regions: &[Region], fds: Vec<OwnedFd>) -> Result<()> {
+        if fds.len() != regions.len() {
+            return Err(Error::Invalid(format!(
+                "SET_MEM_TABLE: {} regions but {} file descriptors",
+                regions.len(),
+                fds.len()
+            )));
+        }
+        for (i, r) in regions.iter().enumerate() {
+            check_region(r)?;
+            if let Some(o) = regions[..i].iter().find(|o| overlaps(o, r)) {
+                return Err(overlap_error(r, o));
+            }
+        }
+        let backings = map_all(regions, fds)?;
+        let held: Vec<Held> = regions
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Held {
+                region: *r,
+                slot: i as u32,
+            })
+            .collect();
+        let old: Vec<u32> = self.held.iter().map(|h| h.slot).collect();
+        // A fresh device address space over the new slots; swapped in only when complete.
+        let dma = Arc::new(DmaSpace::new(DmaConfig::default())?);
+        self.slots.update(|edit| {
+            for id in &old {
+                edit.remove(*id)?;
+            }
+            for (h, b) in held.iter().zip(&backings) {
+                edit.insert(SlotSpec::new(h.slot, Gpa(h.region.gpa), b.clone()))?;
+            }
+            Ok(())
+        })?;
+        let snap = self.slots.snapshot();
+        for h in &held {
+            let r = &h.region;
+            if let Err(e) = dma.map_guest(Iova(r.gpa), &snap, Gpa(r.gpa), r.size, Prot::RW) {
+                // Put the old slots back: the frontend's previous table stays in force.
+                let _ = self.restore(&held);
+                return Err(e.into());
+            }
+        }
+        self.held = held;
+        self.dma = dma;
+        Ok(())
+    }
+
+    /// Puts back the held regions after a failed table change that had replaced them with
+    /// `new` in the slot table.
+    fn restore(&self, new: &[Held]) -> Result<()> {
+        let old: Vec<(u32, Gpa, Arc<Backing>)> = {
+            let snap = self.slots.snapshot();
+            self.held
+                .iter()
+                .filter_map(|h| {
+                    snap.slot(h.slot)
+                        .map(|s| (h.slot, Gpa(h.region.gpa), s.backing().clone()))
+                })
+                .collect()
+        };
+        self.slots.update(|edit| {
+            for h in new {
+                let _ = edit.remove(h.slot);
+            }
+            for (id, gpa, b) in &old {
+                edit.insert(SlotSpec::new(*id, *gpa, b.clone()))?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    /// `ADD_MEM_REG`: one more region.
+    pub fn add(&mut self, region: Region, fd: OwnedFd) -> Result<()> {
+        check_region(&region)?;
+        if let Some(o) = self.held.iter().find(|h| overlaps(&h.region, &region)) {
+            return Err(overlap_error(&region, &o.region));
+        }
+        if self.held.len() >= MAX_REGIONS {
+            return Err(Error::Invalid(format!(
+                "ADD_MEM_REG: already {MAX_REGIONS} regions, the most this back end takes"
+            )));
+        }
+        let slot = (0..MAX_REGIONS as u32)
+            .find(|id| self.held.iter().all(|h| h.slot != *id))
+            .expect("fewer regions than slots");
+        let backing = map_all(&[region], vec![fd])?.remove(0);
+        self.slots
+            .insert(SlotSpec::new(slot, Gpa(region.gpa), backing))?;
+        let snap = self.slots.snapshot();
+        if let Err(e) = self.dma.map_guest(
+            Iova(region.gpa),
+            &snap,
+            Gpa(region.gpa),
+            region.size,
+            Prot::RW,
+        ) {
+            let _ = self.slots.remove(slot);
+            return Err(e.into());
+        }
+        self.held.push(Held { region, slot });
+        Ok(())
+    }
+
+    /// `REM_MEM_REG`: removes the region with this guest address, size and user address.
+    pub fn remove(&mut self, region: Region) -> Result<()> {
+        let Some(i) = self.held.iter().position(|h| {
+            h.region.gpa == region.gpa
+                && h.region.size == region.size
+                && h.region.user_addr == region.user_addr
+        }) else {
+            return Err(Error::Invalid(format!(
+                "REM_MEM_REG: no region at guest {:#x} size {:#x} user address {:#x}",
+                region.gpa, region.size, region.user_addr
+            )));
+        };
+        self.dma.unmap(Iova(region.gpa), region.size)?;
+        let h = self.held.remove(i);
+        self.slots.remove(h.slot)?;
+        Ok(())
+    }
+
+    /// Drops every region (reset, disconnect). Fails only if a device still holds pins.
+    pub fn clear(&mut self) -> Result<()> {
+        self.dma.unmap_all()?;
+        let ids: Vec<u32> = self.held.iter().map(|h| h.slot).collect();
+        self.slots.update(|edit| {
+            for id in &ids {
+                edit.remove(*id)?;
+            }
+            Ok(())
+        })?;
+        self.held.clear();
+        Ok(())
+    }
+
+    /// The guest physical address of `len` bytes at the frontend's user address `uaddr`; EINVAL
+    /// if they are not inside one region.
+    pub fn user_to_gpa(&self, uaddr: u64, len: u64, what: &str) -> Result<u64> {
+        for h in &self.held {
+            let r = &h.region;
+            let off = uaddr.wrapping_sub(r.user_addr);
+            if uaddr >= r.user_addr && off < r.size && len <= r.size - off {
+                return Ok(r.gpa + off);
+            }
+        }
+        Err(Error::Invalid(format!(
+            "{what} at user address {uaddr:#x} (+{len:#x}) is in no memory region"
+        )))
+    }
+}
+
+fn check_region(r: &Region) -> Result<()> {
+    if r.size == 0 {
+        return Err(Error::Invalid(format!(
+            "memory region at guest {:#x} has size 0",
+            r.gpa
+        )));
+    }
+    if r.gpa.checked_add(r.size).is_none() || r.user_addr.checked_add(r.size).is_none() {
+        return Err(Error::Invalid(format!(
+            "memory region guest {:#x} user {:#x} size {:#x} wraps past 2^64",
+            r.gpa, r.user_addr, r.size
+        )));
+    }
+    Ok(())
+}
+
+fn overlaps(a: &Region, b: &Region) -> bool {
+    let cross = |x: u64, y: u64| x < y + b.size && y < x + a.size;
+    cross(a.gpa, b.gpa) || cross(a.user_addr, b.user_addr)
+}
+
+fn overlap_error(r: &Region, o: &Region) -> Error {
+    Error::Invalid(format!(
+        "memory region guest {:#x}+{:#x} (user {:#x}) overlaps region guest {:#x}+{:#x} (user {:#x})",
+        r.gpa, r.size, r.user_addr, o.gpa, o.size, o.user_addr
+    ))
+}
+
+/// Maps every region's descriptor, all or nothing (a failure drops what was mapped).
+fn map_all(regions: &[Region], fds: Vec<OwnedFd>) -> Result<Vec<Arc<Backing>>> {
+    regions
+        .iter()
+        .zip(fds)
+        .map(|(r, fd)| {
+            SharedMappings::global()
+                .map(fd, r.mmap_offset, r.size)
+                .map_err(|e| {
+                    Error::Invalid(format!(
+                        "memory region guest {:#x} size {:#x} offset {:#x}: {e}",
+                        r.gpa, r.size, r.mmap_offset
+                    ))
+                })
+        })
+        .collect()
+}
