@@ -142,23 +142,40 @@ impl Blk {
         c
     }
 
-    /// Serves one request chain; returns the status and bytes written into the chain.
+    /// Serves one request chain; returns the status and the bytes written into the chain. The
+    /// status byte is written whatever happened, if the chain has a place for it.
     fn request(&mut self, dma: &DmaSpace, bufs: &[Buf]) -> (u8, u32) {
-        match self.try_request(dma, bufs) {
+        let Some(status) = bufs
+            .last()
+            .filter(|b| b.write && b.len >= 1 && bufs.len() >= 2)
+        else {
+            self.stats.failed += 1;
+            log::warn!(
+                "blk: chain of {} descriptors has no writable status byte",
+                bufs.len()
+            );
+            return (S_IOERR, 0);
+        };
+        let status_at = status.addr + u64::from(status.len) - 1;
+        let (code, written) = match self.serve(dma, &bufs[0], &bufs[1..bufs.len() - 1]) {
             Ok(r) => r,
             Err(e) => {
                 self.stats.failed += 1;
                 log::warn!("blk: request failed: {e}");
                 (S_IOERR, 0)
             }
+        };
+        match dma.dma_write(Iova(status_at), &[code]) {
+            Ok(()) => (code, written + 1),
+            Err(e) => {
+                log::warn!("blk: cannot write the status byte at {status_at:#x}: {e}");
+                (code, written)
+            }
         }
     }
 
-    fn try_request(&mut self, dma: &DmaSpace, bufs: &[Buf]) -> Result<(u8, u32)> {
-        // Header: the first 16 driver-readable bytes.
-        let Some((hdr_buf, rest)) = bufs.split_first() else {
-            return Err(Error::Invalid("empty chain".into()));
-        };
+    /// Carries out the request of header descriptor `hdr_buf` with `data` buffers.
+    fn serve(&mut self, dma: &DmaSpace, hdr_buf: &Buf, data: &[Buf]) -> Result<(u8, u32)> {
         if hdr_buf.write || hdr_buf.len < 16 {
             return Err(Error::Invalid(format!(
                 "first descriptor ({} bytes, {}) is not a 16-byte readable header",
@@ -174,26 +191,14 @@ impl Blk {
         dma.dma_read(Iova(hdr_buf.addr), &mut hdr)?;
         let kind = u32::from_le_bytes(hdr[0..4].try_into().expect("4"));
         let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8"));
-        // Status: the last byte of the last descriptor, which must be writable.
-        let Some((status, data)) = rest.split_last() else {
-            return Err(Error::Invalid("chain without a status descriptor".into()));
-        };
-        if !status.write || status.len < 1 {
-            return Err(Error::Invalid(
-                "last descriptor is not a writable status byte".into(),
-            ));
-        }
-        let status_at = status.addr + u64::from(status.len) - 1;
-        let (code, written) = match kind {
+        Ok(match kind {
             T_IN | T_OUT => {
-                let write = kind == T_IN; // the device writes guest memory on a read
-                if kind == T_OUT && self.options.read_only {
-                    self.stats.failed += 1;
-                    (S_IOERR, 0)
-                } else {
-                    let n = self.transfer(dma, data, sector, write)?;
-                    (S_OK, if write { n } else { 0 })
+                let to_guest = kind == T_IN;
+                if !to_guest && self.options.read_only {
+                    return Err(Error::Invalid("write to a read-only disk".into()));
                 }
+                let n = self.transfer(dma, data, sector, to_guest)?;
+                (S_OK, if to_guest { n } else { 0 })
             }
             T_FLUSH => {
                 self.disk.sync_data().map_err(|source| Error::Os {
@@ -209,7 +214,8 @@ impl Blk {
                 };
                 let mut id = [0u8; ID_BYTES];
                 let s = self.options.serial.as_bytes();
-                id[..s.len().min(ID_BYTES)].copy_from_slice(&s[..s.len().min(ID_BYTES)]);
+                let n = s.len().min(ID_BYTES);
+                id[..n].copy_from_slice(&s[..n]);
                 let n = (b.len as usize).min(ID_BYTES);
                 dma.dma_write(Iova(b.addr), &id[..n])?;
                 (S_OK, n as u32)
@@ -219,9 +225,7 @@ impl Blk {
                 self.stats.failed += 1;
                 (S_UNSUPP, 0)
             }
-        };
-        dma.dma_write(Iova(status_at), &[code])?;
-        Ok((code, written + 1))
+        })
     }
 
     /// Moves the data buffers of a read (`to_guest`) or write between guest memory and the

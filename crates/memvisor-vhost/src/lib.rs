@@ -24,6 +24,7 @@
 
 pub mod backend;
 pub mod blk;
+pub mod client;
 pub mod error;
 pub mod memory;
 pub mod proto;

@@ -24,6 +24,8 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
+use vm_memory::GuestAddressSpace;
+
 use memvisor::{
     Backing, DmaConfig, DmaSpace, Gpa, Iova, Prot, SharedMappings, SlotSpace, SlotSpec, SlotTable,
 };
@@ -141,6 +143,7 @@ impl FrontendMemory {
         }
         self.held = held;
         self.dma = dma;
+        self.forget_old_views();
         Ok(())
     }
 
@@ -216,6 +219,7 @@ impl FrontendMemory {
         self.dma.unmap(Iova(region.gpa), region.size)?;
         let h = self.held.remove(i);
         self.slots.remove(h.slot)?;
+        self.forget_old_views();
         Ok(())
     }
 
@@ -230,7 +234,14 @@ impl FrontendMemory {
             Ok(())
         })?;
         self.held.clear();
+        self.forget_old_views();
         Ok(())
+    }
+
+    /// The vm-memory view caches the last snapshot it built until asked again; asking now lets
+    /// removed regions' mappings go as soon as nothing else holds them.
+    fn forget_old_views(&self) {
+        drop(self.space.memory());
     }
 
     /// The guest physical address of `len` bytes at the frontend's user address `uaddr`; EINVAL

@@ -315,6 +315,49 @@ pub fn config_bytes(offset: u32, flags: u32, data: &[u8]) -> Vec<u8> {
     b
 }
 
+impl Region {
+    /// The region's 32 bytes as sent.
+    pub fn bytes(&self) -> [u8; REGION] {
+        let mut b = [0u8; REGION];
+        for (i, v) in [self.gpa, self.size, self.user_addr, self.mmap_offset]
+            .into_iter()
+            .enumerate()
+        {
+            b[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+}
+
+/// A `SET_MEM_TABLE` payload.
+pub fn mem_table_bytes(regions: &[Region]) -> Vec<u8> {
+    let mut b = (regions.len() as u32).to_le_bytes().to_vec();
+    b.extend_from_slice(&[0; 4]);
+    for r in regions {
+        b.extend_from_slice(&r.bytes());
+    }
+    b
+}
+
+/// An `ADD_MEM_REG` / `REM_MEM_REG` payload.
+pub fn single_region_bytes(r: &Region) -> Vec<u8> {
+    let mut b = vec![0u8; 8];
+    b.extend_from_slice(&r.bytes());
+    b
+}
+
+impl VringAddr {
+    /// The 40 bytes as sent.
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut b = self.index.to_le_bytes().to_vec();
+        b.extend_from_slice(&self.flags.to_le_bytes());
+        for v in [self.desc, self.used, self.avail, self.log] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,224 @@
+//! A test frontend: guest memory in a memfd, a driver-side ring in it (memvisor's
+//! `GuestRing`), eventfds, and a back end served on the other end of a socket pair.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::thread::JoinHandle;
+
+use memvisor::balloon::guest::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use memvisor::{Backing, Gpa, SlotSpec, SlotTable};
+use memvisor_vhost::client::Client;
+use memvisor_vhost::proto::{self, Region, VringAddr, protocol, req};
+use memvisor_vhost::{Backend, Device};
+
+pub const MIB: u64 = 1 << 20;
+/// Where the "frontend" claims to have guest memory mapped.
+pub const USER: u64 = 0x7f00_0000_0000;
+pub const RING_AT: u64 = 0x1000;
+pub const RING_SIZE: u16 = 16;
+
+pub fn memfd(size: u64) -> File {
+    memfd_named(size, c"vhost-test")
+}
+
+pub fn memfd_named(size: u64, name: &std::ffi::CStr) -> File {
+    // SAFETY: valid C string, plain flags; the descriptor is owned by the File.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: fresh descriptor.
+    let f = unsafe { File::from_raw_fd(fd) };
+    f.set_len(size).unwrap();
+    f
+}
+
+pub fn eventfd() -> File {
+    // SAFETY: plain flags; the descriptor is owned by the File.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: fresh descriptor.
+    unsafe { File::from_raw_fd(fd) }
+}
+
+/// The guest: its memory (the test's own mapping of the memfd) and a ring in it.
+pub struct Guest {
+    pub file: File,
+    pub size: u64,
+    pub mem: SlotTable,
+    pub ring: GuestRing,
+    pub kick: File,
+    pub call: File,
+}
+
+impl Guest {
+    pub fn new(size: u64) -> Guest {
+        Guest::with_file(memfd(size), size)
+    }
+
+    pub fn with_file(file: File, size: u64) -> Guest {
+        let dup = OwnedFd::from(file.try_clone().unwrap());
+        let backing = Arc::new(Backing::from_fd(dup, 0, size).unwrap());
+        let mem = SlotTable::new();
+        mem.insert(SlotSpec::new(0, Gpa(0), backing)).unwrap();
+        let ring = GuestRing::new(&mem, Gpa(RING_AT), RING_SIZE).unwrap();
+        Guest {
+            file,
+            size,
+            mem,
+            ring,
+            kick: eventfd(),
+            call: eventfd(),
+        }
+    }
+
+    pub fn region(&self) -> Region {
+        Region {
+            gpa: 0,
+            size: self.size,
+            user_addr: USER,
+            mmap_offset: 0,
+        }
+    }
+
+    pub fn vring_addr(&self) -> VringAddr {
+        let n = u64::from(RING_SIZE);
+        let desc = RING_AT;
+        let avail = desc + 16 * n;
+        let used = avail + (6 + 2 * n).next_multiple_of(4);
+        VringAddr {
+            index: 0,
+            flags: 0,
+            desc: USER + desc,
+            used: USER + used,
+            avail: USER + avail,
+            log: 0,
+        }
+    }
+
+    /// Posts a chain of (gpa, len, device-writable) buffers and kicks.
+    pub fn post(&mut self, bufs: &[(u64, u32, bool)]) -> u16 {
+        // Tests wait for each chain before posting the next: descriptors 0.. are free.
+        let free: Vec<u16> = (0..bufs.len() as u16).collect();
+        let descs: Vec<Desc> = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, &(addr, len, w))| Desc {
+                addr,
+                len,
+                flags: if w { VRING_DESC_F_WRITE } else { 0 }
+                    | if i + 1 < bufs.len() {
+                        VRING_DESC_F_NEXT
+                    } else {
+                        0
+                    },
+                next: free.get(i + 1).copied().unwrap_or(0),
+            })
+            .collect();
+        let head = self.ring.add_raw(&free, &descs).unwrap();
+        self.ring.publish(head).unwrap();
+        self.kick.write_all(&1u64.to_le_bytes()).unwrap();
+        head
+    }
+
+    /// Waits for the device to return a chain; returns (head, bytes written).
+    pub fn wait_used(&mut self) -> (u16, u32) {
+        for _ in 0..500 {
+            if let Some(u) = self.ring.get_used().unwrap() {
+                return u;
+            }
+            let mut p = libc::pollfd {
+                fd: self.call.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one live pollfd.
+            unsafe { libc::poll(&mut p, 1, 10) };
+            if p.revents != 0 {
+                let mut b = [0u8; 8];
+                let _ = self.call.read(&mut b);
+            }
+        }
+        panic!("the device did not return the chain within 5 s");
+    }
+}
+
+/// Mappings of the memfd named `name` in this process (from /proc/self/maps).
+pub fn mappings_of(name: &str) -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines()
+        .filter(|l| l.contains(&format!("/memfd:{name} ")))
+        .count()
+}
+
+/// A back end after its loop ended, and how it ended.
+pub type Served<D> = (Backend<D>, memvisor_vhost::Result<()>);
+
+/// A back end for `device` on one end of a socket pair, in its own thread; the thread returns
+/// the back end and how its loop ended when the client side closes.
+pub fn serve<D: Device + 'static>(
+    device: D,
+) -> (Client, JoinHandle<Served<D>>) {
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut backend = Backend::new(device).unwrap();
+    let t = std::thread::spawn(move || {
+        let stop = AtomicBool::new(false);
+        let r = backend.run(&b, &stop);
+        (backend, r)
+    });
+    (Client::from_stream(a), t)
+}
+
+/// Negotiates features and protocol features, sends the memory table and starts ring 0.
+pub fn setup(c: &Client, g: &Guest) {
+    let f = c.get_u64(req::GET_FEATURES).unwrap();
+    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
+    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
+    assert_ne!(pf & protocol::REPLY_ACK, 0);
+    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
+        .unwrap();
+    let table = proto::mem_table_bytes(&[g.region()]);
+    assert_eq!(
+        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
+            .unwrap(),
+        0
+    );
+    start_ring(c, g);
+}
+
+pub fn start_ring(c: &Client, g: &Guest) {
+    let st = |i: u32, n: u32| proto::vring_state_bytes(i, n);
+    assert_eq!(
+        c.ack(req::SET_VRING_NUM, &st(0, RING_SIZE as u32), &[])
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        c.ack(req::SET_VRING_ADDR, &g.vring_addr().bytes(), &[])
+            .unwrap(),
+        0
+    );
+    assert_eq!(c.ack(req::SET_VRING_BASE, &st(0, 0), &[]).unwrap(), 0);
+    assert_eq!(
+        c.ack(
+            req::SET_VRING_CALL,
+            &0u64.to_le_bytes(),
+            &[g.call.as_raw_fd()]
+        )
+        .unwrap(),
+        0
+    );
+    assert_eq!(
+        c.ack(
+            req::SET_VRING_KICK,
+            &0u64.to_le_bytes(),
+            &[g.kick.as_raw_fd()]
+        )
+        .unwrap(),
+        0
+    );
+    assert_eq!(c.ack(req::SET_VRING_ENABLE, &st(0, 1), &[]).unwrap(), 0);
+}
