@@ -3,20 +3,22 @@
 # vhost-user back end. Needs root (mount namespaces, chroot, mmdebstrap); builds the QEMU root
 # and the guest on first use under target/guest/.
 #
-# usage: guest/trial.sh blk [--negative] [--peer]
+# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
 #   --negative  negative control: the host changes the image while the guest waits between
 #               writing and reading; the trial must then FAIL (exit 0 only if it does).
 #   --peer      the same trial against qemu-storage-daemon's vhost-user-blk export.
+#   --after-fuzz first attack the back end for 15 s with memvisor's hostile frontend
+#               (vhost-user-fuzz); the same back end must then serve QEMU and pass.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
-negative=0; peer=0
-for a in "$@"; do case $a in --negative) negative=1;; --peer) peer=1;; *) echo "unknown option $a" >&2; exit 2;; esac; done
+negative=0; peer=0; fuzz=0
+for a in "$@"; do case $a in --negative) negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; *) echo "unknown option $a" >&2; exit 2;; esac; done
 if [ "$(id -u)" != 0 ]; then
   echo "SKIPPED real-guest trial $trial: needs root (mount namespace + chroot for the QEMU root, mmdebstrap)"
   exit 0
@@ -27,7 +29,7 @@ work=$top/target/guest
 guest/mkroot.sh "$work/root" >/dev/null
 [ -f "$work/vm/initrd.cpio.gz" ] && [ "$work/vm/initrd.cpio.gz" -nt guest/init ] || guest/mkguest.sh "$work/vm" >/dev/null
 cd "$work"
-name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative
+name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $fuzz = 0 ] || name=$name-after-fuzz
 run=run/$name; rm -rf "$run"; mkdir -p "$run"
 log=$run/console.log
 pids=()
@@ -58,6 +60,10 @@ blk)
   fi
   bpid=$!; pids+=("$bpid")
   wait_socket "$sock"
+  if [ $fuzz = 1 ]; then
+    "$bin" vhost-user-fuzz --socket "$sock" --seconds 15 --seed "${SEED:-$RANDOM}" | sed 's/^/  /'
+    kill -0 "$bpid" 2>/dev/null || { echo "$name: the back end died under the hostile frontend"; tail "$run/backend.log"; exit 1; }
+  fi
   serial=memvisor; wait_s=1; [ $peer = 0 ] || serial=none; [ $negative = 0 ] || wait_s=4
   start=$(date +%s.%N)
   qemu "t=blk blk_mib=$mib blk_wait=$wait_s blk_random=300 blk_serial=$serial" \
@@ -78,7 +84,7 @@ blk)
   host=FAIL; [ -z "$want" ] || [ "$want" != "$have" ] || host=PASS
   echo "  host image check: $host (guest pattern ${want:-none}, image $have)"
   [ -f "$run/stats.json" ] && echo "  back end: $(tr -d ' \n' < "$run/stats.json")"
-  printf '  wall time %.1f s\n' "$(echo "$end - $start" | bc)"
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
   echo "$name: ${result:-RESULT blk FAIL no verdict (see $work/$log)}"
   ok=0; case "$result" in *PASS*) [ $host = PASS ] && ok=1;; esac
   if [ $negative = 1 ]; then

@@ -30,6 +30,22 @@ enum Command {
     /// Serve a virtio-blk device over a raw image on a vhost-user socket (until SIGINT/SIGTERM)
     #[command(name = "vhost-user-blk")]
     VhostUserBlk(BlkArgs),
+    /// Act as a hostile vhost-user frontend: send malformed messages to a back end for a while
+    #[command(name = "vhost-user-fuzz")]
+    VhostUserFuzz(FuzzArgs),
+}
+
+#[derive(Args)]
+struct FuzzArgs {
+    /// Socket of the back end to attack
+    #[arg(long, value_name = "PATH")]
+    socket: PathBuf,
+    /// How long to keep at it
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Seed of the message generator (the same seed sends the same messages)
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -77,6 +93,7 @@ fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Command::Bench(args) => run_bench(&args),
         Command::VhostUserBlk(args) => run_blk(&args),
+        Command::VhostUserFuzz(args) => run_fuzz(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -98,6 +115,20 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
     let report = serve::blk(&args.socket, &args.disk, options)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
+}
+
+fn run_fuzz(args: &FuzzArgs) -> Result<()> {
+    let stats = memvisor_vhost::fuzz::run(
+        &args.socket,
+        args.seed,
+        std::time::Duration::from_secs(args.seconds),
+    )
+    .with_context(|| format!("fuzzing the back end at {}", args.socket.display()))?;
+    println!(
+        "vhost-user-fuzz: {} connections, {} messages, {} replies ({} refusals), {} hang-ups",
+        stats.connections, stats.messages, stats.replies, stats.refusals, stats.hangups
+    );
+    Ok(())
 }
 
 /// The registered experiments named on the command line, in that order; all of them if none.

@@ -26,6 +26,7 @@ pub mod backend;
 pub mod blk;
 pub mod client;
 pub mod error;
+pub mod fuzz;
 pub mod memory;
 pub mod proto;
 pub mod wire;

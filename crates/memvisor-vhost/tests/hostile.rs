@@ -353,3 +353,39 @@ fn a_frontend_that_leaves_and_comes_back_gets_a_clean_device() {
     assert_eq!(b.memory().dma().device_pinned_pages(), 0);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn seconds_of_random_hostile_traffic_leave_a_working_back_end() {
+    let dir = std::env::temp_dir().join(format!("memvisor-vhost-fuzz-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("blk.sock");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let s2 = stop.clone();
+    let t = std::thread::spawn(move || {
+        let mut b =
+            memvisor_vhost::Backend::new(Blk::new(disk(), BlkOptions::default()).unwrap()).unwrap();
+        b.serve(&listener, &s2).unwrap();
+        b
+    });
+    let secs = std::env::var("MEMVISOR_FUZZ_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let stats =
+        memvisor_vhost::fuzz::run(&path, 0x5eed, std::time::Duration::from_secs(secs)).unwrap();
+    println!("fuzz: {stats:?}");
+    assert!(stats.messages > 100 && stats.refusals > 0, "{stats:?}");
+
+    let mut g = Guest::new(4 * MIB);
+    let c = memvisor_vhost::client::Client::connect(&path).unwrap();
+    setup(&c, &g);
+    assert_eq!(read_one(&mut g), 0);
+    drop(c);
+    stop.store(true, Ordering::Relaxed);
+    let b = t.join().unwrap();
+    assert!(b.memory().is_empty());
+    assert_eq!(b.memory().dma().device_pinned_pages(), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -159,9 +159,7 @@ pub type Served<D> = (Backend<D>, memvisor_vhost::Result<()>);
 
 /// A back end for `device` on one end of a socket pair, in its own thread; the thread returns
 /// the back end and how its loop ended when the client side closes.
-pub fn serve<D: Device + 'static>(
-    device: D,
-) -> (Client, JoinHandle<Served<D>>) {
+pub fn serve<D: Device + 'static>(device: D) -> (Client, JoinHandle<Served<D>>) {
     let (a, b) = UnixStream::pair().unwrap();
     let mut backend = Backend::new(device).unwrap();
     let t = std::thread::spawn(move || {
