@@ -30,14 +30,24 @@
 //! [`Discarder::set_page_poison`]: a discarded page would come back as zeros, not as that value,
 //! so nothing is discarded while it is set (QEMU does the same).
 //!
-//! **What this models.** Feature negotiation, the 16-byte config space and the reporting queue —
-//! what free page reporting needs. The inflate, deflate, statistics and free page hinting queues
-//! are not modelled; with none of the optional queues negotiated, the reporting queue is virtqueue
-//! number 2 ([`REPORTING_QUEUE_INDEX`]). The transport (PCI or MMIO) stays with the VMM: it
-//! configures [`Balloon::queue_mut`] (size, ring addresses, ready) through
-//! [`virtio_queue::QueueT`], forwards config accesses and feature words, calls
-//! [`Balloon::process_queue`] when the guest notifies the queue, and interrupts the guest when
-//! that says to.
+//! **Inflate and deflate.** The host sets a target ([`Balloon::set_target_pages`], config field
+//! `num_pages`); the driver gives pages to the device on the inflate queue (chains of
+//! driver-readable buffers holding little-endian 32-bit page frame numbers of 4 KiB pages) and
+//! takes them back on the deflate queue, and writes how many it holds into `actual`. Inflated
+//! pages go through the same [`Discarder::report`] as reported ones — pins hold, read-only slots
+//! and poisoning refuse — and deflated pages need nothing: they fault back in on first touch.
+//! A frame list is checked like a report chain (driver-readable, whole 4-byte entries, inside
+//! guest memory, at most [`MAX_PFNS_PER_CHAIN`] frames) and refused whole otherwise.
+//!
+//! **What this models.** Feature negotiation, the 16-byte config space, and the inflate, deflate
+//! and reporting queues. The statistics and free page hinting queues are not offered; so the
+//! reporting queue is virtqueue number 2 ([`REPORTING_QUEUE_INDEX`]). The transport (PCI, MMIO,
+//! vhost-user) stays with the VMM or back end: it configures the queues (size, ring addresses,
+//! ready) through [`virtio_queue::QueueT`], forwards config accesses and feature words, calls
+//! [`Balloon::process_reports`] / [`Balloon::process_inflate`] / [`Balloon::process_deflate`]
+//! when the guest notifies a queue, and interrupts the guest when they say to. For a VMM with
+//! only the reporting queue, the device keeps one itself ([`Balloon::queue_mut`],
+//! [`Balloon::process_queue`]).
 
 use std::fmt;
 
@@ -75,6 +85,12 @@ const CONFIG_POISON_VAL: u64 = 12;
 
 /// The page size of virtio-balloon: reported buffers are whole pages of this size.
 const PAGE: u64 = 4096;
+/// Inflate queue number.
+pub const INFLATE_QUEUE_INDEX: u16 = 0;
+/// Deflate queue number.
+pub const DEFLATE_QUEUE_INDEX: u16 = 1;
+/// The most page frame numbers one inflate or deflate chain may carry (Linux sends up to 256).
+pub const MAX_PFNS_PER_CHAIN: usize = 16384;
 
 /// Why a whole descriptor chain was refused. `index` counts descriptors from the chain's head
 /// (0); addresses are guest physical.
@@ -99,6 +115,16 @@ pub enum ChainError {
     /// longer than the queue).
     #[error("chain is longer than the queue's {queue_size} descriptors (a loop?)")]
     TooLong { queue_size: u16 },
+    /// An inflate/deflate buffer the device may write: page frame lists are driver-readable.
+    #[error(
+        "descriptor {index} ({addr:#x}+{len:#x}) is device-writable; a page frame list is driver-readable"
+    )]
+    DeviceWritable { index: u32, addr: u64, len: u32 },
+    /// A page frame list that is not whole 4-byte entries, or longer than the device takes.
+    #[error(
+        "descriptor {index} ({addr:#x}+{len:#x}) is not a frame list of whole 4-byte entries within {MAX_PFNS_PER_CHAIN} frames"
+    )]
+    BadFrameList { index: u32, addr: u64, len: u32 },
     /// A descriptor says another follows, but it cannot be read (index past the table, or the
     /// table is not in guest memory).
     #[error("descriptor {index} links to descriptor {next}, which cannot be read")]
@@ -137,6 +163,10 @@ pub struct ReportingStats {
     /// Bytes of accepted chains that [`Discarder::report`] refused (partial huge pages, read-only
     /// slots, poisoning, ...).
     pub rejected: u64,
+    /// Pages the driver gave on the inflate queue.
+    pub inflated_pages: u64,
+    /// Pages the driver took back on the deflate queue.
+    pub deflated_pages: u64,
 }
 
 /// The virtio-balloon device's free page reporting: features, config space and the reporting
@@ -146,6 +176,7 @@ pub struct Balloon {
     discarder: Discarder,
     queue: Queue,
     acked: u64,
+    target: u32,
     actual: u32,
     poison_val: u32,
     stats: ReportingStats,
@@ -178,6 +209,7 @@ impl Balloon {
             discarder,
             queue,
             acked: 0,
+            target: 0,
             actual: 0,
             poison_val: 0,
             stats: ReportingStats::default(),
@@ -232,7 +264,7 @@ impl Balloon {
 
     fn config(&self) -> [u8; CONFIG_SIZE as usize] {
         let mut c = [0u8; CONFIG_SIZE as usize];
-        // num_pages (the inflate target) stays 0: this model never asks for memory.
+        c[..4].copy_from_slice(&self.target.to_le_bytes());
         c[CONFIG_ACTUAL as usize..][..4].copy_from_slice(&self.actual.to_le_bytes());
         c[CONFIG_POISON_VAL as usize..][..4].copy_from_slice(&self.poison_val.to_le_bytes());
         c
@@ -268,6 +300,23 @@ impl Balloon {
         self.actual = field(CONFIG_ACTUAL);
         self.poison_val = field(CONFIG_POISON_VAL);
         self.apply_poison();
+    }
+
+    /// Asks the driver to hold `pages` 4 KiB pages (config `num_pages`). The transport must tell
+    /// the driver the config changed (a config interrupt, or vhost-user's config change
+    /// message).
+    pub fn set_target_pages(&mut self, pages: u32) {
+        self.target = pages;
+    }
+
+    /// The target last set.
+    pub fn target_pages(&self) -> u32 {
+        self.target
+    }
+
+    /// The pages the driver says it holds (config `actual`).
+    pub fn actual_pages(&self) -> u32 {
+        self.actual
     }
 
     /// The poison value counts only with `VIRTIO_BALLOON_F_PAGE_POISON` negotiated.
@@ -311,6 +360,15 @@ impl Balloon {
     /// when the queue is not ready or its rings are not in guest memory, and when the available
     /// ring is corrupt — after which the device needs a [`Balloon::reset`].
     pub fn process_queue(&mut self) -> Result<Processed> {
+        let placeholder = Queue::new(1).expect("a queue of one entry");
+        let mut queue = std::mem::replace(&mut self.queue, placeholder);
+        let result = self.process_reports(&mut queue);
+        self.queue = queue;
+        result
+    }
+
+    /// [`Balloon::process_queue`] on a reporting queue the transport keeps (vhost-user).
+    pub fn process_reports(&mut self, queue: &mut Queue) -> Result<Processed> {
         if let Some(why) = &self.broken {
             return Err(Error::Invalid(format!(
                 "balloon reporting queue is broken ({why}); reset the device"
@@ -325,25 +383,25 @@ impl Balloon {
         }
         let memory = self.memory.memory();
         let mem: &SlotMemory = &memory;
-        if !self.queue.is_valid(mem) {
+        if !queue.is_valid(mem) {
             return Err(Error::Invalid(format!(
                 "balloon reporting queue is not usable: ready={}, size {}, descriptors at {:#x}, \
                  available ring at {:#x}, used ring at {:#x} must be set and inside guest memory",
-                self.queue.ready(),
-                self.queue.size(),
-                self.queue.desc_table(),
-                self.queue.avail_ring(),
-                self.queue.used_ring()
+                queue.ready(),
+                queue.size(),
+                queue.desc_table(),
+                queue.avail_ring(),
+                queue.used_ring()
             )));
         }
         let mut out = Processed::default();
         loop {
-            let chain = match self.queue.iter(mem) {
+            let chain = match queue.iter(mem) {
                 Ok(mut avail) => avail.next(),
                 Err(e) => {
                     let why = format!(
                         "available ring unusable: {e} (next available index {})",
-                        self.queue.next_avail()
+                        queue.next_avail()
                     );
                     log::error!("balloon: {why}; the device needs a reset");
                     self.broken = Some(why.clone());
@@ -352,7 +410,7 @@ impl Balloon {
             };
             let Some(chain) = chain else { break };
             let head = chain.head_index();
-            let result = chain_ranges(mem, chain, self.queue.size()).map(|ranges| {
+            let result = chain_ranges(mem, chain, queue.size()).map(|ranges| {
                 let outcome = self.discarder.report(&ranges);
                 self.stats.discarded += outcome.discarded;
                 self.stats.skipped_pinned += outcome.skipped_pinned;
@@ -373,17 +431,117 @@ impl Balloon {
                 log::warn!("balloon: refused report chain at head {head}: {e}");
             }
             // Only now may the guest reuse the blocks: their discard is done.
-            if let Err(e) = self.queue.add_used(mem, head, 0) {
+            if let Err(e) = queue.add_used(mem, head, 0) {
                 // Only a head outside the table gets here; there is no entry to return.
                 log::warn!("balloon: cannot return chain head {head}: {e}");
             }
             out.chains.push(ChainReport { head, result });
         }
         if !out.chains.is_empty() {
-            out.notify = self.queue.needs_notification(mem).unwrap_or(true);
+            out.notify = queue.needs_notification(mem).unwrap_or(true);
         }
         Ok(out)
     }
+
+    /// Handles the inflate queue the transport keeps: every chain's page frames are checked and
+    /// given to [`Discarder::report`], then the chain is returned. Returns whether to notify.
+    pub fn process_inflate(&mut self, queue: &mut Queue) -> Result<bool> {
+        self.process_frames(queue, true)
+    }
+
+    /// Handles the deflate queue: the frames are counted and the chains returned (a deflated
+    /// page needs nothing: it faults back in when the guest touches it).
+    pub fn process_deflate(&mut self, queue: &mut Queue) -> Result<bool> {
+        self.process_frames(queue, false)
+    }
+
+    fn process_frames(&mut self, queue: &mut Queue, inflate: bool) -> Result<bool> {
+        let name = if inflate { "inflate" } else { "deflate" };
+        let memory = self.memory.memory();
+        let mem: &SlotMemory = &memory;
+        let mut any = false;
+        loop {
+            let chain = match queue.iter(mem) {
+                Ok(mut avail) => avail.next(),
+                Err(e) => {
+                    return Err(Error::Invalid(format!(
+                        "balloon {name} queue: available ring unusable: {e}; reset the device"
+                    )));
+                }
+            };
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            match frame_ranges(mem, chain, queue.size()) {
+                Ok((ranges, pages)) if inflate => {
+                    let outcome = self.discarder.report(&ranges);
+                    self.stats.inflated_pages += pages;
+                    self.stats.discarded += outcome.discarded;
+                    self.stats.skipped_pinned += outcome.skipped_pinned;
+                    self.stats.rejected += outcome.rejected_bytes();
+                }
+                Ok((_, pages)) => self.stats.deflated_pages += pages,
+                Err(e) => {
+                    self.stats.refused_chains += 1;
+                    log::warn!("balloon: refused {name} chain at head {head}: {e}");
+                }
+            }
+            if let Err(e) = queue.add_used(mem, head, 0) {
+                log::warn!("balloon: cannot return {name} chain head {head}: {e}");
+            }
+            any = true;
+        }
+        Ok(any && queue.needs_notification(mem).unwrap_or(true))
+    }
+}
+
+/// The guest ranges of an inflate/deflate chain's page frame list, merged, and the number of
+/// frames; refused whole if any buffer is not driver-readable, not whole 4-byte entries, not in
+/// guest memory, or the list is longer than [`MAX_PFNS_PER_CHAIN`].
+fn frame_ranges(
+    mem: &SlotMemory,
+    chain: DescriptorChain<&SlotMemory>,
+    queue_size: u16,
+) -> std::result::Result<(Vec<(Gpa, u64)>, u64), ChainError> {
+    let head = chain.head_index();
+    let mut frames: Vec<u64> = Vec::new();
+    let mut count = 0u32;
+    for desc in chain.take(usize::from(queue_size) + 1) {
+        let index = count;
+        count += 1;
+        if count > u32::from(queue_size) {
+            return Err(ChainError::TooLong { queue_size });
+        }
+        let (addr, len) = (desc.addr().0, desc.len());
+        if desc.is_write_only() {
+            return Err(ChainError::DeviceWritable { index, addr, len });
+        }
+        if len % 4 != 0 || frames.len() + len as usize / 4 > MAX_PFNS_PER_CHAIN {
+            return Err(ChainError::BadFrameList { index, addr, len });
+        }
+        let mut raw = vec![0u8; len as usize];
+        if mem.snapshot().read(Gpa(addr), &mut raw).is_err() {
+            return Err(ChainError::OutsideGuestMemory { index, addr, len });
+        }
+        frames.extend(
+            raw.chunks_exact(4)
+                .map(|c| u64::from(u32::from_le_bytes(c.try_into().expect("4 bytes")))),
+        );
+    }
+    if count == 0 {
+        return Err(ChainError::NoDescriptors { head, queue_size });
+    }
+    let pages = frames.len() as u64;
+    frames.sort_unstable();
+    frames.dedup();
+    let mut ranges: Vec<(Gpa, u64)> = Vec::new();
+    for f in frames {
+        let gpa = f * PAGE;
+        match ranges.last_mut() {
+            Some((g, l)) if g.0 + *l == gpa => *l += PAGE,
+            _ => ranges.push((Gpa(gpa), PAGE)),
+        }
+    }
+    Ok((ranges, pages))
 }
 
 /// The ranges a chain reports, if every one of its buffers is acceptable.

@@ -776,3 +776,127 @@ fn a_ring_placed_at_the_top_of_guest_addresses_is_refused() {
         assert_eq!(e.errno(), libc::EINVAL, "{e}");
     }
 }
+
+/// Inflate: the driver hands over page frames; the device discards them (pins hold) and returns
+/// the chain; deflate counts them back. Frame lists that are device-writable, not whole 4-byte
+/// entries, outside guest memory or too long are refused whole and nothing is discarded.
+#[test]
+fn inflate_discards_the_frames_given_and_deflate_takes_them_back() {
+    use memvisor::balloon::MAX_PFNS_PER_CHAIN;
+    let _s = serial();
+    let size = 16 * MIB;
+    let g = Guest::new(BackingKind::Memfd, size);
+    let (mut dev, _) = g.device(FEATURES);
+    dev.set_target_pages(1024);
+    let mut cfg = [0u8; 4];
+    dev.read_config(0, &mut cfg);
+    assert_eq!(u32::from_le_bytes(cfg), 1024, "num_pages is the target");
+
+    // Inflate and deflate queues of our own, in the ring slot after the first ring.
+    use memvisor::balloon::virtio_queue::QueueT;
+    let mut q = memvisor::balloon::virtio_queue::Queue::new(QUEUE).unwrap();
+    let mut ring = GuestRing::new(&g.table, Gpa(RING + 16 * 1024), QUEUE).unwrap();
+    ring.configure(&mut q);
+    let dma = DmaSpace::new(DmaConfig {
+        registry: Some(g.registry.clone()),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    dma.map_backing(Iova(0), &g.ram, 0, size, Prot::RW).unwrap();
+    dma.pin_pages(&[10], Prot::RW).unwrap();
+
+    // Frames of pages 8..16 of RAM (page 10 pinned), in a buffer in the ring slot.
+    let list = RING + 48 * 1024;
+    let frames: Vec<u8> = (8u32..16)
+        .flat_map(|p| ((BASE / PAGE) as u32 + p).to_le_bytes())
+        .collect();
+    g.table.write(Gpa(list), &frames).unwrap();
+    let before = g.resident();
+    let send = |ring: &mut GuestRing, d: Desc| {
+        let head = ring.add_raw(&[0], &[d]).unwrap();
+        ring.publish(head).unwrap();
+    };
+    send(
+        &mut ring,
+        Desc {
+            addr: list,
+            len: 32,
+            flags: 0,
+            next: 0,
+        },
+    );
+    assert!(
+        dev.process_inflate(&mut q).unwrap(),
+        "the driver is notified"
+    );
+    assert_eq!(ring.get_used().unwrap(), Some((0, 0)));
+    let s = dev.stats();
+    assert_eq!(
+        (s.inflated_pages, s.discarded, s.skipped_pinned),
+        (8, 7 * PAGE, PAGE)
+    );
+    assert_eq!(before - g.resident(), 7 * PAGE);
+    assert_eq!(
+        g.changed(),
+        vec![8, 9, 11, 12, 13, 14, 15],
+        "exactly the unpinned frames"
+    );
+
+    // Refused whole: nothing more is discarded.
+    let resident = g.resident();
+    let bad = [
+        Desc {
+            addr: list,
+            len: 32,
+            flags: VRING_DESC_F_WRITE,
+            next: 0,
+        },
+        Desc {
+            addr: list,
+            len: 30,
+            flags: 0,
+            next: 0,
+        },
+        Desc {
+            addr: 64 * 1024 * MIB,
+            len: 32,
+            flags: 0,
+            next: 0,
+        },
+        Desc {
+            addr: list,
+            len: (MAX_PFNS_PER_CHAIN as u32 + 1) * 4,
+            flags: 0,
+            next: 0,
+        },
+        Desc {
+            addr: list,
+            len: u32::MAX & !3,
+            flags: 0,
+            next: 0,
+        },
+    ];
+    for d in bad {
+        send(&mut ring, d);
+        dev.process_inflate(&mut q).unwrap();
+        assert_eq!(ring.get_used().unwrap(), Some((0, 0)), "{d:?} not returned");
+    }
+    assert_eq!(dev.stats().refused_chains, bad.len() as u64);
+    assert_eq!(dev.stats().inflated_pages, 8);
+    assert_eq!(g.resident(), resident);
+
+    // Deflate counts the frames and discards nothing.
+    send(
+        &mut ring,
+        Desc {
+            addr: list,
+            len: 32,
+            flags: 0,
+            next: 0,
+        },
+    );
+    dev.process_deflate(&mut q).unwrap();
+    assert_eq!(dev.stats().deflated_pages, 8);
+    assert_eq!(g.resident(), resident);
+    dma.unpin_pages(&[10]).unwrap();
+}
