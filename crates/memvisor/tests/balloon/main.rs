@@ -871,7 +871,7 @@ fn inflate_discards_the_frames_given_and_deflate_takes_them_back() {
         },
         Desc {
             addr: list,
-            len: u32::MAX & !3,
+            len: !3,
             flags: 0,
             next: 0,
         },
