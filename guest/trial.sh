@@ -3,7 +3,7 @@
 # vhost-user back end. Needs root (mount namespaces, chroot, mmdebstrap); builds the QEMU root
 # and the guest on first use under target/guest/.
 #
-# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz]
+# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] | balloon [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -12,6 +12,13 @@
 #   --peer      the same trial against qemu-storage-daemon's vhost-user-blk export.
 #   --after-fuzz first attack the back end for 15 s with memvisor's hostile frontend
 #               (vhost-user-fuzz); the same back end must then serve QEMU and pass.
+#   balloon     one `memvisor serve` process with a blk and a balloon device; the guest fills and
+#               frees 512 MiB (free page reporting), then follows the host's balloon target up and
+#               down, with block I/O in the background; the host samples the guest memory's
+#               allocated bytes (its memfd) twice a second and checks at least 80% of what was
+#               freed went back, and the guest checks data it kept is intact.
+#   balloon --negative: the back end runs with free page reporting off (target only); the memory
+#               check must then FAIL.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +97,60 @@ blk)
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: the corrupted image went unnoticed"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  ;;
+balloon)
+  truncate -s 64M "$run/disk.img"
+  "$bin" serve --blk "$run/blk.sock=$run/disk.img" --balloon "$run/balloon.sock" --control "$run/control.sock" \
+    --stats "$run/stats.json" $([ $negative = 1 ] && echo --no-reporting) > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$run/blk.sock"; wait_socket "$run/balloon.sock"; wait_socket "$run/control.sock"
+  control() { python3 -c 'import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall((sys.argv[2]+"\n").encode()); print(s.recv(100).decode().strip())' "$run/control.sock" "$1"; }
+  qemu "t=balloon,blk bal_mib=512 bal_wait=15 bal_target=256 blk_mib=16 blk_random=50 blk_serial=memvisor" \
+    -chardev socket,id=c0,path=$run/blk.sock -device vhost-user-blk-pci,chardev=c0,num-queues=1 \
+    -chardev socket,id=c1,path=$run/balloon.sock -device vhost-user-test-device-pci,chardev=c1,virtio-id=5,num_vqs=3,config_size=16
+  # Sample the guest memory's allocated bytes: QEMU's memfd, through /proc; the phase column
+  # says what the host had asked for by then (fill-and-report, inflate, deflate).
+  echo report > "$run/phase"
+  ( t0=$(date +%s.%N); qp=""
+    while kill -0 "$qpid" 2>/dev/null; do
+      [ -n "$qp" ] || qp=$(pgrep -n -f 'qemu-system-x86_64.*t=balloon' || true)
+      if [ -n "$qp" ]; then
+        for f in /proc/$qp/fd/*; do
+          case $(readlink "$f" 2>/dev/null) in /memfd:*) echo "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}'),$(( $(stat -L -c %b "$f" 2>/dev/null || echo 0) * 512 )),$(cat "$run/phase")"; break;; esac
+        done
+      fi
+      sleep 0.5
+    done > "$run/memory.csv" ) &
+  spid=$!
+  answered=""
+  while kill -0 "$qpid" 2>/dev/null; do
+    if [ -z "$answered" ] && grep -q "INFLATE please" "$log" 2>/dev/null; then echo inflate > "$run/phase"; echo "  control: $(control 'target 256')"; answered=i; fi
+    if [ "$answered" = i ] && grep -q "DEFLATE please" "$log" 2>/dev/null; then echo deflate > "$run/phase"; echo "  control: $(control 'target 0')"; answered=d; fi
+    sleep 0.2
+  done
+  wait "$qpid" || true; wait "$spid" || true
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  grep -a '^GUEST' "$log" | sed 's/^/  /'
+  # Allocated guest memory at FILLED (peak) and its lowest before the inflation starts.
+  peak=$(awk -F, '$3=="report"' "$run/memory.csv" | sort -t, -k2 -n | tail -1 | cut -d, -f2); peak=${peak:-0}
+  low=$(awk -F, -v p="$peak" 'BEGIN{seen=0; low=p} $3!="report"{exit} $2==p{seen=1} seen && $2<low{low=$2} END{print low}' "$run/memory.csv")
+  inflated=$(awk -F, '$3=="inflate"{print $2}' "$run/memory.csv" | sort -n | head -1)
+  echo "  balloon: lowest during inflation $(( ${inflated:-0} >> 20 )) MiB, at the end $(( $(tail -1 "$run/memory.csv" | cut -d, -f2) >> 20 )) MiB"
+  freed=$((512 << 20)); dropped=$((peak - low))
+  echo "  guest memory (memfd allocated): peak $((peak >> 20)) MiB, lowest after it $((low >> 20)) MiB: $((dropped >> 20)) MiB of $((freed >> 20)) MiB freed went back ($((dropped * 100 / freed))%)"
+  echo "  samples: $run/memory.csv ($(wc -l < "$run/memory.csv") points)"
+  [ -f "$run/stats.json" ] && echo "  back end: $(tr -d ' \n' < "$run/stats.json")"
+  bres=$(grep -a '^RESULT balloon' "$log" | tail -1 | tr -d '\r'); kres=$(grep -a '^RESULT blk' "$log" | tail -1 | tr -d '\r')
+  echo "$name: ${bres:-RESULT balloon FAIL no verdict}; ${kres:-RESULT blk FAIL no verdict}; memory $([ $dropped -ge $((freed * 8 / 10)) ] && echo PASS || echo FAIL)"
+  ok=1
+  case "$bres" in *PASS*) ;; *) ok=0;; esac
+  case "$kres" in *PASS*) ;; *) ok=0;; esac
+  [ $dropped -ge $((freed * 8 / 10)) ] || ok=0
+  if [ $negative = 1 ]; then
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: memory came back without free page reporting"; exit 1
   fi
   [ $ok = 1 ] || exit 1
   ;;

@@ -30,9 +30,33 @@ enum Command {
     /// Serve a virtio-blk device over a raw image on a vhost-user socket (until SIGINT/SIGTERM)
     #[command(name = "vhost-user-blk")]
     VhostUserBlk(BlkArgs),
+    /// Serve several vhost-user devices from one process, sharing one memvisor state
+    Serve(ServeArgs),
     /// Act as a hostile vhost-user frontend: send malformed messages to a back end for a while
     #[command(name = "vhost-user-fuzz")]
     VhostUserFuzz(FuzzArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// A virtio-blk device: SOCKET=DISK (repeatable)
+    #[arg(long, value_name = "SOCKET=DISK")]
+    blk: Vec<String>,
+    /// A virtio-balloon device on SOCKET (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,num_vqs=3,config_size=16)
+    #[arg(long, value_name = "SOCKET")]
+    balloon: Vec<PathBuf>,
+    /// The balloon's initial target in MiB (how much memory to ask the guest for)
+    #[arg(long, value_name = "MiB", default_value_t = 0)]
+    balloon_target: u32,
+    /// Control socket: write `target <MiB>` lines to change the balloon target at run time
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
+    /// Do not offer free page reporting on balloons (inflate/deflate only)
+    #[arg(long)]
+    no_reporting: bool,
+    /// Write what the devices did as JSON on exit
+    #[arg(long, value_name = "FILE")]
+    stats: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -94,6 +118,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => run_bench(&args),
         Command::VhostUserBlk(args) => run_blk(&args),
         Command::VhostUserFuzz(args) => run_fuzz(&args),
+        Command::Serve(args) => run_serve(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -113,6 +138,31 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         ..Default::default()
     };
     let report = serve::blk(&args.socket, &args.disk, options)?;
+    eprintln!("{}", serde_json::to_string_pretty(&report)?);
+    serve::write_json(args.stats.as_ref(), &report)
+}
+
+fn run_serve(args: &ServeArgs) -> Result<()> {
+    serve::init_logging();
+    serve::stop_on_signals();
+    let mut blk = Vec::new();
+    for b in &args.blk {
+        let Some((sock, disk)) = b.split_once('=') else {
+            bail!("--blk {b:?}: write SOCKET=DISK, e.g. --blk run/blk.sock=disk.img");
+        };
+        blk.push((PathBuf::from(sock), PathBuf::from(disk)));
+    }
+    if blk.is_empty() && args.balloon.is_empty() {
+        bail!("nothing to serve: give --blk SOCKET=DISK and/or --balloon SOCKET");
+    }
+    let devices = serve::Devices {
+        blk,
+        balloon: args.balloon.clone(),
+        balloon_target_mib: args.balloon_target,
+        control: args.control.clone(),
+        reporting: !args.no_reporting,
+    };
+    let report = serve::serve(&devices)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
 }

@@ -6,12 +6,17 @@
 //! never frees a page the block device has pinned for I/O in flight.
 
 use std::fs::OpenOptions;
+use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
-use memvisor_vhost::{Backend, BackendStats, Blk, BlkOptions, BlkStats};
+use memvisor_vhost::{
+    Backend, BackendStats, BalloonDevice, BalloonTarget, Blk, BlkOptions, BlkStats,
+};
 use serde::Serialize;
 
 /// Set by SIGINT / SIGTERM.
@@ -118,6 +123,182 @@ pub fn blk(socket: &Path, disk: &Path, options: BlkOptions) -> Result<BlkReport>
         &backend.stats,
         &backend.device().stats,
     ))
+}
+
+/// What a balloon back end did, for `--stats`.
+#[derive(Serialize)]
+pub struct BalloonReport {
+    /// Socket served.
+    pub socket: String,
+    /// Connections served.
+    pub connections: u64,
+    /// Messages handled.
+    pub messages: u64,
+    /// Messages refused.
+    pub refused: u64,
+    /// Report chains taken.
+    pub report_chains: u64,
+    /// Chains refused whole.
+    pub refused_chains: u64,
+    /// Bytes given back to the host (reports and inflation).
+    pub discarded: u64,
+    /// Bytes kept because a pin held them.
+    pub skipped_pinned: u64,
+    /// Bytes refused by the discard rules.
+    pub rejected: u64,
+    /// Pages inflated.
+    pub inflated_pages: u64,
+    /// Pages deflated.
+    pub deflated_pages: u64,
+    /// Target at exit, pages.
+    pub target_pages: u32,
+    /// What the driver said it held at exit, pages.
+    pub actual_pages: u32,
+}
+
+/// Everything one `memvisor serve` process did.
+#[derive(Serialize, Default)]
+pub struct ServeReport {
+    /// Block devices.
+    pub blk: Vec<BlkReport>,
+    /// Balloons.
+    pub balloon: Vec<BalloonReport>,
+}
+
+/// Devices for [`serve`].
+pub struct Devices {
+    /// `(socket, disk)` pairs.
+    pub blk: Vec<(PathBuf, PathBuf)>,
+    /// Balloon sockets.
+    pub balloon: Vec<PathBuf>,
+    /// Initial balloon target in MiB.
+    pub balloon_target_mib: u32,
+    /// Control socket: lines `target <MiB>` set the balloon target.
+    pub control: Option<PathBuf>,
+    /// Offer free page reporting on balloons.
+    pub reporting: bool,
+}
+
+/// Serves every device in its own thread, all on one memvisor state, until a signal.
+pub fn serve(devices: &Devices) -> Result<ServeReport> {
+    let target = BalloonTarget::default();
+    target.set_pages(devices.balloon_target_mib.saturating_mul(256));
+    let mut blk_threads = Vec::new();
+    for (socket, disk) in &devices.blk {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(disk)
+            .with_context(|| format!("cannot open disk image {}", disk.display()))?;
+        let listener = listen(socket)?;
+        let mut backend = Backend::new(Blk::new(file, BlkOptions::default())?)?;
+        let socket = socket.clone();
+        log::info!(
+            "vhost-user-blk: serving {} on {}",
+            disk.display(),
+            socket.display()
+        );
+        blk_threads.push(std::thread::spawn(move || -> Result<BlkReport> {
+            backend.serve(&listener, &STOP)?;
+            let _ = std::fs::remove_file(&socket);
+            Ok(BlkReport::new(
+                &socket,
+                &backend.stats,
+                &backend.device().stats,
+            ))
+        }));
+    }
+    let mut balloon_threads = Vec::new();
+    for socket in &devices.balloon {
+        let listener = listen(socket)?;
+        let mut device = BalloonDevice::new(target.clone());
+        if !devices.reporting {
+            device = device.without_reporting();
+        }
+        let mut backend = Backend::new(device)?;
+        let socket = socket.clone();
+        log::info!("vhost-user-balloon: serving on {}", socket.display());
+        balloon_threads.push(std::thread::spawn(move || -> Result<BalloonReport> {
+            backend.serve(&listener, &STOP)?;
+            let _ = std::fs::remove_file(&socket);
+            let d = backend.device();
+            let s = d.stats();
+            Ok(BalloonReport {
+                socket: socket.display().to_string(),
+                connections: backend.stats.connections,
+                messages: backend.stats.messages,
+                refused: backend.stats.refused,
+                report_chains: s.chains,
+                refused_chains: s.refused_chains,
+                discarded: s.discarded,
+                skipped_pinned: s.skipped_pinned,
+                rejected: s.rejected,
+                inflated_pages: s.inflated_pages,
+                deflated_pages: s.deflated_pages,
+                target_pages: 0,
+                actual_pages: d.actual_pages(),
+            })
+        }));
+    }
+    let control = match &devices.control {
+        Some(path) => Some(control_thread(path, target.clone())?),
+        None => None,
+    };
+    let mut report = ServeReport::default();
+    for t in blk_threads {
+        report.blk.push(t.join().expect("blk thread panicked")?);
+    }
+    for t in balloon_threads {
+        let mut r = t.join().expect("balloon thread panicked")?;
+        r.target_pages = target.pages();
+        report.balloon.push(r);
+    }
+    if let Some(t) = control {
+        let _ = t.join();
+    }
+    Ok(report)
+}
+
+/// Accepts control connections until a signal: each line `target <MiB>` sets the balloon target
+/// and is answered `ok <pages>`; anything else `error: ...`.
+fn control_thread(path: &Path, target: BalloonTarget) -> Result<std::thread::JoinHandle<()>> {
+    let listener = listen(path)?;
+    listener.set_nonblocking(true)?;
+    let path = path.to_path_buf();
+    Ok(std::thread::spawn(move || {
+        while !STOP.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((sock, _)) => control_connection(sock, &target),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+        let _ = std::fs::remove_file(&path);
+    }))
+}
+
+fn control_connection(sock: UnixStream, target: &BalloonTarget) {
+    let _ = sock.set_nonblocking(false);
+    let _ = sock.set_read_timeout(Some(Duration::from_secs(5)));
+    let mut out = match sock.try_clone() {
+        Ok(s) => s,
+        Err(_) => return,
+    };
+    for line in BufReader::new(sock).lines().map_while(|l| l.ok()) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let answer = match words.as_slice() {
+            ["target", mib] => match mib.parse::<u32>() {
+                Ok(m) if m <= u32::MAX / 256 => {
+                    target.set_pages(m * 256);
+                    format!("ok {}", m * 256)
+                }
+                _ => format!("error: target {mib:?} is not a size in MiB"),
+            },
+            _ => format!("error: unknown command {line:?}; say `target <MiB>`"),
+        };
+        if writeln!(out, "{answer}").is_err() {
+            return;
+        }
+    }
 }
 
 /// Writes `value` as JSON to `path`, if given.

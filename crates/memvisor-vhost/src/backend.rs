@@ -66,6 +66,17 @@ pub trait Device: Send {
             self.name()
         )))
     }
+    /// Called once with the frontend's memory holder, before any message (the memory inside
+    /// changes with each memory table; the holder stays).
+    fn attach(&mut self, memory: &FrontendMemory) -> Result<()> {
+        let _ = memory;
+        Ok(())
+    }
+    /// Whether the config space changed on the device's side since last asked (the back end
+    /// then tells the frontend). Polled between messages, at least every 200 ms.
+    fn config_changed(&mut self) -> bool {
+        false
+    }
     /// Processes what the driver made available on queue `index`; returns whether the driver
     /// should be notified. An error means the queue is broken (the driver needs a reset); a bad
     /// request is answered on the ring, not with an error.
@@ -124,11 +135,13 @@ pub struct BackendStats {
 
 impl<D: Device> Backend<D> {
     /// A back end for `device`.
-    pub fn new(device: D) -> Result<Self> {
+    pub fn new(mut device: D) -> Result<Self> {
         let n = device.queues() as usize;
+        let memory = FrontendMemory::new()?;
+        device.attach(&memory)?;
         Ok(Backend {
             device,
-            memory: FrontendMemory::new()?,
+            memory,
             vrings: (0..n).map(|_| Vring::default()).collect(),
             acked: 0,
             protocol_acked: 0,
@@ -189,6 +202,9 @@ impl<D: Device> Backend<D> {
     /// Serves one connected frontend until it leaves, the stream breaks, or `stop` is set.
     pub fn run(&mut self, sock: &UnixStream, stop: &AtomicBool) -> Result<()> {
         while !stop.load(Ordering::Relaxed) {
+            if self.device.config_changed() {
+                self.notify_config_change()?;
+            }
             let mut fds = vec![libc::pollfd {
                 fd: sock.as_raw_fd(),
                 events: libc::POLLIN,
@@ -404,6 +420,12 @@ impl<D: Device> Backend<D> {
                     Some(File::from(msg.take_fd("the eventfd")?))
                 };
                 self.ring(request, i)?;
+                log::debug!(
+                    "{}: {} ring {i} fd {}",
+                    self.device.name(),
+                    req::name(request),
+                    fd.is_some()
+                );
                 match request {
                     req::SET_VRING_KICK => {
                         let Some(kick) = fd else {
@@ -468,6 +490,28 @@ impl<D: Device> Backend<D> {
                 req::name(request)
             ))),
         }
+    }
+
+    /// `CONFIG_CHANGE_MSG` on the back-end channel, if the frontend opened one.
+    fn notify_config_change(&mut self) -> Result<()> {
+        let wanted = protocol::BACKEND_REQ | protocol::CONFIG;
+        let Some(ch) = self.backend_req.as_ref() else {
+            log::info!(
+                "{}: config changed, but the frontend has no back-end channel to hear it",
+                self.device.name()
+            );
+            return Ok(());
+        };
+        if self.protocol_acked & wanted != wanted {
+            return Ok(());
+        }
+        let mut b = proto::backend_req::CONFIG_CHANGE_MSG.to_le_bytes().to_vec();
+        b.extend_from_slice(&proto::flags::VERSION.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        if let Err(e) = (&*ch).write_all(&b) {
+            log::warn!("{}: config change message: {e}", self.device.name());
+        }
+        Ok(())
     }
 
     fn offered(&self) -> u64 {
@@ -539,7 +583,13 @@ impl<D: Device> Backend<D> {
         let Some(q) = v.queue.as_mut() else {
             return Ok(());
         };
-        match self.device.process(i as u16, q, &self.memory) {
+        let r = self.device.process(i as u16, q, &self.memory);
+        log::debug!(
+            "{}: ring {i} processed: {r:?}, call fd {}",
+            self.device.name(),
+            v.call.is_some()
+        );
+        match r {
             Ok(true) => {
                 if let Some(c) = &mut v.call {
                     let _ = c.write(&1u64.to_le_bytes());

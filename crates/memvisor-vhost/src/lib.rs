@@ -13,8 +13,11 @@
 //!   [`memvisor::DmaSpace`] — the one memory model; the front end adds none of its own.
 //! * [`backend`] is the protocol state machine and the serving loop; a [`backend::Device`] only
 //!   knows its features, config space and queues.
+//! * [`balloon`] is virtio-balloon (free page reporting, inflate, deflate) through memvisor's
+//!   balloon model and pin-aware discard.
 //! * [`blk`] is virtio-blk over a raw image with `preadv`/`pwritev` straight into guest memory,
 //!   pages pinned through memvisor for the duration of each request.
+//! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
 //!
 //! Virtqueues are read with rust-vmm's `virtio-queue` over memvisor's vm-memory adapter.
 //! Every message and every descriptor is untrusted input: a refused one gets an error reply
@@ -23,6 +26,7 @@
 #![cfg(target_os = "linux")]
 
 pub mod backend;
+pub mod balloon;
 pub mod blk;
 pub mod client;
 pub mod error;
@@ -32,6 +36,7 @@ pub mod proto;
 pub mod wire;
 
 pub use backend::{Backend, BackendStats, Device};
+pub use balloon::{BalloonDevice, BalloonTarget};
 pub use blk::{Blk, BlkOptions, BlkStats};
 pub use error::{Error, Result};
 pub use memory::FrontendMemory;

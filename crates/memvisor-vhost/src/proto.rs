@@ -76,6 +76,12 @@ pub mod req {
     }
 }
 
+/// Back-end requests (back end to frontend, on the `SET_BACKEND_REQ_FD` channel).
+pub mod backend_req {
+    /// The device's config space changed; the frontend re-reads it.
+    pub const CONFIG_CHANGE_MSG: u32 = 2;
+}
+
 /// Header flag bits.
 pub mod flags {
     /// The protocol version this back end speaks, in the low two bits.

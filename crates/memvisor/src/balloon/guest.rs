@@ -197,6 +197,15 @@ impl GuestRing {
 
     /// Writes `used_event` (with `VIRTIO_RING_F_EVENT_IDX`): interrupt the guest once the used
     /// index passes `idx`.
+    /// The device's `avail_event` (after the used ring's entries): with event indexes, the
+    /// driver kicks only when its available index passes this.
+    pub fn avail_event(&self) -> Result<u16> {
+        let mut b = [0u8; 2];
+        self.mem
+            .read(Gpa(self.used + 4 + 8 * u64::from(self.size)), &mut b)?;
+        Ok(u16::from_le_bytes(b))
+    }
+
     pub fn set_used_event(&self, idx: u16) -> Result<()> {
         let at = self.avail + 4 + 2 * u64::from(self.size);
         self.mem.write(Gpa(at), &idx.to_le_bytes())

@@ -292,7 +292,9 @@ impl Balloon {
                 || (CONFIG_POISON_VAL..CONFIG_POISON_VAL + 4).contains(&o)
             {
                 c[o as usize] = b;
-            } else {
+            } else if c.get(o as usize).is_none_or(|&v| v != b) {
+                // Transports that write the whole config space back (vhost-user's SET_CONFIG)
+                // rewrite the device's bytes unchanged; only a change is worth a word.
                 log::warn!("balloon: driver wrote read-only config byte {o:#x}; ignored");
             }
         }
@@ -408,7 +410,14 @@ impl Balloon {
                     return Err(Error::Invalid(format!("balloon: {why}; reset the device")));
                 }
             };
-            let Some(chain) = chain else { break };
+            let Some(chain) = chain else {
+                // With event indexes the driver kicks only when told where to (avail_event):
+                // publish it, and look again in case a chain arrived meanwhile.
+                if queue.enable_notification(mem).unwrap_or(false) {
+                    continue;
+                }
+                break;
+            };
             let head = chain.head_index();
             let result = chain_ranges(mem, chain, queue.size()).map(|ranges| {
                 let outcome = self.discarder.report(&ranges);
@@ -469,7 +478,14 @@ impl Balloon {
                     )));
                 }
             };
-            let Some(chain) = chain else { break };
+            let Some(chain) = chain else {
+                // With event indexes the driver kicks only when told where to (avail_event):
+                // publish it, and look again in case a chain arrived meanwhile.
+                if queue.enable_notification(mem).unwrap_or(false) {
+                    continue;
+                }
+                break;
+            };
             let head = chain.head_index();
             match frame_ranges(mem, chain, queue.size()) {
                 Ok((ranges, pages)) if inflate => {
