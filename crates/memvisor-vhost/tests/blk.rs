@@ -14,38 +14,9 @@ const HDR: u64 = 0x10000;
 const DATA: u64 = 0x20000;
 const STATUS: u64 = 0x80000;
 
-fn image(bytes: u64) -> (tempfile_path::Tmp, File) {
-    let t = tempfile_path::Tmp::new("blk");
-    let f = File::options()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&t.0)
-        .unwrap();
-    f.set_len(bytes).unwrap();
-    (t, f)
-}
-
-/// A scratch file removed on drop.
-mod tempfile_path {
-    pub struct Tmp(pub std::path::PathBuf);
-    impl Tmp {
-        pub fn new(tag: &str) -> Tmp {
-            let n = std::sync::atomic::AtomicU64::new(0);
-            let p = std::env::temp_dir().join(format!(
-                "memvisor-vhost-{tag}-{}-{}",
-                std::process::id(),
-                n.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            ));
-            Tmp(p)
-        }
-    }
-    impl Drop for Tmp {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
+/// A disk image: a memfd, so parallel tests never share a file.
+fn image(bytes: u64) -> File {
+    memfd(bytes)
 }
 
 fn header(g: &Guest, kind: u32, sector: u64) {
@@ -75,7 +46,7 @@ fn request(g: &mut Guest, kind: u32, sector: u64, data: &[(u64, u32, bool)]) -> 
 
 #[test]
 fn writes_and_reads_move_between_guest_memory_and_the_image() {
-    let (_t, disk) = image(4 * MIB);
+    let disk = image(4 * MIB);
     let mut g = Guest::new(4 * MIB);
     let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
     setup(&c, &g);
@@ -130,7 +101,7 @@ fn writes_and_reads_move_between_guest_memory_and_the_image() {
 
 #[test]
 fn bad_requests_are_answered_ioerr_and_the_queue_keeps_working() {
-    let (_t, disk) = image(MIB);
+    let disk = image(MIB);
     let mut g = Guest::new(4 * MIB);
     let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
     setup(&c, &g);
