@@ -6,6 +6,7 @@
 //! asked for, and hands out terminal [`Progress`] bars. The registry is [`all`]; the report
 //! writer ([`report`]) and the SVG renderer ([`svg`]) turn outcomes into files.
 
+mod guest;
 mod lookup;
 pub mod machine;
 mod map_unmap;
@@ -20,6 +21,11 @@ mod translate;
 use serde::Serialize;
 use std::io::Write;
 use std::time::{Duration, Instant};
+
+/// Experiments run only when named: they need root and minutes (`memvisor bench guest`).
+pub fn on_request() -> Vec<Box<dyn Experiment>> {
+    vec![Box::new(guest::Guest)]
+}
 
 /// Every registered experiment, in the order `memvisor bench` runs them.
 /// To add one: write `src/bench/<name>.rs` with a type implementing [`Experiment`], declare it
