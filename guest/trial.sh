@@ -106,7 +106,7 @@ balloon)
     --stats "$run/stats.json" $([ $negative = 1 ] && echo --no-reporting) > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/blk.sock"; wait_socket "$run/balloon.sock"; wait_socket "$run/control.sock"
-  control() { python3 -c 'import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall((sys.argv[2]+"\n").encode()); print(s.recv(100).decode().strip())' "$run/control.sock" "$1"; }
+  control() { "$bin" balloon-target --control "$run/control.sock" "$1"; }
   qemu "t=balloon,blk bal_mib=512 bal_wait=15 bal_target=256 blk_mib=16 blk_random=50 blk_serial=memvisor" \
     -chardev socket,id=c0,path=$run/blk.sock -device vhost-user-blk-pci,chardev=c0,num-queues=1 \
     -chardev socket,id=c1,path=$run/balloon.sock -device vhost-user-test-device-pci,chardev=c1,virtio-id=5,num_vqs=3,config_size=16
@@ -126,8 +126,8 @@ balloon)
   spid=$!
   answered=""
   while kill -0 "$qpid" 2>/dev/null; do
-    if [ -z "$answered" ] && grep -q "INFLATE please" "$log" 2>/dev/null; then echo inflate > "$run/phase"; echo "  control: $(control 'target 256')"; answered=i; fi
-    if [ "$answered" = i ] && grep -q "DEFLATE please" "$log" 2>/dev/null; then echo deflate > "$run/phase"; echo "  control: $(control 'target 0')"; answered=d; fi
+    if [ -z "$answered" ] && grep -q "INFLATE please" "$log" 2>/dev/null; then echo inflate > "$run/phase"; echo "  control: $(control 256)"; answered=i; fi
+    if [ "$answered" = i ] && grep -q "DEFLATE please" "$log" 2>/dev/null; then echo deflate > "$run/phase"; echo "  control: $(control 0)"; answered=d; fi
     sleep 0.2
   done
   wait "$qpid" || true; wait "$spid" || true

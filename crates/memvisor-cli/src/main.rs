@@ -32,6 +32,9 @@ enum Command {
     VhostUserBlk(BlkArgs),
     /// Serve several vhost-user devices from one process, sharing one memvisor state
     Serve(ServeArgs),
+    /// Set the balloon target of a running `memvisor serve` (through its --control socket)
+    #[command(name = "balloon-target")]
+    BalloonTarget(TargetArgs),
     /// Act as a hostile vhost-user frontend: send malformed messages to a back end for a while
     #[command(name = "vhost-user-fuzz")]
     VhostUserFuzz(FuzzArgs),
@@ -57,6 +60,16 @@ struct ServeArgs {
     /// Write what the devices did as JSON on exit
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct TargetArgs {
+    /// The control socket given to `memvisor serve --control`
+    #[arg(long, value_name = "PATH")]
+    control: PathBuf,
+    /// Memory to ask the guest for, in MiB (0 gives it all back)
+    #[arg(value_name = "MiB")]
+    mib: u32,
 }
 
 #[derive(Args)]
@@ -120,6 +133,7 @@ fn main() -> ExitCode {
         Command::VhostUserBlk(args) => run_blk(&args),
         Command::VhostUserFuzz(args) => run_fuzz(&args),
         Command::Serve(args) => run_serve(&args),
+        Command::BalloonTarget(args) => run_target(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -166,6 +180,26 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
     let report = serve::serve(&devices)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
+}
+
+fn run_target(args: &TargetArgs) -> Result<()> {
+    use std::io::{BufRead, BufReader};
+    let mut sock = std::os::unix::net::UnixStream::connect(&args.control).with_context(|| {
+        format!(
+            "cannot connect to {}: is `memvisor serve --control` running?",
+            args.control.display()
+        )
+    })?;
+    writeln!(sock, "target {}", args.mib)?;
+    let mut answer = String::new();
+    BufReader::new(sock).read_line(&mut answer)?;
+    let answer = answer.trim();
+    if answer.starts_with("ok") {
+        println!("{answer}");
+        Ok(())
+    } else {
+        bail!("the back end said: {answer}")
+    }
 }
 
 fn run_fuzz(args: &FuzzArgs) -> Result<()> {
