@@ -142,3 +142,38 @@ fn bad_requests_are_answered_ioerr_and_the_queue_keeps_working() {
         "pins left behind"
     );
 }
+
+#[test]
+fn every_queue_of_a_multiqueue_device_serves_requests() {
+    let disk = image(MIB);
+    disk.write_all_at(&[0x3c; 512], 512 * 5).unwrap();
+    let mut g = Guest::new(4 * MIB);
+    let options = BlkOptions {
+        queues: 4,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), options).unwrap());
+    assert_eq!(
+        c.get_u64(memvisor_vhost::proto::req::GET_QUEUE_NUM)
+            .unwrap(),
+        4
+    );
+    negotiate(&c, &g);
+    // The guest's one ring, as the device's last queue: queues 0-2 stay unused.
+    start_ring_at(&c, &g, 3);
+    assert_eq!(request(&mut g, 0, 5, &[(DATA, 512, true)]), (0, 513));
+    let mut d = [0u8; 512];
+    g.mem.read(Gpa(DATA), &mut d).unwrap();
+    assert_eq!(d, [0x3c; 512]);
+    // num_queues in the config space.
+    let cfg = c
+        .get(
+            memvisor_vhost::proto::req::GET_CONFIG,
+            &memvisor_vhost::proto::config_bytes(34, 0, &[0, 0]),
+        )
+        .unwrap();
+    assert_eq!(&cfg[12..], &4u16.to_le_bytes());
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats.reads, 1);
+}

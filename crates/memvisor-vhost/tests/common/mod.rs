@@ -172,6 +172,12 @@ pub fn serve<D: Device + 'static>(device: D) -> (Client, JoinHandle<Served<D>>) 
 
 /// Negotiates features and protocol features, sends the memory table and starts ring 0.
 pub fn setup(c: &Client, g: &Guest) {
+    negotiate(c, g);
+    start_ring(c, g);
+}
+
+/// Features, protocol features and the memory table, no ring.
+pub fn negotiate(c: &Client, g: &Guest) {
     let f = c.get_u64(req::GET_FEATURES).unwrap();
     c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
     let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
@@ -184,39 +190,32 @@ pub fn setup(c: &Client, g: &Guest) {
             .unwrap(),
         0
     );
-    start_ring(c, g);
 }
 
 pub fn start_ring(c: &Client, g: &Guest) {
-    let st = |i: u32, n: u32| proto::vring_state_bytes(i, n);
-    assert_eq!(
-        c.ack(req::SET_VRING_NUM, &st(0, RING_SIZE as u32), &[])
-            .unwrap(),
-        0
-    );
-    assert_eq!(
-        c.ack(req::SET_VRING_ADDR, &g.vring_addr().bytes(), &[])
-            .unwrap(),
-        0
-    );
-    assert_eq!(c.ack(req::SET_VRING_BASE, &st(0, 0), &[]).unwrap(), 0);
-    assert_eq!(
-        c.ack(
-            req::SET_VRING_CALL,
-            &0u64.to_le_bytes(),
-            &[g.call.as_raw_fd()]
-        )
-        .unwrap(),
-        0
-    );
-    assert_eq!(
-        c.ack(
-            req::SET_VRING_KICK,
-            &0u64.to_le_bytes(),
-            &[g.kick.as_raw_fd()]
-        )
-        .unwrap(),
-        0
-    );
-    assert_eq!(c.ack(req::SET_VRING_ENABLE, &st(0, 1), &[]).unwrap(), 0);
+    start_ring_at(c, g, 0)
+}
+
+/// Starts the guest's ring as the device's queue `index`.
+pub fn start_ring_at(c: &Client, g: &Guest, index: u32) {
+    let st = |n: u32| proto::vring_state_bytes(index, n);
+    let addr = VringAddr {
+        index,
+        ..g.vring_addr()
+    };
+    let i = u64::from(index);
+    let ok = |request: u32, payload: &[u8], fds: &[i32]| {
+        assert_eq!(
+            c.ack(request, payload, fds).unwrap(),
+            0,
+            "{}",
+            req::name(request)
+        );
+    };
+    ok(req::SET_VRING_NUM, &st(RING_SIZE as u32), &[]);
+    ok(req::SET_VRING_ADDR, &addr.bytes(), &[]);
+    ok(req::SET_VRING_BASE, &st(0), &[]);
+    ok(req::SET_VRING_CALL, &i.to_le_bytes(), &[g.call.as_raw_fd()]);
+    ok(req::SET_VRING_KICK, &i.to_le_bytes(), &[g.kick.as_raw_fd()]);
+    ok(req::SET_VRING_ENABLE, &st(1), &[]);
 }
