@@ -285,10 +285,10 @@ impl Blk {
             dma.pin_pages(&pages, prot)?;
         }
         let result = self.io(dma, data, sector, to_guest, total);
-        if !pages.is_empty()
-            && let Err(e) = dma.unpin_pages(&pages)
-        {
-            log::error!("blk: unpinning {} pages: {e}", pages.len());
+        if !pages.is_empty() {
+            if let Err(e) = dma.unpin_pages(&pages) {
+                log::error!("blk: unpinning {} pages: {e}", pages.len());
+            }
         }
         let n = result?;
         record(&mut self.stats.npage_histogram, pages.len());
