@@ -611,9 +611,8 @@ impl<D: Device> Backend<D> {
     /// Stops rings whose memory lies in a region about to go.
     fn stop_rings_in(&mut self, gpa: u64, size: u64) {
         for v in &mut self.vrings {
-            let inside = |(d, a, u): (u64, u64, u64)| {
-                [d, a, u].iter().any(|x| x.wrapping_sub(gpa) < size)
-            };
+            let inside =
+                |(d, a, u): (u64, u64, u64)| [d, a, u].iter().any(|x| x.wrapping_sub(gpa) < size);
             if v.addr.is_some_and(inside) {
                 v.started = false;
                 v.queue = None;
