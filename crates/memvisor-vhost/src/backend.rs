@@ -34,8 +34,10 @@ use vm_memory::GuestAddressSpace;
 
 use crate::error::{Error, Result};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
-use crate::proto::{self, F_PROTOCOL_FEATURES, protocol, req};
+use crate::proto::{self, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
 use crate::wire::{self, Message};
+use memvisor::{Backing, SharedLog};
+use std::sync::Arc;
 
 /// A virtio device served over vhost-user.
 pub trait Device: Send {
@@ -65,6 +67,12 @@ pub trait Device: Send {
             "{}: the config space is read-only",
             self.name()
         )))
+    }
+    /// Whether the device logs its writes for migration (`VHOST_F_LOG_ALL`, `LOG_SHMFD`): it
+    /// must write guest memory only through the [`FrontendMemory`]'s device space or its slot
+    /// table, where memvisor tracks dirty pages.
+    fn supports_dirty_log(&self) -> bool {
+        false
     }
     /// Called once with the frontend's memory holder, before any message (the memory inside
     /// changes with each memory table; the holder stays).
@@ -116,6 +124,10 @@ pub struct Backend<D: Device> {
     backend_req: Option<UnixStream>,
     /// Set by the frontend's `SET_STATUS`.
     status: u8,
+    /// The frontend's dirty log (`SET_LOG_BASE`).
+    log: Option<SharedLog>,
+    /// Test-only: never write the dirty log (the migration trial's negative control).
+    log_disabled: bool,
     /// Requests handled and refused over this back end's life (for the logs and tests).
     pub stats: BackendStats,
 }
@@ -131,6 +143,8 @@ pub struct BackendStats {
     pub refused: u64,
     /// Kicks processed.
     pub kicks: u64,
+    /// Pages written to the frontend's dirty log.
+    pub logged_pages: u64,
 }
 
 impl<D: Device> Backend<D> {
@@ -147,8 +161,26 @@ impl<D: Device> Backend<D> {
             protocol_acked: 0,
             backend_req: None,
             status: 0,
+            log: None,
+            log_disabled: false,
             stats: BackendStats::default(),
         })
+    }
+
+    /// Test-only: track dirty pages but never write them to the frontend's log, so a
+    /// migration loses what the device wrote. The migration trial's negative control uses it to
+    /// show that its check can fail; nothing else should.
+    pub fn disable_dirty_log_for_tests(&mut self) {
+        self.log_disabled = true;
+    }
+
+    /// ORs what memvisor tracked since the last call into the frontend's log.
+    fn drain_log(&mut self) -> Result<()> {
+        if let (Some(log), false) = (&self.log, self.log_disabled) {
+            let pages = self.memory.drain_dirty(log)?;
+            self.stats.logged_pages += pages;
+        }
+        Ok(())
     }
 
     /// The device.
@@ -291,7 +323,21 @@ impl<D: Device> Backend<D> {
                         "SET_FEATURES {f:#x}: bits {unknown:#x} were not offered"
                     )));
                 }
-                self.device.set_features(f & !F_PROTOCOL_FEATURES)?;
+                self.device
+                    .set_features(f & !(F_PROTOCOL_FEATURES | F_LOG_ALL))?;
+                let log_all = f & F_LOG_ALL != 0;
+                if log_all && !self.memory.is_logging() {
+                    self.memory.start_logging()?;
+                    log::info!("{}: dirty logging on", self.device.name());
+                } else if !log_all && self.memory.is_logging() {
+                    self.drain_log()?;
+                    self.memory.stop_logging()?;
+                    log::info!(
+                        "{}: dirty logging off ({} pages logged)",
+                        self.device.name(),
+                        self.stats.logged_pages
+                    );
+                }
                 self.acked = f;
                 if f & F_PROTOCOL_FEATURES == 0 {
                     // Without protocol features a ring is enabled from the start.
@@ -397,6 +443,9 @@ impl<D: Device> Backend<D> {
             }
             req::GET_VRING_BASE => {
                 let (i, _) = proto::vring_state(request, p)?;
+                // Everything the ring's requests wrote is in the log before the frontend hears
+                // the ring stopped.
+                self.drain_log()?;
                 let v = self.ring(request, i)?;
                 let next = v.queue.as_ref().map_or(v.base, |q| q.next_avail());
                 v.started = false;
@@ -476,6 +525,28 @@ impl<D: Device> Backend<D> {
                 self.backend_req = Some(UnixStream::from(fd));
                 Ok(None)
             }
+            req::SET_LOG_BASE => {
+                let (size, offset) = proto::log_base(p)?;
+                let fd = msg.take_fd("the dirty log")?;
+                let mapped = size.checked_next_multiple_of(4096).ok_or_else(|| {
+                    Error::Invalid(format!("SET_LOG_BASE: log size {size:#x} is too large"))
+                })?;
+                let memory = Backing::from_fd(fd, offset, mapped).map_err(|e| {
+                    Error::Invalid(format!(
+                        "SET_LOG_BASE: log of {size:#x} bytes at offset {offset:#x}: {e}"
+                    ))
+                })?;
+                self.drain_log()?;
+                self.log = Some(SharedLog::new(Arc::new(memory), size)?);
+                log::info!(
+                    "{}: dirty log of {size} bytes ({} GiB of guest memory)",
+                    self.device.name(),
+                    size * 8 * 4096 >> 30
+                );
+                // With LOG_SHMFD the frontend waits for this reply.
+                Ok(Some(0u64.to_le_bytes().to_vec()))
+            }
+            req::SET_LOG_FD => Ok(None),
             req::SET_STATUS => {
                 let s = proto::u64_payload(request, p)?;
                 self.status = s as u8;
@@ -515,11 +586,21 @@ impl<D: Device> Backend<D> {
     }
 
     fn offered(&self) -> u64 {
-        self.device.features() | F_PROTOCOL_FEATURES
+        let log = if self.device.supports_dirty_log() {
+            F_LOG_ALL
+        } else {
+            0
+        };
+        self.device.features() | F_PROTOCOL_FEATURES | log
     }
 
     fn protocol_offered(&self) -> u64 {
-        PROTOCOL | self.device.protocol_features()
+        let log = if self.device.supports_dirty_log() {
+            protocol::LOG_SHMFD
+        } else {
+            0
+        };
+        PROTOCOL | self.device.protocol_features() | log
     }
 
     fn ring(&mut self, request: u32, index: u32) -> Result<&mut Vring> {
@@ -584,6 +665,14 @@ impl<D: Device> Backend<D> {
             return Ok(());
         };
         let r = self.device.process(i as u16, q, &self.memory);
+        // Completed requests are logged before the guest is told (and before the frontend can
+        // stop the ring and read the log for the last time).
+        if let (Some(log), false) = (&self.log, self.log_disabled) {
+            match self.memory.drain_dirty(log) {
+                Ok(pages) => self.stats.logged_pages += pages,
+                Err(e) => log::error!("{}: dirty log: {e}", self.device.name()),
+            }
+        }
         log::debug!(
             "{}: ring {i} processed: {r:?}, call fd {}",
             self.device.name(),
@@ -633,6 +722,10 @@ impl<D: Device> Backend<D> {
     /// A frontend left: forget everything it set up.
     fn disconnect(&mut self) {
         let _ = self.reset();
+        self.log = None;
+        if self.memory.is_logging() {
+            let _ = self.memory.stop_logging();
+        }
         self.protocol_acked = 0;
         self.backend_req = None;
         if let Err(e) = self.memory.clear() {
@@ -662,6 +755,7 @@ fn has_reply(request: u32) -> bool {
             | req::GET_CONFIG
             | req::GET_MAX_MEM_SLOTS
             | req::GET_STATUS
+            | req::SET_LOG_BASE
     )
 }
 

@@ -430,6 +430,12 @@ impl Device for Blk {
         crate::proto::protocol::CONFIG
     }
 
+    fn supports_dirty_log(&self) -> bool {
+        // Every write goes through the frontend memory's device space (preadv into translated,
+        // pinned pages; dma_write for status and ID) or its slots (the rings).
+        true
+    }
+
     fn queues(&self) -> u16 {
         self.options.queues
     }

@@ -16,6 +16,13 @@
 //!
 //! The region list itself is kept only to turn user addresses into guest physical ones.
 //!
+//! **Dirty logging** (migration). While logging, the device space tracks dirty pages (device
+//! writes through translations, `dma_write`, and pins — pinned pages stay dirty) and every slot
+//! logs writes made through the slot table (the rings, written by `virtio-queue` through the
+//! vm-memory adapter). [`FrontendMemory::drain_dirty`] reads and clears both and ORs them into
+//! the frontend's shared log at guest physical pages: memvisor's tracking is the one source of
+//! truth and the vhost-user log its view. A new memory table keeps logging on.
+//!
 //! **Checks.** A region is refused (EINVAL, state unchanged) if it is empty, wraps, overlaps
 //! another in guest physical or user address space, or if its descriptor fails
 //! [`Backing::from_fd`]'s checks (not a regular file, range past the file's end, unaligned). A
@@ -27,7 +34,8 @@ use std::sync::Arc;
 use vm_memory::GuestAddressSpace;
 
 use memvisor::{
-    Backing, DmaConfig, DmaSpace, Gpa, Iova, Prot, SharedMappings, SlotSpace, SlotSpec, SlotTable,
+    Backing, DmaConfig, DmaSpace, Gpa, Iova, Prot, SharedLog, SharedMappings, SlotFlags, SlotSpace,
+    SlotSpec, SlotTable,
 };
 
 use crate::error::{Error, Result};
@@ -49,6 +57,7 @@ pub struct FrontendMemory {
     slots: SlotTable,
     space: SlotSpace,
     dma: Arc<DmaSpace>,
+    logging: bool,
 }
 
 impl std::fmt::Debug for FrontendMemory {
@@ -68,7 +77,72 @@ impl FrontendMemory {
             space: SlotSpace::new(slots.clone()),
             slots,
             dma: Arc::new(DmaSpace::new(DmaConfig::default())?),
+            logging: false,
         })
+    }
+
+    /// Starts dirty logging (`VHOST_F_LOG_ALL` acked).
+    pub fn start_logging(&mut self) -> Result<()> {
+        self.dma.start_dirty_tracking()?;
+        self.logging = true;
+        self.set_slot_logging(true)
+    }
+
+    /// Stops dirty logging; what was logged and not drained is dropped.
+    pub fn stop_logging(&mut self) -> Result<()> {
+        self.logging = false;
+        self.dma.stop_dirty_tracking();
+        self.set_slot_logging(false)
+    }
+
+    /// Whether dirty logging is on.
+    pub fn is_logging(&self) -> bool {
+        self.logging
+    }
+
+    fn set_slot_logging(&self, on: bool) -> Result<()> {
+        let flags = if on {
+            SlotFlags::LOG_DIRTY
+        } else {
+            SlotFlags::NONE
+        };
+        let ids: Vec<u32> = self.held.iter().map(|h| h.slot).collect();
+        self.slots.update(|edit| {
+            for id in &ids {
+                edit.set_flags(*id, flags)?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    /// Reads and clears everything written since the last drain — device writes and pins in
+    /// the device space, ring writes in the slots — and ORs it into `log` at guest physical
+    /// pages. Returns the pages marked (a page written both ways counts twice). Pages past the
+    /// log's end are dropped with a warning: the frontend sized its log too small.
+    pub fn drain_dirty(&self, log: &SharedLog) -> Result<u64> {
+        if !self.logging {
+            return Ok(0);
+        }
+        let mut marked = 0;
+        let mut outside = 0;
+        for h in &self.held {
+            let r = &h.region;
+            let first = r.gpa / PAGE;
+            let words = self.dma.get_and_clear_dirty(Iova(r.gpa), r.size, PAGE)?;
+            let (m, o) = log.or_words(first, &words);
+            let words = self.slots.take_dirty_log(h.slot)?;
+            let (m2, o2) = log.or_words(first, &words);
+            marked += m + m2;
+            outside += o + o2;
+        }
+        if outside > 0 {
+            log::warn!(
+                "dirty log covers {} pages; {outside} dirty pages past its end were not logged",
+                log.pages()
+            );
+        }
+        Ok(marked)
     }
 
     /// Guest memory as vm-memory sees it (for virtqueues).
@@ -123,12 +197,16 @@ impl FrontendMemory {
         let old: Vec<u32> = self.held.iter().map(|h| h.slot).collect();
         // A fresh device address space over the new slots; swapped in only when complete.
         let dma = Arc::new(DmaSpace::new(DmaConfig::default())?);
+        if self.logging {
+            dma.start_dirty_tracking()?;
+        }
+        let flags = self.slot_flags();
         self.slots.update(|edit| {
             for id in &old {
                 edit.remove(*id)?;
             }
             for (h, b) in held.iter().zip(&backings) {
-                edit.insert(SlotSpec::new(h.slot, Gpa(h.region.gpa), b.clone()))?;
+                edit.insert(SlotSpec::new(h.slot, Gpa(h.region.gpa), b.clone()).flags(flags))?;
             }
             Ok(())
         })?;
@@ -145,6 +223,14 @@ impl FrontendMemory {
         self.dma = dma;
         self.forget_old_views();
         Ok(())
+    }
+
+    fn slot_flags(&self) -> SlotFlags {
+        if self.logging {
+            SlotFlags::LOG_DIRTY
+        } else {
+            SlotFlags::NONE
+        }
     }
 
     /// Puts back the held regions after a failed table change that had replaced them with
@@ -188,7 +274,7 @@ impl FrontendMemory {
             .expect("fewer regions than slots");
         let backing = map_all(&[region], vec![fd])?.remove(0);
         self.slots
-            .insert(SlotSpec::new(slot, Gpa(region.gpa), backing))?;
+            .insert(SlotSpec::new(slot, Gpa(region.gpa), backing).flags(self.slot_flags()))?;
         let snap = self.slots.snapshot();
         if let Err(e) = self.dma.map_guest(
             Iova(region.gpa),
@@ -260,7 +346,16 @@ impl FrontendMemory {
     }
 }
 
+/// The page size of guest physical memory and of the dirty log.
+const PAGE: u64 = 4096;
+
 fn check_region(r: &Region) -> Result<()> {
+    if r.gpa % PAGE != 0 || r.size % PAGE != 0 {
+        return Err(Error::Invalid(format!(
+            "memory region guest {:#x} size {:#x} is not whole 4 KiB pages",
+            r.gpa, r.size
+        )));
+    }
     if r.size == 0 {
         return Err(Error::Invalid(format!(
             "memory region at guest {:#x} has size 0",

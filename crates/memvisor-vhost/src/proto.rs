@@ -96,6 +96,8 @@ pub mod flags {
 
 /// Virtio feature bit of vhost-user: protocol features can be negotiated.
 pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
+/// vhost feature bit: log every write to guest memory (`VHOST_F_LOG_ALL`), during migration.
+pub const F_LOG_ALL: u64 = 1 << 26;
 
 /// Protocol feature bits.
 #[allow(missing_docs)]
@@ -246,6 +248,12 @@ pub fn single_region(request: u32, payload: &[u8]) -> Result<Region> {
 pub fn vring_state(request: u32, payload: &[u8]) -> Result<(u32, u32)> {
     exact(request, payload, 8)?;
     Ok((u32_at(payload, 0), u32_at(payload, 4)))
+}
+
+/// `SET_LOG_BASE`: the log's size and its offset in the descriptor's file.
+pub fn log_base(payload: &[u8]) -> Result<(u64, u64)> {
+    exact(req::SET_LOG_BASE, payload, 16)?;
+    Ok((u64_at(payload, 0), u64_at(payload, 8)))
 }
 
 /// A vring state reply.
