@@ -541,7 +541,7 @@ impl<D: Device> Backend<D> {
                 log::info!(
                     "{}: dirty log of {size} bytes ({} GiB of guest memory)",
                     self.device.name(),
-                    size * 8 * 4096 >> 30
+                    (size * 8 * 4096) >> 30
                 );
                 // With LOG_SHMFD the frontend waits for this reply.
                 Ok(Some(0u64.to_le_bytes().to_vec()))

@@ -57,7 +57,7 @@ fn read_with_log(disable: bool) -> (Vec<u64>, u64) {
     );
     start_ring(&c, &g);
     // A request before logging starts is not logged.
-    let mut req_in = |g: &mut Guest, at: u64| {
+    let req_in = |g: &mut Guest, at: u64| {
         let mut h = [0u8; 16];
         h[0] = 0; // IN
         g.mem.write(Gpa(HDR), &h).unwrap();
