@@ -28,5 +28,7 @@ for m in $mods; do
 done
 echo "$mods" > initrd/modules
 cp "$here/init" initrd/init && chmod +x initrd/init
+# The project's guest programs, static.
+for c in "$here"/progs/*.c; do gcc -O2 -static -o "initrd/bin/$(basename "$c" .c)" "$c"; done
 (cd initrd && find . | ../bb/bin/busybox cpio -o -H newc 2>/dev/null | gzip -1) > initrd.cpio.gz
 echo "guest: $(basename "$(ls kroot/boot/vmlinuz-*)") $(du -h initrd.cpio.gz | cut -f1) initramfs"

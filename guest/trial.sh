@@ -19,6 +19,11 @@
 #               freed went back, and the guest checks data it kept is intact.
 #   balloon --negative: the back end runs with free page reporting off (target only); the memory
 #               check must then FAIL.
+#   mig         the guest's device writes memory the CPU never touches (guest/progs/migwrite.c)
+#               while QEMU migrates to a file; a second QEMU loads it, reconnects to the same back
+#               end and the guest checks every chunk the device wrote, then keeps going.
+#   mig --negative: the back end keeps its dirty log empty (test-only switch); the guest must
+#               then find stale chunks on the destination.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +39,8 @@ bin=${MEMVISOR:-$top/target/release/memvisor}
 [ -x "$bin" ] || { echo "no memvisor binary at $bin: cargo build --release first" >&2; exit 1; }
 work=$top/target/guest
 guest/mkroot.sh "$work/root" >/dev/null
-[ -f "$work/vm/initrd.cpio.gz" ] && [ "$work/vm/initrd.cpio.gz" -nt guest/init ] || guest/mkguest.sh "$work/vm" >/dev/null
+fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/initrd.cpio.gz" -nt "$f" ] || fresh=0; done
+[ $fresh = 1 ] || guest/mkguest.sh "$work/vm" >/dev/null
 cd "$work"
 name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $fuzz = 0 ] || name=$name-after-fuzz
 run=run/$name; rm -rf "$run"; mkdir -p "$run"
@@ -153,6 +159,72 @@ balloon)
     echo "$name: memory came back without free page reporting"; exit 1
   fi
   [ $ok = 1 ] || exit 1
+  ;;
+mig)
+  chunks=512; secs=45   # 128 MiB the device writes, passes for 45 s of guest time, a final check
+  truncate -s 0 "$run/disk.img"; truncate -s 256M "$run/disk.img"
+  sock=$run/blk.sock
+  "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
+    $([ $negative = 1 ] && echo --test-no-dirty-log) > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$sock"
+  hmp() { python3 - "$run/mon-$1.sock" "$2" <<'PY'
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.settimeout(10)
+def until_prompt():
+    b = b""
+    while not b.endswith(b"(qemu) "):
+        more = s.recv(65536)
+        if not more:  # QEMU closed the monitor (quit)
+            break
+        b += more
+    return b.decode(errors="replace")
+until_prompt(); s.sendall((sys.argv[2] + "\n").encode()); print(until_prompt().replace("(qemu) ", "").strip())
+PY
+  }
+  args=(-chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1)
+  cmdline="t=mig mig_chunks=$chunks mig_secs=$secs"
+  qemu "$cmdline" "${args[@]}" -monitor unix:$run/mon-src.sock,server=on,wait=off
+  src=$qpid
+  for _ in $(seq 1200); do grep -q "MIGWRITE started" "$log" 2>/dev/null && break; sleep 0.1; done
+  sleep 3
+  echo "  source: $(grep -a 'MIGWRITE' "$log" | tail -1 | tr -d '\r')"
+  # Fast enough to converge while the device keeps writing ~150 MB/s (QEMU's default cap is
+  # 128 MiB/s, which this writer outruns forever).
+  hmp src "migrate_set_parameter max-bandwidth 4G" >/dev/null
+  hmp src "migrate_set_parameter downtime-limit 500" >/dev/null
+  t0=$(date +%s.%N)
+  hmp src "migrate -d \"exec:cat > $run/mig.state\"" >/dev/null
+  status=""
+  for _ in $(seq 1200); do
+    status=$(hmp src "info migrate" 2>/dev/null | tr -d '\r' | grep -i -m1 'status:' || true)
+    [ -n "$status" ] || kill -0 "$src" 2>/dev/null || { status="source QEMU gone"; break; }
+    case $status in *completed*|*failed*|*cancelled*) break;; esac
+    sleep 0.2
+  done
+  t1=$(date +%s.%N)
+  echo "  migration: $status in $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}') s, $(( $(stat -c %s "$run/mig.state") >> 20 )) MiB of state"
+  hmp src "info migrate" | grep -i -E "transferred|dirty sync|iterations|downtime" | sed 's/^/    /' || true
+  hmp src quit >/dev/null 2>&1 || true
+  wait "$src" 2>/dev/null || true
+  cp "$log" "$run/console-src.log"
+  case $status in *completed*) ;; *) echo "$name: migration did not complete ($status)"; exit 1;; esac
+  # The destination: same devices, the state from the file; it reconnects to the same back end.
+  qemu "$cmdline" "${args[@]}" -incoming "exec:cat $run/mig.state"
+  wait "$qpid" || true
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  echo "  source, last: $(grep -a 'MIGWRITE pass' "$run/console-src.log" | tail -1 | tr -d '\r')"
+  echo "  destination, first: $(grep -a 'MIGWRITE pass' "$log" | head -1 | tr -d '\r')"
+  grep -a -h 'MIGWRITE mismatch' "$log" | tr -d '\r' | sed 's/^/  /'
+  echo "  destination, last: $(grep -a 'MIGWRITE pass' "$log" | tail -1 | tr -d '\r')"
+  [ -f "$run/stats.json" ] && echo "  back end: $(tr -d ' \n' < "$run/stats.json")"
+  result=$(grep -a '^RESULT mig' "$log" | tail -1 | tr -d '\r')
+  echo "$name: ${result:-RESULT mig FAIL no verdict from the destination}"
+  if [ $negative = 1 ]; then
+    case "$result" in *FAIL*mismatches=[1-9]*) echo "$name: the destination found stale chunks, as it must"; exit 0;; esac
+    echo "$name: nothing stale was found without the dirty log"; exit 1
+  fi
+  case "$result" in *PASS*) ;; *) exit 1;; esac
   ;;
 *) echo "unknown trial $trial" >&2; exit 2 ;;
 esac

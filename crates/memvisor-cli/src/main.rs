@@ -102,6 +102,10 @@ struct BlkArgs {
     /// Write what the device did (requests, bytes, pinned-page histogram) as JSON on exit
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
+    /// TEST ONLY: never write the migration dirty log, so a migration loses what the device
+    /// wrote (the migration trial's negative control)
+    #[arg(long, hide = true)]
+    test_no_dirty_log: bool,
 }
 
 #[derive(Args)]
@@ -152,7 +156,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         read_only: args.read_only,
         ..Default::default()
     };
-    let report = serve::blk(&args.socket, &args.disk, options)?;
+    let report = serve::blk(&args.socket, &args.disk, options, args.test_no_dirty_log)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
 }

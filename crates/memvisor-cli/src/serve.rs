@@ -61,6 +61,8 @@ pub struct BlkReport {
     pub refused: u64,
     /// Kicks.
     pub kicks: u64,
+    /// Pages written to the frontend's migration dirty log.
+    pub logged_pages: u64,
     /// Reads, writes, flushes.
     pub reads: u64,
     /// Writes.
@@ -85,6 +87,7 @@ impl BlkReport {
             messages: b.messages,
             refused: b.refused,
             kicks: b.kicks,
+            logged_pages: b.logged_pages,
             reads: s.reads,
             writes: s.writes,
             flushes: s.flushes,
@@ -103,7 +106,12 @@ impl BlkReport {
 }
 
 /// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report.
-pub fn blk(socket: &Path, disk: &Path, options: BlkOptions) -> Result<BlkReport> {
+pub fn blk(
+    socket: &Path,
+    disk: &Path,
+    options: BlkOptions,
+    test_no_dirty_log: bool,
+) -> Result<BlkReport> {
     let file = OpenOptions::new()
         .read(true)
         .write(!options.read_only)
@@ -111,6 +119,10 @@ pub fn blk(socket: &Path, disk: &Path, options: BlkOptions) -> Result<BlkReport>
         .with_context(|| format!("cannot open disk image {}", disk.display()))?;
     let listener = listen(socket)?;
     let mut backend = Backend::new(Blk::new(file, options)?)?;
+    if test_no_dirty_log {
+        log::warn!("TEST ONLY: the migration dirty log stays empty; migrations lose device writes");
+        backend.disable_dirty_log_for_tests();
+    }
     log::info!(
         "vhost-user-blk: serving {} on {}",
         disk.display(),

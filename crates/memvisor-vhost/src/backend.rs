@@ -422,9 +422,11 @@ impl<D: Device> Backend<D> {
                     .user_to_gpa(a.avail, 6 + 2 * size, "available ring")?;
                 let used = self.memory.user_to_gpa(a.used, 6 + 8 * size, "used ring")?;
                 let v = self.ring(request, a.index)?;
-                if v.started {
+                // A running ring may be told its own addresses again: QEMU does that to set the
+                // log flag when migration starts. Moving a running ring is refused.
+                if v.started && v.addr != Some((desc, avail, used)) {
                     return Err(Error::Invalid(format!(
-                        "SET_VRING_ADDR for ring {} while it runs",
+                        "SET_VRING_ADDR moves ring {} while it runs",
                         a.index
                     )));
                 }

@@ -177,9 +177,9 @@ fn hostile_messages_are_refused_and_change_nothing() {
             vec![],
         ),
         (
-            "vring addr while running",
+            "vring moved while running",
             req::SET_VRING_ADDR,
-            addr(USER + 0x1000),
+            addr(USER + 0x2000),
             vec![],
         ),
         (
@@ -388,4 +388,21 @@ fn seconds_of_random_hostile_traffic_leave_a_working_back_end() {
     assert!(b.memory().is_empty());
     assert_eq!(b.memory().dma().device_pinned_pages(), 0);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_running_ring_may_be_told_its_own_addresses_again() {
+    // QEMU re-sends SET_VRING_ADDR with the log flag when migration starts.
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let again = VringAddr {
+        flags: 1,
+        ..g.vring_addr()
+    };
+    assert_eq!(c.ack(req::SET_VRING_ADDR, &again.bytes(), &[]).unwrap(), 0);
+    assert_eq!(read_one(&mut g), 0);
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.stats.refused, 0);
 }
