@@ -37,6 +37,7 @@ mod account;
 mod counts;
 mod dirty;
 mod external;
+mod iotlb;
 mod locked;
 mod mode;
 mod pin;

@@ -1,0 +1,123 @@
+//! IOTLB invalidation: removing the translations of any range, cutting mappings at its edges.
+//!
+//! type1 unmaps whole mappings only (a range that cuts one is EINVAL): a VFIO user maps and
+//! unmaps the same ranges. An IOTLB is different — vhost's `VHOST_IOTLB_INVALIDATE`, a vIOMMU's
+//! page-selective invalidation — the guest's IOMMU driver maps a 2 MiB buffer and may invalidate
+//! 4 KiB of it, or invalidate the whole address space at once (lazy mode) across thousands of
+//! entries. [`DmaSpace::invalidate_range`] gives a space that semantic: every translation inside
+//! the range goes, and a mapping that reaches past an edge is replaced by its part outside, with
+//! the same host memory, protection and dirty bits, in the same published step — a device never
+//! sees the outside part unmapped. Updates are ordinary [`DmaSpace::map_guest`] /
+//! [`DmaSpace::map_backing`] calls (an IOTLB user invalidates a range before it maps it again).
+//!
+//! Pins held by devices in the mappings touched are asked back through the unmap notifiers,
+//! and the invalidation is refused (EBUSY, nothing changed) if they stay, as for an unmap: a
+//! device must never reach memory through a translation the guest took away. In Eager mode the
+//! remaining parts are pinned before the removed ones are unpinned, so no page the space keeps
+//! is unlocked in between.
+
+use std::sync::Arc;
+
+use super::{DmaSpace, Host, Index, Mapping, index_insert, whole_mappings};
+use crate::addr::{Hva, Iova, Range};
+use crate::error::Result;
+
+impl DmaSpace {
+    /// Removes every translation in `[iova, iova + size)` (IOTLB semantics, see the module
+    /// documentation); returns the bytes removed (0 if nothing was mapped there). EINVAL if the
+    /// range is empty, wraps or is not page aligned; EBUSY, nothing changed, if devices keep
+    /// pins in the mappings it touches.
+    pub fn invalidate_range(&self, iova: Iova, size: u64) -> Result<u64> {
+        let range = self.check_range(iova, size)?;
+        let (first, last) = (range.start().0, range.last().0);
+        let span = {
+            let snap = self.shared.current.load();
+            touched(&snap.map, first, last)
+        };
+        let Some((lo, hi)) = span else {
+            return Ok(0);
+        };
+        self.release_external(lo, hi)?;
+        let page = self.shared.min_page;
+        self.change(|map, writer| {
+            // Recomputed under the writer lock: a concurrent change may have moved the edges.
+            let Some((lo, hi)) = touched(map, first, last) else {
+                return Ok((0, false));
+            };
+            let hit = whole_mappings(map, lo, hi)?;
+            self.check_no_external(writer, &hit)?;
+            let mut keep = Vec::new();
+            for (start, m) in &hit {
+                let end = m.iova.last().0;
+                if *start < first {
+                    keep.push(piece(m, *start, first - 1, writer.next_id, page)?);
+                    writer.next_id += 1;
+                }
+                if end > last {
+                    keep.push(piece(m, last + 1, end, writer.next_id, page)?);
+                    writer.next_id += 1;
+                }
+            }
+            if writer.mode == super::PinMode::Eager {
+                let pinned = self.pin_all(keep.iter().filter(|m| m.host.is_some()))?;
+                writer.eager.extend(pinned);
+            }
+            let removed: u64 = hit.iter().map(|(_, m)| m.iova.len()).sum::<u64>()
+                - keep.iter().map(|m| m.iova.len()).sum::<u64>();
+            writer.invalid -= hit.iter().filter(|(_, m)| m.host.is_none()).count() as u64;
+            writer.invalid += keep.iter().filter(|m| m.host.is_none()).count() as u64;
+            for (start, m) in &hit {
+                self.unpin_mapping(writer, m.id);
+                map.remove(*start).expect("found above");
+            }
+            for m in keep {
+                index_insert(map, m);
+            }
+            Ok((removed, true))
+        })
+    }
+}
+
+/// The span `[lo, hi]` of the whole mappings that `[first, last]` touches, if any.
+fn touched(map: &Index, first: u64, last: u64) -> Option<(u64, u64)> {
+    let mut pos = map.first_ending_at_or_after(first);
+    let mut span: Option<(u64, u64)> = None;
+    while let Some(p) = pos {
+        let (start, end, _, _) = map.get(p);
+        if start > last {
+            break;
+        }
+        span = Some(span.map_or((start, end), |(lo, _)| (lo, end)));
+        pos = map.next(p);
+    }
+    span
+}
+
+/// The part `[from, to]` of `m` as a new mapping with id `id` (dirty bits per `page` bytes): same host memory at the same
+/// offset, same protection, the same dirty bits for its pages.
+fn piece(m: &Arc<Mapping>, from: u64, to: u64, id: u64, page: u64) -> Result<Mapping> {
+    let start = m.iova.start().0;
+    let iova = Range::new("dma mapping", Iova(from), to - from + 1)?;
+    let host = m.host.as_ref().map(|h| Host {
+        hva: Hva(h.hva.0 + (from - start)),
+        owner: h.owner.clone(),
+    });
+    let dirty = m.dirty.as_ref().map(|old| {
+        let pages = iova.len() / page;
+        let b = crate::bitmap::DirtyBitmap::new(pages);
+        let skip = (from - start) / page;
+        for p in 0..pages {
+            if old.is_marked(skip + p) {
+                b.mark(p, 1);
+            }
+        }
+        Arc::new(b)
+    });
+    Ok(Mapping {
+        id,
+        iova,
+        prot: m.prot,
+        host,
+        dirty,
+    })
+}

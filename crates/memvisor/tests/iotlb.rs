@@ -1,0 +1,136 @@
+//! IOTLB invalidation (`DmaSpace::invalidate_range`): any range goes, mappings are cut at its
+//! edges and keep their host memory, protection and dirty bits outside it; pins refuse it.
+
+use std::sync::Arc;
+
+use memvisor::dma::{DmaConfig, PinMode};
+use memvisor::{Access, Backing, BackingKind, DmaSpace, Iova, Prot};
+
+#[path = "common/mod.rs"]
+mod common;
+
+const P: u64 = 4096;
+
+/// Tests that lock memory run one at a time: VmLck is per process.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn space(pages: u64) -> (DmaSpace, Arc<Backing>) {
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, pages * P).unwrap());
+    (DmaSpace::default(), b)
+}
+
+fn hva(dma: &DmaSpace, page: u64) -> Option<u64> {
+    dma.translate(Iova(page * P), 1, Access::Read)
+        .ok()
+        .map(|t| t.hva.0)
+}
+
+#[test]
+fn invalidating_the_middle_of_a_mapping_keeps_both_ends_where_they_were() {
+    let (dma, b) = space(16);
+    dma.map_backing(Iova(0), &b, 0, 16 * P, Prot::RW).unwrap();
+    let before: Vec<Option<u64>> = (0..16).map(|p| hva(&dma, p)).collect();
+    assert_eq!(dma.invalidate_range(Iova(4 * P), 4 * P).unwrap(), 4 * P);
+    for p in 0..16 {
+        let want = if (4..8).contains(&p) {
+            None
+        } else {
+            before[p as usize]
+        };
+        assert_eq!(hva(&dma, p), want, "page {p}");
+    }
+    assert_eq!(dma.info().max_mappings - dma.info().available, 2);
+    // The kept parts keep their protection: a write through page 9 works, and type1 unmap of
+    // a kept part as a whole works.
+    dma.dma_write(Iova(9 * P), b"still mapped").unwrap();
+    let mut got = [0u8; 12];
+    b.read(9 * P, &mut got).unwrap();
+    assert_eq!(&got, b"still mapped");
+    assert_eq!(dma.unmap(Iova(8 * P), 8 * P).unwrap(), 8 * P);
+}
+
+#[test]
+fn a_range_across_mappings_and_holes_removes_what_it_covers_and_nothing_else() {
+    let (dma, b) = space(16);
+    dma.map_backing(Iova(0), &b, 0, 4 * P, Prot::READ).unwrap();
+    dma.map_backing(Iova(8 * P), &b, 8 * P, 4 * P, Prot::RW)
+        .unwrap();
+    dma.map_backing(Iova(20 * P), &b, 12 * P, 4 * P, Prot::RW)
+        .unwrap();
+    assert_eq!(dma.invalidate_range(Iova(2 * P), 8 * P).unwrap(), 4 * P);
+    let mapped: Vec<u64> = (0..24).filter(|&p| hva(&dma, p).is_some()).collect();
+    assert_eq!(mapped, vec![0, 1, 10, 11, 20, 21, 22, 23]);
+    // The cut READ-only part stays read-only.
+    assert!(dma.translate(Iova(P), 1, Access::Write).is_err());
+    // Nothing mapped there: 0 bytes, nothing changed. The whole space: everything.
+    assert_eq!(dma.invalidate_range(Iova(100 * P), P).unwrap(), 0);
+    assert_eq!(
+        dma.invalidate_range(Iova(0), u64::MAX - 4095).unwrap(),
+        8 * P
+    );
+    assert_eq!(dma.info().max_mappings - dma.info().available, 0);
+    // Misaligned, empty and wrapping ranges are EINVAL.
+    for (i, s) in [(1, P), (0, 0), (P, u64::MAX)] {
+        assert_eq!(
+            dma.invalidate_range(Iova(i), s).unwrap_err().errno(),
+            libc::EINVAL
+        );
+    }
+}
+
+#[test]
+fn dirty_bits_outside_the_range_survive_the_cut() {
+    let (dma, b) = space(16);
+    dma.map_backing(Iova(0), &b, 0, 16 * P, Prot::RW).unwrap();
+    dma.start_dirty_tracking().unwrap();
+    dma.dma_write(Iova(P), b"x").unwrap();
+    dma.dma_write(Iova(10 * P), b"y").unwrap();
+    dma.invalidate_range(Iova(4 * P), 4 * P).unwrap();
+    assert_eq!(
+        dma.get_and_clear_dirty(Iova(0), 4 * P, P).unwrap(),
+        vec![0b10]
+    );
+    assert_eq!(
+        dma.get_and_clear_dirty(Iova(8 * P), 8 * P, P).unwrap(),
+        vec![0b100]
+    );
+}
+
+#[test]
+fn pins_in_a_touched_mapping_refuse_the_invalidation() {
+    let _s = serial();
+    let (dma, b) = space(16);
+    dma.map_backing(Iova(0), &b, 0, 16 * P, Prot::RW).unwrap();
+    dma.pin_pages(&[5], Prot::RW).unwrap();
+    let e = dma.invalidate_range(Iova(4 * P), 4 * P).unwrap_err();
+    assert_eq!(e.errno(), libc::EBUSY, "{e}");
+    assert!((0..16).all(|p| hva(&dma, p).is_some()), "nothing changed");
+    dma.unpin_pages(&[5]).unwrap();
+    assert_eq!(dma.invalidate_range(Iova(4 * P), 4 * P).unwrap(), 4 * P);
+}
+
+#[test]
+fn in_eager_mode_the_kept_parts_stay_locked_and_the_removed_part_is_unlocked() {
+    let _s = serial();
+    let dma = DmaSpace::new(DmaConfig {
+        pin_mode: PinMode::Eager,
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * P).unwrap());
+    let before = common::vm_lck();
+    dma.map_backing(Iova(0), &b, 0, 64 * P, Prot::RW).unwrap();
+    assert_eq!(common::vm_lck() - before, 64 * P);
+    dma.invalidate_range(Iova(8 * P), 16 * P).unwrap();
+    assert_eq!(
+        common::vm_lck() - before,
+        48 * P,
+        "bytes locked after the cut"
+    );
+    dma.unmap_all().unwrap();
+    assert_eq!(common::vm_lck(), before);
+}
