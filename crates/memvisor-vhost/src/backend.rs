@@ -34,8 +34,9 @@ use vm_memory::GuestAddressSpace;
 
 use crate::error::{Error, Result};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
-use crate::proto::{self, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
+use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
 use crate::wire::{self, Message};
+use memvisor::{Access, Prot};
 use memvisor::{Backing, SharedLog};
 use std::sync::Arc;
 
@@ -105,6 +106,10 @@ struct Vring {
     size: u16,
     /// Guest physical addresses of desc, avail, used.
     addr: Option<(u64, u64, u64)>,
+    /// Ring addresses whose IOVAs the IOTLB could not translate yet (a MISS went out), and the
+    /// kick that came meanwhile: the ring starts when an UPDATE covers them.
+    pending: Option<proto::VringAddr>,
+    pending_kick: Option<File>,
     base: u16,
     kick: Option<File>,
     call: Option<File>,
@@ -145,6 +150,12 @@ pub struct BackendStats {
     pub kicks: u64,
     /// Pages written to the frontend's dirty log.
     pub logged_pages: u64,
+    /// IOTLB updates applied.
+    pub iotlb_updates: u64,
+    /// IOTLB invalidations applied.
+    pub iotlb_invalidates: u64,
+    /// IOTLB misses sent.
+    pub iotlb_misses: u64,
 }
 
 impl<D: Device> Backend<D> {
@@ -325,6 +336,7 @@ impl<D: Device> Backend<D> {
                 }
                 self.device
                     .set_features(f & !(F_PROTOCOL_FEATURES | F_LOG_ALL))?;
+                self.memory.set_iotlb(f & F_IOMMU_PLATFORM != 0)?;
                 let log_all = f & F_LOG_ALL != 0;
                 if log_all && !self.memory.is_logging() {
                     self.memory.start_logging()?;
@@ -413,24 +425,73 @@ impl<D: Device> Backend<D> {
             }
             req::SET_VRING_ADDR => {
                 let a = proto::vring_addr(p)?;
-                let size = u64::from(self.ring(request, a.index)?.size.max(1));
-                let desc = self
-                    .memory
-                    .user_to_gpa(a.desc, 16 * size, "descriptor table")?;
-                let avail = self
-                    .memory
-                    .user_to_gpa(a.avail, 6 + 2 * size, "available ring")?;
-                let used = self.memory.user_to_gpa(a.used, 6 + 8 * size, "used ring")?;
-                let v = self.ring(request, a.index)?;
-                // A running ring may be told its own addresses again: QEMU does that to set the
-                // log flag when migration starts. Moving a running ring is refused.
-                if v.started && v.addr != Some((desc, avail, used)) {
-                    return Err(Error::Invalid(format!(
-                        "SET_VRING_ADDR moves ring {} while it runs",
-                        a.index
-                    )));
+                self.ring(request, a.index)?;
+                match self.resolve_ring(&a)? {
+                    Ok(gpas) => {
+                        let v = &mut self.vrings[a.index as usize];
+                        // A running ring may be told its own addresses again: QEMU does that to
+                        // set the log flag when migration starts. Moving a running ring is
+                        // refused.
+                        if v.started && v.addr != Some(gpas) {
+                            return Err(Error::Invalid(format!(
+                                "SET_VRING_ADDR moves ring {} while it runs",
+                                a.index
+                            )));
+                        }
+                        v.addr = Some(gpas);
+                        v.pending = None;
+                    }
+                    Err((iova, perm)) => {
+                        let v = &mut self.vrings[a.index as usize];
+                        if v.started {
+                            return Err(Error::Invalid(format!(
+                                "SET_VRING_ADDR moves ring {} while it runs",
+                                a.index
+                            )));
+                        }
+                        v.addr = None;
+                        v.pending = Some(a);
+                        self.send_miss(iova, perm);
+                    }
                 }
-                v.addr = Some((desc, avail, used));
+                Ok(None)
+            }
+            req::IOTLB_MSG => {
+                let m = proto::IotlbMsg::parse(p)?;
+                match m.kind {
+                    proto::iotlb::UPDATE => {
+                        let prot = match m.perm {
+                            1 => Prot::READ,
+                            2 => Prot::WRITE,
+                            3 => Prot::RW,
+                            other => {
+                                return Err(Error::Invalid(format!(
+                                    "IOTLB update of iova {:#x}: permission {other} is not 1, 2 or 3",
+                                    m.iova
+                                )));
+                            }
+                        };
+                        self.memory.iotlb_update(m.iova, m.size, m.uaddr, prot)?;
+                        self.stats.iotlb_updates += 1;
+                        self.retry_pending_rings()?;
+                    }
+                    proto::iotlb::INVALIDATE => {
+                        if !self.memory.is_iotlb() {
+                            return Err(Error::Invalid(
+                                "IOTLB invalidate without VIRTIO_F_IOMMU_PLATFORM negotiated"
+                                    .into(),
+                            ));
+                        }
+                        self.memory.iotlb_invalidate(m.iova, m.size)?;
+                        self.stats.iotlb_invalidates += 1;
+                    }
+                    other => {
+                        return Err(Error::Invalid(format!(
+                            "IOTLB message type {other} from the frontend: expected UPDATE (2) or \
+                             INVALIDATE (3)"
+                        )));
+                    }
+                }
                 Ok(None)
             }
             req::SET_VRING_BASE => {
@@ -485,7 +546,12 @@ impl<D: Device> Backend<D> {
                                  polling rings are not supported"
                             )));
                         };
-                        self.start_ring(i as usize, kick)?;
+                        if self.vrings[i as usize].pending.is_some() {
+                            // Waiting for the IOTLB to translate the ring: start on the update.
+                            self.vrings[i as usize].pending_kick = Some(kick);
+                        } else {
+                            self.start_ring(i as usize, kick)?;
+                        }
                     }
                     req::SET_VRING_CALL => self.vrings[i as usize].call = fd,
                     _ => self.vrings[i as usize].err = fd,
@@ -562,6 +628,83 @@ impl<D: Device> Backend<D> {
                 "request {request} ({}) is not supported by this back end",
                 req::name(request)
             ))),
+        }
+    }
+
+    /// The guest physical addresses of a ring's parts, or the first IOVA the IOTLB cannot
+    /// translate and the access it needs.
+    #[allow(clippy::type_complexity)]
+    fn resolve_ring(
+        &self,
+        a: &proto::VringAddr,
+    ) -> Result<std::result::Result<(u64, u64, u64), (u64, u8)>> {
+        let size = u64::from(self.vrings[a.index as usize].size.max(1));
+        let parts = [
+            (a.desc, 16 * size, "descriptor table", Access::Read),
+            (a.avail, 6 + 2 * size, "available ring", Access::Read),
+            (a.used, 6 + 8 * size, "used ring", Access::Write),
+        ];
+        let mut out = [0u64; 3];
+        for (k, (addr, len, what, access)) in parts.into_iter().enumerate() {
+            out[k] = if self.memory.is_iotlb() {
+                match self.memory.device_to_gpa(addr, len, access) {
+                    Some(g) => g,
+                    None => {
+                        let perm = if access == Access::Write { 3 } else { 1 };
+                        return Ok(Err((addr, perm)));
+                    }
+                }
+            } else {
+                self.memory.user_to_gpa(addr, len, what)?
+            };
+        }
+        Ok(Ok((out[0], out[1], out[2])))
+    }
+
+    /// After an IOTLB update: rings waiting for a translation try again.
+    fn retry_pending_rings(&mut self) -> Result<()> {
+        for i in 0..self.vrings.len() {
+            let Some(a) = self.vrings[i].pending else {
+                continue;
+            };
+            match self.resolve_ring(&a)? {
+                Ok(gpas) => {
+                    self.vrings[i].addr = Some(gpas);
+                    self.vrings[i].pending = None;
+                    if let Some(kick) = self.vrings[i].pending_kick.take() {
+                        self.start_ring(i, kick)?;
+                    }
+                }
+                Err((iova, perm)) => self.send_miss(iova, perm),
+            }
+        }
+        Ok(())
+    }
+
+    /// An IOTLB `MISS` for `iova` on the back-end channel.
+    fn send_miss(&mut self, iova: u64, perm: u8) {
+        self.stats.iotlb_misses += 1;
+        let Some(ch) = self.backend_req.as_ref() else {
+            log::warn!(
+                "{}: IOTLB miss at iova {iova:#x} but no back-end channel to ask on",
+                self.device.name()
+            );
+            return;
+        };
+        let msg = proto::IotlbMsg {
+            iova,
+            size: 0,
+            uaddr: 0,
+            perm,
+            kind: proto::iotlb::MISS,
+        }
+        .bytes();
+        let mut b = proto::backend_req::IOTLB_MSG.to_le_bytes().to_vec();
+        b.extend_from_slice(&proto::flags::VERSION.to_le_bytes());
+        b.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+        b.extend_from_slice(&msg);
+        if let Err(e) = (&*ch).write_all(&b) {
+            log::warn!("{}: IOTLB miss message: {e}", self.device.name());
         }
     }
 

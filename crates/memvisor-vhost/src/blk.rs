@@ -67,6 +67,9 @@ pub struct BlkOptions {
     pub serial: String,
     /// Serve the image read-only.
     pub read_only: bool,
+    /// Offer `VIRTIO_F_IOMMU_PLATFORM`: the device can sit behind a vIOMMU (then without
+    /// indirect descriptors, whose tables virtio-queue reads at guest physical addresses).
+    pub iommu: bool,
 }
 
 impl Default for BlkOptions {
@@ -75,6 +78,7 @@ impl Default for BlkOptions {
             queues: 1,
             serial: "memvisor".into(),
             read_only: false,
+            iommu: false,
         }
     }
 }
@@ -422,6 +426,10 @@ impl Device for Blk {
         }
         if self.options.read_only {
             f |= 1 << 5; // VIRTIO_BLK_F_RO
+        }
+        if self.options.iommu {
+            f |= crate::proto::F_IOMMU_PLATFORM;
+            f &= !(1 << F_RING_INDIRECT);
         }
         f
     }

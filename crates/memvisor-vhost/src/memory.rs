@@ -23,6 +23,14 @@
 //! the frontend's shared log at guest physical pages: memvisor's tracking is the one source of
 //! truth and the vhost-user log its view. A new memory table keeps logging on.
 //!
+//! **Behind a vIOMMU** (`VIRTIO_F_IOMMU_PLATFORM`), the device's addresses are IOVAs the guest's
+//! IOMMU hands out, and the device space holds the frontend's IOTLB instead of the identity:
+//! [`FrontendMemory::iotlb_update`] maps an IOVA range to the guest physical memory behind the
+//! frontend's user address ([`DmaSpace::map_guest`], after removing whatever it overlapped),
+//! [`FrontendMemory::iotlb_invalidate`] removes any range ([`DmaSpace::invalidate_range`], which
+//! cuts entries at its edges — IOTLB semantics, not type1's whole-mapping unmap). A new memory
+//! table empties the IOTLB: entries are a cache the frontend refills on a miss.
+//!
 //! **Checks.** A region is refused (EINVAL, state unchanged) if it is empty, wraps, overlaps
 //! another in guest physical or user address space, or if its descriptor fails
 //! [`Backing::from_fd`]'s checks (not a regular file, range past the file's end, unaligned). A
@@ -58,6 +66,7 @@ pub struct FrontendMemory {
     space: SlotSpace,
     dma: Arc<DmaSpace>,
     logging: bool,
+    iotlb: bool,
 }
 
 impl std::fmt::Debug for FrontendMemory {
@@ -78,6 +87,103 @@ impl FrontendMemory {
             slots,
             dma: Arc::new(DmaSpace::new(DmaConfig::default())?),
             logging: false,
+            iotlb: false,
+        })
+    }
+
+    /// Whether the device space is the frontend's IOTLB (else the identity over guest memory).
+    pub fn is_iotlb(&self) -> bool {
+        self.iotlb
+    }
+
+    /// Switches the device space between the identity over guest memory and an IOTLB (empty
+    /// until the frontend sends updates).
+    pub fn set_iotlb(&mut self, on: bool) -> Result<()> {
+        if on == self.iotlb {
+            return Ok(());
+        }
+        let dma = self.fresh_space(on)?;
+        self.iotlb = on;
+        self.dma = dma;
+        Ok(())
+    }
+
+    /// A new device space for the held regions: empty for an IOTLB, else the identity.
+    fn fresh_space(&self, iotlb: bool) -> Result<Arc<DmaSpace>> {
+        let dma = Arc::new(DmaSpace::new(DmaConfig::default())?);
+        if self.logging {
+            dma.start_dirty_tracking()?;
+        }
+        if !iotlb {
+            let snap = self.slots.snapshot();
+            for h in &self.held {
+                let r = &h.region;
+                dma.map_guest(Iova(r.gpa), &snap, Gpa(r.gpa), r.size, Prot::RW)?;
+            }
+        }
+        Ok(dma)
+    }
+
+    /// `IOTLB_MSG` UPDATE: IOVAs `[iova, iova + size)` reach the memory the frontend has at
+    /// `uaddr`, with `prot`. EINVAL if the range is not whole pages or the memory is not inside
+    /// one region.
+    pub fn iotlb_update(&mut self, iova: u64, size: u64, uaddr: u64, prot: Prot) -> Result<()> {
+        if !self.iotlb {
+            return Err(Error::Invalid(
+                "IOTLB update without VIRTIO_F_IOMMU_PLATFORM negotiated".into(),
+            ));
+        }
+        if iova % PAGE != 0 || size % PAGE != 0 || uaddr % PAGE != 0 {
+            return Err(Error::Invalid(format!(
+                "IOTLB update iova {iova:#x} size {size:#x} user address {uaddr:#x}: not whole                  4 KiB pages"
+            )));
+        }
+        let gpa = self.user_to_gpa(uaddr, size, "IOTLB update")?;
+        self.dma.invalidate_range(Iova(iova), size)?;
+        let snap = self.slots.snapshot();
+        self.dma
+            .map_guest(Iova(iova), &snap, Gpa(gpa), size, prot)?;
+        Ok(())
+    }
+
+    /// `IOTLB_MSG` INVALIDATE: removes every translation in `[iova, iova + size)` (any range;
+    /// a size reaching past 2^64 means "to the end"); returns the bytes removed.
+    pub fn iotlb_invalidate(&mut self, iova: u64, size: u64) -> Result<u64> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let first = iova & !(PAGE - 1);
+        let last = iova.saturating_add(size - 1) | (PAGE - 1);
+        // [first, last] may be the whole 64-bit space, whose size a u64 cannot hold: halves.
+        let mut removed = 0;
+        let mid = 1u64 << 63;
+        for (a, b) in [(first, last.min(mid - 1)), (first.max(mid), last)] {
+            if a <= b {
+                removed += self.dma.invalidate_range(Iova(a), b - a + 1)?;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// The guest physical address of device address `addr` for `len` bytes that must be
+    /// contiguous (ring parts): the identity without an IOMMU, else through the IOTLB and back
+    /// from host to guest physical through the slots. `None` if not mapped (an IOTLB miss).
+    pub fn device_to_gpa(&self, addr: u64, len: u64, access: memvisor::Access) -> Option<u64> {
+        if !self.iotlb {
+            return Some(addr);
+        }
+        let t = self.dma.translate(Iova(addr), len, access).ok()?;
+        if t.len < len {
+            return None;
+        }
+        self.hva_to_gpa(t.hva.0)
+    }
+
+    fn hva_to_gpa(&self, hva: u64) -> Option<u64> {
+        let snap = self.slots.snapshot();
+        snap.slots().find_map(|s| {
+            let off = hva.wrapping_sub(s.hva().0);
+            (off < s.range().len()).then(|| s.range().start().0 + off)
         })
     }
 
@@ -126,15 +232,34 @@ impl FrontendMemory {
         }
         let mut marked = 0;
         let mut outside = 0;
+        let mut add = |(m, o): (u64, u64)| {
+            marked += m;
+            outside += o;
+        };
+        if self.iotlb {
+            // Device writes are tracked per IOTLB entry (IOVA pages): log them at the guest
+            // physical pages behind each entry.
+            for m in self.dma.mappings() {
+                let (Some(hva), start) = (m.hva(), m.iova().start()) else {
+                    continue;
+                };
+                let words = self.dma.get_and_clear_dirty(start, m.iova().len(), PAGE)?;
+                match self.hva_to_gpa(hva.0) {
+                    Some(gpa) => add(log.or_words(gpa / PAGE, &words)),
+                    None => log::warn!("IOTLB entry at iova {start} is in no guest memory"),
+                }
+            }
+        }
         for h in &self.held {
-            let r = &h.region;
-            let first = r.gpa / PAGE;
-            let words = self.dma.get_and_clear_dirty(Iova(r.gpa), r.size, PAGE)?;
-            let (m, o) = log.or_words(first, &words);
+            let first = h.region.gpa / PAGE;
+            if !self.iotlb {
+                let words =
+                    self.dma
+                        .get_and_clear_dirty(Iova(h.region.gpa), h.region.size, PAGE)?;
+                add(log.or_words(first, &words));
+            }
             let words = self.slots.take_dirty_log(h.slot)?;
-            let (m2, o2) = log.or_words(first, &words);
-            marked += m + m2;
-            outside += o + o2;
+            add(log.or_words(first, &words));
         }
         if outside > 0 {
             log::warn!(
@@ -195,11 +320,6 @@ impl FrontendMemory {
             })
             .collect();
         let old: Vec<u32> = self.held.iter().map(|h| h.slot).collect();
-        // A fresh device address space over the new slots; swapped in only when complete.
-        let dma = Arc::new(DmaSpace::new(DmaConfig::default())?);
-        if self.logging {
-            dma.start_dirty_tracking()?;
-        }
         let flags = self.slot_flags();
         self.slots.update(|edit| {
             for id in &old {
@@ -210,16 +330,18 @@ impl FrontendMemory {
             }
             Ok(())
         })?;
-        let snap = self.slots.snapshot();
-        for h in &held {
-            let r = &h.region;
-            if let Err(e) = dma.map_guest(Iova(r.gpa), &snap, Gpa(r.gpa), r.size, Prot::RW) {
+        // A fresh device space over the new slots (an IOTLB starts empty); swapped in only when
+        // complete.
+        let previous = std::mem::replace(&mut self.held, held.clone());
+        let dma = match self.fresh_space(self.iotlb) {
+            Ok(d) => d,
+            Err(e) => {
+                self.held = previous;
                 // Put the old slots back: the frontend's previous table stays in force.
                 let _ = self.restore(&held);
-                return Err(e.into());
+                return Err(e);
             }
-        }
-        self.held = held;
+        };
         self.dma = dma;
         self.forget_old_views();
         Ok(())
@@ -276,15 +398,17 @@ impl FrontendMemory {
         self.slots
             .insert(SlotSpec::new(slot, Gpa(region.gpa), backing).flags(self.slot_flags()))?;
         let snap = self.slots.snapshot();
-        if let Err(e) = self.dma.map_guest(
-            Iova(region.gpa),
-            &snap,
-            Gpa(region.gpa),
-            region.size,
-            Prot::RW,
-        ) {
-            let _ = self.slots.remove(slot);
-            return Err(e.into());
+        if !self.iotlb {
+            if let Err(e) = self.dma.map_guest(
+                Iova(region.gpa),
+                &snap,
+                Gpa(region.gpa),
+                region.size,
+                Prot::RW,
+            ) {
+                let _ = self.slots.remove(slot);
+                return Err(e.into());
+            }
         }
         self.held.push(Held { region, slot });
         Ok(())
@@ -302,7 +426,12 @@ impl FrontendMemory {
                 region.gpa, region.size, region.user_addr
             )));
         };
-        self.dma.unmap(Iova(region.gpa), region.size)?;
+        if self.iotlb {
+            // Entries into the region go with it; the frontend refills what it still maps.
+            self.dma.unmap_all()?;
+        } else {
+            self.dma.unmap(Iova(region.gpa), region.size)?;
+        }
         let h = self.held.remove(i);
         self.slots.remove(h.slot)?;
         self.forget_old_views();

@@ -78,6 +78,8 @@ pub mod req {
 
 /// Back-end requests (back end to frontend, on the `SET_BACKEND_REQ_FD` channel).
 pub mod backend_req {
+    /// An IOTLB miss.
+    pub const IOTLB_MSG: u32 = 1;
     /// The device's config space changed; the frontend re-reads it.
     pub const CONFIG_CHANGE_MSG: u32 = 2;
 }
@@ -96,6 +98,9 @@ pub mod flags {
 
 /// Virtio feature bit of vhost-user: protocol features can be negotiated.
 pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
+/// Virtio feature bit: the device's addresses go through the platform's IOMMU
+/// (`VIRTIO_F_IOMMU_PLATFORM` / `ACCESS_PLATFORM`); with vhost-user, through the IOTLB.
+pub const F_IOMMU_PLATFORM: u64 = 1 << 33;
 /// vhost feature bit: log every write to guest memory (`VHOST_F_LOG_ALL`), during migration.
 pub const F_LOG_ALL: u64 = 1 << 26;
 
@@ -254,6 +259,63 @@ pub fn vring_state(request: u32, payload: &[u8]) -> Result<(u32, u32)> {
 pub fn log_base(payload: &[u8]) -> Result<(u64, u64)> {
     exact(req::SET_LOG_BASE, payload, 16)?;
     Ok((u64_at(payload, 0), u64_at(payload, 8)))
+}
+
+/// `IOTLB_MSG` (both directions): the IOTLB entry or request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IotlbMsg {
+    /// First IOVA.
+    pub iova: u64,
+    /// Bytes.
+    pub size: u64,
+    /// The frontend's user address behind `iova` (UPDATE).
+    pub uaddr: u64,
+    /// 1 read-only, 2 write-only, 3 read-write (the device's access).
+    pub perm: u8,
+    /// 1 MISS, 2 UPDATE, 3 INVALIDATE, 4 ACCESS_FAIL.
+    pub kind: u8,
+}
+
+/// `IOTLB_MSG` types.
+pub mod iotlb {
+    /// The back end has no translation (back end to frontend).
+    pub const MISS: u8 = 1;
+    /// A translation (frontend to back end).
+    pub const UPDATE: u8 = 2;
+    /// Translations to remove.
+    pub const INVALIDATE: u8 = 3;
+}
+
+impl IotlbMsg {
+    /// Parses the payload (`struct vhost_iotlb_msg`, 26 bytes and padding).
+    pub fn parse(payload: &[u8]) -> Result<IotlbMsg> {
+        if payload.len() < 26 || payload.len() > 64 {
+            return Err(Error::BadSize {
+                request: "IOTLB_MSG",
+                got: payload.len(),
+                want: "26 to 64".into(),
+            });
+        }
+        Ok(IotlbMsg {
+            iova: u64_at(payload, 0),
+            size: u64_at(payload, 8),
+            uaddr: u64_at(payload, 16),
+            perm: payload[24],
+            kind: payload[25],
+        })
+    }
+
+    /// The 32 bytes as sent.
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(32);
+        for v in [self.iova, self.size, self.uaddr] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.push(self.perm);
+        b.push(self.kind);
+        b.resize(32, 0);
+        b
+    }
 }
 
 /// A vring state reply.
