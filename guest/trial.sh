@@ -10,6 +10,8 @@
 #   --negative  negative control: the host changes the image while the guest waits between
 #               writing and reading; the trial must then FAIL (exit 0 only if it does).
 #   --peer      the same trial against qemu-storage-daemon's vhost-user-blk export.
+#   --iommu=strict|lazy  the device behind QEMU's intel-iommu (device-iotlb), the guest with
+#               intel_iommu=on and iommu.strict=1 or 0: every address goes through the IOTLB.
 #   --after-fuzz first attack the back end for 15 s with memvisor's hostile frontend
 #               (vhost-user-fuzz); the same back end must then serve QEMU and pass.
 #   balloon     one `memvisor serve` process with a blk and a balloon device; the guest fills and
@@ -29,8 +31,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
-negative=0; peer=0; fuzz=0
-for a in "$@"; do case $a in --negative) negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; *) echo "unknown option $a" >&2; exit 2;; esac; done
+negative=0; peer=0; fuzz=0; iommu=""
+for a in "$@"; do case $a in --negative) negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 if [ "$(id -u)" != 0 ]; then
   echo "SKIPPED real-guest trial $trial: needs root (mount namespace + chroot for the QEMU root, mmdebstrap)"
   exit 0
@@ -42,7 +44,7 @@ guest/mkroot.sh "$work/root" >/dev/null
 fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/initrd.cpio.gz" -nt "$f" ] || fresh=0; done
 [ $fresh = 1 ] || guest/mkguest.sh "$work/vm" >/dev/null
 cd "$work"
-name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $fuzz = 0 ] || name=$name-after-fuzz
+name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu
 run=run/$name; rm -rf "$run"; mkdir -p "$run"
 log=$run/console.log
 pids=()
@@ -69,7 +71,8 @@ blk)
       --blockdev driver=raw,node-name=disk,file=file \
       --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=$sock,writable=on > "$run/backend.log" 2>&1 &
   else
-    "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
+    "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
+      $([ -n "$iommu" ] && echo --iommu) > "$run/backend.log" 2>&1 &
   fi
   bpid=$!; pids+=("$bpid")
   wait_socket "$sock"
@@ -79,8 +82,15 @@ blk)
   fi
   serial=memvisor; wait_s=1; [ $peer = 0 ] || serial=none; [ $negative = 0 ] || wait_s=4
   start=$(date +%s.%N)
-  qemu "t=blk blk_mib=$mib blk_wait=$wait_s blk_random=300 blk_serial=$serial" \
-    -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
+  if [ -n "$iommu" ]; then
+    strict=1; [ "$iommu" = strict ] || strict=0
+    qemu "t=blk blk_mib=$mib blk_wait=$wait_s blk_random=300 blk_serial=$serial intel_iommu=on iommu.strict=$strict" \
+      -device intel-iommu,intremap=on,device-iotlb=on \
+      -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1,iommu_platform=on,ats=on,disable-legacy=on
+  else
+    qemu "t=blk blk_mib=$mib blk_wait=$wait_s blk_random=300 blk_serial=$serial" \
+      -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
+  fi
   if [ $negative = 1 ]; then
     # Wait for the guest to finish writing, then change three 4 KiB blocks of the image.
     for _ in $(seq 600); do grep -q WRITTEN "$log" 2>/dev/null && break; sleep 0.1; done

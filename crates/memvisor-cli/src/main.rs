@@ -99,6 +99,10 @@ struct BlkArgs {
     /// Serve the image read-only
     #[arg(long)]
     read_only: bool,
+    /// Offer VIRTIO_F_IOMMU_PLATFORM: the device may sit behind a vIOMMU (QEMU:
+    /// iommu_platform=on,ats=on on the device, -device intel-iommu,device-iotlb=on)
+    #[arg(long)]
+    iommu: bool,
     /// Write what the device did (requests, bytes, pinned-page histogram) as JSON on exit
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
@@ -154,6 +158,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
     let options = memvisor_vhost::BlkOptions {
         queues: args.queues,
         read_only: args.read_only,
+        iommu: args.iommu,
         ..Default::default()
     };
     let report = serve::blk(&args.socket, &args.disk, options, args.test_no_dirty_log)?;

@@ -63,6 +63,12 @@ pub struct BlkReport {
     pub kicks: u64,
     /// Pages written to the frontend's migration dirty log.
     pub logged_pages: u64,
+    /// IOTLB updates, invalidations and misses.
+    pub iotlb_updates: u64,
+    /// IOTLB invalidations.
+    pub iotlb_invalidates: u64,
+    /// IOTLB misses sent.
+    pub iotlb_misses: u64,
     /// Reads, writes, flushes.
     pub reads: u64,
     /// Writes.
@@ -88,6 +94,9 @@ impl BlkReport {
             refused: b.refused,
             kicks: b.kicks,
             logged_pages: b.logged_pages,
+            iotlb_updates: b.iotlb_updates,
+            iotlb_invalidates: b.iotlb_invalidates,
+            iotlb_misses: b.iotlb_misses,
             reads: s.reads,
             writes: s.writes,
             flushes: s.flushes,

@@ -92,7 +92,15 @@ pub trait Device: Send {
     fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool>;
     /// Back to the state before feature negotiation.
     fn reset(&mut self);
+    /// Whether an IOTLB miss fails the request (after the wait for the frontend's update gave
+    /// up) instead of being returned as [`Error::IotlbMiss`] with the chain put back.
+    fn set_fail_misses(&mut self, fail: bool) {
+        let _ = fail;
+    }
 }
+
+/// How long a ring waits for the frontend to answer an IOTLB miss before the request fails.
+const MISS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What the back end offers by itself.
 const PROTOCOL: u64 = protocol::MQ
@@ -110,6 +118,8 @@ struct Vring {
     /// kick that came meanwhile: the ring starts when an UPDATE covers them.
     pending: Option<proto::VringAddr>,
     pending_kick: Option<File>,
+    /// A request missed in the IOTLB: the ring waits for an update until this deadline.
+    miss_deadline: Option<std::time::Instant>,
     base: u16,
     kick: Option<File>,
     call: Option<File>,
@@ -247,6 +257,18 @@ impl<D: Device> Backend<D> {
         while !stop.load(Ordering::Relaxed) {
             if self.device.config_changed() {
                 self.notify_config_change()?;
+            }
+            // Rings whose miss went unanswered: fail the request that missed, go on.
+            let now = std::time::Instant::now();
+            for i in 0..self.vrings.len() {
+                if self.vrings[i].miss_deadline.is_some_and(|d| d <= now) {
+                    self.vrings[i].miss_deadline = None;
+                    log::warn!("{}: ring {i}: IOTLB miss unanswered", self.device.name());
+                    self.device.set_fail_misses(true);
+                    let r = self.process(i);
+                    self.device.set_fail_misses(false);
+                    r?;
+                }
             }
             let mut fds = vec![libc::pollfd {
                 fd: sock.as_raw_fd(),
@@ -474,6 +496,11 @@ impl<D: Device> Backend<D> {
                         self.memory.iotlb_update(m.iova, m.size, m.uaddr, prot)?;
                         self.stats.iotlb_updates += 1;
                         self.retry_pending_rings()?;
+                        for i in 0..self.vrings.len() {
+                            if self.vrings[i].miss_deadline.take().is_some() {
+                                self.process(i)?;
+                            }
+                        }
                     }
                     proto::iotlb::INVALIDATE => {
                         if !self.memory.is_iotlb() {
@@ -803,7 +830,7 @@ impl<D: Device> Backend<D> {
 
     fn process(&mut self, i: usize) -> Result<()> {
         let v = &mut self.vrings[i];
-        if !(v.started && v.enabled) {
+        if !(v.started && v.enabled) || v.miss_deadline.is_some() {
             return Ok(());
         }
         let Some(q) = v.queue.as_mut() else {
@@ -824,6 +851,11 @@ impl<D: Device> Backend<D> {
             v.call.is_some()
         );
         match r {
+            Err(Error::IotlbMiss { iova, write }) => {
+                // The chain was put back; ask for the translation and wait for it.
+                v.miss_deadline = Some(std::time::Instant::now() + MISS_WAIT);
+                self.send_miss(iova, if write { 3 } else { 1 });
+            }
             Ok(true) => {
                 if let Some(c) = &mut v.call {
                     let _ = c.write(&1u64.to_le_bytes());

@@ -109,6 +109,7 @@ pub struct Blk {
     sectors: u64,
     options: BlkOptions,
     acked: u64,
+    fail_misses: bool,
     /// What it has done so far.
     pub stats: BlkStats,
 }
@@ -133,6 +134,7 @@ impl Blk {
             sectors: len / SECTOR,
             options,
             acked: 0,
+            fail_misses: false,
             stats: BlkStats::default(),
         })
     }
@@ -488,6 +490,29 @@ impl Device for Blk {
                     write: d.is_write_only(),
                 })
                 .collect();
+            if memory.is_iotlb() && !self.fail_misses {
+                // Every buffer translatable before anything is done; else put the chain back
+                // and let the back end ask the frontend.
+                if let Some(miss) = bufs.iter().find_map(|b| {
+                    let access = if b.write { Access::Write } else { Access::Read };
+                    // Only a missing translation is a miss; a present one without the
+                    // access fails the request below.
+                    let missing = b.len > 0
+                        && matches!(
+                            memory
+                                .dma()
+                                .translate_sg(Iova(b.addr), u64::from(b.len), access),
+                            Err(memvisor::Error::Fault { .. })
+                        );
+                    missing.then_some(Error::IotlbMiss {
+                        iova: b.addr,
+                        write: b.write,
+                    })
+                }) {
+                    queue.set_next_avail(queue.next_avail().wrapping_sub(1));
+                    return Err(miss);
+                }
+            }
             let (_, written) = self.request(&dma, &bufs);
             if let Err(e) = queue.add_used(&*mem, head, written) {
                 log::warn!("blk: queue {index}: cannot return head {head}: {e}");
@@ -499,5 +524,9 @@ impl Device for Blk {
 
     fn reset(&mut self) {
         self.acked = 0;
+    }
+
+    fn set_fail_misses(&mut self, fail: bool) {
+        self.fail_misses = fail;
     }
 }

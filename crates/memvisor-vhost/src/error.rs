@@ -38,6 +38,15 @@ pub enum Error {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A device address the IOTLB has no translation for yet: the back end sends a MISS and
+    /// retries when the frontend's update arrives (EFAULT if it never does).
+    #[error("IOTLB miss at iova {iova:#x} ({})", if *write { "write" } else { "read" })]
+    IotlbMiss {
+        /// The address.
+        iova: u64,
+        /// Whether the device writes it.
+        write: bool,
+    },
     /// The frontend closed the connection.
     #[error("frontend disconnected")]
     Disconnected,
@@ -52,6 +61,7 @@ impl Error {
             Error::Memory(e) => e.errno(),
             Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             Error::Disconnected => libc::ECONNRESET,
+            Error::IotlbMiss { .. } => libc::EFAULT,
         }
     }
 
