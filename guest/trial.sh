@@ -71,7 +71,7 @@ blk)
       --blockdev driver=raw,node-name=disk,file=file \
       --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=$sock,writable=on > "$run/backend.log" 2>&1 &
   else
-    "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
+    MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
       $([ -n "$iommu" ] && echo --iommu) > "$run/backend.log" 2>&1 &
   fi
   bpid=$!; pids+=("$bpid")

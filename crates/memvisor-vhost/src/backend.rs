@@ -852,8 +852,13 @@ impl<D: Device> Backend<D> {
         );
         match r {
             Err(Error::IotlbMiss { iova, write }) => {
-                // The chain was put back; ask for the translation and wait for it.
+                // The chain was put back; ask for the translation and wait for it. Chains
+                // completed before it may be waiting for their interrupt: send it (a spurious
+                // one costs the driver a look at the used ring).
                 v.miss_deadline = Some(std::time::Instant::now() + MISS_WAIT);
+                if let Some(c) = &mut v.call {
+                    let _ = c.write(&1u64.to_le_bytes());
+                }
                 self.send_miss(iova, if write { 3 } else { 1 });
             }
             Ok(true) => {

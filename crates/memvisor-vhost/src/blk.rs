@@ -142,7 +142,11 @@ impl Blk {
     fn config(&self) -> [u8; 60] {
         let mut c = [0u8; 60];
         c[0..8].copy_from_slice(&self.sectors.to_le_bytes()); // capacity
-        c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes()); // seg_max
+        // Without indirect descriptors (behind an IOMMU) a request must fit the ring itself:
+        // header + segments + status in QEMU's default 128 entries, or Linux retries a 1 MiB
+        // request of 256 segments forever.
+        let seg_max = if self.options.iommu { 126 } else { SEG_MAX };
+        c[12..16].copy_from_slice(&seg_max.to_le_bytes()); // seg_max
         c[20..24].copy_from_slice(&(SECTOR as u32).to_le_bytes()); // blk_size
         c[34..36].copy_from_slice(&self.options.queues.to_le_bytes()); // num_queues
         c
@@ -395,6 +399,23 @@ impl Blk {
     }
 }
 
+/// The first address of `[addr, addr + len)` that has no translation (the page a MISS must
+/// ask for: asking for the buffer's start again would loop when only its tail is missing), or
+/// `None`. A translation without the access needed is no miss: the request fails on it.
+fn first_missing(dma: &DmaSpace, addr: u64, len: u64, write: bool) -> Option<u64> {
+    let access = if write { Access::Write } else { Access::Read };
+    let end = addr.checked_add(len)?;
+    let mut at = addr;
+    while at < end {
+        match dma.translate(Iova(at), end - at, access) {
+            Ok(t) if t.len > 0 => at += t.len,
+            Err(memvisor::Error::Fault { .. }) => return Some(at),
+            _ => return None,
+        }
+    }
+    None
+}
+
 fn record(h: &mut Vec<u64>, pages: usize) {
     let bucket = pages.max(1).next_power_of_two().trailing_zeros() as usize;
     if h.len() <= bucket {
@@ -494,20 +515,9 @@ impl Device for Blk {
                 // Every buffer translatable before anything is done; else put the chain back
                 // and let the back end ask the frontend.
                 if let Some(miss) = bufs.iter().find_map(|b| {
-                    let access = if b.write { Access::Write } else { Access::Read };
-                    // Only a missing translation is a miss; a present one without the
-                    // access fails the request below.
-                    let missing = b.len > 0
-                        && matches!(
-                            memory
-                                .dma()
-                                .translate_sg(Iova(b.addr), u64::from(b.len), access),
-                            Err(memvisor::Error::Fault { .. })
-                        );
-                    missing.then_some(Error::IotlbMiss {
-                        iova: b.addr,
-                        write: b.write,
-                    })
+                    let write = b.write;
+                    first_missing(memory.dma(), b.addr, u64::from(b.len), write)
+                        .map(|iova| Error::IotlbMiss { iova, write })
                 }) {
                     queue.set_next_avail(queue.next_avail().wrapping_sub(1));
                     return Err(miss);
