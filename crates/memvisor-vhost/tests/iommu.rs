@@ -181,3 +181,87 @@ fn rings_and_buffers_go_through_the_iotlb() {
     assert_eq!(backend.stats.iotlb_invalidates, 2);
     assert!(backend.memory().dma().is_empty());
 }
+
+#[test]
+fn behind_the_iommu_device_writes_are_logged_at_guest_pages_not_iovas() {
+    use memvisor_vhost::proto::F_LOG_ALL;
+    use std::os::unix::fs::FileExt;
+    let mut g = Guest::new(4 * MIB);
+    let options = BlkOptions {
+        iommu: true,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(memfd(MIB), options).unwrap());
+    let f = c.get_u64(req::GET_FEATURES).unwrap();
+    c.send(req::SET_FEATURES, 0, &(f & !F_LOG_ALL).to_le_bytes(), &[])
+        .unwrap();
+    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
+    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
+        .unwrap();
+    let table = proto::mem_table_bytes(&[g.region()]);
+    assert_eq!(
+        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
+            .unwrap(),
+        0
+    );
+    // Everything the device touches mapped up front: ring page, header, data, status.
+    for (iova, gpa) in [
+        (IO + RING_AT, RING_AT),
+        (IO + HDR, HDR),
+        (IO + DATA, DATA),
+        (IO + STATUS, STATUS),
+    ] {
+        assert_eq!(update(&c, iova, gpa, 4096, 3), 0);
+    }
+    let gpa_addr = g.vring_addr();
+    let io_addr = VringAddr {
+        desc: IO + RING_AT,
+        avail: IO + (gpa_addr.avail - USER),
+        used: IO + (gpa_addr.used - USER),
+        ..gpa_addr
+    };
+    let st = |n: u32| proto::vring_state_bytes(0, n);
+    for (r, p, fds) in [
+        (req::SET_VRING_NUM, st(RING_SIZE as u32), vec![]),
+        (req::SET_VRING_ADDR, io_addr.bytes(), vec![]),
+        (req::SET_VRING_BASE, st(0), vec![]),
+        (
+            req::SET_VRING_CALL,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.call.as_raw_fd()],
+        ),
+        (
+            req::SET_VRING_KICK,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.kick.as_raw_fd()],
+        ),
+        (req::SET_VRING_ENABLE, st(1), vec![]),
+    ] {
+        assert_eq!(c.ack(r, &p, &fds).unwrap(), 0, "{}", req::name(r));
+    }
+    let log = memfd(4096);
+    let mut p = 128u64.to_le_bytes().to_vec();
+    p.extend_from_slice(&0u64.to_le_bytes());
+    c.send(req::SET_LOG_BASE, 0, &p, &[log.as_raw_fd()])
+        .unwrap();
+    c.reply().unwrap();
+    assert_eq!(c.ack(req::SET_FEATURES, &f.to_le_bytes(), &[]).unwrap(), 0);
+    g.mem.write(Gpa(HDR), &[0u8; 16]).unwrap();
+    g.post(&[
+        (IO + HDR, 16, false),
+        (IO + DATA, 512, true),
+        (IO + STATUS, 1, true),
+    ]);
+    g.wait_used();
+    assert_eq!(read_status(&g), 0);
+    let base = c.get(req::GET_VRING_BASE, &st(0)).unwrap();
+    assert_eq!(base, proto::vring_state_bytes(0, 1));
+    let mut b = [0u8; 128];
+    log.read_exact_at(&mut b, 0).unwrap();
+    let pages: Vec<u64> = (0..1024u64)
+        .filter(|p| b[(p / 8) as usize] >> (p % 8) & 1 == 1)
+        .collect();
+    assert_eq!(pages, vec![RING_AT / 4096, DATA / 4096, STATUS / 4096]);
+    drop(c);
+    t.join().unwrap().1.ok();
+}
