@@ -101,8 +101,8 @@ blk)
   end=$(date +%s.%N)
   kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
   grep '^GUEST' "$log" | sed 's/^/  /'
-  result=$(grep -a '^RESULT blk' "$log" | tail -1 | tr -d '\r')
-  want=$(grep -a 'PATTERN sha256=' "$log" | sed 's/.*sha256=\([0-9a-f]*\).*/\1/' | tr -d '\r')
+  result=$(grep -a '^RESULT blk' "$log" | tail -1 | tr -d '\r' || true)
+  want=$(grep -a 'PATTERN sha256=' "$log" | sed 's/.*sha256=\([0-9a-f]*\).*/\1/' | tr -d '\r' || true)
   have=$(head -c $((mib << 20)) "$run/disk.img" | sha256sum | cut -d' ' -f1)
   host=FAIL; [ -z "$want" ] || [ "$want" != "$have" ] || host=PASS
   echo "  host image check: $host (guest pattern ${want:-none}, image $have)"
@@ -158,7 +158,7 @@ balloon)
   echo "  guest memory (memfd allocated): peak $((peak >> 20)) MiB, lowest after it $((low >> 20)) MiB: $((dropped >> 20)) MiB of $((freed >> 20)) MiB freed went back ($((dropped * 100 / freed))%)"
   echo "  samples: $run/memory.csv ($(wc -l < "$run/memory.csv") points)"
   [ -f "$run/stats.json" ] && echo "  back end: $(tr -d ' \n' < "$run/stats.json")"
-  bres=$(grep -a '^RESULT balloon' "$log" | tail -1 | tr -d '\r'); kres=$(grep -a '^RESULT blk' "$log" | tail -1 | tr -d '\r')
+  bres=$(grep -a '^RESULT balloon' "$log" | tail -1 | tr -d '\r' || true); kres=$(grep -a '^RESULT blk' "$log" | tail -1 | tr -d '\r' || true)
   echo "$name: ${bres:-RESULT balloon FAIL no verdict}; ${kres:-RESULT blk FAIL no verdict}; memory $([ $dropped -ge $((freed * 8 / 10)) ] && echo PASS || echo FAIL)"
   ok=1
   case "$bres" in *PASS*) ;; *) ok=0;; esac
@@ -225,10 +225,10 @@ PY
   kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
   echo "  source, last: $(grep -a 'MIGWRITE pass' "$run/console-src.log" | tail -1 | tr -d '\r')"
   echo "  destination, first: $(grep -a 'MIGWRITE pass' "$log" | head -1 | tr -d '\r')"
-  grep -a -h 'MIGWRITE mismatch' "$log" | tr -d '\r' | sed 's/^/  /'
+  { grep -a -h 'MIGWRITE mismatch' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
   echo "  destination, last: $(grep -a 'MIGWRITE pass' "$log" | tail -1 | tr -d '\r')"
   [ -f "$run/stats.json" ] && echo "  back end: $(tr -d ' \n' < "$run/stats.json")"
-  result=$(grep -a '^RESULT mig' "$log" | tail -1 | tr -d '\r')
+  result=$(grep -a '^RESULT mig' "$log" | tail -1 | tr -d '\r' || true)
   echo "$name: ${result:-RESULT mig FAIL no verdict from the destination}"
   if [ $negative = 1 ]; then
     case "$result" in *FAIL*mismatches=[1-9]*) echo "$name: the destination found stale chunks, as it must"; exit 0;; esac
