@@ -294,9 +294,17 @@ fn framing_errors_end_the_connection() {
     assert!(backend.memory().is_empty());
 }
 
-#[test]
-fn a_frontend_that_leaves_and_comes_back_gets_a_clean_device() {
-    let dir = std::env::temp_dir().join(format!("memvisor-vhost-reconnect-{}", std::process::id()));
+/// A blk back end serving frontends one after another on a socket in a fresh directory, until
+/// `stop` is set; the thread returns the back end.
+fn serve_on_socket(
+    tag: &str,
+) -> (
+    std::path::PathBuf,
+    std::path::PathBuf,
+    Arc<AtomicBool>,
+    std::thread::JoinHandle<memvisor_vhost::Backend<Blk>>,
+) {
+    let dir = std::env::temp_dir().join(format!("memvisor-vhost-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("blk.sock");
     let _ = std::fs::remove_file(&path);
@@ -309,6 +317,12 @@ fn a_frontend_that_leaves_and_comes_back_gets_a_clean_device() {
         b.serve(&listener, &s2).unwrap();
         b
     });
+    (dir, path, stop, t)
+}
+
+#[test]
+fn a_frontend_that_leaves_and_comes_back_gets_a_clean_device() {
+    let (dir, path, stop, t) = serve_on_socket("reconnect");
     let connect = || memvisor_vhost::client::Client::connect(&path).unwrap();
 
     let mut g = Guest::with_file(memfd_named(4 * MIB, c"reconnect-1"), 4 * MIB);
@@ -356,19 +370,7 @@ fn a_frontend_that_leaves_and_comes_back_gets_a_clean_device() {
 
 #[test]
 fn seconds_of_random_hostile_traffic_leave_a_working_back_end() {
-    let dir = std::env::temp_dir().join(format!("memvisor-vhost-fuzz-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("blk.sock");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let s2 = stop.clone();
-    let t = std::thread::spawn(move || {
-        let mut b =
-            memvisor_vhost::Backend::new(Blk::new(disk(), BlkOptions::default()).unwrap()).unwrap();
-        b.serve(&listener, &s2).unwrap();
-        b
-    });
+    let (dir, path, stop, t) = serve_on_socket("fuzz");
     let secs = std::env::var("MEMVISOR_FUZZ_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
