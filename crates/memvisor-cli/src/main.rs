@@ -57,6 +57,9 @@ struct ServeArgs {
     /// Do not offer free page reporting on balloons (inflate/deflate only)
     #[arg(long)]
     no_reporting: bool,
+    /// Offer VIRTIO_F_IOMMU_PLATFORM on the blk devices: they may sit behind a vIOMMU
+    #[arg(long)]
+    iommu: bool,
     /// Write what the devices did as JSON on exit
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
@@ -106,6 +109,10 @@ struct BlkArgs {
     /// Write what the device did (requests, bytes, pinned-page histogram) as JSON on exit
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
+    /// Write the IOTLB traffic (memory tables, updates, invalidates, misses) to FILE, for
+    /// `memvisor bench iotlb --replay FILE`
+    #[arg(long, value_name = "FILE")]
+    record_iotlb: Option<PathBuf>,
     /// TEST ONLY: never write the migration dirty log, so a migration loses what the device
     /// wrote (the migration trial's negative control)
     #[arg(long, hide = true)]
@@ -115,7 +122,7 @@ struct BlkArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// Experiments to run, in this order: lookup, translate, rw, pin, map-unmap, pin-pages,
-    /// report (the default: all of these), and guest (real-guest trials; root, minutes)
+    /// report, iotlb (the default: all of these), and guest (real-guest trials; root, minutes)
     #[arg(value_name = "EXPERIMENT")]
     experiments: Vec<String>,
     /// Small sizes: the whole suite in under a minute on 2 cores (the default)
@@ -133,6 +140,10 @@ struct BenchArgs {
     /// Repetitions per measurement, overriding each experiment's default
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     runs: Option<u32>,
+    /// A recorded IOTLB stream for the iotlb experiment (`vhost-user-blk --record-iotlb`);
+    /// repeatable. Default: the real-guest trials' recordings under target/guest/run, if any
+    #[arg(long, value_name = "FILE")]
+    replay: Vec<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -161,7 +172,13 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         iommu: args.iommu,
         ..Default::default()
     };
-    let report = serve::blk(&args.socket, &args.disk, options, args.test_no_dirty_log)?;
+    let report = serve::blk(
+        &args.socket,
+        &args.disk,
+        options,
+        args.record_iotlb.as_deref(),
+        args.test_no_dirty_log,
+    )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
 }
@@ -185,6 +202,7 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
         balloon_target_mib: args.balloon_target,
         control: args.control.clone(),
         reporting: !args.no_reporting,
+        iommu: args.iommu,
     };
     let report = serve::serve(&devices)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
@@ -266,6 +284,7 @@ fn run_bench(args: &BenchArgs) -> Result<()> {
     writeln!(human, "{}\nmode: {}", machine.describe(), mode.as_str())?;
 
     let mut ctx = Ctx::new(mode, args.runs);
+    ctx.replay = args.replay.clone();
     let mut sections = Vec::new();
     let mut failed = Vec::new();
     for (i, experiment) in experiments.iter().enumerate() {

@@ -69,6 +69,11 @@ pub struct BlkReport {
     pub iotlb_invalidates: u64,
     /// IOTLB misses sent.
     pub iotlb_misses: u64,
+    /// Time in request processing, in the dirty log (and drains), in IOTLB messages: ns.
+    pub process_ns: u64,
+    pub log_ns: u64,
+    pub log_drains: u64,
+    pub iotlb_ns: u64,
     /// Reads, writes, flushes.
     pub reads: u64,
     /// Writes.
@@ -97,6 +102,10 @@ impl BlkReport {
             iotlb_updates: b.iotlb_updates,
             iotlb_invalidates: b.iotlb_invalidates,
             iotlb_misses: b.iotlb_misses,
+            process_ns: b.process_ns,
+            log_ns: b.log_ns,
+            log_drains: b.log_drains,
+            iotlb_ns: b.iotlb_ns,
             reads: s.reads,
             writes: s.writes,
             flushes: s.flushes,
@@ -119,6 +128,7 @@ pub fn blk(
     socket: &Path,
     disk: &Path,
     options: BlkOptions,
+    record_iotlb: Option<&Path>,
     test_no_dirty_log: bool,
 ) -> Result<BlkReport> {
     let file = OpenOptions::new()
@@ -131,6 +141,11 @@ pub fn blk(
     if test_no_dirty_log {
         log::warn!("TEST ONLY: the migration dirty log stays empty; migrations lose device writes");
         backend.disable_dirty_log_for_tests();
+    }
+    if let Some(path) = record_iotlb {
+        let f = std::fs::File::create(path)
+            .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;
+        backend.record_iotlb(Box::new(std::io::BufWriter::new(f)));
     }
     log::info!(
         "vhost-user-blk: serving {} on {}",
@@ -198,6 +213,8 @@ pub struct Devices {
     pub control: Option<PathBuf>,
     /// Offer free page reporting on balloons.
     pub reporting: bool,
+    /// Offer `VIRTIO_F_IOMMU_PLATFORM` on the blk devices.
+    pub iommu: bool,
 }
 
 /// Serves every device in its own thread, all on one memvisor state, until a signal.
@@ -212,7 +229,11 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
             .open(disk)
             .with_context(|| format!("cannot open disk image {}", disk.display()))?;
         let listener = listen(socket)?;
-        let mut backend = Backend::new(Blk::new(file, BlkOptions::default())?)?;
+        let options = BlkOptions {
+            iommu: devices.iommu,
+            ..Default::default()
+        };
+        let mut backend = Backend::new(Blk::new(file, options)?)?;
         let socket = socket.clone();
         log::info!(
             "vhost-user-blk: serving {} on {}",

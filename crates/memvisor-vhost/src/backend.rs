@@ -35,6 +35,7 @@ use vm_memory::GuestAddressSpace;
 use crate::error::{Error, Result};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
 use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
+use crate::record::Recorder;
 use crate::wire::{self, Message};
 use memvisor::{Access, Prot};
 use memvisor::{Backing, SharedLog};
@@ -143,6 +144,8 @@ pub struct Backend<D: Device> {
     log: Option<SharedLog>,
     /// Test-only: never write the dirty log (the migration trial's negative control).
     log_disabled: bool,
+    /// Where IOTLB traffic is written down, if asked ([`Backend::record_iotlb`]).
+    record: Option<Recorder>,
     /// Requests handled and refused over this back end's life (for the logs and tests).
     pub stats: BackendStats,
 }
@@ -166,6 +169,14 @@ pub struct BackendStats {
     pub iotlb_invalidates: u64,
     /// IOTLB misses sent.
     pub iotlb_misses: u64,
+    /// Nanoseconds spent in the device's queue processing (requests, including their I/O).
+    pub process_ns: u64,
+    /// Nanoseconds spent moving dirty pages into the frontend's log, and how many times.
+    pub log_ns: u64,
+    pub log_drains: u64,
+    /// Nanoseconds spent applying IOTLB updates and invalidations (not the requests they let
+    /// go on).
+    pub iotlb_ns: u64,
 }
 
 impl<D: Device> Backend<D> {
@@ -184,6 +195,7 @@ impl<D: Device> Backend<D> {
             status: 0,
             log: None,
             log_disabled: false,
+            record: None,
             stats: BackendStats::default(),
         })
     }
@@ -195,11 +207,20 @@ impl<D: Device> Backend<D> {
         self.log_disabled = true;
     }
 
+    /// Writes the memory tables and IOTLB traffic (updates, invalidates, misses) to `out` in
+    /// the format of [`crate::record`], for `memvisor bench iotlb` to replay.
+    pub fn record_iotlb(&mut self, out: Box<dyn std::io::Write + Send>) {
+        self.record = Some(Recorder::new(out));
+    }
+
     /// ORs what memvisor tracked since the last call into the frontend's log.
     fn drain_log(&mut self) -> Result<()> {
         if let (Some(log), false) = (&self.log, self.log_disabled) {
+            let t0 = std::time::Instant::now();
             let pages = self.memory.drain_dirty(log)?;
             self.stats.logged_pages += pages;
+            self.stats.log_ns += t0.elapsed().as_nanos() as u64;
+            self.stats.log_drains += 1;
         }
         Ok(())
     }
@@ -236,6 +257,9 @@ impl<D: Device> Backend<D> {
                         Err(e) => log::warn!("{}: connection ended: {e}", self.device.name()),
                     }
                     self.disconnect();
+                    if let Some(r) = self.record.as_mut() {
+                        r.flush();
+                    }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     poll_one(listener.as_raw_fd(), 200);
@@ -413,6 +437,9 @@ impl<D: Device> Backend<D> {
                 let regions = proto::mem_table(p)?;
                 let fds = std::mem::take(&mut msg.fds);
                 self.memory.set_table(&regions, fds)?;
+                if let Some(r) = self.record.as_mut() {
+                    r.table(&regions);
+                }
                 log::info!(
                     "{}: memory table of {} regions",
                     self.device.name(),
@@ -493,7 +520,12 @@ impl<D: Device> Backend<D> {
                                 )));
                             }
                         };
+                        let t0 = std::time::Instant::now();
                         self.memory.iotlb_update(m.iova, m.size, m.uaddr, prot)?;
+                        self.stats.iotlb_ns += t0.elapsed().as_nanos() as u64;
+                        if let Some(r) = self.record.as_mut() {
+                            r.update(m.iova, m.size, m.uaddr, m.perm);
+                        }
                         self.stats.iotlb_updates += 1;
                         self.retry_pending_rings()?;
                         for i in 0..self.vrings.len() {
@@ -509,7 +541,12 @@ impl<D: Device> Backend<D> {
                                     .into(),
                             ));
                         }
+                        let t0 = std::time::Instant::now();
                         self.memory.iotlb_invalidate(m.iova, m.size)?;
+                        self.stats.iotlb_ns += t0.elapsed().as_nanos() as u64;
+                        if let Some(r) = self.record.as_mut() {
+                            r.invalidate(m.iova, m.size);
+                        }
                         self.stats.iotlb_invalidates += 1;
                     }
                     other => {
@@ -711,6 +748,9 @@ impl<D: Device> Backend<D> {
     /// An IOTLB `MISS` for `iova` on the back-end channel.
     fn send_miss(&mut self, iova: u64, perm: u8) {
         self.stats.iotlb_misses += 1;
+        if let Some(r) = self.record.as_mut() {
+            r.miss(iova, perm);
+        }
         let Some(ch) = self.backend_req.as_ref() else {
             log::warn!(
                 "{}: IOTLB miss at iova {iova:#x} but no back-end channel to ask on",
@@ -836,14 +876,19 @@ impl<D: Device> Backend<D> {
         let Some(q) = v.queue.as_mut() else {
             return Ok(());
         };
+        let t0 = std::time::Instant::now();
         let r = self.device.process(i as u16, q, &self.memory);
+        self.stats.process_ns += t0.elapsed().as_nanos() as u64;
         // Completed requests are logged before the guest is told (and before the frontend can
         // stop the ring and read the log for the last time).
         if let (Some(log), false) = (&self.log, self.log_disabled) {
+            let t0 = std::time::Instant::now();
             match self.memory.drain_dirty(log) {
                 Ok(pages) => self.stats.logged_pages += pages,
                 Err(e) => log::error!("{}: dirty log: {e}", self.device.name()),
             }
+            self.stats.log_ns += t0.elapsed().as_nanos() as u64;
+            self.stats.log_drains += 1;
         }
         log::debug!(
             "{}: ring {i} processed: {r:?}, call fd {}",

@@ -17,6 +17,7 @@
 //!   balloon model and pin-aware discard.
 //! * [`blk`] is virtio-blk over a raw image with `preadv`/`pwritev` straight into guest memory,
 //!   pages pinned through memvisor for the duration of each request.
+//! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
 //!
 //! Virtqueues are read with rust-vmm's `virtio-queue` over memvisor's vm-memory adapter.
@@ -33,6 +34,7 @@ pub mod error;
 pub mod fuzz;
 pub mod memory;
 pub mod proto;
+pub mod record;
 pub mod wire;
 
 pub use backend::{Backend, BackendStats, Device};

@@ -135,7 +135,7 @@ impl FrontendMemory {
         }
         if iova % PAGE != 0 || size % PAGE != 0 || uaddr % PAGE != 0 {
             return Err(Error::Invalid(format!(
-                "IOTLB update iova {iova:#x} size {size:#x} user address {uaddr:#x}: not whole                  4 KiB pages"
+                "IOTLB update iova {iova:#x} size {size:#x} user address {uaddr:#x}: not whole 4 KiB pages"
             )));
         }
         let gpa = self.user_to_gpa(uaddr, size, "IOTLB update")?;

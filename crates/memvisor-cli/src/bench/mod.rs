@@ -7,6 +7,7 @@
 //! writer ([`report`]) and the SVG renderer ([`svg`]) turn outcomes into files.
 
 mod guest;
+mod iotlb;
 mod lookup;
 pub mod machine;
 mod map_unmap;
@@ -39,6 +40,7 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
         Box::new(map_unmap::MapUnmap),
         Box::new(pin_pages::PinPages),
         Box::new(page_report::PageReport),
+        Box::new(iotlb::IotlbReplay),
     ]
 }
 
@@ -353,6 +355,8 @@ pub struct Ctx {
     pub mode: Mode,
     /// `--runs N`, if given.
     pub runs: Option<u32>,
+    /// `--replay FILE`s: recorded IOTLB streams for the `iotlb` experiment.
+    pub replay: Vec<std::path::PathBuf>,
     draw_progress: bool,
 }
 
@@ -365,6 +369,7 @@ impl Ctx {
         Ctx {
             mode,
             runs,
+            replay: Vec::new(),
             draw_progress: tty,
         }
     }
