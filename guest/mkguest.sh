@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds the guest: a Debian kernel (the host distribution's linux-image-amd64) and a busybox
-# initramfs holding the virtio modules and the project's own /init (guest/init).
+# initramfs holding the virtio and vfio modules and the project's own /init (guest/init).
 # usage: guest/mkguest.sh DIR      -> DIR/vmlinuz, DIR/initrd.cpio.gz   (about 5 s once downloaded)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd -P)
@@ -16,7 +16,9 @@ fi
 cp kroot/boot/vmlinuz-* vmlinuz
 rm -rf initrd && mkdir -p initrd/{bin,lib/modules,proc,sys,dev,mnt,tmp}
 cp bb/bin/busybox initrd/bin/busybox
-mods="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk virtio_balloon"
+# vfio*: the hostile-guest trial drives a device from user space through the guest IOMMU.
+mods="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk virtio_balloon
+  irqbypass vfio vfio_iommu_type1 vfio_virqfd vfio-pci-core vfio-pci"
 for m in $mods; do
   f=$(find kroot/lib/modules -name "$m.ko*" | head -1)
   [ -n "$f" ] || { echo "mkguest: module $m not in the kernel package" >&2; exit 1; }
@@ -26,7 +28,7 @@ for m in $mods; do
     *) cp "$f" "initrd/lib/modules/$m.ko" ;;
   esac
 done
-echo "$mods" > initrd/modules
+echo $mods > initrd/modules
 cp "$here/init" initrd/init && chmod +x initrd/init
 # The project's guest programs, static.
 for c in "$here"/progs/*.c; do gcc -O2 -static -o "initrd/bin/$(basename "$c" .c)" "$c"; done

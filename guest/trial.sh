@@ -3,7 +3,8 @@
 # vhost-user back end. Needs root (mount namespaces, chroot, mmdebstrap); builds the QEMU root
 # and the guest on first use under target/guest/.
 #
-# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] | balloon [--negative]
+# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] | balloon [--negative]
+#                      | mig [--negative] [--iommu=M] | hostile
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -26,6 +27,11 @@
 #               end and the guest checks every chunk the device wrote, then keeps going.
 #   mig --negative: the back end keeps its dirty log empty (test-only switch); the guest must
 #               then find stale chunks on the destination.
+#   mig --iommu=strict|lazy: the same behind the vIOMMU; the back end logs the guest pages behind
+#               the IOVAs it wrote.
+#   hostile     two vIOMMU blk devices in one back end: the kernel runs the blk trial on one, a
+#               user-space driver in the guest (VFIO) runs the other and sends requests naming
+#               IOVAs it never mapped or has unmapped; those fail alone, nothing else does.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,7 +78,7 @@ blk)
       --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=$sock,writable=on > "$run/backend.log" 2>&1 &
   else
     MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
-      $([ -n "$iommu" ] && echo --iommu) > "$run/backend.log" 2>&1 &
+      $([ -n "$iommu" ] && echo --iommu --record-iotlb "$run/iotlb.rec") > "$run/backend.log" 2>&1 &
   fi
   bpid=$!; pids+=("$bpid")
   wait_socket "$sock"
@@ -175,7 +181,7 @@ mig)
   truncate -s 0 "$run/disk.img"; truncate -s 256M "$run/disk.img"
   sock=$run/blk.sock
   "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
-    $([ $negative = 1 ] && echo --test-no-dirty-log) > "$run/backend.log" 2>&1 &
+    $([ $negative = 1 ] && echo --test-no-dirty-log) $([ -n "$iommu" ] && echo --iommu --record-iotlb "$run/iotlb.rec") > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$sock"
   hmp() { python3 - "$run/mon-$1.sock" "$2" <<'PY'
@@ -194,6 +200,14 @@ PY
   }
   args=(-chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1)
   cmdline="t=mig mig_chunks=$chunks mig_secs=$secs"
+  if [ -n "$iommu" ]; then
+    # Both QEMUs get the same vIOMMU; the IOTLB state migrates with the guest and the back end
+    # starts over with an empty IOTLB on the destination (it asks with MISS).
+    strict=1; [ "$iommu" = strict ] || strict=0
+    args=(-device intel-iommu,intremap=on,device-iotlb=on
+      -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1,iommu_platform=on,ats=on,disable-legacy=on)
+    cmdline="$cmdline intel_iommu=on iommu.strict=$strict"
+  fi
   qemu "$cmdline" "${args[@]}" -monitor unix:$run/mon-src.sock,server=on,wait=off
   src=$qpid
   for _ in $(seq 1200); do grep -q "MIGWRITE started" "$log" 2>/dev/null && break; sleep 0.1; done
@@ -235,6 +249,40 @@ PY
     echo "$name: nothing stale was found without the dirty log"; exit 1
   fi
   case "$result" in *PASS*) ;; *) exit 1;; esac
+  ;;
+hostile)
+  # One back end process, two vIOMMU blk devices: the kernel's driver runs the blk trial on the
+  # first; guest/progs/vioraw.c drives the second from user space and names IOVAs it never
+  # mapped or has unmapped. Those requests must fail alone: the user-space driver checks their
+  # status and that nothing was written, the disk behind them must be unchanged, and the blk
+  # trial on the other device must pass.
+  truncate -s 0 "$run/disk.img"; truncate -s 64M "$run/disk.img"
+  # The second disk: the 64-bit word at byte offset o is 0x6d656d7669736f72 ^ o (vioraw checks it).
+  python3 -c 'import struct,sys; sys.stdout.buffer.write(b"".join(struct.pack("<Q", 0x6d656d7669736f72 ^ o) for o in range(0, 1 << 20, 8)))' > "$run/raw.img"
+  before=$(sha256sum < "$run/raw.img")
+  "$bin" serve --iommu --blk "$run/blk.sock=$run/disk.img" --blk "$run/raw.sock=$run/raw.img" \
+    --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$run/blk.sock"; wait_socket "$run/raw.sock"
+  dev="iommu_platform=on,ats=on,disable-legacy=on,num-queues=1"
+  qemu "t=hostile,blk blk_mib=16 blk_wait=1 blk_random=100 blk_serial=memvisor hostile_dev=0000:00:05.0 intel_iommu=on iommu.strict=1" \
+    -device intel-iommu,intremap=on,device-iotlb=on \
+    -chardev socket,id=c0,path=$run/blk.sock -device vhost-user-blk-pci,chardev=c0,$dev,addr=04.0 \
+    -chardev socket,id=c1,path=$run/raw.sock -device vhost-user-blk-pci,chardev=c1,$dev,addr=05.0
+  wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  { grep -a -h -E '^(GUEST|VIORAW)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
+  [ -f "$run/stats.json" ] && echo "  back end: $(tr -d ' \n' < "$run/stats.json")"
+  hres=$(grep -a '^RESULT hostile' "$log" | tail -1 | tr -d '\r' || true)
+  bres=$(grep -a '^RESULT blk' "$log" | tail -1 | tr -d '\r' || true)
+  disk=PASS; [ "$(sha256sum < "$run/raw.img")" = "$before" ] || disk=FAIL
+  echo "  second disk unchanged: $disk"
+  # Exactly the four hostile requests failed, all on the second device.
+  failed=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"failed":[0-9]*' | cut -d: -f2 | tr '\n' ' ')
+  echo "  failed requests per device: ${failed:-none} (want 0 4)"
+  [ "$failed" = "0 4 " ] || disk="$disk, failed counts $failed"
+  echo "$name: ${hres:-RESULT hostile FAIL no verdict}; other device: ${bres:-RESULT blk FAIL no verdict}"
+  case "$hres/$bres/$disk" in *PASS*/*PASS*/PASS) ;; *) exit 1;; esac
   ;;
 *) echo "unknown trial $trial" >&2; exit 2 ;;
 esac
