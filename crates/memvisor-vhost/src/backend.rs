@@ -213,6 +213,13 @@ impl<D: Device> Backend<D> {
         self.record = Some(Recorder::new(out));
     }
 
+    /// Writes the memory table as it is now to the IOTLB recording, if there is one.
+    fn record_table(&mut self) {
+        if let Some(r) = self.record.as_mut() {
+            r.table(&self.memory.regions());
+        }
+    }
+
     /// ORs what memvisor tracked since the last call into the frontend's log.
     fn drain_log(&mut self) -> Result<()> {
         if let (Some(log), false) = (&self.log, self.log_disabled) {
@@ -437,9 +444,7 @@ impl<D: Device> Backend<D> {
                 let regions = proto::mem_table(p)?;
                 let fds = std::mem::take(&mut msg.fds);
                 self.memory.set_table(&regions, fds)?;
-                if let Some(r) = self.record.as_mut() {
-                    r.table(&regions);
-                }
+                self.record_table();
                 log::info!(
                     "{}: memory table of {} regions",
                     self.device.name(),
@@ -451,6 +456,7 @@ impl<D: Device> Backend<D> {
                 let r = proto::single_region(request, p)?;
                 let fd = msg.take_fd("the region")?;
                 self.memory.add(r, fd)?;
+                self.record_table();
                 Ok(None)
             }
             req::REM_MEM_REG => {
@@ -458,6 +464,7 @@ impl<D: Device> Backend<D> {
                 let r = proto::single_region(request, p)?;
                 self.stop_rings_in(r.gpa, r.size);
                 self.memory.remove(r)?;
+                self.record_table();
                 Ok(None)
             }
             req::SET_VRING_NUM => {

@@ -295,6 +295,11 @@ impl FrontendMemory {
         self.held.is_empty()
     }
 
+    /// The regions held, as the frontend described them.
+    pub fn regions(&self) -> Vec<Region> {
+        self.held.iter().map(|h| h.region).collect()
+    }
+
     /// `SET_MEM_TABLE`: replaces every region, all or nothing.
     pub fn set_table(&mut self, regions: &[Region], fds: Vec<OwnedFd>) -> Result<()> {
         if fds.len() != regions.len() {

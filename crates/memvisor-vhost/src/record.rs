@@ -9,13 +9,15 @@
 //! recording began):
 //!
 //! ```text
-//! R <gpa> <size> <user address>            a region of the memory table (before the events)
+//! T                                        the memory table changed; it is now:
+//! R <gpa> <size> <user address>            one of its regions
 //! U <t> <iova> <size> <user address> <perm> IOTLB UPDATE (perm 1 read, 2 write, 3 both)
 //! I <t> <iova> <size>                      IOTLB INVALIDATE
 //! M <t> <iova> <perm>                      the back end's MISS
 //! ```
 //!
-//! A new memory table starts a new set of `R` lines; replay uses the last complete one.
+//! Replay starts over (an empty IOTLB) at each table: the frontend changes its memory when it
+//! connects, and then the IOTLB traffic refers to that table.
 
 use std::io::Write;
 use std::time::Instant;
@@ -26,6 +28,8 @@ use crate::proto::Region;
 /// One recorded event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
+    /// The memory table changed; the `Region`s that follow are all of it.
+    Table,
     /// A region of the frontend's memory table.
     Region { gpa: u64, size: u64, uaddr: u64 },
     /// IOTLB UPDATE at `t` ns.
@@ -70,8 +74,9 @@ impl Recorder {
         self.start.elapsed().as_nanos() as u64
     }
 
-    /// The memory table the following events refer to.
+    /// The memory table the following events refer to (all of it, after every change).
     pub fn table(&mut self, regions: &[Region]) {
+        self.put("T\n");
         for r in regions {
             let line = format!("R {:x} {:x} {:x}\n", r.gpa, r.size, r.user_addr);
             self.put(&line);
@@ -141,6 +146,7 @@ pub fn parse(text: &str) -> Result<Vec<Event>> {
                 .ok_or_else(|| bad("expected a permission 1, 2 or 3"))
         };
         let (ev, fields) = match f[0] {
+            "T" => (Event::Table, 1),
             "R" => (
                 Event::Region {
                     gpa: hex(1)?,
@@ -175,7 +181,7 @@ pub fn parse(text: &str) -> Result<Vec<Event>> {
                 },
                 4,
             ),
-            _ => return Err(bad("expected R, U, I or M")),
+            _ => return Err(bad("expected T, R, U, I or M")),
         };
         if f.len() != fields {
             return Err(bad(&format!("expected {fields} fields")));
@@ -218,7 +224,9 @@ mod tests {
         r.flush();
         let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
         let ev = parse(&text).unwrap();
-        assert_eq!(ev.len(), 4);
+        assert_eq!(ev.len(), 5);
+        assert_eq!(ev[0], Event::Table);
+        let ev = &ev[1..];
         assert_eq!(
             ev[0],
             Event::Region {

@@ -114,7 +114,7 @@ impl Experiment for IotlbReplay {
             let messages = s
                 .events
                 .iter()
-                .filter(|e| !matches!(e, Event::Region { .. }))
+                .filter(|e| !matches!(e, Event::Region { .. } | Event::Table))
                 .count();
             let mut group = ChartGroup {
                 label: s.name.clone(),
@@ -226,7 +226,7 @@ fn recorded_rate(events: &[Event]) -> Option<f64> {
             Event::Update { t, .. } | Event::Invalidate { t, .. } | Event::Miss { t, .. } => {
                 Some(t)
             }
-            Event::Region { .. } => None,
+            Event::Region { .. } | Event::Table => None,
         })
         .collect();
     let span = times.last()?.saturating_sub(*times.first()?);
@@ -240,11 +240,14 @@ fn recorded_rate(events: &[Event]) -> Option<f64> {
 fn synthetic(strict: bool, buffers: usize) -> Stream {
     const MEM: u64 = 1 << 30;
     const UADDR: u64 = 0x7f00_0000_0000;
-    let mut events = vec![Event::Region {
-        gpa: 0,
-        size: MEM,
-        uaddr: UADDR,
-    }];
+    let mut events = vec![
+        Event::Table,
+        Event::Region {
+            gpa: 0,
+            size: MEM,
+            uaddr: UADDR,
+        },
+    ];
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
         x ^= x << 13;
@@ -433,11 +436,11 @@ fn replay(events: &[Event], peer: bool, clock: Option<f64>) -> anyhow::Result<Ti
     };
     for e in events {
         match *e {
+            Event::Table => {
+                side = None;
+                regions.clear();
+            }
             Event::Region { gpa, size, uaddr } => {
-                if side.is_some() {
-                    side = None;
-                    regions.clear();
-                }
                 regions.push(Region {
                     gpa,
                     size,
