@@ -53,27 +53,10 @@ pub fn listen(path: &Path) -> Result<UnixListener> {
 pub struct BlkReport {
     /// Socket served.
     pub socket: String,
-    /// Protocol counts.
-    pub connections: u64,
-    /// Messages handled.
-    pub messages: u64,
-    /// Messages refused.
-    pub refused: u64,
-    /// Kicks.
-    pub kicks: u64,
-    /// Pages written to the frontend's migration dirty log.
-    pub logged_pages: u64,
-    /// IOTLB updates, invalidations and misses.
-    pub iotlb_updates: u64,
-    /// IOTLB invalidations.
-    pub iotlb_invalidates: u64,
-    /// IOTLB misses sent.
-    pub iotlb_misses: u64,
-    /// Time in request processing, in the dirty log (and drains), in IOTLB messages: ns.
-    pub process_ns: u64,
-    pub log_ns: u64,
-    pub log_drains: u64,
-    pub iotlb_ns: u64,
+    /// What the protocol layer saw and the time it spent (connections, messages, IOTLB,
+    /// dirty log), under the same names as [`BackendStats`].
+    #[serde(flatten)]
+    pub backend: BackendStats,
     /// Reads, writes, flushes.
     pub reads: u64,
     /// Writes.
@@ -94,18 +77,7 @@ impl BlkReport {
     fn new(socket: &Path, b: &BackendStats, s: &BlkStats) -> Self {
         BlkReport {
             socket: socket.display().to_string(),
-            connections: b.connections,
-            messages: b.messages,
-            refused: b.refused,
-            kicks: b.kicks,
-            logged_pages: b.logged_pages,
-            iotlb_updates: b.iotlb_updates,
-            iotlb_invalidates: b.iotlb_invalidates,
-            iotlb_misses: b.iotlb_misses,
-            process_ns: b.process_ns,
-            log_ns: b.log_ns,
-            log_drains: b.log_drains,
-            iotlb_ns: b.iotlb_ns,
+            backend: *b,
             reads: s.reads,
             writes: s.writes,
             flushes: s.flushes,

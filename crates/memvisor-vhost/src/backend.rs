@@ -150,8 +150,8 @@ pub struct Backend<D: Device> {
     pub stats: BackendStats,
 }
 
-/// Counts of what a back end saw.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Counts of what a back end saw (serialized as they are named here, e.g. in `--stats`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct BackendStats {
     /// Connections served.
     pub connections: u64,
