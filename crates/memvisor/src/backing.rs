@@ -568,6 +568,51 @@ impl SharedMappings {
         Ok(backing)
     }
 
+    /// The backing and the offset in it for `size` bytes of the file behind `fd` from
+    /// `file_offset`, where a peer sends a descriptor with every small map (vfio-user's
+    /// `DMA_MAP`: one per 4 KiB page a guest maps through its IOMMU). A live mapping of the same
+    /// file that covers the range is handed out again (then `fd` is closed); otherwise the whole
+    /// file is mapped once, with [`Backing::from_fd`]'s checks, so thousands of small maps cost
+    /// one `mmap` and one descriptor rather than one each. EINVAL if the range passes the
+    /// file's end.
+    pub fn map_within(
+        &self,
+        fd: OwnedFd,
+        file_offset: u64,
+        size: u64,
+    ) -> Result<(Arc<Backing>, u64)> {
+        let (st, _) = file_identity(&fd)?;
+        let end = file_offset.checked_add(size).ok_or(Error::RangeWraps {
+            what: "received memory range",
+            start: file_offset,
+            len: size,
+        })?;
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        for (&(dev, ino, off, len), b) in live.iter() {
+            if (dev, ino) == (st.st_dev, st.st_ino) && off <= file_offset && end <= off + len {
+                if let Some(b) = b.upgrade() {
+                    return Ok((b, file_offset - off));
+                }
+            }
+        }
+        live.retain(|_, b| b.strong_count() > 0);
+        let file_len = st.st_size.max(0) as u64;
+        if end > file_len {
+            return Err(Error::OutOfBounds {
+                what: "received memory range (past the end of the file: touching it would be SIGBUS)",
+                start: file_offset,
+                len: size,
+                limit: file_len,
+            });
+        }
+        let backing = Arc::new(Backing::from_fd(fd, 0, file_len)?);
+        live.insert(
+            (st.st_dev, st.st_ino, 0, file_len),
+            Arc::downgrade(&backing),
+        );
+        Ok((backing, file_offset))
+    }
+
     /// Live mappings in the table.
     pub fn len(&self) -> usize {
         let live = self.live.lock().unwrap_or_else(|e| e.into_inner());

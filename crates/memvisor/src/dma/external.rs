@@ -52,6 +52,29 @@ pub enum Grouping {
     Adaptive,
 }
 
+/// Copies `dst.len()` bytes from host memory a device pinned with [`DmaSpace::pin_pages`], at
+/// `src` (an address it returned, plus an offset inside the pinned pages), into `dst`. The copy
+/// is the one `dma_read` uses: guest memory is never seen as a Rust slice.
+///
+/// # Safety
+/// `src .. src + dst.len()` must lie inside pages the caller has pinned and keeps pinned until
+/// this call returns (a pin keeps the mapping, and so its memory, from being unmapped).
+pub unsafe fn read_pinned(src: Hva, dst: &mut [u8]) {
+    // SAFETY: the caller guarantees the range is pinned, so mapped readable, and a pinned guest
+    // page is never the caller's own buffer.
+    unsafe { crate::copy::from_guest(src.0 as *const u8, dst) }
+}
+
+/// Copies `src` into host memory a device pinned with [`DmaSpace::pin_pages`], at `dst`.
+///
+/// # Safety
+/// `dst .. dst + src.len()` must lie inside pages the caller has pinned with WRITE and keeps
+/// pinned until this call returns.
+pub unsafe fn write_pinned(src: &[u8], dst: Hva) {
+    // SAFETY: as the caller guarantees; a pinned guest page is never the caller's own buffer.
+    unsafe { crate::copy::to_guest(src, dst.0 as *mut u8) }
+}
+
 /// Names a registered unmap notifier, for [`DmaSpace::remove_unmap_notifier`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct NotifierId(u64);
