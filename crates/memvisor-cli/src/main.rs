@@ -35,6 +35,9 @@ enum Command {
     /// Set the balloon target of a running `memvisor serve` (through its --control socket)
     #[command(name = "balloon-target")]
     BalloonTarget(TargetArgs),
+    /// Serve the mvdma reference DMA device to one vfio-user client (QEMU's vfio-user-pci)
+    #[command(name = "vfio-user")]
+    VfioUser(VfioUserArgs),
     /// Act as a hostile vhost-user frontend: send malformed messages to a back end for a while
     #[command(name = "vhost-user-fuzz")]
     VhostUserFuzz(FuzzArgs),
@@ -63,6 +66,23 @@ struct ServeArgs {
     /// Write what the devices did as JSON on exit
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct VfioUserArgs {
+    /// Unix socket to listen on (QEMU: -device '{"driver":"vfio-user-pci","socket":{"type":"unix","path":PATH}}')
+    #[arg(long, value_name = "PATH")]
+    socket: PathBuf,
+    /// Write what the server and device did (maps, unmaps, DMA, pin histogram) as JSON on exit
+    #[arg(long, value_name = "FILE")]
+    stats: Option<PathBuf>,
+    /// Write every DMA_MAP / DMA_UNMAP to FILE, for `memvisor bench vfio-user --replay FILE`
+    #[arg(long, value_name = "FILE")]
+    record: Option<PathBuf>,
+    /// TEST ONLY: answer DMA_UNMAP without unmapping, so the device keeps reaching memory the
+    /// guest took away (the vfio-user trial's negative control)
+    #[arg(long, hide = true)]
+    test_ignore_unmap: bool,
 }
 
 #[derive(Args)]
@@ -152,6 +172,7 @@ fn main() -> ExitCode {
         Command::VhostUserBlk(args) => run_blk(&args),
         Command::VhostUserFuzz(args) => run_fuzz(&args),
         Command::Serve(args) => run_serve(&args),
+        Command::VfioUser(args) => run_vfio_user(&args),
         Command::BalloonTarget(args) => run_target(&args),
     };
     match result {
@@ -207,6 +228,18 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
     let report = serve::serve(&devices)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
+}
+
+fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
+    serve::init_logging();
+    serve::stop_on_signals();
+    let report = serve::vfio_user(&args.socket, args.record.as_deref(), args.test_ignore_unmap)?;
+    eprintln!("{}", serde_json::to_string_pretty(&report)?);
+    serve::write_json(args.stats.as_ref(), &report)?;
+    if report.end != "ok" {
+        bail!("the connection ended with an error: {}", report.end);
+    }
+    Ok(())
 }
 
 fn run_target(args: &TargetArgs) -> Result<()> {

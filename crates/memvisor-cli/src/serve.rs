@@ -355,3 +355,71 @@ pub fn init_logging() {
         log::set_max_level(level);
     }
 }
+
+/// What `memvisor vfio-user` did, for `--stats`.
+#[derive(Serialize)]
+pub struct VfioUserReport {
+    /// Socket served.
+    pub socket: String,
+    /// How the connection ended: "ok" (the client hung up) or the error that ended it.
+    pub end: String,
+    /// The server's and the device's counters.
+    #[serde(flatten)]
+    pub server: memvisor_vfio_user::ServerStats,
+}
+
+/// Serves the `mvdma` reference device to one vfio-user client on `socket`, until the client
+/// hangs up or a signal arrives; then stops the device, drops every mapping and reports.
+pub fn vfio_user(
+    socket: &Path,
+    record: Option<&Path>,
+    test_ignore_unmap: bool,
+) -> Result<VfioUserReport> {
+    use memvisor_vfio_user::{DmaDev, Server};
+    let listener = listen(socket)?;
+    listener.set_nonblocking(true)?;
+    let sock = loop {
+        if STOP.load(Ordering::Relaxed) {
+            let _ = std::fs::remove_file(socket);
+            anyhow::bail!("stopped before a client connected to {}", socket.display());
+        }
+        match listener.accept() {
+            Ok((sock, _)) => break sock,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => return Err(e).context("accept on the vfio-user socket"),
+        }
+    };
+    sock.set_nonblocking(false)?;
+    log::info!("vfio-user client connected on {}", socket.display());
+    // A signal ends the connection: shutting the socket down wakes the server's read.
+    let watch = sock.try_clone()?;
+    std::thread::spawn(move || {
+        while !STOP.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = watch.shutdown(std::net::Shutdown::Both);
+    });
+    let mut server = Server::new(sock, memvisor::DmaConfig::default(), DmaDev::new)
+        .context("vfio-user server")?;
+    if test_ignore_unmap {
+        log::warn!("TEST ONLY: DMA_UNMAP is answered without unmapping");
+        server.test_ignore_unmap();
+    }
+    if let Some(path) = record {
+        let f = std::fs::File::create(path)
+            .with_context(|| format!("cannot create the recording {}", path.display()))?;
+        server.record_to(Box::new(std::io::BufWriter::new(f)));
+    }
+    let (stats, end) = server.serve();
+    let _ = std::fs::remove_file(socket);
+    Ok(VfioUserReport {
+        socket: socket.display().to_string(),
+        end: match end {
+            Ok(()) => "ok".into(),
+            Err(e) => e.to_string(),
+        },
+        server: stats,
+    })
+}

@@ -1,0 +1,192 @@
+//! One client connection: framing over the socket, and requests this side sends.
+//!
+//! Messages are read by one thread only (the server loop). A message starts with its header,
+//! read with `recvmsg` so the descriptors attached to its first byte come with it; the rest is
+//! read with plain reads. Writes come from the server loop (replies) and from the device's
+//! engine (`DMA_READ` / `DMA_WRITE` for memory mapped without a descriptor), so each message is
+//! written whole under a lock. Replies to the server's own requests arrive in the same stream;
+//! the loop hands each to the thread waiting on its id.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::proto::{self, HEADER, Header, MAX_FDS, MAX_MESSAGE, cmd, flags};
+
+/// One received message.
+#[derive(Debug)]
+pub struct Message {
+    pub header: Header,
+    /// The bytes after the header.
+    pub body: Vec<u8>,
+    pub fds: Vec<OwnedFd>,
+}
+
+/// The connection.
+#[derive(Debug)]
+pub struct Conn {
+    sock: UnixStream,
+    writer: Mutex<()>,
+    pending: Mutex<HashMap<u16, SyncSender<Message>>>,
+    next_id: AtomicU16,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Conn {
+    pub fn new(sock: UnixStream) -> Conn {
+        Conn {
+            sock,
+            writer: Mutex::new(()),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU16::new(0x8000),
+        }
+    }
+
+    /// Receives one message. [`Error::Disconnected`] when the client closed the socket
+    /// between messages.
+    pub fn recv(&self) -> Result<Message> {
+        let mut hdr = [0u8; HEADER];
+        let got = memvisor_unix::recv_with_fds(&self.sock, &mut hdr, MAX_FDS)
+            .map_err(|e| Error::os("recvmsg", e))?;
+        if got.len == 0 {
+            return Err(Error::Disconnected);
+        }
+        if got.truncated {
+            return Err(Error::Protocol(format!(
+                "a message carried more than {MAX_FDS} file descriptors (max_msg_fds)"
+            )));
+        }
+        if got.len < HEADER {
+            (&self.sock)
+                .read_exact(&mut hdr[got.len..])
+                .map_err(|e| Error::os("read header", e))?;
+        }
+        let header = Header::parse(&hdr);
+        let size = header.size as usize;
+        if !(HEADER..=MAX_MESSAGE).contains(&size) {
+            return Err(Error::Protocol(format!(
+                "{} (id {}): message size {size}, must be {HEADER}..={MAX_MESSAGE}",
+                cmd::name(header.command),
+                header.id
+            )));
+        }
+        let mut body = vec![0u8; size - HEADER];
+        (&self.sock)
+            .read_exact(&mut body)
+            .map_err(|e| Error::os("read body", e))?;
+        Ok(Message {
+            header,
+            body,
+            fds: got.fds,
+        })
+    }
+
+    /// Sends one message, whole.
+    pub fn send(&self, header: Header, body: &[&[u8]], fds: &[&OwnedFd]) -> Result<()> {
+        let mut b = Vec::with_capacity(header.size as usize);
+        b.extend_from_slice(&header.to_bytes());
+        for part in body {
+            b.extend_from_slice(part);
+        }
+        let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        let _w = lock(&self.writer);
+        if raw.is_empty() {
+            (&self.sock).write_all(&b).map_err(|e| Error::os("send", e))
+        } else {
+            memvisor_unix::send_with_fds(&self.sock, &b, &raw).map_err(|e| Error::os("sendmsg", e))
+        }
+    }
+
+    /// Replies to `to` with `body` (and descriptors).
+    pub fn reply(&self, to: &Header, body: &[&[u8]], fds: &[&OwnedFd]) -> Result<()> {
+        let size = HEADER + body.iter().map(|p| p.len()).sum::<usize>();
+        let h = Header {
+            id: to.id,
+            command: to.command,
+            size: size as u32,
+            flags: flags::REPLY,
+            error: 0,
+        };
+        self.send(h, body, fds)
+    }
+
+    /// An error reply to `to` carrying `errno`.
+    pub fn reply_error(&self, to: &Header, errno: i32) -> Result<()> {
+        let h = Header {
+            id: to.id,
+            command: to.command,
+            size: HEADER as u32,
+            flags: flags::REPLY | flags::ERROR,
+            error: errno as u32,
+        };
+        self.send(h, &[], &[])
+    }
+
+    /// Sends a request of this side's own and waits up to `timeout` for its reply, which the
+    /// server loop delivers with [`Conn::deliver`].
+    pub fn request(&self, command: u16, body: &[&[u8]], timeout: Duration) -> Result<Message> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx): (SyncSender<Message>, Receiver<Message>) = sync_channel(1);
+        lock(&self.pending).insert(id, tx);
+        let size = HEADER + body.iter().map(|p| p.len()).sum::<usize>();
+        let h = Header {
+            id,
+            command,
+            size: size as u32,
+            flags: flags::COMMAND,
+            error: 0,
+        };
+        let sent = self.send(h, body, &[]);
+        let got = sent.and_then(|()| {
+            rx.recv_timeout(timeout).map_err(|_| Error::Refused {
+                errno: libc::ETIMEDOUT,
+                why: format!(
+                    "{} (id {id}): no reply from the client in {timeout:?}",
+                    cmd::name(command)
+                ),
+            })
+        });
+        lock(&self.pending).remove(&id);
+        let m = got?;
+        if m.header.flags & flags::ERROR != 0 {
+            return Err(Error::Refused {
+                errno: m.header.error as i32,
+                why: format!(
+                    "{}: the client answered errno {}",
+                    cmd::name(command),
+                    m.header.error
+                ),
+            });
+        }
+        Ok(m)
+    }
+
+    /// Hands a reply to the thread waiting for it. A reply nobody waits for (late, or never
+    /// asked for) is dropped with a warning: the stream itself is still in step.
+    pub fn deliver(&self, m: Message) {
+        let id = m.header.id;
+        match lock(&self.pending).remove(&id) {
+            Some(tx) => {
+                let _ = tx.send(m);
+            }
+            None => log::warn!(
+                "a reply to {} with id {id} that no request waits for; dropped",
+                proto::cmd::name(m.header.command)
+            ),
+        }
+    }
+
+    /// Shuts the socket down, waking the server loop.
+    pub fn shutdown(&self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+}

@@ -1,0 +1,563 @@
+//! The vfio-user wire format: a 16-byte header and one fixed layout per command, little-endian.
+//!
+//! Every message starts with `id: u16, command: u16, size: u32` (the whole message, header
+//! included), `flags: u32` (bits 0-3 the type: 0 command, 1 reply; bit 4 NO_REPLY; bit 5 ERROR)
+//! and `error: u32` (an errno, in error replies). The bodies follow Linux's VFIO ioctl structs
+//! (`struct vfio_iommu_type1_dma_map`, `vfio_region_info`, `vfio_irq_set`, ...) with pointers
+//! replaced by descriptors (passed with `SCM_RIGHTS`) or by data that follows inline. Parsing
+//! checks each body's size against its layout and its `argsz`; it never trusts a length field
+//! to index memory. Facts from the vfio-user specification (QEMU `docs/interop/vfio-user.rst`)
+//! and QEMU 11.1's client (`hw/vfio-user/protocol.h`).
+
+use crate::error::{Error, Result};
+
+/// Bytes in a message header.
+pub const HEADER: usize = 16;
+
+/// Most bytes of data one region or DMA read/write carries (`max_data_xfer_size`, which this
+/// server announces; QEMU's default too).
+pub const MAX_DATA_XFER: usize = 1 << 20;
+
+/// Largest message accepted: a data transfer and its header, or a region-info reply's worth.
+pub const MAX_MESSAGE: usize = MAX_DATA_XFER + 64;
+
+/// Most descriptors one message may carry (`max_msg_fds`, QEMU's upper bound).
+pub const MAX_FDS: usize = 16;
+
+/// Commands (the header's `command`).
+pub mod cmd {
+    pub const VERSION: u16 = 1;
+    pub const DMA_MAP: u16 = 2;
+    pub const DMA_UNMAP: u16 = 3;
+    pub const DEVICE_GET_INFO: u16 = 4;
+    pub const DEVICE_GET_REGION_INFO: u16 = 5;
+    pub const DEVICE_GET_REGION_IO_FDS: u16 = 6;
+    pub const DEVICE_GET_IRQ_INFO: u16 = 7;
+    pub const DEVICE_SET_IRQS: u16 = 8;
+    pub const REGION_READ: u16 = 9;
+    pub const REGION_WRITE: u16 = 10;
+    pub const DMA_READ: u16 = 11;
+    pub const DMA_WRITE: u16 = 12;
+    pub const DEVICE_RESET: u16 = 13;
+    pub const DIRTY_PAGES: u16 = 14;
+    pub const REGION_WRITE_MULTI: u16 = 15;
+    pub const DEVICE_FEATURE: u16 = 16;
+
+    /// The command's name, for logs and error messages.
+    pub fn name(c: u16) -> &'static str {
+        match c {
+            VERSION => "VERSION",
+            DMA_MAP => "DMA_MAP",
+            DMA_UNMAP => "DMA_UNMAP",
+            DEVICE_GET_INFO => "DEVICE_GET_INFO",
+            DEVICE_GET_REGION_INFO => "DEVICE_GET_REGION_INFO",
+            DEVICE_GET_REGION_IO_FDS => "DEVICE_GET_REGION_IO_FDS",
+            DEVICE_GET_IRQ_INFO => "DEVICE_GET_IRQ_INFO",
+            DEVICE_SET_IRQS => "DEVICE_SET_IRQS",
+            REGION_READ => "REGION_READ",
+            REGION_WRITE => "REGION_WRITE",
+            DMA_READ => "DMA_READ",
+            DMA_WRITE => "DMA_WRITE",
+            DEVICE_RESET => "DEVICE_RESET",
+            DIRTY_PAGES => "DIRTY_PAGES",
+            REGION_WRITE_MULTI => "REGION_WRITE_MULTI",
+            DEVICE_FEATURE => "DEVICE_FEATURE",
+            _ => "unknown command",
+        }
+    }
+}
+
+/// Header flags.
+pub mod flags {
+    pub const TYPE_MASK: u32 = 0xf;
+    pub const COMMAND: u32 = 0;
+    pub const REPLY: u32 = 1;
+    pub const NO_REPLY: u32 = 0x10;
+    pub const ERROR: u32 = 0x20;
+}
+
+/// A message header.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Header {
+    pub id: u16,
+    pub command: u16,
+    /// The whole message, header included.
+    pub size: u32,
+    pub flags: u32,
+    pub error: u32,
+}
+
+impl Header {
+    pub fn parse(b: &[u8; HEADER]) -> Header {
+        Header {
+            id: u16::from_le_bytes([b[0], b[1]]),
+            command: u16::from_le_bytes([b[2], b[3]]),
+            size: u32_at(b, 4),
+            flags: u32_at(b, 8),
+            error: u32_at(b, 12),
+        }
+    }
+
+    pub fn to_bytes(self) -> [u8; HEADER] {
+        let mut b = [0u8; HEADER];
+        b[0..2].copy_from_slice(&self.id.to_le_bytes());
+        b[2..4].copy_from_slice(&self.command.to_le_bytes());
+        b[4..8].copy_from_slice(&self.size.to_le_bytes());
+        b[8..12].copy_from_slice(&self.flags.to_le_bytes());
+        b[12..16].copy_from_slice(&self.error.to_le_bytes());
+        b
+    }
+
+    /// Whether this is a reply (to a command this side sent).
+    pub fn is_reply(&self) -> bool {
+        self.flags & flags::TYPE_MASK == flags::REPLY
+    }
+
+    /// Whether the sender wants no reply (posted region writes).
+    pub fn no_reply(&self) -> bool {
+        self.flags & flags::NO_REPLY != 0
+    }
+}
+
+/// The little-endian `u32` at byte `at` (panics past the end: callers check sizes first).
+pub fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// The little-endian `u64` at byte `at` (panics past the end: callers check sizes first).
+pub fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Checks a body is at least `want` bytes (the fixed part of its layout).
+fn need(command: u16, body: &[u8], want: usize) -> Result<()> {
+    if body.len() < want {
+        return Err(Error::BadSize {
+            command: cmd::name(command),
+            got: body.len(),
+            want,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a VFIO-style `argsz`: at least the fixed part, and no more than was sent.
+fn check_argsz(command: u16, argsz: u32, fixed: usize, body: usize) -> Result<()> {
+    if (argsz as usize) < fixed || argsz as usize > body {
+        return Err(Error::Invalid(format!(
+            "{}: argsz {argsz} must be between {fixed} and the {body} bytes sent",
+            cmd::name(command)
+        )));
+    }
+    Ok(())
+}
+
+/// `VFIO_USER_VERSION`: `major: u16, minor: u16`, then a NUL-terminated JSON object.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Version {
+    pub major: u16,
+    pub minor: u16,
+    /// The JSON text (without its NUL), empty if none was sent.
+    pub json: String,
+}
+
+impl Version {
+    pub fn parse(body: &[u8]) -> Result<Version> {
+        need(cmd::VERSION, body, 4)?;
+        let text = &body[4..];
+        let text = text.split(|&c| c == 0).next().unwrap_or(&[]);
+        let json = std::str::from_utf8(text)
+            .map_err(|e| Error::Invalid(format!("VERSION: capabilities are not UTF-8: {e}")))?;
+        Ok(Version {
+            major: u16::from_le_bytes([body[0], body[1]]),
+            minor: u16::from_le_bytes([body[2], body[3]]),
+            json: json.to_string(),
+        })
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(5 + self.json.len());
+        b.extend_from_slice(&self.major.to_le_bytes());
+        b.extend_from_slice(&self.minor.to_le_bytes());
+        b.extend_from_slice(self.json.as_bytes());
+        b.push(0);
+        b
+    }
+}
+
+/// `DMA_MAP` flags (`VFIO_DMA_MAP_FLAG_*`).
+pub mod map_flags {
+    pub const READ: u32 = 1;
+    pub const WRITE: u32 = 2;
+}
+
+/// `DMA_UNMAP` flags (`VFIO_DMA_UNMAP_FLAG_*`, as Linux numbers them).
+pub mod unmap_flags {
+    pub const GET_DIRTY_BITMAP: u32 = 1;
+    pub const ALL: u32 = 2;
+}
+
+/// `VFIO_USER_DMA_MAP`: `argsz, flags: u32, offset, iova, size: u64`; the memory's descriptor
+/// (0 or 1) comes with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DmaMap {
+    pub argsz: u32,
+    pub flags: u32,
+    /// Offset of the mapped range in the descriptor's file.
+    pub offset: u64,
+    pub iova: u64,
+    pub size: u64,
+}
+
+impl DmaMap {
+    pub const SIZE: usize = 32;
+
+    pub fn parse(body: &[u8]) -> Result<DmaMap> {
+        need(cmd::DMA_MAP, body, Self::SIZE)?;
+        let m = DmaMap {
+            argsz: u32_at(body, 0),
+            flags: u32_at(body, 4),
+            offset: u64_at(body, 8),
+            iova: u64_at(body, 16),
+            size: u64_at(body, 24),
+        };
+        check_argsz(cmd::DMA_MAP, m.argsz, Self::SIZE, body.len())?;
+        Ok(m)
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::SIZE);
+        b.extend_from_slice(&self.argsz.to_le_bytes());
+        b.extend_from_slice(&self.flags.to_le_bytes());
+        b.extend_from_slice(&self.offset.to_le_bytes());
+        b.extend_from_slice(&self.iova.to_le_bytes());
+        b.extend_from_slice(&self.size.to_le_bytes());
+        b
+    }
+}
+
+/// `VFIO_USER_DMA_UNMAP`: `argsz, flags: u32, iova, size: u64`, then with GET_DIRTY_BITMAP a
+/// `struct vfio_bitmap` (`pgsize, size: u64`); the reply echoes it (size = bytes unmapped) and
+/// adds the bitmap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DmaUnmap {
+    pub argsz: u32,
+    pub flags: u32,
+    pub iova: u64,
+    pub size: u64,
+    /// `(pgsize, bitmap bytes)` when GET_DIRTY_BITMAP is set.
+    pub bitmap: Option<(u64, u64)>,
+}
+
+impl DmaUnmap {
+    pub const SIZE: usize = 24;
+    pub const BITMAP: usize = 16;
+
+    pub fn parse(body: &[u8]) -> Result<DmaUnmap> {
+        need(cmd::DMA_UNMAP, body, Self::SIZE)?;
+        let flags = u32_at(body, 4);
+        let mut u = DmaUnmap {
+            argsz: u32_at(body, 0),
+            flags,
+            iova: u64_at(body, 8),
+            size: u64_at(body, 16),
+            bitmap: None,
+        };
+        let known = unmap_flags::GET_DIRTY_BITMAP | unmap_flags::ALL;
+        if flags & !known != 0 {
+            return Err(Error::Invalid(format!(
+                "DMA_UNMAP: unknown flags {:#x} (known: GET_DIRTY_BITMAP 0x1, ALL 0x2)",
+                flags & !known
+            )));
+        }
+        if flags & unmap_flags::GET_DIRTY_BITMAP != 0 {
+            need(cmd::DMA_UNMAP, body, Self::SIZE + Self::BITMAP)?;
+            u.bitmap = Some((u64_at(body, 24), u64_at(body, 32)));
+            check_argsz(
+                cmd::DMA_UNMAP,
+                u.argsz,
+                Self::SIZE + Self::BITMAP,
+                body.len(),
+            )?;
+        } else {
+            check_argsz(cmd::DMA_UNMAP, u.argsz, Self::SIZE, body.len())?;
+        }
+        Ok(u)
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::SIZE + Self::BITMAP);
+        b.extend_from_slice(&self.argsz.to_le_bytes());
+        b.extend_from_slice(&self.flags.to_le_bytes());
+        b.extend_from_slice(&self.iova.to_le_bytes());
+        b.extend_from_slice(&self.size.to_le_bytes());
+        if let Some((pgsize, size)) = self.bitmap {
+            b.extend_from_slice(&pgsize.to_le_bytes());
+            b.extend_from_slice(&size.to_le_bytes());
+        }
+        b
+    }
+}
+
+/// `DEVICE_GET_INFO` flags (`VFIO_DEVICE_FLAGS_*`).
+pub mod device_flags {
+    pub const RESET: u32 = 1;
+    pub const PCI: u32 = 2;
+}
+
+/// `DEVICE_GET_REGION_INFO` flags (`VFIO_REGION_INFO_FLAG_*`).
+pub mod region_flags {
+    pub const READ: u32 = 1;
+    pub const WRITE: u32 = 2;
+    pub const MMAP: u32 = 4;
+    pub const CAPS: u32 = 8;
+}
+
+/// `DEVICE_GET_IRQ_INFO` flags (`VFIO_IRQ_INFO_*`).
+pub mod irq_info_flags {
+    pub const EVENTFD: u32 = 1;
+    pub const MASKABLE: u32 = 2;
+    pub const AUTOMASKED: u32 = 4;
+    pub const NORESIZE: u32 = 8;
+}
+
+/// `DEVICE_SET_IRQS` flags (`VFIO_IRQ_SET_*`): one data type, one action.
+pub mod irq_set_flags {
+    pub const DATA_NONE: u32 = 1;
+    pub const DATA_BOOL: u32 = 2;
+    pub const DATA_EVENTFD: u32 = 4;
+    pub const DATA_MASK: u32 = 7;
+    pub const ACTION_MASK: u32 = 8;
+    pub const ACTION_UNMASK: u32 = 16;
+    pub const ACTION_TRIGGER: u32 = 32;
+    pub const ACTION_ALL: u32 = 56;
+}
+
+/// Reads the `(argsz, index)` of a GET_REGION_INFO / GET_IRQ_INFO request: `argsz, flags,
+/// index: u32` first.
+pub fn info_request(command: u16, body: &[u8]) -> Result<(u32, u32)> {
+    need(command, body, 12)?;
+    let argsz = u32_at(body, 0);
+    if (argsz as usize) < 16 {
+        return Err(Error::Invalid(format!(
+            "{}: argsz {argsz} is smaller than the 16-byte reply",
+            cmd::name(command)
+        )));
+    }
+    Ok((argsz, u32_at(body, 8)))
+}
+
+/// `VFIO_USER_DEVICE_SET_IRQS`: `argsz, flags, index, start, count: u32`, then for BOOL data
+/// `count` bytes; eventfds come as descriptors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IrqSet {
+    pub argsz: u32,
+    pub flags: u32,
+    pub index: u32,
+    pub start: u32,
+    pub count: u32,
+}
+
+impl IrqSet {
+    pub const SIZE: usize = 20;
+
+    pub fn parse(body: &[u8]) -> Result<IrqSet> {
+        need(cmd::DEVICE_SET_IRQS, body, Self::SIZE)?;
+        let s = IrqSet {
+            argsz: u32_at(body, 0),
+            flags: u32_at(body, 4),
+            index: u32_at(body, 8),
+            start: u32_at(body, 12),
+            count: u32_at(body, 16),
+        };
+        check_argsz(cmd::DEVICE_SET_IRQS, s.argsz, Self::SIZE, body.len())?;
+        let data = s.flags & irq_set_flags::DATA_MASK;
+        let action = s.flags & irq_set_flags::ACTION_ALL;
+        if data.count_ones() != 1 || action.count_ones() != 1 || s.flags & !0x3f != 0 {
+            return Err(Error::Invalid(format!(
+                "DEVICE_SET_IRQS: flags {:#x} must name exactly one data type and one action",
+                s.flags
+            )));
+        }
+        Ok(s)
+    }
+}
+
+/// `REGION_READ` / `REGION_WRITE`: `offset: u64, region, count: u32`, then (writes, read
+/// replies) `count` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionAccess {
+    pub offset: u64,
+    pub region: u32,
+    pub count: u32,
+}
+
+impl RegionAccess {
+    pub const SIZE: usize = 16;
+
+    pub fn parse(command: u16, body: &[u8]) -> Result<RegionAccess> {
+        need(command, body, Self::SIZE)?;
+        let a = RegionAccess {
+            offset: u64_at(body, 0),
+            region: u32_at(body, 8),
+            count: u32_at(body, 12),
+        };
+        if a.count as usize > MAX_DATA_XFER {
+            return Err(Error::Invalid(format!(
+                "{}: count {} is above max_data_xfer_size {MAX_DATA_XFER}",
+                cmd::name(command),
+                a.count
+            )));
+        }
+        if command == cmd::REGION_WRITE && body.len() != Self::SIZE + a.count as usize {
+            return Err(Error::Invalid(format!(
+                "REGION_WRITE: count {} but {} bytes of data",
+                a.count,
+                body.len() - Self::SIZE
+            )));
+        }
+        Ok(a)
+    }
+
+    pub fn to_bytes(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[0..8].copy_from_slice(&self.offset.to_le_bytes());
+        b[8..12].copy_from_slice(&self.region.to_le_bytes());
+        b[12..16].copy_from_slice(&self.count.to_le_bytes());
+        b
+    }
+}
+
+/// One write of a `REGION_WRITE_MULTI`: `offset: u64, region, count: u32, data: [u8; 8]`.
+pub const WRITE_MULTI_ONE: usize = 24;
+/// Most writes in one `REGION_WRITE_MULTI` (QEMU's `VFIO_USER_MULTI_MAX`).
+pub const WRITE_MULTI_MAX: u64 = 200;
+
+/// `DMA_READ` / `DMA_WRITE` (server to client, for memory mapped without a descriptor):
+/// `offset: u64` (the IOVA), `count: u32`, then data.
+pub fn dma_rw_body(iova: u64, count: u32) -> [u8; 12] {
+    let mut b = [0u8; 12];
+    b[0..8].copy_from_slice(&iova.to_le_bytes());
+    b[8..12].copy_from_slice(&count.to_le_bytes());
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips() {
+        let h = Header {
+            id: 7,
+            command: cmd::DMA_MAP,
+            size: 48,
+            flags: flags::REPLY | flags::ERROR,
+            error: 22,
+        };
+        assert_eq!(Header::parse(&h.to_bytes()), h);
+        assert!(h.is_reply());
+    }
+
+    #[test]
+    fn short_bodies_and_bad_argsz_are_refused() {
+        let m = DmaMap {
+            argsz: 32,
+            flags: 3,
+            offset: 0,
+            iova: 0x1000,
+            size: 0x1000,
+        };
+        assert_eq!(DmaMap::parse(&m.to_bytes()).unwrap(), m);
+        let e = DmaMap::parse(&m.to_bytes()[..31]).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+        assert!(e.to_string().contains("31 bytes"), "{e}");
+        let big = DmaMap { argsz: 64, ..m };
+        let e = DmaMap::parse(&big.to_bytes()).unwrap_err();
+        assert!(e.to_string().contains("argsz 64"), "{e}");
+    }
+
+    #[test]
+    fn unmap_flags_follow_linux() {
+        let u = DmaUnmap {
+            argsz: 24,
+            flags: unmap_flags::ALL,
+            iova: 0,
+            size: 0,
+            bitmap: None,
+        };
+        assert_eq!(DmaUnmap::parse(&u.to_bytes()).unwrap(), u);
+        let bad = DmaUnmap { flags: 4, ..u };
+        assert!(
+            DmaUnmap::parse(&bad.to_bytes())
+                .unwrap_err()
+                .to_string()
+                .contains("0x4")
+        );
+        // GET_DIRTY_BITMAP needs the bitmap struct after the fixed part.
+        let dirty = DmaUnmap {
+            flags: unmap_flags::GET_DIRTY_BITMAP,
+            ..u
+        };
+        assert!(DmaUnmap::parse(&dirty.to_bytes()).is_err());
+        let dirty = DmaUnmap {
+            argsz: 40,
+            bitmap: Some((4096, 8)),
+            ..dirty
+        };
+        assert_eq!(DmaUnmap::parse(&dirty.to_bytes()).unwrap(), dirty);
+    }
+
+    #[test]
+    fn region_write_count_must_match_its_data() {
+        let a = RegionAccess {
+            offset: 0,
+            region: 0,
+            count: 4,
+        };
+        let mut b = a.to_bytes().to_vec();
+        b.extend_from_slice(&[1, 2, 3]);
+        assert!(RegionAccess::parse(cmd::REGION_WRITE, &b).is_err());
+        b.push(4);
+        assert_eq!(RegionAccess::parse(cmd::REGION_WRITE, &b).unwrap(), a);
+        let huge = RegionAccess {
+            count: u32::MAX,
+            ..a
+        };
+        assert!(RegionAccess::parse(cmd::REGION_READ, &huge.to_bytes()).is_err());
+    }
+
+    #[test]
+    fn set_irqs_needs_one_data_type_and_one_action() {
+        let mut b = Vec::new();
+        for v in [
+            20u32,
+            irq_set_flags::DATA_EVENTFD | irq_set_flags::ACTION_TRIGGER,
+            1,
+            0,
+            1,
+        ] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        assert!(IrqSet::parse(&b).is_ok());
+        b[4..8].copy_from_slice(
+            &(irq_set_flags::DATA_EVENTFD
+                | irq_set_flags::DATA_NONE
+                | irq_set_flags::ACTION_TRIGGER)
+                .to_le_bytes(),
+        );
+        assert!(IrqSet::parse(&b).is_err());
+    }
+
+    #[test]
+    fn version_reads_json_up_to_nul() {
+        let v = Version {
+            major: 0,
+            minor: 1,
+            json: r#"{"capabilities":{}}"#.into(),
+        };
+        assert_eq!(Version::parse(&v.to_bytes()).unwrap(), v);
+        assert!(Version::parse(&[0, 0, 0xff, 0xfe, 0]).is_ok());
+        assert!(Version::parse(&[0, 0, 0, 0, 0xff, 0xfe]).is_err());
+    }
+}

@@ -1,0 +1,453 @@
+//! The server and the mvdma device driven by a client in the test, over a socket pair: the
+//! handshake QEMU does, DMA both ways through memory passed as a memfd, and bad requests, each
+//! answered with its errno while the connection stays in step.
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::thread::JoinHandle;
+
+use memvisor::DmaConfig;
+use memvisor_vfio_user::dmadev::{self, fnv1a, reg, status};
+use memvisor_vfio_user::proto::{self, DmaMap, DmaUnmap, HEADER, Header, cmd, flags};
+use memvisor_vfio_user::{DmaDev, Result, Server, ServerStats};
+
+struct Client {
+    sock: UnixStream,
+    id: u16,
+}
+
+/// A reply: the errno (0 if none) and the body.
+type Answer = (u32, Vec<u8>);
+
+impl Client {
+    fn send(&mut self, command: u16, body: &[u8], fds: &[i32]) {
+        self.id += 1;
+        let h = Header {
+            id: self.id,
+            command,
+            size: (HEADER + body.len()) as u32,
+            flags: flags::COMMAND,
+            error: 0,
+        };
+        let mut b = h.to_bytes().to_vec();
+        b.extend_from_slice(body);
+        memvisor_unix::send_with_fds(&self.sock, &b, fds).unwrap();
+    }
+
+    fn recv(&mut self) -> Answer {
+        let mut h = [0u8; HEADER];
+        (&self.sock).read_exact(&mut h).unwrap();
+        let h = Header::parse(&h);
+        assert!(h.is_reply(), "{h:?}");
+        assert_eq!(h.id, self.id, "reply to the last request");
+        let mut body = vec![0u8; h.size as usize - HEADER];
+        (&self.sock).read_exact(&mut body).unwrap();
+        let errno = if h.flags & flags::ERROR != 0 {
+            h.error
+        } else {
+            0
+        };
+        (errno, body)
+    }
+
+    fn call(&mut self, command: u16, body: &[u8], fds: &[i32]) -> Answer {
+        self.send(command, body, fds);
+        self.recv()
+    }
+
+    fn ok(&mut self, command: u16, body: &[u8], fds: &[i32]) -> Vec<u8> {
+        let (e, b) = self.call(command, body, fds);
+        assert_eq!(e, 0, "{} failed with errno {e}", cmd::name(command));
+        b
+    }
+
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) {
+        let mut b = proto::RegionAccess {
+            offset,
+            region,
+            count: data.len() as u32,
+        }
+        .to_bytes()
+        .to_vec();
+        b.extend_from_slice(data);
+        self.ok(cmd::REGION_WRITE, &b, &[]);
+    }
+
+    fn region_read(&mut self, region: u32, offset: u64, count: u32) -> Vec<u8> {
+        let b = proto::RegionAccess {
+            offset,
+            region,
+            count,
+        }
+        .to_bytes();
+        self.ok(cmd::REGION_READ, &b, &[])[16..].to_vec()
+    }
+
+    fn reg32(&mut self, offset: u64) -> u32 {
+        u32::from_le_bytes(self.region_read(0, offset, 4).try_into().unwrap())
+    }
+
+    fn map(&mut self, fd: &OwnedFd, offset: u64, iova: u64, size: u64) -> u32 {
+        let m = DmaMap {
+            argsz: 32,
+            flags: 3,
+            offset,
+            iova,
+            size,
+        };
+        self.call(cmd::DMA_MAP, &m.to_bytes(), &[fd.as_raw_fd()]).0
+    }
+
+    fn unmap(&mut self, iova: u64, size: u64, fl: u32) -> (u32, u64) {
+        let u = DmaUnmap {
+            argsz: 24,
+            flags: fl,
+            iova,
+            size,
+            bitmap: None,
+        };
+        let (e, b) = self.call(cmd::DMA_UNMAP, &u.to_bytes(), &[]);
+        let size = if e == 0 { proto::u64_at(&b, 16) } else { 0 };
+        (e, size)
+    }
+}
+
+fn start() -> (Client, JoinHandle<(ServerStats, Result<()>)>) {
+    let (a, b) = UnixStream::pair().unwrap();
+    let server = Server::new(b, DmaConfig::default(), DmaDev::new).unwrap();
+    let t = std::thread::spawn(move || server.serve());
+    (Client { sock: a, id: 0 }, t)
+}
+
+fn handshake(c: &mut Client) {
+    let v = proto::Version {
+        major: 0,
+        minor: 0,
+        json: r#"{"capabilities":{"max_msg_fds":16,"pgsizes":4096}}"#.into(),
+    };
+    let r = c.ok(cmd::VERSION, &v.to_bytes(), &[]);
+    let got = proto::Version::parse(&r).unwrap();
+    assert_eq!((got.major, got.minor), (0, 0));
+    let caps: serde_json::Value = serde_json::from_str(&got.json).unwrap();
+    assert_eq!(caps["capabilities"]["max_msg_fds"], 16);
+    // QEMU rejects a VERSION reply larger than its request.
+    assert!(r.len() <= v.to_bytes().len() + 150, "{} bytes", r.len());
+}
+
+fn memfd(size: u64) -> OwnedFd {
+    // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
+    let fd = unsafe { libc::memfd_create(c"vfio-user-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: fd is a new descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ftruncate on our descriptor.
+    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), size as i64) }, 0);
+    fd
+}
+
+fn pwrite(fd: &OwnedFd, off: u64, data: &[u8]) {
+    // SAFETY: writes from a live buffer to our descriptor.
+    let n = unsafe { libc::pwrite(fd.as_raw_fd(), data.as_ptr().cast(), data.len(), off as i64) };
+    assert_eq!(n as usize, data.len());
+}
+
+fn pread(fd: &OwnedFd, off: u64, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    // SAFETY: reads into a live buffer from our descriptor.
+    let n = unsafe { libc::pread(fd.as_raw_fd(), b.as_mut_ptr().cast(), len, off as i64) };
+    assert_eq!(n as usize, len);
+    b
+}
+
+fn eventfd() -> OwnedFd {
+    // SAFETY: eventfd with valid flags; checked.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: a new descriptor we own.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+fn wait_irq(fd: &OwnedFd) {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: polls one live pollfd.
+    assert_eq!(
+        unsafe { libc::poll(&mut p, 1, 10_000) },
+        1,
+        "no MSI in 10 s"
+    );
+    let mut v = [0u8; 8];
+    // SAFETY: reads 8 bytes into a live buffer.
+    assert_eq!(
+        unsafe { libc::read(fd.as_raw_fd(), v.as_mut_ptr().cast(), 8) },
+        8
+    );
+}
+
+const DESC: u64 = 0x10_0000;
+const SRC: u64 = 0x20_0000;
+const DST: u64 = 0x40_0000;
+
+/// Writes one descriptor at guest offset `DESC + 32 * i` (the memfd maps IOVA 0 at offset 0).
+fn put_desc(mem: &OwnedFd, i: u64, src: u64, dst: u64, len: u32) {
+    let mut d = Vec::new();
+    d.extend_from_slice(&src.to_le_bytes());
+    d.extend_from_slice(&dst.to_le_bytes());
+    d.extend_from_slice(&len.to_le_bytes());
+    d.extend_from_slice(&u32::MAX.to_le_bytes());
+    d.extend_from_slice(&0u64.to_le_bytes());
+    pwrite(mem, DESC + 32 * i, &d);
+}
+
+fn run_table(c: &mut Client, irq: &OwnedFd, count: u32, mode: u32) -> u32 {
+    c.region_write(0, reg::DESC, &DESC.to_le_bytes());
+    c.region_write(0, reg::COUNT, &count.to_le_bytes());
+    c.region_write(0, reg::MODE, &mode.to_le_bytes());
+    c.region_write(0, reg::DOORBELL, &1u32.to_le_bytes());
+    wait_irq(irq);
+    c.reg32(reg::STATUS)
+}
+
+#[test]
+fn dma_both_ways_in_copy_and_pin_mode() {
+    let (mut c, t) = start();
+    handshake(&mut c);
+    // Device info as QEMU needs it: PCI, >= 8 regions, >= 3 irqs.
+    let info = c.ok(
+        cmd::DEVICE_GET_INFO,
+        &[16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        &[],
+    );
+    assert_eq!(proto::u32_at(&info, 4) & proto::device_flags::PCI, 2);
+    assert!(proto::u32_at(&info, 8) >= 8 && proto::u32_at(&info, 12) >= 3);
+    let cfg = c.region_read(7, 0, 256);
+    assert_eq!(u16::from_le_bytes([cfg[0], cfg[1]]), dmadev::VENDOR);
+    assert_eq!(cfg[0x34], 0x40, "capability list starts with MSI");
+    // BAR sizing: all ones reads back the size mask.
+    c.region_write(7, 0x10, &u32::MAX.to_le_bytes());
+    let bar = u32::from_le_bytes(c.region_read(7, 0x10, 4).try_into().unwrap());
+    assert_eq!(bar, !(dmadev::BAR0_SIZE as u32 - 1));
+    assert_eq!(c.reg32(reg::ID), 0x6d76_646d);
+
+    let irq = eventfd();
+    let mut set = Vec::new();
+    for v in [20u32, 0x24, 1, 0, 1] {
+        set.extend_from_slice(&v.to_le_bytes());
+    }
+    c.ok(cmd::DEVICE_SET_IRQS, &set, &[irq.as_raw_fd()]);
+
+    let mem = memfd(8 << 20);
+    assert_eq!(c.map(&mem, 0, 0, 8 << 20), 0);
+    for mode in [0u32, 1] {
+        // Unaligned lengths and addresses, across page boundaries.
+        let cases = [
+            (SRC + 3, DST + 4091, 1u32),
+            (SRC + 100, DST + 8192 + 7, 5000),
+            (SRC, DST + 65536 + 1, 1 << 20),
+        ];
+        for (i, &(s, d, len)) in cases.iter().enumerate() {
+            let data: Vec<u8> = (0..len)
+                .map(|k| {
+                    (k as u8)
+                        .wrapping_mul(31)
+                        .wrapping_add(i as u8 + mode as u8)
+                })
+                .collect();
+            pwrite(&mem, s, &data);
+            put_desc(&mem, i as u64, s, d, len);
+        }
+        assert_eq!(run_table(&mut c, &irq, 3, mode), status::DONE);
+        assert_eq!(c.reg32(reg::DONE), 3);
+        for (i, &(s, d, len)) in cases.iter().enumerate() {
+            let want = pread(&mem, s, len as usize);
+            assert_eq!(
+                pread(&mem, d, len as usize),
+                want,
+                "mode {mode} descriptor {i}"
+            );
+            let st = pread(&mem, DESC + 32 * i as u64 + 20, 12);
+            assert_eq!(proto::u32_at(&st, 0), 0);
+            assert_eq!(proto::u64_at(&st, 4), fnv1a(dmadev::FNV_START, &want));
+        }
+    }
+    drop(c);
+    let (stats, end) = t.join().unwrap();
+    end.unwrap();
+    let d = &stats.device;
+    assert_eq!(d["descriptors_ok"], 6);
+    assert_eq!(d["pin_descriptors"], 3);
+    // 1 MiB from an offset 65537 bytes in: pieces of 512 pages each side, plus the small ones.
+    assert!(d["pin_calls"].as_u64().unwrap() >= 6);
+    assert_eq!(stats.pinned_pages_at_end, 0);
+    assert_eq!(stats.locked_bytes_at_end, 0);
+    assert_eq!(stats.irqs_signalled, 2);
+}
+
+#[test]
+fn dma_to_unmapped_iovas_fails_and_writes_nothing() {
+    let (mut c, t) = start();
+    handshake(&mut c);
+    let irq = eventfd();
+    let mut set = Vec::new();
+    for v in [20u32, 0x24, 1, 0, 1] {
+        set.extend_from_slice(&v.to_le_bytes());
+    }
+    c.ok(cmd::DEVICE_SET_IRQS, &set, &[irq.as_raw_fd()]);
+    let mem = memfd(8 << 20);
+    // IOVA 0 .. 6 MiB mapped; a page at 7 MiB mapped and unmapped again.
+    assert_eq!(c.map(&mem, 0, 0, 6 << 20), 0);
+    assert_eq!(c.map(&mem, 7 << 20, 7 << 20, 4096), 0);
+    assert_eq!(c.unmap(7 << 20, 4096, 0), (0, 4096));
+    pwrite(&mem, 7 << 20, &[0x5a; 4096]);
+    pwrite(&mem, (6 << 20) - 4096, &[0xee; 4096]);
+    for mode in [0, 1] {
+        put_desc(&mem, 0, SRC, 7 << 20, 4096); // into the unmapped page
+        put_desc(&mem, 1, 7 << 20, DST, 4096); // from it
+        put_desc(&mem, 2, SRC, (6 << 20) - 4096, 8192); // past the end of the mapping
+        put_desc(&mem, 3, SRC, DST, 100); // a good one
+        assert_eq!(run_table(&mut c, &irq, 4, mode), status::FAILED);
+        assert_eq!(c.reg32(reg::DONE), 1);
+        assert_eq!(c.reg32(reg::ERRNO), libc::EFAULT as u32);
+        for i in 0..3 {
+            assert_ne!(
+                proto::u32_at(&pread(&mem, DESC + 32 * i + 20, 4), 0),
+                0,
+                "descriptor {i}"
+            );
+        }
+        assert_eq!(
+            pread(&mem, 7 << 20, 4096),
+            vec![0x5a; 4096],
+            "the unmapped page was written"
+        );
+        assert_eq!(
+            pread(&mem, (6 << 20) - 4096, 4096),
+            vec![0xee; 4096],
+            "half of a refused write landed"
+        );
+    }
+    drop(c);
+    let (stats, end) = t.join().unwrap();
+    end.unwrap();
+    assert_eq!(stats.device["descriptors_failed"], 6);
+}
+
+#[test]
+fn bad_requests_get_their_errno_and_the_stream_stays_in_step() {
+    let (mut c, t) = start();
+    // Before VERSION: refused.
+    assert_eq!(
+        c.call(cmd::DEVICE_GET_INFO, &[16, 0, 0, 0], &[]).0,
+        libc::EINVAL as u32
+    );
+    handshake(&mut c);
+    let mem = memfd(1 << 20);
+    // Short DMA_MAP body.
+    assert_eq!(
+        c.call(cmd::DMA_MAP, &[0u8; 20], &[mem.as_raw_fd()]).0,
+        libc::EINVAL as u32
+    );
+    // No descriptor: this server reaches memory only through one.
+    let m = DmaMap {
+        argsz: 32,
+        flags: 1,
+        offset: 0,
+        iova: 0x1000,
+        size: 0x1000,
+    };
+    assert_eq!(
+        c.call(cmd::DMA_MAP, &m.to_bytes(), &[]).0,
+        libc::ENOTSUP as u32
+    );
+    // Type1's rules: misaligned, zero, past the file's end, overlap.
+    assert_eq!(c.map(&mem, 0, 0x1001, 0x1000), libc::EINVAL as u32);
+    assert_eq!(c.map(&mem, 0, 0x1000, 0), libc::EINVAL as u32);
+    assert_eq!(c.map(&mem, 0, 0x1000, 2 << 20), libc::EINVAL as u32);
+    assert_eq!(c.map(&mem, 0, 0x10000, 0x4000), 0);
+    assert_eq!(c.map(&mem, 0, 0x12000, 0x1000), libc::EEXIST as u32);
+    // Unmap: cutting a mapping is EINVAL and keeps it; nothing there is success with 0 bytes.
+    assert_eq!(c.unmap(0x10000, 0x1000, 0).0, libc::EINVAL as u32);
+    assert_eq!(c.unmap(0x100000, 0x100000, 0), (0, 0));
+    assert_eq!(
+        c.unmap(0x1000, 0x1000, proto::unmap_flags::ALL).0,
+        libc::EINVAL as u32
+    );
+    assert_eq!(c.unmap(0, 0, 8).0, libc::EINVAL as u32);
+    // Regions: out of bounds, an index the device lacks, a count above the transfer limit.
+    let far = proto::RegionAccess {
+        offset: 4090,
+        region: 0,
+        count: 8,
+    }
+    .to_bytes();
+    assert_eq!(c.call(cmd::REGION_READ, &far, &[]).0, libc::EINVAL as u32);
+    let none = proto::RegionAccess {
+        offset: 0,
+        region: 5,
+        count: 4,
+    }
+    .to_bytes();
+    assert_eq!(c.call(cmd::REGION_READ, &none, &[]).0, libc::EINVAL as u32);
+    // A descriptor where none belongs, unknown and unsupported commands.
+    assert_eq!(
+        c.call(cmd::DEVICE_RESET, &[], &[mem.as_raw_fd()]).0,
+        libc::EINVAL as u32
+    );
+    assert_eq!(c.call(99, &[1, 2, 3], &[]).0, libc::ENOSYS as u32);
+    assert_eq!(
+        c.call(cmd::DEVICE_FEATURE, &[0; 8], &[]).0,
+        libc::ENOTSUP as u32
+    );
+    // SET_IRQS past the index's vectors, and with the wrong number of descriptors.
+    let mut set = Vec::new();
+    for v in [20u32, 0x24, 1, 1, 1] {
+        set.extend_from_slice(&v.to_le_bytes());
+    }
+    let e = eventfd();
+    assert_eq!(
+        c.call(cmd::DEVICE_SET_IRQS, &set, &[e.as_raw_fd()]).0,
+        libc::EINVAL as u32
+    );
+    set[12..16].copy_from_slice(&0u32.to_le_bytes());
+    assert_eq!(
+        c.call(cmd::DEVICE_SET_IRQS, &set, &[e.as_raw_fd(), e.as_raw_fd()])
+            .0,
+        libc::EINVAL as u32
+    );
+    // Still in step, and the good mapping is intact.
+    assert_eq!(c.unmap(0x10000, 0x4000, 0), (0, 0x4000));
+    assert_eq!(c.reg32(reg::ID), 0x6d76_646d);
+    // A message larger than any the protocol allows ends the connection.
+    let h = Header {
+        id: 1,
+        command: cmd::REGION_WRITE,
+        size: u32::MAX,
+        flags: 0,
+        error: 0,
+    };
+    memvisor_unix::send_with_fds(&c.sock, &h.to_bytes(), &[]).unwrap();
+    let (stats, end) = t.join().unwrap();
+    assert_eq!(end.unwrap_err().errno(), libc::EPROTO);
+    assert_eq!(stats.dma_maps, 1);
+    assert_eq!(stats.dma_unmaps_empty, 1);
+}
+
+#[test]
+fn thousands_of_page_maps_share_one_file_mapping() {
+    let (mut c, t) = start();
+    handshake(&mut c);
+    let mem = memfd(64 << 20);
+    for i in 0..4096u64 {
+        assert_eq!(c.map(&mem, i * 4096, 0x1_0000_0000 + i * 8192, 4096), 0);
+    }
+    assert!(!memvisor::SharedMappings::global().is_empty());
+    assert_eq!(c.unmap(0, 0, proto::unmap_flags::ALL), (0, 4096 * 4096));
+    drop(c);
+    let (stats, end) = t.join().unwrap();
+    end.unwrap();
+    assert_eq!(stats.peak_mappings, 4096);
+}
