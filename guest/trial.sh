@@ -284,5 +284,57 @@ hostile)
   echo "$name: ${hres:-RESULT hostile FAIL no verdict}; other device: ${bres:-RESULT blk FAIL no verdict}"
   case "$hres/$bres/$disk" in *PASS*/*PASS*/PASS) ;; *) exit 1;; esac
   ;;
+vfio-user)
+  # memvisor's vfio-user server with the mvdma device; QEMU's vfio-user-pci behind intel-iommu
+  # with caching-mode=on, so every map the guest makes through its own VFIO type1 arrives as a
+  # DMA_MAP. guest/progs/mvdma.c checks every byte both ways while another thread churns maps,
+  # maps thousands of single pages, and sends DMA to unmapped IOVAs (must fail, write nothing).
+  # The host checks the server ended cleanly: nothing pinned or locked, the bad descriptors
+  # (3 per mode) failed and no others.
+  extra=(); [ $negative = 0 ] || extra=(--test-ignore-unmap)
+  MEMVISOR_LOG=${MEMVISOR_LOG:-warn} "$bin" vfio-user --socket "$run/vfu.sock" --stats "$run/stats.json" \
+    --record "$run/dma.rec" "${extra[@]}" > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$run/vfu.sock"
+  start=$(date +%s.%N)
+  qemu "t=vfio-user mvdma_dev=0000:00:04.0 mvdma_req=${MVDMA_REQ:-3000} mvdma_secs=${MVDMA_SECS:-60} mvdma_scale=${MVDMA_SCALE:-4096} intel_iommu=on iommu.strict=1" \
+    -device intel-iommu,intremap=on,caching-mode=on \
+    -device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$run/vfu.sock\"},\"addr\":\"04.0\"}"
+  wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
+  end=$(date +%s.%N)
+  # The server exits by itself when QEMU hangs up.
+  for _ in $(seq 50); do kill -0 "$bpid" 2>/dev/null || break; sleep 0.1; done
+  kill -TERM "$bpid" 2>/dev/null || true; wait "$bpid" 2>/dev/null || true
+  { grep -a -h -E '^(GUEST|MVDMA)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
+  res=$(grep -a '^RESULT vfio-user' "$log" | tail -1 | tr -d '\r' || true)
+  host=$(python3 - "$run/stats.json" <<'PY'
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"FAIL no server stats ({e})"); sys.exit()
+d = s["device"]
+bad = []
+if s["end"] != "ok": bad.append(f"connection ended: {s['end']}")
+if s["pinned_pages_at_end"] or s["locked_bytes_at_end"]: bad.append(f"leaked pins {s['pinned_pages_at_end']} pages, {s['locked_bytes_at_end']} bytes locked")
+if d["descriptors_failed"] != 6: bad.append(f"{d['descriptors_failed']} descriptors failed, want the 6 bad ones")
+if s["dma_unmap_errors"]: bad.append(f"{s['dma_unmap_errors']} DMA_UNMAPs refused")
+print(("FAIL " + "; ".join(bad)) if bad else "PASS", f"maps={s['dma_maps']} unmaps={s['dma_unmaps']} empty_unmaps={s['dma_unmaps_empty']}",
+      f"map_refused={s['dma_map_errors']} peak_mappings={s['peak_mappings']}",
+      f"map_us={s['map_ns'] / max(s['dma_maps'] + s['dma_map_errors'], 1) / 1e3:.2f} unmap_us={s['unmap_ns'] / max(s['dma_unmaps'] + s['dma_unmaps_empty'], 1) / 1e3:.2f}",
+      f"descriptors ok={d['descriptors_ok']} failed={d['descriptors_failed']} copy={d['copy_descriptors']} pin={d['pin_descriptors']}",
+      f"pin_calls={d['pin_calls']} irqs={s['irqs_signalled']} mib={d['bytes'] / 2**20:.1f}")
+PY
+)
+  echo "  server: $host"
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
+  echo "$name: ${res:-RESULT vfio-user FAIL no verdict (see $work/$log)}"
+  ok=0; case "$res/$host" in *PASS*/PASS*) ok=1;; esac
+  if [ $negative = 1 ]; then
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: DMA into unmapped memory went unnoticed"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  ;;
 *) echo "unknown trial $trial" >&2; exit 2 ;;
 esac
