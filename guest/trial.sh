@@ -4,7 +4,7 @@
 # and the guest on first use under target/guest/.
 #
 # usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] | balloon [--negative]
-#                      | mig [--negative] [--iommu=M] | hostile
+#                      | mig [--negative] [--iommu=M] | hostile | vfio-user [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -32,6 +32,14 @@
 #   hostile     two vIOMMU blk devices in one back end: the kernel runs the blk trial on one, a
 #               user-space driver in the guest (VFIO) runs the other and sends requests naming
 #               IOVAs it never mapped or has unmapped; those fail alone, nothing else does.
+#   vfio-user   memvisor's vfio-user server with its mvdma DMA device under QEMU's vfio-user-pci
+#               behind intel-iommu (caching mode); the guest's own VFIO type1 maps buffers (each
+#               map a DMA_MAP) and guest/progs/mvdma.c checks every byte of thousands of DMA
+#               requests, with maps churning beside them, thousands of page maps, and DMA to
+#               unmapped IOVAs (must fail, write nothing). The server must end with nothing
+#               pinned or locked. Env: MVDMA_REQ (tables, 2000), MVDMA_SECS (45), MVDMA_SCALE (4096).
+#   vfio-user --negative: the server forgets unmaps (test-only switch); the guest must catch
+#               the device writing a page it unmapped.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -297,7 +305,7 @@ vfio-user)
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/vfu.sock"
   start=$(date +%s.%N)
-  qemu "t=vfio-user mvdma_dev=0000:00:04.0 mvdma_req=${MVDMA_REQ:-3000} mvdma_secs=${MVDMA_SECS:-60} mvdma_scale=${MVDMA_SCALE:-4096} intel_iommu=on iommu.strict=1" \
+  qemu "t=vfio-user mvdma_dev=0000:00:04.0 mvdma_req=${MVDMA_REQ:-2000} mvdma_secs=${MVDMA_SECS:-45} mvdma_scale=${MVDMA_SCALE:-4096} intel_iommu=on iommu.strict=1" \
     -device intel-iommu,intremap=on,caching-mode=on \
     -device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$run/vfu.sock\"},\"addr\":\"04.0\"}"
   wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }

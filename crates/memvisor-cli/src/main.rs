@@ -142,7 +142,7 @@ struct BlkArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// Experiments to run, in this order: lookup, translate, rw, pin, map-unmap, pin-pages,
-    /// report, iotlb (the default: all of these), and guest (real-guest trials; root, minutes)
+    /// report, iotlb, vfio-user (the default: all of these), and guest (real-guest trials; root, minutes)
     #[arg(value_name = "EXPERIMENT")]
     experiments: Vec<String>,
     /// Small sizes: the whole suite in under a minute on 2 cores (the default)

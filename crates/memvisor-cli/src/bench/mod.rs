@@ -18,6 +18,7 @@ pub mod report;
 mod rw;
 pub mod svg;
 mod translate;
+mod vfio_user;
 
 use serde::Serialize;
 use std::io::Write;
@@ -41,6 +42,7 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
         Box::new(pin_pages::PinPages),
         Box::new(page_report::PageReport),
         Box::new(iotlb::IotlbReplay),
+        Box::new(vfio_user::VfioUserReplay),
     ]
 }
 
