@@ -377,6 +377,19 @@ fn bad_requests_get_their_errno_and_the_stream_stays_in_step() {
         libc::EINVAL as u32
     );
     assert_eq!(c.unmap(0, 0, 8).0, libc::EINVAL as u32);
+    // The dirty bitmap with an unmap needs dirty tracking on (type1's rule): EINVAL, and the
+    // mapping stays.
+    let dirty = DmaUnmap {
+        argsz: 40,
+        flags: proto::unmap_flags::GET_DIRTY_BITMAP,
+        iova: 0x10000,
+        size: 0x4000,
+        bitmap: Some((4096, 8)),
+    };
+    assert_eq!(
+        c.call(cmd::DMA_UNMAP, &dirty.to_bytes(), &[]).0,
+        libc::EINVAL as u32
+    );
     // Regions: out of bounds, an index the device lacks, a count above the transfer limit.
     let far = proto::RegionAccess {
         offset: 4090,
