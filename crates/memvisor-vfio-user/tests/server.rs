@@ -168,6 +168,18 @@ fn eventfd() -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(fd) }
 }
 
+/// Gives the device's MSI vector an eventfd, as QEMU does when the guest enables MSI.
+fn msi(c: &mut Client) -> OwnedFd {
+    let irq = eventfd();
+    let mut set = Vec::new();
+    // argsz, EVENTFD | TRIGGER, index 1 (MSI), start 0, count 1
+    for v in [20u32, 0x24, 1, 0, 1] {
+        set.extend_from_slice(&v.to_le_bytes());
+    }
+    c.ok(cmd::DEVICE_SET_IRQS, &set, &[irq.as_raw_fd()]);
+    irq
+}
+
 fn wait_irq(fd: &OwnedFd) {
     let mut p = libc::pollfd {
         fd: fd.as_raw_fd(),
@@ -233,12 +245,7 @@ fn dma_both_ways_in_copy_and_pin_mode() {
     assert_eq!(bar, !(dmadev::BAR0_SIZE as u32 - 1));
     assert_eq!(c.reg32(reg::ID), 0x6d76_646d);
 
-    let irq = eventfd();
-    let mut set = Vec::new();
-    for v in [20u32, 0x24, 1, 0, 1] {
-        set.extend_from_slice(&v.to_le_bytes());
-    }
-    c.ok(cmd::DEVICE_SET_IRQS, &set, &[irq.as_raw_fd()]);
+    let irq = msi(&mut c);
 
     let mem = memfd(8 << 20);
     assert_eq!(c.map(&mem, 0, 0, 8 << 20), 0);
@@ -291,12 +298,7 @@ fn dma_both_ways_in_copy_and_pin_mode() {
 fn dma_to_unmapped_iovas_fails_and_writes_nothing() {
     let (mut c, t) = start();
     handshake(&mut c);
-    let irq = eventfd();
-    let mut set = Vec::new();
-    for v in [20u32, 0x24, 1, 0, 1] {
-        set.extend_from_slice(&v.to_le_bytes());
-    }
-    c.ok(cmd::DEVICE_SET_IRQS, &set, &[irq.as_raw_fd()]);
+    let irq = msi(&mut c);
     let mem = memfd(8 << 20);
     // IOVA 0 .. 6 MiB mapped; a page at 7 MiB mapped and unmapped again.
     assert_eq!(c.map(&mem, 0, 0, 6 << 20), 0);

@@ -33,7 +33,7 @@ use vm_memory::GuestAddress;
 use vm_memory::Permissions;
 use vm_memory::iommu::Iotlb;
 
-use super::{Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Stats, Table, measure};
+use super::{Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Stats, Table, clock_cost, measure};
 
 pub struct IotlbReplay;
 
@@ -485,18 +485,6 @@ fn replay(events: &[Event], peer: bool, clock: Option<f64>) -> anyhow::Result<Ti
         }
     });
     Ok(Timings { per_op })
-}
-
-/// ns one `Instant::now()` + `elapsed()` pair costs (median of many).
-fn clock_cost() -> f64 {
-    let mut v: Vec<f64> = (0..10_001)
-        .map(|_| {
-            let t0 = Instant::now();
-            t0.elapsed().as_nanos() as f64
-        })
-        .collect();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// ns per round trip: a 64-byte message one way, an 8-byte ack back, between two threads.

@@ -29,6 +29,18 @@ pub fn on_request() -> Vec<Box<dyn Experiment>> {
     vec![Box::new(guest::Guest)]
 }
 
+/// ns one `Instant::now()` + `elapsed()` pair costs (median of many).
+pub fn clock_cost() -> f64 {
+    let mut v: Vec<f64> = (0..10_001)
+        .map(|_| {
+            let t0 = Instant::now();
+            t0.elapsed().as_nanos() as f64
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// Every registered experiment, in the order `memvisor bench` runs them.
 /// To add one: write `src/bench/<name>.rs` with a type implementing [`Experiment`], declare it
 /// with `mod <name>;` above, and push `Box::new(<name>::TheType)` here.

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use memvisor::{Backing, DmaConfig, DmaSpace, Iova, Prot, SharedMappings};
 
-use super::{Ctx, Experiment, Outcome, Row, Stats, Table, measure};
+use super::{Ctx, Experiment, Outcome, Row, Stats, Table, clock_cost, measure};
 
 pub struct VfioUserReplay;
 
@@ -169,16 +169,6 @@ fn peer(path: &Path, mmap: bool, runs: u32) -> Option<(f64, f64)> {
         u.push(v["ns_per_unmap"].as_f64()?);
     }
     Some((median(&mut m), median(&mut u)))
-}
-
-fn clock_cost() -> f64 {
-    let mut v: Vec<f64> = (0..10_001)
-        .map(|_| {
-            let t0 = Instant::now();
-            t0.elapsed().as_nanos() as f64
-        })
-        .collect();
-    median(&mut v)
 }
 
 impl Experiment for VfioUserReplay {
