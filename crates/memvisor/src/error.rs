@@ -111,6 +111,15 @@ pub enum Error {
         hint: &'static str,
     },
 
+    /// An access that needs a host address reached a mapping whose memory is a peer's
+    /// ([`DmaSpace::map_remote`](crate::DmaSpace::map_remote)); EFAULT, as libvfio-user's
+    /// `vfu_sgl_get` answers for regions mapped without a descriptor.
+    #[error(
+        "iova {addr:#x} is in mapping [{start:#x}, {last:#x}], a peer's memory with no host \
+         address here; reach it with dma_read_with / dma_write_with through the peer"
+    )]
+    Remote { addr: u64, start: u64, last: u64 },
+
     /// The memory is temporarily unusable, e.g. its host address was invalidated for a live
     /// update and not yet replaced.
     #[error("iova {addr:#x} is busy: {why}")]
@@ -211,7 +220,7 @@ impl Error {
             Error::Busy { .. } | Error::Refused { .. } => libc::EBUSY,
             Error::Overlap { .. } | Error::AlreadyExists { .. } => libc::EEXIST,
             Error::NotFound { .. } => libc::ENOENT,
-            Error::Fault { .. } | Error::ReadOnly { .. } => libc::EFAULT,
+            Error::Fault { .. } | Error::ReadOnly { .. } | Error::Remote { .. } => libc::EFAULT,
             Error::HugePagesUnavailable { .. } | Error::OutOfMemory { .. } => libc::ENOMEM,
             Error::Unsupported { .. } => libc::EOPNOTSUPP,
             Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),

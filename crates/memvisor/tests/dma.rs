@@ -658,3 +658,156 @@ fn unpinning_a_page_that_is_not_pinned_is_einval_and_unpins_nothing() {
     assert_eq!(d.device_pinned_pages(), 2, "nothing was unpinned");
     d.unpin_pages(&[1, 2]).unwrap();
 }
+
+/// A peer's memory (vfio-user's map without a descriptor): a full mapping in every rule, but its
+/// bytes are reached only through the transport handed to `dma_read_via` / `dma_write_via`.
+#[test]
+fn remote_mappings_follow_type1_and_reach_memory_only_through_the_peer() {
+    use std::cell::RefCell;
+    let d = DmaSpace::default();
+    let b = mem(8);
+    b.write(0, &[0xaa; 4 * PAGE as usize]).unwrap();
+    // [0, 4 pages) host memory, [4, 8) the peer's, RW; [8, 9) the peer's, read-only.
+    d.map_backing(Iova(0), &b, 0, 4 * PAGE, Prot::RW).unwrap();
+    d.map_remote(Iova(4 * PAGE), 4 * PAGE, Prot::RW).unwrap();
+    d.map_remote(Iova(8 * PAGE), PAGE, Prot::READ).unwrap();
+    // type1's checks apply as to any map
+    assert_eq!(
+        errno(d.map_remote(Iova(5 * PAGE), PAGE, Prot::RW)),
+        libc::EEXIST
+    );
+    assert_eq!(
+        errno(d.map_remote(Iova(0x800), PAGE, Prot::RW)),
+        libc::EINVAL
+    );
+    assert_eq!(errno(d.map_remote(Iova(0), 0, Prot::RW)), libc::EINVAL);
+    assert!(d.mappings()[1].is_remote() && d.mappings()[1].hva().is_none());
+
+    // Nothing that needs a host address reaches it: EFAULT, naming the mapping.
+    let e = d.translate(Iova(5 * PAGE), 8, Access::Read).unwrap_err();
+    assert_eq!(e.errno(), libc::EFAULT);
+    assert!(e.to_string().contains("0x4000, 0x7fff"), "{e}");
+    assert_eq!(
+        errno(d.cursor().translate(Iova(5 * PAGE), 8, Access::Read)),
+        libc::EFAULT
+    );
+    assert_eq!(errno(d.pin_pages(&[4], Prot::READ)), libc::EFAULT);
+    let mut buf = vec![0u8; 2 * PAGE as usize];
+    assert_eq!(errno(d.dma_read(Iova(3 * PAGE), &mut buf)), libc::EFAULT);
+    assert_eq!(errno(d.dma_write(Iova(3 * PAGE), &buf)), libc::EFAULT);
+    assert_eq!(d.device_pinned_pages(), 0);
+
+    // Through the peer: host pieces copied here, the peer's handed over with their IOVAs.
+    let peer = RefCell::new(vec![0x55u8; 5 * PAGE as usize]); // the peer's memory at 4 pages
+    let calls = RefCell::new(Vec::new());
+    let read = |iova: Iova, part: &mut [u8]| -> memvisor::Result<()> {
+        calls.borrow_mut().push((iova.0, part.len()));
+        let at = (iova.0 - 4 * PAGE) as usize;
+        part.copy_from_slice(&peer.borrow()[at..at + part.len()]);
+        Ok(())
+    };
+    let mut buf = vec![0u8; 2 * PAGE as usize];
+    d.dma_read_via(Iova(3 * PAGE), &mut buf, read).unwrap();
+    assert!(buf[..PAGE as usize].iter().all(|&x| x == 0xaa));
+    assert!(buf[PAGE as usize..].iter().all(|&x| x == 0x55));
+    assert_eq!(*calls.borrow(), vec![(4 * PAGE, PAGE as usize)]);
+
+    d.start_dirty_tracking().unwrap();
+    let write = |iova: Iova, part: &[u8]| -> memvisor::Result<()> {
+        let at = (iova.0 - 4 * PAGE) as usize;
+        peer.borrow_mut()[at..at + part.len()].copy_from_slice(part);
+        Ok(())
+    };
+    d.dma_write_via(Iova(4 * PAGE - 10), &[7u8; 20], write)
+        .unwrap();
+    let mut host = [0u8; 10];
+    b.read(4 * PAGE - 10, &mut host).unwrap();
+    assert_eq!(host, [7; 10]);
+    assert_eq!(&peer.borrow()[..10], &[7; 10]);
+    // the device wrote the peer's page too: it is dirty like any other
+    assert_eq!(
+        d.get_and_clear_dirty(Iova(0), 4 * PAGE, PAGE).unwrap(),
+        vec![0b1000]
+    );
+    assert_eq!(
+        d.get_and_clear_dirty(Iova(4 * PAGE), 4 * PAGE, PAGE)
+            .unwrap(),
+        vec![0b1]
+    );
+
+    // Checks come first: a write to the read-only remote page or past the end moves nothing.
+    let never = |_: Iova, _: &[u8]| -> memvisor::Result<()> { panic!("must not be called") };
+    assert_eq!(
+        d.dma_write_via(Iova(8 * PAGE), &[1], never)
+            .unwrap_err()
+            .errno(),
+        libc::EPERM
+    );
+    assert_eq!(
+        d.dma_write_via(Iova(8 * PAGE), &[1; 2 * PAGE as usize], never)
+            .unwrap_err()
+            .errno(),
+        libc::EPERM
+    );
+    // The peer's error stops the copy and is returned as it is.
+    let refuse = |iova: Iova, _: &mut [u8]| -> memvisor::Result<()> {
+        Err(memvisor::Error::Fault {
+            space: "peer",
+            addr: iova.0,
+            start: iova.0,
+            len: 1,
+        })
+    };
+    let mut one = [0u8; 1];
+    assert_eq!(
+        d.dma_read_via(Iova(5 * PAGE), &mut one, refuse)
+            .unwrap_err()
+            .errno(),
+        libc::EFAULT
+    );
+
+    // There is no host address to invalidate or update; unmap works as for any mapping.
+    assert_eq!(
+        errno(d.invalidate_vaddr(Iova(4 * PAGE), 4 * PAGE)),
+        libc::EINVAL
+    );
+    assert_eq!(
+        errno(d.update_vaddr(Iova(4 * PAGE), 4 * PAGE, &b, 0)),
+        libc::EINVAL
+    );
+    assert_eq!(
+        errno(d.unmap(Iova(5 * PAGE), PAGE)),
+        libc::EINVAL,
+        "cuts it"
+    );
+    assert_eq!(d.unmap(Iova(4 * PAGE), 4 * PAGE).unwrap(), 4 * PAGE);
+    assert_eq!(d.len(), 2);
+}
+
+/// Eager mode pins every mapping with host memory and leaves a peer's alone.
+#[test]
+fn eager_mode_pins_around_remote_mappings() {
+    use memvisor::dma::{LockLimit, PinMode, PinRegistry};
+    let registry = PinRegistry::new(LockLimit::Unlimited);
+    let d = DmaSpace::new(DmaConfig {
+        registry: Some(registry.clone()),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    let b = mem(4);
+    d.map_remote(Iova(0), 4 * PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(8 * PAGE), &b, 0, 4 * PAGE, Prot::RW)
+        .unwrap();
+    if let Err(e) = d.set_pin_mode(PinMode::Eager) {
+        assert_eq!(e.errno(), libc::ENOMEM, "{e}");
+        println!("skipped: needs RLIMIT_MEMLOCK of 16 KiB or more to pin ({e})");
+        return;
+    }
+    assert_eq!(registry.locked_bytes(), 4 * PAGE);
+    d.map_remote(Iova(16 * PAGE), PAGE, Prot::RW).unwrap();
+    assert_eq!(registry.locked_bytes(), 4 * PAGE);
+    assert_eq!(errno(d.extents(Iova(0))), libc::EINVAL);
+    assert_eq!(d.extents(Iova(8 * PAGE)).unwrap().len(), 1);
+    d.unmap_all().unwrap();
+    assert_eq!(registry.locked_bytes(), 0);
+}

@@ -138,7 +138,7 @@ impl DmaSpace {
                     true => Some(self.new_bitmap(m.iova.len())?),
                     false => None,
                 };
-                changed.push((p, m.with(m.host.clone(), dirty)));
+                changed.push((p, m.with(m.memory.clone(), dirty)));
                 pos = map.next(p);
             }
             for (p, m) in changed {
@@ -284,7 +284,10 @@ impl DmaSpace {
             if !also(writer, &hit) {
                 return Ok((0, false));
             }
-            writer.invalid -= hit.iter().filter(|(_, m)| m.host.is_none()).count() as u64;
+            writer.invalid -= hit
+                .iter()
+                .filter(|(_, m)| m.memory.is_invalidated())
+                .count() as u64;
             let mut bytes = 0;
             for (_, m) in &hit {
                 self.unpin_mapping(writer, m.id);

@@ -302,6 +302,14 @@ impl DmaSpace {
             }
             .into());
         }
+        if hot.remote() {
+            return Err(Error::Remote {
+                addr: iova,
+                start,
+                last,
+            }
+            .into());
+        }
         if !hot.valid() {
             return Err(Stop::Invalidated(iova));
         }

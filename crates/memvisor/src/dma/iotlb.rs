@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use super::{DmaSpace, Host, Index, Mapping, index_insert, whole_mappings};
+use super::{DmaSpace, Host, Index, Mapping, Memory, index_insert, whole_mappings};
 use crate::addr::{Hva, Iova, Range};
 use crate::error::Result;
 
@@ -59,13 +59,16 @@ impl DmaSpace {
                 }
             }
             if writer.mode == super::PinMode::Eager {
-                let pinned = self.pin_all(keep.iter().filter(|m| m.host.is_some()))?;
+                let pinned = self.pin_all(keep.iter().filter(|m| m.memory.host().is_some()))?;
                 writer.eager.extend(pinned);
             }
             let removed: u64 = hit.iter().map(|(_, m)| m.iova.len()).sum::<u64>()
                 - keep.iter().map(|m| m.iova.len()).sum::<u64>();
-            writer.invalid -= hit.iter().filter(|(_, m)| m.host.is_none()).count() as u64;
-            writer.invalid += keep.iter().filter(|m| m.host.is_none()).count() as u64;
+            writer.invalid -= hit
+                .iter()
+                .filter(|(_, m)| m.memory.is_invalidated())
+                .count() as u64;
+            writer.invalid += keep.iter().filter(|m| m.memory.is_invalidated()).count() as u64;
             for (start, m) in &hit {
                 self.unpin_mapping(writer, m.id);
                 map.remove(*start).expect("found above");
@@ -98,10 +101,13 @@ fn touched(map: &Index, first: u64, last: u64) -> Option<(u64, u64)> {
 fn piece(m: &Arc<Mapping>, from: u64, to: u64, id: u64, page: u64) -> Result<Mapping> {
     let start = m.iova.start().0;
     let iova = Range::new("dma mapping", Iova(from), to - from + 1)?;
-    let host = m.host.as_ref().map(|h| Host {
-        hva: Hva(h.hva.0 + (from - start)),
-        owner: h.owner.clone(),
-    });
+    let memory = match &m.memory {
+        Memory::Local(h) => Memory::Local(Host {
+            hva: Hva(h.hva.0 + (from - start)),
+            owner: h.owner.clone(),
+        }),
+        other => other.clone(),
+    };
     let dirty = m.dirty.as_ref().map(|old| {
         let pages = iova.len() / page;
         let b = crate::bitmap::DirtyBitmap::new(pages);
@@ -117,7 +123,7 @@ fn piece(m: &Arc<Mapping>, from: u64, to: u64, id: u64, page: u64) -> Result<Map
         id,
         iova,
         prot: m.prot,
-        host,
+        memory,
         dirty,
     })
 }

@@ -228,14 +228,40 @@ impl Host {
     }
 }
 
-/// One mapping: an IOVA range, its protection and (unless invalidated) its host memory.
+/// Where a mapping's memory is.
+#[derive(Clone, Debug)]
+enum Memory {
+    /// In this process, at a host address.
+    Local(Host),
+    /// Invalidated for a live update: nothing reaches the old memory until `update_vaddr`.
+    Invalidated,
+    /// In a peer this process cannot address (a vfio-user map without a descriptor): only
+    /// [`DmaSpace::dma_read_with`] / [`DmaSpace::dma_write_with`] reach it, through the
+    /// caller's transport; translation and pinning fail with EFAULT.
+    Remote,
+}
+
+impl Memory {
+    fn host(&self) -> Option<&Host> {
+        match self {
+            Memory::Local(h) => Some(h),
+            Memory::Invalidated | Memory::Remote => None,
+        }
+    }
+
+    fn is_invalidated(&self) -> bool {
+        matches!(self, Memory::Invalidated)
+    }
+}
+
+/// One mapping: an IOVA range, its protection and where its memory is.
 /// Immutable; a change installs a new record with the same [`Mapping::id`].
 #[derive(Debug)]
 pub struct Mapping {
     id: u64,
     iova: Range<Iova>,
     prot: Prot,
-    host: Option<Host>,
+    memory: Memory,
     dirty: Option<Arc<DirtyBitmap>>,
 }
 
@@ -253,21 +279,27 @@ impl Mapping {
     pub fn prot(&self) -> Prot {
         self.prot
     }
-    /// Host address of the first byte; `None` while invalidated for a live update.
+    /// Host address of the first byte; `None` while invalidated for a live update, and for
+    /// a peer's memory ([`DmaSpace::map_remote`]).
     pub fn hva(&self) -> Option<Hva> {
-        self.host.as_ref().map(|h| h.hva)
+        self.memory.host().map(|h| h.hva)
     }
     /// The backing that holds the memory, when memvisor owns it.
     pub fn backing(&self) -> Option<&Arc<Backing>> {
-        self.host.as_ref().and_then(|h| h.owner.as_ref())
+        self.memory.host().and_then(|h| h.owner.as_ref())
+    }
+    /// Whether the memory is a peer's, reachable only through the caller's transport
+    /// ([`DmaSpace::map_remote`]).
+    pub fn is_remote(&self) -> bool {
+        matches!(self.memory, Memory::Remote)
     }
 
-    fn with(&self, host: Option<Host>, dirty: Option<Arc<DirtyBitmap>>) -> Mapping {
+    fn with(&self, memory: Memory, dirty: Option<Arc<DirtyBitmap>>) -> Mapping {
         Mapping {
             id: self.id,
             iova: self.iova,
             prot: self.prot,
-            host,
+            memory,
             dirty,
         }
     }
@@ -285,14 +317,16 @@ impl Hot {
     const PROT: u64 = 0b11;
     const VALID: u64 = 1 << 2;
     const DIRTY: u64 = 1 << 3;
+    const REMOTE: u64 = 1 << 4;
     const FLAGS: u64 = 0xfff;
 
     /// The hot word of `mapping`: the only place it is derived.
     fn of(mapping: &Mapping) -> Hot {
         let start = mapping.iova.start().0;
-        let (delta, valid) = match &mapping.host {
-            Some(h) => (h.hva.0.wrapping_sub(start), Hot::VALID),
-            None => (0, 0),
+        let (delta, valid) = match &mapping.memory {
+            Memory::Local(h) => (h.hva.0.wrapping_sub(start), Hot::VALID),
+            Memory::Invalidated => (0, 0),
+            Memory::Remote => (0, Hot::REMOTE),
         };
         debug_assert_eq!(delta & Hot::FLAGS, 0, "iova and hva are page aligned");
         let dirty = if mapping.dirty.is_some() {
@@ -318,6 +352,12 @@ impl Hot {
     #[inline]
     fn valid(self) -> bool {
         self.0 & Hot::VALID != 0
+    }
+
+    /// Whether the mapping's memory is a peer's ([`Memory::Remote`]).
+    #[inline]
+    fn remote(self) -> bool {
+        self.0 & Hot::REMOTE != 0
     }
 
     /// Whether the mapping has a dirty bitmap.
@@ -404,7 +444,7 @@ impl Default for DmaSpace {
 /// A mapping about to be made: where, what, how.
 struct NewMapping {
     iova: Range<Iova>,
-    host: Host,
+    memory: Memory,
 }
 
 impl DmaSpace {
@@ -494,7 +534,33 @@ impl DmaSpace {
     ) -> Result<()> {
         let host = self.backing_host(backing, offset, size)?;
         let range = self.check_new_range(iova, size, prot)?;
-        self.insert(range, prot, vec![NewMapping { iova: range, host }])
+        self.insert(
+            range,
+            prot,
+            vec![NewMapping {
+                iova: range,
+                memory: Memory::Local(host),
+            }],
+        )
+    }
+
+    /// Maps `[iova, iova + size)` to memory of a peer that this process cannot address: a
+    /// vfio-user client's map without a file descriptor (memory QEMU does not share, such as
+    /// ROM or private guest RAM). The mapping takes part in everything else — type1's checks
+    /// and errnos, the count limit, unmap, dirty logging — but only
+    /// [`DmaSpace::dma_read_with`] / [`DmaSpace::dma_write_with`] reach its bytes, through the
+    /// transport the caller passes them; translation, `pin_pages` and plain `dma_read` /
+    /// `dma_write` fail with EFAULT ([`Error::Remote`]), as libvfio-user's `vfu_sgl_get` does.
+    pub fn map_remote(&self, iova: Iova, size: u64, prot: Prot) -> Result<()> {
+        let range = self.check_new_range(iova, size, prot)?;
+        self.insert(
+            range,
+            prot,
+            vec![NewMapping {
+                iova: range,
+                memory: Memory::Remote,
+            }],
+        )
     }
 
     /// Maps the guest range `[gpa, gpa + size)` of `slots` at `iova`: one mapping per slot the
@@ -524,7 +590,7 @@ impl DmaSpace {
             let start = Iova(range.start().0 + (piece_gpa.0 - gpa.0));
             new.push(NewMapping {
                 iova: Range::new("dma mapping", start, len)?,
-                host,
+                memory: Memory::Local(host),
             });
         }
         self.insert(range, prot, new)
@@ -539,7 +605,14 @@ impl DmaSpace {
     pub unsafe fn map_raw(&self, iova: Iova, hva: Hva, size: u64, prot: Prot) -> Result<()> {
         let host = self.raw_host(hva, size)?;
         let range = self.check_new_range(iova, size, prot)?;
-        self.insert(range, prot, vec![NewMapping { iova: range, host }])
+        self.insert(
+            range,
+            prot,
+            vec![NewMapping {
+                iova: range,
+                memory: Memory::Local(host),
+            }],
+        )
     }
 
     /// Unmaps every mapping inside `[iova, iova + size)` and returns the bytes unmapped (0 if
@@ -584,17 +657,26 @@ impl DmaSpace {
             let hit = whole_mappings(map, first, last)?;
             self.check_no_external(writer, &hit)?;
             for (start, m) in &hit {
-                if m.host.is_none() {
-                    return Err(Error::Invalid(format!(
-                        "mapping at iova {start:#x} already has its vaddr invalidated"
-                    )));
+                match m.memory {
+                    Memory::Local(_) => {}
+                    Memory::Invalidated => {
+                        return Err(Error::Invalid(format!(
+                            "mapping at iova {start:#x} already has its vaddr invalidated"
+                        )));
+                    }
+                    Memory::Remote => {
+                        return Err(Error::Invalid(format!(
+                            "mapping at iova {start:#x} is a peer's memory: it has no vaddr \
+                             to invalidate"
+                        )));
+                    }
                 }
             }
             let mut bytes = 0;
             for (start, m) in &hit {
                 self.unpin_mapping(writer, m.id);
                 let pos = map.find(*start).expect("found above");
-                index_set(map, pos, m.with(None, m.dirty.clone()));
+                index_set(map, pos, m.with(Memory::Invalidated, m.dirty.clone()));
                 bytes += m.iova.len();
             }
             writer.invalid += hit.len() as u64;
@@ -646,12 +728,18 @@ impl DmaSpace {
                     m.iova.last().0
                 )));
             }
-            if m.host.is_some() {
+            if !m.memory.is_invalidated() {
                 return Err(Error::Invalid(format!(
-                    "mapping at iova {iova} has a valid vaddr; invalidate it first"
+                    "mapping at iova {iova} has no invalidated vaddr to update ({}); \
+                     invalidate it first",
+                    if m.is_remote() {
+                        "it is a peer's memory"
+                    } else {
+                        "its vaddr is valid"
+                    }
                 )));
             }
-            let new = m.with(Some(host), m.dirty.clone());
+            let new = m.with(Memory::Local(host), m.dirty.clone());
             if writer.mode == PinMode::Eager {
                 let pinned = self.pin_mapping(&new)?;
                 writer.eager.insert(new.id, pinned);
@@ -820,12 +908,12 @@ impl DmaSpace {
                     id,
                     iova: n.iova,
                     prot,
-                    host: Some(n.host),
+                    memory: n.memory,
                     dirty,
                 });
             }
             if writer.mode == PinMode::Eager {
-                let pinned = self.pin_all(&made)?;
+                let pinned = self.pin_all(made.iter().filter(|m| m.memory.host().is_some()))?;
                 writer.eager.extend(pinned);
             }
             for m in made {

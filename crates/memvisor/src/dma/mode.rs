@@ -173,8 +173,8 @@ impl Shared {
     /// The pin request that covers all of `m`'s memory.
     pub(super) fn pin_request(&self, m: &Mapping) -> PinRequest {
         let host = m
-            .host
-            .as_ref()
+            .memory
+            .host()
             .expect("only mappings with memory are pinned");
         PinRequest {
             hva: host.hva.0,

@@ -7,8 +7,13 @@
 //! piece with raw-pointer copies. The snapshot holds every mapping's memory, so an unmap racing
 //! the copy cannot unmap memory under it: the copy completes against the old mappings or, if it
 //! started after the unmap, fails with EINVAL. Nothing is copied when any check fails.
+//!
+//! A peer's memory ([`DmaSpace::map_remote`], a vfio-user map without a descriptor) has no host
+//! address here: [`DmaSpace::dma_read_via`] / [`DmaSpace::dma_write_via`] check the range the
+//! same way, copy the pieces in host memory and hand each piece in the peer's memory to the
+//! caller's transport, so one device model serves both kinds of mapping.
 
-use super::{DmaSnapshot, DmaSpace, Prot, VaddrRule};
+use super::{DmaSnapshot, DmaSpace, Hot, Prot, VaddrRule};
 use crate::addr::Iova;
 use crate::copy;
 use crate::error::{Error, Result};
@@ -17,49 +22,133 @@ impl DmaSpace {
     /// Copies from `[iova, iova + buf.len())` into `buf`. Nothing is copied if any check fails:
     /// EINVAL for an empty buffer or if any byte is unmapped (type1's `vfio_dma_rw`); EPERM if a
     /// mapping does not allow READ; EFAULT if a host address is invalidated (after waiting up to
-    /// `vaddr_wait`).
+    /// `vaddr_wait`) or a mapping is a peer's memory ([`DmaSpace::map_remote`]).
     pub fn dma_read(&self, iova: Iova, buf: &mut [u8]) -> Result<()> {
-        let len = buf.len();
-        self.copy_pieces(iova, len, Prot::READ, |hva, at, n| {
-            // SAFETY: copy_pieces hands out only ranges inside valid mappings of the snapshot it
-            // holds, which keeps their memory mapped (or, for raw mappings, the caller promised
-            // to); buf is caller memory, never guest memory.
-            unsafe { copy::from_guest(hva as usize as *const u8, &mut buf[at..at + n]) }
-        })
+        self.dma_read_with(
+            iova,
+            buf,
+            |_, _| unreachable!("host memory only"),
+            Hot::VALID,
+        )
     }
 
     /// Copies `buf` to `[iova, iova + buf.len())`, marking the pages dirty when tracking is on.
     /// Errors as [`DmaSpace::dma_read`], except that the mappings must allow READ and WRITE
     /// (type1 checks READ for every CPU access, WRITE too for a write).
     pub fn dma_write(&self, iova: Iova, buf: &[u8]) -> Result<()> {
-        self.copy_pieces(iova, buf.len(), Prot::RW, |hva, at, n| {
-            // SAFETY: as in dma_read; the mappings allow WRITE.
-            unsafe { copy::to_guest(&buf[at..at + n], hva as usize as *mut u8) }
+        self.dma_write_with(
+            iova,
+            buf,
+            |_, _| unreachable!("host memory only"),
+            Hot::VALID,
+        )
+    }
+
+    /// [`DmaSpace::dma_read`] over mappings of host memory and of a peer's memory
+    /// ([`DmaSpace::map_remote`]) alike: pieces in host memory are copied here, each piece in a
+    /// peer's memory is handed to `remote(iova, part of buf)` to fetch (a vfio-user server sends
+    /// `DMA_READ`). The whole range is checked first, as for `dma_read`; an error from `remote`
+    /// stops the copy and is returned, with the pieces before it already copied.
+    pub fn dma_read_via<E: From<Error>>(
+        &self,
+        iova: Iova,
+        buf: &mut [u8],
+        remote: impl FnMut(Iova, &mut [u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        self.dma_read_with(iova, buf, remote, Hot::VALID | Hot::REMOTE)
+    }
+
+    /// [`DmaSpace::dma_write`] over host and peer memory alike; each piece in a peer's memory
+    /// is handed to `remote(iova, part of buf)` to store (a vfio-user server sends `DMA_WRITE`).
+    /// Dirty pages are marked for both kinds. Errors as [`DmaSpace::dma_read_via`].
+    pub fn dma_write_via<E: From<Error>>(
+        &self,
+        iova: Iova,
+        buf: &[u8],
+        remote: impl FnMut(Iova, &[u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        self.dma_write_with(iova, buf, remote, Hot::VALID | Hot::REMOTE)
+    }
+
+    fn dma_read_with<E: From<Error>>(
+        &self,
+        iova: Iova,
+        buf: &mut [u8],
+        mut remote: impl FnMut(Iova, &mut [u8]) -> std::result::Result<(), E>,
+        usable: u64,
+    ) -> std::result::Result<(), E> {
+        let len = buf.len();
+        self.copy_pieces(iova, len, Prot::READ, usable, |addr, hva, at, n| {
+            let part = &mut buf[at..at + n];
+            match hva {
+                // SAFETY: copy_pieces hands out only ranges inside valid mappings of the
+                // snapshot it holds, which keeps their memory mapped (or, for raw mappings, the
+                // caller promised to); buf is caller memory, never guest memory.
+                Some(hva) => unsafe { copy::from_guest(hva as usize as *const u8, part) },
+                None => return remote(Iova(addr), part),
+            }
+            Ok(())
+        })
+    }
+
+    fn dma_write_with<E: From<Error>>(
+        &self,
+        iova: Iova,
+        buf: &[u8],
+        mut remote: impl FnMut(Iova, &[u8]) -> std::result::Result<(), E>,
+        usable: u64,
+    ) -> std::result::Result<(), E> {
+        self.copy_pieces(iova, buf.len(), Prot::RW, usable, |addr, hva, at, n| {
+            let part = &buf[at..at + n];
+            match hva {
+                // SAFETY: as in dma_read_with; the mappings allow WRITE.
+                Some(hva) => unsafe { copy::to_guest(part, hva as usize as *mut u8) },
+                None => return remote(Iova(addr), part),
+            }
+            Ok(())
         })
     }
 
     /// Checks `[iova, iova + len)` for `need` against one snapshot, then calls
-    /// `copy(host address, offset in the caller's buffer, bytes)` for each piece.
-    fn copy_pieces(
+    /// `copy(iova, host address or None for a peer's memory, offset in the caller's buffer,
+    /// bytes)` for each piece, stopping at the first error it returns.
+    fn copy_pieces<E: From<Error>>(
         &self,
         iova: Iova,
         len: usize,
         need: Prot,
-        mut copy: impl FnMut(u64, usize, usize),
-    ) -> Result<()> {
+        usable: u64,
+        mut copy: impl FnMut(u64, Option<u64>, usize, usize) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         if len == 0 {
-            return Err(Error::ZeroSize { what: "dma copy" });
+            return Err(Error::ZeroSize { what: "dma copy" }.into());
         }
         let min_page = self.shared.min_page;
+        let mut failed = None;
         self.with_snapshot(|snap| {
             self.refuse_while_invalid(snap, iova.0)?;
             let mut at = 0usize;
-            snap.for_each_piece(iova.0, len as u64, need, min_page, |hva, n| {
-                copy(hva, at, n as usize);
-                at += n as usize;
-            })
+            snap.for_each_piece(
+                iova.0,
+                len as u64,
+                need,
+                min_page,
+                usable,
+                |addr, hva, n| {
+                    if failed.is_none() {
+                        if let Err(e) = copy(addr, hva, at, n as usize) {
+                            failed = Some(e);
+                        }
+                    }
+                    at += n as usize;
+                },
+            )
         })
-        .map_err(|e| as_type1_rw(e, iova, len))
+        .map_err(|e| E::from(as_type1_rw(e, iova, len)))?;
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 

@@ -56,26 +56,30 @@ impl DmaSnapshot {
         let Some((pos, start, last, hot)) = self.map.lookup(iova) else {
             return Err(unmapped(iova, len));
         };
-        checked(pos, start, last, hot, iova, need)
+        checked(pos, start, last, hot, iova, need, Hot::VALID)
     }
 
-    /// The mapping at `pos` (which holds `iova`), checked for `access` and a valid host address.
+    /// The mapping at `pos` (which holds `iova`), checked for `access` and for memory of a
+    /// kind in `usable` (Hot bits).
     #[inline]
-    fn check(&self, pos: Pos, iova: u64, need: Prot) -> Result<Found> {
+    fn check(&self, pos: Pos, iova: u64, need: Prot, usable: u64) -> Result<Found> {
         let (start, last, hot) = self.map.bounds(pos);
-        checked(pos, start, last, hot, iova, need)
+        checked(pos, start, last, hot, iova, need, usable)
     }
 
-    /// Checks that `[iova, iova + len)` is all mapped, contiguously, for `access`; then calls
-    /// `piece(host address, bytes)` for each mapping-sized piece in order, marking written pages
-    /// dirty. Nothing is called if any check fails.
+    /// Checks that `[iova, iova + len)` is all mapped, contiguously, for `access`, with memory
+    /// of a kind in `usable` (`Hot::VALID`: host memory; `| Hot::REMOTE`: a peer's too); then
+    /// calls `piece(iova, host address, bytes)` for each mapping-sized piece in order (the host
+    /// address `None` for a peer's memory), marking written pages dirty. Nothing is called if
+    /// any check fails.
     pub(super) fn for_each_piece(
         &self,
         iova: u64,
         len: u64,
         need: Prot,
         min_page: u64,
-        mut piece: impl FnMut(u64, u64),
+        usable: u64,
+        mut piece: impl FnMut(u64, Option<u64>, u64),
     ) -> Result<()> {
         if len == 0 {
             return Ok(());
@@ -85,7 +89,10 @@ impl DmaSnapshot {
             start: iova,
             len,
         })?;
-        let found = self.resolve(iova, len, need)?;
+        let found = match self.map.lookup(iova) {
+            Some((pos, start, last, hot)) => checked(pos, start, last, hot, iova, need, usable)?,
+            None => return Err(unmapped(iova, len)),
+        };
         let (first, mut last) = (found.pos, found.last);
         let mut pos = first;
         while last < end {
@@ -102,14 +109,18 @@ impl DmaSnapshot {
                     len,
                 });
             };
-            Found { pos, last, .. } = self.check(next, last + 1, need)?;
+            Found { pos, last, .. } = self.check(next, last + 1, need, usable)?;
         }
         let mut addr = iova;
         let mut pos = Some(first);
         while let Some(p) = pos.filter(|_| addr <= end) {
             let (_, last, hot, m) = self.map.get(p);
             let n = end.min(last) - addr + 1;
-            piece(addr.wrapping_add(hot.delta()), n);
+            let hva = match hot.valid() {
+                true => Some(addr.wrapping_add(hot.delta())),
+                false => None,
+            };
+            piece(addr, hva, n);
             // After the copy: a dirty read racing us then reports the page now or next time,
             // never before the bytes landed.
             if need.contains(Prot::WRITE) && hot.dirty() {
@@ -122,10 +133,19 @@ impl DmaSnapshot {
     }
 }
 
-/// `Found` if the mapping allows `need` and has a valid host address.
+/// `Found` if the mapping allows `need` and its memory is of a kind in `usable` (Hot bits:
+/// `VALID` for host memory, `REMOTE` for a peer's).
 #[inline(always)]
-fn checked(pos: Pos, start: u64, last: u64, hot: Hot, iova: u64, need: Prot) -> Result<Found> {
-    if !hot.prot().contains(need) || !hot.valid() {
+fn checked(
+    pos: Pos,
+    start: u64,
+    last: u64,
+    hot: Hot,
+    iova: u64,
+    need: Prot,
+    usable: u64,
+) -> Result<Found> {
+    if !hot.prot().contains(need) || hot.0 & usable == 0 {
         return Err(refused(iova, start, last, hot, need));
     }
     Ok(Found {
@@ -149,7 +169,7 @@ fn unmapped(iova: u64, len: u64) -> Error {
 }
 
 /// Why the mapping `[start, last]` with `hot` refuses `access` at `iova`: EPERM if its protection
-/// does not allow it, else EBUSY (host address invalidated).
+/// does not allow it, EFAULT if its memory is a peer's, else EBUSY (host address invalidated).
 #[cold]
 #[inline(never)]
 fn refused(iova: u64, start: u64, last: u64, hot: Hot, need: Prot) -> Error {
@@ -164,6 +184,13 @@ fn refused(iova: u64, start: u64, last: u64, hot: Hot, need: Prot) -> Error {
             start,
             last,
             allowed: format!("{:?}", hot.prot()),
+        };
+    }
+    if hot.remote() {
+        return Error::Remote {
+            addr: iova,
+            start,
+            last,
         };
     }
     Error::Busy {
@@ -248,12 +275,16 @@ impl DmaSpace {
                 len,
                 access.prot(),
                 min_page,
-                |hva, n| match segments.last_mut() {
-                    Some(s) if s.hva.0 + s.len == hva => s.len += n,
-                    _ => segments.push(Segment {
-                        hva: Hva(hva),
-                        len: n,
-                    }),
+                Hot::VALID,
+                |_, hva, n| {
+                    let hva = hva.expect("only host memory passes Hot::VALID");
+                    match segments.last_mut() {
+                        Some(s) if s.hva.0 + s.len == hva => s.len += n,
+                        _ => segments.push(Segment {
+                            hva: Hva(hva),
+                            len: n,
+                        }),
+                    }
                 },
             )?;
             Ok(segments)
