@@ -4,7 +4,7 @@
 # and the guest on first use under target/guest/.
 #
 # usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] | balloon [--negative]
-#                      | mig [--negative] [--iommu=M] | hostile | vfio-user [--negative]
+#                      | mig [--negative] [--iommu=M] | hostile | vfio-user [--negative] [--private]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -40,13 +40,16 @@
 #               pinned or locked. Env: MVDMA_REQ (tables, 2000), MVDMA_SECS (45), MVDMA_SCALE (4096).
 #   vfio-user --negative: the server forgets unmaps (test-only switch); the guest must catch
 #               the device writing a page it unmapped.
+#   vfio-user --private: guest RAM is private to QEMU (no shared memory backend), so every
+#               DMA_MAP comes without a descriptor and every byte the device moves goes through
+#               DMA_READ / DMA_WRITE messages to QEMU; pin mode finds nothing to pin and copies.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
-negative=0; peer=0; fuzz=0; iommu=""
-for a in "$@"; do case $a in --negative) negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
+negative=0; peer=0; fuzz=0; iommu=""; private=0
+for a in "$@"; do case $a in --negative) negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 if [ "$(id -u)" != 0 ]; then
   echo "SKIPPED real-guest trial $trial: needs root (mount namespace + chroot for the QEMU root, mmdebstrap)"
   exit 0
@@ -58,7 +61,7 @@ guest/mkroot.sh "$work/root" >/dev/null
 fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/initrd.cpio.gz" -nt "$f" ] || fresh=0; done
 [ $fresh = 1 ] || guest/mkguest.sh "$work/vm" >/dev/null
 cd "$work"
-name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu
+name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private
 run=run/$name; rm -rf "$run"; mkdir -p "$run"
 log=$run/console.log
 pids=()
@@ -66,10 +69,12 @@ cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done;
 trap cleanup EXIT
 
 wait_socket() { for _ in $(seq 100); do [ -S "$1" ] && return 0; sleep 0.1; done; echo "no socket $1" >&2; return 1; }
+# Guest RAM: a shared memfd that back ends map, or (--private) QEMU's own anonymous memory.
+ram="memory-backend-memfd,id=mem,size=1G,share=on"; [ $private = 0 ] || ram="memory-backend-ram,id=mem,size=1G"
 # Runs QEMU with the trial's devices; the console goes to $log.
 qemu() {
   timeout "${TIMEOUT:-300}" "$top/guest/qemu.sh" root \
-    -machine q35,memory-backend=mem -object memory-backend-memfd,id=mem,size=1G,share=on -m 1G \
+    -machine q35,memory-backend=mem -object "$ram" -m 1G \
     -smp 1 -nographic -no-reboot -kernel vm/vmlinuz -initrd vm/initrd.cpio.gz \
     -append "console=ttyS0 panic=-1 quiet $1" "${@:2}" > "$log" 2>&1 &
   qpid=$!; pids+=("$qpid")
@@ -315,14 +320,21 @@ vfio-user)
   kill -TERM "$bpid" 2>/dev/null || true; wait "$bpid" 2>/dev/null || true
   { grep -a -h -E '^(GUEST|MVDMA)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
   res=$(grep -a '^RESULT vfio-user' "$log" | tail -1 | tr -d '\r' || true)
-  host=$(python3 - "$run/stats.json" <<'PY'
+  host=$(python3 - "$run/stats.json" $private <<'PY'
 import json, sys
 try:
     s = json.load(open(sys.argv[1]))
 except Exception as e:
     print(f"FAIL no server stats ({e})"); sys.exit()
+private = sys.argv[2] == "1"
 d = s["device"]
 bad = []
+if private:
+    # Every map without a descriptor, every byte through QEMU, none of it failing.
+    if s["dma_maps_remote"] != s["dma_maps"]: bad.append(f"{s['dma_maps'] - s['dma_maps_remote']} maps came with a descriptor")
+    if not (s["peer_reads"] and s["peer_writes"]): bad.append("no DMA_READ/DMA_WRITE went to QEMU")
+    if s["peer_errors"]: bad.append(f"{s['peer_errors']} DMA_READ/DMA_WRITE failed")
+    if not d["pin_fallbacks"]: bad.append("pin mode never met memory without a descriptor")
 if s["end"] != "ok": bad.append(f"connection ended: {s['end']}")
 if s["pinned_pages_at_end"] or s["locked_bytes_at_end"]: bad.append(f"leaked pins {s['pinned_pages_at_end']} pages, {s['locked_bytes_at_end']} bytes locked")
 if d["descriptors_failed"] != 6: bad.append(f"{d['descriptors_failed']} descriptors failed, want the 6 bad ones")
@@ -331,7 +343,8 @@ print(("FAIL " + "; ".join(bad)) if bad else "PASS", f"maps={s['dma_maps']} unma
       f"map_refused={s['dma_map_errors']} peak_mappings={s['peak_mappings']}",
       f"map_us={s['map_ns'] / max(s['dma_maps'] + s['dma_map_errors'], 1) / 1e3:.2f} unmap_us={s['unmap_ns'] / max(s['dma_unmaps'] + s['dma_unmaps_empty'], 1) / 1e3:.2f}",
       f"descriptors ok={d['descriptors_ok']} failed={d['descriptors_failed']} copy={d['copy_descriptors']} pin={d['pin_descriptors']}",
-      f"pin_calls={d['pin_calls']} irqs={s['irqs_signalled']} mib={d['bytes'] / 2**20:.1f}")
+      f"pin_calls={d['pin_calls']} irqs={s['irqs_signalled']} mib={d['bytes'] / 2**20:.1f}",
+      f"remote_maps={s['dma_maps_remote']} dma_read={s['peer_reads']} dma_write={s['peer_writes']} peer_mib={s['peer_bytes'] / 2**20:.1f} pin_fallbacks={d['pin_fallbacks']}")
 PY
 )
   echo "  server: $host"

@@ -7,10 +7,13 @@
 //! two device paths of the seeds:
 //!
 //! * **copy** (`MODE` 0): `dma_read` / `dma_write` through a 64 KiB bounce buffer (seed 004a,
-//!   `vfio_dma_rw`): nothing pinned.
+//!   `vfio_dma_rw`): nothing pinned. Memory the client mapped without a descriptor is reached
+//!   the same way, through `DMA_READ` / `DMA_WRITE` requests ([`Port::dma_read`]).
 //! * **pin** (`MODE` 1): each piece of a descriptor (at most 512 pages of source and of
 //!   destination) is pinned with `pin_pages` for the duration of its copy and unpinned after
-//!   (seed 002, `vfio_pin_pages`); the page count of every call is kept as a histogram.
+//!   (seed 002, `vfio_pin_pages`); the page count of every call is kept as a histogram. A
+//!   piece in memory mapped without a descriptor cannot be pinned (EFAULT): the descriptor's
+//!   rest is copied as in copy mode, and counted (`pin_fallbacks`).
 //!
 //! A descriptor is checked whole before a byte moves: if any part of its source is not mapped
 //! readable or its destination writable, it fails with that errno in its status and nothing is
@@ -48,7 +51,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use memvisor::dma::{PIN_PAGES_MAX, read_pinned, write_pinned};
-use memvisor::{Access, DmaSpace, Iova, Prot};
+use memvisor::{Access, Iova, Prot};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -120,6 +123,9 @@ pub struct DmaDevStats {
     /// `pin_pages` calls and their page counts, `[npage, calls]` sorted by npage.
     pub pin_calls: u64,
     pub npage_histogram: Vec<(u64, u64)>,
+    /// Pin-mode pieces that fell back to copying because their memory is the client's
+    /// (mapped without a descriptor, so nothing to pin).
+    pub pin_fallbacks: u64,
     /// Unmap notifications received (an unmap touched pinned pages).
     pub unmap_notifications: u64,
 }
@@ -482,7 +488,6 @@ fn engine(s: Arc<Shared>, jobs: Receiver<Job>) {
 
 /// Runs one table; returns the descriptors that succeeded and the first errno.
 fn run_table(s: &Shared, job: &Job, bounce: &mut [u8]) -> (u32, Option<i32>) {
-    let dma = s.port.dma();
     let mut done = 0;
     let mut first_err = None;
     for i in 0..job.count as u64 {
@@ -491,7 +496,7 @@ fn run_table(s: &Shared, job: &Job, bounce: &mut [u8]) -> (u32, Option<i32>) {
             None => return (done, Some(libc::EINVAL)),
         };
         let mut d = [0u8; 24];
-        if let Err(e) = dma.dma_read(Iova(at), &mut d) {
+        if let Err(e) = s.port.dma_read(Iova(at), &mut d) {
             // The table itself is unreadable: nothing more can be reported through it.
             log::info!("mvdma: descriptor {i} at iova {at:#x} unreadable: {e}");
             return (done, Some(first_err.unwrap_or(e.errno())));
@@ -528,27 +533,12 @@ fn run_table(s: &Shared, job: &Job, bounce: &mut [u8]) -> (u32, Option<i32>) {
         let mut out = [0u8; 12];
         out[0..4].copy_from_slice(&st.to_le_bytes());
         out[4..12].copy_from_slice(&sum.to_le_bytes());
-        if let Err(e) = dma.dma_write(Iova(at + 20), &out) {
+        if let Err(e) = s.port.dma_write(Iova(at + 20), &out) {
             log::info!("mvdma: descriptor {i} at iova {at:#x}: status not writable: {e}");
             return (done, Some(first_err.unwrap_or(e.errno())));
         }
     }
     (done, first_err)
-}
-
-/// Checks `[iova, iova + len)` is mapped for `access`, whole.
-fn check_mapped(dma: &DmaSpace, iova: u64, len: u64, access: Access) -> memvisor::Result<()> {
-    let mut at = iova;
-    let end = iova.checked_add(len).ok_or(memvisor::Error::RangeWraps {
-        what: "mvdma descriptor",
-        start: iova,
-        len,
-    })?;
-    while at < end {
-        let t = dma.translate(Iova(at), end - at, access)?;
-        at += t.len.max(1);
-    }
-    Ok(())
 }
 
 fn run_one(s: &Shared, pin: bool, src: u64, dst: u64, len: u32, bounce: &mut [u8]) -> Result<u64> {
@@ -559,8 +549,8 @@ fn run_one(s: &Shared, pin: bool, src: u64, dst: u64, len: u32, bounce: &mut [u8
     }
     let dma = s.port.dma();
     let len = len as u64;
-    check_mapped(dma, src, len, Access::Read)?;
-    check_mapped(dma, dst, len, Access::Write)?;
+    dma.check_access(Iova(src), len, Access::Read)?;
+    dma.check_access(Iova(dst), len, Access::Write)?;
     {
         let mut st = lock(&s.stats);
         if pin {
@@ -571,19 +561,31 @@ fn run_one(s: &Shared, pin: bool, src: u64, dst: u64, len: u32, bounce: &mut [u8
     }
     let mut sum = FNV_START;
     let mut off = 0u64;
+    let mut pin = pin;
     while off < len {
         if pin {
             // At most 512 pages of each side per piece.
             let room = |a: u64| PIN_PAGES_MAX as u64 * PAGE - (a % PAGE);
             let n = (len - off).min(room(src + off)).min(room(dst + off));
-            sum = copy_pinned(s, src + off, dst + off, n, sum, bounce)?;
+            match copy_pinned(s, src + off, dst + off, n, sum, bounce) {
+                Ok(next) => sum = next,
+                Err(Error::Memory(memvisor::Error::Remote { .. })) => {
+                    // Memory the client mapped without a descriptor cannot be pinned (there
+                    // is no host address): carry on copying through the client, as a
+                    // libvfio-user device falls back from vfu_sgl_get to vfu_sgl_read.
+                    lock(&s.stats).pin_fallbacks += 1;
+                    pin = false;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
             off += n;
         } else {
             let n = (len - off).min(bounce.len() as u64) as usize;
             let buf = &mut bounce[..n];
-            dma.dma_read(Iova(src + off), buf)?;
+            s.port.dma_read(Iova(src + off), buf)?;
             sum = fnv1a(sum, buf);
-            dma.dma_write(Iova(dst + off), buf)?;
+            s.port.dma_write(Iova(dst + off), buf)?;
             off += n as u64;
         }
     }

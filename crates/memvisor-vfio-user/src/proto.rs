@@ -433,13 +433,47 @@ pub const WRITE_MULTI_ONE: usize = 24;
 /// Most writes in one `REGION_WRITE_MULTI` (QEMU's `VFIO_USER_MULTI_MAX`).
 pub const WRITE_MULTI_MAX: u64 = 200;
 
-/// `DMA_READ` / `DMA_WRITE` (server to client, for memory mapped without a descriptor):
-/// `offset: u64` (the IOVA), `count: u32`, then data.
-pub fn dma_rw_body(iova: u64, count: u32) -> [u8; 12] {
-    let mut b = [0u8; 12];
+/// The fixed part of a `DMA_READ` / `DMA_WRITE` body (server to client, for memory mapped
+/// without a descriptor): `offset: u64` (the IOVA), `count: u64`, then the data (in the write
+/// request and in the read reply). This is the specification's layout and the one QEMU 11.1's
+/// client reads, as the real-guest trial shows: early versions of QEMU's client patches had a
+/// `u32` count with the data at 12, which QEMU 11.1 answers with E2BIG.
+pub const DMA_RW: usize = 16;
+
+/// A `DMA_READ` request body: read `count` bytes at `iova`.
+pub fn dma_read_request(iova: u64, count: u64) -> [u8; DMA_RW] {
+    let mut b = [0u8; DMA_RW];
     b[0..8].copy_from_slice(&iova.to_le_bytes());
-    b[8..12].copy_from_slice(&count.to_le_bytes());
+    b[8..16].copy_from_slice(&count.to_le_bytes());
     b
+}
+
+/// A `DMA_WRITE` request body: write `data` at `iova`.
+pub fn dma_write_request(iova: u64, data: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(DMA_RW + data.len());
+    b.extend_from_slice(&dma_read_request(iova, data.len() as u64));
+    b.extend_from_slice(data);
+    b
+}
+
+/// The data of a `DMA_READ` reply to a request for `count` bytes at `iova`. EINVAL if the body
+/// is too short for `count` bytes or names another range (a client that answers something it
+/// was not asked).
+pub fn dma_read_reply(body: &[u8], iova: u64, count: usize) -> Result<&[u8]> {
+    if body.len() < DMA_RW + count {
+        return Err(Error::BadSize {
+            command: "DMA_READ reply",
+            got: body.len(),
+            want: DMA_RW + count,
+        });
+    }
+    let (at, n) = (u64_at(body, 0), u64_at(body, 8));
+    if at != iova || n != count as u64 {
+        return Err(Error::Invalid(format!(
+            "DMA_READ reply for {n} bytes at {at:#x}, asked {count} bytes at {iova:#x}"
+        )));
+    }
+    Ok(&body[DMA_RW..DMA_RW + count])
 }
 
 #[cfg(test)]
@@ -559,5 +593,25 @@ mod tests {
         assert_eq!(Version::parse(&v.to_bytes()).unwrap(), v);
         assert!(Version::parse(&[0, 0, 0xff, 0xfe, 0]).is_ok());
         assert!(Version::parse(&[0, 0, 0, 0, 0xff, 0xfe]).is_err());
+    }
+
+    #[test]
+    fn dma_rw_bodies_have_the_specs_layout() {
+        let r = dma_read_request(0x1234_5000, 77);
+        assert_eq!((u64_at(&r, 0), u64_at(&r, 8)), (0x1234_5000, 77));
+        let w = dma_write_request(0x2000, &[1, 2, 3]);
+        assert_eq!(w.len(), DMA_RW + 3);
+        assert_eq!((u64_at(&w, 0), u64_at(&w, 8)), (0x2000, 3));
+        assert_eq!(&w[16..], &[1, 2, 3]);
+        let mut reply = dma_read_request(0x2000, 3).to_vec();
+        reply.extend_from_slice(&[9, 8, 7]);
+        assert_eq!(dma_read_reply(&reply, 0x2000, 3).unwrap(), &[9, 8, 7]);
+        let e = dma_read_reply(&reply, 0x3000, 3).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+        assert!(e.to_string().contains("0x3000"), "{e}");
+        assert_eq!(
+            dma_read_reply(&reply[..18], 0x2000, 3).unwrap_err().errno(),
+            libc::EINVAL
+        );
     }
 }

@@ -15,9 +15,13 @@
 //! * An unmap that cuts a mapping is EINVAL and changes nothing; so is `UNMAP_ALL` with a
 //!   non-zero range. Pins the device holds in an unmapped range are asked back first (the
 //!   device's unmap notifier); if they stay, EBUSY.
-//! * A map without a descriptor (memory QEMU cannot share, such as ROM) is refused with
-//!   ENOTSUP: this server reaches memory only through a descriptor. (The protocol's answer is
-//!   `DMA_READ` / `DMA_WRITE` messages to the client; see the README's "Not done yet".)
+//! * A map without a descriptor (memory QEMU does not share: ROM, or guest RAM that is not a
+//!   shared memory backend) becomes a peer-memory mapping ([`DmaSpace::map_remote`]): the
+//!   table checks it like any other, and the device's copies through [`Port::dma_read`] /
+//!   [`Port::dma_write`] reach it with `DMA_READ` / `DMA_WRITE` requests to the client, at most
+//!   `max_data_xfer_size` bytes each. Pinning it fails with EFAULT, as in libvfio-user.
+//!   Those requests go out from the device's own thread and their replies come back through
+//!   this loop, which therefore never waits for the device.
 //!
 //! Everything the client sends is untrusted: a request that is refused gets an error reply
 //! with its errno and leaves the server as it was; only a message that cannot be framed ends
@@ -26,9 +30,9 @@
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use memvisor::dma::PinRegistry;
 use memvisor::{DmaConfig, DmaSpace, Iova, Prot, SharedMappings};
@@ -78,6 +82,10 @@ pub trait Device: Send {
     fn stats(&self) -> serde_json::Value;
 }
 
+/// How long a `DMA_READ` / `DMA_WRITE` waits for the client's reply (QEMU's own default
+/// message timeout, `x-msg-timeout`).
+const PEER_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// What a device reaches the outside through: the DMA table and the interrupts.
 #[derive(Debug)]
 pub struct Port {
@@ -85,6 +93,19 @@ pub struct Port {
     registry: Arc<PinRegistry>,
     irqs: Mutex<Vec<Vec<Option<OwnedFd>>>>,
     signalled: AtomicU64,
+    conn: Arc<Conn>,
+    /// Most bytes per `DMA_READ` / `DMA_WRITE`: ours, or the client's if smaller.
+    max_xfer: AtomicUsize,
+    peer: PeerCounts,
+}
+
+/// `DMA_READ` / `DMA_WRITE` traffic.
+#[derive(Debug, Default)]
+struct PeerCounts {
+    reads: AtomicU64,
+    writes: AtomicU64,
+    bytes: AtomicU64,
+    errors: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -95,6 +116,68 @@ impl Port {
     /// The device's DMA space: every IOVA the client mapped, with type1's rules.
     pub fn dma(&self) -> &Arc<DmaSpace> {
         &self.dma
+    }
+
+    /// Copies guest memory at `iova` into `buf` through the DMA table: from mapped files
+    /// directly, from memory the client mapped without a descriptor with `DMA_READ` requests.
+    /// Errors as [`DmaSpace::dma_read`] (checked whole first), or the client's errno.
+    pub fn dma_read(&self, iova: Iova, buf: &mut [u8]) -> Result<()> {
+        self.dma
+            .dma_read_via(iova, buf, |at, part: &mut [u8]| self.peer_read(at, part))
+    }
+
+    /// Copies `data` to guest memory at `iova` through the DMA table, as [`Port::dma_read`]
+    /// (`DMA_WRITE` for memory mapped without a descriptor); marks written pages dirty.
+    pub fn dma_write(&self, iova: Iova, data: &[u8]) -> Result<()> {
+        self.dma
+            .dma_write_via(iova, data, |at, part: &[u8]| self.peer_write(at, part))
+    }
+
+    fn peer_read(&self, iova: Iova, buf: &mut [u8]) -> Result<()> {
+        let max = self.max_xfer.load(Ordering::Relaxed);
+        let mut at = iova.0;
+        for chunk in buf.chunks_mut(max) {
+            let body = proto::dma_read_request(at, chunk.len() as u64);
+            let r = self
+                .conn
+                .request(cmd::DMA_READ, &[&body], PEER_TIMEOUT)
+                .and_then(|m| {
+                    chunk.copy_from_slice(proto::dma_read_reply(&m.body, at, chunk.len())?);
+                    Ok(())
+                });
+            self.count_peer(&self.peer.reads, chunk.len(), &r);
+            r?;
+            at += chunk.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn peer_write(&self, iova: Iova, data: &[u8]) -> Result<()> {
+        let max = self.max_xfer.load(Ordering::Relaxed);
+        let mut at = iova.0;
+        for chunk in data.chunks(max) {
+            let body = proto::dma_write_request(at, chunk);
+            let r = self
+                .conn
+                .request(cmd::DMA_WRITE, &[&body], PEER_TIMEOUT)
+                .map(|_| ());
+            self.count_peer(&self.peer.writes, chunk.len(), &r);
+            r?;
+            at += chunk.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn count_peer(&self, kind: &AtomicU64, bytes: usize, r: &Result<()>) {
+        match r {
+            Ok(()) => {
+                kind.fetch_add(1, Ordering::Relaxed);
+                self.peer.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+            }
+            Err(_) => {
+                self.peer.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Signals vector `vector` of interrupt index `index` (writes its eventfd); false if the
@@ -137,6 +220,14 @@ pub struct ServerStats {
     pub dma_unmap_errors: u64,
     /// Most mappings at once.
     pub peak_mappings: u64,
+    /// `DMA_MAP`s without a descriptor: memory reached with `DMA_READ` / `DMA_WRITE`.
+    pub dma_maps_remote: u64,
+    /// `DMA_READ` / `DMA_WRITE` requests the device's copies sent, their data bytes, and those
+    /// that failed (client error or no reply).
+    pub peer_reads: u64,
+    pub peer_writes: u64,
+    pub peer_bytes: u64,
+    pub peer_errors: u64,
     /// Mappings when the connection ended (before the server dropped them).
     pub mappings_at_end: u64,
     /// Nanoseconds spent in `DMA_MAP` / `DMA_UNMAP` handling, from parse to table change.
@@ -179,15 +270,19 @@ impl<D: Device> Server<D> {
     ) -> Result<Server<D>> {
         let registry = config.registry.clone().unwrap_or_else(PinRegistry::global);
         let dma = Arc::new(DmaSpace::new(config)?);
+        let conn = Arc::new(Conn::new(sock));
         let port = Arc::new(Port {
             dma,
             registry,
             irqs: Mutex::new(Vec::new()),
             signalled: AtomicU64::new(0),
+            conn: conn.clone(),
+            max_xfer: AtomicUsize::new(MAX_DATA_XFER),
+            peer: PeerCounts::default(),
         });
         let device = make(port.clone());
         Ok(Server {
-            conn: Arc::new(Conn::new(sock)),
+            conn,
             port,
             device,
             stats: ServerStats::default(),
@@ -232,6 +327,11 @@ impl<D: Device> Server<D> {
         }
         self.stats.locked_bytes_at_end = self.port.registry.locked_bytes();
         self.stats.irqs_signalled = self.port.signalled.load(Ordering::Relaxed);
+        let peer = &self.port.peer;
+        self.stats.peer_reads = peer.reads.load(Ordering::Relaxed);
+        self.stats.peer_writes = peer.writes.load(Ordering::Relaxed);
+        self.stats.peer_bytes = peer.bytes.load(Ordering::Relaxed);
+        self.stats.peer_errors = peer.errors.load(Ordering::Relaxed);
         self.stats.device = self.device.stats();
         if let Some(r) = self.record.as_mut() {
             let _ = r.flush();
@@ -338,12 +438,25 @@ impl<D: Device> Server<D> {
             });
         }
         if !v.json.is_empty() {
-            serde_json::from_str::<serde_json::Value>(&v.json).map_err(|e| {
+            let caps = serde_json::from_str::<serde_json::Value>(&v.json).map_err(|e| {
                 Error::Invalid(format!(
                     "VERSION: capabilities are not JSON ({e}): {}",
                     v.json
                 ))
             })?;
+            // The client's limit on what it receives, if it says one.
+            if let Some(max) = caps["capabilities"]["max_data_xfer_size"].as_u64() {
+                if max == 0 {
+                    return Err(Error::Invalid(
+                        "VERSION: max_data_xfer_size 0; DMA_READ/DMA_WRITE need at least 1 byte"
+                            .into(),
+                    ));
+                }
+                let ours = MAX_DATA_XFER as u64;
+                self.port
+                    .max_xfer
+                    .store(max.min(ours) as usize, Ordering::Relaxed);
+            }
         }
         self.versioned = true;
         let info = self.port.dma.info();
@@ -403,18 +516,19 @@ impl<D: Device> Server<D> {
         if map.flags & map_flags::WRITE != 0 {
             prot = prot | Prot::WRITE;
         }
+        let p = match (prot.contains(Prot::READ), prot.contains(Prot::WRITE)) {
+            (true, true) => "rw",
+            (true, false) => "r",
+            _ => "w",
+        };
         let fd = match m.fds.len() {
             1 => m.fds.pop().expect("one fd"),
             0 => {
-                return Err(Error::Refused {
-                    errno: libc::ENOTSUP,
-                    why: format!(
-                        "DMA_MAP at iova {:#x} size {:#x} without a file descriptor: this \
-                         server reaches guest memory only through one (share the memory: \
-                         memory-backend-memfd,share=on)",
-                        map.iova, map.size
-                    ),
-                });
+                self.drop_zombies(map.iova, map.size);
+                self.port.dma.map_remote(Iova(map.iova), map.size, prot)?;
+                self.stats.dma_maps_remote += 1;
+                self.record(format_args!("R {:#x} {:#x} {p}", map.iova, map.size));
+                return Ok(Vec::new());
             }
             n => {
                 return Err(Error::Invalid(format!(
@@ -423,32 +537,32 @@ impl<D: Device> Server<D> {
                 )));
             }
         };
-        if let Some(z) = self.zombies.as_mut() {
-            let end = map.iova.saturating_add(map.size);
-            for &(i, n) in z
-                .iter()
-                .filter(|&&(i, n)| i < end && map.iova < i.saturating_add(n))
-            {
-                let _ = self.port.dma.unmap(Iova(i), n);
-            }
-            z.retain(|&(i, n)| !(i < end && map.iova < i.saturating_add(n)));
-        }
+        self.drop_zombies(map.iova, map.size);
         // Type1's checks on the IOVA range come first (size 0, alignment, overlap) in
         // map_backing; the file range is checked where it is mapped.
         let (backing, offset) = SharedMappings::global().map_within(fd, map.offset, map.size)?;
         self.port
             .dma
             .map_backing(Iova(map.iova), &backing, offset, map.size, prot)?;
-        let p = match (prot.contains(Prot::READ), prot.contains(Prot::WRITE)) {
-            (true, true) => "rw",
-            (true, false) => "r",
-            _ => "w",
-        };
         self.record(format_args!(
             "M {:#x} {:#x} {:#x} {p}",
             map.iova, map.size, map.offset
         ));
         Ok(Vec::new())
+    }
+
+    /// TEST ONLY (`test_ignore_unmap`): really unmaps the "unmapped" ranges a new map of
+    /// `[iova, iova + size)` needs.
+    fn drop_zombies(&mut self, iova: u64, size: u64) {
+        let Some(z) = self.zombies.as_mut() else {
+            return;
+        };
+        let end = iova.saturating_add(size);
+        let hit = |&(i, n): &(u64, u64)| i < end && iova < i.saturating_add(n);
+        for &(i, n) in z.iter().filter(|e| hit(e)) {
+            let _ = self.port.dma.unmap(Iova(i), n);
+        }
+        z.retain(|e| !hit(e));
     }
 
     fn dma_unmap(&mut self, body: &[u8]) -> Result<Reply> {

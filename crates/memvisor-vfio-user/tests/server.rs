@@ -353,17 +353,17 @@ fn bad_requests_get_their_errno_and_the_stream_stays_in_step() {
         c.call(cmd::DMA_MAP, &[0u8; 20], &[mem.as_raw_fd()]).0,
         libc::EINVAL as u32
     );
-    // No descriptor: this server reaches memory only through one.
+    // No descriptor and no access: type1 wants READ or WRITE.
     let m = DmaMap {
         argsz: 32,
-        flags: 1,
+        flags: 0,
         offset: 0,
         iova: 0x1000,
         size: 0x1000,
     };
     assert_eq!(
         c.call(cmd::DMA_MAP, &m.to_bytes(), &[]).0,
-        libc::ENOTSUP as u32
+        libc::EINVAL as u32
     );
     // Type1's rules: misaligned, zero, past the file's end, overlap.
     assert_eq!(c.map(&mem, 0, 0x1001, 0x1000), libc::EINVAL as u32);
@@ -465,4 +465,241 @@ fn thousands_of_page_maps_share_one_file_mapping() {
     let (stats, end) = t.join().unwrap();
     end.unwrap();
     assert_eq!(stats.peak_mappings, 4096);
+}
+
+/// The client's own memory, mapped without a descriptor: the test plays QEMU and answers the
+/// server's `DMA_READ` / `DMA_WRITE` requests from it, as QEMU's `vfio_user_dma_read/write` do.
+struct PeerMemory {
+    base: u64,
+    bytes: Vec<u8>,
+    /// Answer every request with this errno instead.
+    fail: Option<u32>,
+    reads: u64,
+    writes: u64,
+    largest: usize,
+}
+
+impl PeerMemory {
+    /// Rings the doorbell and serves the device's requests until it raises its MSI. The
+    /// device may send its first request before the server answers the doorbell, so that
+    /// reply is taken here too (QEMU's proxy sorts replies from requests the same way).
+    fn run(&mut self, c: &mut Client, irq: &OwnedFd) {
+        let mut b = proto::RegionAccess {
+            offset: reg::DOORBELL,
+            region: 0,
+            count: 4,
+        }
+        .to_bytes()
+        .to_vec();
+        b.extend_from_slice(&1u32.to_le_bytes());
+        c.send(cmd::REGION_WRITE, &b, &[]);
+        let mut answered = false;
+        loop {
+            let mut p = [
+                libc::pollfd {
+                    fd: irq.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: c.sock.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: polls two live pollfds.
+            assert!(
+                unsafe { libc::poll(p.as_mut_ptr(), 2, 10_000) } > 0,
+                "stuck"
+            );
+            if p[1].revents & libc::POLLIN != 0 {
+                answered |= self.answer(c);
+                continue;
+            }
+            if p[0].revents & libc::POLLIN != 0 && answered {
+                wait_irq(irq);
+                return;
+            }
+        }
+    }
+
+    /// Answers one request from the device; true if the message was instead the reply to
+    /// the doorbell.
+    fn answer(&mut self, c: &mut Client) -> bool {
+        let mut h = [0u8; HEADER];
+        (&c.sock).read_exact(&mut h).unwrap();
+        let h = Header::parse(&h);
+        let mut body = vec![0u8; h.size as usize - HEADER];
+        (&c.sock).read_exact(&mut body).unwrap();
+        if h.is_reply() {
+            assert_eq!((h.id, h.flags & flags::ERROR), (c.id, 0), "doorbell reply");
+            return true;
+        }
+        // QEMU refuses a body under 16 bytes (sizeof(VFIOUserDMARW) - header).
+        assert!(body.len() >= proto::DMA_RW, "{} bytes", body.len());
+        let (iova, count) = (proto::u64_at(&body, 0), proto::u64_at(&body, 8) as usize);
+        self.largest = self.largest.max(count);
+        let at = (iova - self.base) as usize;
+        let mut reply = Header {
+            id: h.id,
+            command: h.command,
+            size: 0,
+            flags: flags::REPLY,
+            error: 0,
+        };
+        let mut out = Vec::new();
+        if let Some(errno) = self.fail {
+            reply.flags |= flags::ERROR;
+            reply.error = errno;
+        } else if h.command == cmd::DMA_READ {
+            assert_eq!(body.len(), proto::DMA_RW);
+            out = body.clone();
+            out.extend_from_slice(&self.bytes[at..at + count]);
+            self.reads += 1;
+        } else {
+            assert_eq!(h.command, cmd::DMA_WRITE);
+            // QEMU answers E2BIG unless count <= size - sizeof(VFIOUserDMARW).
+            assert_eq!(body.len(), proto::DMA_RW + count);
+            self.bytes[at..at + count].copy_from_slice(&body[proto::DMA_RW..]);
+            self.writes += 1;
+        }
+        reply.size = (HEADER + out.len()) as u32;
+        let mut b = reply.to_bytes().to_vec();
+        b.extend_from_slice(&out);
+        memvisor_unix::send_with_fds(&c.sock, &b, &[]).unwrap();
+        false
+    }
+}
+
+/// Memory QEMU does not share arrives as maps without a descriptor; the device's copies reach
+/// it with DMA_READ / DMA_WRITE in pieces of the client's max_data_xfer_size, across the
+/// boundary with memory it has mapped, in both modes (pin mode falls back to copying: there is
+/// nothing to pin), and every rule of the table still applies before a message is sent.
+#[test]
+fn maps_without_a_descriptor_are_served_through_the_client() {
+    let (mut c, t) = start();
+    let v = proto::Version {
+        major: 0,
+        minor: 0,
+        json: r#"{"capabilities":{"max_msg_fds":16,"max_data_xfer_size":4096}}"#.into(),
+    };
+    c.ok(cmd::VERSION, &v.to_bytes(), &[]);
+    let irq = msi(&mut c);
+    let mem = memfd(8 << 20);
+    assert_eq!(c.map(&mem, 0, 0, 8 << 20), 0);
+    // [8 MiB, 12 MiB): the client's, read-write; [12 MiB, 12 MiB + 4 KiB): the client's, read-only.
+    let remote = |c: &mut Client, iova: u64, size: u64, fl: u32| {
+        let m = DmaMap {
+            argsz: 32,
+            flags: fl,
+            offset: 0,
+            iova,
+            size,
+        };
+        c.call(cmd::DMA_MAP, &m.to_bytes(), &[]).0
+    };
+    const R: u64 = 8 << 20;
+    assert_eq!(remote(&mut c, R, 4 << 20, 3), 0);
+    assert_eq!(remote(&mut c, R + (4 << 20), 4096, 1), 0);
+    assert_eq!(remote(&mut c, R, 4096, 3), libc::EEXIST as u32, "overlap");
+    let mut peer = PeerMemory {
+        base: R,
+        bytes: (0..(4 << 20) + 4096).map(|k| (k % 251) as u8).collect(),
+        fail: None,
+        reads: 0,
+        writes: 0,
+        largest: 0,
+    };
+    for mode in [0u32, 1] {
+        let o = mode as u64 * (1 << 20);
+        let cases = [
+            (SRC + o + 5, R + o + (1 << 19) + 3, 70_000u32), // local -> peer
+            (R + o + (2 << 20) + 9, DST + o + 1, 10_000),    // peer -> local
+            (R - 4096, R + (3 << 20) + o / 2 - 100, 3 * 4096), // local+peer -> peer
+        ];
+        for (i, &(s, _, len)) in cases.iter().enumerate() {
+            if s < R {
+                let data: Vec<u8> = (0..len).map(|k| (k as u8) ^ (i as u8 * 77)).collect();
+                pwrite(&mem, s, &data);
+            }
+        }
+        for (i, &(s, d, len)) in cases.iter().enumerate() {
+            put_desc(&mem, i as u64, s, d, len);
+        }
+        c.region_write(0, reg::DESC, &DESC.to_le_bytes());
+        c.region_write(0, reg::COUNT, &3u32.to_le_bytes());
+        c.region_write(0, reg::MODE, &mode.to_le_bytes());
+        // What each source holds now, before the device moves anything.
+        let src: Vec<Vec<u8>> = cases
+            .iter()
+            .map(|&(s, _, len)| {
+                (s..s + len as u64)
+                    .map(|a| match a < R {
+                        true => pread(&mem, a, 1)[0],
+                        false => peer.bytes[(a - R) as usize],
+                    })
+                    .collect()
+            })
+            .collect();
+        peer.run(&mut c, &irq);
+        assert_eq!(c.reg32(reg::STATUS), status::DONE, "mode {mode}");
+        for (i, &(_, d, len)) in cases.iter().enumerate() {
+            let got: Vec<u8> = match d < R {
+                true => pread(&mem, d, len as usize),
+                false => peer.bytes[(d - R) as usize..(d - R) as usize + len as usize].to_vec(),
+            };
+            assert!(
+                got == src[i],
+                "mode {mode} descriptor {i}: destination differs"
+            );
+            let st = pread(&mem, DESC + 32 * i as u64 + 20, 12);
+            assert_eq!(proto::u32_at(&st, 0), 0, "mode {mode} descriptor {i}");
+            assert_eq!(proto::u64_at(&st, 4), fnv1a(dmadev::FNV_START, &src[i]));
+        }
+    }
+    assert_eq!(
+        peer.largest, 4096,
+        "pieces of the client's max_data_xfer_size"
+    );
+    let (reads, writes) = (peer.reads, peer.writes);
+    assert!(reads > 0 && writes > 0);
+
+    // The table's rules come before any message: a write into the read-only page, and a
+    // source running past the client's memory, fail with no request sent.
+    put_desc(&mem, 0, SRC, R + (4 << 20), 16);
+    put_desc(&mem, 1, R + (4 << 20), DST, 8192);
+    c.region_write(0, reg::COUNT, &2u32.to_le_bytes());
+    c.region_write(0, reg::MODE, &0u32.to_le_bytes());
+    let before = (peer.reads, peer.writes);
+    peer.run(&mut c, &irq);
+    assert_eq!(c.reg32(reg::STATUS), status::FAILED);
+    assert_eq!(
+        (peer.reads, peer.writes),
+        before,
+        "no request for refused descriptors"
+    );
+    let st = |i: u64| proto::u32_at(&pread(&mem, DESC + 32 * i + 20, 4), 0);
+    assert_eq!((st(0), st(1)), (libc::EPERM as u32, libc::EFAULT as u32));
+    // The client's errno becomes the descriptor's status.
+    peer.fail = Some(libc::ENODEV as u32);
+    put_desc(&mem, 0, R, DST, 16);
+    c.region_write(0, reg::COUNT, &1u32.to_le_bytes());
+    peer.run(&mut c, &irq);
+    assert_eq!(c.reg32(reg::STATUS), status::FAILED);
+    assert_eq!(st(0), libc::ENODEV as u32);
+    peer.fail = None;
+    // Unmapped like any other mapping, whole only.
+    assert_eq!(c.unmap(R, 4096, 0).0, libc::EINVAL as u32, "cuts a mapping");
+    assert_eq!(c.unmap(R, 4 << 20, 0), (0, 4 << 20));
+
+    drop(c);
+    let (stats, end) = t.join().unwrap();
+    end.unwrap();
+    assert_eq!(stats.dma_maps_remote, 2);
+    assert_eq!(stats.peer_reads, reads);
+    assert_eq!(stats.peer_writes, writes);
+    assert_eq!(stats.peer_errors, 1);
+    assert!(stats.device["pin_fallbacks"].as_u64().unwrap() >= 3);
+    assert_eq!(stats.pinned_pages_at_end, 0);
+    assert_eq!(stats.locked_bytes_at_end, 0);
 }

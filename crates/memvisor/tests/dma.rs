@@ -697,6 +697,18 @@ fn remote_mappings_follow_type1_and_reach_memory_only_through_the_peer() {
     assert_eq!(errno(d.dma_write(Iova(3 * PAGE), &buf)), libc::EFAULT);
     assert_eq!(d.device_pinned_pages(), 0);
 
+    // A device can check a whole request over both kinds before it moves a byte.
+    d.check_access(Iova(3 * PAGE), 6 * PAGE, Access::Read)
+        .unwrap();
+    assert_eq!(
+        errno(d.check_access(Iova(3 * PAGE), 6 * PAGE, Access::Write)),
+        libc::EPERM
+    );
+    assert_eq!(
+        errno(d.check_access(Iova(8 * PAGE), PAGE + 1, Access::Read)),
+        libc::EFAULT
+    );
+
     // Through the peer: host pieces copied here, the peer's handed over with their IOVAs.
     let peer = RefCell::new(vec![0x55u8; 5 * PAGE as usize]); // the peer's memory at 4 pages
     let calls = RefCell::new(Vec::new());

@@ -84,6 +84,35 @@ impl DmaSnapshot {
         if len == 0 {
             return Ok(());
         }
+        let (first, end) = self.check_span(iova, len, need, usable)?;
+        let mut addr = iova;
+        let mut pos = Some(first);
+        while let Some(p) = pos.filter(|_| addr <= end) {
+            let (_, last, hot, m) = self.map.get(p);
+            let n = end.min(last) - addr + 1;
+            let hva = match hot.valid() {
+                true => Some(addr.wrapping_add(hot.delta())),
+                false => None,
+            };
+            piece(addr, hva, n);
+            // After the copy: a dirty read racing us then reports the page now or next time,
+            // never before the bytes landed.
+            if need.contains(Prot::WRITE) && hot.dirty() {
+                mark_dirty(m, addr, n, min_page);
+            }
+            addr = addr.wrapping_add(n);
+            pos = self.map.next(p);
+        }
+        Ok(())
+    }
+}
+
+impl DmaSnapshot {
+    /// Checks that `[iova, iova + len)` (`len` > 0) is all mapped, contiguously, for `need`, with
+    /// memory of a kind in `usable`; returns the position of the first mapping and the last
+    /// byte.
+    #[inline]
+    fn check_span(&self, iova: u64, len: u64, need: Prot, usable: u64) -> Result<(Pos, u64)> {
         let end = iova.checked_add(len - 1).ok_or(Error::RangeWraps {
             what: "dma access",
             start: iova,
@@ -111,25 +140,7 @@ impl DmaSnapshot {
             };
             Found { pos, last, .. } = self.check(next, last + 1, need, usable)?;
         }
-        let mut addr = iova;
-        let mut pos = Some(first);
-        while let Some(p) = pos.filter(|_| addr <= end) {
-            let (_, last, hot, m) = self.map.get(p);
-            let n = end.min(last) - addr + 1;
-            let hva = match hot.valid() {
-                true => Some(addr.wrapping_add(hot.delta())),
-                false => None,
-            };
-            piece(addr, hva, n);
-            // After the copy: a dirty read racing us then reports the page now or next time,
-            // never before the bytes landed.
-            if need.contains(Prot::WRITE) && hot.dirty() {
-                mark_dirty(m, addr, n, min_page);
-            }
-            addr = addr.wrapping_add(n);
-            pos = self.map.next(p);
-        }
-        Ok(())
+        Ok((first, end))
     }
 }
 
@@ -255,6 +266,22 @@ impl DmaSpace {
                 hva: Hva(iova.0.wrapping_add(found.hot.delta())),
                 len: n,
             })
+        })
+    }
+
+    /// Checks that a device may do `access` on every byte of `[iova, iova + len)`, host memory
+    /// or a peer's ([`DmaSpace::map_remote`]): mapped contiguously and allowed. Errors as
+    /// [`DmaSpace::translate`]; marks nothing dirty. A device that must refuse a whole request
+    /// before it moves a byte checks with this first.
+    pub fn check_access(&self, iova: Iova, len: u64, access: Access) -> Result<()> {
+        if len == 0 {
+            return Err(Error::ZeroSize {
+                what: "access check",
+            });
+        }
+        self.with_snapshot(|snap| {
+            snap.check_span(iova.0, len, access.prot(), Hot::VALID | Hot::REMOTE)
+                .map(|_| ())
         })
     }
 
