@@ -28,7 +28,10 @@
 //! clipped to what is left of the call; the runs are placed at random, never touching each
 //! other, in 256 MiB of populated 4 KiB memory. The replay keeps a queue of [`QUEUE`] outstanding calls, like a
 //! device with queued I/O: call `i` is pinned, then call `i - QUEUE` unpinned. The generated
-//! npage and run-length distributions are printed next to the seed's.
+//! npage and run-length distributions are printed next to the seed's. A third workload replays
+//! the npage histogram of memvisor's own vfio-user device (`mvdma`) in pin mode under a real
+//! Linux guest (`guest/trial.sh vfio-user`): from this machine's last trial if there is one,
+//! else the recording shipped in `data/mvdma-npage.txt`; there every call is one run.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -111,20 +114,22 @@ impl Memory {
     }
 }
 
-/// A histogram as the seed prints it: `(first, end (exclusive), count)` per bucket.
-type Buckets = [(u64, u64, u64); 4];
+/// One bucket of a histogram: `(first, end (exclusive), count)`.
+type Bucket = (u64, u64, u64);
+/// A histogram.
+type Buckets = [Bucket];
 
 /// `@npage` BASE, vfio-ccw guest boot.
-const BOOT_NPAGE: Buckets = [(1, 2, 29484), (2, 4, 3298), (4, 8, 1011), (8, 16, 2600)];
+const BOOT_NPAGE: &Buckets = &[(1, 2, 29484), (2, 4, 3298), (4, 8, 1011), (8, 16, 2600)];
 /// `@npage` BASE, fio.
-const FIO_NPAGE: Buckets = [
+const FIO_NPAGE: &Buckets = &[
     (1, 2, 8_457_107),
     (2, 4, 2_066_957),
     (4, 8, 359_989),
     (8, 16, 1_440_006),
 ];
 /// `vfio_iommu_type1_pin_contiguous_pages npage` (one guest boot plus an fio run).
-const SEED_RUNS: Buckets = [
+const SEED_RUNS: &Buckets = &[
     (1, 2, 16_384_925),
     (2, 4, 1_327_548),
     (4, 8, 727_564),
@@ -136,7 +141,7 @@ const SEED_SINGLE_CALLS: u64 = 9_890_332;
 /// The same trace's total of `vfio_iommu_type1_pin_pages` calls.
 const SEED_CALLS: u64 = 14_408_024;
 /// The runs inside multi-page calls: [`SEED_RUNS`] minus the single-page calls' runs.
-const MULTI_RUNS: Buckets = [
+const MULTI_RUNS: &Buckets = &[
     (1, 2, SEED_RUNS[0].2 - SEED_SINGLE_CALLS),
     SEED_RUNS[1],
     SEED_RUNS[2],
@@ -174,11 +179,11 @@ impl Rng {
 }
 
 /// `calls` pin_pages calls over `pages` pages of IOVA: npage drawn from `npage`, the lengths
-/// of a call's runs from `runs` (clipped to what is left of the call); see the module
-/// documentation.
+/// of a call's runs from `runs` (clipped to what is left of the call), or one run per call for
+/// `None`; see the module documentation.
 fn replay_calls(
     npage: &Buckets,
-    runs: &Buckets,
+    runs: Option<&Buckets>,
     calls: usize,
     pages: u64,
     seed: u64,
@@ -190,7 +195,7 @@ fn replay_calls(
             let mut placed: Vec<(u64, u64)> = Vec::new();
             let mut left = n;
             while left > 0 {
-                let len = rng.draw(runs).min(left);
+                let len = runs.map_or(left, |r| rng.draw(r).min(left));
                 let start = loop {
                     let s = rng.below(pages - len);
                     // Runs of one call neither overlap nor touch, so they stay separate runs.
@@ -229,22 +234,81 @@ fn run_lengths(pages: &[u64]) -> Vec<u64> {
     out
 }
 
-/// Shares (in %) of `values` in the buckets of `hist`.
-fn shares(hist: &Buckets, values: impl Iterator<Item = u64>) -> [f64; 4] {
-    let mut counts = [0u64; 4];
+/// The columns distributions are compared in: the seed's buckets, and all above them.
+const DIST: [(u64, u64); 5] = [(1, 2), (2, 4), (4, 8), (8, 16), (16, 513)];
+
+/// Shares (in %) of `values` in the [`DIST`] buckets.
+fn shares(values: impl Iterator<Item = u64>) -> [f64; 5] {
+    let mut counts = [0u64; 5];
     let mut total = 0u64;
     for v in values {
         total += 1;
-        if let Some(i) = hist.iter().position(|&(f, e, _)| (f..e).contains(&v)) {
+        if let Some(i) = DIST.iter().position(|&(f, e)| (f..e).contains(&v)) {
             counts[i] += 1;
         }
     }
     counts.map(|c| 100.0 * c as f64 / total.max(1) as f64)
 }
 
-fn seed_shares(hist: &Buckets) -> [f64; 4] {
+/// Shares (in %) of a histogram's calls in the [`DIST`] buckets (its buckets lie inside them).
+fn hist_shares(hist: &Buckets) -> [f64; 5] {
     let total: u64 = hist.iter().map(|b| b.2).sum();
-    hist.map(|b| 100.0 * b.2 as f64 / total as f64)
+    let mut out = [0.0; 5];
+    for &(first, _, count) in hist {
+        if let Some(i) = DIST.iter().position(|&(f, e)| (f..e).contains(&first)) {
+            out[i] += 100.0 * count as f64 / total.max(1) as f64;
+        }
+    }
+    out
+}
+
+/// Where the real-guest npage histogram comes from: this machine's last vfio-user trial, else
+/// the recording that ships with memvisor.
+const TRIAL_STATS: &str = "target/guest/run/vfio-user/stats.json";
+const SHIPPED_NPAGE: &str = include_str!("../../data/mvdma-npage.txt");
+
+/// The npage histogram of the mvdma device's pin mode under a real guest, one bucket per
+/// npage, and where it came from.
+fn mvdma_npage() -> anyhow::Result<(Vec<Bucket>, String)> {
+    let from_trial = std::fs::read_to_string(TRIAL_STATS)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| {
+            let h = v["device"]["npage_histogram"]
+                .as_array()?
+                .iter()
+                .map(|e| Some((e[0].as_u64()?, e[1].as_u64()?)));
+            h.collect::<Option<Vec<(u64, u64)>>>()
+        })
+        .filter(|h| !h.is_empty());
+    let (pairs, source) = match from_trial {
+        Some(h) => (h, TRIAL_STATS.to_string()),
+        None => {
+            let mut h = Vec::new();
+            for (i, line) in SHIPPED_NPAGE.lines().enumerate() {
+                let line = line.trim();
+                if line.is_empty() || line.starts_with('#') {
+                    continue;
+                }
+                let mut f = line.split_whitespace().map(str::parse::<u64>);
+                match (f.next(), f.next()) {
+                    (Some(Ok(n)), Some(Ok(c))) => h.push((n, c)),
+                    _ => anyhow::bail!("data/mvdma-npage.txt line {}: {line:?}", i + 1),
+                }
+            }
+            (
+                h,
+                "the shipped recording (data/mvdma-npage.txt, 2026-11-23)".to_string(),
+            )
+        }
+    };
+    let buckets: Vec<Bucket> = pairs
+        .into_iter()
+        .filter(|&(n, c)| (1..=512).contains(&n) && c > 0)
+        .map(|(n, c)| (n, n + 1, c))
+        .collect();
+    anyhow::ensure!(!buckets.is_empty(), "the mvdma npage histogram is empty");
+    Ok((buckets, source))
 }
 
 /// One `DmaSpace` with its own registry and the given grouping, mapping all of `backing` at
@@ -522,14 +586,28 @@ impl Experiment for PinPages {
             .iter()
             .map(|&(g, _)| space(g, &guest))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        let workloads = [
-            ("vfio-ccw guest boot", &BOOT_NPAGE, 0x5eed_0002_b007u64),
-            ("fio", &FIO_NPAGE, 0x5eed_0002_0f10u64),
+        // The seed's two workloads (runs inside a call drawn from its run histogram), and the
+        // mvdma device's pin mode under a real guest (each call one run of IOVA pages).
+        let (mvdma, mvdma_source) = mvdma_npage()?;
+        let workloads: [(&str, &Buckets, u64, Option<&Buckets>); 3] = [
+            (
+                "vfio-ccw guest boot",
+                BOOT_NPAGE,
+                0x5eed_0002_b007u64,
+                Some(MULTI_RUNS),
+            ),
+            ("fio", FIO_NPAGE, 0x5eed_0002_0f10u64, Some(MULTI_RUNS)),
+            (
+                "vfio-user mvdma, real guest",
+                &mvdma,
+                0x5eed_00f1_0d3au64,
+                None,
+            ),
         ];
         let traces: Vec<Vec<Vec<u64>>> = workloads
             .iter()
-            .map(|(_, hist, seed)| {
-                replay_calls(hist, &MULTI_RUNS, replay_len, REPLAY_SIZE / PAGE, *seed)
+            .map(|&(_, hist, seed, runs)| {
+                replay_calls(hist, runs, replay_len, REPLAY_SIZE / PAGE, seed)
             })
             .collect();
 
@@ -677,8 +755,8 @@ impl Experiment for PinPages {
         // Part 2: replay.
         let mut replay_table = Table::new(
             &format!(
-                "Part 2: replay of seed 002's npage histograms, ns per call ({QUEUE} calls \
-                 outstanding; lower is better)"
+                "Part 2: replay of recorded npage histograms (seed 002's vfio-ccw, mvdma under \
+                 a real guest), ns per call ({QUEUE} calls outstanding; lower is better)"
             ),
             &[
                 "Workload",
@@ -697,7 +775,7 @@ impl Experiment for PinPages {
             groups: Vec::new(),
         };
         let mut target_two = Vec::new();
-        for (w, (workload, _, _)) in workloads.iter().enumerate() {
+        for (w, (workload, ..)) in workloads.iter().enumerate() {
             let total: Vec<Vec<f64>> = replay_pin[w]
                 .iter()
                 .zip(&replay_unpin[w])
@@ -748,43 +826,51 @@ impl Experiment for PinPages {
              is pinned, then call i-{QUEUE} unpinned (a device with {QUEUE} I/Os queued). Mean \
              per call (pin and unpin timed apart, clock reads included), median of {runs} runs; \
              ratios are medians of per-run ratios (min-max). Target: adaptive / per-page <= \
-             1.05 on both."
+             1.05 on the seed's two. The mvdma workload is the npage histogram of memvisor's \
+             vfio-user reference device in pin mode under a real Linux guest (from \
+             {mvdma_source}): each call pins one run of IOVA pages."
         ));
         out.tables.push(replay_table);
         out.charts.push(("pin-pages-replay".into(), replay_chart));
 
         let mut dist = Table::new(
-            "Part 2: generated vs seed distributions (% of calls or runs)",
+            "Part 2: generated vs recorded distributions (% of calls or runs)",
             &[
                 "Distribution",
                 "1",
                 "2-3",
                 "4-7",
                 "8-15",
+                "16-512",
                 "pages / call",
                 "runs / call",
             ],
         );
-        let pct = |v: [f64; 4]| v.map(|x| format!("{x:.2}%"));
-        for (w, (workload, hist, _)) in workloads.iter().enumerate() {
+        let pct = |v: [f64; 5]| v.map(|x| format!("{x:.2}%"));
+        for (w, &(workload, hist, _, runs)) in workloads.iter().enumerate() {
             let calls = &traces[w];
+            let seed = if runs.is_some() {
+                "seed (BASE)"
+            } else {
+                "recorded"
+            };
             let runs_of: Vec<u64> = calls.iter().flat_map(|c| run_lengths(c)).collect();
             let n = calls.len() as f64;
             let pages: usize = calls.iter().map(Vec::len).sum();
-            let mut seed_row = vec![format!("{workload} npage, seed (BASE)")];
-            seed_row.extend(pct(seed_shares(hist)));
+            let mut seed_row = vec![format!("{workload} npage, {seed}")];
+            seed_row.extend(pct(hist_shares(hist)));
             dist.push(seed_row);
             let mut row = vec![format!("{workload} npage, generated")];
-            row.extend(pct(shares(hist, calls.iter().map(|c| c.len() as u64))));
+            row.extend(pct(shares(calls.iter().map(|c| c.len() as u64))));
             row.push(format!("{:.2}", pages as f64 / n));
             row.push(format!("{:.2}", runs_of.len() as f64 / n));
             dist.push(row);
             let mut row = vec![format!("{workload} run length, generated")];
-            row.extend(pct(shares(&SEED_RUNS, runs_of.iter().copied())));
+            row.extend(pct(shares(runs_of.iter().copied())));
             dist.push(row);
         }
         let mut row = vec!["pin_contiguous_pages npage, seed (boot + fio)".to_string()];
-        row.extend(pct(seed_shares(&SEED_RUNS)));
+        row.extend(pct(hist_shares(SEED_RUNS)));
         row.push(String::new());
         row.push(format!(
             "{:.2}",
@@ -799,7 +885,8 @@ impl Experiment for PinPages {
              measured on the generated page lists. The seed's run histogram is for boot and fio \
              together (mostly fio). Its two histograms cannot both hold exactly with sizes \
              uniform inside buckets (calls would hold ~2.6 pages, runs ~1.5 x 1.31 per call = \
-             ~2.0), so long runs come out rarer than in the seed.",
+             ~2.0), so long runs come out rarer than in the seed. The mvdma rows: npage drawn \
+             from the recorded histogram as it is (one bucket per npage), one run per call.",
             SEED_RUNS[0].2,
             SEED_SINGLE_CALLS,
             REPLAY_SIZE >> 20
@@ -811,7 +898,7 @@ impl Experiment for PinPages {
             target_one.join("; ")
         ));
         out.notes.push(format!(
-            "target 2 (adaptive <= 5% slower than per-page on both replays, pin+unpin): {}",
+            "target 2 (adaptive <= 5% slower than per-page on the seed's two replays, pin+unpin; mvdma shown beside them): {}",
             target_two.join("; ")
         ));
         for (case, (before, after)) in cases.iter().zip(thp_before.iter().zip(&thp_after)) {
@@ -844,10 +931,10 @@ mod tests {
 
     #[test]
     fn replay_calls_follow_the_histograms() {
-        let calls = replay_calls(&BOOT_NPAGE, &MULTI_RUNS, 5000, 1 << 14, 7);
+        let calls = replay_calls(BOOT_NPAGE, Some(MULTI_RUNS), 5000, 1 << 14, 7);
         assert_eq!(
             calls,
-            replay_calls(&BOOT_NPAGE, &MULTI_RUNS, 5000, 1 << 14, 7)
+            replay_calls(BOOT_NPAGE, Some(MULTI_RUNS), 5000, 1 << 14, 7)
         );
         for c in &calls {
             assert!((1..16).contains(&c.len()), "{c:?}");
@@ -857,12 +944,12 @@ mod tests {
             sorted.dedup();
             assert_eq!(sorted.len(), c.len(), "no page twice in a call: {c:?}");
         }
-        let got = shares(&BOOT_NPAGE, calls.iter().map(|c| c.len() as u64));
-        for (g, s) in got.iter().zip(seed_shares(&BOOT_NPAGE)) {
+        let got = shares(calls.iter().map(|c| c.len() as u64));
+        for (g, s) in got.iter().zip(hist_shares(BOOT_NPAGE)) {
             assert!((g - s).abs() < 2.0, "{got:?}");
         }
         let runs: Vec<u64> = calls.iter().flat_map(|c| run_lengths(c)).collect();
-        let single = shares(&SEED_RUNS, runs.into_iter())[0];
+        let single = shares(runs.into_iter())[0];
         assert!((80.0..95.0).contains(&single), "{single}");
     }
 
