@@ -3,7 +3,7 @@
 //! Small and documented so a guest program can drive it with nothing but its registers: a
 //! copy engine that walks a table of scatter-gather descriptors in guest memory, reads each
 //! source range, checksums it, writes it to the destination and raises an MSI when the table
-//! is done. Every address it touches is an IOVA in the server's [`DmaSpace`]; two modes run the
+//! is done. Every address it touches is an IOVA in the server's [`DmaSpace`](memvisor::DmaSpace); two modes run the
 //! two device paths of the seeds:
 //!
 //! * **copy** (`MODE` 0): `dma_read` / `dma_write` through a 64 KiB bounce buffer (seed 004a,

@@ -116,7 +116,7 @@ pub enum Error {
     /// `vfu_sgl_get` answers for regions mapped without a descriptor.
     #[error(
         "iova {addr:#x} is in mapping [{start:#x}, {last:#x}], a peer's memory with no host \
-         address here; reach it with dma_read_with / dma_write_with through the peer"
+         address here; reach it with dma_read_via / dma_write_via through the peer"
     )]
     Remote { addr: u64, start: u64, last: u64 },
 

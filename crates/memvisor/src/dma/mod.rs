@@ -236,7 +236,7 @@ enum Memory {
     /// Invalidated for a live update: nothing reaches the old memory until `update_vaddr`.
     Invalidated,
     /// In a peer this process cannot address (a vfio-user map without a descriptor): only
-    /// [`DmaSpace::dma_read_with`] / [`DmaSpace::dma_write_with`] reach it, through the
+    /// [`DmaSpace::dma_read_via`] / [`DmaSpace::dma_write_via`] reach it, through the
     /// caller's transport; translation and pinning fail with EFAULT.
     Remote,
 }
@@ -548,7 +548,7 @@ impl DmaSpace {
     /// vfio-user client's map without a file descriptor (memory QEMU does not share, such as
     /// ROM or private guest RAM). The mapping takes part in everything else — type1's checks
     /// and errnos, the count limit, unmap, dirty logging — but only
-    /// [`DmaSpace::dma_read_with`] / [`DmaSpace::dma_write_with`] reach its bytes, through the
+    /// [`DmaSpace::dma_read_via`] / [`DmaSpace::dma_write_via`] reach its bytes, through the
     /// transport the caller passes them; translation, `pin_pages` and plain `dma_read` /
     /// `dma_write` fail with EFAULT ([`Error::Remote`]), as libvfio-user's `vfu_sgl_get` does.
     pub fn map_remote(&self, iova: Iova, size: u64, prot: Prot) -> Result<()> {
