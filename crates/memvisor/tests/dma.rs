@@ -823,3 +823,62 @@ fn eager_mode_pins_around_remote_mappings() {
     d.unmap_all().unwrap();
     assert_eq!(registry.locked_bytes(), 0);
 }
+
+/// Plain `translate` remembers the last mapping per thread; nothing it remembers may outlive a
+/// change: unmap, remap elsewhere, a second space at the same IOVA, dirty logging turned on.
+#[test]
+fn plain_translate_never_answers_from_a_stale_hit() {
+    let a = DmaSpace::default();
+    let b = DmaSpace::default();
+    let (ma, mb) = (mem(4), mem(4));
+    a.map_backing(Iova(0), &ma, 0, 4 * PAGE, Prot::RW).unwrap();
+    b.map_backing(Iova(0), &mb, PAGE, 2 * PAGE, Prot::READ)
+        .unwrap();
+    let hva = |d: &DmaSpace, iova: u64, acc| d.translate(Iova(iova), 8, acc).map(|t| t.hva.0);
+    let base_a = hva(&a, 0, Access::Read).unwrap();
+    assert_eq!(
+        hva(&a, PAGE + 1, Access::Read).unwrap(),
+        base_a + PAGE + 1,
+        "hit"
+    );
+    // Another space at the same IOVA: its own answer, its own protection.
+    let base_b = hva(&b, 0, Access::Read).unwrap();
+    assert_ne!(base_a, base_b);
+    assert_eq!(errno(b.translate(Iova(0), 8, Access::Write)), libc::EPERM);
+    assert_eq!(
+        errno(b.translate(Iova(2 * PAGE), 8, Access::Read)),
+        libc::EFAULT
+    );
+    assert_eq!(hva(&a, 8, Access::Write).unwrap(), base_a + 8);
+    // Unmapped: EFAULT at once, though the thread hit it just before.
+    a.unmap(Iova(0), 4 * PAGE).unwrap();
+    assert_eq!(errno(a.translate(Iova(8), 8, Access::Read)), libc::EFAULT);
+    // Mapped again elsewhere in the backing: the new address.
+    a.map_backing(Iova(0), &ma, 2 * PAGE, 2 * PAGE, Prot::RW)
+        .unwrap();
+    assert_eq!(hva(&a, 8, Access::Read).unwrap(), base_a + 2 * PAGE + 8);
+    // A hit for reads must not let writes skip the dirty log once it is on.
+    a.start_dirty_tracking().unwrap();
+    assert_eq!(hva(&a, PAGE, Access::Read).unwrap(), base_a + 3 * PAGE);
+    a.translate(Iova(PAGE + 3), 1, Access::Write).unwrap();
+    a.translate(Iova(PAGE + 5), 1, Access::Write).unwrap();
+    assert_eq!(
+        a.get_and_clear_dirty(Iova(0), 2 * PAGE, PAGE).unwrap(),
+        vec![0b10]
+    );
+    // Another thread has its own memory of hits.
+    let a2 = a.clone();
+    std::thread::spawn(move || {
+        assert_eq!(a2.translate(Iova(4), 4, Access::Read).unwrap().len, 4);
+    })
+    .join()
+    .unwrap();
+    // Lengths are clipped at the mapping's end on a hit too.
+    assert_eq!(
+        a.translate(Iova(2 * PAGE - 3), 100, Access::Read)
+            .unwrap()
+            .len,
+        3
+    );
+    assert_eq!(errno(a.translate(Iova(0), 0, Access::Read)), libc::EINVAL);
+}

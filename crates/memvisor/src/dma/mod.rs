@@ -406,8 +406,19 @@ struct Writer {
     external: RunCounts,
 }
 
+/// What every translation reads first, on a cache line of its own: the generation (bumped
+/// after each published change) and the space's process-unique id (per-thread caches of
+/// plain `translate` are keyed by it; an address could be reused by a later space).
+struct Head {
+    generation: AtomicU64,
+    id: u64,
+}
+
+/// Ids of spaces, never reused in a process.
+static NEXT_SPACE_ID: AtomicU64 = AtomicU64::new(1);
+
 struct Shared {
-    generation: Padded<AtomicU64>,
+    head: Padded<Head>,
     current: ArcSwap<DmaSnapshot>,
     writer: Mutex<Writer>,
     /// Signalled after every vaddr update, for translations waiting on an invalidated range.
@@ -466,7 +477,10 @@ impl DmaSpace {
         let registry = config.registry.clone().unwrap_or_else(PinRegistry::global);
         Ok(DmaSpace {
             shared: Arc::new(Shared {
-                generation: Padded(AtomicU64::new(0)),
+                head: Padded(Head {
+                    generation: AtomicU64::new(0),
+                    id: NEXT_SPACE_ID.fetch_add(1, Ordering::Relaxed),
+                }),
                 current: ArcSwap::from_pointee(DmaSnapshot {
                     generation: 0,
                     map: RangeMap::default(),
@@ -963,9 +977,12 @@ impl DmaSpace {
                 map,
                 invalid: writer.invalid,
             }));
+            // After the snapshot: a reader that sees this generation loads this snapshot or a
+            // later one, so what it caches under a generation is that generation's.
             self.shared
-                .generation
+                .head
                 .0
+                .generation
                 .store(generation, Ordering::Release);
         }
         Ok(value)

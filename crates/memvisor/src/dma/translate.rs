@@ -11,6 +11,7 @@
 //! [`DmaConfig::vaddr_wait`](super::DmaConfig::vaddr_wait)), and marks written pages dirty when
 //! tracking is on.
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -36,6 +37,27 @@ pub struct Segment {
     pub hva: Hva,
     /// Length in bytes.
     pub len: u64,
+}
+
+/// The mapping a thread's last plain `translate` hit: valid while the space (by id) is at the
+/// same generation, as every change bumps it.
+#[derive(Clone, Copy)]
+struct LastHit {
+    space: u64,
+    generation: u64,
+    start: u64,
+    last: u64,
+    /// hva - iova, wrapping.
+    delta: u64,
+    /// The accesses a hit may answer (WRITE left out while the mapping logs dirty pages).
+    prot: u8,
+}
+
+thread_local! {
+    /// Space id 0 is never given out, so the initial value never hits.
+    static LAST_HIT: Cell<LastHit> = const {
+        Cell::new(LastHit { space: 0, generation: 0, start: 1, last: 0, delta: 0, prot: 0 })
+    };
 }
 
 /// A mapping found for an access: where it is in the index and what the access needs.
@@ -249,19 +271,61 @@ impl DmaSpace {
     /// Translates `iova` for an access of up to `len` bytes; the answer covers the part inside
     /// the first mapping. EINVAL for `len` 0; EFAULT unmapped; EPERM not allowed; EBUSY
     /// invalidated (after waiting). A write marks the pages dirty when tracking is on.
+    ///
+    /// Each thread remembers the last mapping it translated in (per thread, one space at a
+    /// time): a repeated hit checks the space's generation and the bounds, and touches neither
+    /// the snapshot nor the index. Nothing is held: like every plain translation, the address
+    /// is the caller's to keep valid (a [`DmaCursor`] holds its snapshot instead).
+    #[inline]
     pub fn translate(&self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
+        let h = LAST_HIT.with(Cell::get);
+        let head = &self.shared.head.0;
+        // As in the cursor: the conditions joined without short-circuits, one branch.
+        if (h.space == head.id)
+            & (h.generation == head.generation.load(Ordering::Acquire))
+            & (iova.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
+            & (h.prot & access.prot().0 != 0)
+            & (len != 0)
+        {
+            return Ok(Translation {
+                hva: Hva(iova.0.wrapping_add(h.delta)),
+                len: len.min(h.last - iova.0 + 1),
+            });
+        }
+        self.translate_slow(iova, len, access)
+    }
+
+    #[inline(never)]
+    fn translate_slow(&self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
         if len == 0 {
             return Err(Error::ZeroSize {
                 what: "translation",
             });
         }
         let min_page = self.shared.min_page;
+        let id = self.shared.head.0.id;
         self.with_snapshot(|snap| {
             let found = snap.resolve(iova.0, len, access.prot())?;
             let n = len.min(found.last - iova.0 + 1);
-            if access == Access::Write && found.hot.dirty() {
+            let dirty = found.hot.dirty();
+            if access == Access::Write && dirty {
                 mark_dirty(snap.map.get(found.pos).3, iova.0, n, min_page);
             }
+            // Writes to a logged mapping must mark pages: they keep taking this path.
+            let mut prot = found.hot.prot().0;
+            if dirty {
+                prot &= !Prot::WRITE.0;
+            }
+            LAST_HIT.with(|c| {
+                c.set(LastHit {
+                    space: id,
+                    generation: snap.generation,
+                    start: found.start,
+                    last: found.last,
+                    delta: found.hot.delta(),
+                    prot,
+                })
+            });
             Ok(Translation {
                 hva: Hva(iova.0.wrapping_add(found.hot.delta())),
                 len: n,
@@ -386,7 +450,8 @@ impl DmaCursor {
         // One compare for the range (`iova - start` wraps above `last - start` when below),
         // and the conditions joined without short-circuits: the outcome is one branch, which
         // a miss-heavy stream predicts well, rather than a chain of coin tosses.
-        let current = self.space.shared.generation.0.load(Ordering::Acquire) == self.generation;
+        let current =
+            self.space.shared.head.0.generation.load(Ordering::Acquire) == self.generation;
         if current
             & (iova.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
             & (h.prot & access.prot().0 != 0)
@@ -440,7 +505,7 @@ impl DmaCursor {
     /// Moves to the space's current snapshot if it changed, letting go of the old one.
     #[inline]
     pub fn refresh(&mut self) {
-        if self.space.shared.generation.0.load(Ordering::Acquire) != self.generation {
+        if self.space.shared.head.0.generation.load(Ordering::Acquire) != self.generation {
             self.reload();
         }
     }
