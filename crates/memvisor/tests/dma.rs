@@ -882,3 +882,66 @@ fn plain_translate_never_answers_from_a_stale_hit() {
     );
     assert_eq!(errno(a.translate(Iova(0), 0, Access::Read)), libc::EINVAL);
 }
+
+/// A cursor's `read` / `write` answer exactly as `dma_read` / `dma_write`, on its shortcut
+/// (inside the last mapping hit) and off it.
+#[test]
+fn cursor_copies_follow_dma_read_and_dma_write() {
+    let d = DmaSpace::default();
+    let b = mem(8);
+    d.map_backing(Iova(0), &b, 0, 2 * PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(2 * PAGE), &b, 2 * PAGE, PAGE, Prot::READ)
+        .unwrap();
+    let mut c = d.cursor();
+    c.write(Iova(10), &[1, 2, 3]).unwrap(); // slow path, then remembered
+    c.write(Iova(PAGE - 1), &[4, 5]).unwrap(); // shortcut, across a page inside the mapping
+    let mut got = [0u8; 3];
+    c.read(Iova(10), &mut got).unwrap();
+    assert_eq!(got, [1, 2, 3]);
+    let mut two = [0u8; 2];
+    b.read(PAGE - 1, &mut two).unwrap();
+    assert_eq!(two, [4, 5]);
+    // Across two mappings (the shortcut does not cover it): one piece each.
+    let mut span = [0u8; 8];
+    c.read(Iova(2 * PAGE - 4), &mut span).unwrap();
+    // Errors are dma_read's: EPERM on the read-only mapping, EINVAL past the end, empty EINVAL.
+    assert_eq!(errno(c.write(Iova(2 * PAGE - 4), &[0; 8])), libc::EPERM);
+    assert_eq!(errno(c.write(Iova(2 * PAGE + 4), &[0; 1])), libc::EPERM);
+    assert_eq!(errno(c.read(Iova(3 * PAGE - 4), &mut [0; 8])), libc::EINVAL);
+    assert_eq!(errno(c.read(Iova(0), &mut [])), libc::EINVAL);
+    // Past the end of the mapping hit: not taken by the shortcut.
+    c.read(Iova(0), &mut [0; 1]).unwrap();
+    assert_eq!(errno(c.write(Iova(2 * PAGE - 1), &[0; 2])), libc::EPERM);
+    // Dirty pages are marked on the shortcut too.
+    d.start_dirty_tracking().unwrap();
+    c.write(Iova(5), &[9]).unwrap(); // stale generation: slow path
+    c.write(Iova(PAGE + 5), &[9]).unwrap(); // shortcut
+    assert_eq!(
+        d.get_and_clear_dirty(Iova(0), 2 * PAGE, PAGE).unwrap(),
+        vec![0b11]
+    );
+    // After an unmap the shortcut is gone: dma_read's EINVAL at once.
+    d.unmap(Iova(0), 2 * PAGE).unwrap();
+    assert_eq!(errno(c.read(Iova(10), &mut got)), libc::EINVAL);
+}
+
+/// Under Linux 6.3's rule, an invalidated host address anywhere stops every copy, the
+/// cursor's shortcut included.
+#[test]
+fn cursor_copies_stop_while_a_vaddr_is_invalidated_under_the_refuse_rule() {
+    let d = DmaSpace::new(DmaConfig {
+        vaddr_rule: memvisor::dma::VaddrRule::Refuse,
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    let b = mem(2);
+    d.map_backing(Iova(0), &b, 0, PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(PAGE), &b, PAGE, PAGE, Prot::RW).unwrap();
+    let mut c = d.cursor();
+    c.read(Iova(8), &mut [0; 4]).unwrap();
+    d.invalidate_vaddr(Iova(PAGE), PAGE).unwrap();
+    assert_eq!(errno(c.read(Iova(8), &mut [0; 4])), libc::EBUSY);
+    assert_eq!(errno(c.write(Iova(8), &[0; 4])), libc::EBUSY);
+    d.update_vaddr(Iova(PAGE), PAGE, &b, PAGE).unwrap();
+    c.read(Iova(8), &mut [0; 4]).unwrap();
+}

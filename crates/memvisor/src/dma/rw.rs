@@ -13,7 +13,7 @@
 //! same way, copy the pieces in host memory and hand each piece in the peer's memory to the
 //! caller's transport, so one device model serves both kinds of mapping.
 
-use super::{DmaSnapshot, DmaSpace, Hot, Prot, VaddrRule};
+use super::{DmaSnapshot, DmaSpace, Hot, Prot};
 use crate::addr::Iova;
 use crate::copy;
 use crate::error::{Error, Result};
@@ -156,7 +156,7 @@ impl DmaSpace {
     /// Under [`VaddrRule::Refuse`], EBUSY while any mapping of `snap` has its host address
     /// invalidated (Linux 6.3's container-wide check in `vfio_dma_rw` and `pin_pages`).
     pub(super) fn refuse_while_invalid(&self, snap: &DmaSnapshot, iova: u64) -> Result<()> {
-        if snap.invalid > 0 && self.shared.config.vaddr_rule == VaddrRule::Refuse {
+        if !self.copies_allowed(snap) {
             return Err(Error::Refused {
                 addr: iova,
                 why: format!(

@@ -6,7 +6,9 @@
 //! spans mappings into a scatter-gather list; a [`DmaCursor`], one per device thread, remembers
 //! the last mapping it hit and the snapshot generation, so a repeated hit costs one load of a
 //! counter only writers write and a bounds check — like the memslot cursor (seed 003), but with
-//! the permission check and dirty marking a device access needs. Every path checks the access against the mapping's protection (EPERM),
+//! the permission check and dirty marking a device access needs. The cursor's `read` / `write`
+//! are `dma_read` / `dma_write` with the same shortcut for copies inside the last mapping hit;
+//! plain `translate` keeps a last hit per thread (no snapshot held, so nothing stays mapped). Every path checks the access against the mapping's protection (EPERM),
 //! fails on unmapped IOVAs (EFAULT) and on invalidated host addresses (EBUSY, after waiting up to
 //! [`DmaConfig::vaddr_wait`](super::DmaConfig::vaddr_wait)), and marks written pages dirty when
 //! tracking is on.
@@ -16,8 +18,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Access, DmaSnapshot, DmaSpace, Hot, Mapping, Prot};
+use super::{Access, DmaSnapshot, DmaSpace, Hot, Mapping, Prot, VaddrRule};
 use crate::addr::{Hva, Iova};
+use crate::copy;
 use crate::error::{Error, Result};
 use crate::rangemap::Pos;
 
@@ -387,10 +390,17 @@ impl DmaSpace {
         let snapshot = self.shared.current.load_full();
         DmaCursor {
             generation: snapshot.generation,
+            copies: self.copies_allowed(&snapshot),
             space: self.clone(),
             snapshot,
             hit: Hit::NONE,
         }
+    }
+
+    /// Whether CPU copies may run against `snap` at all: not under [`VaddrRule::Refuse`] while
+    /// any host address is invalidated (Linux 6.3's container-wide check).
+    pub(super) fn copies_allowed(&self, snap: &DmaSnapshot) -> bool {
+        snap.invalid == 0 || self.shared.config.vaddr_rule != VaddrRule::Refuse
     }
 }
 
@@ -427,6 +437,8 @@ pub struct DmaCursor {
     space: DmaSpace,
     snapshot: Arc<DmaSnapshot>,
     generation: u64,
+    /// Whether `read` / `write` may copy from the snapshot ([`DmaSpace::copies_allowed`]).
+    copies: bool,
     hit: Hit,
 }
 
@@ -515,6 +527,71 @@ impl DmaCursor {
     fn reload(&mut self) {
         self.snapshot = self.space.shared.current.load_full();
         self.generation = self.snapshot.generation;
+        self.copies = self.space.copies_allowed(&self.snapshot);
         self.hit = Hit::NONE;
+    }
+
+    /// [`DmaSpace::dma_read`] through the cursor: a copy that lies inside the last mapping hit
+    /// checks the generation and the bounds and copies, with no snapshot load and no lookup;
+    /// the cursor's snapshot, current at the check, keeps the memory mapped during the copy.
+    /// Anything else takes `dma_read`'s path, with its errors, and remembers the mapping.
+    #[inline]
+    pub fn read(&mut self, iova: Iova, buf: &mut [u8]) -> Result<()> {
+        if self.copy_hits(iova.0, buf.len() as u64, Prot::READ.0) {
+            let hva = iova.0.wrapping_add(self.hit.delta);
+            // SAFETY: the whole range lies in the mapping last hit, which the current snapshot
+            // holds (checked just now) and the cursor keeps alive; it allows READ and has a
+            // valid host address. buf is caller memory, never guest memory.
+            unsafe { copy::from_guest(hva as usize as *const u8, buf) };
+            return Ok(());
+        }
+        self.read_slow(iova, buf)
+    }
+
+    /// [`DmaSpace::dma_write`] through the cursor, as [`DmaCursor::read`]; marks the pages
+    /// dirty when tracking is on.
+    #[inline]
+    pub fn write(&mut self, iova: Iova, buf: &[u8]) -> Result<()> {
+        if self.copy_hits(iova.0, buf.len() as u64, Prot::RW.0) {
+            let hva = iova.0.wrapping_add(self.hit.delta);
+            // SAFETY: as in read; the mapping allows READ and WRITE.
+            unsafe { copy::to_guest(buf, hva as usize as *mut u8) };
+            if self.hit.dirty {
+                let m = self.snapshot.map.get(self.hit.pos).3;
+                mark_dirty(m, iova.0, buf.len() as u64, self.space.shared.min_page);
+            }
+            return Ok(());
+        }
+        self.write_slow(iova, buf)
+    }
+
+    /// Whether `[iova, iova + len)` lies inside the last mapping hit, at the current
+    /// generation, with `need` allowed and copies allowed; no short-circuits, one branch.
+    #[inline(always)]
+    fn copy_hits(&self, iova: u64, len: u64, need: u8) -> bool {
+        let h = &self.hit;
+        let current =
+            self.space.shared.head.0.generation.load(Ordering::Acquire) == self.generation;
+        current
+            & self.copies
+            & (len != 0)
+            & (iova.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
+            & (len.wrapping_sub(1) <= h.last.wrapping_sub(iova))
+            & (h.prot & need == need)
+    }
+
+    #[inline(never)]
+    fn read_slow(&mut self, iova: Iova, buf: &mut [u8]) -> Result<()> {
+        self.space.dma_read(iova, buf)?;
+        let _ = self.translate(iova, 1, Access::Read);
+        Ok(())
+    }
+
+    #[inline(never)]
+    fn write_slow(&mut self, iova: Iova, buf: &[u8]) -> Result<()> {
+        self.space.dma_write(iova, buf)?;
+        // A read translation: it remembers the mapping without marking a page twice.
+        let _ = self.translate(iova, 1, Access::Read);
+        Ok(())
     }
 }
