@@ -581,6 +581,7 @@ impl SlotTable {
             shared: self.shared.clone(),
             snapshot,
             hit: Entry::NONE,
+            hit_generation: NO_HIT,
         }
     }
 
@@ -764,7 +765,13 @@ pub struct SlotCursor {
     snapshot: Arc<Snapshot>,
     generation: u64,
     hit: Entry,
+    /// The generation `hit` belongs to; [`NO_HIT`] when there is none, so the hit test needs
+    /// no separate "have a hit" check.
+    hit_generation: u64,
 }
+
+/// A generation no table reaches.
+const NO_HIT: u64 = u64::MAX;
 
 impl fmt::Debug for SlotCursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -776,32 +783,49 @@ impl fmt::Debug for SlotCursor {
 }
 
 impl SlotCursor {
-    /// Where `gpa` lives on the host. A hit on the last slot costs a load and a bounds check.
+    /// Where `gpa` lives on the host. A hit on the last slot costs a load and one compare of
+    /// each kind joined without short-circuits: one branch.
     #[inline]
     pub fn lookup(&mut self, gpa: Gpa) -> Option<Translation> {
-        if self.shared.generation.0.load(Ordering::Acquire) == self.generation
-            && self.hit.contains(gpa.0)
+        let generation = self.shared.generation.0.load(Ordering::Acquire);
+        let h = &self.hit;
+        // `gpa - start` wraps above `last - start` when gpa is below the slot.
+        if (generation == self.hit_generation)
+            & (gpa.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
         {
-            return Some(self.hit.translate(gpa.0));
+            return Some(h.translate(gpa.0));
         }
-        self.lookup_slow(gpa)
+        self.lookup_slow(gpa, generation)
     }
 
-    #[inline]
-    fn lookup_slow(&mut self, gpa: Gpa) -> Option<Translation> {
-        self.refresh();
+    /// The search; the answer is computed from the entry found before it is remembered, so
+    /// the return value does not wait on the store.
+    #[inline(never)]
+    fn lookup_slow(&mut self, gpa: Gpa, generation: u64) -> Option<Translation> {
+        if generation != self.generation {
+            self.reload();
+        }
         let i = self.snapshot.find(gpa)?;
-        self.hit = self.snapshot.entries[i];
-        Some(self.hit.translate(gpa.0))
+        let e = self.snapshot.entries[i];
+        let t = e.translate(gpa.0);
+        self.hit = e;
+        self.hit_generation = self.generation;
+        Some(t)
     }
 
     /// Moves to the table's current snapshot if it changed, letting go of the old one.
     pub fn refresh(&mut self) {
         if self.shared.generation.0.load(Ordering::Acquire) != self.generation {
-            self.snapshot = self.shared.current.load_full();
-            self.generation = self.snapshot.generation;
-            self.hit = Entry::NONE;
+            self.reload();
         }
+    }
+
+    #[cold]
+    fn reload(&mut self) {
+        self.snapshot = self.shared.current.load_full();
+        self.generation = self.snapshot.generation;
+        self.hit = Entry::NONE;
+        self.hit_generation = NO_HIT;
     }
 
     /// The snapshot the cursor answers from (after a refresh).

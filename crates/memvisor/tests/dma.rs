@@ -945,3 +945,54 @@ fn cursor_copies_stop_while_a_vaddr_is_invalidated_under_the_refuse_rule() {
     d.update_vaddr(Iova(PAGE), PAGE, &b, PAGE).unwrap();
     c.read(Iova(8), &mut [0; 4]).unwrap();
 }
+
+/// Plain `dma_read` / `dma_write` take the thread's last hit as a shortcut; it must never
+/// outlive a change nor skip a check: unmap, protection, the dirty log, the refuse rule.
+#[test]
+fn plain_copies_never_take_a_stale_shortcut() {
+    let d = DmaSpace::new(DmaConfig {
+        vaddr_rule: memvisor::dma::VaddrRule::Refuse,
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    let b = mem(8);
+    d.map_backing(Iova(0), &b, 0, 4 * PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(4 * PAGE), &b, 4 * PAGE, PAGE, Prot::READ)
+        .unwrap();
+    d.map_backing(Iova(8 * PAGE), &b, 5 * PAGE, PAGE, Prot::RW)
+        .unwrap();
+    d.dma_write(Iova(8), &[1, 2]).unwrap();
+    d.dma_write(Iova(3 * PAGE), &[3]).unwrap(); // the shortcut
+    let mut one = [0u8; 1];
+    d.dma_read(Iova(3 * PAGE), &mut one).unwrap();
+    assert_eq!(one, [3]);
+    // Read-only: a read remembers it, a write must still be refused.
+    d.dma_read(Iova(4 * PAGE), &mut one).unwrap();
+    assert_eq!(errno(d.dma_write(Iova(4 * PAGE), &[1])), libc::EPERM);
+    // Past the end of the mapping last hit: not the shortcut, and EINVAL where unmapped.
+    d.dma_read(Iova(8 * PAGE), &mut one).unwrap();
+    assert_eq!(
+        errno(d.dma_read(Iova(9 * PAGE - 1), &mut [0; 2])),
+        libc::EINVAL
+    );
+    // Logged writes are marked, one after another in the same mapping.
+    d.start_dirty_tracking().unwrap();
+    d.dma_write(Iova(PAGE), &[1]).unwrap();
+    d.dma_write(Iova(2 * PAGE), &[1]).unwrap();
+    d.dma_read(Iova(0), &mut one).unwrap();
+    d.dma_write(Iova(3 * PAGE), &[1]).unwrap();
+    assert_eq!(
+        d.get_and_clear_dirty(Iova(0), 4 * PAGE, PAGE).unwrap(),
+        vec![0b1110]
+    );
+    // Another mapping's vaddr invalidated under Linux 6.3's rule: every copy is EBUSY.
+    d.dma_read(Iova(0), &mut one).unwrap();
+    d.invalidate_vaddr(Iova(8 * PAGE), PAGE).unwrap();
+    assert_eq!(errno(d.dma_read(Iova(0), &mut one)), libc::EBUSY);
+    d.update_vaddr(Iova(8 * PAGE), PAGE, &b, 5 * PAGE).unwrap();
+    // Unmapped: EINVAL at once, though the thread copied there just before.
+    d.dma_read(Iova(0), &mut one).unwrap();
+    d.unmap(Iova(0), 4 * PAGE).unwrap();
+    assert_eq!(errno(d.dma_read(Iova(0), &mut one)), libc::EINVAL);
+    assert_eq!(errno(d.dma_write(Iova(0), &[1])), libc::EINVAL);
+}

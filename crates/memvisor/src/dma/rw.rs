@@ -13,6 +13,7 @@
 //! same way, copy the pieces in host memory and hand each piece in the peer's memory to the
 //! caller's transport, so one device model serves both kinds of mapping.
 
+use super::translate::{last_hit_within, remember};
 use super::{DmaSnapshot, DmaSpace, Hot, Prot};
 use crate::addr::Iova;
 use crate::copy;
@@ -111,7 +112,9 @@ impl DmaSpace {
 
     /// Checks `[iova, iova + len)` for `need` against one snapshot, then calls
     /// `copy(iova, host address or None for a peer's memory, offset in the caller's buffer,
-    /// bytes)` for each piece, stopping at the first error it returns.
+    /// bytes)` for each piece, stopping at the first error it returns. A range inside this
+    /// thread's last hit (translation or copy) at the snapshot's generation is one piece with
+    /// no lookup; a copy that falls in one mapping of host memory becomes the last hit.
     fn copy_pieces<E: From<Error>>(
         &self,
         iova: Iova,
@@ -123,12 +126,18 @@ impl DmaSpace {
         if len == 0 {
             return Err(Error::ZeroSize { what: "dma copy" }.into());
         }
-        let min_page = self.shared.min_page;
+        let (min_page, id) = (self.shared.min_page, self.shared.head.0.id);
         let mut failed = None;
         self.with_snapshot(|snap| {
+            if self.copies_allowed(snap) {
+                if let Some(hva) = last_hit_within(id, snap, iova.0, len as u64, need.0) {
+                    failed = copy(iova.0, Some(hva), 0, len).err();
+                    return Ok(());
+                }
+            }
             self.refuse_while_invalid(snap, iova.0)?;
             let mut at = 0usize;
-            snap.for_each_piece(
+            let first = snap.for_each_piece(
                 iova.0,
                 len as u64,
                 need,
@@ -136,13 +145,15 @@ impl DmaSpace {
                 usable,
                 |addr, hva, n| {
                     if failed.is_none() {
-                        if let Err(e) = copy(addr, hva, at, n as usize) {
-                            failed = Some(e);
-                        }
+                        failed = copy(addr, hva, at, n as usize).err();
                     }
                     at += n as usize;
                 },
-            )
+            )?;
+            if first.holds_host(iova.0, len as u64) {
+                remember(id, snap, &first);
+            }
+            Ok(())
         })
         .map_err(|e| E::from(as_type1_rw(e, iova, len)))?;
         match failed {

@@ -63,13 +63,61 @@ thread_local! {
     };
 }
 
+/// Remembers `found` (a mapping with host memory of `snap`, space `space`) as this thread's
+/// last hit. WRITE is left out while the mapping logs dirty pages: writes must mark them.
+#[inline]
+pub(super) fn remember(space: u64, snap: &DmaSnapshot, found: &Found) {
+    let mut prot = found.hot.prot().0;
+    if found.hot.dirty() {
+        prot &= !Prot::WRITE.0;
+    }
+    LAST_HIT.with(|c| {
+        c.set(LastHit {
+            space,
+            generation: snap.generation,
+            start: found.start,
+            last: found.last,
+            delta: found.hot.delta(),
+            prot,
+        })
+    });
+}
+
+/// The host address of `[iova, iova + len)` (`len` > 0) if it lies whole in this thread's last
+/// hit, remembered at `snap`'s generation in space `space`, and that mapping allows `need`
+/// (bits). Holding `snap` keeps that memory mapped.
+#[inline(always)]
+pub(super) fn last_hit_within(
+    space: u64,
+    snap: &DmaSnapshot,
+    iova: u64,
+    len: u64,
+    need: u8,
+) -> Option<u64> {
+    let h = LAST_HIT.with(Cell::get);
+    let hit = (h.space == space)
+        & (h.generation == snap.generation)
+        & (iova.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
+        & (len.wrapping_sub(1) <= h.last.wrapping_sub(iova))
+        & (h.prot & need == need);
+    hit.then(|| iova.wrapping_add(h.delta))
+}
+
 /// A mapping found for an access: where it is in the index and what the access needs.
 #[derive(Clone, Copy)]
-struct Found {
+pub(super) struct Found {
     pos: Pos,
     start: u64,
     last: u64,
     hot: Hot,
+}
+
+impl Found {
+    /// Whether `[iova, iova + len)` (`len` > 0, starting in this mapping) lies whole in it and
+    /// its memory is the host's.
+    pub(super) fn holds_host(&self, iova: u64, len: u64) -> bool {
+        self.hot.valid() && self.last - iova >= len - 1
+    }
 }
 
 impl DmaSnapshot {
@@ -96,7 +144,7 @@ impl DmaSnapshot {
     /// of a kind in `usable` (`Hot::VALID`: host memory; `| Hot::REMOTE`: a peer's too); then
     /// calls `piece(iova, host address, bytes)` for each mapping-sized piece in order (the host
     /// address `None` for a peer's memory), marking written pages dirty. Nothing is called if
-    /// any check fails.
+    /// any check fails. Returns the first mapping (`len` > 0).
     pub(super) fn for_each_piece(
         &self,
         iova: u64,
@@ -105,13 +153,10 @@ impl DmaSnapshot {
         min_page: u64,
         usable: u64,
         mut piece: impl FnMut(u64, Option<u64>, u64),
-    ) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
+    ) -> Result<Found> {
         let (first, end) = self.check_span(iova, len, need, usable)?;
         let mut addr = iova;
-        let mut pos = Some(first);
+        let mut pos = Some(first.pos);
         while let Some(p) = pos.filter(|_| addr <= end) {
             let (_, last, hot, m) = self.map.get(p);
             let n = end.min(last) - addr + 1;
@@ -128,16 +173,15 @@ impl DmaSnapshot {
             addr = addr.wrapping_add(n);
             pos = self.map.next(p);
         }
-        Ok(())
+        Ok(first)
     }
 }
 
 impl DmaSnapshot {
     /// Checks that `[iova, iova + len)` (`len` > 0) is all mapped, contiguously, for `need`, with
-    /// memory of a kind in `usable`; returns the position of the first mapping and the last
-    /// byte.
+    /// memory of a kind in `usable`; returns the first mapping and the last byte.
     #[inline]
-    fn check_span(&self, iova: u64, len: u64, need: Prot, usable: u64) -> Result<(Pos, u64)> {
+    fn check_span(&self, iova: u64, len: u64, need: Prot, usable: u64) -> Result<(Found, u64)> {
         let end = iova.checked_add(len - 1).ok_or(Error::RangeWraps {
             what: "dma access",
             start: iova,
@@ -147,8 +191,7 @@ impl DmaSnapshot {
             Some((pos, start, last, hot)) => checked(pos, start, last, hot, iova, need, usable)?,
             None => return Err(unmapped(iova, len)),
         };
-        let (first, mut last) = (found.pos, found.last);
-        let mut pos = first;
+        let (mut pos, mut last) = (found.pos, found.last);
         while last < end {
             // The next piece must start right after this one; it is at the next position.
             let next = self
@@ -165,7 +208,7 @@ impl DmaSnapshot {
             };
             Found { pos, last, .. } = self.check(next, last + 1, need, usable)?;
         }
-        Ok((first, end))
+        Ok((found, end))
     }
 }
 
@@ -310,25 +353,10 @@ impl DmaSpace {
         self.with_snapshot(|snap| {
             let found = snap.resolve(iova.0, len, access.prot())?;
             let n = len.min(found.last - iova.0 + 1);
-            let dirty = found.hot.dirty();
-            if access == Access::Write && dirty {
+            if access == Access::Write && found.hot.dirty() {
                 mark_dirty(snap.map.get(found.pos).3, iova.0, n, min_page);
             }
-            // Writes to a logged mapping must mark pages: they keep taking this path.
-            let mut prot = found.hot.prot().0;
-            if dirty {
-                prot &= !Prot::WRITE.0;
-            }
-            LAST_HIT.with(|c| {
-                c.set(LastHit {
-                    space: id,
-                    generation: snap.generation,
-                    start: found.start,
-                    last: found.last,
-                    delta: found.hot.delta(),
-                    prot,
-                })
-            });
+            remember(id, snap, &found);
             Ok(Translation {
                 hva: Hva(iova.0.wrapping_add(found.hot.delta())),
                 len: n,
@@ -380,7 +408,8 @@ impl DmaSpace {
                         }),
                     }
                 },
-            )?;
+            )
+            .map(|_| ())?;
             Ok(segments)
         })
     }
