@@ -145,7 +145,7 @@ struct BenchArgs {
     /// report, iotlb, vfio-user (the default: all of these), and guest (real-guest trials; root, minutes)
     #[arg(value_name = "EXPERIMENT")]
     experiments: Vec<String>,
-    /// Small sizes: the whole suite in under a minute on 2 cores (the default)
+    /// Small sizes: the whole suite in about 4 minutes on 2 cores (the default)
     #[arg(long, conflicts_with = "full")]
     quick: bool,
     /// The seeds' sizes, where memory allows
@@ -344,6 +344,18 @@ fn run_bench(args: &BenchArgs) -> Result<()> {
         }
     }
 
+    let skipped: Vec<String> = sections
+        .iter()
+        .filter(|s| !s.outcome.skipped.is_empty())
+        .map(|s| format!("{} ({})", s.experiment.name(), s.outcome.skipped.len()))
+        .collect();
+    if !skipped.is_empty() {
+        writeln!(
+            human,
+            "\nskipped cases in: {}; why: the `skipped:` lines above (also in report.md)",
+            skipped.join(", ")
+        )?;
+    }
     let paths = report::write(&args.out, &machine, mode, &sections)?;
     if args.json {
         println!("{}", report::to_json(&machine, mode, &sections)?);

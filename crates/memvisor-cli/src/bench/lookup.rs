@@ -14,7 +14,9 @@
 //!
 //! Each pass translates one address per 4 KiB page and writes a byte there. A microbenchmark
 //! then times lookups alone (ns each) on a thread-local pattern (the cursor hits) and a random
-//! one (it mostly misses), on one thread and on all, and across slot counts.
+//! one (it mostly misses), on one thread and on all, and across slot counts. Every pattern is
+//! [`PATTERN`] different addresses per thread, cycled: far more than a cache or a branch
+//! predictor holds, so no variant is flattered by a short loop it has learned.
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,13 +27,16 @@ use memvisor::{Backing, BackingKind, Gpa, SlotCursor, SlotSpec, SlotTable, Snaps
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
 use super::{
-    Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, iters_for, measure,
-    ns_per_op,
+    Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, distinct, iters_for,
+    limits, measure, ns_per_op, ratio, ratio_cell,
 };
 
 pub struct Lookup;
 
 const PAGE: u64 = 4096;
+/// Addresses per thread in a lookup pattern, all different: 65,536 (a power of two, the loop
+/// masks its index).
+const PATTERN: usize = 1 << 16;
 const VARIANTS: [Variant; 4] = [
     Variant::Binary,
     Variant::VmHint,
@@ -262,6 +267,29 @@ fn time_lookups<T: Translate>(make: impl Fn() -> T + Sync, addrs: &[Vec<u64>], i
     elapsed.as_nanos() as f64 / iters as f64
 }
 
+/// ns per lookup of each of `variants` (`None`: the bare loop) on `addrs`, `runs` runs of about
+/// 30 ms each. The variants take turns in every run, so that drift on a shared machine hits all
+/// of them alike and the per-run ratios compare like with like. Returns the per-run samples of
+/// each variant.
+fn interleaved(
+    layout: &Layout,
+    variants: &[Option<Variant>],
+    addrs: &[Vec<u64>],
+    runs: u32,
+) -> Vec<Vec<f64>> {
+    let iters: Vec<u64> = variants
+        .iter()
+        .map(|&v| iters_for(lookup_ns(layout, v, addrs, 1 << 12)))
+        .collect();
+    let mut samples = vec![Vec::new(); variants.len()];
+    for _ in 0..runs.max(1) {
+        for (k, &v) in variants.iter().enumerate() {
+            samples[k].push(lookup_ns(layout, v, addrs, iters[k]));
+        }
+    }
+    samples
+}
+
 /// Median ns per lookup over `runs` runs of about 30 ms each.
 fn lookup_stats(layout: &Layout, variant: Option<Variant>, addrs: &[Vec<u64>], runs: u32) -> Stats {
     ns_per_op(runs, |iters| lookup_ns(layout, variant, addrs, iters))
@@ -279,9 +307,13 @@ fn lookup_ns(layout: &Layout, variant: Option<Variant>, addrs: &[Vec<u64>], iter
     }
 }
 
-/// 1024 addresses per thread (a power of two): random pages of the thread's home slot
-/// (`local`) or of any slot.
+/// [`PATTERN`] different addresses per thread, in random order: in the thread's home slot
+/// (`local`) or in any slot.
 fn address_lists(layout: &Layout, threads: u64, local: bool) -> Vec<Vec<u64>> {
+    assert!(
+        layout.slot_size >= PATTERN as u64,
+        "a slot must hold {PATTERN} different addresses"
+    );
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
         x ^= x << 13;
@@ -291,16 +323,14 @@ fn address_lists(layout: &Layout, threads: u64, local: bool) -> Vec<Vec<u64>> {
     };
     (0..threads)
         .map(|thread| {
-            (0..1024)
-                .map(|_| {
-                    let slot = if local {
-                        layout.home_slot(thread, threads)
-                    } else {
-                        next() % layout.slots
-                    };
-                    slot * layout.slot_size + next() % layout.slot_size
-                })
-                .collect()
+            distinct(PATTERN, || {
+                let slot = if local {
+                    layout.home_slot(thread, threads)
+                } else {
+                    next() % layout.slots
+                };
+                slot * layout.slot_size + next() % layout.slot_size
+            })
         })
         .collect()
 }
@@ -347,11 +377,12 @@ impl Experiment for Lookup {
          so the pass is not dominated by TLB misses). Populate = the first pass \
          over every 4 KiB page of the thread's slot (translate, then write a byte: page faults \
          dominate); iteration 2 = the same pass again (lookups dominate; median of the passes \
-         after the first). Then ns per lookup alone: a thread-local pattern (random pages of \
-         the thread's own slot) and a random pattern (any slot), on 1 thread and on all, and \
-         across slot counts. Variants: binary search with no hint, one VM-wide hint shared by \
-         all threads (KVM before the seed), memvisor's per-thread SlotCursor, and rust-vmm \
-         vm-memory 0.18 GuestMemoryMmap::get_host_address over the same memory."
+         after the first). Then ns per lookup alone: a thread-local pattern (65,536 different \
+         random addresses in the thread's own slot) and a random pattern (65,536 in any slot), \
+         on 1 thread and on all, and across slot counts. Variants: binary search with no \
+         hint, one VM-wide hint shared by all threads (KVM before the seed), memvisor's \
+         per-thread SlotCursor, and rust-vmm vm-memory 0.18 GuestMemoryMmap::get_host_address \
+         over the same memory."
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {
@@ -365,24 +396,41 @@ impl Experiment for Lookup {
 
 /// The seed's own table: populate and iteration-2 time per variant.
 fn populate_table(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()> {
+    // Every pass writes every page: the whole layout becomes resident. Halve the slots until
+    // it fits in free memory (down to 2 MiB, one huge page), or skip the table.
+    let mut slot_size = sz.slot_size;
+    while slot_size > 2 << 20 && limits::check_free(sz.slots * slot_size).is_err() {
+        slot_size /= 2;
+    }
+    let full = format!("{} slots of {} MiB", sz.slots, sz.slot_size >> 20);
+    if let Err(why) = limits::check_free(sz.slots * slot_size) {
+        out.skipped
+            .push(format!("seed 003 populate table, {full}: {why}"));
+        return Ok(());
+    }
+    if slot_size < sz.slot_size {
+        let why = limits::check_free(sz.slots * sz.slot_size).unwrap_err();
+        out.skipped.push(format!(
+            "seed 003 populate table, {full}: {why}; ran {} MiB slots",
+            slot_size >> 20
+        ));
+    }
     let case = format!("{} vCPUs x {} slots", sz.vcpus, sz.slots);
     let mut progress = ctx.progress("lookup: populate", VARIANTS.len() as u64 * sz.runs as u64);
-    let pages = sz.slot_size / PAGE;
-    let mut populate = Vec::new();
-    let mut iter2 = Vec::new();
-    for variant in VARIANTS {
-        let mut pop = Vec::new();
-        let mut again = Vec::new();
-        for _ in 0..sz.runs {
+    let pages = slot_size / PAGE;
+    // Per variant, per run: populate time and iteration 2 time, in s.
+    let mut populate = vec![Vec::new(); VARIANTS.len()];
+    let mut iter2 = vec![Vec::new(); VARIANTS.len()];
+    for _ in 0..sz.runs {
+        // The variants take turns in every run, so the per-run ratios compare like with like.
+        for (v, &variant) in VARIANTS.iter().enumerate() {
             // Fresh memory every run, so that every populate pass really faults.
-            let layout = Layout::new(BackingKind::Thp, sz.slots, sz.slot_size)?;
+            let layout = Layout::new(BackingKind::Thp, sz.slots, slot_size)?;
             let times = pass_times(&layout, variant, sz.vcpus, 6);
-            pop.push(times[0]);
-            again.push(Stats::from_samples(&times[1..]).median);
+            populate[v].push(times[0]);
+            iter2[v].push(Stats::from_samples(&times[1..]).median);
             progress.inc(1);
         }
-        populate.push(Stats::from_samples(&pop));
-        iter2.push(Stats::from_samples(&again));
     }
     progress.finish();
 
@@ -405,20 +453,20 @@ fn populate_table(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()
         log_scale: false,
         groups: Vec::new(),
     };
-    for (metric, stats, unit, scale) in [
+    for (metric, samples, unit, scale) in [
         ("Populate memory time", &populate, "s", 1.0),
         ("Iteration 2 time", &iter2, "ms", 1e3),
     ] {
+        let stats: Vec<Stats> = samples.iter().map(|s| Stats::from_samples(s)).collect();
         let mut cells = vec![metric.to_string()];
-        for s in stats {
+        for s in &stats {
             cells.push(format!("{:.3} {unit}", s.median * scale));
         }
-        let cursor = stats[2].median;
         for base in [0, 1, 3] {
-            cells.push(format!("{:.2}x", stats[base].median / cursor));
+            cells.push(ratio_cell(&ratio(&samples[base], &samples[2])));
         }
         table.push(cells);
-        for (v, s) in VARIANTS.iter().zip(stats) {
+        for (v, s) in VARIANTS.iter().zip(&stats) {
             let mut row = Row::new("lookup", &case, v.name(), metric, unit, s);
             row.median *= scale;
             row.min *= scale;
@@ -430,15 +478,16 @@ fn populate_table(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()
                 label: metric.into(),
                 bars: VARIANTS
                     .iter()
-                    .zip(stats)
+                    .zip(&stats)
                     .map(|(v, s)| (v.name().to_string(), s.median * scale))
                     .collect(),
             });
         }
     }
     table.note = Some(format!(
-        "medians of {} runs; ratios > 1 mean the cursor is faster; seed 003 (64x64, KVM): \
-         iteration 2 went 2.83 s -> 0.31 s (9.1x)",
+        "medians of {} runs, the variants taking turns in each; ratios are medians of the \
+         per-run ratios, min-max across runs in brackets; > 1 means the cursor is faster. Seed \
+         003 (64x64, KVM): iteration 2 went 2.83 s -> 0.31 s (9.1x)",
         sz.runs
     ));
     out.tables.push(table);
@@ -491,9 +540,12 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
         log_scale: true,
         groups: Vec::new(),
     };
+    // The bare loop first, then the variants in their order.
+    let order: Vec<Option<Variant>> = std::iter::once(None).chain(VARIANTS.map(Some)).collect();
     for (case, local, threads) in &cases {
         let addrs = address_lists(&layout, *threads, *local);
-        let limit = lookup_stats(&layout, None, &addrs, sz.runs);
+        let samples = interleaved(&layout, &order, &addrs, sz.runs);
+        let limit = Stats::from_samples(&samples[0]);
         out.rows.push(Row::new(
             "lookup",
             &format!("{} slots, {case}", sz.slots),
@@ -504,8 +556,8 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
         ));
         let mut medians = Vec::new();
         let mut bars = Vec::new();
-        for variant in VARIANTS {
-            let stats = lookup_stats(&layout, Some(variant), &addrs, sz.runs);
+        for (variant, runs) in VARIANTS.iter().zip(&samples[1..]) {
+            let stats = Stats::from_samples(runs);
             out.rows.push(Row::new(
                 "lookup",
                 &format!("{} slots, {case}", sz.slots),
@@ -520,8 +572,9 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
         }
         let mut cells = vec![case.clone(), format!("{:.2}", limit.median)];
         cells.extend(medians.iter().map(|m| format!("{m:.2}")));
-        cells.push(format!("{:.1}x", medians[3] / medians[2]));
-        cells.push(format!("{:.1}x", medians[0] / medians[2]));
+        // samples[1 + i] is VARIANTS[i]: binary, vm-hint, cursor, vm-memory.
+        cells.push(ratio_cell(&ratio(&samples[4], &samples[3])));
+        cells.push(ratio_cell(&ratio(&samples[1], &samples[3])));
         table.push(cells);
         chart.groups.push(ChartGroup {
             label: case.clone(),
@@ -543,7 +596,10 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
     table.note = Some(format!(
         "aggregate lookup rate on {threads_all} threads vs 1, thread-local: cursor {:.2}x \
          (range {:.2}-{:.2}), bare loop {:.2}x (the machine's limit); medians of {} runs, each \
-         about 30 ms; scaling from {} back-to-back pairs",
+         about 30 ms, the variants taking turns in every run; ratios are medians of the per-run \
+         ratios (min-max across runs); scaling from {} back-to-back pairs. Every pattern: \
+         {PATTERN} different addresses per thread (random bytes of the thread's slot, or of any \
+         slot), cycled",
         cursor_scaling.median,
         cursor_scaling.min,
         cursor_scaling.max,
@@ -569,6 +625,11 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
         "ns per lookup by slot count, 1 thread (thread-local / random)",
         &["Slots", "binary", "vm-hint", "cursor", "vm-memory"],
     );
+    scaling.note = Some(format!(
+        "medians of {} runs of about 30 ms; {PATTERN} different addresses per pattern, cycled \
+         (random bytes of one slot, or of any slot); slots of 64 KiB",
+        sz.runs
+    ));
     for &slots in sz.scaling {
         let layout = Layout::new(BackingKind::PrivateAnon, slots, 64 << 10)?;
         let mut cells = vec![slots.to_string()];

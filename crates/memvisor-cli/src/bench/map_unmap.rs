@@ -10,16 +10,19 @@
 //! and without reading physical frames. The raw cost of one `mlock` / `munlock` over the whole
 //! range is the physical limit; the seed's kernel figures are the reference. Memory is populated
 //! once per kind and reused by every run; page-at-a-time runs go last because mlocking 4 KiB
-//! inside a transparent huge page splits its mapping.
+//! inside a transparent huge page splits its mapping. `--full` maps the seed's 16 GiB where free
+//! memory allows, less (by halves) where not; without the right to lock that much (root or
+//! RLIMIT_MEMLOCK) the experiment is skipped with the reason.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use memvisor::dma::PIN_BATCH;
-use memvisor::{Backing, BackingKind, BackingOptions, HugePageReservation, Iova, PageSize, Prot};
+use memvisor::{Backing, BackingKind, BackingOptions, Iova, PageSize, Prot};
 
+use super::hugepages::{self, Reservation};
 use super::pin::{can_read_frames, eager_space, mean_std};
-use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table};
+use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
 
 pub struct MapUnmap;
 
@@ -100,13 +103,37 @@ impl Experiment for MapUnmap {
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {
-        let (size, default_runs) = match ctx.mode {
+        let (wanted, default_runs) = match ctx.mode {
             Mode::Quick => (512 * MIB, 3),
             Mode::Full => (16 * 1024 * MIB, 5),
         };
         let runs = ctx.runs_or(default_runs);
         let frames_ok = can_read_frames();
         let mut out = Outcome::default();
+        // One kind of memory at a time is populated: halve it until it fits in free memory.
+        let mut size = wanted;
+        while size > 512 * MIB && limits::check_free(size).is_err() {
+            size /= 2;
+        }
+        if let Err(why) = limits::check_free(size) {
+            out.skipped
+                .push(format!("all cases, {} MiB: {why}", size / MIB));
+            return Ok(out);
+        }
+        if size < wanted {
+            let why = limits::check_free(wanted).unwrap_err();
+            out.skipped.push(format!(
+                "{} MiB per kind: {why}; ran {} MiB",
+                wanted / MIB,
+                size / MIB
+            ));
+        }
+        // Every variant pins (mlocks) all of it at once.
+        if let Err(why) = limits::check_lock(size) {
+            out.skipped
+                .push(format!("all cases, {} MiB: {why}", size / MIB));
+            return Ok(out);
+        }
         if !frames_ok {
             out.skipped.push(
                 "variants with frames: reading /proc/self/pagemap frames needs CAP_SYS_ADMIN"
@@ -266,20 +293,17 @@ impl Experiment for MapUnmap {
 
 /// Populated memory of the seed's kind, and the huge page reservation it needs (restored on
 /// drop); `Err` says why the kind cannot run here.
-#[allow(clippy::type_complexity)]
-fn memory_for(
-    kind: &str,
-    size: u64,
-) -> Result<(Arc<Backing>, Option<HugePageReservation>), String> {
+fn memory_for(kind: &str, size: u64) -> Result<(Arc<Backing>, Option<Reservation>), String> {
     let populate = BackingOptions { populate: true };
     let (kind, pool) = match kind {
         "MADV_HUGEPAGE" => (BackingKind::Thp, None),
         "MAP_POPULATE" => (BackingKind::SharedAnon, None),
         _ => {
             let pages = size / PageSize::Size2M.bytes();
-            let pool = HugePageReservation::add(PageSize::Size2M, pages)
-                .map_err(|e| format!("cannot reserve {pages} huge pages: {e}"))?;
-            (BackingKind::Hugetlb(PageSize::Size2M), Some(pool))
+            (
+                BackingKind::Hugetlb(PageSize::Size2M),
+                hugepages::pool(pages)?,
+            )
         }
     };
     let memory = Backing::with_options(kind, size, &populate).map_err(|e| e.to_string())?;

@@ -7,7 +7,9 @@
 //! writer ([`report`]) and the SVG renderer ([`svg`]) turn outcomes into files.
 
 mod guest;
+mod hugepages;
 mod iotlb;
+pub mod limits;
 mod lookup;
 pub mod machine;
 mod map_unmap;
@@ -62,7 +64,7 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
-    /// Small sizes: the whole suite in under a minute on 2 cores.
+    /// Small sizes: the whole suite in about 4 minutes on 2 cores.
     Quick,
     /// The seeds' sizes, where the machine's memory allows.
     Full,
@@ -172,6 +174,37 @@ impl Stats {
             runs: u32::try_from(n).unwrap_or(u32::MAX),
         }
     }
+}
+
+/// Median of the per-run ratios `a[i] / b[i]`, with their min and max: the spread of a ratio
+/// whose two sides were measured in the same runs.
+pub fn ratio(a: &[f64], b: &[f64]) -> Stats {
+    let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
+    Stats::from_samples(&r)
+}
+
+/// A ratio for a table cell, the min-max across runs in brackets when there was more than one:
+/// `1.12x (0.95-1.30)`.
+pub fn ratio_cell(s: &Stats) -> String {
+    if s.runs > 1 {
+        format!("{:.2}x ({:.2}-{:.2})", s.median, s.min, s.max)
+    } else {
+        format!("{:.2}x", s.median)
+    }
+}
+
+/// `n` different values from `draw`, in the order drawn (a repeat is drawn again). `draw` must
+/// be able to produce at least `n` different values.
+pub fn distinct(n: usize, mut draw: impl FnMut() -> u64) -> Vec<u64> {
+    let mut seen = std::collections::HashSet::with_capacity(n);
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let v = draw();
+        if seen.insert(v) {
+            out.push(v);
+        }
+    }
+    out
 }
 
 /// Calls `f` `runs` times (at least once); each call returns one measured value.
@@ -511,6 +544,24 @@ mod tests {
         assert_eq!(ctx.runs_or(5), 5);
         ctx.runs = Some(2);
         assert_eq!(ctx.runs_or(5), 2);
+    }
+
+    #[test]
+    fn ratios_carry_their_spread() {
+        let r = ratio(&[2.0, 3.0, 4.0], &[1.0, 2.0, 1.0]);
+        assert_eq!((r.median, r.min, r.max, r.runs), (2.0, 1.5, 4.0, 3));
+        assert_eq!(ratio_cell(&r), "2.00x (1.50-4.00)");
+        assert_eq!(ratio_cell(&ratio(&[3.0], &[2.0])), "1.50x");
+    }
+
+    #[test]
+    fn distinct_values_in_drawn_order() {
+        let mut x = 0;
+        let v = distinct(4, || {
+            x += 1;
+            x / 2
+        });
+        assert_eq!(v, [0, 1, 2, 3]);
     }
 
     #[test]

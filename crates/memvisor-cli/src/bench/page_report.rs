@@ -57,10 +57,11 @@ use memvisor::balloon::{Balloon, VIRTIO_BALLOON_F_REPORTING, VIRTIO_F_VERSION_1}
 use memvisor::dma::{LockLimit, PIN_PAGES_MAX, PinMode, PinRegistry};
 use memvisor::{
     Backing, BackingKind, BackingOptions, DiscardOptions, Discarder, DmaConfig, DmaSpace, Gpa,
-    HugePageReservation, Iova, PageSize, Prot, SlotSpace, SlotSpec, SlotTable,
+    Iova, PageSize, Prot, SlotSpace, SlotSpec, SlotTable,
 };
 
-use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table};
+use super::hugepages::{self, Reservation};
+use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
 
 pub struct PageReport;
 
@@ -169,7 +170,7 @@ struct Guest {
     backing: Arc<Backing>,
     slots: SlotTable,
     registry: Arc<PinRegistry>,
-    _pool: Option<HugePageReservation>,
+    _pool: Option<Reservation>,
 }
 
 impl Guest {
@@ -177,10 +178,7 @@ impl Guest {
         let pool = match kind {
             Kind::Hugetlb => {
                 let pages = size / PageSize::Size2M.bytes();
-                Some(
-                    HugePageReservation::add(PageSize::Size2M, pages)
-                        .map_err(|e| format!("cannot reserve {pages} huge pages of 2 MiB: {e}"))?,
-                )
+                hugepages::pool(pages)?
             }
             _ => None,
         };
@@ -657,6 +655,8 @@ struct KindResult {
     skip_mismatch: Vec<(u64, u64)>,
     /// AnonHugePages before the discard, THP only: (min, max) over runs.
     thp_backed: Option<(u64, u64)>,
+    /// Why the pinned variant did not run, if it did not.
+    pins_skipped: Option<String>,
 }
 
 fn measure_kind(
@@ -666,9 +666,15 @@ fn measure_kind(
 ) -> anyhow::Result<KindResult> {
     let size = g.size();
     let plan = pin_plan(g.kind, size);
+    // The pins mlock what they keep: without root, RLIMIT_MEMLOCK must cover it.
+    let pins_skipped = limits::check_lock(plan.kept_bytes()).err().map(|why| {
+        progress.inc(u64::from(runs));
+        format!("{}, {}: {why}", g.kind.label(), Variant::Pinned.name())
+    });
     let mut variants: Vec<(Variant, Samples)> = VARIANTS
         .iter()
         .filter(|v| v.applies_to(g.kind))
+        .filter(|&&v| v != Variant::Pinned || pins_skipped.is_none())
         .map(|&v| (v, Samples::default()))
         .collect();
     let mut touch = Samples::default();
@@ -782,34 +788,21 @@ fn measure_kind(
         plan_what: plan.what,
         skip_mismatch,
         thp_backed,
+        pins_skipped,
     })
 }
 
-/// Guest size for the mode: 1 GiB, or 4 GiB with `--full` when the host has room for it twice
-/// over.
-fn guest_size(mode: Mode) -> (u64, Option<String>) {
+/// Guest size for the mode: 1 GiB, or 4 GiB with `--full` when free memory holds it (one kind
+/// is resident at a time); what was skipped and why; `Err` when not even 1 GiB fits.
+fn guest_size(mode: Mode) -> Result<(u64, Option<String>), String> {
+    limits::check_free(GIB).map_err(|why| format!("1 GiB per kind: {why}"))?;
     if mode == Mode::Quick {
-        return (GIB, None);
+        return Ok((GIB, None));
     }
-    let available = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find_map(|l| l.strip_prefix("MemAvailable:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024);
-    if available >= 2 * 4 * GIB {
-        (4 * GIB, None)
-    } else {
-        (
-            GIB,
-            Some(format!(
-                "4 GiB per kind: only {} MiB available, ran 1 GiB",
-                available / MIB
-            )),
-        )
-    }
+    Ok(match limits::check_free(4 * GIB) {
+        Ok(()) => (4 * GIB, None),
+        Err(why) => (GIB, Some(format!("4 GiB per kind: {why}; ran 1 GiB"))),
+    })
 }
 
 impl Experiment for PageReport {
@@ -837,13 +830,21 @@ impl Experiment for PageReport {
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {
-        let (size, smaller) = guest_size(ctx.mode);
         let runs = ctx.runs_or(match ctx.mode {
             Mode::Quick => 3,
             Mode::Full => 5,
         });
         let mut out = Outcome::default();
-        out.skipped.extend(smaller);
+        let size = match guest_size(ctx.mode) {
+            Ok((size, smaller)) => {
+                out.skipped.extend(smaller);
+                size
+            }
+            Err(why) => {
+                out.skipped.push(why);
+                return Ok(out);
+            }
+        };
         let steps: u64 = KINDS
             .iter()
             .map(|&k| VARIANTS.iter().filter(|v| v.applies_to(k)).count() as u64)
@@ -861,7 +862,9 @@ impl Experiment for PageReport {
                     continue;
                 }
             };
-            results.push((kind, measure_kind(&guest, runs, &mut progress)?));
+            let result = measure_kind(&guest, runs, &mut progress)?;
+            out.skipped.extend(result.pins_skipped.clone());
+            results.push((kind, result));
         }
         progress.finish();
         tables(&mut out, size, runs, &results);
@@ -1136,7 +1139,9 @@ fn tables(out: &mut Outcome, size: u64, runs: u32, results: &[(Kind, KindResult)
         )
     });
     out.tables.push(table);
-    out.tables.push(pins);
+    if !pins.rows.is_empty() {
+        out.tables.push(pins);
+    }
     out.tables.push(refault);
     out.charts.push(("report-gbps".into(), gbps_chart));
     out.charts.push(("report-touch".into(), touch_chart));

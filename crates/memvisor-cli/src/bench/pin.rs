@@ -7,7 +7,9 @@
 //! `pin_batch = 1` (one populate, one mlock and one 8-byte pagemap read per page); the batched
 //! variant uses the default 512 (one of each per 2 MiB, one 4 KiB pagemap read). Frames are
 //! read only with CAP_SYS_ADMIN; without it both variants pin without frames and say so.
-//! Each run maps fresh memory into a fresh space; the unmap after it is not timed.
+//! Each run maps fresh memory into a fresh space; the unmap after it is not timed. A size that
+//! does not fit in free memory, or that the process may not lock (RLIMIT_MEMLOCK without
+//! root), is skipped with the reason.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,7 +17,7 @@ use std::time::Instant;
 use memvisor::dma::{LockLimit, PIN_BATCH, PinMode, PinRegistry};
 use memvisor::{Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Iova, Prot};
 
-use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table};
+use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
 
 pub struct Pin;
 
@@ -34,14 +36,7 @@ pub(super) fn eager_space(batch: usize, frames: bool) -> anyhow::Result<DmaSpace
 
 /// Whether this process may read physical frames (CAP_SYS_ADMIN; root has it).
 pub(super) fn can_read_frames() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
-        })
-        .is_some_and(|caps| caps & (1 << 21) != 0)
+    limits::has_capability(limits::CAP_SYS_ADMIN)
 }
 
 /// Mean and (population) standard deviation, as the seed reports them.
@@ -153,6 +148,12 @@ impl Experiment for Pin {
         };
         for &gib in sizes {
             let size = gib * GIB;
+            // Each run populates and locks `size` bytes (then lets them go).
+            if let Err(why) = limits::check_free(size).and_then(|()| limits::check_lock(size)) {
+                out.skipped.push(format!("{gib} GiB: {why}"));
+                progress.inc(2 * runs as u64);
+                continue;
+            }
             let mut avg = Vec::new();
             let mut cells = Vec::new();
             for (name, batch) in variants {
@@ -208,6 +209,9 @@ impl Experiment for Pin {
             });
         }
         progress.finish();
+        if table.rows.is_empty() {
+            return Ok(out);
+        }
         table.note = Some(format!(
             "{runs} runs each, fresh populated memory per run; frames {}. The floor is one \
              mlock of the whole range plus one pass of 4 KiB pagemap reads (median). Seed 000 (kernel, \

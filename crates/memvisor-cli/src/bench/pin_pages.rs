@@ -37,14 +37,13 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use memvisor::backing::free_huge_pages;
 use memvisor::dma::{Grouping, LockLimit, PinRegistry};
-use memvisor::{
-    Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, HugePageReservation, Iova, PageSize,
-    Prot,
-};
+use memvisor::{Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Iova, PageSize, Prot};
 
-use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table};
+use super::hugepages;
+use super::{
+    Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits, ratio, ratio_cell,
+};
 
 pub struct PinPages;
 
@@ -101,6 +100,15 @@ impl Memory {
             Memory::Small => ([1638.0, 223_651.0], [1735.0, 167_286.0]),
             Memory::Thp => ([1668.0, 222_330.0], [1934.0, 126_900.0]),
             Memory::Hugetlb => ([1526.0, 208_151.0], [1713.0, 102_188.0]),
+        }
+    }
+
+    /// Bytes one call of `pages` pages locks: those pages, or on THP and hugetlbfs every huge
+    /// page they touch (the calls here start on a huge page).
+    fn locked_by(self, pages: u64) -> u64 {
+        match self {
+            Memory::Small => pages * PAGE,
+            Memory::Thp | Memory::Hugetlb => (pages * PAGE).next_multiple_of(HUGE),
         }
     }
 
@@ -363,6 +371,18 @@ fn replay(dma: &DmaSpace, calls: &[Vec<u64>]) -> anyhow::Result<(u128, u128)> {
     Ok((pin, unpin))
 }
 
+/// The most bytes [`replay`] of `calls` holds pinned at once: [`QUEUE`] + 1 calls (at most: a
+/// page in two of them is locked once).
+fn peak_pinned(calls: &[Vec<u64>]) -> u64 {
+    let pages = |w: &[Vec<u64>]| w.iter().map(Vec::len).sum::<usize>() as u64;
+    calls
+        .windows(QUEUE + 1)
+        .map(pages)
+        .max()
+        .unwrap_or_else(|| pages(calls))
+        * PAGE
+}
+
 /// How one variant goes through a list of calls: [`pin_then_unpin`] or [`replay`].
 type Driver = fn(&DmaSpace, &[Vec<u64>]) -> anyhow::Result<(u128, u128)>;
 
@@ -419,37 +439,6 @@ fn vma_range(line: &str) -> Option<(u64, u64)> {
         u64::from_str_radix(s, 16).ok()?,
         u64::from_str_radix(e, 16).ok()?,
     ))
-}
-
-/// Where the 2 MiB huge pages come from: a reservation (root), or pages already free.
-fn hugetlb_pool(pages: u64) -> Result<Option<HugePageReservation>, String> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        return HugePageReservation::add(PageSize::Size2M, pages)
-            .map(Some)
-            .map_err(|e| format!("hugetlbfs 2 MiB: reserving {pages} huge pages failed: {e}"));
-    }
-    match free_huge_pages(PageSize::Size2M) {
-        Ok(free) if free >= pages => Ok(None),
-        Ok(free) => Err(format!(
-            "hugetlbfs 2 MiB: needs root to reserve {pages} huge pages ({free} free)"
-        )),
-        Err(e) => Err(format!("hugetlbfs 2 MiB: {e}")),
-    }
-}
-
-/// Median of the per-run ratios `a[i] / b[i]`, with their min and max.
-fn ratio(a: &[f64], b: &[f64]) -> Stats {
-    let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
-    Stats::from_samples(&r)
-}
-
-fn ratio_cell(s: &Stats) -> String {
-    if s.runs > 1 {
-        format!("{:.2}x ({:.2}-{:.2})", s.median, s.min, s.max)
-    } else {
-        format!("{:.2}x", s.median)
-    }
 }
 
 /// One memory kind × call size of part 1, with a backing and a space per variant, so nothing
@@ -556,15 +545,24 @@ impl Experiment for PinPages {
         let mut out = Outcome::default();
 
         // The huge pages must outlive the backings built on them: declared first, dropped last.
-        let pool = hugetlb_pool(2 * VARIANTS.len() as u64 * CHUNKS);
+        let pool = hugepages::pool(2 * VARIANTS.len() as u64 * CHUNKS);
         let mut memories = vec![Memory::Small, Memory::Thp];
         match &pool {
             Ok(_) => memories.push(Memory::Hugetlb),
-            Err(why) => out.skipped.push(why.clone()),
+            Err(why) => out
+                .skipped
+                .push(format!("{}: {why}", Memory::Hugetlb.label())),
         }
         let mut cases = Vec::new();
         for &memory in &memories {
             for pages in [1, 512] {
+                // Pins mlock: without root, RLIMIT_MEMLOCK must cover one call.
+                if let Err(why) = limits::check_lock(memory.locked_by(pages)) {
+                    let s = if pages == 1 { "" } else { "s" };
+                    out.skipped
+                        .push(format!("{}, {pages} page{s}: {why}", memory.label()));
+                    continue;
+                }
                 match Case::new(memory, pages) {
                     Ok(c) => cases.push(c),
                     Err(e) if memory == Memory::Hugetlb => {
@@ -604,14 +602,26 @@ impl Experiment for PinPages {
                 None,
             ),
         ];
-        let traces: Vec<Vec<Vec<u64>>> = workloads
-            .iter()
-            .map(|&(_, hist, seed, runs)| {
-                replay_calls(hist, runs, replay_len, REPLAY_SIZE / PAGE, seed)
-            })
-            .collect();
+        // Each workload's calls, if the process may lock what the replay holds pinned at once.
+        let (mut kept, mut traces) = (Vec::new(), Vec::new());
+        for workload in workloads {
+            let (name, hist, seed, runs) = workload;
+            let calls = replay_calls(hist, runs, replay_len, REPLAY_SIZE / PAGE, seed);
+            match limits::check_lock(peak_pinned(&calls)) {
+                Ok(()) => {
+                    kept.push(workload);
+                    traces.push(calls);
+                }
+                Err(why) => out.skipped.push(format!("replay {name}: {why}")),
+            }
+        }
+        let workloads = kept;
+        if cases.is_empty() && workloads.is_empty() {
+            return Ok(out);
+        }
 
-        let mut progress = ctx.progress(NAME, u64::from(runs) * (cases.len() + 2) as u64);
+        let progress_steps = u64::from(runs) * (cases.len() + traces.len()) as u64;
+        let mut progress = ctx.progress(NAME, progress_steps);
         // Per workload, per variant: per-run mean ns per call of pin and of unpin.
         let mut replay_pin = vec![vec![Vec::new(); VARIANTS.len()]; workloads.len()];
         let mut replay_unpin = replay_pin.clone();
@@ -748,9 +758,11 @@ impl Experiment for PinPages {
              per-page, per run otherwise); the seed measured only pinning."
                 .into(),
         );
-        out.tables.push(pin_table);
-        out.tables.push(unpin_table);
-        out.charts.push(("pin-pages-call".into(), chart));
+        if !cases.is_empty() {
+            out.tables.push(pin_table);
+            out.tables.push(unpin_table);
+            out.charts.push(("pin-pages-call".into(), chart));
+        }
 
         // Part 2: replay.
         let mut replay_table = Table::new(
@@ -830,8 +842,10 @@ impl Experiment for PinPages {
              vfio-user reference device in pin mode under a real Linux guest (from \
              {mvdma_source}): each call pins one run of IOVA pages."
         ));
-        out.tables.push(replay_table);
-        out.charts.push(("pin-pages-replay".into(), replay_chart));
+        if !workloads.is_empty() {
+            out.tables.push(replay_table);
+            out.charts.push(("pin-pages-replay".into(), replay_chart));
+        }
 
         let mut dist = Table::new(
             "Part 2: generated vs recorded distributions (% of calls or runs)",
@@ -893,14 +907,18 @@ impl Experiment for PinPages {
         ));
         out.tables.push(dist);
 
-        out.notes.push(format!(
-            "target 1 (512 pages >= 3x faster grouped than per-page, pin): {}",
-            target_one.join("; ")
-        ));
-        out.notes.push(format!(
-            "target 2 (adaptive <= 5% slower than per-page on the seed's two replays, pin+unpin; mvdma shown beside them): {}",
-            target_two.join("; ")
-        ));
+        if !target_one.is_empty() {
+            out.notes.push(format!(
+                "target 1 (512 pages >= 3x faster grouped than per-page, pin): {}",
+                target_one.join("; ")
+            ));
+        }
+        if !target_two.is_empty() {
+            out.notes.push(format!(
+                "target 2 (adaptive <= 5% slower than per-page on the seed's two replays, pin+unpin; mvdma shown beside them): {}",
+                target_two.join("; ")
+            ));
+        }
         for (case, (before, after)) in cases.iter().zip(thp_before.iter().zip(&thp_after)) {
             if let (Some(b), Some(a)) = (before, after) {
                 let each: Vec<String> = VARIANTS

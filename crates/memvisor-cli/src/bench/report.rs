@@ -22,6 +22,9 @@ impl Section<'_> {
     pub fn to_text(&self) -> String {
         let (e, o) = (self.experiment, &self.outcome);
         let mut out = format!("\n== {} — {} ==\n", e.name(), e.title());
+        if o.tables.is_empty() && !o.skipped.is_empty() {
+            out += "\nnothing measured: every case was skipped\n\n";
+        }
         for table in &o.tables {
             out += &format!("\n{}", table.to_text());
         }
@@ -112,6 +115,9 @@ fn markdown(machine: &Machine, mode: Mode, sections: &[Section]) -> String {
     for s in sections {
         let (e, o) = (s.experiment, &s.outcome);
         out += &format!("\n## {} — {}\n\n{}\n", e.name(), e.title(), e.about());
+        if o.tables.is_empty() && !o.skipped.is_empty() {
+            out += "\nNothing measured: every case was skipped (see below).\n";
+        }
         for table in &o.tables {
             out += &format!("\n{}", table.to_markdown());
         }
@@ -254,6 +260,21 @@ mod tests {
         ] {
             assert!(text.contains(want), "text lacks {want:?}:\n{text}");
         }
+    }
+
+    #[test]
+    fn an_experiment_that_skipped_everything_says_so() {
+        let mut section = fake_section(None);
+        section.outcome.tables.clear();
+        let text = section.to_text();
+        assert!(
+            text.contains("nothing measured: every case was skipped"),
+            "{text}"
+        );
+        assert!(text.contains("skipped: huge: needs root"), "{text}");
+        let md = markdown(&Machine::detect(), Mode::Quick, &[section]);
+        assert!(md.contains("Nothing measured"), "{md}");
+        assert!(md.contains("Skipped:\n\n- huge: needs root\n"), "{md}");
     }
 
     #[test]

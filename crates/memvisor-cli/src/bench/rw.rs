@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use memvisor::{Backing, BackingKind, BackingOptions, DmaSpace, Iova, Prot};
 
-use super::{Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, ns_per_op};
+use super::{Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, limits, ns_per_op};
 
 pub struct Rw;
 
@@ -170,6 +170,14 @@ impl Experiment for Rw {
             let label = human(size);
             let mut gbps = Vec::new();
             for (variant, name) in VARIANTS {
+                if variant == Variant::PinCopyUnpin {
+                    // mlock of the pages a transfer touches: RLIMIT_MEMLOCK without root.
+                    if let Err(why) = limits::check_lock(size.next_multiple_of(4096) + 4096) {
+                        out.skipped.push(format!("{name}, {label}: {why}"));
+                        gbps.push(f64::NAN);
+                        continue;
+                    }
+                }
                 let mut failure = None;
                 let ns = ns_per_op(runs, |iters| {
                     time(&dma, &guest, variant, size, iters).unwrap_or_else(|e| {
@@ -190,7 +198,13 @@ impl Experiment for Rw {
                 gbps.push(stats.median);
             }
             let mut cells = vec![label.clone()];
-            cells.extend(gbps.iter().map(|g| format!("{g:.2}")));
+            cells.extend(gbps.iter().map(|g| {
+                if g.is_nan() {
+                    "skipped".to_string()
+                } else {
+                    format!("{g:.2}")
+                }
+            }));
             cells.push(format!("{:.0}%", 100.0 * gbps[3] / gbps[0]));
             cells.push(format!("{:.0}%", 100.0 * gbps[4] / gbps[1]));
             cells.push(format!("{:.0}%", 100.0 * gbps[5] / gbps[0]));
@@ -201,6 +215,7 @@ impl Experiment for Rw {
                 bars: VARIANTS
                     .iter()
                     .zip(&gbps)
+                    .filter(|(_, g)| !g.is_nan())
                     .map(|((_, n), g)| (n.to_string(), *g))
                     .collect(),
             });
