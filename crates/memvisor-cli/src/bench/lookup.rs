@@ -657,7 +657,7 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
     progress.finish();
     out.tables.push(scaling);
     out.notes.push(format!(
-        "targets (issue 2): cursor hit <= 2 ns; cursor >= 5x faster than vm-memory at 64 slots \
+        "targets: cursor hit <= 2 ns; cursor >= 5x faster than vm-memory at 64 slots \
          (thread-local); cursor aggregate rate on {threads_all} threads >= 1.8x one thread"
     ));
     Ok(())

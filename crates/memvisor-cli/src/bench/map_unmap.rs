@@ -145,9 +145,9 @@ impl Experiment for MapUnmap {
             &[
                 "memory",
                 "variant",
-                "MAP s",
+                "MAP time",
                 "MAP GB/s",
-                "UNMAP s",
+                "UNMAP time",
                 "UNMAP GB/s",
                 "UNMAP vs per-page",
             ],
@@ -235,9 +235,9 @@ impl Experiment for MapUnmap {
                 table.push(vec![
                     seed_name.into(),
                     v.name.into(),
-                    format!("{map_s:.4}"),
+                    seconds(*map_s),
                     format!("{:.1}", gb / map_s),
-                    format!("{unmap_s:.4}"),
+                    seconds(*unmap_s),
                     format!("{:.1}", gb / unmap_s),
                     ratio,
                 ]);
@@ -245,9 +245,9 @@ impl Experiment for MapUnmap {
             table.push(vec![
                 seed_name.into(),
                 "raw mlock / munlock (floor)".into(),
-                format!("{lock_s:.4}"),
+                seconds(lock_s),
                 format!("{:.1}", gb / lock_s),
-                format!("{unlock_s:.4}"),
+                seconds(unlock_s),
                 format!("{:.1}", gb / unlock_s),
                 String::new(),
             ]);
@@ -308,4 +308,14 @@ fn memory_for(kind: &str, size: u64) -> Result<(Arc<Backing>, Option<Reservation
     };
     let memory = Backing::with_options(kind, size, &populate).map_err(|e| e.to_string())?;
     Ok((Arc::new(memory), pool))
+}
+
+/// A time for a table cell, with its unit: seconds, or milliseconds where four decimals of a
+/// second would read as 0.0000.
+fn seconds(s: f64) -> String {
+    if s >= 0.01 {
+        format!("{s:.4} s")
+    } else {
+        format!("{:.3} ms", s * 1e3)
+    }
 }

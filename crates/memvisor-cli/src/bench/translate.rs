@@ -163,7 +163,7 @@ impl Experiment for Translate {
     }
 
     fn about(&self) -> &'static str {
-        "The device hot path of issue 3. N scattered 4 KiB mappings (a vIOMMU guest's pattern); \
+        "The device hot path. N scattered 4 KiB mappings (a vIOMMU guest's pattern); \
          ns per translation of a 64-byte access through DmaSpace::translate (no cursor: \
          snapshot load + index lookup) and through a DmaCursor, on all-hit, hit-heavy \
          (runs of 16 in one mapping) and miss-heavy (random mapping each time) address \
