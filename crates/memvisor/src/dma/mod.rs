@@ -547,15 +547,7 @@ impl DmaSpace {
         prot: Prot,
     ) -> Result<()> {
         let host = self.backing_host(backing, offset, size)?;
-        let range = self.check_new_range(iova, size, prot)?;
-        self.insert(
-            range,
-            prot,
-            vec![NewMapping {
-                iova: range,
-                memory: Memory::Local(host),
-            }],
-        )
+        self.insert_one(iova, size, prot, Memory::Local(host))
     }
 
     /// Maps `[iova, iova + size)` to memory of a peer that this process cannot address: a
@@ -566,13 +558,18 @@ impl DmaSpace {
     /// transport the caller passes them; translation, `pin_pages` and plain `dma_read` /
     /// `dma_write` fail with EFAULT ([`Error::Remote`]), as libvfio-user's `vfu_sgl_get` does.
     pub fn map_remote(&self, iova: Iova, size: u64, prot: Prot) -> Result<()> {
+        self.insert_one(iova, size, prot, Memory::Remote)
+    }
+
+    /// Makes one mapping of `memory` at `[iova, iova + size)` after type1's checks.
+    fn insert_one(&self, iova: Iova, size: u64, prot: Prot, memory: Memory) -> Result<()> {
         let range = self.check_new_range(iova, size, prot)?;
         self.insert(
             range,
             prot,
             vec![NewMapping {
                 iova: range,
-                memory: Memory::Remote,
+                memory,
             }],
         )
     }
@@ -618,15 +615,7 @@ impl DmaSpace {
     /// that saw it has finished: memvisor will read and write it on devices' behalf.
     pub unsafe fn map_raw(&self, iova: Iova, hva: Hva, size: u64, prot: Prot) -> Result<()> {
         let host = self.raw_host(hva, size)?;
-        let range = self.check_new_range(iova, size, prot)?;
-        self.insert(
-            range,
-            prot,
-            vec![NewMapping {
-                iova: range,
-                memory: Memory::Local(host),
-            }],
-        )
+        self.insert_one(iova, size, prot, Memory::Local(host))
     }
 
     /// Unmaps every mapping inside `[iova, iova + size)` and returns the bytes unmapped (0 if

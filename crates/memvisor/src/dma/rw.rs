@@ -129,13 +129,11 @@ impl DmaSpace {
         let (min_page, id) = (self.shared.min_page, self.shared.head.0.id);
         let mut failed = None;
         self.with_snapshot(|snap| {
-            if self.copies_allowed(snap) {
-                if let Some(hva) = last_hit_within(id, snap, iova.0, len as u64, need.0) {
-                    failed = copy(iova.0, Some(hva), 0, len).err();
-                    return Ok(());
-                }
-            }
             self.refuse_while_invalid(snap, iova.0)?;
+            if let Some(hva) = last_hit_within(id, snap, iova.0, len as u64, need.0) {
+                failed = copy(iova.0, Some(hva), 0, len).err();
+                return Ok(());
+            }
             let mut at = 0usize;
             let first = snap.for_each_piece(
                 iova.0,
