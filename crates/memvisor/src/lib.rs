@@ -28,6 +28,7 @@ mod copy;
 pub mod discard;
 pub mod dma;
 pub mod error;
+mod pagetable;
 mod rangemap;
 pub mod slots;
 #[cfg(feature = "vm-memory")]

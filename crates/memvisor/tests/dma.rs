@@ -996,3 +996,120 @@ fn plain_copies_never_take_a_stale_shortcut() {
     assert_eq!(errno(d.dma_read(Iova(0), &mut one)), libc::EINVAL);
     assert_eq!(errno(d.dma_write(Iova(0), &[1])), libc::EINVAL);
 }
+
+/// Translations of small mappings are answered through a page index beside the sorted one; it
+/// has edges (2 MiB leaves, 8 GiB nodes, a 512 GiB window, a 127-page size limit, a budget of
+/// leaves that scattered pages exhaust). At each of them, and after unmaps and remaps, every
+/// path answers exactly: plain `translate`, a long-lived cursor, and a fresh cursor per probe.
+#[test]
+fn translations_are_exact_at_every_edge_of_the_page_index() {
+    const MIB2: u64 = 2 << 20;
+    const WINDOW: u64 = 1 << 39;
+    let b = mem(1024);
+    let base = b.hva().0;
+    let d = DmaSpace::default();
+    // (iova, pages, backing page)
+    let mut maps = vec![
+        (MIB2 - 2 * PAGE, 4, 0),
+        ((8 << 30) - PAGE, 2, 4),
+        (WINDOW - 2 * PAGE, 2, 8),
+        (WINDOW, 3, 10),
+        (1 << 30, 127, 16),
+        ((1 << 30) + 128 * PAGE, 128, 150),
+        (u64::MAX - PAGE + 1, 1, 300),
+    ];
+    // Single pages 2 MiB apart: far more leaves than the index's budget allows.
+    maps.extend((0..300).map(|i| ((64 << 30) + i * MIB2 + PAGE, 1, 400 + i)));
+    for &(iova, pages, at) in &maps {
+        d.map_backing(Iova(iova), &b, at * PAGE, pages * PAGE, Prot::RW)
+            .unwrap();
+    }
+    let mut cursor = d.cursor();
+    let check = |cursor: &mut memvisor::dma::DmaCursor, maps: &[(u64, u64, u64)], shift: u64| {
+        for &(iova, pages, at) in maps {
+            let end = iova.wrapping_add(pages * PAGE);
+            for probe in [iova, iova + pages * PAGE / 2 + 8, end.wrapping_sub(1)] {
+                let want = (
+                    base + (at + shift) * PAGE + (probe - iova),
+                    64.min(end.wrapping_sub(probe)),
+                );
+                for access in [Access::Read, Access::Write] {
+                    let got = [
+                        d.translate(Iova(probe), 64, access),
+                        cursor.translate(Iova(probe), 64, access),
+                        d.cursor().translate(Iova(probe), 64, access),
+                    ];
+                    for (how, t) in got.into_iter().enumerate() {
+                        let t = t.unwrap_or_else(|e| panic!("{probe:#x} path {how}: {e}"));
+                        assert_eq!((t.hva.0, t.len), want, "{probe:#x} path {how}");
+                    }
+                }
+            }
+        }
+    };
+    let unmapped = |cursor: &mut memvisor::dma::DmaCursor, maps: &[(u64, u64, u64)]| {
+        for &(iova, pages, _) in maps {
+            for probe in [iova, iova + (pages * PAGE - 1)] {
+                assert_eq!(
+                    errno(d.translate(Iova(probe), 8, Access::Read)),
+                    libc::EFAULT
+                );
+                assert_eq!(
+                    errno(cursor.translate(Iova(probe), 8, Access::Read)),
+                    libc::EFAULT
+                );
+                assert_eq!(
+                    errno(d.cursor().translate(Iova(probe), 8, Access::Read)),
+                    libc::EFAULT
+                );
+            }
+        }
+    };
+    check(&mut cursor, &maps, 0);
+    // Neighbours of the mappings stay unmapped.
+    for probe in [MIB2 - 2 * PAGE - 1, MIB2 + 2 * PAGE, (1 << 30) + 127 * PAGE] {
+        assert_eq!(
+            errno(d.translate(Iova(probe), 8, Access::Read)),
+            libc::EFAULT
+        );
+        assert_eq!(
+            errno(cursor.translate(Iova(probe), 8, Access::Read)),
+            libc::EFAULT
+        );
+    }
+    // Every other mapping goes; the rest still answer, the gone ones fault.
+    let (gone, kept): (Vec<_>, Vec<_>) = maps.iter().enumerate().partition(|(i, _)| i % 2 == 0);
+    let gone: Vec<_> = gone.into_iter().map(|(_, m)| *m).collect();
+    let kept: Vec<_> = kept.into_iter().map(|(_, m)| *m).collect();
+    for &(iova, pages, _) in &gone {
+        d.unmap(Iova(iova), pages * PAGE).unwrap();
+    }
+    check(&mut cursor, &kept, 0);
+    unmapped(&mut cursor, &gone);
+    // Mapped again one backing page further on: the new addresses, never the old.
+    for &(iova, pages, at) in &gone {
+        d.map_backing(Iova(iova), &b, (at + 1) * PAGE, pages * PAGE, Prot::RW)
+            .unwrap();
+    }
+    check(&mut cursor, &gone, 1);
+    check(&mut cursor, &kept, 0);
+    // Read-only now: writes are refused on every path, reads still answer.
+    let (iova, pages, at) = gone[0];
+    d.unmap(Iova(iova), pages * PAGE).unwrap();
+    d.map_backing(Iova(iova), &b, at * PAGE, pages * PAGE, Prot::READ)
+        .unwrap();
+    assert_eq!(
+        errno(d.translate(Iova(iova), 8, Access::Write)),
+        libc::EPERM
+    );
+    assert_eq!(
+        errno(cursor.translate(Iova(iova), 8, Access::Write)),
+        libc::EPERM
+    );
+    assert_eq!(
+        d.translate(Iova(iova), 8, Access::Read).unwrap().hva.0,
+        base + at * PAGE
+    );
+    d.unmap_all().unwrap();
+    unmapped(&mut cursor, &maps);
+}

@@ -37,7 +37,7 @@
 //! a bitmap nobody reads any more: a device must not write a range it is unmapping, the rule a
 //! guest follows for its own IOMMU.
 
-use super::{DmaSpace, Index, Mapping, PinMode, Writer, index_set, whole_mappings};
+use super::{DmaSpace, Index, Mapping, PinMode, Writer, whole_mappings};
 use crate::addr::Iova;
 use crate::error::{Error, Result};
 
@@ -142,7 +142,7 @@ impl DmaSpace {
                 pos = map.next(p);
             }
             for (p, m) in changed {
-                index_set(map, p, m);
+                map.set(p, m);
             }
             writer.tracking = on;
             Ok(((), true))

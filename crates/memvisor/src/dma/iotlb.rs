@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use super::{DmaSpace, Host, Index, Mapping, Memory, index_insert, whole_mappings};
+use super::{DmaSpace, Host, Index, Mapping, Memory, whole_mappings};
 use crate::addr::{Hva, Iova, Range};
 use crate::error::Result;
 
@@ -74,7 +74,7 @@ impl DmaSpace {
                 map.remove(*start).expect("found above");
             }
             for m in keep {
-                index_insert(map, m);
+                map.insert(m);
             }
             Ok((removed, true))
         })

@@ -57,6 +57,7 @@ use crate::addr::{Gpa, Hva, Iova, PageSize, Range};
 use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
 use crate::error::{Error, Result};
+use crate::pagetable::PageTable;
 use crate::rangemap::{Pos, RangeMap};
 use crate::slots::{SlotFlags, Snapshot};
 use counts::RunCounts;
@@ -367,18 +368,97 @@ impl Hot {
     }
 }
 
-/// The index: IOVA ranges, each with its hot word and its mapping record.
-type Index = RangeMap<Hot, Arc<Mapping>>;
+/// The page size of the page table.
+const PAGE: u64 = 4096;
 
-/// Puts `mapping` into `map` at `start`.
-fn index_insert(map: &mut Index, mapping: Mapping) {
-    let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
-    map.insert(start, last, Hot::of(&mapping), Arc::new(mapping));
+/// Pages a mapping may span and still be entered in the page table: the pages left to its
+/// end, 1 to 127, fit the hot word's free bits 5..=11.
+const TABLE_PAGES_MAX: u64 = 127;
+
+impl Hot {
+    /// In a page-table word: the pages from this one to the mapping's end.
+    const LEFT_SHIFT: u32 = 5;
+    const LEFT: u64 = 0x7f << Hot::LEFT_SHIFT;
 }
 
-/// Replaces the mapping at `pos` with `mapping` (same range).
-fn index_set(map: &mut Index, pos: Pos, mapping: Mapping) {
-    map.set(pos, Hot::of(&mapping), Arc::new(mapping));
+/// The index: every mapping's IOVA range, hot word and record in the sorted [`RangeMap`]; and,
+/// for the small mappings a vIOMMU makes (at most [`TABLE_PAGES_MAX`] pages, below the page
+/// table's window, while its budget allows), one word per 4 KiB page in a [`PageTable`]: the
+/// mapping's hot word plus the pages left to its end. A translation reads the page table first
+/// and the sorted index only where it holds nothing; everything else (spans, walks, changes)
+/// reads the sorted index, which is the record. The two change together, only here.
+#[derive(Clone, Default)]
+struct Index {
+    ranges: RangeMap<Hot, Arc<Mapping>>,
+    pages: PageTable,
+}
+
+impl std::ops::Deref for Index {
+    type Target = RangeMap<Hot, Arc<Mapping>>;
+    fn deref(&self) -> &Self::Target {
+        &self.ranges
+    }
+}
+
+impl Index {
+    /// Puts `mapping` into the index.
+    fn insert(&mut self, mapping: Mapping) {
+        let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
+        let hot = Hot::of(&mapping);
+        self.enter_pages(start, last, hot);
+        self.ranges.insert(start, last, hot, Arc::new(mapping));
+    }
+
+    /// Replaces the mapping at `pos` with `mapping` (same range).
+    fn set(&mut self, pos: Pos, mapping: Mapping) {
+        let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
+        let hot = Hot::of(&mapping);
+        self.enter_pages(start, last, hot);
+        self.ranges.set(pos, hot, Arc::new(mapping));
+    }
+
+    /// Removes the mapping starting at `start`.
+    fn remove(&mut self, start: u64) -> Option<Arc<Mapping>> {
+        let pos = self.ranges.find(start)?;
+        let (_, last, _) = self.ranges.bounds(pos);
+        let pages = (last - start) / PAGE + 1;
+        if pages <= TABLE_PAGES_MAX {
+            self.pages.clear(start, pages);
+        }
+        self.ranges.remove(start)
+    }
+
+    /// Writes the page-table words of a mapping `[start, last]` with `hot`, if it is small;
+    /// where the table refuses, clears them, so the sorted index answers.
+    fn enter_pages(&mut self, start: u64, last: u64, hot: Hot) {
+        let pages = (last - start) / PAGE + 1;
+        if pages > TABLE_PAGES_MAX {
+            return;
+        }
+        if !self
+            .pages
+            .fill(start, pages, |k| hot.0 | (pages - k) << Hot::LEFT_SHIFT)
+        {
+            self.pages.clear(start, pages);
+        }
+    }
+
+    /// See [`RangeMap::reindex`].
+    fn reindex(&mut self) {
+        self.ranges.reindex();
+    }
+
+    /// The page-table answer for `iova`: (hot word, last byte of its mapping), if the table
+    /// holds the page.
+    #[inline(always)]
+    fn page(&self, iova: u64) -> Option<(Hot, u64)> {
+        let word = self.pages.get(iova);
+        let left = (word & Hot::LEFT) >> Hot::LEFT_SHIFT;
+        let last = (iova & !(PAGE - 1))
+            .wrapping_add(left * PAGE)
+            .wrapping_sub(1);
+        (left != 0).then_some((Hot(word & !Hot::LEFT), last))
+    }
 }
 
 /// The mappings at one generation.
@@ -442,6 +522,7 @@ impl fmt::Debug for DmaSpace {
         f.debug_struct("DmaSpace")
             .field("generation", &snap.generation)
             .field("mappings", &snap.map.len())
+            .field("page_table", &snap.map.pages)
             .finish()
     }
 }
@@ -483,7 +564,7 @@ impl DmaSpace {
                 }),
                 current: ArcSwap::from_pointee(DmaSnapshot {
                     generation: 0,
-                    map: RangeMap::default(),
+                    map: Index::default(),
                     invalid: 0,
                 }),
                 writer: Mutex::new(Writer {
@@ -679,7 +760,7 @@ impl DmaSpace {
             for (start, m) in &hit {
                 self.unpin_mapping(writer, m.id);
                 let pos = map.find(*start).expect("found above");
-                index_set(map, pos, m.with(Memory::Invalidated, m.dirty.clone()));
+                map.set(pos, m.with(Memory::Invalidated, m.dirty.clone()));
                 bytes += m.iova.len();
             }
             writer.invalid += hit.len() as u64;
@@ -747,7 +828,7 @@ impl DmaSpace {
                 let pinned = self.pin_mapping(&new)?;
                 writer.eager.insert(new.id, pinned);
             }
-            index_set(map, pos, new);
+            map.set(pos, new);
             writer.invalid -= 1;
             Ok(((), true))
         })?;
@@ -920,7 +1001,7 @@ impl DmaSpace {
                 writer.eager.extend(pinned);
             }
             for m in made {
-                index_insert(map, m);
+                map.insert(m);
             }
             Ok(((), true))
         })
