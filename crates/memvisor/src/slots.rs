@@ -192,7 +192,9 @@ struct Entry {
     /// hva - gpa, wrapping: the host address of `gpa` is `gpa + delta`.
     delta: u64,
     id: SlotId,
-    read_only: bool,
+    /// 1 if the slot refuses writes: a whole word, so the entry has no padding and is copied
+    /// as four words (a `bool` here made the cursor's copy byte-wise, and slower).
+    read_only: u32,
 }
 
 impl Entry {
@@ -202,7 +204,7 @@ impl Entry {
         last: 0,
         delta: 0,
         id: 0,
-        read_only: false,
+        read_only: 0,
     };
 
     #[inline(always)]
@@ -216,7 +218,7 @@ impl Entry {
             hva: Hva(gpa.wrapping_add(self.delta)),
             len: self.last - gpa + 1,
             slot: self.id,
-            read_only: self.read_only,
+            read_only: self.read_only != 0,
         }
     }
 }
@@ -246,7 +248,7 @@ impl Snapshot {
                 last: s.range.last().0,
                 delta: s.hva().0.wrapping_sub(s.range.start().0),
                 id: s.id,
-                read_only: s.flags.contains(SlotFlags::READ_ONLY),
+                read_only: s.flags.contains(SlotFlags::READ_ONLY).into(),
             })
             .collect();
         Snapshot {
@@ -289,6 +291,14 @@ impl Snapshot {
         (gpa.0 <= e.last).then_some(i - 1)
     }
 
+    /// The entry of the slot holding `gpa`: [`Snapshot::find`] without the index.
+    #[inline(always)]
+    fn find_entry(&self, gpa: Gpa) -> Option<&Entry> {
+        let i = self.entries.partition_point(|e| e.start <= gpa.0);
+        let e = self.entries.get(i.wrapping_sub(1))?;
+        (gpa.0 <= e.last).then_some(e)
+    }
+
     /// The slots that hold any of `[first, last]` (inclusive), in guest-address order: two
     /// binary searches.
     pub(crate) fn overlapping(&self, first: Gpa, last: Gpa) -> &[Arc<Slot>] {
@@ -307,7 +317,7 @@ impl Snapshot {
     /// Where `gpa` lives on the host, or `None` if no slot holds it.
     #[inline]
     pub fn lookup(&self, gpa: Gpa) -> Option<Translation> {
-        self.find(gpa).map(|i| self.entries[i].translate(gpa.0))
+        self.find_entry(gpa).map(|e| e.translate(gpa.0))
     }
 
     /// Checks that `[gpa, gpa + len)` is all in slots (and writable when `write`), then calls
@@ -335,7 +345,7 @@ impl Snapshot {
         let mut i = first;
         loop {
             let e = &self.entries[i];
-            if write && e.read_only {
+            if write && e.read_only != 0 {
                 return Err(Error::ReadOnly {
                     what: format!("slot {}", e.id),
                     addr: e.start.max(gpa.0),
@@ -582,6 +592,7 @@ impl SlotTable {
             snapshot,
             hit: Entry::NONE,
             hit_generation: NO_HIT,
+            misses: 0,
         }
     }
 
@@ -768,10 +779,15 @@ pub struct SlotCursor {
     /// The generation `hit` belongs to; [`NO_HIT`] when there is none, so the hit test needs
     /// no separate "have a hit" check.
     hit_generation: u64,
+    /// Lookups since the last hit.
+    misses: u32,
 }
 
 /// A generation no table reaches.
 const NO_HIT: u64 = u64::MAX;
+
+/// Misses in a row after which a cursor remembers only every this many.
+const MISS_RUN: u32 = 8;
 
 impl fmt::Debug for SlotCursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -784,7 +800,10 @@ impl fmt::Debug for SlotCursor {
 
 impl SlotCursor {
     /// Where `gpa` lives on the host. A hit on the last slot costs a load and one compare of
-    /// each kind joined without short-circuits: one branch.
+    /// each kind joined without short-circuits: one branch. A miss is the snapshot's binary
+    /// search, inline (a call would cost more than the hit test saves on random addresses),
+    /// and the answer is computed from the entry found before it is remembered, so the return
+    /// value does not wait on the store.
     #[inline]
     pub fn lookup(&mut self, gpa: Gpa) -> Option<Translation> {
         let generation = self.shared.generation.0.load(Ordering::Acquire);
@@ -793,23 +812,23 @@ impl SlotCursor {
         if (generation == self.hit_generation)
             & (gpa.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
         {
+            self.misses = 0;
             return Some(h.translate(gpa.0));
         }
-        self.lookup_slow(gpa, generation)
-    }
-
-    /// The search; the answer is computed from the entry found before it is remembered, so
-    /// the return value does not wait on the store.
-    #[inline(never)]
-    fn lookup_slow(&mut self, gpa: Gpa, generation: u64) -> Option<Translation> {
         if generation != self.generation {
             self.reload();
         }
-        let i = self.snapshot.find(gpa)?;
-        let e = self.snapshot.entries[i];
+        let e = *self.snapshot.find_entry(gpa)?;
         let t = e.translate(gpa.0);
-        self.hit = e;
-        self.hit_generation = self.generation;
+        // Remembering the slot makes the next lookup's hit test wait on this search (it reads
+        // what this one stores), which costs more than the search itself when lookups jump
+        // around. So after a run of misses only every few misses are remembered: a thread that
+        // settles into a slot again is caught within that many lookups.
+        self.misses = self.misses.wrapping_add(1);
+        if self.misses < MISS_RUN || self.misses % MISS_RUN == 0 {
+            self.hit = e;
+            self.hit_generation = self.generation;
+        }
         Some(t)
     }
 
@@ -821,6 +840,7 @@ impl SlotCursor {
     }
 
     #[cold]
+    #[inline(never)]
     fn reload(&mut self) {
         self.snapshot = self.shared.current.load_full();
         self.generation = self.snapshot.generation;
