@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use memvisor_cli::bench::{self, Ctx, Experiment, Mode, machine::Machine, report};
 use memvisor_cli::serve;
-use std::io::{self, Write};
+use std::io::{self, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -316,7 +316,10 @@ fn run_bench(args: &BenchArgs) -> Result<()> {
     };
     writeln!(human, "{}\nmode: {}", machine.describe(), mode.as_str())?;
 
-    let mut ctx = Ctx::new(mode, args.runs);
+    // Progress bars only for a person watching: never in captured or piped output, nor with
+    // --json, whose stderr carries the tables instead.
+    let progress = !args.json && io::stdout().is_terminal() && io::stderr().is_terminal();
+    let mut ctx = Ctx::new(mode, args.runs).with_progress(progress);
     ctx.replay = args.replay.clone();
     let mut sections = Vec::new();
     let mut failed = Vec::new();

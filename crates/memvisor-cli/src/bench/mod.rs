@@ -23,7 +23,6 @@ mod translate;
 mod vfio_user;
 
 use serde::Serialize;
-use std::io::Write;
 use std::time::{Duration, Instant};
 
 /// Experiments run only when named: they need root and minutes (`memvisor bench guest`).
@@ -408,17 +407,22 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    /// Progress bars are drawn only when stderr is a terminal.
+    /// A context that draws no progress bars; see [`Ctx::with_progress`].
     pub fn new(mode: Mode, runs: Option<u32>) -> Ctx {
-        // SAFETY: isatty only inspects the descriptor number; an invalid or closed fd 2 just
-        // yields 0, and no memory is passed.
-        let tty = unsafe { libc::isatty(2) } == 1;
         Ctx {
             mode,
             runs,
             replay: Vec::new(),
-            draw_progress: tty,
+            draw_progress: false,
         }
+    }
+
+    /// Whether [`Ctx::progress`] bars may be drawn. The runner turns this on only when both
+    /// stdout and stderr are terminals and `--json` was not given, so captured or piped output
+    /// never carries a bar.
+    pub fn with_progress(mut self, draw: bool) -> Ctx {
+        self.draw_progress = draw;
+        self
     }
 
     /// The user's `--runs`, else the experiment's `default`; never 0.
@@ -433,62 +437,57 @@ impl Ctx {
             total,
             done: 0,
             start: Instant::now(),
-            last_draw: None,
             enabled: self.draw_progress,
-            finished: false,
+            bar: None,
         }
     }
 }
 
-/// A progress bar on stderr. It stays invisible for the first second (quick tasks draw nothing),
-/// then redraws at most ten times per second as [`Progress::inc`] is called, and clears its line
-/// when finished or dropped. Nothing is drawn when stderr is not a terminal.
+/// A progress bar on stderr, drawn by `indicatif`. Experiments call [`Progress::inc`] between
+/// measurements, never inside a timed loop, so drawing costs nothing that is measured. The bar
+/// appears only once a task has run for [`PROGRESS_DELAY`] (quick tasks draw nothing), is
+/// redrawn at most 20 times a second (indicatif's rate limit) and is cleared when finished or
+/// dropped. When the context says not to draw, no bar is ever created.
 #[derive(Debug)]
 pub struct Progress {
     label: String,
     total: u64,
     done: u64,
     start: Instant,
-    last_draw: Option<Instant>,
     enabled: bool,
-    finished: bool,
+    bar: Option<indicatif::ProgressBar>,
 }
 
-const PROGRESS_DELAY: Duration = Duration::from_secs(1);
-const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
+/// How long a task runs before its bar appears.
+pub const PROGRESS_DELAY: Duration = Duration::from_secs(1);
 
 impl Progress {
-    /// Records `n` more steps done.
+    /// Records `n` more steps done, and draws the bar if it is due.
     pub fn inc(&mut self, n: u64) {
         self.done = self.done.saturating_add(n);
-        if !self.enabled || self.finished {
+        if !self.enabled {
             return;
         }
-        let now = Instant::now();
-        let due = match self.last_draw {
-            None => now.duration_since(self.start) >= PROGRESS_DELAY,
-            Some(last) => now.duration_since(last) >= PROGRESS_INTERVAL,
-        };
-        if due {
-            self.last_draw = Some(now);
-            let line = progress_line(&self.label, self.done, self.total, now - self.start);
-            let mut err = std::io::stderr().lock();
-            // A progress bar that cannot be drawn is not worth failing the benchmark for.
-            let _ = write!(err, "\r{line}\x1b[K");
-            let _ = err.flush();
+        if let Some(bar) = &self.bar {
+            bar.set_position(self.done);
+        } else if self.start.elapsed() >= PROGRESS_DELAY {
+            let bar = indicatif::ProgressBar::with_draw_target(
+                Some(self.total),
+                indicatif::ProgressDrawTarget::stderr(),
+            )
+            .with_style(progress_style())
+            .with_prefix(self.label.clone())
+            .with_elapsed(self.start.elapsed())
+            .with_position(self.done);
+            bar.tick();
+            self.bar = Some(bar);
         }
     }
 
     /// Clears the bar's line if it was drawn. Idempotent; also done on drop.
     pub fn finish(&mut self) {
-        if self.finished {
-            return;
-        }
-        self.finished = true;
-        if self.last_draw.is_some() {
-            let mut err = std::io::stderr().lock();
-            let _ = write!(err, "\r\x1b[K");
-            let _ = err.flush();
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
         }
     }
 }
@@ -499,21 +498,13 @@ impl Drop for Progress {
     }
 }
 
-fn progress_line(label: &str, done: u64, total: u64, elapsed: Duration) -> String {
-    const WIDTH: usize = 30;
-    let frac = if total == 0 {
-        0.0
-    } else {
-        (done as f64 / total as f64).min(1.0)
-    };
-    let filled = (frac * WIDTH as f64).round() as usize;
-    format!(
-        "{label} [{}{}] {:>3}% {done}/{total} {:.0}s",
-        "#".repeat(filled),
-        "-".repeat(WIDTH - filled),
-        (frac * 100.0).floor(),
-        elapsed.as_secs_f64()
-    )
+/// `lookup: populate [#######-----------------------]  25% 2/8 3s`: no time-left estimate, which
+/// misleads over a handful of uneven steps.
+fn progress_style() -> indicatif::ProgressStyle {
+    const TEMPLATE: &str = "{prefix} [{bar:30}] {percent:>3}% {pos}/{len} {elapsed}";
+    indicatif::ProgressStyle::with_template(TEMPLATE)
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("#-")
 }
 
 #[cfg(test)]
@@ -641,22 +632,35 @@ mod tests {
         }
     }
 
+    /// A bar appears only when the runner allows it and the task has run long enough, follows
+    /// the steps done, and is gone after `finish`.
     #[test]
-    fn progress_line_and_quiet_start() {
-        let line = progress_line("pin", 50, 200, Duration::from_secs(3));
-        let bar = format!("{}{}", "#".repeat(8), "-".repeat(22));
-        assert_eq!(line, format!("pin [{bar}]  25% 50/200 3s"));
-        assert!(progress_line("x", 9, 0, Duration::ZERO).contains("  0% 9/0"));
-        assert!(progress_line("x", 500, 100, Duration::ZERO).contains("100%"));
-        let mut p = Ctx::new(Mode::Quick, None).progress("quick", 10);
-        p.inc(3);
-        p.inc(7);
-        assert_eq!(p.done, 10);
+    fn progress_is_quiet_unless_allowed_and_late() {
+        let long_ago = Instant::now() - 2 * PROGRESS_DELAY;
+
+        let mut quiet = Ctx::new(Mode::Quick, None).progress("quiet", 10);
+        quiet.start = long_ago;
+        quiet.inc(3);
+        assert_eq!(quiet.done, 3);
+        assert!(quiet.bar.is_none(), "Ctx::new never draws");
+
+        let ctx = Ctx::new(Mode::Quick, None).with_progress(true);
+        let mut fresh = ctx.progress("fresh", 10);
+        fresh.inc(3);
+        assert!(fresh.bar.is_none(), "nothing drawn within the first second");
+
+        let mut late = ctx.progress("late", 10);
+        late.start = long_ago;
+        late.inc(3);
+        late.inc(4);
+        let bar = late.bar.as_ref().expect("a bar once the delay has passed");
+        assert_eq!((bar.position(), bar.length()), (7, Some(10)));
         assert!(
-            p.last_draw.is_none(),
-            "nothing drawn within the first second"
+            bar.elapsed() >= 2 * PROGRESS_DELAY,
+            "elapsed counts from the start"
         );
-        p.finish();
-        assert!(p.finished);
+        late.finish();
+        assert!(late.bar.is_none());
+        late.finish();
     }
 }
