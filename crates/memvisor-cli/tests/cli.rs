@@ -163,6 +163,17 @@ fn lookup_json_has_rows_for_every_variant() {
     }
     let report = std::fs::read_to_string(out_dir.join("report.md")).expect("report.md written");
     assert!(report.contains("Seed 003"), "report has the seed table");
+    // The seed reference: the same id and title in results.json and in report.md.
+    let experiments = json["experiments"].as_array().expect("experiments array");
+    assert_eq!(experiments.len(), 1);
+    assert_eq!(experiments[0]["name"], "lookup");
+    let seed = &experiments[0]["seeds"][0];
+    assert_eq!(seed["id"], "003");
+    let title = seed["title"].as_str().expect("seed title");
+    assert!(
+        report.contains(&format!("Reproduces seed 003, “{title}”")),
+        "{report}"
+    );
     for chart in ["lookup-iteration2.svg", "lookup-ns.svg"] {
         let svg = std::fs::read_to_string(out_dir.join(chart)).expect("chart written");
         assert!(

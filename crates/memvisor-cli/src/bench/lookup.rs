@@ -26,6 +26,7 @@ use std::time::Instant;
 use memvisor::{Backing, BackingKind, Gpa, SlotCursor, SlotSpec, SlotTable, Snapshot};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
+use super::seeds::{SEED_003, Seed};
 use super::{
     Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, distinct, iters_for,
     limits, measure, ns_per_op, ratio, ratio_cell,
@@ -368,11 +369,11 @@ impl Experiment for Lookup {
     }
 
     fn title(&self) -> &'static str {
-        "memslot lookup: per-vCPU cursor vs VM-wide hint vs binary search vs vm-memory (seed 003)"
+        "memslot lookup: per-vCPU cursor vs VM-wide hint vs binary search vs vm-memory"
     }
 
     fn about(&self) -> &'static str {
-        "Reproduces seed 003 (KVM: cache the last used slot per vCPU). V threads each work in \
+        "V threads each work in \
          their own one of S slots over one THP backing (huge pages, as guest memory is mapped, \
          so the pass is not dominated by TLB misses). Populate = the first pass \
          over every 4 KiB page of the thread's slot (translate, then write a byte: page faults \
@@ -383,6 +384,10 @@ impl Experiment for Lookup {
          hint, one VM-wide hint shared by all threads (KVM before the seed), memvisor's \
          per-thread SlotCursor, and rust-vmm vm-memory 0.18 GuestMemoryMmap::get_host_address \
          over the same memory."
+    }
+
+    fn seeds(&self) -> &'static [Seed] {
+        &[SEED_003]
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {

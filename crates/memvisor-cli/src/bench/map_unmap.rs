@@ -22,6 +22,7 @@ use memvisor::{Backing, BackingKind, BackingOptions, Iova, PageSize, Prot};
 
 use super::hugepages::{self, Reservation};
 use super::pin::{can_read_frames, eager_space, mean_std};
+use super::seeds::{SEED_001, Seed};
 use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
 
 pub struct MapUnmap;
@@ -88,11 +89,11 @@ impl Experiment for MapUnmap {
     }
 
     fn title(&self) -> &'static str {
-        "DMA MAP / UNMAP throughput: per-page vs extent and huge-page aware (seed 001)"
+        "DMA MAP / UNMAP throughput: per-page vs extent and huge-page aware"
     }
 
     fn about(&self) -> &'static str {
-        "Reproduces seed 001 (vfio/type1: unpin large folios in one step). An Eager DmaSpace \
+        "An Eager DmaSpace \
          maps and unmaps populated memory in one call each — MADV_HUGEPAGE (private THP), \
          MAP_POPULATE (shared anonymous) and hugetlbfs 2 MiB — page at a time (one mlock in, \
          one munlock and accounting update out per page) vs batches of 512 in and one munlock \
@@ -100,6 +101,10 @@ impl Experiment for MapUnmap {
          mlock/munlock of the whole range is the floor, the seed's kernel figures the \
          reference. Targets: huge-page UNMAP >= 10x per-page; THP and hugetlbfs MAP without \
          frames >= 100 GB/s; with frames >= 20 GB/s on THP."
+    }
+
+    fn seeds(&self) -> &'static [Seed] {
+        &[SEED_001]
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {

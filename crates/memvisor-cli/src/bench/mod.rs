@@ -18,6 +18,7 @@ mod pin;
 mod pin_pages;
 pub mod report;
 mod rw;
+pub mod seeds;
 pub mod svg;
 mod translate;
 mod vfio_user;
@@ -84,8 +85,12 @@ pub trait Experiment {
     fn name(&self) -> &'static str;
     /// One line, e.g. "memslot lookup: per-vCPU cursor vs VM-wide hint".
     fn title(&self) -> &'static str;
-    /// One paragraph: which seed this reproduces and how it measures.
+    /// One paragraph: how it measures. Which seed it reproduces is [`Experiment::seeds`].
     fn about(&self) -> &'static str;
+    /// The seed documents this experiment reproduces; none by default.
+    fn seeds(&self) -> &'static [seeds::Seed] {
+        &[]
+    }
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome>;
 }
 

@@ -61,6 +61,7 @@ use memvisor::{
 };
 
 use super::hugepages::{self, Reservation};
+use super::seeds::{SEED_004B, Seed};
 use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
 
 pub struct PageReport;
@@ -811,11 +812,11 @@ impl Experiment for PageReport {
     }
 
     fn title(&self) -> &'static str {
-        "Free page reporting, host side: discard GB/s, resident memory, pins kept (seed 004b)"
+        "Free page reporting, host side: discard GB/s, resident memory, pins kept"
     }
 
     fn about(&self) -> &'static str {
-        "Reproduces the host side of seed 004b (mm/page_reporting + virtio_balloon). 1 GiB \
+        "The host side only. 1 GiB \
          (4 GiB with --full) of populated guest memory — private anonymous 4 KiB, THP, memfd, \
          hugetlbfs 2 MiB — is reported as the guest driver does, 32 blocks of 2 MiB per \
          report, to Discarder::report; with nothing pinned, with 10% pinned through a DMA \
@@ -827,6 +828,10 @@ impl Experiment for PageReport {
          zero-filling fault) vs after MADV_FREE — the cost the seed's page_fault benchmarks \
          saw. Target: >= 10 GB/s discarding 4 KiB private anonymous memory; everything not \
          pinned reclaimed."
+    }
+
+    fn seeds(&self) -> &'static [Seed] {
+        &[SEED_004B]
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {

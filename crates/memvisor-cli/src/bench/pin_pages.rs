@@ -41,6 +41,7 @@ use memvisor::dma::{Grouping, LockLimit, PinRegistry};
 use memvisor::{Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Iova, PageSize, Prot};
 
 use super::hugepages;
+use super::seeds::{SEED_002, Seed};
 use super::{
     Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits, ratio, ratio_cell,
 };
@@ -519,11 +520,11 @@ impl Experiment for PinPages {
     }
 
     fn title(&self) -> &'static str {
-        "pin_pages for emulated devices: per-page vs run grouping vs adaptive (seed 002)"
+        "pin_pages for emulated devices: per-page vs run grouping vs adaptive"
     }
 
     fn about(&self) -> &'static str {
-        "Reproduces seed 002 (vfio_iommu_type1_pin_pages: pin contiguous runs at once). Part 1: \
+        "Part 1: \
          ns for one pin_pages call of 1 page and of 512 contiguous (2 MiB aligned) pages on \
          populated 4 KiB, THP and hugetlbfs 2 MiB memory, each call on pages no one holds \
          (0->1: mlock of what is new), pin and unpin (munlock) timed separately, calls \
@@ -534,6 +535,10 @@ impl Experiment for PinPages {
          patch), adaptive (runs found while pinning). Targets: 512 pages at least 3x faster \
          grouped than per-page; adaptive never more than 5% slower than per-page on either \
          replay."
+    }
+
+    fn seeds(&self) -> &'static [Seed] {
+        &[SEED_002]
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {

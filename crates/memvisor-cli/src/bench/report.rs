@@ -2,8 +2,10 @@
 //! [`Outcome`]; the same list of sections is printed as text on the terminal
 //! ([`Section::to_text`]), serialized as the single JSON object of `--json` and `results.json`
 //! ([`to_json`]), and written as `report.md` plus one `<stem>.svg` per chart ([`write()`]).
+//! Which seeds an experiment reproduces comes from [`Experiment::seeds`] alone, for all three.
 
 use super::machine::Machine;
+use super::seeds::{self, Seed};
 use super::{Experiment, Mode, Outcome, Row, svg};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
@@ -21,7 +23,13 @@ impl Section<'_> {
     /// Tables, chart files, notes and skipped cases, for the terminal.
     pub fn to_text(&self) -> String {
         let (e, o) = (self.experiment, &self.outcome);
-        let mut out = format!("\n== {} — {} ==\n", e.name(), e.title());
+        let heading = format!(
+            "{} — {}{}",
+            e.name(),
+            e.title(),
+            seeds::heading_suffix(e.seeds())
+        );
+        let mut out = format!("\n== {heading} ==\n");
         if o.tables.is_empty() && !o.skipped.is_empty() {
             out += "\nnothing measured: every case was skipped\n\n";
         }
@@ -48,14 +56,34 @@ impl Section<'_> {
 struct Results<'a> {
     machine: &'a Machine,
     mode: Mode,
+    experiments: Vec<ExperimentInfo>,
     results: Vec<&'a Row>,
 }
 
-/// `{"machine": {...}, "mode": "quick"|"full", "results": [row, ...]}`, pretty-printed.
+/// What `results.json` says about each experiment that ran; its rows carry its `name`.
+#[derive(Serialize)]
+struct ExperimentInfo {
+    name: &'static str,
+    title: &'static str,
+    /// The seeds it reproduces, as in report.md: empty for memvisor's own measurements.
+    seeds: &'static [Seed],
+}
+
+/// `{"machine": {...}, "mode": "quick"|"full", "experiments": [{"name", "title", "seeds"}, ...],
+/// "results": [row, ...]}`, pretty-printed.
 pub fn to_json(machine: &Machine, mode: Mode, sections: &[Section]) -> Result<String> {
+    let experiments = sections
+        .iter()
+        .map(|s| ExperimentInfo {
+            name: s.experiment.name(),
+            title: s.experiment.title(),
+            seeds: s.experiment.seeds(),
+        })
+        .collect();
     let results = Results {
         machine,
         mode,
+        experiments,
         results: sections.iter().flat_map(|s| &s.outcome.rows).collect(),
     };
     Ok(serde_json::to_string_pretty(&results)?)
@@ -114,7 +142,12 @@ fn markdown(machine: &Machine, mode: Mode, sections: &[Section]) -> String {
     );
     for s in sections {
         let (e, o) = (s.experiment, &s.outcome);
-        out += &format!("\n## {} — {}\n\n{}\n", e.name(), e.title(), e.about());
+        let suffix = seeds::heading_suffix(e.seeds());
+        out += &format!("\n## {} — {}{suffix}\n\n", e.name(), e.title());
+        if let Some(line) = seeds::reproduces_line(e.seeds()) {
+            out += &format!("{line} ");
+        }
+        out += &format!("{}\n", e.about());
         if o.tables.is_empty() && !o.skipped.is_empty() {
             out += "\nNothing measured: every case was skipped (see below).\n";
         }
@@ -154,6 +187,9 @@ mod tests {
         }
         fn about(&self) -> &'static str {
             "Counts; exists only to test the framework."
+        }
+        fn seeds(&self) -> &'static [Seed] {
+            &[seeds::SEED_000, seeds::SEED_001]
         }
         fn run(&self, ctx: &mut Ctx) -> Result<Outcome> {
             let mut out = Outcome::default();
@@ -234,7 +270,10 @@ mod tests {
             "# memvisor benchmark report",
             &machine.describe(),
             "Mode: full",
-            "## fake — counting <fast>\n\nCounts; exists",
+            "## fake — counting <fast> (seeds 000, 001)\n\nReproduces seed 000, “vfio/type1: \
+             Batch page pinning” (shared/seeds/000_bacae2283cd0fb79.txt); seed 001, “vfio/type1: \
+             optimize vfio_unpin_pages_remote() for large folio” \
+             (shared/seeds/001_a6f90f1f11b89d32.txt). Counts; exists",
             "**loop time**",
             "| small | slow | 102.0 |",
             "![loop (time)](fake-loop.svg)",
@@ -247,12 +286,22 @@ mod tests {
             serde_json::from_str(&fs::read_to_string(&paths[1]).unwrap()).unwrap();
         assert_eq!(json["mode"], "full");
         assert_eq!(json["results"].as_array().unwrap().len(), 4);
+        // The JSON names the same seeds, with the same titles, as the Markdown.
+        let seeds = json["experiments"][0]["seeds"].as_array().unwrap();
+        assert_eq!(seeds.len(), 2);
+        for seed in seeds {
+            let (id, title) = (
+                seed["id"].as_str().unwrap(),
+                seed["title"].as_str().unwrap(),
+            );
+            assert!(md.contains(&format!("seed {id}, “{title}”")), "{id}: {md}");
+        }
         assert!(fs::read_to_string(&paths[2]).unwrap().starts_with("<svg"));
         fs::remove_dir_all(&dir).unwrap();
 
         let text = sections[0].to_text();
         for want in [
-            "== fake — counting <fast> ==",
+            "== fake — counting <fast> (seeds 000, 001) ==",
             "loop time",
             "chart: fake-loop.svg",
             "note: a note",
@@ -286,7 +335,13 @@ mod tests {
             keys.sort();
             keys.join(" ")
         };
-        assert_eq!(keys(&json), "machine mode results");
+        assert_eq!(keys(&json), "experiments machine mode results");
+        let experiment = &json["experiments"][0];
+        assert_eq!(keys(experiment), "name seeds title");
+        assert_eq!(experiment["name"], "fake");
+        assert_eq!(keys(&experiment["seeds"][1]), "file id title");
+        assert_eq!(experiment["seeds"][1]["id"], "001");
+        assert_eq!(experiment["seeds"][1]["file"], "001_a6f90f1f11b89d32.txt");
         assert_eq!(json["mode"], "quick");
         assert_eq!(
             keys(&json["machine"]),

@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use memvisor::{Backing, BackingKind, BackingOptions, DmaSpace, Iova, Prot};
 
+use super::seeds::{SEED_004A, Seed};
 use super::{Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, limits, ns_per_op};
 
 pub struct Rw;
@@ -116,18 +117,21 @@ impl Experiment for Rw {
     }
 
     fn title(&self) -> &'static str {
-        "CPU access to IOVAs without pinning: dma_read / dma_write vs memcpy vs pin+copy+unpin (seed 004a)"
+        "CPU access to IOVAs without pinning: dma_read / dma_write vs memcpy vs pin+copy+unpin"
     }
 
     fn about(&self) -> &'static str {
-        "Reproduces seed 004a (vfio_iova_rw: read/write IOVAs from the CPU without pinning). \
-         Transfers of 64 B to 1 MiB between a host buffer and 64 MiB of populated private \
+        "Transfers of 64 B to 1 MiB between a host buffer and 64 MiB of populated private \
          memory mapped as 2 MiB IOVA mappings, walking a 16 MiB window. memcpy (no \
          translation, each direction) is the physical limit; pin+copy+unpin does what a device \
          without an rw call must (mlock, memcpy, munlock per transfer); dma_read / dma_write \
          check and translate the whole range, then copy; cursor read / write do the same with \
          a per-thread DmaCursor. Targets: dma_read/dma_write >= 90% of memcpy from 64 KiB up; \
          at 64 B, >= 50% of memcpy plain and >= 75% through the cursor."
+    }
+
+    fn seeds(&self) -> &'static [Seed] {
+        &[SEED_004A]
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {
