@@ -174,12 +174,16 @@ fn lookup_json_has_rows_for_every_variant() {
         report.contains(&format!("Reproduces seed 003, “{title}”")),
         "{report}"
     );
-    for chart in ["lookup-iteration2.svg", "lookup-ns.svg"] {
+    for (chart, y_title) in [
+        ("lookup-iteration2.svg", "ms per pass"),
+        ("lookup-ns.svg", "ns per lookup"),
+    ] {
         let svg = std::fs::read_to_string(out_dir.join(chart)).expect("chart written");
-        assert!(
-            svg.starts_with("<svg") || svg.starts_with("<?xml"),
-            "{chart}"
-        );
+        assert!(svg.starts_with("<svg"), "{chart}");
+        // Says which way is better, what the y axis measures, and names the variants.
+        for want in ["lower is better", y_title, "cursor", "vm-memory"] {
+            assert!(svg.contains(want), "{chart} lacks {want:?}");
+        }
     }
     std::fs::remove_dir_all(out_dir).unwrap();
 }

@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use super::{Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Stats, Table};
+use super::{Better, Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Stats, Table};
 
 pub struct Guest;
 
@@ -276,14 +276,14 @@ impl Experiment for Guest {
                     .push(row("balloon", "memvisor", "given back", "MiB", peak - low));
                 out.tables.push(t);
                 // Two-second buckets for the chart.
-                let mut chart = Chart {
-                    title: "Guest memory allocated on the host during the balloon trial (MiB; \
-                            lower is more given back)"
-                        .into(),
-                    unit: "MiB allocated".into(),
-                    log_scale: false,
-                    groups: Vec::new(),
-                };
+                // Lower is more given back to the host, which is the balloon's job.
+                let mut chart = Chart::new(
+                    "Guest memory allocated on the host during the balloon trial",
+                    "seconds since the trial started, phase",
+                    "MiB of guest memory allocated on the host",
+                    Better::Lower,
+                    false,
+                );
                 let mut next = 0.0;
                 for s in &samples {
                     if s.0 >= next {

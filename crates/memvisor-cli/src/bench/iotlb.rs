@@ -33,7 +33,9 @@ use vm_memory::GuestAddress;
 use vm_memory::Permissions;
 use vm_memory::iommu::Iotlb;
 
-use super::{Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Stats, Table, clock_cost, measure};
+use super::{
+    Better, Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Stats, Table, clock_cost, measure,
+};
 
 pub struct IotlbReplay;
 
@@ -103,12 +105,13 @@ impl Experiment for IotlbReplay {
                 "guest sent/s",
             ],
         );
-        let mut chart = Chart {
-            title: "IOTLB update cost by stream (lower is better)".into(),
-            unit: "ns per UPDATE".into(),
-            log_scale: false,
-            groups: Vec::new(),
-        };
+        let mut chart = Chart::new(
+            "IOTLB update cost by message stream",
+            "IOTLB message stream replayed",
+            "ns per UPDATE message",
+            Better::Lower,
+            false,
+        );
         let mut progress = ctx.progress("iotlb", streams.len() as u64 * 2);
         for s in &streams {
             let messages = s

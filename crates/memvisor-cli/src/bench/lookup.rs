@@ -28,8 +28,8 @@ use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMm
 
 use super::seeds::{SEED_003, Seed};
 use super::{
-    Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, distinct, iters_for,
-    limits, measure, ns_per_op, ratio, ratio_cell,
+    Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, distinct,
+    iters_for, limits, measure, ns_per_op, ratio, ratio_cell,
 };
 
 pub struct Lookup;
@@ -452,12 +452,13 @@ fn populate_table(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()
             "cursor vs vm-memory",
         ],
     );
-    let mut chart = Chart {
-        title: format!("Seed 003: iteration 2 time, {case} (lower is better)"),
-        unit: "ms per pass".into(),
-        log_scale: false,
-        groups: Vec::new(),
-    };
+    let mut chart = Chart::new(
+        &format!("Seed 003: iteration 2 time, {case}"),
+        "measurement (the second pass over every page)",
+        "ms per pass",
+        Better::Lower,
+        false,
+    );
     for (metric, samples, unit, scale) in [
         ("Populate memory time", &populate, "s", 1.0),
         ("Iteration 2 time", &iter2, "ms", 1e3),
@@ -539,12 +540,13 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
             "binary / cursor",
         ],
     );
-    let mut chart = Chart {
-        title: format!("ns per lookup, {} slots (log scale)", sz.slots),
-        unit: "ns per lookup".into(),
-        log_scale: true,
-        groups: Vec::new(),
-    };
+    let mut chart = Chart::new(
+        &format!("Memslot lookup cost, {} slots", sz.slots),
+        "address pattern, threads",
+        "ns per lookup",
+        Better::Lower,
+        true,
+    );
     // The bare loop first, then the variants in their order.
     let order: Vec<Option<Variant>> = std::iter::once(None).chain(VARIANTS.map(Some)).collect();
     for (case, local, threads) in &cases {

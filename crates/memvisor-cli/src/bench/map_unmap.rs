@@ -23,7 +23,7 @@ use memvisor::{Backing, BackingKind, BackingOptions, Iova, PageSize, Prot};
 use super::hugepages::{self, Reservation};
 use super::pin::{can_read_frames, eager_space, mean_std};
 use super::seeds::{SEED_001, Seed};
-use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
+use super::{Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
 
 pub struct MapUnmap;
 
@@ -157,18 +157,21 @@ impl Experiment for MapUnmap {
                 "UNMAP vs per-page",
             ],
         );
-        let mut map_chart = Chart {
-            title: "MAP GB/s (log scale)".into(),
-            unit: "GB/s".into(),
-            log_scale: true,
-            groups: Vec::new(),
-        };
-        let mut unmap_chart = Chart {
-            title: "UNMAP GB/s (log scale)".into(),
-            unit: "GB/s".into(),
-            log_scale: true,
-            groups: Vec::new(),
-        };
+        let y_title = format!("GB/s (bytes / mean time of {runs} runs)");
+        let mut map_chart = Chart::new(
+            "DMA MAP throughput",
+            "memory",
+            &y_title,
+            Better::Higher,
+            true,
+        );
+        let mut unmap_chart = Chart::new(
+            "DMA UNMAP throughput",
+            "memory",
+            &y_title,
+            Better::Higher,
+            true,
+        );
         let mut progress = ctx.progress("map-unmap", 3 * VARIANTS.len() as u64 * runs as u64);
         for (seed_name, seed_before, seed_after) in SEED {
             let memory = match memory_for(seed_name, size) {

@@ -4,8 +4,9 @@
 //! human-readable [`Table`]s in the seed's shape, bar [`Chart`]s, notes and skipped cases.
 //! Experiments get a [`Ctx`] that says how big to go ([`Mode`]), how many repetitions the user
 //! asked for, and hands out terminal [`Progress`] bars. The registry is [`all`]; the report
-//! writer ([`report`]) and the SVG renderer ([`svg`]) turn outcomes into files.
+//! writer ([`report`]) and the chart renderer ([`charts`]) turn outcomes into files.
 
+pub mod charts;
 mod guest;
 mod hugepages;
 mod iotlb;
@@ -19,10 +20,10 @@ mod pin_pages;
 pub mod report;
 mod rw;
 pub mod seeds;
-pub mod svg;
 mod translate;
 mod vfio_user;
 
+pub use charts::{Better, Chart, ChartGroup};
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
@@ -380,24 +381,6 @@ impl Table {
 fn looks_numeric(s: &str) -> bool {
     let s = s.trim_start_matches(['-', '+', '.']);
     s.starts_with(|c: char| c.is_ascii_digit())
-}
-
-/// A grouped bar chart, rendered to SVG by [`svg::render`]: one group per case, one bar per
-/// variant, one colour per variant across all groups.
-#[derive(Debug, Clone, Default)]
-pub struct Chart {
-    pub title: String,
-    /// Y axis label, e.g. "ns per lookup".
-    pub unit: String,
-    pub log_scale: bool,
-    pub groups: Vec<ChartGroup>,
-}
-
-#[derive(Debug, Clone, Default)]
-pub struct ChartGroup {
-    pub label: String,
-    /// `(variant, value)`.
-    pub bars: Vec<(String, f64)>,
 }
 
 /// What an experiment gets from the runner.

@@ -62,7 +62,7 @@ use memvisor::{
 
 use super::hugepages::{self, Reservation};
 use super::seeds::{SEED_004B, Seed};
-use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
+use super::{Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
 
 pub struct PageReport;
 
@@ -922,18 +922,20 @@ fn tables(out: &mut Outcome, size: u64, runs: u32, results: &[(Kind, KindResult)
             "faults/page after MADV_FREE",
         ],
     );
-    let mut gbps_chart = Chart {
-        title: format!("GB/s discarding a {mib_size} MiB report (log scale)"),
-        unit: "GB/s".into(),
-        log_scale: true,
-        groups: Vec::new(),
-    };
-    let mut touch_chart = Chart {
-        title: "ns per 4 KiB page touched again (log scale)".into(),
-        unit: "ns per 4 KiB page".into(),
-        log_scale: true,
-        groups: Vec::new(),
-    };
+    let mut gbps_chart = Chart::new(
+        &format!("Discarding {mib_size} MiB of reported free pages"),
+        "memory",
+        "GB/s discarded (1 GB = 1e9 bytes)",
+        Better::Higher,
+        true,
+    );
+    let mut touch_chart = Chart::new(
+        "Touching memory again after it was given back",
+        "memory",
+        "ns per 4 KiB page touched",
+        Better::Lower,
+        true,
+    );
     let gb = size as f64 / 1e9;
     for (kind, r) in results {
         let case = kind.label();

@@ -18,7 +18,7 @@ use memvisor::dma::{LockLimit, PIN_BATCH, PinMode, PinRegistry};
 use memvisor::{Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Iova, Prot};
 
 use super::seeds::{SEED_000, Seed};
-use super::{Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
+use super::{Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits};
 
 pub struct Pin;
 
@@ -145,12 +145,13 @@ impl Experiment for Pin {
                 "batched / floor",
             ],
         );
-        let mut chart = Chart {
-            title: "Seconds to pin (log scale)".into(),
-            unit: "s".into(),
-            log_scale: true,
-            groups: Vec::new(),
-        };
+        let mut chart = Chart::new(
+            "Time to pin a whole guest",
+            "guest memory size",
+            &format!("seconds to pin (mean of {runs} runs)"),
+            Better::Lower,
+            true,
+        );
         for &gib in sizes {
             let size = gib * GIB;
             // Each run populates and locks `size` bytes (then lets them go).

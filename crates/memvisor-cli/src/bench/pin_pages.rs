@@ -43,7 +43,8 @@ use memvisor::{Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Iova, 
 use super::hugepages;
 use super::seeds::{SEED_002, Seed};
 use super::{
-    Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits, ratio, ratio_cell,
+    Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits, ratio,
+    ratio_cell,
 };
 
 pub struct PinPages;
@@ -685,12 +686,13 @@ impl Experiment for PinPages {
                 "per-page / adaptive",
             ],
         );
-        let mut chart = Chart {
-            title: "ns per pin_pages call, 1 and 512 pages (log scale)".into(),
-            unit: "ns per call".into(),
-            log_scale: true,
-            groups: Vec::new(),
-        };
+        let mut chart = Chart::new(
+            "Part 1: pin_pages calls of 1 and of 512 pages",
+            "memory, pages per call",
+            "ns per pin_pages call",
+            Better::Lower,
+            true,
+        );
         let mut target_one = Vec::new();
         for case in &cases {
             let label = case.label();
@@ -785,12 +787,13 @@ impl Experiment for PinPages {
                 "adaptive / per-page",
             ],
         );
-        let mut replay_chart = Chart {
-            title: "Replay: ns per call, pin + unpin".into(),
-            unit: "ns per call".into(),
-            log_scale: false,
-            groups: Vec::new(),
-        };
+        let mut replay_chart = Chart::new(
+            "Part 2: replayed npage histograms, pin + unpin",
+            "workload replayed",
+            "ns per call, pin + unpin",
+            Better::Lower,
+            false,
+        );
         let mut target_two = Vec::new();
         for (w, (workload, ..)) in workloads.iter().enumerate() {
             let total: Vec<Vec<f64>> = replay_pin[w]

@@ -6,7 +6,7 @@
 
 use super::machine::Machine;
 use super::seeds::{self, Seed};
-use super::{Experiment, Mode, Outcome, Row, svg};
+use super::{Experiment, Mode, Outcome, Row, charts};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use std::collections::HashSet;
@@ -123,7 +123,7 @@ pub fn write(
                     s.experiment.name()
                 );
             }
-            files.push((dir.join(format!("{stem}.svg")), svg::render(chart)));
+            files.push((dir.join(format!("{stem}.svg")), charts::render(chart)?));
         }
     }
     for (path, contents) in &files {
@@ -173,7 +173,7 @@ fn markdown(machine: &Machine, mode: Mode, sections: &[Section]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::{Chart, ChartGroup, Ctx, Row, Table, measure};
+    use crate::bench::{Better, Chart, ChartGroup, Ctx, Row, Table, measure};
 
     /// A tiny experiment that exercises every part of an [`Outcome`].
     struct Fake;
@@ -216,13 +216,8 @@ mod tests {
                 });
                 progress.inc(1);
             }
-            let (title, unit) = ("loop [time]".into(), "ns".into());
-            let chart = Chart {
-                title,
-                unit,
-                log_scale: true,
-                groups,
-            };
+            let mut chart = Chart::new("loop [time]", "case", "ns per loop", Better::Lower, true);
+            chart.groups = groups;
             out.tables.push(table);
             out.charts.push(("fake-loop".into(), chart));
             out.notes.push("a note".into());
@@ -367,7 +362,12 @@ mod tests {
             let mut section = fake_section(None);
             section.outcome.charts = stems
                 .iter()
-                .map(|s| (s.to_string(), Chart::default()))
+                .map(|s| {
+                    (
+                        s.to_string(),
+                        Chart::new("t", "x", "y", Better::Lower, false),
+                    )
+                })
                 .collect();
             assert!(write(&dir, &Machine::detect(), Mode::Quick, &[section]).is_err());
             assert!(!dir.join("report.md").exists(), "nothing written on error");

@@ -17,7 +17,7 @@ use std::time::Instant;
 use memvisor::{Backing, BackingKind, BackingOptions, DmaSpace, Iova, Prot};
 
 use super::seeds::{SEED_004A, Seed};
-use super::{Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, limits, ns_per_op};
+use super::{Better, Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, limits, ns_per_op};
 
 pub struct Rw;
 
@@ -164,12 +164,13 @@ impl Experiment for Rw {
                 "cursor write / memcpy",
             ],
         );
-        let mut chart = Chart {
-            title: "GB/s by transfer size (log scale)".into(),
-            unit: "GB/s".into(),
-            log_scale: true,
-            groups: Vec::new(),
-        };
+        let mut chart = Chart::new(
+            "CPU copies to and from guest memory: GB/s by transfer size",
+            "bytes per transfer",
+            "GB/s (1 GB = 1e9 bytes)",
+            Better::Higher,
+            true,
+        );
         for size in SIZES {
             let label = human(size);
             let mut gbps = Vec::new();

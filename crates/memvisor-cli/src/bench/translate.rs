@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use memvisor::{Access, Backing, BackingKind, DmaConfig, DmaSpace, Iova, Prot};
 
-use super::{Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, ns_per_op};
+use super::{Better, Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, ns_per_op};
 
 pub struct Translate;
 
@@ -187,12 +187,13 @@ impl Experiment for Translate {
                 "translate / cursor",
             ],
         );
-        let mut chart = Chart {
-            title: "ns per translation, cursor vs no cursor (log scale)".into(),
-            unit: "ns per translation".into(),
-            log_scale: true,
-            groups: Vec::new(),
-        };
+        let mut chart = Chart::new(
+            "IOVA translation: DmaSpace::translate vs a DmaCursor",
+            "mappings in the space, address pattern",
+            "ns per translation",
+            Better::Lower,
+            true,
+        );
         let mut map_costs = Vec::new();
         for count in COUNTS {
             let space = build(count)?;
