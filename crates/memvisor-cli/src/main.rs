@@ -314,7 +314,13 @@ fn run_bench(args: &BenchArgs) -> Result<()> {
     } else {
         Box::new(io::stdout())
     };
-    writeln!(human, "{}\nmode: {}", machine.describe(), mode.as_str())?;
+    writeln!(
+        human,
+        "{}\nmode: {}\n{}",
+        machine.describe(),
+        mode.as_str(),
+        report::READING
+    )?;
 
     // Progress bars only for a person watching: never in captured or piped output, nor with
     // --json, whose stderr carries the tables instead.

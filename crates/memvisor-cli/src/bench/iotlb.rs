@@ -93,7 +93,7 @@ impl Experiment for IotlbReplay {
         let clock = clock_cost();
         let floor = measure(runs, round_trip_ns);
         let mut table = Table::new(
-            "IOTLB replay: median ns per message (lower is better), messages per second (higher is better)",
+            "IOTLB replay: ns per message (lower is better), messages per second (higher is better)",
             &[
                 "stream",
                 "messages",
@@ -183,11 +183,11 @@ impl Experiment for IotlbReplay {
             &floor,
         ));
         table.note = Some(format!(
-            "Medians of {runs} replays. Each update, invalidate and first translation is timed \
+            "{runs} replays. Each update, invalidate and first translation is timed \
              alone; the clock's own cost ({clock:.0} ns, measured) is subtracted. messages/s: the \
              whole stream replayed without timers (MISS lines count as messages; replay does \
              nothing for them). Floor: one 64-byte message and its 8-byte ack over a Unix socket \
-             between two threads, {:.0} ns (median of {runs}), paid by every message before any \
+             between two threads, {:.0} ns, paid by every message before any \
              back end work. vm-memory's Iotlb maps IOVA to guest physical addresses only (no host \
              address, permissions per entry, no pins or dirty log).",
             floor.median

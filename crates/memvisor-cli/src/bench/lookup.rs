@@ -491,9 +491,8 @@ fn populate_table(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()
         }
     }
     table.note = Some(format!(
-        "medians of {} runs, the variants taking turns in each; ratios are medians of the \
-         per-run ratios, min-max across runs in brackets; > 1 means the cursor is faster. Seed \
-         003 (64x64, KVM): iteration 2 went 2.83 s -> 0.31 s (9.1x)",
+        "{} runs, the variants taking turns in each; a ratio > 1 means the cursor is faster. \
+         Seed 003 (64x64, KVM): iteration 2 went 2.83 s -> 0.31 s (9.1x)",
         sz.runs
     ));
     out.tables.push(table);
@@ -602,9 +601,9 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
     let loop_scaling = scaling_of(None);
     table.note = Some(format!(
         "aggregate lookup rate on {threads_all} threads vs 1, thread-local: cursor {:.2}x \
-         (range {:.2}-{:.2}), bare loop {:.2}x (the machine's limit); medians of {} runs, each \
-         about 30 ms, the variants taking turns in every run; ratios are medians of the per-run \
-         ratios (min-max across runs); scaling from {} back-to-back pairs. Every pattern: \
+         ({:.2}–{:.2}), bare loop {:.2}x (the machine's limit); {} runs of about 30 ms each, \
+         the variants taking turns in every run; scaling from {} back-to-back pairs. Every \
+         pattern: \
          {PATTERN} different addresses per thread (random bytes of the thread's slot, or of any \
          slot), cycled",
         cursor_scaling.median,
@@ -633,7 +632,7 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
         &["Slots", "binary", "vm-hint", "cursor", "vm-memory"],
     );
     scaling.note = Some(format!(
-        "medians of {} runs of about 30 ms; {PATTERN} different addresses per pattern, cycled \
+        "{} runs of about 30 ms each; {PATTERN} different addresses per pattern, cycled \
          (random bytes of one slot, or of any slot); slots of 64 KiB",
         sz.runs
     ));

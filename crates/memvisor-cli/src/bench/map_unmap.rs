@@ -146,7 +146,11 @@ impl Experiment for MapUnmap {
             );
         }
         let mut table = Table::new(
-            &format!("MAP / UNMAP of {} MiB (higher GB/s is better)", size / MIB),
+            &format!(
+                "MAP / UNMAP of {} MiB (means of {runs} runs, as the seed reports them; higher \
+                 GB/s is better)",
+                size / MIB
+            ),
             &[
                 "memory",
                 "variant",
@@ -287,7 +291,8 @@ impl Experiment for MapUnmap {
         }
         progress.finish();
         table.note = Some(format!(
-            "means of {runs} runs; GB/s = bytes / s (1 GB = 1e9 bytes, as in the seed). \
+            "Times and GB/s are means of {runs} runs, not medians; GB/s = bytes / mean time \
+             (1 GB = 1e9 bytes, as in the seed); the raw mlock / munlock floor is one run. \
              Per-page UNMAP is one munlock and one accounting update per 4 KiB page; \
              extent-aware UNMAP is one per run. The kernel rows are seed 001's figures for \
              16 GB on its own machine, for reference only."

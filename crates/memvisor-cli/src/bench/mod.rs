@@ -188,11 +188,11 @@ pub fn ratio(a: &[f64], b: &[f64]) -> Stats {
     Stats::from_samples(&r)
 }
 
-/// A ratio for a table cell, the min-max across runs in brackets when there was more than one:
-/// `1.12x (0.95-1.30)`.
+/// A ratio for a table cell, its lowest–highest across runs in brackets when there was more
+/// than one: `1.12x (0.95–1.30)` (an en dash, so the range does not read as a subtraction).
 pub fn ratio_cell(s: &Stats) -> String {
     if s.runs > 1 {
-        format!("{:.2}x ({:.2}-{:.2})", s.median, s.min, s.max)
+        format!("{:.2}x ({:.2}–{:.2})", s.median, s.min, s.max)
     } else {
         format!("{:.2}x", s.median)
     }
@@ -529,7 +529,7 @@ mod tests {
     fn ratios_carry_their_spread() {
         let r = ratio(&[2.0, 3.0, 4.0], &[1.0, 2.0, 1.0]);
         assert_eq!((r.median, r.min, r.max, r.runs), (2.0, 1.5, 4.0, 3));
-        assert_eq!(ratio_cell(&r), "2.00x (1.50-4.00)");
+        assert_eq!(ratio_cell(&r), "2.00x (1.50–4.00)");
         assert_eq!(ratio_cell(&ratio(&[3.0], &[2.0])), "1.50x");
     }
 

@@ -1080,7 +1080,7 @@ fn tables(out: &mut Outcome, size: u64, runs: u32, results: &[(Kind, KindResult)
         }
     }
     table.note = Some(format!(
-        "medians of {runs} runs; GB/s = reported bytes / s (1 GB = 1e9 bytes), also for the \
+        "{runs} runs; GB/s = reported bytes / s (1 GB = 1e9 bytes), also for the \
          pinned variant, which discards only 90% of them. Resident: smaps Rss of the mapping \
          (private anon, THP), smaps Private_Hugetlb + Shared_Hugetlb (hugetlbfs), st_blocks \
          (memfd). vs floor: GB/s as a share of one raw madvise(MADV_DONTNEED) / \
@@ -1099,7 +1099,7 @@ fn tables(out: &mut Outcome, size: u64, runs: u32, results: &[(Kind, KindResult)
             .into(),
     );
     refault.note = Some(
-        "medians; one volatile byte write per 4 KiB page in address order. After discard every \
+        "One volatile byte write per 4 KiB page in address order. After discard every \
          page faults and the kernel zero-fills it (for THP and hugetlbfs one 2 MiB huge page per \
          512 pages, the cost spread over them); after MADV_FREE without memory pressure the \
          pages are still there, so no fault and no zeroing (faults per page: the process's \

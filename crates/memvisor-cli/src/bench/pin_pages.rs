@@ -752,11 +752,10 @@ impl Experiment for PinPages {
         pin_table.note = Some(format!(
             "Each call pins pages no one holds (mlock of what is new; on THP and \
              hugetlbfs the whole 2 MiB page), and is undone by unpin_pages right after, timed \
-             apart (see the next table). Mean per call over {iters_one} calls (1 page) or \
-             {iters_many} calls (512 pages, 2 MiB aligned, rotating over {CHUNKS} huge-page \
-             chunks) per run, median of {runs} runs; variants interleaved in every run, ratios \
-             are medians of the per-run ratios (min-max in brackets). Each call's two clock \
-             reads (~20-40 ns) are included. Seed columns: the patch author's kernel figures for \
+             apart (see the next table). A run's figure is its ns per call over {iters_one} \
+             calls (1 page) or {iters_many} calls (512 pages, 2 MiB aligned, rotating over \
+             {CHUNKS} huge-page chunks); {runs} runs, variants interleaved in every run. Each \
+             call's two clock reads (about 20–40 ns) are included. Seed columns: the patch author's kernel figures for \
              vfio_iommu_type1_pin_pages before/after the patch, on other hardware ({seed_rows}); \
              compare ratios, not ns. Target: 512 pages >= 3x faster grouped than per-page."
         ));
@@ -843,9 +842,9 @@ impl Experiment for PinPages {
         }
         replay_table.note = Some(format!(
             "{replay_len} calls per workload, the same sequence for every variant and run; call i \
-             is pinned, then call i-{QUEUE} unpinned (a device with {QUEUE} I/Os queued). Mean \
-             per call (pin and unpin timed apart, clock reads included), median of {runs} runs; \
-             ratios are medians of per-run ratios (min-max). Target: adaptive / per-page <= \
+             is pinned, then call i-{QUEUE} unpinned (a device with {QUEUE} I/Os queued). A \
+             run's figure is its ns per call (pin and unpin timed apart, clock reads included); \
+             {runs} runs. Target: adaptive / per-page <= \
              1.05 on the seed's two. The mvdma workload is the npage histogram of memvisor's \
              vfio-user reference device in pin mode under a real Linux guest (from \
              {mvdma_source}): each call pins one run of IOVA pages."
@@ -860,10 +859,10 @@ impl Experiment for PinPages {
             &[
                 "Distribution",
                 "1",
-                "2-3",
-                "4-7",
-                "8-15",
-                "16-512",
+                "2–3",
+                "4–7",
+                "8–15",
+                "16–512",
                 "pages / call",
                 "runs / call",
             ],
@@ -902,7 +901,7 @@ impl Experiment for PinPages {
         dist.note = Some(format!(
             "npage uniform inside each bucket; a multi-page call is cut into runs drawn from \
              the seed's pin_contiguous_pages histogram minus one single run per single-page \
-             call (same boot + fio trace: {} - {} single runs), clipped to what is left of the \
+             call (same boot + fio trace: {} single runs minus {}), clipped to what is left of the \
              call, placed at random in {} MiB without touching each other; run lengths here are \
              measured on the generated page lists. The seed's run histogram is for boot and fio \
              together (mostly fio). Its two histograms cannot both hold exactly with sizes \

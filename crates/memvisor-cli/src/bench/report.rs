@@ -13,6 +13,13 @@ use std::collections::HashSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+/// How to read the numbers, said once at the top of report.md and of the terminal output;
+/// tables that report means instead say so in their title and note.
+pub const READING: &str = "Every figure is the median of its runs (a run's own figure averages \
+    its many operations, e.g. ns per call; a ratio is the median of the per-run ratios) unless \
+    its table says means, and a bracketed range such as (0.95–1.30) goes from the lowest to the \
+    highest value across those runs.";
+
 /// One experiment that ran, with what it produced.
 pub struct Section<'a> {
     pub experiment: &'a dyn Experiment,
@@ -134,7 +141,7 @@ pub fn write(
 
 fn markdown(machine: &Machine, mode: Mode, sections: &[Section]) -> String {
     let mut out = format!(
-        "# memvisor benchmark report\n\n{}\n\nMode: {} · {} · memvisor {}\n",
+        "# memvisor benchmark report\n\n{}\n\nMode: {} · {} · memvisor {}\n\n{READING}\n",
         machine.describe(),
         mode.as_str(),
         machine.date,
@@ -265,6 +272,7 @@ mod tests {
             "# memvisor benchmark report",
             &machine.describe(),
             "Mode: full",
+            READING,
             "## fake — counting <fast> (seeds 000, 001)\n\nReproduces seed 000, “vfio/type1: \
              Batch page pinning” (shared/seeds/000_bacae2283cd0fb79.txt); seed 001, “vfio/type1: \
              optimize vfio_unpin_pages_remote() for large folio” \

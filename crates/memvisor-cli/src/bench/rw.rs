@@ -228,7 +228,7 @@ impl Experiment for Rw {
         }
         progress.finish();
         table.note = Some(format!(
-            "medians of {runs} runs of ~30 ms; seed 004a gives no figures of its own, the point \
+            "{runs} runs of about 30 ms each; seed 004a gives no figures of its own, the point \
              is the gap to pin+copy+unpin"
         ));
         out.tables.push(table);

@@ -247,7 +247,7 @@ impl Experiment for Translate {
         }
         progress.finish();
         table.note = Some(format!(
-            "medians of {runs} runs of ~30 ms; every pattern is {PATTERN} addresses, cycled; \
+            "{runs} runs of about 30 ms each; every pattern is {PATTERN} addresses, cycled; \
              hit-heavy and miss-heavy from 10 000 mappings up are all different addresses (one \
              mapping, or 64, holds fewer places for a 64-byte access); one map_backing call \
              while building the table cost (ns, by mapping count): {}",

@@ -223,7 +223,7 @@ impl Experiment for VfioUserReplay {
             ));
         }
         let mut table = Table::new(
-            "vfio-user DMA table replay: median ns per message (lower is better)",
+            "vfio-user DMA table replay: ns per message (lower is better)",
             &[
                 "stream", "maps", "unmaps", "table", "map ns", "unmap ns", "refused",
             ],
@@ -311,7 +311,7 @@ impl Experiment for VfioUserReplay {
         progress.finish();
         let _ = std::fs::remove_dir_all(&dir);
         table.note = Some(format!(
-            "Medians over {runs} replays of each replay's median per message; the clock's cost \
+            "{runs} replays; a replay's own figure is its median per message; the clock's cost \
              ({clock:.0} ns) is subtracted. Refused: maps and unmaps the table refused in the \
              replay (a recording holds only what the server accepted, so 0 is expected). \
              libvfio-user removes only exact whole regions and answers ENOENT for anything else; \
