@@ -441,7 +441,6 @@ impl DmaSpace {
             space: self.clone(),
             snapshot,
             hit: Hit::NONE,
-            misses: 0,
         }
     }
 
@@ -488,12 +487,7 @@ pub struct DmaCursor {
     /// Whether `read` / `write` may copy from the snapshot ([`DmaSpace::copies_allowed`]).
     copies: bool,
     hit: Hit,
-    /// Translations since the last hit.
-    misses: u32,
 }
-
-/// Misses in a row after which a cursor remembers only every this many.
-const MISS_RUN: u32 = 8;
 
 impl std::fmt::Debug for DmaCursor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -523,7 +517,6 @@ impl DmaCursor {
             & (len != 0)
         {
             let n = len.min(h.last - iova.0 + 1);
-            self.misses = 0;
             if h.dirty && access == Access::Write {
                 let m = self.snapshot.map.get(h.pos).3;
                 mark_dirty(m, iova.0, n, self.space.shared.min_page);
@@ -538,19 +531,14 @@ impl DmaCursor {
         if current & (len != 0) {
             if let Some((hot, last)) = self.snapshot.map.page(iova.0) {
                 if hot.prot().contains(access.prot()) & hot.valid() & !hot.dirty() {
-                    // As SlotCursor: after a run of misses only every few are remembered, so
-                    // random lookups do not wait on each other through the stored hit.
-                    self.misses = self.misses.wrapping_add(1);
-                    if self.misses < MISS_RUN || self.misses % MISS_RUN == 0 {
-                        self.hit = Hit {
-                            start: iova.0 & !(PAGE - 1),
-                            last,
-                            delta: hot.delta(),
-                            prot: hot.prot().0,
-                            dirty: false,
-                            pos: Pos::FIRST,
-                        };
-                    }
+                    self.hit = Hit {
+                        start: iova.0 & !(PAGE - 1),
+                        last,
+                        delta: hot.delta(),
+                        prot: hot.prot().0,
+                        dirty: false,
+                        pos: Pos::FIRST,
+                    };
                     return Ok(Translation {
                         hva: Hva(iova.0.wrapping_add(hot.delta())),
                         len: len.min(last - iova.0 + 1),
