@@ -592,7 +592,6 @@ impl SlotTable {
             snapshot,
             hit: Entry::NONE,
             hit_generation: NO_HIT,
-            misses: 0,
         }
     }
 
@@ -779,15 +778,10 @@ pub struct SlotCursor {
     /// The generation `hit` belongs to; [`NO_HIT`] when there is none, so the hit test needs
     /// no separate "have a hit" check.
     hit_generation: u64,
-    /// Lookups since the last hit.
-    misses: u32,
 }
 
 /// A generation no table reaches.
 const NO_HIT: u64 = u64::MAX;
-
-/// Misses in a row after which a cursor remembers only every this many.
-const MISS_RUN: u32 = 8;
 
 impl fmt::Debug for SlotCursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -812,7 +806,6 @@ impl SlotCursor {
         if (generation == self.hit_generation)
             & (gpa.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
         {
-            self.misses = 0;
             return Some(h.translate(gpa.0));
         }
         if generation != self.generation {
@@ -820,15 +813,8 @@ impl SlotCursor {
         }
         let e = *self.snapshot.find_entry(gpa)?;
         let t = e.translate(gpa.0);
-        // Remembering the slot makes the next lookup's hit test wait on this search (it reads
-        // what this one stores), which costs more than the search itself when lookups jump
-        // around. So after a run of misses only every few misses are remembered: a thread that
-        // settles into a slot again is caught within that many lookups.
-        self.misses = self.misses.wrapping_add(1);
-        if self.misses < MISS_RUN || self.misses % MISS_RUN == 0 {
-            self.hit = e;
-            self.hit_generation = self.generation;
-        }
+        self.hit = e;
+        self.hit_generation = self.generation;
         Some(t)
     }
 
