@@ -126,23 +126,29 @@ impl Found {
 }
 
 impl DmaSnapshot {
+    /// The page table's answer for an access needing `need` at `iova`, (hot word, last byte of
+    /// the mapping), when it answers outright: the page is a small mapping's, allowed, with a
+    /// host address, and not logging dirty pages (whose marking needs the sorted index's
+    /// position). Anything else — no entry, a refusal and its exact error — is the sorted
+    /// index's, the record.
+    #[inline(always)]
+    fn page_answer(&self, iova: u64, need: Prot) -> Option<(Hot, u64)> {
+        let (hot, last) = self.map.page(iova)?;
+        (hot.prot().contains(need) & hot.valid() & !hot.dirty()).then_some((hot, last))
+    }
+
     /// The mapping holding `iova`, checked for `access` and a valid host address. Reads the
     /// index only, never the mapping record. Inlined into each translation path: a call
     /// would pass the result through memory.
     #[inline(always)]
     fn resolve(&self, iova: u64, len: u64, need: Prot) -> Result<Found> {
-        // The page table first: it answers a small mapping's pages with no search. Anything it
-        // does not answer outright — no entry, a refusal, a mapping that logs dirty pages (the
-        // caller then needs its position) — goes to the sorted index, the record.
-        if let Some((hot, last)) = self.map.page(iova) {
-            if hot.prot().contains(need) & hot.valid() & !hot.dirty() {
-                return Ok(Found {
-                    pos: Pos::FIRST,
-                    start: iova & !(PAGE - 1),
-                    last,
-                    hot,
-                });
-            }
+        if let Some((hot, last)) = self.page_answer(iova, need) {
+            return Ok(Found {
+                pos: Pos::FIRST,
+                start: iova & !(PAGE - 1),
+                last,
+                hot,
+            });
         }
         let Some((pos, start, last, hot)) = self.map.lookup(iova) else {
             return Err(unmapped(iova, len));
@@ -529,21 +535,19 @@ impl DmaCursor {
         // A miss at the current generation in a page the page table answers (a small mapping
         // that logs no dirty pages): inline, so it costs the table's loads and no call.
         if current & (len != 0) {
-            if let Some((hot, last)) = self.snapshot.map.page(iova.0) {
-                if hot.prot().contains(access.prot()) & hot.valid() & !hot.dirty() {
-                    self.hit = Hit {
-                        start: iova.0 & !(PAGE - 1),
-                        last,
-                        delta: hot.delta(),
-                        prot: hot.prot().0,
-                        dirty: false,
-                        pos: Pos::FIRST,
-                    };
-                    return Ok(Translation {
-                        hva: Hva(iova.0.wrapping_add(hot.delta())),
-                        len: len.min(last - iova.0 + 1),
-                    });
-                }
+            if let Some((hot, last)) = self.snapshot.page_answer(iova.0, access.prot()) {
+                self.hit = Hit {
+                    start: iova.0 & !(PAGE - 1),
+                    last,
+                    delta: hot.delta(),
+                    prot: hot.prot().0,
+                    dirty: false,
+                    pos: Pos::FIRST,
+                };
+                return Ok(Translation {
+                    hva: Hva(iova.0.wrapping_add(hot.delta())),
+                    len: len.min(last - iova.0 + 1),
+                });
             }
         }
         self.translate_slow(iova, len, access)
