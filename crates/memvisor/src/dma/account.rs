@@ -4,11 +4,16 @@
 //! past `RLIMIT_MEMLOCK`, unless the process has CAP_IPC_LOCK. memvisor does the same, once per
 //! host page — the pin registry charges a page when its count goes 0 -> 1 and releases it on
 //! 1 -> 0, so a page pinned through two IOVAs or by two devices is charged once (iommufd's rule;
-//! type1 would count it twice). The limit is read when it is checked, so raising the rlimit of a
-//! running process takes effect at the next pin.
+//! type1 would count it twice).
 //!
 //! [`Account`] lives inside the registry's lock: the check and the charge are one step, so
-//! concurrent pins can never overshoot the limit between them.
+//! concurrent pins can never overshoot the limit between them. Reading the limit costs system
+//! calls (`capget`, and `getrlimit` without CAP_IPC_LOCK; reading /proc/self/status for the
+//! capability, as memvisor once did, cost more than a whole pin), so the account keeps the
+//! limit as last read and reads it again before it refuses a pin: raising the rlimit of a
+//! running process takes effect at the next pin. Lowering it (or dropping CAP_IPC_LOCK) shows
+//! when the kernel holds an mlock to it — the kernel checks every mlock itself, so nothing is
+//! ever locked past its limit — and at [`PinRegistry::set_limit`](super::PinRegistry::set_limit).
 
 use crate::error::{Error, Result};
 
@@ -53,13 +58,43 @@ impl LockLimit {
 /// Bytes locked by pins, and the limit they are held to.
 #[derive(Debug, Default)]
 pub(crate) struct Account {
-    pub limit: LockLimit,
+    limit: LockLimit,
     locked: u64,
+    /// `limit` as last resolved.
+    resolved: Option<(u64, &'static str)>,
+    /// What the kernel holds this process's locks to (`RLIMIT_MEMLOCK` without CAP_IPC_LOCK),
+    /// as last read.
+    kernel: Option<u64>,
 }
 
 impl Account {
     pub fn new(limit: LockLimit) -> Self {
-        Account { limit, locked: 0 }
+        let mut a = Account {
+            limit,
+            ..Account::default()
+        };
+        a.refresh();
+        a
+    }
+
+    /// The limit as configured.
+    pub fn limit(&self) -> LockLimit {
+        self.limit
+    }
+
+    /// Changes the limit (read at once).
+    pub fn set_limit(&mut self, limit: LockLimit) {
+        self.limit = limit;
+        self.refresh();
+    }
+
+    /// Reads the limit and the kernel's rlimit again.
+    pub fn refresh(&mut self) {
+        self.kernel = LockLimit::Rlimit.resolve().map(|(n, _)| n);
+        self.resolved = match self.limit {
+            LockLimit::Rlimit => self.kernel.map(|n| (n, "RLIMIT_MEMLOCK")),
+            other => other.resolve(),
+        };
     }
 
     /// Bytes charged now.
@@ -68,9 +103,13 @@ impl Account {
     }
 
     /// Whether `bytes` more fit under the limit; ENOMEM naming the limit, the request and what
-    /// is already locked if not.
-    pub fn check(&self, bytes: u64) -> Result<()> {
-        let Some((limit, kind)) = self.limit.resolve() else {
+    /// is already locked if not. A refusal reads the limit again first.
+    pub fn check(&mut self, bytes: u64) -> Result<()> {
+        if self.fits(bytes) {
+            return Ok(());
+        }
+        self.refresh();
+        let Some((limit, kind)) = self.resolved else {
             return Ok(());
         };
         match self.locked.checked_add(bytes) {
@@ -82,6 +121,14 @@ impl Account {
                 limit,
                 limit_kind: kind,
             }),
+        }
+    }
+
+    /// Whether `bytes` more fit under the limit as last read.
+    fn fits(&self, bytes: u64) -> bool {
+        match self.resolved {
+            None => true,
+            Some((limit, _)) => self.locked.checked_add(bytes).is_some_and(|t| t <= limit),
         }
     }
 
@@ -108,8 +155,40 @@ pub(crate) enum Capability {
     SysAdmin = 21,
 }
 
-/// Whether the process has `cap` in its effective set (read from /proc/self/status).
+/// Whether the process has `cap` in its effective set: one `capget`, or /proc/self/status if
+/// that fails.
 pub(crate) fn capable(cap: Capability) -> bool {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    // _LINUX_CAPABILITY_VERSION_3: two Data words, capabilities 0-31 and 32-63.
+    let mut header = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget reads `header` and writes at most two `Data` (version 3) into `data`, both
+    // ours and live for the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_capget,
+            &mut header as *mut Header,
+            data.as_mut_ptr(),
+        )
+    };
+    let bit = cap as u32;
+    if rc == 0 {
+        return data[(bit / 32) as usize].effective & (1 << (bit % 32)) != 0;
+    }
     let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
         return false;
     };
@@ -156,6 +235,30 @@ mod tests {
                 (rl.rlim_cur != libc::RLIM_INFINITY).then_some((rl.rlim_cur, "RLIMIT_MEMLOCK"));
             assert_eq!(resolved, want);
         }
+    }
+
+    #[test]
+    fn capget_agrees_with_proc_status() {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let bits = status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+            .unwrap();
+        for cap in [Capability::IpcLock, Capability::SysAdmin] {
+            assert_eq!(capable(cap), bits & (1 << cap as u32) != 0, "{cap:?}");
+        }
+    }
+
+    #[test]
+    fn a_refusal_reads_the_limit_again() {
+        let mut a = Account::new(LockLimit::Bytes(4096));
+        a.charge(4096).unwrap();
+        assert!(a.check(1).is_err());
+        // The limit as last read is stale on purpose: a refusal must look again.
+        a.limit = LockLimit::Unlimited;
+        a.charge(8192).unwrap();
+        assert_eq!(a.locked(), 3 * 4096);
     }
 
     #[test]

@@ -217,7 +217,7 @@ impl std::fmt::Debug for PinRegistry {
         f.debug_struct("PinRegistry")
             .field("pinned_pages", &st.pages.pages())
             .field("locked_bytes", &st.account.locked())
-            .field("limit", &st.account.limit)
+            .field("limit", &st.account.limit())
             .finish()
     }
 }
@@ -247,12 +247,12 @@ impl PinRegistry {
 
     /// Changes the limit. Pins already held stay; the next pin is checked against the new one.
     pub fn set_limit(&self, limit: LockLimit) {
-        self.lock().account.limit = limit;
+        self.lock().account.set_limit(limit);
     }
 
     /// The limit pins are held to.
     pub fn limit(&self) -> LockLimit {
-        self.lock().account.limit
+        self.lock().account.limit()
     }
 
     /// Bytes locked by pins now (each page once, however often it is pinned).
@@ -300,7 +300,7 @@ impl PinRegistry {
         if end - first > step {
             // Refuse up front when the whole call cannot fit, before any work; each step
             // still checks again under the lock, since other pins may come in between.
-            let st = self.lock();
+            let mut st = self.lock();
             let (us, ue) = req.units(first, end);
             let new: u64 = st.locked.gaps(us, ue).iter().map(|(s, e)| e - s).sum();
             st.account.check(new * PAGE)?;
