@@ -88,11 +88,28 @@ impl RunCounts {
         out
     }
 
-    /// Adds one to the count of every page in `[start, end)`; returns the runs that went from
-    /// zero to one.
-    pub fn add(&mut self, start: u64, end: u64) -> Vec<(u64, u64)> {
+    /// Adds one to the count of every page in `[start, end)`.
+    pub fn add(&mut self, start: u64, end: u64) {
         if start >= end {
-            return Vec::new();
+            return;
+        }
+        // The common cases without a walk: a range inside a single run, or one no run touches.
+        match self.runs.range(..=start).next_back().map(|(&s, &r)| (s, r)) {
+            Some((_, r)) if r.end >= end => {
+                self.split(start);
+                self.split(end);
+                self.runs.get_mut(&start).expect("split above").count += 1;
+                self.merge(start, end);
+                return;
+            }
+            Some((_, r)) if r.end > start => {}
+            _ if self.runs.range(start..end).next().is_none() => {
+                self.runs.insert(start, Run { end, count: 1 });
+                self.counted += end - start;
+                self.merge(start, end);
+                return;
+            }
+            _ => {}
         }
         let gaps = self.gaps(start, end);
         self.split(start);
@@ -105,27 +122,59 @@ impl RunCounts {
             self.counted += e - s;
         }
         self.merge(start, end);
-        gaps
     }
 
-    /// Subtracts one from the count of every page in `[start, end)`; returns the runs that went
-    /// from one to zero. If some page there has count zero, changes nothing and returns it.
-    pub fn sub(&mut self, start: u64, end: u64) -> Result<Vec<(u64, u64)>, u64> {
+    /// Subtracts one from the count of every page in `[start, end)`. If some page there has
+    /// count zero, changes nothing and returns it.
+    pub fn sub(&mut self, start: u64, end: u64) -> Result<(), u64> {
+        self.sub_reporting(start, end, &mut Vec::new())
+    }
+
+    /// [`RunCounts::sub`], appending the runs that went from one to zero to `zero`.
+    pub fn sub_reporting(
+        &mut self,
+        start: u64,
+        end: u64,
+        zero: &mut Vec<(u64, u64)>,
+    ) -> Result<(), u64> {
         if start >= end {
-            return Ok(Vec::new());
+            return Ok(());
+        }
+        // The common case without a walk: a range inside a single run.
+        if let Some((&s, &r)) = self.runs.range(..=start).next_back() {
+            if r.end >= end {
+                if r.count == 1 {
+                    // The pieces of a maximal run keep their neighbours apart: nothing merges.
+                    self.runs.remove(&s);
+                    if s < start {
+                        self.runs.insert(s, Run { end: start, ..r });
+                    }
+                    if end < r.end {
+                        self.runs.insert(end, r);
+                    }
+                    self.counted -= end - start;
+                    zero.push((start, end));
+                } else {
+                    self.split(start);
+                    self.split(end);
+                    self.runs.get_mut(&start).expect("split above").count -= 1;
+                    self.merge(start, end);
+                }
+                return Ok(());
+            }
         }
         if let Some(&(hole, _)) = self.gaps(start, end).first() {
             return Err(hole);
         }
         self.split(start);
         self.split(end);
-        let mut zero: Vec<(u64, u64)> = Vec::new();
+        let first = zero.len();
         let mut emptied = Vec::new();
         for (&s, r) in self.runs.range_mut(start..end) {
             r.count -= 1;
             if r.count == 0 {
                 emptied.push(s);
-                match zero.last_mut() {
+                match zero[first..].last_mut() {
                     Some(last) if last.1 == s => last.1 = r.end,
                     _ => zero.push((s, r.end)),
                 }
@@ -136,7 +185,7 @@ impl RunCounts {
             self.counted -= r.end - s;
         }
         self.merge(start, end);
-        Ok(zero)
+        Ok(())
     }
 
     /// Cuts the run containing `at` (if it starts before `at`) in two at `at`.
@@ -152,23 +201,22 @@ impl RunCounts {
 
     /// Merges touching runs with equal counts from the run before `start` to the run at `end`.
     fn merge(&mut self, start: u64, end: u64) {
-        let from = self
+        let mut at = self
             .runs
             .range(..start)
             .next_back()
             .map_or(start, |(&s, _)| s);
-        let keys: Vec<u64> = self.runs.range(from..=end).map(|(&s, _)| s).collect();
-        let mut current: Option<(u64, Run)> = None;
-        for s in keys {
-            let r = self.runs[&s];
-            match current {
-                Some((cs, cr)) if cr.end == s && cr.count == r.count => {
-                    self.runs.remove(&s);
-                    let merged = Run { end: r.end, ..cr };
-                    self.runs.insert(cs, merged);
-                    current = Some((cs, merged));
+        while let Some((&s, &r)) = self.runs.range(at..).next() {
+            if s > end {
+                break;
+            }
+            match self.runs.get(&r.end) {
+                Some(&next) if next.count == r.count && r.end <= end => {
+                    self.runs.remove(&r.end);
+                    self.runs.insert(s, Run { end: next.end, ..r });
+                    at = s;
                 }
-                _ => current = Some((s, r)),
+                _ => at = r.end,
             }
         }
     }
@@ -182,16 +230,22 @@ mod tests {
     #[test]
     fn nested_adds_count_and_report_transitions() {
         let mut c = RunCounts::default();
-        assert_eq!(c.add(10, 20), vec![(10, 20)]);
-        assert_eq!(c.add(15, 30), vec![(20, 30)]);
+        assert_eq!(c.gaps(10, 20), vec![(10, 20)]);
+        c.add(10, 20);
+        assert_eq!(c.gaps(15, 30), vec![(20, 30)]);
+        c.add(15, 30);
         assert_eq!(c.count(14), 1);
         assert_eq!(c.count(15), 2);
         assert_eq!(c.count(29), 1);
         assert_eq!(c.count(30), 0);
         assert_eq!(c.pages(), 20);
-        assert_eq!(c.sub(10, 20), Ok(vec![(10, 15)]));
+        let mut zero = Vec::new();
+        assert_eq!(c.sub_reporting(10, 20, &mut zero), Ok(()));
+        assert_eq!(zero, vec![(10, 15)]);
         assert_eq!(c.sub(5, 16), Err(5));
-        assert_eq!(c.sub(15, 30), Ok(vec![(15, 30)]));
+        zero.clear();
+        assert_eq!(c.sub_reporting(15, 30, &mut zero), Ok(()));
+        assert_eq!(zero, vec![(15, 30)]);
         assert!(c.is_empty());
         assert_eq!(c.pages(), 0);
     }
@@ -219,14 +273,17 @@ mod tests {
                 let end = start + len;
                 if add {
                     let want: Vec<u64> = (start..end).filter(|&p| model[p as usize] == 0).collect();
-                    let got: Vec<u64> = c.add(start, end).into_iter().flat_map(|(s, e)| s..e).collect();
+                    let got: Vec<u64> = c.gaps(start, end).into_iter().flat_map(|(s, e)| s..e).collect();
+                    c.add(start, end);
                     prop_assert_eq!(got, want);
                     (start..end).for_each(|p| model[p as usize] += 1);
                 } else if let Some(hole) = (start..end).find(|&p| model[p as usize] == 0) {
                     prop_assert_eq!(c.sub(start, end), Err(hole));
                 } else {
                     let want: Vec<u64> = (start..end).filter(|&p| model[p as usize] == 1).collect();
-                    let got: Vec<u64> = c.sub(start, end).unwrap().into_iter().flat_map(|(s, e)| s..e).collect();
+                    let mut zero = Vec::new();
+                    c.sub_reporting(start, end, &mut zero).unwrap();
+                    let got: Vec<u64> = zero.into_iter().flat_map(|(s, e)| s..e).collect();
                     prop_assert_eq!(got, want);
                     (start..end).for_each(|p| model[p as usize] -= 1);
                 }

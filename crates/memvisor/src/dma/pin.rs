@@ -363,8 +363,9 @@ impl PinRegistry {
             let step_end = end.min(at.saturating_add(step));
             let mut st = self.lock();
             st.retry_stuck();
-            match st.pages.sub(at, step_end) {
-                Ok(zero) => st.release(&zero),
+            let mut zero = Vec::new();
+            match st.pages.sub_reporting(at, step_end, &mut zero) {
+                Ok(()) => st.release(&zero),
                 // Callers only unpin what they pinned; a hole here is a bookkeeping bug, and
                 // unlocking someone else's pages would be worse than leaving this one.
                 Err(page) => debug_assert!(false, "unpin of page {page:#x}, which is not pinned"),
