@@ -114,12 +114,14 @@ impl DmaSpace {
             return Err(Error::Invalid("pin_pages needs READ, WRITE or both".into()));
         }
         self.refuse_while_invalid(&self.shared.current.load(), pages[0] * PAGE)?;
-        let deadline = self.vaddr_deadline();
+        // Read the clock only if there is a wait: the deadline counts from the first one.
+        let mut deadline = None;
         loop {
             match self.try_pin_pages(pages, prot) {
                 Ok(hvas) => return Ok(hvas),
                 Err(Stop::Failed(e)) => return Err(e),
                 Err(Stop::Invalidated(iova)) => {
+                    let deadline = *deadline.get_or_insert_with(|| self.vaddr_deadline());
                     if !self.wait_for_vaddr(Iova(iova), deadline) {
                         return Err(Error::Busy {
                             addr: iova,
@@ -138,11 +140,11 @@ impl DmaSpace {
     pub fn unpin_pages(&self, pages: &[u64]) -> Result<()> {
         check_count("unpin_pages", pages)?;
         let mut writer = self.writer();
-        let mut done: Vec<(u64, u64)> = Vec::new();
+        let mut done: Done<(u64, u64)> = Done::default();
         for (i, n) in groups(pages, self.shared.config.grouping) {
             let p = pages[i];
             if let Err(page) = writer.external.sub(p, p + n as u64) {
-                for &(p, n) in &done {
+                for (p, n) in done {
                     writer.external.add(p, p + n);
                 }
                 return Err(Error::Invalid(format!(
@@ -243,7 +245,7 @@ impl DmaSpace {
         let mut writer = self.writer();
         let snap = self.shared.current.load();
         let mut out = Vec::with_capacity(pages.len());
-        let mut done: Vec<(u64, u64, PinRequest)> = Vec::new();
+        let mut done: Done<(u64, u64, PinRequest)> = Done::default();
         let mut result = Ok(());
         'groups: for (i, n) in groups(pages, self.shared.config.grouping) {
             let (mut page, end) = (pages[i], pages[i] + n as u64);
@@ -317,7 +319,7 @@ impl DmaSpace {
         let req = self
             .shared
             .device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE);
-        self.shared.registry.pin(&req)?;
+        self.shared.registry.pin_only(&req)?;
         writer.external.add(page, page + pieces);
         // Pinned pages are dirty while pinned, whatever the protection (type1 marks them
         // when pinned, and every read of the log marks them again).
@@ -403,11 +405,64 @@ fn check_count(what: &'static str, pages: &[u64]) -> Result<()> {
 
 /// The groups `(first index, pages)` a call is pinned in: runs of consecutive page numbers, or
 /// single pages.
-fn groups(pages: &[u64], grouping: Grouping) -> Box<dyn Iterator<Item = (usize, usize)> + '_> {
+fn groups(pages: &[u64], grouping: Grouping) -> Groups<'_> {
     match grouping {
-        Grouping::PerPage => Box::new((0..pages.len()).map(|i| (i, 1))),
-        Grouping::Runs => Box::new(Runs { pages, at: 0 }.collect::<Vec<_>>().into_iter()),
-        Grouping::Adaptive => Box::new(Runs { pages, at: 0 }),
+        Grouping::PerPage => Groups::PerPage(0..pages.len()),
+        Grouping::Runs => Groups::Split(Runs { pages, at: 0 }.collect::<Vec<_>>().into_iter()),
+        Grouping::Adaptive => Groups::Runs(Runs { pages, at: 0 }),
+    }
+}
+
+/// The iterator [`groups`] returns (an enum, not a box: no allocation per call).
+enum Groups<'a> {
+    PerPage(std::ops::Range<usize>),
+    Split(std::vec::IntoIter<(usize, usize)>),
+    Runs(Runs<'a>),
+}
+
+impl Iterator for Groups<'_> {
+    type Item = (usize, usize);
+
+    fn next(&mut self) -> Option<(usize, usize)> {
+        match self {
+            Groups::PerPage(r) => r.next().map(|i| (i, 1)),
+            Groups::Split(v) => v.next(),
+            Groups::Runs(r) => r.next(),
+        }
+    }
+}
+
+/// What a call did so far, to undo on failure: the first item inline, so that a call of one
+/// group allocates nothing for it.
+struct Done<T> {
+    first: Option<T>,
+    rest: Vec<T>,
+}
+
+impl<T> Default for Done<T> {
+    fn default() -> Self {
+        Done {
+            first: None,
+            rest: Vec::new(),
+        }
+    }
+}
+
+impl<T> Done<T> {
+    fn push(&mut self, item: T) {
+        match self.first {
+            None => self.first = Some(item),
+            Some(_) => self.rest.push(item),
+        }
+    }
+}
+
+impl<T> IntoIterator for Done<T> {
+    type Item = T;
+    type IntoIter = std::iter::Chain<std::option::IntoIter<T>, std::vec::IntoIter<T>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.first.into_iter().chain(self.rest)
     }
 }
 

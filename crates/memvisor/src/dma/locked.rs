@@ -93,6 +93,19 @@ impl RunSet {
     }
 }
 
+/// The most distinct units (page sizes) the locked set keeps.
+const UNITS_MAX: usize = 8;
+
+/// Units, as [`Locked::units_around`] returns them: no allocation on the unpin path.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Units([u64; UNITS_MAX], usize);
+
+impl Units {
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        self.0[..self.1].iter().copied()
+    }
+}
+
 /// The pages held locked, per unit (in pages).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Locked {
@@ -135,6 +148,11 @@ impl Locked {
         match self.sets.iter_mut().find(|(u, _)| *u == unit) {
             Some((_, set)) => set.insert(start, end),
             None => {
+                // Units are page sizes (4 KiB, 2 MiB, 1 GiB): a handful at most.
+                assert!(
+                    self.sets.len() < UNITS_MAX,
+                    "more than {UNITS_MAX} lock units"
+                );
                 let mut set = RunSet::default();
                 set.insert(start, end);
                 self.sets.push((unit, set));
@@ -156,12 +174,15 @@ impl Locked {
 
     /// The units (in pages) of the locks that may have to go when `[start, end)` is no longer
     /// pinned: those with a run inside the unit-aligned hull of the range.
-    pub fn units_around(&self, start: u64, end: u64) -> Vec<u64> {
-        self.sets
-            .iter()
-            .filter(|(u, s)| s.any(start / u * u, end.div_ceil(*u).saturating_mul(*u)))
-            .map(|(u, _)| *u)
-            .collect()
+    pub fn units_around(&self, start: u64, end: u64) -> Units {
+        let mut out = Units::default();
+        for (u, s) in &self.sets {
+            if s.any(start / u * u, end.div_ceil(*u).saturating_mul(*u)) {
+                out.0[out.1] = *u;
+                out.1 += 1;
+            }
+        }
+        out
     }
 }
 
@@ -179,9 +200,16 @@ mod tests {
         assert_eq!(l.gaps(0, 40), vec![(0, 10), (30, 40)]);
         assert_eq!(l.remove(12, 14), vec![(12, 14, 1)]);
         assert_eq!(l.gaps(10, 30), vec![(12, 14)]);
-        assert_eq!(l.units_around(600, 601), vec![512]);
-        assert_eq!(l.units_around(40, 41), Vec::<u64>::new());
-        assert!(l.units_around(31, 40).is_empty());
+        assert_eq!(
+            l.units_around(600, 601).iter().collect::<Vec<_>>(),
+            vec![512]
+        );
+        assert_eq!(l.units_around(40, 41).iter().count(), 0);
+        assert_eq!(l.units_around(31, 40).iter().count(), 0);
+        assert_eq!(
+            l.units_around(12, 600).iter().collect::<Vec<_>>(),
+            vec![1, 512]
+        );
         assert_eq!(l.remove(0, u64::MAX).len(), 3);
         assert_eq!(l.pages(), 0);
     }

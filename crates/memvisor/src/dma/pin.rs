@@ -95,28 +95,19 @@ impl PinRequest {
     }
 }
 
-/// The units (granule-aligned page ranges of `unit` pages) that `runs` — runs of pages whose
-/// count just dropped to zero — free: those with no other counted page. Only a run's two end
-/// units can hold other pages, so only they are looked at.
-fn whole_units(pages: &RunCounts, runs: &[(u64, u64)], unit: u64) -> Vec<(u64, u64)> {
-    let mut out: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
-    for &(s, e) in runs {
-        let mut us = s / unit * unit;
-        let mut ue = e.div_ceil(unit) * unit;
-        if us < s && pages.any_counted(us, s) {
-            us += unit;
-        }
-        if e < ue && pages.any_counted(e, ue) {
-            ue -= unit;
-        }
-        if us < ue {
-            match out.last_mut() {
-                Some(last) if last.1 >= us => last.1 = last.1.max(ue),
-                _ => out.push((us, ue)),
-            }
-        }
+/// The units (granule-aligned page ranges of `unit` pages) that the run `[s, e)` — pages whose
+/// count just dropped to zero — frees, as one range: those with no other counted page. Only the
+/// run's two end units can hold other pages, so only they are looked at.
+fn whole_units(pages: &RunCounts, s: u64, e: u64, unit: u64) -> Option<(u64, u64)> {
+    let mut us = s / unit * unit;
+    let mut ue = e.div_ceil(unit) * unit;
+    if us < s && pages.any_counted(us, s) {
+        us += unit;
     }
-    out
+    if e < ue && pages.any_counted(e, ue) {
+        ue -= unit;
+    }
+    (us < ue).then_some((us, ue))
 }
 
 struct State {
@@ -128,6 +119,8 @@ struct State {
     /// Runs a munlock failed for (the kernel could not split the area, e.g. at
     /// `vm.max_map_count`): still locked and charged, tried again at the next pin or unpin.
     stuck: Vec<(u64, u64)>,
+    /// Scratch list kept between calls, so that an unpin allocates nothing.
+    zero: Vec<(u64, u64)>,
     account: Account,
 }
 
@@ -137,15 +130,16 @@ impl State {
     /// locked, charged and remembered in `stuck`.
     fn release(&mut self, runs: &[(u64, u64)]) {
         for &(s, e) in runs {
-            for unit in self.locked.units_around(s, e) {
-                for (us, ue) in whole_units(&self.pages, &[(s, e)], unit) {
-                    for (a, b, u) in self.locked.remove(us, ue) {
-                        if munlock(a, b).is_ok() {
-                            self.account.release((b - a) * PAGE);
-                        } else {
-                            self.locked.insert(a, b, u);
-                            self.stuck.push((a, b));
-                        }
+            for unit in self.locked.units_around(s, e).iter() {
+                let Some((us, ue)) = whole_units(&self.pages, s, e, unit) else {
+                    continue;
+                };
+                for (a, b, u) in self.locked.remove(us, ue) {
+                    if munlock(a, b).is_ok() {
+                        self.account.release((b - a) * PAGE);
+                    } else {
+                        self.locked.insert(a, b, u);
+                        self.stuck.push((a, b));
                     }
                 }
             }
@@ -230,6 +224,7 @@ impl PinRegistry {
                 pages: RunCounts::default(),
                 locked: Locked::default(),
                 stuck: Vec::new(),
+                zero: Vec::new(),
                 account: Account::new(limit),
             }),
             pagemap: OnceLock::new(),
@@ -290,6 +285,26 @@ impl PinRegistry {
     /// Pins `req` in steps, all or nothing, and returns its extents: one for the whole range
     /// unless frames were asked for.
     pub(crate) fn pin(&self, req: &PinRequest) -> Result<Vec<HostExtent>> {
+        let mut extents = Extents::default();
+        self.pin_steps(req, &mut extents)?;
+        if !req.frames {
+            extents.0.push(HostExtent {
+                hva: Hva(req.hva),
+                len: req.len,
+                pfn: None,
+            });
+        }
+        Ok(extents.0)
+    }
+
+    /// Pins `req` (which asks for no frames) in steps, all or nothing; no extents.
+    pub(crate) fn pin_only(&self, req: &PinRequest) -> Result<()> {
+        debug_assert!(!req.frames);
+        self.pin_steps(req, &mut Extents::default())
+    }
+
+    /// Pins `req` in steps, all or nothing, adding to `extents` when frames are asked for.
+    fn pin_steps(&self, req: &PinRequest, extents: &mut Extents) -> Result<()> {
         let pagemap = if req.frames {
             Some(self.pagemap()?)
         } else {
@@ -305,7 +320,6 @@ impl PinRegistry {
             let new: u64 = st.locked.gaps(us, ue).iter().map(|(s, e)| e - s).sum();
             st.account.check(new * PAGE)?;
         }
-        let mut extents = Extents::default();
         let mut at = first;
         while at < end {
             let step_end = end.min(at.saturating_add(step));
@@ -325,14 +339,7 @@ impl PinRegistry {
             }
             at = step_end;
         }
-        if pagemap.is_none() {
-            extents.0.push(HostExtent {
-                hva: Hva(req.hva),
-                len: req.len,
-                pfn: None,
-            });
-        }
-        Ok(extents.0)
+        Ok(())
     }
 
     /// Pins pages `[start, end)`: locks (faulting in), charges and counts what no lock holds
@@ -363,13 +370,15 @@ impl PinRegistry {
             let step_end = end.min(at.saturating_add(step));
             let mut st = self.lock();
             st.retry_stuck();
-            let mut zero = Vec::new();
+            let mut zero = std::mem::take(&mut st.zero);
+            zero.clear();
             match st.pages.sub_reporting(at, step_end, &mut zero) {
                 Ok(()) => st.release(&zero),
                 // Callers only unpin what they pinned; a hole here is a bookkeeping bug, and
                 // unlocking someone else's pages would be worse than leaving this one.
                 Err(page) => debug_assert!(false, "unpin of page {page:#x}, which is not pinned"),
             }
+            st.zero = zero;
             st.check_account();
             at = step_end;
         }
