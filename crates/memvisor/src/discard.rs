@@ -34,7 +34,8 @@
 //! the discard system calls happen under the registry's lock, the one every pin and unpin takes.
 //! So a pin that races a report either lands first — its pages are counted, and skipped — or
 //! after: the page is gone, and the pin's `mlock` faults a zero-filled page back in before
-//! anyone uses it. Pinned pages are skipped page by page; a huge page with any pinned 4 KiB page
+//! anyone uses it. Locks the registry keeps cached after their pins went are unlocked in the
+//! chunk first, under the same lock, so only pinned pages are skipped. Pinned pages are skipped page by page; a huge page with any pinned 4 KiB page
 //! in it is skipped whole. Skipped bytes are reported as [`ReportOutcome::skipped_pinned`].
 //! Pins are known by host address, so only pins made through this registry (the process's
 //! [`PinRegistry::global`] unless [`DiscardOptions::registry`] names another) are seen: memory
@@ -343,11 +344,11 @@ impl Discarder {
         while at < a_end {
             let chunk_end = a_end.min((at / chunk + 1) * chunk);
             done.clear();
-            self.registry.with_locked(|locked| {
-                // Pins lock huge pages (THP too) whole: look at the whole units the chunk
-                // touches, and keep every unit holding a pin, even where the report covers
-                // only part of it.
-                let (w0, w1) = (at / unit * unit, chunk_end.div_ceil(unit) * unit);
+            // Pins lock huge pages (THP too) whole: look at the whole units the chunk
+            // touches, and keep every unit holding a pin, even where the report covers
+            // only part of it.
+            let (w0, w1) = (at / unit * unit, chunk_end.div_ceil(unit) * unit);
+            self.registry.with_locked_in(w0, w1, |locked| {
                 for (s, e) in locked.gaps(w0 / PAGE, w1 / PAGE) {
                     let (mut s, mut e) = (s * PAGE, e * PAGE);
                     if s > w0 {

@@ -36,13 +36,14 @@ fn space() -> (DmaSpace, Arc<PinRegistry>) {
     (d, registry)
 }
 
-/// Asserts that the registry accounts exactly what the kernel holds locked beyond `base`.
+/// Asserts that what the registry charges plus what its lock cache holds is exactly what the
+/// kernel holds locked beyond `base`.
 #[track_caller]
 fn assert_accounted(registry: &PinRegistry, base: u64, step: &str) {
     assert_eq!(
-        registry.locked_bytes(),
+        registry.locked_bytes() + registry.cached_bytes(),
         common::vm_lck() - base,
-        "{step}: the registry's locked bytes differ from the kernel's VmLck"
+        "{step}: the registry's locked and cached bytes differ from the kernel's VmLck"
     );
 }
 
@@ -111,6 +112,8 @@ fn a_munlock_that_fails_keeps_its_pages_accounted_and_is_retried() {
     let slots = SlotTable::new();
     slots.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
     let (d, registry) = space();
+    // Without the lock cache, the unpin itself unlocks (the cached case is the next test).
+    registry.set_lock_cache(0, 0);
     d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
     d.pin_pages(&[8, 9, 10], Prot::RW).unwrap();
     assert_accounted(&registry, base, "pinned 3 pages");
@@ -141,6 +144,53 @@ fn a_munlock_that_fails_keeps_its_pages_accounted_and_is_retried() {
     d.unpin_pages(&[8, 10]).unwrap();
     assert_eq!(registry.locked_bytes(), 0);
     assert_accounted(&registry, base, "unpinned all");
+}
+
+#[test]
+fn a_cached_lock_whose_munlock_fails_stays_accounted_and_is_retried() {
+    let _s = serial();
+    let base = common::vm_lck();
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * PAGE).unwrap());
+    let slots = SlotTable::new();
+    slots.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
+    let (d, registry) = space();
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    d.pin_pages(&[8, 9, 10], Prot::RW).unwrap();
+    // The unpin keeps the middle page locked in the cache: no munlock, nothing to fail.
+    d.unpin_pages(&[9]).unwrap();
+    assert_eq!(registry.locked_bytes(), 2 * PAGE);
+    assert_eq!(registry.cached_bytes(), PAGE);
+    assert_accounted(&registry, base, "unpinned into the cache");
+    {
+        let _full = MapFiller::new();
+        // A discard over it must unlock the cached page first, and the kernel cannot split the
+        // area: the page stays locked, is charged (a lock that could not be undone) and is
+        // skipped — never a failed MADV_DONTNEED.
+        let discarder = Discarder::with_options(
+            &slots,
+            DiscardOptions {
+                registry: Some(registry.clone()),
+                ..DiscardOptions::default()
+            },
+        );
+        let out = discarder.report(&[(Gpa(0), b.size())]);
+        assert!(
+            !out.rejected
+                .iter()
+                .any(|r| matches!(r.reason, RejectReason::Failed { .. })),
+            "{out:?}"
+        );
+        assert_eq!(out.skipped_pinned, 3 * PAGE);
+        assert_eq!(registry.cached_bytes(), 0);
+        assert_eq!(registry.locked_bytes(), 3 * PAGE);
+        assert_accounted(&registry, base, "cache eviction failed");
+    }
+    // With room in the map again, the next unpin retries the failed munlock first.
+    d.unpin_pages(&[8, 10]).unwrap();
+    assert_eq!(registry.locked_bytes(), 0);
+    assert_accounted(&registry, base, "unpinned all");
+    registry.release_cached();
+    assert_eq!(common::vm_lck(), base, "nothing stays locked");
 }
 
 #[test]
@@ -386,4 +436,156 @@ fn a_huge_page_reservation_too_big_for_memory_is_refused_up_front() {
         memvisor::backing::free_huge_pages(memvisor::PageSize::Size2M).unwrap(),
         before
     );
+}
+
+/// Drops CAP_IPC_LOCK from the calling thread's effective capabilities (capabilities are per
+/// thread), so that the kernel holds this thread's mlocks to RLIMIT_MEMLOCK; returns whether
+/// the thread had it.
+fn drop_ipc_lock() -> bool {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget writes two Data words (version 3) into `data`, which we own.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_capget,
+            &mut header as *mut Header,
+            data.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
+    const IPC_LOCK: u32 = 1 << 14;
+    if data[0].effective & IPC_LOCK == 0 {
+        return false;
+    }
+    data[0].effective &= !IPC_LOCK;
+    // SAFETY: capset reads the header and two Data words; it changes only this thread's set.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) };
+    assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
+    true
+}
+
+/// RLIMIT_MEMLOCK's soft limit set for the whole process until dropped.
+struct SoftMemlock(libc::rlimit);
+
+impl SoftMemlock {
+    fn set(bytes: u64) -> SoftMemlock {
+        let mut old = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one rlimit into `old`, setrlimit reads one.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut old), 0);
+            let new = libc::rlimit {
+                rlim_cur: bytes,
+                rlim_max: old.rlim_max,
+            };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &new), 0);
+        }
+        SoftMemlock(old)
+    }
+}
+
+impl Drop for SoftMemlock {
+    fn drop(&mut self) {
+        // SAFETY: setrlimit reads one rlimit; the old soft limit is within the hard one.
+        unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &self.0) };
+    }
+}
+
+/// A non-root process with `ulimit -l 64` (or root without CAP_IPC_LOCK): cached locks count in
+/// the kernel's VmLck, so they must never push it past the limit, and never make a pin fail
+/// that would fit without them — neither this registry's cache nor another registry's.
+#[test]
+fn a_small_rlimit_is_shared_with_the_cache_without_spurious_failures() {
+    let _s = serial();
+    std::thread::spawn(|| {
+        let had = drop_ipc_lock();
+        if !had {
+            eprintln!("(no CAP_IPC_LOCK to drop: running under the process's own rlimit)");
+        }
+        const LIMIT: u64 = 16; // pages: 64 KiB
+        let base = common::vm_lck();
+        if base != 0 {
+            eprintln!("skipped: {base} bytes are locked in this process already");
+            return;
+        }
+        let _limit = SoftMemlock::set(LIMIT * PAGE);
+        let within = |step: &str| {
+            let now = common::vm_lck();
+            assert!(now <= LIMIT * PAGE, "{step}: VmLck {now} past the limit");
+        };
+        let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 256 * PAGE).unwrap());
+        let registry = PinRegistry::new(LockLimit::Rlimit);
+        let d = DmaSpace::new(DmaConfig {
+            registry: Some(registry.clone()),
+            ..DmaConfig::default()
+        })
+        .unwrap();
+        d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+        for i in 0..64 {
+            d.pin_pages(&[i * 3], Prot::RW).unwrap();
+            within("single pins");
+            d.unpin_pages(&[i * 3]).unwrap();
+            assert_accounted(&registry, 0, "single unpins");
+        }
+        assert!(registry.cached_bytes() > 0, "the cache is in use");
+        assert!(registry.cached_bytes() <= LIMIT / 4 * PAGE);
+        // The whole limit in one call: the cache makes room, no ENOMEM.
+        let all: Vec<u64> = (200..200 + LIMIT).collect();
+        d.pin_pages(&all, Prot::RW).unwrap();
+        assert_eq!(common::vm_lck(), LIMIT * PAGE);
+        assert_eq!(registry.cached_bytes(), 0);
+        // One page more does not fit: the registry refuses, naming the rlimit.
+        let e = d.pin_pages(&[100], Prot::RW).unwrap_err();
+        assert_eq!(e.errno(), libc::ENOMEM);
+        assert!(e.to_string().contains("RLIMIT_MEMLOCK"), "{e}");
+        d.unpin_pages(&all).unwrap();
+        within("unpinned");
+
+        // Another registry's cache in the way: its locks count in the same VmLck, so the
+        // kernel refuses the mlock; every cache is emptied and the mlock tried again.
+        let other = PinRegistry::new(LockLimit::Unlimited);
+        let d2 = DmaSpace::new(DmaConfig {
+            registry: Some(other.clone()),
+            ..DmaConfig::default()
+        })
+        .unwrap();
+        let b2 = Arc::new(Backing::new(BackingKind::PrivateAnon, 16 * PAGE).unwrap());
+        d2.map_backing(Iova(0), &b2, 0, b2.size(), Prot::RW)
+            .unwrap();
+        for p in [1, 3, 5] {
+            d2.pin_pages(&[p], Prot::RW).unwrap();
+            d2.unpin_pages(&[p]).unwrap();
+        }
+        assert_eq!(other.cached_bytes(), 3 * PAGE);
+        registry.release_cached();
+        d.pin_pages(&all, Prot::RW).unwrap();
+        assert_eq!(
+            other.cached_bytes(),
+            0,
+            "the other registry's cache gave way"
+        );
+        assert_eq!(common::vm_lck(), LIMIT * PAGE);
+        d.unpin_pages(&all).unwrap();
+        drop((d, d2));
+        assert_eq!(common::vm_lck(), 0, "nothing stays locked");
+    })
+    .join()
+    .unwrap();
 }

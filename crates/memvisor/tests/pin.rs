@@ -46,6 +46,18 @@ fn locked_pages(b: &Backing) -> BTreeSet<u64> {
         .collect()
 }
 
+/// The pages of `b` the registry keeps locked in its lock cache, by index.
+fn cached_pages(registry: &PinRegistry, b: &Backing) -> BTreeSet<u64> {
+    let (base, end) = (b.hva().0, b.hva().0 + b.size());
+    registry
+        .cached()
+        .into_iter()
+        .flat_map(|(h, len)| (h.0..h.0 + len).step_by(PAGE as usize))
+        .filter(|&a| a >= base && a < end)
+        .map(|a| (a - base) / PAGE)
+        .collect()
+}
+
 fn errno<T: std::fmt::Debug>(r: memvisor::Result<T>) -> i32 {
     r.unwrap_err().errno()
 }
@@ -141,7 +153,12 @@ proptest! {
                 _ => {}
             }
             let want: BTreeSet<u64> = (0..MODEL_PAGES).filter(|&p| model[p as usize] > 0).collect();
-            prop_assert_eq!(locked_pages(&b), want.clone(), "mlocked pages");
+            // The kernel locks what is pinned plus the lock cache (pages devices pinned before),
+            // the account charges what is pinned.
+            let cached = cached_pages(&registry, &b);
+            prop_assert!(cached.is_disjoint(&want), "cached pages are pinned: {:?}", cached);
+            prop_assert_eq!(locked_pages(&b), &want | &cached, "mlocked pages");
+            prop_assert_eq!(registry.cached_bytes(), cached.len() as u64 * PAGE);
             prop_assert_eq!(registry.locked_bytes(), want.len() as u64 * PAGE, "account");
             for p in 0..MODEL_PAGES {
                 prop_assert_eq!(registry.pin_count(memvisor::Hva(b.hva().0 + p * PAGE)), model[p as usize]);
@@ -151,8 +168,10 @@ proptest! {
             d.unpin_pages(&pages).unwrap();
         }
         d.unmap_all().unwrap();
+        // The unmap unlocked the cache over the memory it took away.
         prop_assert!(locked_pages(&b).is_empty());
         prop_assert_eq!(registry.locked_bytes(), 0);
+        prop_assert_eq!(registry.cached_bytes(), 0);
     }
 }
 
@@ -336,9 +355,15 @@ fn pin_pages_nests_per_page_in_every_grouping() {
         assert_eq!(locked_pages(&b), want, "{grouping:?}");
         d.unpin_pages(&[50]).unwrap();
         assert!(locked_pages(&b).contains(&50));
+        assert_eq!(registry.pin_count(memvisor::Hva(b.hva().0 + 50 * PAGE)), 1);
         d.unpin_pages(&pages[..pages.len() - 1]).unwrap();
-        assert!(locked_pages(&b).is_empty(), "{grouping:?}");
         assert_eq!(registry.locked_bytes(), 0);
+        // Unpinned, the locks stay in the cache until released.
+        assert_eq!(cached_pages(&registry, &b), want, "{grouping:?}");
+        assert_eq!(locked_pages(&b), want, "{grouping:?}");
+        d.release_cached_locks();
+        assert!(locked_pages(&b).is_empty(), "{grouping:?}");
+        assert_eq!(registry.cached_bytes(), 0);
     }
 }
 
@@ -756,4 +781,328 @@ fn a_pin_inside_a_transparent_huge_page_keeps_it_whole() {
         4096,
         "still mapped huge after the unpin"
     );
+}
+
+// The lock cache: what a device's unpin leaves locked, and everything that must unlock it.
+
+/// A lazy space over `pages` pages of fresh memory mapped at IOVA 0, on a registry of its own.
+fn lazy(pages: u64) -> (DmaSpace, Arc<PinRegistry>, Arc<Backing>) {
+    let b = mem(pages);
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &b, 0, pages * PAGE, Prot::RW)
+        .unwrap();
+    (d, registry, b)
+}
+
+#[test]
+fn a_device_unpin_keeps_its_lock_cached_and_the_next_pin_takes_it_back() {
+    let (d, registry, b) = lazy(64);
+    d.pin_pages(&[5], Prot::RW).unwrap();
+    assert_eq!(locked_pages(&b), BTreeSet::from([5]));
+    assert_eq!(registry.locked_bytes(), PAGE);
+    d.unpin_pages(&[5]).unwrap();
+    // Not pinned, not charged — but still locked, and the cache says so.
+    assert_eq!(registry.locked_bytes(), 0);
+    assert_eq!(registry.pin_count(memvisor::Hva(b.hva().0 + 5 * PAGE)), 0);
+    assert_eq!(cached_pages(&registry, &b), BTreeSet::from([5]));
+    assert_eq!(locked_pages(&b), BTreeSet::from([5]));
+    // The next pin of the page is served from the cache: charged again, no longer cached.
+    let areas = common::vmas(b.hva().0, b.hva().0 + b.size()).len();
+    d.pin_pages(&[5], Prot::RW).unwrap();
+    assert_eq!(registry.locked_bytes(), PAGE);
+    assert_eq!(registry.cached_bytes(), 0);
+    assert_eq!(locked_pages(&b), BTreeSet::from([5]));
+    assert_eq!(
+        common::vmas(b.hva().0, b.hva().0 + b.size()).len(),
+        areas,
+        "the memory areas did not change: nothing was locked anew"
+    );
+    // A neighbour is not in the cache: it is locked on its own.
+    d.pin_pages(&[6], Prot::RW).unwrap();
+    assert_eq!(locked_pages(&b), BTreeSet::from([5, 6]));
+    d.unpin_pages(&[5, 6]).unwrap();
+    assert_eq!(cached_pages(&registry, &b), BTreeSet::from([5, 6]));
+    d.release_cached_locks();
+    assert!(locked_pages(&b).is_empty());
+    assert_eq!(registry.cached_bytes(), 0);
+    assert_eq!(registry.locked_bytes(), 0);
+}
+
+#[test]
+fn the_lock_cache_keeps_the_most_recent_within_its_bounds() {
+    let (d, registry, b) = lazy(64);
+    registry.set_lock_cache(64 * PAGE, 4);
+    assert_eq!(registry.lock_cache(), (64 * PAGE, 4));
+    for p in (0..20).map(|i| i * 3) {
+        d.pin_pages(&[p], Prot::RW).unwrap();
+        d.unpin_pages(&[p]).unwrap();
+        assert!(registry.cached().len() <= 4, "{:?}", registry.cached());
+        assert_eq!(locked_pages(&b), cached_pages(&registry, &b));
+    }
+    // Least recently used out first: the last four stay.
+    assert_eq!(
+        cached_pages(&registry, &b),
+        BTreeSet::from([48, 51, 54, 57])
+    );
+    // A byte bound: two pages.
+    registry.set_lock_cache(2 * PAGE, 4);
+    assert_eq!(cached_pages(&registry, &b), BTreeSet::from([54, 57]));
+    assert_eq!(locked_pages(&b), BTreeSet::from([54, 57]));
+    // A hit makes an entry the most recent: 54 is used again, so 57 goes first.
+    d.pin_pages(&[54], Prot::RW).unwrap();
+    d.unpin_pages(&[54]).unwrap();
+    d.pin_pages(&[60], Prot::RW).unwrap();
+    d.unpin_pages(&[60]).unwrap();
+    assert_eq!(cached_pages(&registry, &b), BTreeSet::from([54, 60]));
+    // Off: nothing stays locked after an unpin.
+    registry.set_lock_cache(0, 0);
+    assert!(locked_pages(&b).is_empty());
+    d.pin_pages(&[7], Prot::RW).unwrap();
+    d.unpin_pages(&[7]).unwrap();
+    assert!(locked_pages(&b).is_empty());
+    // The default bound holds however many pages went through.
+    let (bytes, entries) = PinRegistry::new(LockLimit::Unlimited).lock_cache();
+    assert_eq!((bytes, entries), (64 * MIB, 64), "the documented defaults");
+    registry.set_lock_cache(bytes, entries);
+    for p in 0..64 {
+        d.pin_pages(&[p], Prot::RW).unwrap();
+        d.unpin_pages(&[p]).unwrap();
+    }
+    assert!(registry.cached().len() <= entries);
+    assert_eq!(locked_pages(&b), cached_pages(&registry, &b));
+}
+
+#[test]
+fn unmap_invalidation_and_drop_unlock_the_cache_over_their_memory() {
+    let b = mem(32);
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &b, 0, 8 * PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(0x10_0000), &b, 8 * PAGE, 8 * PAGE, Prot::RW)
+        .unwrap();
+    d.map_backing(Iova(0x20_0000), &b, 16 * PAGE, 16 * PAGE, Prot::RW)
+        .unwrap();
+    for p in [2, 0x102, 0x203, 0x20c] {
+        d.pin_pages(&[p], Prot::RW).unwrap();
+        d.unpin_pages(&[p]).unwrap();
+    }
+    assert_eq!(cached_pages(&registry, &b), BTreeSet::from([2, 10, 19, 28]));
+    // The unmapped mapping's memory loses its cached locks; the others keep theirs.
+    d.unmap(Iova(0), 8 * PAGE).unwrap();
+    assert_eq!(cached_pages(&registry, &b), BTreeSet::from([10, 19, 28]));
+    assert_eq!(locked_pages(&b), BTreeSet::from([10, 19, 28]));
+    // A vaddr invalidation: its memory may be unmapped before the update.
+    d.invalidate_vaddr(Iova(0x10_0000), 8 * PAGE).unwrap();
+    assert_eq!(cached_pages(&registry, &b), BTreeSet::from([19, 28]));
+    // An IOTLB invalidation of part of a mapping takes the whole mapping's cache.
+    d.invalidate_range(Iova(0x20_0000), PAGE).unwrap();
+    assert!(cached_pages(&registry, &b).is_empty());
+    assert!(locked_pages(&b).is_empty());
+    // Dropping the space unlocks what its devices left cached.
+    d.pin_pages(&[0x205], Prot::RW).unwrap();
+    d.unpin_pages(&[0x205]).unwrap();
+    assert_eq!(locked_pages(&b), BTreeSet::from([21]));
+    drop(d);
+    assert!(locked_pages(&b).is_empty());
+    assert_eq!(registry.cached_bytes(), 0);
+    assert_eq!(registry.locked_bytes(), 0);
+}
+
+/// Pages of `[start, start + pages * 4096)` the kernel has mlocked, by index.
+fn locked_in(start: u64, pages: u64) -> BTreeSet<u64> {
+    let end = start + pages * PAGE;
+    common::vmas(start, end)
+        .iter()
+        .filter(|v| v.has_flag("lo"))
+        .flat_map(|v| (v.start.max(start)..v.end.min(end)).step_by(PAGE as usize))
+        .map(|a| (a - start) / PAGE)
+        .collect()
+}
+
+/// A cached lock must not outlive its memory: after an unmap, the caller may unmap the memory
+/// and map something else at the same address, and a pin there must really lock it.
+#[test]
+fn a_pin_of_new_memory_at_an_old_address_really_locks() {
+    const PAGES: u64 = 16;
+    let len = (PAGES * PAGE) as usize;
+    let fresh = |at: *mut libc::c_void, flags: libc::c_int| {
+        // SAFETY: an anonymous private mapping, at `at` only over our own earlier mapping.
+        let p = unsafe {
+            libc::mmap(
+                at,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        p
+    };
+    let at = fresh(std::ptr::null_mut(), 0);
+    let hva = memvisor::Hva(at as u64);
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    // SAFETY: the memory stays mapped until the mapping is gone (unmapped below first).
+    unsafe { d.map_raw(Iova(0), hva, PAGES * PAGE, Prot::RW) }.unwrap();
+    d.pin_pages(&[3], Prot::RW).unwrap();
+    d.unpin_pages(&[3]).unwrap();
+    assert_eq!(locked_in(hva.0, PAGES), BTreeSet::from([3]));
+    d.unmap(Iova(0), PAGES * PAGE).unwrap();
+    assert_eq!(registry.cached_bytes(), 0);
+    // New memory at the same address (MAP_FIXED replaces the old mapping and its lock).
+    assert_eq!(fresh(at, libc::MAP_FIXED), at);
+    assert!(locked_in(hva.0, PAGES).is_empty());
+    // SAFETY: as above.
+    unsafe { d.map_raw(Iova(0), hva, PAGES * PAGE, Prot::RW) }.unwrap();
+    d.pin_pages(&[3], Prot::RW).unwrap();
+    assert_eq!(
+        locked_in(hva.0, PAGES),
+        BTreeSet::from([3]),
+        "the pin of the new memory locked it"
+    );
+    d.unpin_pages(&[3]).unwrap();
+    d.unmap_all().unwrap();
+    assert!(locked_in(hva.0, PAGES).is_empty());
+    // SAFETY: our own mapping, no longer used by the space.
+    unsafe { libc::munmap(at, len) };
+}
+
+#[test]
+fn thp_locks_are_cached_as_whole_huge_pages() {
+    let thp = Arc::new(
+        Backing::with_options(
+            BackingKind::Thp,
+            4 * MIB,
+            &BackingOptions { populate: true },
+        )
+        .unwrap(),
+    );
+    let before = anon_huge_kib(&thp);
+    if before < 4096 {
+        eprintln!("skipped: THP gave {before} KiB of huge pages here, not 4096");
+        return;
+    }
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &thp, 0, 4 * MIB, Prot::RW).unwrap();
+    d.pin_pages(&[700], Prot::RW).unwrap();
+    d.unpin_pages(&[700]).unwrap();
+    assert_eq!(registry.locked_bytes(), 0);
+    assert_eq!(
+        registry.cached(),
+        vec![(memvisor::Hva(thp.hva().0 + 2 * MIB), 2 * MIB)],
+        "the whole huge page"
+    );
+    assert_eq!(locked_pages(&thp), (512..1024).collect());
+    // Another 4 KiB page of the same huge page is served from the cache, charged whole.
+    d.pin_pages(&[1000], Prot::RW).unwrap();
+    assert_eq!(registry.locked_bytes(), 2 * MIB);
+    assert_eq!(registry.cached_bytes(), 0);
+    d.unpin_pages(&[1000]).unwrap();
+    assert_eq!(anon_huge_kib(&thp), 4096, "still mapped huge");
+    // Evicting unlocks the whole huge page: it stays mapped huge.
+    registry.release_cached();
+    assert!(locked_pages(&thp).is_empty());
+    assert_eq!(
+        anon_huge_kib(&thp),
+        4096,
+        "still mapped huge after the eviction"
+    );
+}
+
+#[test]
+fn hugetlbfs_locks_are_cached_as_whole_huge_pages() {
+    let _pool = match HugePageReservation::add(PageSize::Size2M, 2) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("skipped: no 2 MiB hugetlbfs pages here: {e}");
+            return;
+        }
+    };
+    let h = Arc::new(Backing::new(BackingKind::Hugetlb(PageSize::Size2M), 4 * MIB).unwrap());
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &h, 0, 4 * MIB, Prot::RW).unwrap();
+    d.pin_pages(&[3, 600], Prot::RW).unwrap();
+    d.unpin_pages(&[3]).unwrap();
+    assert_eq!(registry.cached(), vec![(h.hva(), 2 * MIB)]);
+    d.unpin_pages(&[600]).unwrap();
+    assert_eq!(registry.cached_bytes(), 4 * MIB);
+    assert_eq!(registry.locked_bytes(), 0);
+    // (The kernel neither marks hugetlbfs areas locked nor counts them in VmLck: an mlock
+    // there only faults the pages in, so only the registry's view can be checked.)
+    d.pin_pages(&[5], Prot::RW).unwrap();
+    assert_eq!(registry.locked_bytes(), 2 * MIB);
+    assert_eq!(
+        registry.cached(),
+        vec![(memvisor::Hva(h.hva().0 + 2 * MIB), 2 * MIB)]
+    );
+    d.unpin_pages(&[5]).unwrap();
+    drop(d);
+    assert_eq!(registry.cached_bytes(), 0);
+}
+
+/// A discard must find only pinned pages locked: the cache over the reported range is unlocked
+/// first (the kernel refuses MADV_DONTNEED on locked memory).
+#[test]
+fn a_discard_unlocks_cached_locks_and_skips_only_pins() {
+    let b = Arc::new(
+        Backing::with_options(
+            BackingKind::PrivateAnon,
+            512 * PAGE,
+            &BackingOptions { populate: true },
+        )
+        .unwrap(),
+    );
+    let t = SlotTable::new();
+    t.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    for p in [10, 20, 30] {
+        d.pin_pages(&[p], Prot::RW).unwrap();
+    }
+    d.unpin_pages(&[10, 20]).unwrap();
+    assert_eq!(cached_pages(&registry, &b), BTreeSet::from([10, 20]));
+    let discarder = memvisor::Discarder::with_options(
+        &t,
+        memvisor::DiscardOptions {
+            registry: Some(registry.clone()),
+            ..memvisor::DiscardOptions::default()
+        },
+    );
+    let out = discarder.report(&[(Gpa(0), b.size())]);
+    assert!(out.rejected.is_empty(), "{out:?}");
+    assert_eq!(out.skipped_pinned, PAGE, "only the pinned page");
+    assert_eq!(out.discarded, b.size() - PAGE);
+    assert_eq!(registry.cached_bytes(), 0);
+    assert_eq!(locked_pages(&b), BTreeSet::from([30]));
+    d.unpin_pages(&[30]).unwrap();
+}
+
+/// Under a limit, pins come first: the cache holds at most a quarter of the limit, and gives
+/// way whenever a pin needs the room, so the kernel never holds more than the limit.
+#[test]
+fn under_a_limit_the_cache_gives_way_to_pins() {
+    const LIMIT: u64 = 16;
+    let b = mem(64);
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Bytes(LIMIT * PAGE));
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    for p in 0..32 {
+        d.pin_pages(&[p * 2], Prot::RW).unwrap();
+        d.unpin_pages(&[p * 2]).unwrap();
+        assert!(registry.cached_bytes() <= LIMIT / 4 * PAGE);
+    }
+    assert_eq!(registry.cached_bytes(), LIMIT / 4 * PAGE);
+    d.pin_pages(&[1, 3, 5, 7, 9, 11, 13], Prot::RW).unwrap();
+    assert!(locked_pages(&b).len() as u64 <= LIMIT);
+    // The whole limit in one call: every cached lock has to go first.
+    let all: Vec<u64> = (32..32 + LIMIT - 7).collect();
+    d.pin_pages(&all, Prot::RW).unwrap();
+    assert_eq!(registry.locked_bytes(), LIMIT * PAGE);
+    assert_eq!(registry.cached_bytes(), 0);
+    assert_eq!(locked_pages(&b).len() as u64, LIMIT);
+    assert_eq!(errno(d.pin_pages(&[60], Prot::RW)), libc::ENOMEM);
+    d.unpin_pages(&all).unwrap();
+    // A lower limit shrinks the cache at once.
+    registry.set_limit(LockLimit::Bytes(8 * PAGE));
+    assert!(registry.cached_bytes() <= 2 * PAGE);
+    assert!(locked_pages(&b).len() as u64 <= 8);
 }

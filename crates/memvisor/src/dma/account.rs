@@ -4,16 +4,18 @@
 //! past `RLIMIT_MEMLOCK`, unless the process has CAP_IPC_LOCK. memvisor does the same, once per
 //! host page — the pin registry charges a page when its count goes 0 -> 1 and releases it on
 //! 1 -> 0, so a page pinned through two IOVAs or by two devices is charged once (iommufd's rule;
-//! type1 would count it twice).
+//! type1 would count it twice). What the registry keeps locked after the last pin went (its lock
+//! cache) is not charged: the account says what is pinned.
 //!
 //! [`Account`] lives inside the registry's lock: the check and the charge are one step, so
 //! concurrent pins can never overshoot the limit between them. Reading the limit costs system
-//! calls (`capget`, and `getrlimit` without CAP_IPC_LOCK; reading /proc/self/status for the
-//! capability, as memvisor once did, cost more than a whole pin), so the account keeps the
-//! limit as last read and reads it again before it refuses a pin: raising the rlimit of a
-//! running process takes effect at the next pin. Lowering it (or dropping CAP_IPC_LOCK) shows
-//! when the kernel holds an mlock to it — the kernel checks every mlock itself, so nothing is
-//! ever locked past its limit — and at [`PinRegistry::set_limit`](super::PinRegistry::set_limit).
+//! calls (`capget`, and `getrlimit` without CAP_IPC_LOCK) that would be a good part of a cached
+//! pin, so the account keeps the limit as last read and reads it again before it refuses a pin
+//! and whenever the kernel refuses an mlock: raising the rlimit of a running process takes
+//! effect at the next pin; lowering it (or dropping CAP_IPC_LOCK) takes effect when the kernel
+//! first holds an mlock to it — the kernel checks every mlock itself, so nothing is ever locked
+//! past its limit; only a pin served from locks the registry already holds is checked against
+//! the limit as last read (the kernel does not re-check held locks either).
 
 use crate::error::{Error, Result};
 
@@ -97,6 +99,15 @@ impl Account {
         };
     }
 
+    /// The most bytes this process may hold locked as far as the registry knows: the lower of
+    /// the limit and the kernel's, as last read; `None` for no limit.
+    pub fn cap(&self) -> Option<u64> {
+        match (self.resolved.map(|r| r.0), self.kernel) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// Bytes charged now.
     pub fn locked(&self) -> u64 {
         self.locked
@@ -130,6 +141,11 @@ impl Account {
             None => true,
             Some((limit, _)) => self.locked.checked_add(bytes).is_some_and(|t| t <= limit),
         }
+    }
+
+    /// Charges `bytes` whatever the limit: memory that is locked and could not be unlocked.
+    pub fn force_charge(&mut self, bytes: u64) {
+        self.locked = self.locked.saturating_add(bytes);
     }
 
     /// Charges `bytes` if they fit.

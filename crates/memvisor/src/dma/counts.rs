@@ -30,6 +30,7 @@ pub(crate) struct RunCounts {
 
 impl RunCounts {
     /// Whether every count is zero.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.runs.is_empty()
     }

@@ -219,12 +219,38 @@ impl DmaSpace {
         Ok(())
     }
 
-    /// EBUSY if devices still hold pins in any of `hit`.
+    /// EBUSY if devices still hold pins in any of `hit`, the mappings an unmap or vaddr
+    /// invalidation is about to take away. Otherwise the devices are done with them, and the
+    /// locks their pins left in the registry's lock cache are unlocked here, while the memory
+    /// is still mapped: the caller may unmap it (or the last handle on its backing go) as soon
+    /// as the mapping is gone, and a cached lock over memory that is gone would let a later pin
+    /// of other memory at the same address believe it locked.
     pub(super) fn check_no_external(
         &self,
         writer: &Writer,
         hit: &[(u64, Arc<Mapping>)],
     ) -> Result<()> {
+        self.check_unpinned(writer, hit)?;
+        for (_, m) in hit {
+            self.shared.release_cached(m);
+        }
+        Ok(())
+    }
+
+    /// Unlocks the locks devices' pins left cached in this space's memory (see
+    /// [`PinRegistry::release_cached`](super::PinRegistry::release_cached)); pins held now are
+    /// not touched. Unmapping and dropping the space do this by themselves; call it when the
+    /// devices will not pin again for a while and the kernel's `VmLck` should show only pins.
+    pub fn release_cached_locks(&self) {
+        let _writer = self.writer();
+        let snap = self.shared.current.load();
+        for (_, _, _, m) in snap.map.iter() {
+            self.shared.release_cached(m);
+        }
+    }
+
+    /// EBUSY if devices still hold pins in any of `hit`.
+    fn check_unpinned(&self, writer: &Writer, hit: &[(u64, Arc<Mapping>)]) -> Result<()> {
         for (_, m) in hit {
             if let Some(page) = pinned_in(writer, m) {
                 return Err(Error::Busy {
@@ -334,16 +360,26 @@ impl DmaSpace {
 }
 
 impl Shared {
-    /// Drops every pin `external` counts (the space is going away).
+    /// Drops every pin `external` counts and unlocks what devices' pins left in the lock
+    /// cache over the space's memory (the space is going away, and its memory may go with it).
     pub(super) fn drop_external(&self, external: &RunCounts) {
-        if external.is_empty() {
-            return;
-        }
         let snap = self.current.load();
         for (s, e, count) in external.runs() {
             for _ in 0..count {
                 self.unpin_iova_pages(&snap, s, e - s);
             }
+        }
+        for (_, _, _, m) in snap.map.iter() {
+            self.release_cached(m);
+        }
+    }
+
+    /// Unlocks the lock cache's entries over `m`'s memory.
+    fn release_cached(&self, m: &Mapping) {
+        if let Some(host) = m.memory.host() {
+            let start = host.hva.0;
+            self.registry
+                .release_cached_in(start, start.saturating_add(m.iova.len()));
         }
     }
 

@@ -182,16 +182,21 @@ impl Shared {
             granule: host.granule(),
             batch: self.config.pin_batch,
             frames: self.config.frames,
+            // Whole mappings are unpinned when they are unmapped, when their memory may go too.
+            keep: false,
         }
     }
 
     /// The request for part of `m` that a device pins through `pin_pages`: `len` bytes from host
-    /// address `hva`, without frames (devices get host addresses).
+    /// address `hva`, without frames (devices get host addresses). Its locks go to the lock
+    /// cache when it is unpinned: an unmap or vaddr invalidation of `m` empties the cache over
+    /// `m`'s memory ([`DmaSpace::check_no_external`]), as does dropping the space.
     pub(super) fn device_request(&self, m: &Mapping, hva: u64, len: u64) -> PinRequest {
         PinRequest {
             hva,
             len,
             frames: false,
+            keep: true,
             ..self.pin_request(m)
         }
     }
