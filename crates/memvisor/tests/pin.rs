@@ -872,6 +872,45 @@ fn the_lock_cache_keeps_the_most_recent_within_its_bounds() {
     assert_eq!(locked_pages(&b), cached_pages(&registry, &b));
 }
 
+/// Pins spread over more memory than the cache holds make it step aside (it admits only a few
+/// probes), so that scattered cached locks do not make every mlock dearer; pins of the same
+/// pages bring it back.
+#[test]
+fn a_cache_that_only_misses_steps_aside_and_comes_back() {
+    let (d, registry, b) = lazy(2048);
+    for i in 0..1024u64 {
+        let p = i * 517 % 1024;
+        d.pin_pages(&[p], Prot::RW).unwrap();
+        d.unpin_pages(&[p]).unwrap();
+    }
+    let held = registry.cached().len();
+    assert!(
+        held <= registry.lock_cache().1 / 8,
+        "{held} entries held while every pin missed"
+    );
+    assert_eq!(locked_pages(&b), cached_pages(&registry, &b));
+    // Stepped aside, it admits one unpin in eight: of 16 new pages, two stay locked.
+    for p in 1024..1040 {
+        d.pin_pages(&[p], Prot::RW).unwrap();
+        d.unpin_pages(&[p]).unwrap();
+    }
+    let kept = cached_pages(&registry, &b).range(1024..).count();
+    assert_eq!(kept, 2, "{:?}", registry.cached());
+    // The same few pages over and over: hits again, and the cache keeps them.
+    for _ in 0..200 {
+        for p in [1, 2, 3] {
+            d.pin_pages(&[p], Prot::RW).unwrap();
+            d.unpin_pages(&[p]).unwrap();
+        }
+    }
+    for p in [1, 2, 3] {
+        assert!(
+            cached_pages(&registry, &b).contains(&p),
+            "page {p} not cached"
+        );
+    }
+}
+
 #[test]
 fn unmap_invalidation_and_drop_unlock_the_cache_over_their_memory() {
     let b = mem(32);

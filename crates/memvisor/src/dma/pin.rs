@@ -48,7 +48,9 @@
 //! 64 is also far below `vm.max_map_count`. It holds at most 64 MiB (32 huge pages), and at
 //! most a quarter of any finite locked-memory limit, the registry's or the kernel's, so that it
 //! never crowds out the locks other code in the process needs. Past a bound the least recently
-//! used entry is unlocked.
+//! used entry is unlocked. When pins keep missing it — pages spread over more memory than it
+//! holds, as with guest I/O buffers all over a guest — the cache steps aside (see `Adapt`)
+//! instead of making every miss dearer, and comes back when pins hit again.
 //!
 //! *Limits.* The kernel must never see more locked than the limit: before an mlock the cache
 //! gives up entries until the registry's locks plus the new ones fit, and if the kernel still
@@ -172,6 +174,8 @@ struct State {
     /// The cache's bounds: bytes (0: no cache) and entries.
     cache_bytes: u64,
     cache_entries: usize,
+    /// How useful the cache has been lately.
+    adapt: Adapt,
     /// Scratch lists kept between calls, so that a pin or unpin allocates nothing.
     zero: Vec<(u64, u64)>,
     taken: Vec<(u64, u64, u64)>,
@@ -187,7 +191,7 @@ impl State {
     /// lock cache (released from the account, still locked). A munlock that fails leaves its
     /// pages locked, charged and remembered in `stuck`.
     fn release(&mut self, runs: &[(u64, u64)], keep: bool) {
-        let keep = keep && self.cache_bytes > 0 && self.cache_entries > 0;
+        let keep = keep && self.cache_bytes > 0 && self.cache_entries > 0 && self.adapt.admit();
         for &(s, e) in runs {
             for unit in self.locked.units_around(s, e).iter() {
                 let Some((us, ue)) = whole_units(&self.pages, s, e, unit) else {
@@ -251,10 +255,12 @@ impl State {
     /// Unlocks the least recently used cached locks until the cache is within its bounds.
     fn trim_cache(&mut self) {
         let cap = self.cache_cap();
-        while self.idle.pages() * PAGE > cap || self.idle.len() > self.cache_entries {
+        let entries = self.adapt.entries(self.cache_entries);
+        while self.idle.pages() * PAGE > cap || self.idle.len() > entries {
             if !self.evict_oldest() {
                 break;
             }
+            self.adapt.evicted();
         }
     }
 
@@ -325,6 +331,9 @@ impl State {
         taken: &mut Vec<(u64, u64, u64)>,
     ) -> Result<()> {
         self.idle.take(us, ue, taken);
+        if !taken.is_empty() {
+            self.adapt.hit();
+        }
         let taken_bytes: u64 = taken.iter().map(|(s, e, _)| (e - s) * PAGE).sum();
         let new = if self.locked.covers(us, ue) {
             Vec::new()
@@ -368,6 +377,65 @@ impl State {
         if let Some(limit) = self.account.cap() {
             while self.locked.pages() * PAGE + bytes > limit && self.evict_oldest() {}
         }
+    }
+}
+
+/// Whether the lock cache pays: it counts, over epochs of [`Adapt::EPOCH`] events, the pins it
+/// served (hits) and the entries it had to unlock unused (evictions). When the last epoch had
+/// more than four evictions per hit — pins spread over more memory than the cache holds, as
+/// with guest I/O buffers all over guest memory — every cached entry costs without paying back:
+/// each one splits off kernel memory areas, which makes every other mlock and munlock dearer
+/// (256 scattered entries added about 2 µs to each), and evicting it costs the munlock the unpin
+/// would have made. Then the cache goes into bypass: it admits only every [`Adapt::PROBE`]-th
+/// unpin's locks and holds an eighth of its entries, which keeps measuring, and it comes back
+/// when an epoch sees hits again.
+#[derive(Debug, Default)]
+struct Adapt {
+    hits: u32,
+    evictions: u32,
+    bypass: bool,
+    /// Unpins since the last one admitted in bypass.
+    skipped: u32,
+}
+
+impl Adapt {
+    const EPOCH: u32 = 64;
+    const PROBE: u32 = 8;
+
+    fn hit(&mut self) {
+        self.hits += 1;
+        self.tick();
+    }
+
+    fn evicted(&mut self) {
+        self.evictions += 1;
+        self.tick();
+    }
+
+    fn tick(&mut self) {
+        if self.hits + self.evictions >= Self::EPOCH {
+            self.bypass = self.hits.saturating_mul(4) < self.evictions;
+            self.hits = 0;
+            self.evictions = 0;
+        }
+    }
+
+    /// Whether an unpin may keep its locks.
+    fn admit(&mut self) -> bool {
+        if !self.bypass {
+            return true;
+        }
+        self.skipped += 1;
+        if self.skipped < Self::PROBE {
+            return false;
+        }
+        self.skipped = 0;
+        true
+    }
+
+    /// The entries the cache may hold, out of `max`.
+    fn entries(&self, max: usize) -> usize {
+        if self.bypass { (max / 8).max(1) } else { max }
     }
 }
 
@@ -417,6 +485,7 @@ impl PinRegistry {
                 idle: Idle::default(),
                 cache_bytes: LOCK_CACHE_BYTES,
                 cache_entries: LOCK_CACHE_ENTRIES,
+                adapt: Adapt::default(),
                 stuck: Vec::new(),
                 zero: Vec::new(),
                 taken: Vec::new(),
