@@ -254,6 +254,9 @@ fn pinning_a_file_truncated_under_its_mapping_fails_and_locks_nothing() {
 #[test]
 fn thp_memory_that_ends_inside_a_huge_page_locks_only_its_own_memory() {
     let _s = serial();
+    if !common::may_lock(2 * MIB, "thp_memory_that_ends_inside_a_huge_page") {
+        return;
+    }
     let base = common::vm_lck();
     let b = Arc::new(
         Backing::with_options(
@@ -285,6 +288,12 @@ fn thp_memory_that_ends_inside_a_huge_page_locks_only_its_own_memory() {
 #[test]
 fn one_page_pinned_through_a_4k_and_a_2m_granule_is_unlocked_with_its_last_pin() {
     let _s = serial();
+    if !common::may_lock(
+        2 * MIB + PAGE,
+        "one_page_pinned_through_a_4k_and_a_2m_granule",
+    ) {
+        return;
+    }
     let base = common::vm_lck();
     let b = Arc::new(
         Backing::with_options(
@@ -350,6 +359,9 @@ fn a_huge_vaddr_wait_waits_instead_of_overflowing() {
 #[test]
 fn a_pin_batch_of_usize_max_pins_in_one_step() {
     let _s = serial();
+    if !common::may_lock(64 * PAGE, "a_pin_batch_of_usize_max_pins_in_one_step") {
+        return;
+    }
     let base = common::vm_lck();
     let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * PAGE).unwrap());
     let registry = PinRegistry::new(LockLimit::Unlimited);

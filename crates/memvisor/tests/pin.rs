@@ -104,6 +104,9 @@ proptest! {
     /// per-page model.
     #[test]
     fn pin_counts_match_the_model(ops in prop::collection::vec(op(), 1..40)) {
+        if !common::may_lock(MODEL_PAGES * PAGE, "pin_counts_match_the_model") {
+            return Ok(());
+        }
         let b = mem(MODEL_PAGES);
         let (d, registry) = space(PinMode::Eager, LockLimit::Unlimited);
         let mut model = vec![0u64; MODEL_PAGES as usize];
@@ -358,9 +361,14 @@ fn pin_pages_nests_per_page_in_every_grouping() {
         assert_eq!(registry.pin_count(memvisor::Hva(b.hva().0 + 50 * PAGE)), 1);
         d.unpin_pages(&pages[..pages.len() - 1]).unwrap();
         assert_eq!(registry.locked_bytes(), 0);
-        // Unpinned, the locks stay in the cache until released.
-        assert_eq!(cached_pages(&registry, &b), want, "{grouping:?}");
-        assert_eq!(locked_pages(&b), want, "{grouping:?}");
+        // Unpinned, the locks stay in the cache (all of them, unless a small RLIMIT_MEMLOCK
+        // keeps the cache to a quarter of it) until released.
+        let cached = cached_pages(&registry, &b);
+        assert!(
+            cached.is_subset(&want) && !cached.is_empty(),
+            "{grouping:?}"
+        );
+        assert_eq!(locked_pages(&b), cached, "{grouping:?}");
         d.release_cached_locks();
         assert!(locked_pages(&b).is_empty(), "{grouping:?}");
         assert_eq!(registry.cached_bytes(), 0);
@@ -580,6 +588,9 @@ fn extents_are_the_physically_contiguous_runs() {
 /// the backing is locked.
 #[test]
 fn pins_stay_exact_under_concurrent_map_and_unmap() {
+    if !common::may_lock(64 * PAGE, "pins_stay_exact_under_concurrent_map_and_unmap") {
+        return;
+    }
     let b = mem(64);
     let (d, registry) = space(PinMode::Eager, LockLimit::Unlimited);
     // Mapping k (k = 0..4) maps backing pages [k*12, k*12 + 28) at iova k << 20: they overlap.
@@ -751,6 +762,12 @@ fn anon_huge_kib(b: &Backing) -> u64 {
 /// the pin and the unpin (mlock of part of it would split its mapping for good).
 #[test]
 fn a_pin_inside_a_transparent_huge_page_keeps_it_whole() {
+    if !common::may_lock(
+        2 * MIB,
+        "a_pin_inside_a_transparent_huge_page_keeps_it_whole",
+    ) {
+        return;
+    }
     let thp = Arc::new(
         Backing::with_options(
             BackingKind::Thp,
@@ -1008,6 +1025,9 @@ fn a_pin_of_new_memory_at_an_old_address_really_locks() {
 
 #[test]
 fn thp_locks_are_cached_as_whole_huge_pages() {
+    if !common::may_lock(2 * MIB, "thp_locks_are_cached_as_whole_huge_pages") {
+        return;
+    }
     let thp = Arc::new(
         Backing::with_options(
             BackingKind::Thp,

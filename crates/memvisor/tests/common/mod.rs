@@ -85,3 +85,32 @@ pub fn vm_lck() -> u64 {
         .expect("VmLck in /proc/self/status")
         * 1024
 }
+
+/// Whether this process may lock `bytes` more memory: with CAP_IPC_LOCK, or under
+/// RLIMIT_MEMLOCK's soft limit. If not, prints that `test` is skipped and why.
+pub fn may_lock(bytes: u64, test: &str) -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let caps = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    if caps & (1 << 14) != 0 {
+        return true;
+    }
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the struct we own.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) }, 0);
+    let room = rl.rlim_cur.saturating_sub(vm_lck());
+    if rl.rlim_cur == libc::RLIM_INFINITY || room >= bytes {
+        return true;
+    }
+    eprintln!(
+        "skipped: {test} locks up to {bytes} bytes; without CAP_IPC_LOCK, RLIMIT_MEMLOCK leaves \
+         {room}"
+    );
+    false
+}
