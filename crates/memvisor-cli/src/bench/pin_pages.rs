@@ -32,6 +32,11 @@
 //! the npage histogram of memvisor's own vfio-user device (`mvdma`) in pin mode under a real
 //! Linux guest (`guest/trial.sh vfio-user`): from this machine's last trial if there is one,
 //! else the recording shipped in `data/mvdma-npage.txt`; there every call is one run.
+//!
+//! Parts 1 and 2 run with the pin registry's lock cache off, so every call locks and unlocks
+//! as the seed's kernel path does. **Part 3** ([`one`]) measures the cache: one page pinned
+//! and unpinned with and without it, beside the raw `mlock` + `munlock`, and the replays of
+//! part 2 with and without it.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -46,6 +51,9 @@ use super::{
     Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, limits, ratio,
     ratio_cell,
 };
+
+#[path = "pin_one.rs"]
+mod one;
 
 pub struct PinPages;
 
@@ -322,11 +330,14 @@ fn mvdma_npage() -> anyhow::Result<(Vec<Bucket>, String)> {
 }
 
 /// One `DmaSpace` with its own registry and the given grouping, mapping all of `backing` at
-/// IOVA 0.
+/// IOVA 0. The registry's lock cache is off, so that every call locks what is new and every
+/// unpin unlocks it, as the seed's kernel did (part 3 measures the cache).
 fn space(grouping: Grouping, backing: &Arc<Backing>) -> anyhow::Result<DmaSpace> {
+    let registry = PinRegistry::new(LockLimit::Unlimited);
+    registry.set_lock_cache(0, 0);
     let dma = DmaSpace::new(DmaConfig {
         grouping,
-        registry: Some(PinRegistry::new(LockLimit::Unlimited)),
+        registry: Some(registry),
         ..Default::default()
     })?;
     dma.map_backing(Iova(0), backing, 0, backing.size(), Prot::RW)?;
@@ -533,9 +544,12 @@ impl Experiment for PinPages {
          seed's two vfio-ccw npage histograms (guest boot, fio) with run lengths drawn from its \
          pin_contiguous_pages histogram, 4 calls outstanding, in 256 MiB of 4 KiB memory. \
          Variants: per-page (baseline), runs (split first, then pin each run: the seed's \
-         patch), adaptive (runs found while pinning). Targets: 512 pages at least 3x faster \
-         grouped than per-page; adaptive never more than 5% slower than per-page on either \
-         replay."
+         patch), adaptive (runs found while pinning); the registry's lock cache is off in \
+         parts 1 and 2. Part 3: one page pinned and unpinned with and without the lock \
+         cache (the same page again and again, and a new page each call), beside the raw \
+         mlock + munlock, and part 2's replays with and without it. Targets: 512 pages at \
+         least 3x faster grouped than per-page; adaptive never more than 5% slower than \
+         per-page on either replay; one page with the cache: pin <= 1.7 us, unpin <= 1 us."
     }
 
     fn seeds(&self) -> &'static [Seed] {
@@ -946,6 +960,13 @@ impl Experiment for PinPages {
         // Backings and spaces go before the huge-page pool shrinks again.
         drop(cases);
         drop(pool);
+        drop(replay_spaces);
+        let replays: Vec<(&str, &[Vec<u64>])> = workloads
+            .iter()
+            .zip(&traces)
+            .map(|(w, calls)| (w.0, calls.as_slice()))
+            .collect();
+        one::run(runs, full, &replays, &mut out)?;
         Ok(out)
     }
 }
