@@ -280,7 +280,7 @@ impl DmaSpace {
         self.release_external(first, last)?;
         self.change(|map: &mut Index, writer| {
             let hit = whole_mappings(map, first, last)?;
-            self.check_no_external(writer, &hit)?;
+            self.take_back_from_devices(writer, &hit)?;
             if !also(writer, &hit) {
                 return Ok((0, false));
             }

@@ -225,7 +225,7 @@ impl DmaSpace {
     /// is still mapped: the caller may unmap it (or the last handle on its backing go) as soon
     /// as the mapping is gone, and a cached lock over memory that is gone would let a later pin
     /// of other memory at the same address believe it locked.
-    pub(super) fn check_no_external(
+    pub(super) fn take_back_from_devices(
         &self,
         writer: &Writer,
         hit: &[(u64, Arc<Mapping>)],

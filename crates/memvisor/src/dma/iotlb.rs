@@ -45,7 +45,7 @@ impl DmaSpace {
                 return Ok((0, false));
             };
             let hit = whole_mappings(map, lo, hi)?;
-            self.check_no_external(writer, &hit)?;
+            self.take_back_from_devices(writer, &hit)?;
             let mut keep = Vec::new();
             for (start, m) in &hit {
                 let end = m.iova.last().0;

@@ -739,7 +739,7 @@ impl DmaSpace {
         self.release_external(first, last)?;
         self.change(|map, writer| {
             let hit = whole_mappings(map, first, last)?;
-            self.check_no_external(writer, &hit)?;
+            self.take_back_from_devices(writer, &hit)?;
             for (start, m) in &hit {
                 match m.memory {
                     Memory::Local(_) => {}
