@@ -170,10 +170,10 @@ fn thp_backing_gets_huge_pages_when_the_kernel_allows() {
     let mode =
         std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
     if mode.contains("[never]") || mode.is_empty() {
-        println!(
-            "skipping the AnonHugePages check: THP is disabled here ({})",
+        common::skipped(&format!(
+            "the AnonHugePages check: THP is disabled here ({})",
             mode.trim()
-        );
+        ));
         return;
     }
     let huge = smaps_field(b.hva().0, "AnonHugePages");
@@ -200,7 +200,7 @@ fn hugetlb_backings() {
             );
         }
         Err(e) => {
-            println!("skipping hugetlb tests: {e}");
+            common::skipped(&format!("hugetlb tests: {e}"));
             return;
         }
     }
@@ -211,14 +211,14 @@ fn hugetlb_backings() {
         libc::EOPNOTSUPP
     );
     if !common::is_root() {
-        println!("skipping hugetlb mapping tests: reserving huge pages needs root");
+        common::skipped("hugetlb mapping tests: reserving huge pages needs root");
         return;
     }
     for (page, count) in [(PageSize::Size2M, 3u64), (PageSize::Size1G, 1)] {
         let _pool = match HugePageReservation::add(page, count) {
             Ok(r) => r,
             Err(e) => {
-                println!("skipping {page} hugetlb test: {e}");
+                common::skipped(&format!("{page} hugetlb test: {e}"));
                 continue;
             }
         };

@@ -247,7 +247,9 @@ fn shared_file_holes_are_punched_into_the_file() {
         ..
     }) = out.rejected.first()
     {
-        println!("skipping: this file system cannot punch holes (errno {errno})");
+        common::skipped(&format!(
+            "this file system cannot punch holes (errno {errno})"
+        ));
         let _ = std::fs::remove_file(&path);
         return;
     }
@@ -565,7 +567,7 @@ fn huge_pages_go_only_whole_and_unpinned() {
     let _pool = match HugePageReservation::add(PageSize::Size2M, 4) {
         Ok(r) => r,
         Err(e) => {
-            println!("skipping hugetlb discard test: {e}");
+            common::skipped(&format!("hugetlb discard test: {e}"));
             return;
         }
     };

@@ -10,6 +10,8 @@ use memvisor::{
     SlotTable,
 };
 
+mod common;
+
 const PAGE: u64 = 4096;
 
 fn mem(pages: u64) -> Arc<Backing> {
@@ -812,7 +814,9 @@ fn eager_mode_pins_around_remote_mappings() {
         .unwrap();
     if let Err(e) = d.set_pin_mode(PinMode::Eager) {
         assert_eq!(e.errno(), libc::ENOMEM, "{e}");
-        println!("skipped: needs RLIMIT_MEMLOCK of 16 KiB or more to pin ({e})");
+        common::skipped(&format!(
+            "needs RLIMIT_MEMLOCK of 16 KiB or more to pin ({e})"
+        ));
         return;
     }
     assert_eq!(registry.locked_bytes(), 4 * PAGE);

@@ -494,7 +494,7 @@ fn assert_exact_extents(d: &DmaSpace, iova: u64, b: &Backing, len: u64) {
 #[test]
 fn extents_are_the_physically_contiguous_runs() {
     if !common::is_root() {
-        println!("skipping extent checks: reading frames needs CAP_SYS_ADMIN (run as root)");
+        common::skipped("extent checks: reading frames needs CAP_SYS_ADMIN (run as root)");
         return;
     }
     let frames_space = || {
@@ -547,7 +547,7 @@ fn extents_are_the_physically_contiguous_runs() {
     let _pool = match HugePageReservation::add(PageSize::Size2M, 2) {
         Ok(r) => r,
         Err(e) => {
-            println!("skipping hugetlbfs extents: {e}");
+            common::skipped(&format!("hugetlbfs extents: {e}"));
             return;
         }
     };
@@ -778,7 +778,9 @@ fn a_pin_inside_a_transparent_huge_page_keeps_it_whole() {
     );
     let before = anon_huge_kib(&thp);
     if before < 4096 {
-        println!("skipping: THP gave {before} KiB of huge pages here, not 4096");
+        common::skipped(&format!(
+            "THP gave {before} KiB of huge pages here, not 4096"
+        ));
         return;
     }
     let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
@@ -1038,7 +1040,9 @@ fn thp_locks_are_cached_as_whole_huge_pages() {
     );
     let before = anon_huge_kib(&thp);
     if before < 4096 {
-        eprintln!("skipped: THP gave {before} KiB of huge pages here, not 4096");
+        common::skipped(&format!(
+            "THP gave {before} KiB of huge pages here, not 4096"
+        ));
         return;
     }
     let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
@@ -1073,7 +1077,7 @@ fn hugetlbfs_locks_are_cached_as_whole_huge_pages() {
     let _pool = match HugePageReservation::add(PageSize::Size2M, 2) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("skipped: no 2 MiB hugetlbfs pages here: {e}");
+            common::skipped(&format!("no 2 MiB hugetlbfs pages here: {e}"));
             return;
         }
     };
