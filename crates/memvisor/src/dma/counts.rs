@@ -14,6 +14,25 @@
 
 use std::collections::BTreeMap;
 
+/// The runs of `runs` — disjoint, keyed by first page, each ending (exclusive) at `end_of(run)`
+/// — that overlap `[start, end)`, in order: the run that starts before `start` if it reaches
+/// past it, then those that start inside. The one walk every run map here needs.
+pub(super) fn overlapping<R>(
+    runs: &BTreeMap<u64, R>,
+    start: u64,
+    end: u64,
+    end_of: fn(&R) -> u64,
+) -> impl Iterator<Item = (u64, &R)> {
+    let before = runs
+        .range(..start)
+        .next_back()
+        .filter(move |(_, r)| end_of(r) > start);
+    before
+        .into_iter()
+        .chain(runs.range(start..end))
+        .map(|(&s, r)| (s, r))
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Run {
     end: u64,
@@ -60,15 +79,8 @@ impl RunCounts {
 
     /// The counted runs overlapping `[start, end)`, clipped to it, as `(start, end, count)`.
     pub fn counted_in(&self, start: u64, end: u64) -> Vec<(u64, u64, u64)> {
-        let before = self
-            .runs
-            .range(..start)
-            .next_back()
-            .filter(|(_, r)| r.end > start);
-        before
-            .into_iter()
-            .chain(self.runs.range(start..end))
-            .map(|(&s, r)| (s.max(start), r.end.min(end), r.count))
+        overlapping(&self.runs, start, end, |r| r.end)
+            .map(|(s, r)| (s.max(start), r.end.min(end), r.count))
             .collect()
     }
 

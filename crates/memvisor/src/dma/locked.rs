@@ -25,6 +25,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::counts::overlapping;
+
 /// Disjoint runs `[start, end)` of page numbers, touching runs merged.
 #[derive(Clone, Debug, Default)]
 struct RunSet {
@@ -40,15 +42,8 @@ impl RunSet {
 
     /// [`RunSet::overlapping`], lazily.
     fn overlapping_iter(&self, start: u64, end: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
-        let before = self
-            .runs
-            .range(..start)
-            .next_back()
-            .filter(|&(_, &e)| e > start);
-        before
-            .into_iter()
-            .chain(self.runs.range(start..end))
-            .map(move |(&s, &e)| (s.max(start), e.min(end)))
+        overlapping(&self.runs, start, end, |&e| e)
+            .map(move |(s, &e)| (s.max(start), e.min(end)))
             .filter(|(s, e)| s < e)
     }
 
@@ -299,15 +294,7 @@ impl Idle {
 
     /// The runs overlapping `[start, end)`, as `(start, run)`.
     fn overlapping(&self, start: u64, end: u64) -> impl Iterator<Item = (u64, IdleRun)> + '_ {
-        let before = self
-            .runs
-            .range(..start)
-            .next_back()
-            .filter(|(_, r)| r.end > start);
-        before
-            .into_iter()
-            .chain(self.runs.range(start..end))
-            .map(|(&s, &r)| (s, r))
+        overlapping(&self.runs, start, end, |r| r.end).map(|(s, &r)| (s, r))
     }
 
     /// Idle pages inside `[start, end)`.
