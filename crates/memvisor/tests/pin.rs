@@ -758,31 +758,36 @@ fn anon_huge_kib(b: &Backing) -> u64 {
     common::smaps_sum(b.hva().0, b.hva().0 + b.size(), "AnonHugePages") / 1024
 }
 
+/// `size` bytes of populated THP memory that the kernel gave all as huge pages, for `test`; or
+/// None, having said why it is skipped (no room to lock a huge page, or THP fell short).
+fn whole_thp(size: u64, test: &str) -> Option<Arc<Backing>> {
+    if !common::may_lock(2 * MIB, test) {
+        return None;
+    }
+    let thp = Arc::new(
+        Backing::with_options(BackingKind::Thp, size, &BackingOptions { populate: true }).unwrap(),
+    );
+    let got = anon_huge_kib(&thp);
+    if got < size / 1024 {
+        common::skipped(&format!(
+            "{test}: THP gave {got} KiB of huge pages here, not {}",
+            size / 1024
+        ));
+        return None;
+    }
+    Some(thp)
+}
+
 /// Pinning one 4 KiB page of THP memory locks its whole huge page, so the huge page survives
 /// the pin and the unpin (mlock of part of it would split its mapping for good).
 #[test]
 fn a_pin_inside_a_transparent_huge_page_keeps_it_whole() {
-    if !common::may_lock(
-        2 * MIB,
+    let Some(thp) = whole_thp(
+        4 * MIB,
         "a_pin_inside_a_transparent_huge_page_keeps_it_whole",
-    ) {
+    ) else {
         return;
-    }
-    let thp = Arc::new(
-        Backing::with_options(
-            BackingKind::Thp,
-            4 * MIB,
-            &BackingOptions { populate: true },
-        )
-        .unwrap(),
-    );
-    let before = anon_huge_kib(&thp);
-    if before < 4096 {
-        common::skipped(&format!(
-            "THP gave {before} KiB of huge pages here, not 4096"
-        ));
-        return;
-    }
+    };
     let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
     d.map_backing(Iova(0), &thp, 0, 4 * MIB, Prot::RW).unwrap();
     d.pin_pages(&[1], Prot::RW).unwrap();
@@ -1027,24 +1032,9 @@ fn a_pin_of_new_memory_at_an_old_address_really_locks() {
 
 #[test]
 fn thp_locks_are_cached_as_whole_huge_pages() {
-    if !common::may_lock(2 * MIB, "thp_locks_are_cached_as_whole_huge_pages") {
+    let Some(thp) = whole_thp(4 * MIB, "thp_locks_are_cached_as_whole_huge_pages") else {
         return;
-    }
-    let thp = Arc::new(
-        Backing::with_options(
-            BackingKind::Thp,
-            4 * MIB,
-            &BackingOptions { populate: true },
-        )
-        .unwrap(),
-    );
-    let before = anon_huge_kib(&thp);
-    if before < 4096 {
-        common::skipped(&format!(
-            "THP gave {before} KiB of huge pages here, not 4096"
-        ));
-        return;
-    }
+    };
     let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
     d.map_backing(Iova(0), &thp, 0, 4 * MIB, Prot::RW).unwrap();
     d.pin_pages(&[700], Prot::RW).unwrap();
