@@ -3,11 +3,17 @@
 //! Readers of memvisor's tables hold immutable snapshots; a writer publishes a changed copy. For a
 //! handful of ranges a sorted array copied on every change is fine, but an IOMMU address space
 //! can hold 100 000 mappings that a guest changes one 4 KiB page at a time, and copying all of
-//! them per change is not. [`RangeMap`] is a two-level B-tree-like array: ranges sorted into
-//! chunks of at most [`MAX_CHUNK`] entries, each chunk behind an `Arc`. Cloning the map copies
-//! only the chunk pointers (and their first keys); changing it copies only the chunk it touches
-//! (`Arc::make_mut`), splitting chunks that grow too big and dropping chunks that become empty.
-//! So a publish costs O(n / chunk) pointer copies plus O(chunk).
+//! them per change is not. [`RangeMap`] is a B-tree-like array: ranges sorted into chunks of at
+//! most [`MAX_CHUNK`] entries, each chunk behind an `Arc`, the chunk pointers in pieces of
+//! [`PIECE`] behind an `Arc` each. Changing the map copies (`Arc::make_mut`) only what it
+//! touches: the list of pieces, one piece, one chunk's bounds, and one group of the chunk's
+//! values (values sit in slots, 16 to an `Arc`'d group, so a chunk copy copies 16 group
+//! pointers, not 256 values). Splitting a chunk that grows too big, or dropping one that
+//! becomes empty, rebuilds the pieces after it. What makes a copy dear is not the bytes but the
+//! reference counts: each pointer copied is an atomic increment now, and a decrement when the
+//! old snapshot goes, each on a line of its own. At 100 000 ranges (391 chunks) a change
+//! copies 13 + 32 + 16 + 16 pointers, where one flat array of chunks holding their values
+//! inline copied 391 + 256.
 //!
 //! Each entry has a small `Copy` "hot" value kept inline next to its bounds, and a cold value of
 //! any type kept apart; a lookup reads only bounds and the hot value. The layout is built for a
@@ -19,8 +25,8 @@
 //! starts, if it starts there; a binary search when keys are too skewed for buckets), picks a
 //! group with a few compares on `tops`, then counts that group's ends and starts below the key,
 //! reading its line of ends and its two lines of pairs at once. So the only dependent steps
-//! that can miss the cache are the bucket, the chunk pointer, the chunk's `tops` and the
-//! group's lines. Unused slots hold `u64::MAX` ends and starts. The bucket table is rebuilt by
+//! that can miss the cache are the bucket, the piece and chunk pointers, the chunk's `tops`
+//! and the group's lines. Unused slots hold `u64::MAX` ends and starts. The bucket table is rebuilt by
 //! [`RangeMap::reindex`] after changes that move a chunk's first key (rare: splits, emptied
 //! chunks, a new first range); until then lookups binary-search. Small maps skip steps: one
 //! chunk needs no chunk search, at most 64 ranges use one line of `tops`, at most 8 one group.
@@ -37,6 +43,11 @@ pub const MAX_CHUNK: usize = 256;
 /// Entries per group: one cache line of `u64` ends.
 pub const GROUP: usize = 8;
 const GROUPS: usize = MAX_CHUNK / GROUP;
+/// Value slots per value group (see [`Head`]).
+const VALUE_GROUP: usize = 16;
+const VALUE_GROUPS: usize = MAX_CHUNK / VALUE_GROUP;
+/// Chunk pointers per piece (see [`RangeMap`]).
+const PIECE: usize = 32;
 
 /// Where an entry lives: chunk and position in it. Valid only for the map it came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,11 +82,82 @@ struct Chunk<H, V> {
     items: [Item<H>; MAX_CHUNK],
 }
 
+/// A chunk's values sit in slots, [`VALUE_GROUP`] to a group behind an `Arc`, in no order;
+/// `slot[i]` names the slot of the chunk's `i`th range. Copying a chunk then copies 16 group
+/// pointers, not one value per range, and changing one value copies only its group.
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 struct Head<V> {
     len: usize,
-    values: Vec<V>,
+    /// Bit `b` of `used[g]`: slot `g * VALUE_GROUP + b` holds a value.
+    used: [u16; VALUE_GROUPS],
+    /// Groups with no slot in use are `None`.
+    groups: [Option<Arc<ValueGroup<V>>>; VALUE_GROUPS],
+    slot: [u8; MAX_CHUNK],
+}
+
+type ValueGroup<V> = [Option<V>; VALUE_GROUP];
+
+/// Up to [`PIECE`] chunk pointers (see [`RangeMap`]).
+type Piece<H, V> = Arc<[Arc<Chunk<H, V>>]>;
+
+impl<V: Clone> Head<V> {
+    fn new() -> Self {
+        Head {
+            len: 0,
+            used: [0; VALUE_GROUPS],
+            groups: std::array::from_fn(|_| None),
+            slot: [0; MAX_CHUNK],
+        }
+    }
+
+    /// The value of the chunk's `i`th range.
+    #[inline]
+    fn value(&self, i: usize) -> &V {
+        let s = usize::from(self.slot[i]);
+        self.groups[s / VALUE_GROUP]
+            .as_ref()
+            .and_then(|g| g[s % VALUE_GROUP].as_ref())
+            .expect("a range's slot holds its value")
+    }
+
+    /// Puts `value` in a free slot and returns it. The chunk has a free slot: it holds fewer
+    /// than `MAX_CHUNK` values.
+    fn take_slot(&mut self, value: V) -> u8 {
+        let g = self
+            .used
+            .iter()
+            .position(|&u| u != u16::MAX)
+            .expect("a chunk with room has a free slot");
+        let b = (!self.used[g]).trailing_zeros() as usize;
+        self.used[g] |= 1 << b;
+        let group = self.groups[g].get_or_insert_with(|| Arc::new(std::array::from_fn(|_| None)));
+        Arc::make_mut(group)[b] = Some(value);
+        (g * VALUE_GROUP + b) as u8
+    }
+
+    /// Empties slot `s` and returns its value.
+    fn free_slot(&mut self, s: u8) -> V {
+        let (g, b) = (usize::from(s) / VALUE_GROUP, usize::from(s) % VALUE_GROUP);
+        self.used[g] &= !(1 << b);
+        let group = self.groups[g].as_mut().expect("a used slot's group");
+        let value = Arc::make_mut(group)[b]
+            .take()
+            .expect("a used slot holds a value");
+        if self.used[g] == 0 {
+            self.groups[g] = None;
+        }
+        value
+    }
+
+    /// Replaces the value of the chunk's `i`th range.
+    fn set(&mut self, i: usize, value: V) {
+        let s = usize::from(self.slot[i]);
+        let group = self.groups[s / VALUE_GROUP]
+            .as_mut()
+            .expect("a range's slot's group");
+        Arc::make_mut(group)[s % VALUE_GROUP] = Some(value);
+    }
 }
 
 /// How many of a group's 8 sorted `keys` are below `key`.
@@ -105,10 +187,7 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
                 start: u64::MAX,
                 hot: H::default(),
             }; MAX_CHUNK],
-            head: Head {
-                len: 0,
-                values: Vec::new(),
-            },
+            head: Head::new(),
         }
     }
 
@@ -176,21 +255,24 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
         debug_assert!(len < MAX_CHUNK && i <= len);
         self.lasts.copy_within(i..len, i + 1);
         self.items.copy_within(i..len, i + 1);
+        self.head.slot.copy_within(i..len, i + 1);
         self.lasts[i] = last;
         self.items[i] = Item { start, hot };
-        self.head.values.insert(i, value);
+        self.head.slot[i] = self.head.take_slot(value);
         self.head.len += 1;
         self.fix_tops();
     }
 
     fn remove(&mut self, i: usize) -> V {
         let len = self.head.len;
+        let value = self.head.free_slot(self.head.slot[i]);
         self.lasts.copy_within(i + 1..len, i);
         self.items.copy_within(i + 1..len, i);
+        self.head.slot.copy_within(i + 1..len, i);
         self.clear_from(len - 1);
         self.head.len -= 1;
         self.fix_tops();
-        self.head.values.remove(i)
+        value
     }
 
     /// Moves slots `at..` into a new chunk.
@@ -199,7 +281,10 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
         let n = self.head.len - at;
         upper.lasts[..n].copy_from_slice(&self.lasts[at..self.head.len]);
         upper.items[..n].copy_from_slice(&self.items[at..self.head.len]);
-        upper.head.values = self.head.values.split_off(at);
+        for k in 0..n {
+            let value = self.head.free_slot(self.head.slot[at + k]);
+            upper.head.slot[k] = upper.head.take_slot(value);
+        }
         upper.head.len = n;
         upper.fix_tops();
         self.clear_from(at);
@@ -227,9 +312,12 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
 /// kept inline; small and `Copy`) and a value `V` (kept apart).
 #[derive(Clone, Debug)]
 pub struct RangeMap<H, V> {
-    /// `firsts[c]` is the start of chunk `c`'s first range.
+    /// `firsts[c]` is the start of chunk `c`'s first range; one per chunk.
     firsts: Vec<u64>,
-    chunks: Vec<Arc<Chunk<H, V>>>,
+    /// The chunk pointers, [`PIECE`] to a piece behind an `Arc` (the last piece may hold
+    /// fewer): copying the map copies a pointer per piece, and changing a chunk copies only
+    /// its piece. Chunk `c` is `pieces[c / PIECE][c % PIECE]`.
+    pieces: Vec<Piece<H, V>>,
     len: usize,
     /// A shortcut into `firsts`, valid for the `firsts` it was built from: every change to
     /// `firsts` drops it, [`RangeMap::reindex`] builds it again.
@@ -329,7 +417,7 @@ impl<H, V> Default for RangeMap<H, V> {
     fn default() -> Self {
         RangeMap {
             firsts: Vec::new(),
-            chunks: Vec::new(),
+            pieces: Vec::new(),
             len: 0,
             top: None,
         }
@@ -345,6 +433,45 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// How many chunks there are.
+    #[inline(always)]
+    fn chunk_count(&self) -> usize {
+        self.firsts.len()
+    }
+
+    /// Chunk `c`, if there is one.
+    #[inline(always)]
+    fn chunk(&self, c: usize) -> Option<&Chunk<H, V>> {
+        self.pieces.get(c / PIECE)?.get(c % PIECE).map(|c| &**c)
+    }
+
+    /// Chunk `c` to change: its piece and itself are copied first if shared.
+    fn chunk_mut(&mut self, c: usize) -> &mut Chunk<H, V> {
+        let piece = Arc::make_mut(&mut self.pieces[c / PIECE]);
+        Arc::make_mut(&mut piece[c % PIECE])
+    }
+
+    /// Every chunk, in order.
+    fn chunks(&self) -> impl Iterator<Item = &Chunk<H, V>> {
+        self.pieces.iter().flat_map(|p| p.iter().map(|c| &**c))
+    }
+
+    /// Changes the list of chunks with `edit`, which sees chunks `c / PIECE * PIECE ..` as a
+    /// vector starting with chunk `c` at index `c % PIECE`; the pieces from `c`'s on are
+    /// built again. For splits and emptied chunks only: it copies every chunk pointer after
+    /// `c`'s piece.
+    fn edit_chunks(&mut self, c: usize, edit: impl FnOnce(&mut Vec<Arc<Chunk<H, V>>>)) {
+        let p = c / PIECE;
+        let mut tail: Vec<Arc<Chunk<H, V>>> = self.pieces[p.min(self.pieces.len())..]
+            .iter()
+            .flat_map(|piece| piece.iter().cloned())
+            .collect();
+        self.pieces.truncate(p);
+        edit(&mut tail);
+        self.pieces.extend(tail.chunks(PIECE).map(Arc::from));
+        self.top = None;
     }
 
     /// The chunk whose first key is the last one at or before `key`.
@@ -376,7 +503,7 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
 
     /// Sets the first key of chunk `c` after a change to it, dropping the index if it moved.
     fn refirst(&mut self, c: usize) {
-        let first = self.chunks[c].items[0].start;
+        let first = self.chunk(c).expect("chunk c").items[0].start;
         if self.firsts[c] != first {
             self.firsts[c] = first;
             self.top = None;
@@ -396,12 +523,12 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     /// [`GROUP`] it skips the group search.
     #[inline(always)]
     pub fn lookup(&self, key: u64) -> Option<(Pos, u64, u64, H)> {
-        let c = if self.chunks.len() > 1 {
+        let c = if self.chunk_count() > 1 {
             self.chunk_for(key)?
         } else {
             0
         };
-        let chunk = self.chunks.get(c)?;
+        let chunk = self.chunk(c)?;
         let g = if self.len <= GROUP {
             0
         } else if self.len <= GROUP * GROUP {
@@ -421,7 +548,7 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     /// The position of the first range that ends at or after `key`.
     pub fn first_ending_at_or_after(&self, key: u64) -> Option<Pos> {
         let c = self.chunk_for(key).unwrap_or(0);
-        let chunk = self.chunks.get(c)?;
+        let chunk = self.chunk(c)?;
         let i = chunk.first_ending_at_or_after(key);
         if i < chunk.head.len {
             Some(Pos {
@@ -430,7 +557,7 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
             })
         } else {
             // Every range of this chunk ends before `key`: the next chunk's first is the one.
-            (c + 1 < self.chunks.len()).then_some(Pos {
+            (c + 1 < self.chunk_count()).then_some(Pos {
                 chunk: c as u32 + 1,
                 index: 0,
             })
@@ -440,7 +567,9 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     /// The range at `pos`: start, last, hot value (not the value: a lookup reads only these).
     #[inline]
     pub fn bounds(&self, pos: Pos) -> (u64, u64, H) {
-        let chunk = &self.chunks[pos.chunk as usize];
+        let chunk = self
+            .chunk(pos.chunk as usize)
+            .expect("a position in this map");
         let i = pos.index as usize;
         let item = chunk.items[i];
         (item.start, chunk.lasts[i], item.hot)
@@ -449,23 +578,25 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     /// The range at `pos`: start, last, hot value, value.
     #[inline]
     pub fn get(&self, pos: Pos) -> (u64, u64, H, &V) {
-        let chunk = &self.chunks[pos.chunk as usize];
+        let chunk = self
+            .chunk(pos.chunk as usize)
+            .expect("a position in this map");
         let i = pos.index as usize;
         let item = chunk.items[i];
-        (item.start, chunk.lasts[i], item.hot, &chunk.head.values[i])
+        (item.start, chunk.lasts[i], item.hot, chunk.head.value(i))
     }
 
     /// The position after `pos`, in address order.
     #[inline]
     pub fn next(&self, pos: Pos) -> Option<Pos> {
-        let chunk = &self.chunks[pos.chunk as usize];
+        let chunk = self.chunk(pos.chunk as usize)?;
         if (pos.index as usize) + 1 < chunk.head.len {
             Some(Pos {
                 chunk: pos.chunk,
                 index: pos.index + 1,
             })
         } else {
-            ((pos.chunk as usize) + 1 < self.chunks.len()).then_some(Pos {
+            ((pos.chunk as usize) + 1 < self.chunk_count()).then_some(Pos {
                 chunk: pos.chunk + 1,
                 index: 0,
             })
@@ -474,13 +605,13 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
 
     /// All ranges in address order: start, last, hot value, value.
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64, H, &V)> {
-        self.chunks.iter().flat_map(|c| {
+        self.chunks().flat_map(|c| {
             (0..c.head.len).map(move |i| {
                 (
                     c.items[i].start,
                     c.lasts[i],
                     c.items[i].hot,
-                    &c.head.values[i],
+                    c.head.value(i),
                 )
             })
         })
@@ -490,17 +621,17 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     pub fn insert(&mut self, start: u64, last: u64, hot: H, value: V) {
         debug_assert!(start <= last);
         self.len += 1;
-        if self.chunks.is_empty() {
+        if self.pieces.is_empty() {
             let mut chunk = Chunk::new();
             chunk.insert(0, start, last, hot, value);
             self.firsts.push(start);
-            self.chunks.push(Arc::new(chunk));
+            self.pieces.push(Arc::from([Arc::new(chunk)]));
             self.top = None;
             return;
         }
         let c = self.chunk_for(start).unwrap_or(0);
-        let last_chunk = c + 1 == self.chunks.len();
-        let chunk = Arc::make_mut(&mut self.chunks[c]);
+        let last_chunk = c + 1 == self.chunk_count();
+        let chunk = self.chunk_mut(c);
         let i = chunk.items[..chunk.head.len].partition_point(|it| it.start < start);
         let split = if chunk.head.len < MAX_CHUNK {
             None
@@ -528,8 +659,8 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
                 }
                 self.firsts[c] = chunk.items[0].start;
                 self.firsts.insert(c + 1, upper.items[0].start);
-                self.chunks.insert(c + 1, Arc::new(upper));
-                self.top = None;
+                let upper = Arc::new(upper);
+                self.edit_chunks(c, |tail| tail.insert(c % PIECE + 1, upper));
             }
         }
     }
@@ -539,15 +670,16 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
         let pos = self.find(start)?;
         let c = pos.chunk as usize;
         let i = pos.index as usize;
-        if self.chunks[c].items[i].start != start {
+        if self.chunk(c)?.items[i].start != start {
             return None;
         }
-        let chunk = Arc::make_mut(&mut self.chunks[c]);
+        let chunk = self.chunk_mut(c);
         let value = chunk.remove(i);
         if chunk.head.len == 0 {
-            self.chunks.remove(c);
+            self.edit_chunks(c, |tail| {
+                tail.remove(c % PIECE);
+            });
             self.firsts.remove(c);
-            self.top = None;
         } else {
             self.refirst(c);
         }
@@ -557,9 +689,9 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
 
     /// Replaces the hot value and value of the range at `pos`.
     pub fn set(&mut self, pos: Pos, hot: H, value: V) {
-        let chunk = Arc::make_mut(&mut self.chunks[pos.chunk as usize]);
+        let chunk = self.chunk_mut(pos.chunk as usize);
         chunk.items[pos.index as usize].hot = hot;
-        chunk.head.values[pos.index as usize] = value;
+        chunk.head.set(pos.index as usize, value);
     }
 }
 
@@ -573,15 +705,30 @@ mod tests {
 
     /// The structure's own invariants: chunk sizes, order, padding, tops, firsts.
     fn invariants(map: &RangeMap<u64, u32>) {
-        assert_eq!(map.firsts.len(), map.chunks.len());
-        assert_eq!(
-            map.chunks.iter().map(|c| c.head.len).sum::<usize>(),
-            map.len()
-        );
+        assert_eq!(map.firsts.len(), map.chunks().count());
+        // every piece full but the last, which is not empty
+        if let Some((last, full)) = map.pieces.split_last() {
+            assert!(full.iter().all(|p| p.len() == PIECE));
+            assert!(!last.is_empty() && last.len() <= PIECE);
+        }
+        assert_eq!(map.chunks().map(|c| c.head.len).sum::<usize>(), map.len());
         let mut prev_last: Option<u64> = None;
-        for (c, chunk) in map.chunks.iter().enumerate() {
+        for (c, chunk) in map.chunks().enumerate() {
             assert!(chunk.head.len > 0 && chunk.head.len <= MAX_CHUNK);
-            assert_eq!(chunk.head.values.len(), chunk.head.len);
+            // the ranges' slots are distinct, in use, and hold values; no other slot is
+            let head = &chunk.head;
+            let mut slots: Vec<u8> = head.slot[..head.len].to_vec();
+            slots.sort_unstable();
+            slots.dedup();
+            assert_eq!(slots.len(), head.len, "two ranges share a value slot");
+            for s in 0..MAX_CHUNK {
+                let (g, b) = (s / VALUE_GROUP, s % VALUE_GROUP);
+                let used = head.used[g] & 1 << b != 0;
+                assert_eq!(used, slots.contains(&(s as u8)), "slot {s} in use");
+                let held = head.groups[g].as_ref().is_some_and(|g| g[b].is_some());
+                assert_eq!(held, used, "slot {s} holds a value iff in use");
+                assert_eq!(head.groups[g].is_some(), head.used[g] != 0, "group {g}");
+            }
             assert_eq!(map.firsts[c], chunk.items[0].start);
             for i in 0..chunk.head.len {
                 let (s, l) = (chunk.items[i].start, chunk.lasts[i]);
@@ -613,7 +760,7 @@ mod tests {
         indexed.reindex();
         assert_eq!(
             indexed.top.is_some(),
-            map.chunks.len() >= TopIndex::MIN_CHUNKS
+            map.chunk_count() >= TopIndex::MIN_CHUNKS
         );
         check_one(&indexed, model, probes);
         let mut plain = map.clone();
@@ -671,6 +818,47 @@ mod tests {
     }
 
     #[test]
+    fn chunks_split_and_drop_across_pieces_and_values_follow_their_ranges() {
+        // Enough scattered ranges for several pieces of chunk pointers.
+        let mut map = RangeMap::default();
+        let mut model = BTreeMap::new();
+        let n = 24_000u64;
+        for k in 0..n {
+            let i = k * 7919 % n;
+            insert(&mut map, &mut model, i * 4, i * 4 + 2, i as u32);
+        }
+        assert!(map.pieces.len() >= 3, "{} pieces", map.pieces.len());
+        check(&map, &model, &[]);
+        let before = map.clone();
+        let before_model = model.clone();
+        // Empty whole chunks in the first and a middle piece (their pointers leave the
+        // pieces), change values in place, and split chunks again in between.
+        let drop_chunk = |map: &RangeMap<u64, u32>, c: usize| -> Vec<u64> {
+            let chunk = map.chunk(c).unwrap();
+            (0..chunk.head.len).map(|i| chunk.items[i].start).collect()
+        };
+        for c in [1, PIECE + 3, 0] {
+            for start in drop_chunk(&map, c) {
+                assert_eq!(map.remove(start), Some((start / 4) as u32));
+                model.remove(&start);
+            }
+        }
+        for i in (0..n).step_by(5) {
+            if let Some(pos) = map.find(i * 4) {
+                map.set(pos, (i * 4) ^ 0x5a5a, i as u32 + 1_000_000);
+                model.insert(i * 4, (i * 4 + 2, i as u32 + 1_000_000));
+            }
+        }
+        for i in 0..n / 8 {
+            let start = n * 4 + i * 4;
+            insert(&mut map, &mut model, start, start, 7);
+        }
+        check(&map, &model, &[]);
+        // the clone taken before still answers what it held
+        check(&before, &before_model, &[]);
+    }
+
+    #[test]
     fn many_inserts_and_removes_split_and_drop_chunks() {
         let mut map = RangeMap::default();
         let mut model = BTreeMap::new();
@@ -680,7 +868,7 @@ mod tests {
             let i = k * 7919 % n;
             insert(&mut map, &mut model, i * 4, i * 4 + 2, i as u32);
         }
-        assert!(map.chunks.len() > n as usize / MAX_CHUNK);
+        assert!(map.chunk_count() > n as usize / MAX_CHUNK);
         check(&map, &model, &[3, n * 4, u64::MAX]);
         // a clone shares chunks and is unaffected by changes to the original
         let before = map.clone();
@@ -696,7 +884,7 @@ mod tests {
         for i in (0..n).filter(|i| i % 3 == 0) {
             map.remove(i * 4).unwrap();
         }
-        assert!(map.is_empty() && map.chunks.is_empty());
+        assert!(map.is_empty() && map.pieces.is_empty());
     }
 
     #[test]
@@ -726,7 +914,7 @@ mod tests {
                 model.remove(&(i * 4));
             }
             assert_eq!(map.len(), keep as usize);
-            assert!(map.chunks.len() > 1 || keep == 1);
+            assert!(map.chunk_count() > 1 || keep == 1);
             check(&map, &model, &[0, 1, n * 4, u64::MAX]);
         }
     }
@@ -742,7 +930,7 @@ mod tests {
                 insert(&mut map, &mut model, i * 2, i * 2, i as u32);
             }
             assert_eq!(
-                map.chunks.len(),
+                map.chunk_count(),
                 11,
                 "full chunks, descending: {descending}"
             );
