@@ -666,13 +666,16 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     }
 
     /// Removes the range that starts exactly at `start` and returns its value.
-    pub fn remove(&mut self, start: u64) -> Option<V> {
+    #[cfg(test)]
+    fn remove(&mut self, start: u64) -> Option<V> {
         let pos = self.find(start)?;
+        (self.bounds(pos).0 == start).then(|| self.remove_at(pos))
+    }
+
+    /// Removes the range at `pos` and returns its value.
+    pub fn remove_at(&mut self, pos: Pos) -> V {
         let c = pos.chunk as usize;
         let i = pos.index as usize;
-        if self.chunk(c)?.items[i].start != start {
-            return None;
-        }
         let chunk = self.chunk_mut(c);
         let value = chunk.remove(i);
         if chunk.head.len == 0 {
@@ -684,7 +687,7 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
             self.refirst(c);
         }
         self.len -= 1;
-        Some(value)
+        value
     }
 
     /// Replaces the hot value and value of the range at `pos`.

@@ -420,12 +420,15 @@ impl Index {
     /// Removes the mapping starting at `start`.
     fn remove(&mut self, start: u64) -> Option<Arc<Mapping>> {
         let pos = self.ranges.find(start)?;
-        let (_, last, _) = self.ranges.bounds(pos);
+        let (first, last, _) = self.ranges.bounds(pos);
+        if first != start {
+            return None;
+        }
         let pages = (last - start) / PAGE + 1;
         if pages <= TABLE_PAGES_MAX {
             self.pages.clear(start, pages);
         }
-        self.ranges.remove(start)
+        Some(self.ranges.remove_at(pos))
     }
 
     /// Writes the page-table words of a mapping `[start, last]` with `hot`, if it is small;
