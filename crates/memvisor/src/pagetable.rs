@@ -125,11 +125,59 @@ impl std::fmt::Debug for PageTable {
     }
 }
 
+/// The table's part over one 8 GiB region (one child of the root), held on its own: a reader
+/// that stays in the region (a cursor; a guest's IOVAs mostly lie in one such region) walks two
+/// levels from it instead of four from the table, skipping the window check and two dependent
+/// loads. It is a snapshot of that part, as the table it came from is: take it again from the
+/// table that replaces it.
+#[derive(Clone)]
+pub struct Region {
+    /// `addr >> ROOT_SHIFT` for the addresses of the region; `u64::MAX` for none.
+    tag: u64,
+    upper: Option<Arc<Upper>>,
+}
+
+impl Region {
+    /// No region: holds no address.
+    pub const NONE: Region = Region {
+        tag: u64::MAX,
+        upper: None,
+    };
+
+    /// Whether `addr` lies in the region.
+    #[inline(always)]
+    pub fn holds(&self, addr: u64) -> bool {
+        addr >> ROOT_SHIFT == self.tag
+    }
+
+    /// The word of the page holding `addr`, which the region holds; 0 if none.
+    #[inline(always)]
+    pub fn get(&self, addr: u64) -> u64 {
+        debug_assert!(self.holds(addr));
+        let mid = self.upper.as_deref().and_then(|upper| {
+            let mid = upper.children[child(addr, UPPER_SHIFT)].as_deref()?;
+            mid.children[child(addr, MID_SHIFT)].as_deref()
+        });
+        mid.map_or(0, |l| l.words[word_index(addr)])
+    }
+}
+
 impl PageTable {
     /// The word of the page holding `addr`; 0 if none.
     #[inline(always)]
     pub fn get(&self, addr: u64) -> u64 {
         self.leaf(addr).map_or(0, |l| l.words[word_index(addr)])
+    }
+
+    /// The region holding `addr`: [`Region::NONE`] above the window.
+    pub fn region(&self, addr: u64) -> Region {
+        if addr >= WINDOW {
+            return Region::NONE;
+        }
+        Region {
+            tag: addr >> ROOT_SHIFT,
+            upper: self.root.children[child(addr, ROOT_SHIFT)].clone(),
+        }
     }
 
     #[inline(always)]

@@ -1005,6 +1005,35 @@ fn plain_copies_never_take_a_stale_shortcut() {
 /// has edges (2 MiB leaves, 8 GiB nodes, a 512 GiB window, a 127-page size limit, a budget of
 /// leaves that scattered pages exhaust). At each of them, and after unmaps and remaps, every
 /// path answers exactly: plain `translate`, a long-lived cursor, and a fresh cursor per probe.
+/// A cursor walks its page-table region from the snapshot it holds; after a change it must
+/// walk the new snapshot's, never the old region's words.
+#[test]
+fn a_cursor_never_answers_from_a_snapshot_it_let_go() {
+    let b = mem(16);
+    let base = b.hva().0;
+    let d = DmaSpace::default();
+    let (a, x) = (0x10_0000, 0x20_0000);
+    d.map_backing(Iova(a), &b, 0, PAGE, Prot::RW).unwrap();
+    d.map_backing(Iova(x), &b, PAGE, PAGE, Prot::RW).unwrap();
+    let mut cursor = d.cursor();
+    let hva = |cursor: &mut memvisor::dma::DmaCursor, iova: u64| {
+        cursor
+            .translate(Iova(iova), 8, Access::Read)
+            .map(|t| t.hva.0)
+    };
+    assert_eq!(hva(&mut cursor, a).unwrap(), base);
+    assert_eq!(hva(&mut cursor, x).unwrap(), base + PAGE);
+    d.unmap(Iova(x), PAGE).unwrap();
+    // The first translation after the change moves the cursor to the new snapshot (through
+    // `a`, a miss in the same region); the next must not find `x` in the old region.
+    assert_eq!(hva(&mut cursor, a).unwrap(), base);
+    assert_eq!(errno(hva(&mut cursor, x)), libc::EFAULT);
+    d.map_backing(Iova(x), &b, 2 * PAGE, PAGE, Prot::RW)
+        .unwrap();
+    assert_eq!(hva(&mut cursor, a).unwrap(), base);
+    assert_eq!(hva(&mut cursor, x).unwrap(), base + 2 * PAGE);
+}
+
 #[test]
 fn translations_are_exact_at_every_edge_of_the_page_index() {
     const MIB2: u64 = 2 << 20;

@@ -451,11 +451,10 @@ impl Index {
         self.ranges.reindex();
     }
 
-    /// The page-table answer for `iova`: (hot word, last byte of its mapping), if the table
-    /// holds the page.
+    /// The page-table answer for `iova` from its page's `word` (read from an index's table or
+    /// a region of it): (hot word, last byte of its mapping), if the table holds the page.
     #[inline(always)]
-    fn page(&self, iova: u64) -> Option<(Hot, u64)> {
-        let word = self.pages.get(iova);
+    fn page_word(iova: u64, word: u64) -> Option<(Hot, u64)> {
         let left = (word & Hot::LEFT) >> Hot::LEFT_SHIFT;
         let last = (iova & !(PAGE - 1))
             .wrapping_add(left * PAGE)

@@ -20,10 +20,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Access, DmaSnapshot, DmaSpace, Hot, Mapping, PAGE, Prot, VaddrRule};
+use super::{Access, DmaSnapshot, DmaSpace, Hot, Index, Mapping, PAGE, Prot, VaddrRule};
 use crate::addr::{Hva, Iova};
 use crate::copy;
 use crate::error::{Error, Result};
+use crate::pagetable::{Region, WINDOW};
 use crate::rangemap::Pos;
 
 /// Where an IOVA lives on the host.
@@ -125,6 +126,13 @@ impl Found {
     }
 }
 
+/// [`DmaSnapshot::page_answer`] from the page's table `word`.
+#[inline(always)]
+fn word_answer(iova: u64, word: u64, need: Prot) -> Option<(Hot, u64)> {
+    let (hot, last) = Index::page_word(iova, word)?;
+    (hot.prot().contains(need) & hot.valid() & !hot.dirty()).then_some((hot, last))
+}
+
 impl DmaSnapshot {
     /// The page table's answer for an access needing `need` at `iova`, (hot word, last byte of
     /// the mapping), when it answers outright: the page is a small mapping's, allowed, with a
@@ -133,8 +141,7 @@ impl DmaSnapshot {
     /// index's, the record.
     #[inline(always)]
     fn page_answer(&self, iova: u64, need: Prot) -> Option<(Hot, u64)> {
-        let (hot, last) = self.map.page(iova)?;
-        (hot.prot().contains(need) & hot.valid() & !hot.dirty()).then_some((hot, last))
+        word_answer(iova, self.map.pages.get(iova), need)
     }
 
     /// The mapping holding `iova`, checked for `access` and a valid host address. Reads the
@@ -447,6 +454,7 @@ impl DmaSpace {
             space: self.clone(),
             snapshot,
             hit: Hit::NONE,
+            region: Region::NONE,
         }
     }
 
@@ -493,6 +501,9 @@ pub struct DmaCursor {
     /// Whether `read` / `write` may copy from the snapshot ([`DmaSpace::copies_allowed`]).
     copies: bool,
     hit: Hit,
+    /// The page table's part over the 8 GiB region of the last miss, from `snapshot`: a miss
+    /// in it walks two levels, not four.
+    region: Region,
 }
 
 impl std::fmt::Debug for DmaCursor {
@@ -535,7 +546,12 @@ impl DmaCursor {
         // A miss at the current generation in a page the page table answers (a small mapping
         // that logs no dirty pages): inline, so it costs the table's loads and no call.
         if current & (len != 0) {
-            if let Some((hot, last)) = self.snapshot.page_answer(iova.0, access.prot()) {
+            let word = if self.region.holds(iova.0) {
+                self.region.get(iova.0)
+            } else {
+                self.enter_region(iova.0)
+            };
+            if let Some((hot, last)) = word_answer(iova.0, word, access.prot()) {
                 self.hit = Hit {
                     start: iova.0 & !(PAGE - 1),
                     last,
@@ -551,6 +567,16 @@ impl DmaCursor {
             }
         }
         self.translate_slow(iova, len, access)
+    }
+
+    /// The page-table word for `iova`, which the cursor's region does not hold: the region
+    /// becomes `iova`'s (one reference count), if the table covers it.
+    fn enter_region(&mut self, iova: u64) -> u64 {
+        if iova >= WINDOW {
+            return 0;
+        }
+        self.region = self.snapshot.map.pages.region(iova);
+        self.region.get(iova)
     }
 
     fn translate_slow(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
@@ -600,6 +626,7 @@ impl DmaCursor {
         self.generation = self.snapshot.generation;
         self.copies = self.space.copies_allowed(&self.snapshot);
         self.hit = Hit::NONE;
+        self.region = Region::NONE;
     }
 
     /// [`DmaSpace::dma_read`] through the cursor: a copy that lies inside the last mapping hit
