@@ -21,6 +21,11 @@
 //! bumped) and leaves every other snapshot as it was. Fan-out 64 above the leaves keeps that
 //! copy small; 512 at the leaves keeps a leaf one page of memory.
 //!
+//! **Regions.** A reader that keeps translating in one 8 GiB region (a guest's IOVAs mostly lie
+//! in one) can hold that root child as a [`Region`] and walk two levels from it: no window check,
+//! two dependent loads fewer. A region belongs to the table it was taken from, like any other
+//! part of a snapshot.
+//!
 //! **Budget.** A leaf costs 4 KiB however few of its words are used, so a guest that scatters
 //! single pages 2 MiB apart would make the table cost 4 KiB per page it maps. The table refuses
 //! a fill that would need a new leaf beyond [`LEAF_FLOOR`] leaves plus one per [`LEAF_SHARE`]
