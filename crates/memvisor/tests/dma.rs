@@ -951,7 +951,8 @@ fn cursor_copies_stop_while_a_vaddr_is_invalidated_under_the_refuse_rule() {
 }
 
 /// Plain `dma_read` / `dma_write` take the thread's last hit as a shortcut; it must never
-/// outlive a change nor skip a check: unmap, protection, the dirty log, the refuse rule.
+/// outlive a change nor skip a check: unmap, protection, the dirty log, the refuse rule (also
+/// when a translation made the hit).
 #[test]
 fn plain_copies_never_take_a_stale_shortcut() {
     let d = DmaSpace::new(DmaConfig {
@@ -993,6 +994,10 @@ fn plain_copies_never_take_a_stale_shortcut() {
     d.dma_read(Iova(0), &mut one).unwrap();
     d.invalidate_vaddr(Iova(8 * PAGE), PAGE).unwrap();
     assert_eq!(errno(d.dma_read(Iova(0), &mut one)), libc::EBUSY);
+    // A translation still answers there and becomes the last hit, but not one copies take.
+    d.translate(Iova(0), 1, Access::Read).unwrap();
+    assert_eq!(errno(d.dma_read(Iova(0), &mut one)), libc::EBUSY);
+    assert_eq!(errno(d.dma_write(Iova(0), &[1])), libc::EBUSY);
     d.update_vaddr(Iova(8 * PAGE), PAGE, &b, 5 * PAGE).unwrap();
     // Unmapped: EINVAL at once, though the thread copied there just before.
     d.dma_read(Iova(0), &mut one).unwrap();

@@ -126,3 +126,46 @@ fn readers_and_writers_survive_concurrent_map_and_unmap() {
     );
     assert_eq!(d.len(), REGIONS as usize);
 }
+
+/// A plain copy on its thread's shortcut (inside the mapping it last hit) holds no snapshot;
+/// instead a change waits for such copies before it returns. So once `unmap` returns, no copy
+/// that raced it is still writing the memory given back: a byte written there afterwards stays.
+/// A copy runs forwards, so the last page is the last it writes; each round unmaps while a
+/// 16 MiB copy is (almost surely) in flight and then writes that page.
+#[test]
+fn unmap_returns_only_after_plain_copies_on_the_old_mapping_end() {
+    const SIZE: u64 = 16 << 20;
+    const PAGE: usize = 4096;
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, SIZE).unwrap());
+    b.populate().unwrap();
+    let d = DmaSpace::default();
+    for round in 0..8 {
+        d.map_backing(Iova(0), &b, 0, SIZE, Prot::RW).unwrap();
+        let copies = Arc::new(AtomicU64::new(0));
+        let writer = {
+            let (d, copies) = (d.clone(), copies.clone());
+            thread::spawn(move || {
+                let bytes = vec![0xaa; SIZE as usize];
+                loop {
+                    match d.dma_write(Iova(0), &bytes) {
+                        Ok(()) => copies.fetch_add(1, Ordering::Relaxed),
+                        Err(e) => return assert_eq!(e.errno(), libc::EINVAL, "{e}"),
+                    };
+                }
+            })
+        };
+        // The first copy looks the mapping up; those after it take the shortcut.
+        while copies.load(Ordering::Relaxed) < 2 {
+            thread::yield_now();
+        }
+        assert_eq!(d.unmap(Iova(0), SIZE).unwrap(), SIZE);
+        b.write(SIZE - PAGE as u64, &[0x55; PAGE]).unwrap();
+        writer.join().unwrap();
+        let mut last = [0u8; PAGE];
+        b.read(SIZE - PAGE as u64, &mut last).unwrap();
+        assert!(
+            last.iter().all(|&x| x == 0x55),
+            "round {round}: a copy wrote memory after the unmap returned"
+        );
+    }
+}

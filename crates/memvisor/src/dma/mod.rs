@@ -29,7 +29,8 @@
 //! Readers never lock. The mappings live in an immutable snapshot — a persistent two-level range
 //! map (`rangemap`), so one change copies O(n / 256) pointers, not the whole table — swapped in
 //! atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
-//! the memory it maps, so memory a reader can still reach through an old snapshot stays mapped.
+//! the memory it maps, so memory a reader can still reach through an old snapshot stays mapped
+//! (a plain copy on its thread's last hit holds none: a change waits for those instead, `grace`).
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
 //! (`dma_read` / `dma_write`, seed 004a) and dirty tracking are in the submodules.
 
@@ -37,6 +38,7 @@ mod account;
 mod counts;
 mod dirty;
 mod external;
+mod grace;
 mod iotlb;
 mod locked;
 mod mode;
@@ -1056,6 +1058,9 @@ impl DmaSpace {
                 .0
                 .generation
                 .store(generation, Ordering::Release);
+            // Plain copies on a thread's last hit hold no snapshot: before the old one (and
+            // the memory only it still maps) can go, wait for those that may be on it.
+            grace::wait_for_copies();
         }
         Ok(value)
     }

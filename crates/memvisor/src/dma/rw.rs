@@ -8,12 +8,19 @@
 //! the copy cannot unmap memory under it: the copy completes against the old mappings or, if it
 //! started after the unmap, fails with EINVAL. Nothing is copied when any check fails.
 //!
+//! A copy that lies whole in the mapping this thread last hit (by a copy or a translation, at
+//! the space's current generation, allowing the access, not logging dirty pages for a write)
+//! takes a shortcut: no snapshot, no lookup, just the bounds and the generation. What keeps the
+//! memory mapped then is the `grace` handshake — the copy announces itself in its thread's slot
+//! and every change waits for announced copies before it drops the old snapshot — so such a copy
+//! has ended before a racing unmap returns, and nothing is held after the call.
+//!
 //! A peer's memory ([`DmaSpace::map_remote`], a vfio-user map without a descriptor) has no host
 //! address here: [`DmaSpace::dma_read_via`] / [`DmaSpace::dma_write_via`] check the range the
 //! same way, copy the pieces in host memory and hand each piece in the peer's memory to the
 //! caller's transport, so one device model serves both kinds of mapping.
 
-use super::translate::{last_hit_within, remember};
+use super::translate::{copy_on_last_hit, remember};
 use super::{DmaSnapshot, DmaSpace, Hot, Prot};
 use crate::addr::Iova;
 use crate::copy;
@@ -24,7 +31,50 @@ impl DmaSpace {
     /// EINVAL for an empty buffer or if any byte is unmapped (type1's `vfio_dma_rw`); EPERM if a
     /// mapping does not allow READ; EFAULT if a host address is invalidated (after waiting up to
     /// `vaddr_wait`) or a mapping is a peer's memory ([`DmaSpace::map_remote`]).
+    #[inline]
     pub fn dma_read(&self, iova: Iova, buf: &mut [u8]) -> Result<()> {
+        if self.read_on_last_hit(iova, buf) {
+            return Ok(());
+        }
+        self.dma_read_slow(iova, buf)
+    }
+
+    /// Copies `buf` to `[iova, iova + buf.len())`, marking the pages dirty when tracking is on.
+    /// Errors as [`DmaSpace::dma_read`], except that the mappings must allow READ and WRITE
+    /// (type1 checks READ for every CPU access, WRITE too for a write).
+    #[inline]
+    pub fn dma_write(&self, iova: Iova, buf: &[u8]) -> Result<()> {
+        if self.write_on_last_hit(iova, buf) {
+            return Ok(());
+        }
+        self.dma_write_slow(iova, buf)
+    }
+
+    /// `dma_read` on the thread's last hit, if the whole range lies in it ([`copy_on_last_hit`]).
+    #[inline(always)]
+    fn read_on_last_hit(&self, iova: Iova, buf: &mut [u8]) -> bool {
+        let len = buf.len() as u64;
+        copy_on_last_hit(&self.shared.head.0, iova.0, len, Prot::READ.0, |hva| {
+            // SAFETY: copy_on_last_hit hands out the host address of a range inside a mapping
+            // of the current generation that allows READ, and keeps its memory mapped until
+            // the copy returns; buf is caller memory, never guest memory.
+            unsafe { copy::from_guest(hva as usize as *const u8, buf) }
+        })
+    }
+
+    /// `dma_write` on the thread's last hit, as `read_on_last_hit`. The hit never allows WRITE
+    /// in a mapping that logs dirty pages, so there is nothing to mark.
+    #[inline(always)]
+    fn write_on_last_hit(&self, iova: Iova, buf: &[u8]) -> bool {
+        let len = buf.len() as u64;
+        copy_on_last_hit(&self.shared.head.0, iova.0, len, Prot::RW.0, |hva| {
+            // SAFETY: as in read_on_last_hit; the mapping allows READ and WRITE.
+            unsafe { copy::to_guest(buf, hva as usize as *mut u8) }
+        })
+    }
+
+    #[inline(never)]
+    fn dma_read_slow(&self, iova: Iova, buf: &mut [u8]) -> Result<()> {
         self.dma_read_with(
             iova,
             buf,
@@ -33,10 +83,8 @@ impl DmaSpace {
         )
     }
 
-    /// Copies `buf` to `[iova, iova + buf.len())`, marking the pages dirty when tracking is on.
-    /// Errors as [`DmaSpace::dma_read`], except that the mappings must allow READ and WRITE
-    /// (type1 checks READ for every CPU access, WRITE too for a write).
-    pub fn dma_write(&self, iova: Iova, buf: &[u8]) -> Result<()> {
+    #[inline(never)]
+    fn dma_write_slow(&self, iova: Iova, buf: &[u8]) -> Result<()> {
         self.dma_write_with(
             iova,
             buf,
@@ -56,6 +104,9 @@ impl DmaSpace {
         buf: &mut [u8],
         remote: impl FnMut(Iova, &mut [u8]) -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
+        if self.read_on_last_hit(iova, buf) {
+            return Ok(());
+        }
         self.dma_read_with(iova, buf, remote, Hot::VALID | Hot::REMOTE)
     }
 
@@ -68,6 +119,9 @@ impl DmaSpace {
         buf: &[u8],
         remote: impl FnMut(Iova, &[u8]) -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
+        if self.write_on_last_hit(iova, buf) {
+            return Ok(());
+        }
         self.dma_write_with(iova, buf, remote, Hot::VALID | Hot::REMOTE)
     }
 
@@ -112,9 +166,8 @@ impl DmaSpace {
 
     /// Checks `[iova, iova + len)` for `need` against one snapshot, then calls
     /// `copy(iova, host address or None for a peer's memory, offset in the caller's buffer,
-    /// bytes)` for each piece, stopping at the first error it returns. A range inside this
-    /// thread's last hit (translation or copy) at the snapshot's generation is one piece with
-    /// no lookup; a copy that falls in one mapping of host memory becomes the last hit.
+    /// bytes)` for each piece, stopping at the first error it returns. A copy that falls in one
+    /// mapping of host memory becomes the thread's last hit, for the next copy's shortcut.
     fn copy_pieces<E: From<Error>>(
         &self,
         iova: Iova,
@@ -130,10 +183,6 @@ impl DmaSpace {
         let mut failed = None;
         self.with_snapshot(|snap| {
             self.refuse_while_invalid(snap, iova.0)?;
-            if let Some(hva) = last_hit_within(id, snap, iova.0, len as u64, need.0) {
-                failed = copy(iova.0, Some(hva), 0, len).err();
-                return Ok(());
-            }
             let mut at = 0usize;
             let first = snap.for_each_piece(
                 iova.0,
@@ -149,7 +198,7 @@ impl DmaSpace {
                 },
             )?;
             if first.holds_host(iova.0, len as u64) {
-                remember(id, snap, &first);
+                remember(id, snap, &first, true);
             }
             Ok(())
         })

@@ -10,7 +10,9 @@
 //! counter only writers write and a bounds check — like the memslot cursor (seed 003), but with
 //! the permission check and dirty marking a device access needs. The cursor's `read` / `write`
 //! are `dma_read` / `dma_write` with the same shortcut for copies inside the last mapping hit;
-//! plain `translate` keeps a last hit per thread (no snapshot held, so nothing stays mapped). Every path checks the access against the mapping's protection (EPERM),
+//! plain `translate` keeps a last hit per thread (no snapshot held, so nothing stays mapped),
+//! which plain `dma_read` / `dma_write` take as their shortcut too, kept mapped for the copy by
+//! the `grace` handshake. Every path checks the access against the mapping's protection (EPERM),
 //! fails on unmapped IOVAs (EFAULT) and on invalidated host addresses (EBUSY, after waiting up to
 //! [`DmaConfig::vaddr_wait`](super::DmaConfig::vaddr_wait)), and marks written pages dirty when
 //! tracking is on.
@@ -20,7 +22,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Access, DmaSnapshot, DmaSpace, Hot, Index, Mapping, PAGE, Prot, VaddrRule};
+use super::{
+    Access, DmaSnapshot, DmaSpace, Head, Hot, Index, Mapping, PAGE, Prot, VaddrRule, grace,
+};
 use crate::addr::{Hva, Iova};
 use crate::copy;
 use crate::error::{Error, Result};
@@ -57,19 +61,31 @@ struct LastHit {
     delta: u64,
     /// The accesses a hit may answer (WRITE left out while the mapping logs dirty pages).
     prot: u8,
+    /// Whether plain copies may take the hit: not while the space refuses copies
+    /// ([`DmaSpace::copies_allowed`]) at that generation.
+    copies: bool,
 }
 
 thread_local! {
     /// Space id 0 is never given out, so the initial value never hits.
     static LAST_HIT: Cell<LastHit> = const {
-        Cell::new(LastHit { space: 0, generation: 0, start: 1, last: 0, delta: 0, prot: 0 })
+        Cell::new(LastHit {
+            space: 0,
+            generation: 0,
+            start: 1,
+            last: 0,
+            delta: 0,
+            prot: 0,
+            copies: false,
+        })
     };
 }
 
 /// Remembers `found` (a mapping with host memory of `snap`, space `space`) as this thread's
-/// last hit. WRITE is left out while the mapping logs dirty pages: writes must mark them.
+/// last hit, for plain copies too if `copies`. WRITE is left out while the mapping logs dirty
+/// pages: writes must mark them.
 #[inline]
-pub(super) fn remember(space: u64, snap: &DmaSnapshot, found: &Found) {
+pub(super) fn remember(space: u64, snap: &DmaSnapshot, found: &Found, copies: bool) {
     let mut prot = found.hot.prot().0;
     if found.hot.dirty() {
         prot &= !Prot::WRITE.0;
@@ -82,28 +98,45 @@ pub(super) fn remember(space: u64, snap: &DmaSnapshot, found: &Found) {
             last: found.last,
             delta: found.hot.delta(),
             prot,
+            copies,
         })
     });
 }
 
-/// The host address of `[iova, iova + len)` (`len` > 0) if it lies whole in this thread's last
-/// hit, remembered at `snap`'s generation in space `space`, and that mapping allows `need`
-/// (bits). Holding `snap` keeps that memory mapped.
+/// Runs `copy(host address)` if `[iova, iova + len)` lies whole in this thread's last hit in
+/// the space with `head`, that mapping allows `need` (bits) and copies, and the hit is of the
+/// space's current generation; returns whether it ran. The copy is announced first
+/// ([`grace::enter`]) and the generation checked after, so a change cannot give the memory
+/// back before the copy ends: nothing is held once this returns.
 #[inline(always)]
-pub(super) fn last_hit_within(
-    space: u64,
-    snap: &DmaSnapshot,
+pub(super) fn copy_on_last_hit(
+    head: &Head,
     iova: u64,
     len: u64,
     need: u8,
-) -> Option<u64> {
+    copy: impl FnOnce(u64),
+) -> bool {
     let h = LAST_HIT.with(Cell::get);
-    let hit = (h.space == space)
-        & (h.generation == snap.generation)
+    // The bounds first, without the announcement: a miss elsewhere costs no atomic.
+    let inside = (h.space == head.id)
+        & h.copies
+        & (len != 0)
         & (iova.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
         & (len.wrapping_sub(1) <= h.last.wrapping_sub(iova))
         & (h.prot & need == need);
-    hit.then(|| iova.wrapping_add(h.delta))
+    if !inside {
+        return false;
+    }
+    let Some(_copying) = grace::enter() else {
+        return false;
+    };
+    // SeqCst after the announcement: see `grace` for why a change that this load misses
+    // waits for the copy.
+    if head.generation.load(Ordering::SeqCst) != h.generation {
+        return false;
+    }
+    copy(iova.wrapping_add(h.delta));
+    true
 }
 
 /// A mapping found for an access: where it is in the index and what the access needs.
@@ -387,7 +420,7 @@ impl DmaSpace {
             if access == Access::Write && found.hot.dirty() {
                 mark_dirty(snap.map.get(found.pos).3, iova.0, n, min_page);
             }
-            remember(id, snap, &found);
+            remember(id, snap, &found, self.copies_allowed(snap));
             Ok(Translation {
                 hva: Hva(iova.0.wrapping_add(found.hot.delta())),
                 len: n,
