@@ -121,23 +121,20 @@ fn claim() -> Option<*const Slot> {
         at = slot.next;
     }
     let mut head = SLOTS.load(Ordering::Acquire);
-    let slot = Box::leak(Box::new(Slot {
+    // Leaked: a writer may be reading any slot at any time, so none is ever freed.
+    let slot = Box::into_raw(Box::new(Slot {
         count: AtomicU64::new(0),
         taken: AtomicBool::new(true),
         next: head,
     }));
-    loop {
-        // SeqCst, as the announcement: a writer that reads the list after its fence and
-        // misses this slot is ordered before any copy announced in it.
-        match SLOTS.compare_exchange(head, slot, Ordering::SeqCst, Ordering::Acquire) {
-            Ok(_) => break,
-            Err(now) => {
-                head = now;
-                slot.next = now;
-            }
-        }
+    // SeqCst, as the announcement: a writer that reads the list after its fence and misses
+    // this slot is ordered before any copy announced in it.
+    while let Err(now) = SLOTS.compare_exchange(head, slot, Ordering::SeqCst, Ordering::Acquire) {
+        head = now;
+        // SAFETY: not published yet, so this thread alone can reach the slot.
+        unsafe { (*slot).next = now };
     }
-    let at: *const Slot = slot;
+    let at = slot.cast_const();
     MINE.with(|m| m.set(at));
     Some(at)
 }
