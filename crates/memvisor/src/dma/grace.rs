@@ -5,8 +5,8 @@
 //! that (an `ArcSwap` guard: a debt slot taken with one locked instruction, paid back with
 //! another) was the largest fixed cost of a 64-byte copy. Here a copy on the shortcut instead
 //! announces itself in a slot of its thread's own — one atomic exchange in, one plain store
-//! out — and every change of a space waits, after publishing, until each copy announced before
-//! it has ended. The old snapshot, and with it the memory the change gave back, is dropped only
+//! out — and every change of a space waits, after publishing, until each copy in that space
+//! announced before it has ended. The old snapshot, and with it the memory the change gave back, is dropped only
 //! after that, so a change that returns has no shortcut copy running on its old mappings.
 //!
 //! The handshake is the classic store-then-load on both sides, ordered by sequential
@@ -18,6 +18,11 @@
 //! writer waits for a change of the value it read, never for an even one (a thread copying
 //! back to back cannot starve it).
 //!
+//! So a change can wait as long as the longest single-mapping copy in flight in its space. A
+//! copy that faults into a userfaultfd handler which must itself change the same space before
+//! the fault resolves would never end: such a handler must not map or unmap in the space whose
+//! memory faulted (resolving the fault, `UFFDIO_COPY`, is no change of the space).
+//!
 //! Slots are leaked, cache-line sized nodes on a push-only list, so a writer walks them without
 //! a lock; a thread claims one at its first shortcut copy and gives it back when it exits, for
 //! the next thread to reuse. A thread that cannot keep a slot (its thread-locals are being torn
@@ -27,10 +32,14 @@ use std::cell::Cell;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering, fence};
 
-/// One thread's announcement: its copy count, odd while a copy runs.
+/// One thread's announcement: its copy count, odd while a copy runs, and the space copied.
 #[repr(align(128))]
 struct Slot {
     count: AtomicU64,
+    /// The id of the space the copy is in, written before the count goes odd: a writer waits
+    /// only for copies in its own space, so one space's long copy never holds up another's
+    /// changes.
+    space: AtomicU64,
     taken: AtomicBool,
     next: *const Slot,
 }
@@ -77,11 +86,11 @@ impl Drop for InFlight {
     }
 }
 
-/// Announces a copy on this thread; `None` if the thread has no slot and cannot get one, or
+/// Announces a copy in the space with id `space` on this thread; `None` if the thread has no slot and cannot get one, or
 /// is already copying (a nested call from a signal handler): take the snapshot path then.
 /// The caller loads the generation it checks with `SeqCst` after this.
 #[inline(always)]
-pub(super) fn enter() -> Option<InFlight> {
+pub(super) fn enter(space: u64) -> Option<InFlight> {
     let mut slot = MINE.with(Cell::get);
     if slot.is_null() {
         slot = claim()?;
@@ -92,6 +101,9 @@ pub(super) fn enter() -> Option<InFlight> {
     if count & 1 != 0 {
         return None;
     }
+    // Ordered before the count by the swap (a release): a writer that reads the odd count
+    // reads this id, or one a later copy wrote after this one ended.
+    slot.space.store(space, Ordering::Relaxed);
     slot.count.swap(count + 1, Ordering::SeqCst);
     Some(InFlight {
         slot,
@@ -124,6 +136,7 @@ fn claim() -> Option<*const Slot> {
     // Leaked: a writer may be reading any slot at any time, so none is ever freed.
     let slot = Box::into_raw(Box::new(Slot {
         count: AtomicU64::new(0),
+        space: AtomicU64::new(0),
         taken: AtomicBool::new(true),
         next: head,
     }));
@@ -139,16 +152,17 @@ fn claim() -> Option<*const Slot> {
     Some(at)
 }
 
-/// Waits until every copy announced before the caller's change (published, generation bumped)
-/// has ended. Called by writers before they drop the snapshot they replaced.
-pub(super) fn wait_for_copies() {
+/// Waits until every copy in the space with id `space` announced before the caller's change
+/// (published, generation bumped) has ended. Called by writers before they drop the snapshot
+/// they replaced.
+pub(super) fn wait_for_copies(space: u64) {
     fence(Ordering::SeqCst);
     let mut at = SLOTS.load(Ordering::SeqCst).cast_const();
     while !at.is_null() {
         // SAFETY: slots are leaked.
         let slot = unsafe { &*at };
         let seen = slot.count.load(Ordering::Acquire);
-        if seen & 1 != 0 {
+        if seen & 1 != 0 && slot.space.load(Ordering::Relaxed) == space {
             let mut spins = 0u32;
             while slot.count.load(Ordering::Acquire) == seen {
                 spins += 1;
@@ -170,21 +184,24 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
 
     #[test]
-    fn a_writer_waits_for_a_copy_announced_before_it_and_not_after() {
-        let copy = enter().expect("a slot");
+    fn a_writer_waits_for_a_copy_in_its_space_announced_before_it() {
+        let copy = enter(7).expect("a slot");
         let done = Arc::new(AtomicUsize::new(0));
         let d = done.clone();
         let writer = std::thread::spawn(move || {
-            wait_for_copies();
+            // A writer of another space does not wait for it.
+            wait_for_copies(8);
             d.store(1, Ordering::SeqCst);
+            wait_for_copies(7);
+            d.store(2, Ordering::SeqCst);
         });
         std::thread::sleep(std::time::Duration::from_millis(50));
-        assert_eq!(done.load(Ordering::SeqCst), 0, "returned during the copy");
+        assert_eq!(done.load(Ordering::SeqCst), 1, "returned during the copy");
         drop(copy);
         writer.join().unwrap();
-        assert_eq!(done.load(Ordering::SeqCst), 1);
+        assert_eq!(done.load(Ordering::SeqCst), 2);
         // Nothing in flight: returns at once.
-        wait_for_copies();
+        wait_for_copies(7);
     }
 
     #[test]
@@ -200,18 +217,18 @@ mod tests {
         };
         let before = count();
         for _ in 0..100 {
-            std::thread::spawn(|| assert!(enter().is_some()))
+            std::thread::spawn(|| assert!(enter(1).is_some()))
                 .join()
                 .unwrap();
         }
         // Other tests' threads may push a few meanwhile; without reuse there would be 100.
         assert!(count() - before < 20, "{} new slots", count() - before);
-        let first = enter();
+        let first = enter(1);
         assert!(first.is_some());
         drop(first);
-        let outer = enter();
+        let outer = enter(1);
         assert!(outer.is_some(), "one after another");
-        assert!(enter().is_none(), "nested: the snapshot path");
+        assert!(enter(1).is_none(), "nested: the snapshot path");
         drop(outer);
     }
 }

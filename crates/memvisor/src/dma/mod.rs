@@ -1060,7 +1060,7 @@ impl DmaSpace {
                 .store(generation, Ordering::Release);
             // Plain copies on a thread's last hit hold no snapshot: before the old one (and
             // the memory only it still maps) can go, wait for those that may be on it.
-            grace::wait_for_copies();
+            grace::wait_for_copies(self.shared.head.0.id);
         }
         Ok(value)
     }

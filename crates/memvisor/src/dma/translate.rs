@@ -127,7 +127,7 @@ pub(super) fn copy_on_last_hit(
     if !inside {
         return false;
     }
-    let Some(_copying) = grace::enter() else {
+    let Some(_copying) = grace::enter(head.id) else {
         return false;
     };
     // SeqCst after the announcement: see `grace` for why a change that this load misses
