@@ -29,7 +29,7 @@ use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMm
 use super::seeds::{SEED_003, Seed};
 use super::{
     Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, distinct,
-    iters_for, limits, measure, ns_per_op, ratio, ratio_cell,
+    iters_for, limits, measure, ratio, ratio_cell,
 };
 
 pub struct Lookup;
@@ -289,11 +289,6 @@ fn interleaved(
         }
     }
     samples
-}
-
-/// Median ns per lookup over `runs` runs of about 30 ms each.
-fn lookup_stats(layout: &Layout, variant: Option<Variant>, addrs: &[Vec<u64>], runs: u32) -> Stats {
-    ns_per_op(runs, |iters| lookup_ns(layout, variant, addrs, iters))
 }
 
 /// ns per lookup of `variant` (`None`: the bare loop).
@@ -626,25 +621,37 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
     out.tables.push(table);
     out.charts.push(("lookup-ns".into(), chart));
 
-    // Across slot counts, one thread: the cursor stays flat, the searches grow with log S.
+    // Across slot counts, one thread: the cursor stays flat, the searches grow with log S. The
+    // variants take turns in every run, as above, so the per-run ratios at each slot count
+    // compare like with like.
     let mut scaling = Table::new(
         "ns per lookup by slot count, 1 thread (thread-local / random)",
-        &["Slots", "binary", "vm-hint", "cursor", "vm-memory"],
+        &[
+            "Slots",
+            "binary",
+            "vm-hint",
+            "cursor",
+            "vm-memory",
+            "binary / cursor, random",
+            "vm-memory / cursor, random",
+        ],
     );
     scaling.note = Some(format!(
-        "{} runs of about 30 ms each; {PATTERN} different addresses per pattern, cycled \
-         (random bytes of one slot, or of any slot); slots of 64 KiB",
+        "{} runs of about 30 ms each, the variants taking turns in every run; {PATTERN} \
+         different addresses per pattern, cycled (random bytes of one slot, or of any slot); \
+         slots of 64 KiB; a ratio > 1 means the cursor is faster",
         sz.runs
     ));
+    let order: Vec<Option<Variant>> = VARIANTS.map(Some).to_vec();
     for &slots in sz.scaling {
         let layout = Layout::new(BackingKind::PrivateAnon, slots, 64 << 10)?;
-        let mut cells = vec![slots.to_string()];
-        let local = address_lists(&layout, 1, true);
-        let random = address_lists(&layout, 1, false);
-        for variant in VARIANTS {
-            let mut pair = Vec::new();
-            for (name, addrs) in [("thread-local", &local), ("random", &random)] {
-                let stats = lookup_stats(&layout, Some(variant), addrs, sz.runs);
+        let mut pairs = vec![Vec::new(); VARIANTS.len()];
+        let mut random_samples = Vec::new();
+        for (name, local) in [("thread-local", true), ("random", false)] {
+            let addrs = address_lists(&layout, 1, local);
+            let samples = interleaved(&layout, &order, &addrs, sz.runs);
+            for (v, (variant, runs)) in VARIANTS.iter().zip(&samples).enumerate() {
+                let stats = Stats::from_samples(runs);
                 out.rows.push(Row::new(
                     "lookup",
                     &format!("{slots} slots, {name}, 1 thread"),
@@ -653,10 +660,27 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
                     "ns",
                     &stats,
                 ));
-                pair.push(format!("{:.1}", stats.median));
+                pairs[v].push(format!("{:.1}", stats.median));
                 progress.inc(1);
             }
-            cells.push(pair.join(" / "));
+            if !local {
+                random_samples = samples;
+            }
+        }
+        let mut cells = vec![slots.to_string()];
+        cells.extend(pairs.iter().map(|p| p.join(" / ")));
+        // random_samples[i] is VARIANTS[i]: binary, vm-hint, cursor, vm-memory.
+        for base in [0, 3] {
+            let r = ratio(&random_samples[base], &random_samples[2]);
+            cells.push(ratio_cell(&r));
+            out.rows.push(Row::new(
+                "lookup",
+                &format!("{slots} slots, random, 1 thread"),
+                &format!("{} / cursor", VARIANTS[base].name()),
+                "lookup time ratio",
+                "x",
+                &r,
+            ));
         }
         scaling.push(cells);
     }
