@@ -11,6 +11,11 @@
 //!   mapped until the last reader drops the snapshot: a concurrent remove never makes a reader
 //!   touch unmapped memory.
 //! * Lookup in a snapshot is a binary search, O(log n).
+//! * A snapshot also carries a bucket index over its slots, built with it: the guest range they
+//!   span cut into equal power-of-two buckets (at most two per slot), each naming the one or two
+//!   slots that can hold its addresses and where the second starts. A cursor's miss searches
+//!   there — one subtraction and shift, one bucket load, one compare, one entry load, at any slot
+//!   count — and falls back to a binary search only among the slots of a crowded bucket.
 //! * A [`SlotCursor`] (one per vCPU or device thread) remembers the last slot it hit and the
 //!   generation of the snapshot it came from (seed 003, KVM's per-vCPU `last_used_slot`). A hit
 //!   costs one load of the table's generation counter — a cache line only writers write — and a
@@ -223,10 +228,104 @@ impl Entry {
     }
 }
 
+/// A snapshot's bucket index: the guest range from the first slot's start to the last slot's
+/// end, cut into at most [`Buckets::PER_SLOT`] buckets per slot of one power-of-two size, each
+/// naming the entries that can hold an address in it. Finding an address's slot is then one
+/// subtraction and shift, one load of its bucket, one compare against where its second entry
+/// starts and one load of the entry: two dependent loads where a binary search has one per
+/// halving (six at 64 slots, twelve at 4096). Where slots crowd into one bucket (small slots next
+/// to a large one, say) the lookup searches that bucket's entries only: never more entries than
+/// a binary search over all of them, after one extra load.
+struct Buckets {
+    /// The first slot's start: bucket `k` covers `base + (k << shift)` and the `(1 << shift) - 1`
+    /// bytes after it.
+    base: u64,
+    shift: u32,
+    /// Empty when there are no slots.
+    table: Box<[Bucket]>,
+}
+
+/// The entries that can hold an address of one bucket: `lo`, the last to start at or before the
+/// bucket's first address, through `hi`, the last to start at or before its last address. There
+/// is always one at or before the first address: the first bucket starts at the first entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Bucket {
+    /// `hi`'s start: at or below it an address is `hi`'s (if anyone's), else `lo`'s.
+    split: u64,
+    lo: u32,
+    hi: u32,
+}
+
+impl Buckets {
+    /// Buckets per slot, at most. Two rather than one, so that slots of equal size that are no
+    /// power of two still give one or two entries per bucket; 16 bytes per bucket, so the index
+    /// is at most as big as the entries (32 bytes each).
+    const PER_SLOT: u64 = 2;
+
+    fn build(entries: &[Entry]) -> Buckets {
+        let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
+            return Buckets {
+                base: 0,
+                shift: 0,
+                table: Box::new([]),
+            };
+        };
+        let base = first.start;
+        let span = last.last - base;
+        let cap = entries.len() as u64 * Self::PER_SLOT;
+        // The smallest bucket size that needs no more than `cap` buckets; `span >> 63` is at
+        // most 1 and `cap` at least 2, so there is one.
+        let shift = (0..64).find(|&s| span >> s < cap).unwrap_or(63);
+        let table = (0..=span >> shift)
+            .map(|k| {
+                // No overflow: `k << shift <= span`, so the bucket's first address is at most
+                // the last slot's last byte.
+                let first_addr = base + (k << shift);
+                let last_addr = first_addr.saturating_add((1 << shift) - 1);
+                // Both at least 1: the first entry starts at `base`, at or below either.
+                let lo = entries.partition_point(|e| e.start <= first_addr) - 1;
+                let hi = entries.partition_point(|e| e.start <= last_addr) - 1;
+                // Indexes fit: a table holds fewer than `u32::MAX` slots (ids are u32s).
+                Bucket {
+                    split: entries[hi].start,
+                    lo: lo as u32,
+                    hi: hi as u32,
+                }
+            })
+            .collect();
+        Buckets { base, shift, table }
+    }
+
+    /// The entry holding `gpa`, if any. Above the last slot the address lands past the table's
+    /// end or in the last bucket, whose entries' bounds then refuse it. (Below the first slot a
+    /// wrapping subtraction could land in the table when it spans more than half the address
+    /// space, hence the checked one.)
+    #[inline(always)]
+    fn find<'a>(&self, entries: &'a [Entry], gpa: u64) -> Option<&'a Entry> {
+        let k = gpa.checked_sub(self.base)? >> self.shift;
+        let b = *self.table.get(usize::try_from(k).ok()?)?;
+        let (lo, hi) = (b.lo as usize, b.hi as usize);
+        let i = if hi - lo <= 1 {
+            // `lo` starts at or below `gpa`; so does `hi` when it is `lo`. Take `hi` if it
+            // starts at or below `gpa` (`split`, in the bucket: no load of `hi` first): a mask,
+            // not a branch, as the answer is random for random addresses.
+            let take_hi = (b.split <= gpa) as usize;
+            lo + ((hi - lo) & take_hi.wrapping_neg())
+        } else {
+            // Crowded bucket: search its entries only. `lo` qualifies, so the count is >= 1.
+            lo + entries.get(lo..=hi)?.partition_point(|e| e.start <= gpa) - 1
+        };
+        let e = entries.get(i)?;
+        (gpa <= e.last).then_some(e)
+    }
+}
+
 /// An immutable view of the table at one generation.
 pub struct Snapshot {
     generation: u64,
     entries: Box<[Entry]>,
+    /// Where a cursor's search starts; built from `entries`.
+    buckets: Buckets,
     slots: Box<[Arc<Slot>]>,
 }
 
@@ -241,7 +340,7 @@ impl fmt::Debug for Snapshot {
 
 impl Snapshot {
     fn build(generation: u64, slots: Vec<Arc<Slot>>) -> Snapshot {
-        let entries = slots
+        let entries: Box<[Entry]> = slots
             .iter()
             .map(|s| Entry {
                 start: s.range.start().0,
@@ -253,6 +352,7 @@ impl Snapshot {
             .collect();
         Snapshot {
             generation,
+            buckets: Buckets::build(&entries),
             entries,
             slots: slots.into_boxed_slice(),
         }
@@ -297,6 +397,13 @@ impl Snapshot {
         let i = self.entries.partition_point(|e| e.start <= gpa.0);
         let e = self.entries.get(i.wrapping_sub(1))?;
         (gpa.0 <= e.last).then_some(e)
+    }
+
+    /// The entry of the slot holding `gpa`, found through the bucket index: what a cursor's miss
+    /// does. The same answer as [`Snapshot::find_entry`].
+    #[inline(always)]
+    fn find_entry_indexed(&self, gpa: Gpa) -> Option<&Entry> {
+        self.buckets.find(&self.entries, gpa.0)
     }
 
     /// The slots that hold any of `[first, last]` (inclusive), in guest-address order: two
@@ -794,10 +901,10 @@ impl fmt::Debug for SlotCursor {
 
 impl SlotCursor {
     /// Where `gpa` lives on the host. A hit on the last slot costs a load and one compare of
-    /// each kind joined without short-circuits: one branch. A miss is the snapshot's binary
-    /// search, inline (a call would cost more than the hit test saves on random addresses),
-    /// and the answer is computed from the entry found before it is remembered, so the return
-    /// value does not wait on the store.
+    /// each kind joined without short-circuits: one branch. A miss searches the snapshot's
+    /// bucket index, inline (a call would cost more than the hit test saves on random
+    /// addresses), and the answer is computed from the entry found before it is remembered, so
+    /// the return value does not wait on the store.
     #[inline]
     pub fn lookup(&mut self, gpa: Gpa) -> Option<Translation> {
         let generation = self.shared.generation.0.load(Ordering::Acquire);
@@ -811,7 +918,7 @@ impl SlotCursor {
         if generation != self.generation {
             self.reload();
         }
-        let e = *self.snapshot.find_entry(gpa)?;
+        let e = *self.snapshot.find_entry_indexed(gpa)?;
         let t = e.translate(gpa.0);
         self.hit = e;
         self.hit_generation = self.generation;
@@ -848,5 +955,144 @@ impl SlotCursor {
     /// [`Snapshot::write`] on the current snapshot.
     pub fn write(&mut self, gpa: Gpa, buf: &[u8]) -> Result<()> {
         self.snapshot().write(gpa, buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Entries for `(start, len)` slots, which must be sorted and not overlap.
+    fn entries(slots: &[(u64, u64)]) -> Vec<Entry> {
+        slots
+            .iter()
+            .enumerate()
+            .map(|(i, &(start, len))| Entry {
+                start,
+                last: start + (len - 1),
+                delta: 0,
+                id: i as SlotId,
+                read_only: 0,
+            })
+            .collect()
+    }
+
+    /// The plainest model: the entry whose bounds hold `gpa`, by looking at every one.
+    fn model(entries: &[Entry], gpa: u64) -> Option<SlotId> {
+        entries
+            .iter()
+            .find(|e| e.start <= gpa && gpa <= e.last)
+            .map(|e| e.id)
+    }
+
+    /// The bucket index, and the snapshot's binary search, against the model at every slot
+    /// edge (start - 1, start, last, last + 1), at every bucket's first and last address, at
+    /// both ends of the address space and at `probes`.
+    fn check(slots: &[(u64, u64)], probes: &[u64]) {
+        let entries = entries(slots);
+        let buckets = Buckets::build(&entries);
+        assert!(buckets.table.len() as u64 <= entries.len() as u64 * Buckets::PER_SLOT);
+        let mut addrs = vec![0, u64::MAX];
+        addrs.extend_from_slice(probes);
+        for e in &entries {
+            addrs.extend([e.start, e.last]);
+            addrs.extend(e.start.checked_sub(1));
+            addrs.extend(e.last.checked_add(1));
+        }
+        for k in 0..buckets.table.len() as u64 {
+            let first = buckets.base + (k << buckets.shift);
+            addrs.extend([first, first.saturating_add((1 << buckets.shift) - 1)]);
+        }
+        let binary = Snapshot {
+            generation: 0,
+            buckets: Buckets::build(&[]),
+            entries: entries.clone().into_boxed_slice(),
+            slots: Box::new([]),
+        };
+        for gpa in addrs {
+            let want = model(&entries, gpa);
+            let got = buckets.find(&entries, gpa).map(|e| e.id);
+            assert_eq!(got, want, "bucket index at {gpa:#x}, slots {slots:x?}");
+            let got = binary.find_entry(Gpa(gpa)).map(|e| e.id);
+            assert_eq!(got, want, "binary search at {gpa:#x}, slots {slots:x?}");
+        }
+    }
+
+    /// `(start, len)` slots laid out from `start`, each `gap` after the previous one's end.
+    fn run(start: u64, sizes: &[u64], gap: u64) -> Vec<(u64, u64)> {
+        let mut at = start;
+        sizes
+            .iter()
+            .map(|&len| {
+                let slot = (at, len);
+                at += len + gap;
+                slot
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bucket_index_matches_the_model_on_fixed_layouts() {
+        const K: u64 = 1 << 10;
+        const M: u64 = 1 << 20;
+        const G: u64 = 1 << 30;
+        check(&[], &[1, 4096]);
+        check(&[(0, 4096)], &[]);
+        check(&[(1 << 40, 4096)], &[]);
+        check(&[(0, u64::MAX)], &[1 << 63]);
+        check(&[(1, u64::MAX)], &[1 << 63]);
+        check(&[(u64::MAX - 4095, 4096)], &[]);
+        check(&[(0, 4096), (u64::MAX - 4095, 4096)], &[1 << 63]);
+        // Back to back, power-of-two and other sizes, with and without gaps, from 0 and not.
+        for n in [1, 2, 3, 7, 8, 64, 65, 513] {
+            for (start, size, gap) in [
+                (0, 64 * K, 0),
+                (0, 64 * K, 4 * K),
+                (12 * K, 3 * 4 * K, 0),
+                (G, 5 * M, 7 * M),
+            ] {
+                check(&run(start, &vec![size; n], gap), &[]);
+            }
+        }
+        // A PC's layout: small slots below 1 MiB and below 4 GiB crowd the buckets a large slot
+        // above 4 GiB sizes.
+        check(
+            &[
+                (0, 640 * K),
+                (768 * K, 128 * K),
+                (M, 2 * G - M),
+                (4 * G - 256 * K, 256 * K),
+                (4 * G, 62 * G),
+            ],
+            &[],
+        );
+        // Many small slots, then one huge one.
+        let mut crowded = run(0, &[4096; 100], 4096);
+        crowded.push((G, 1 << 50));
+        check(&crowded, &[]);
+    }
+
+    proptest! {
+        #[test]
+        fn bucket_index_matches_the_model_on_random_layouts(
+            first in prop_oneof![Just(0u64), 0..1u64 << 40, (1u64 << 62)..1u64 << 63],
+            slots in prop::collection::vec(
+                // (gap before, len), in pages, from tiny to huge.
+                (prop_oneof![Just(0u64), 1..16u64, 1..1u64 << 30],
+                 prop_oneof![1..16u64, 1..1u64 << 30]),
+                0..48,
+            ),
+            probes in prop::collection::vec(any::<u64>(), 16),
+        ) {
+            let mut at = first;
+            let mut layout = Vec::new();
+            for (gap, len) in slots {
+                at += gap * 4096;
+                layout.push((at, len * 4096));
+                at += len * 4096;
+            }
+            check(&layout, &probes);
+        }
     }
 }
