@@ -125,7 +125,7 @@ fn parse_cpu_list(text: &str) -> Option<u32> {
     Some(count)
 }
 
-/// The selected word in a sysfs choice list such as "always [madvise] never".
+/// The selected word in a sysfs choice list such as `always [madvise] never`.
 fn bracketed(text: &str) -> Option<String> {
     let start = text.find('[')? + 1;
     let len = text[start..].find(']')?;

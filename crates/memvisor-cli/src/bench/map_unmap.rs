@@ -3,7 +3,7 @@
 //! Seed 001 made VFIO unpin a large folio (a huge page) in one step instead of 4 KiB page by
 //! page, and measured `VFIO_IOMMU_MAP_DMA` / `UNMAP_DMA` of 16 GB in GB/s for three kinds of
 //! memory: anonymous with MADV_HUGEPAGE, MAP_POPULATE (here: shared anonymous, populated) and
-//! hugetlbfs 2 MiB. Here an Eager [`DmaSpace`] maps (pins) and unmaps (unpins) the same amount
+//! hugetlbfs 2 MiB. Here an Eager [`DmaSpace`](memvisor::DmaSpace) maps (pins) and unmaps (unpins) the same amount
 //! in one call each. Variants: page at a time (`pin_batch = 1`: one mlock per page on the way in,
 //! one munlock and accounting update per page on the way out — the seed's "before") against the
 //! default batches of 512 in and one munlock per run out (extent / huge-page aware), each with
