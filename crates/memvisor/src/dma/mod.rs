@@ -453,15 +453,19 @@ impl Index {
         self.ranges.reindex();
     }
 
-    /// The page-table answer for `iova` from its page's `word` (read from an index's table or
-    /// a region of it): (hot word, last byte of its mapping), if the table holds the page.
+    /// The hot word in a page-table `word`.
     #[inline(always)]
-    fn page_word(iova: u64, word: u64) -> Option<(Hot, u64)> {
+    fn page_hot(word: u64) -> Hot {
+        Hot(word & !Hot::LEFT)
+    }
+
+    /// The last byte of the mapping whose page-table `word` (non-zero) `iova`'s page holds.
+    #[inline(always)]
+    fn page_last(iova: u64, word: u64) -> u64 {
         let left = (word & Hot::LEFT) >> Hot::LEFT_SHIFT;
-        let last = (iova & !(PAGE - 1))
+        (iova & !(PAGE - 1))
             .wrapping_add(left * PAGE)
-            .wrapping_sub(1);
-        (left != 0).then_some((Hot(word & !Hot::LEFT), last))
+            .wrapping_sub(1)
     }
 }
 

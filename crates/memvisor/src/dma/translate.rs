@@ -162,8 +162,12 @@ impl Found {
 /// [`DmaSnapshot::page_answer`] from the page's table `word`.
 #[inline(always)]
 fn word_answer(iova: u64, word: u64, need: Prot) -> Option<(Hot, u64)> {
-    let (hot, last) = Index::page_word(iova, word)?;
-    (hot.prot().contains(need) & hot.valid() & !hot.dirty()).then_some((hot, last))
+    let hot = Index::page_hot(word);
+    if !(hot.prot().contains(need) & hot.valid() & !hot.dirty()) {
+        return None;
+    }
+    // Valid, so the word is a page's (an empty word is 0): the pages left are at least one.
+    Some((hot, Index::page_last(iova, word)))
 }
 
 impl DmaSnapshot {
@@ -505,12 +509,18 @@ struct Hit {
     last: u64,
     /// hva - iova, wrapping.
     delta: u64,
+    /// The mapping's protection bits, plus [`Hit::DIRTY`] while it logs dirty pages: one byte,
+    /// so a miss answered by the page table stores four fields.
     prot: u8,
-    dirty: bool,
+    /// Its place in the sorted index; read only while [`Hit::DIRTY`] is set.
     pos: Pos,
 }
 
 impl Hit {
+    /// In `prot`: the mapping logs dirty pages. Above the protection bits, so no access's
+    /// check (`prot & need`) sees it.
+    const DIRTY: u8 = 0x80;
+
     /// No mapping: no protection, so every access misses (the range check alone would not, as
     /// `last - start` wraps).
     const NONE: Hit = Hit {
@@ -518,9 +528,14 @@ impl Hit {
         last: 0,
         delta: 0,
         prot: 0,
-        dirty: false,
         pos: Pos::FIRST,
     };
+
+    /// Whether the mapping logs dirty pages.
+    #[inline(always)]
+    fn dirty(&self) -> bool {
+        self.prot & Hit::DIRTY != 0
+    }
 }
 
 /// One device thread's translator, remembering the last mapping it hit.
@@ -567,7 +582,7 @@ impl DmaCursor {
             & (len != 0)
         {
             let n = len.min(h.last - iova.0 + 1);
-            if h.dirty && access == Access::Write {
+            if h.dirty() && access == Access::Write {
                 let m = self.snapshot.map.get(h.pos).3;
                 mark_dirty(m, iova.0, n, self.space.shared.min_page);
             }
@@ -585,14 +600,12 @@ impl DmaCursor {
                 self.enter_region(iova.0)
             };
             if let Some((hot, last)) = word_answer(iova.0, word, access.prot()) {
-                self.hit = Hit {
-                    start: iova.0 & !(PAGE - 1),
-                    last,
-                    delta: hot.delta(),
-                    prot: hot.prot().0,
-                    dirty: false,
-                    pos: Pos::FIRST,
-                };
+                // Not `pos`: it is read only while DIRTY is set, and the table never answers
+                // for a mapping that logs dirty pages.
+                self.hit.start = iova.0 & !(PAGE - 1);
+                self.hit.last = last;
+                self.hit.delta = hot.delta();
+                self.hit.prot = hot.prot().0;
                 return Ok(Translation {
                     hva: Hva(iova.0.wrapping_add(hot.delta())),
                     len: len.min(last - iova.0 + 1),
@@ -629,8 +642,7 @@ impl DmaCursor {
             start: found.start,
             last: found.last,
             delta: found.hot.delta(),
-            prot: found.hot.prot().0,
-            dirty: found.hot.dirty(),
+            prot: found.hot.prot().0 | if found.hot.dirty() { Hit::DIRTY } else { 0 },
             pos: found.pos,
         };
         let n = len.min(found.last - iova.0 + 1);
@@ -687,7 +699,7 @@ impl DmaCursor {
             let hva = iova.0.wrapping_add(self.hit.delta);
             // SAFETY: as in read; the mapping allows READ and WRITE.
             unsafe { copy::to_guest(buf, hva as usize as *mut u8) };
-            if self.hit.dirty {
+            if self.hit.dirty() {
                 let m = self.snapshot.map.get(self.hit.pos).3;
                 mark_dirty(m, iova.0, buf.len() as u64, self.space.shared.min_page);
             }
