@@ -10,12 +10,12 @@
 //! * A snapshot holds an `Arc` to every backing it names, so memory a reader can still reach stays
 //!   mapped until the last reader drops the snapshot: a concurrent remove never makes a reader
 //!   touch unmapped memory.
-//! * Lookup in a snapshot is a binary search, O(log n).
-//! * A snapshot also carries a bucket index over its slots, built with it: the guest range they
-//!   span cut into equal power-of-two buckets (at most two per slot), each naming the one or two
-//!   slots that can hold its addresses and where the second starts. A cursor's miss searches
-//!   there — one subtraction and shift, one bucket load, one compare, one entry load, at any slot
-//!   count — and falls back to a binary search only among the slots of a crowded bucket.
+//! * A snapshot carries a bucket index over its slots, built with it: the guest range they span
+//!   cut into equal power-of-two buckets (at most two per slot), each naming the one or two slots
+//!   that can hold its addresses and where the second starts. A lookup by address — a cursor's
+//!   miss or a plain lookup — searches there: one subtraction and shift, one bucket load, one
+//!   compare, one entry load, at any slot count; a binary search only among the slots of a
+//!   crowded bucket.
 //! * A [`SlotCursor`] (one per vCPU or device thread) remembers the last slot it hit and the
 //!   generation of the snapshot it came from (seed 003, KVM's per-vCPU `last_used_slot`). A hit
 //!   costs one load of the table's generation counter — a cache line only writers write — and a
@@ -302,6 +302,12 @@ impl Buckets {
     /// space, hence the checked one.)
     #[inline(always)]
     fn find<'a>(&self, entries: &'a [Entry], gpa: u64) -> Option<&'a Entry> {
+        self.position(entries, gpa).map(|i| &entries[i])
+    }
+
+    /// The position in `entries` of the one holding `gpa`, if any: [`Buckets::find`]'s search.
+    #[inline(always)]
+    fn position(&self, entries: &[Entry], gpa: u64) -> Option<usize> {
         let k = gpa.checked_sub(self.base)? >> self.shift;
         let b = *self.table.get(usize::try_from(k).ok()?)?;
         let (lo, hi) = (b.lo as usize, b.hi as usize);
@@ -315,8 +321,7 @@ impl Buckets {
             // Crowded bucket: search its entries only. `lo` qualifies, so the count is >= 1.
             lo + entries.get(lo..=hi)?.partition_point(|e| e.start <= gpa) - 1
         };
-        let e = entries.get(i)?;
-        (gpa <= e.last).then_some(e)
+        (gpa <= entries.get(i)?.last).then_some(i)
     }
 }
 
@@ -324,7 +329,7 @@ impl Buckets {
 pub struct Snapshot {
     generation: u64,
     entries: Box<[Entry]>,
-    /// Where a cursor's search starts; built from `entries`.
+    /// Where every search by address starts; built from `entries`.
     buckets: Buckets,
     slots: Box<[Arc<Slot>]>,
 }
@@ -383,24 +388,15 @@ impl Snapshot {
         self.slots.iter().find(|s| s.id == id)
     }
 
-    /// Position (in guest-address order) of the slot holding `gpa`: binary search, O(log n).
+    /// Position (in guest-address order) of the slot holding `gpa`, found through the bucket
+    /// index: two dependent loads at any slot count.
     #[inline]
     pub fn find(&self, gpa: Gpa) -> Option<usize> {
-        let i = self.entries.partition_point(|e| e.start <= gpa.0);
-        let e = self.entries.get(i.checked_sub(1)?)?;
-        (gpa.0 <= e.last).then_some(i - 1)
-    }
-
-    /// The entry of the slot holding `gpa`: [`Snapshot::find`] without the index.
-    #[inline(always)]
-    fn find_entry(&self, gpa: Gpa) -> Option<&Entry> {
-        let i = self.entries.partition_point(|e| e.start <= gpa.0);
-        let e = self.entries.get(i.wrapping_sub(1))?;
-        (gpa.0 <= e.last).then_some(e)
+        self.buckets.position(&self.entries, gpa.0)
     }
 
     /// The entry of the slot holding `gpa`, found through the bucket index: what a cursor's miss
-    /// does. The same answer as [`Snapshot::find_entry`].
+    /// and a plain lookup do.
     #[inline(always)]
     fn find_entry_indexed(&self, gpa: Gpa) -> Option<&Entry> {
         self.buckets.find(&self.entries, gpa.0)
@@ -424,7 +420,7 @@ impl Snapshot {
     /// Where `gpa` lives on the host, or `None` if no slot holds it.
     #[inline]
     pub fn lookup(&self, gpa: Gpa) -> Option<Translation> {
-        self.find_entry(gpa).map(|e| e.translate(gpa.0))
+        self.find_entry_indexed(gpa).map(|e| e.translate(gpa.0))
     }
 
     /// Checks that `[gpa, gpa + len)` is all in slots (and writable when `write`), then calls
@@ -702,7 +698,7 @@ impl SlotTable {
         }
     }
 
-    /// Where `gpa` lives on the host (binary search in the current snapshot).
+    /// Where `gpa` lives on the host (the current snapshot's bucket index).
     pub fn lookup(&self, gpa: Gpa) -> Option<Translation> {
         self.shared.current.load().lookup(gpa)
     }
@@ -986,7 +982,7 @@ mod tests {
             .map(|e| e.id)
     }
 
-    /// The bucket index, and the snapshot's binary search, against the model at every slot
+    /// The bucket index, alone and through `Snapshot::find`, against the model at every slot
     /// edge (start - 1, start, last, last + 1), at every bucket's first and last address, at
     /// both ends of the address space and at `probes`.
     fn check(slots: &[(u64, u64)], probes: &[u64]) {
@@ -1004,9 +1000,9 @@ mod tests {
             let first = buckets.base + (k << buckets.shift);
             addrs.extend([first, first.saturating_add((1 << buckets.shift) - 1)]);
         }
-        let binary = Snapshot {
+        let snapshot = Snapshot {
             generation: 0,
-            buckets: Buckets::build(&[]),
+            buckets: Buckets::build(&entries),
             entries: entries.clone().into_boxed_slice(),
             slots: Box::new([]),
         };
@@ -1014,8 +1010,8 @@ mod tests {
             let want = model(&entries, gpa);
             let got = buckets.find(&entries, gpa).map(|e| e.id);
             assert_eq!(got, want, "bucket index at {gpa:#x}, slots {slots:x?}");
-            let got = binary.find_entry(Gpa(gpa)).map(|e| e.id);
-            assert_eq!(got, want, "binary search at {gpa:#x}, slots {slots:x?}");
+            let got = snapshot.find(Gpa(gpa)).map(|i| entries[i].id);
+            assert_eq!(got, want, "Snapshot::find at {gpa:#x}, slots {slots:x?}");
         }
     }
 

@@ -7,7 +7,9 @@
 //! userspace — V threads, S slots over one backing, thread `i` in its own slot — and runs four
 //! lookup strategies side by side over the very same memory:
 //!
-//! * `binary`: binary search in the snapshot on every lookup (no hint);
+//! * `binary`: a plain binary search over the slots' bounds on every lookup (no hint; the
+//!   reference, as KVM searched before the seed — memvisor's own snapshot lookup searches a
+//!   bucket index);
 //! * `vm-hint`: one last-slot index shared by all threads, as KVM had before the seed;
 //! * `cursor`: memvisor's per-thread [`SlotCursor`];
 //! * `vm-memory`: rust-vmm's `GuestMemoryMmap::get_host_address` over the same regions.
@@ -80,25 +82,52 @@ impl Translate for LoopOnly {
     }
 }
 
-struct Binary(Arc<Snapshot>);
-impl Translate for Binary {
+/// The slots' bounds and host addresses in guest-address order, for the reference binary
+/// search: what KVM searched before the seed (memvisor's own snapshot searches a bucket index).
+#[derive(Clone)]
+struct Bounds(Arc<[(u64, u64, u64)]>);
+
+impl Bounds {
+    fn of(snap: &Snapshot) -> Bounds {
+        let bounds: Arc<[(u64, u64, u64)]> = snap
+            .slots()
+            .map(|s| (s.range().start().0, s.range().last().0, s.hva().0))
+            .collect();
+        debug_assert!(bounds.windows(2).all(|w| w[0].1 < w[1].0), "sorted");
+        Bounds(bounds)
+    }
+
+    /// The position of the slot holding `gpa`: a plain binary search.
     #[inline]
-    fn translate(&mut self, gpa: u64) -> Option<u64> {
-        self.0.lookup(Gpa(gpa)).map(|t| t.hva.0)
+    fn find(&self, gpa: u64) -> Option<usize> {
+        let i = self.0.partition_point(|&(start, _, _)| start <= gpa);
+        let &(_, last, _) = self.0.get(i.checked_sub(1)?)?;
+        (gpa <= last).then_some(i - 1)
     }
 }
 
-/// The pre-seed KVM design: every thread reads, and on a miss writes, one shared index.
-struct VmHint<'a>(Arc<Snapshot>, &'a AtomicUsize);
+struct Binary(Bounds);
+impl Translate for Binary {
+    #[inline]
+    fn translate(&mut self, gpa: u64) -> Option<u64> {
+        let i = self.0.find(gpa)?;
+        let (start, _, hva) = self.0.0[i];
+        Some(hva + (gpa - start))
+    }
+}
+
+/// The pre-seed KVM design: every thread reads, and on a miss writes, one shared index, found
+/// by binary search.
+struct VmHint<'a>(Arc<Snapshot>, Bounds, &'a AtomicUsize);
 impl Translate for VmHint<'_> {
     #[inline]
     fn translate(&mut self, gpa: u64) -> Option<u64> {
-        let hint = self.1.load(Ordering::Relaxed);
+        let hint = self.2.load(Ordering::Relaxed);
         if let Some(t) = self.0.translate_at(hint, Gpa(gpa)) {
             return Some(t.hva.0);
         }
-        let i = self.0.find(Gpa(gpa))?;
-        self.1.store(i, Ordering::Relaxed);
+        let i = self.1.find(gpa)?;
+        self.2.store(i, Ordering::Relaxed);
         self.0.translate_at(i, Gpa(gpa)).map(|t| t.hva.0)
     }
 }
@@ -226,11 +255,12 @@ fn touch_passes<T: Translate>(
 
 fn pass_times(layout: &Layout, variant: Variant, threads: u64, passes: usize) -> Vec<f64> {
     let snap = layout.table.snapshot();
+    let bounds = Bounds::of(&snap);
     match variant {
-        Variant::Binary => touch_passes(layout, || Binary(snap.clone()), threads, passes),
+        Variant::Binary => touch_passes(layout, || Binary(bounds.clone()), threads, passes),
         Variant::VmHint => touch_passes(
             layout,
-            || VmHint(snap.clone(), &layout.hint),
+            || VmHint(snap.clone(), bounds.clone(), &layout.hint),
             threads,
             passes,
         ),
@@ -294,10 +324,15 @@ fn interleaved(
 /// ns per lookup of `variant` (`None`: the bare loop).
 fn lookup_ns(layout: &Layout, variant: Option<Variant>, addrs: &[Vec<u64>], iters: u64) -> f64 {
     let snap = layout.table.snapshot();
+    let bounds = Bounds::of(&snap);
     match variant {
         None => time_lookups(|| LoopOnly, addrs, iters),
-        Some(Variant::Binary) => time_lookups(|| Binary(snap.clone()), addrs, iters),
-        Some(Variant::VmHint) => time_lookups(|| VmHint(snap.clone(), &layout.hint), addrs, iters),
+        Some(Variant::Binary) => time_lookups(|| Binary(bounds.clone()), addrs, iters),
+        Some(Variant::VmHint) => time_lookups(
+            || VmHint(snap.clone(), bounds.clone(), &layout.hint),
+            addrs,
+            iters,
+        ),
         Some(Variant::Cursor) => time_lookups(|| Cursor(layout.table.cursor()), addrs, iters),
         Some(Variant::VmMemory) => time_lookups(|| VmMemory(&layout.vm_memory), addrs, iters),
     }
