@@ -262,18 +262,25 @@ impl Experiment for VfioUserReplay {
                     u.push(median(&mut b));
                     refused = r;
                 }
-                let (ms, us) = (Stats::from_samples(&m), Stats::from_samples(&u));
-                out.rows
-                    .push(Row::new(NAME, name, variant, "map", "ns", &ms));
-                out.rows
-                    .push(Row::new(NAME, name, variant, "unmap", "ns", &us));
+                // A stream with no maps (or no unmaps) has no figure for them: no row, and a
+                // dash in the table rather than NaN.
+                let mut cell = |count: usize, what: &str, samples: &[f64]| {
+                    if count == 0 {
+                        return "—".to_string();
+                    }
+                    let stats = Stats::from_samples(samples);
+                    out.rows
+                        .push(Row::new(NAME, name, variant, what, "ns", &stats));
+                    format!("{:.0}", stats.median)
+                };
+                let (map_ns, unmap_ns) = (cell(maps, "map", &m), cell(unmaps, "unmap", &u));
                 table.push(vec![
                     name.clone(),
                     maps.to_string(),
                     unmaps.to_string(),
                     variant.into(),
-                    format!("{:.0}", ms.median),
-                    format!("{:.0}", us.median),
+                    map_ns,
+                    unmap_ns,
                     refused.to_string(),
                 ]);
             }
