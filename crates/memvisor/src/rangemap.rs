@@ -820,16 +820,23 @@ mod tests {
         model.insert(start, (last, v));
     }
 
-    #[test]
-    fn chunks_split_and_drop_across_pieces_and_values_follow_their_ranges() {
-        // Enough scattered ranges for several pieces of chunk pointers.
+    /// `n` ranges of 3 keys with 1-key holes (range `i` at `4 * i`, value `i`), inserted in a
+    /// scattered order, and their model.
+    fn scattered(n: u64) -> (RangeMap<u64, u32>, Model) {
         let mut map = RangeMap::default();
         let mut model = BTreeMap::new();
-        let n = 24_000u64;
         for k in 0..n {
             let i = k * 7919 % n;
             insert(&mut map, &mut model, i * 4, i * 4 + 2, i as u32);
         }
+        (map, model)
+    }
+
+    #[test]
+    fn chunks_split_and_drop_across_pieces_and_values_follow_their_ranges() {
+        // Enough scattered ranges for several pieces of chunk pointers.
+        let n = 24_000u64;
+        let (mut map, mut model) = scattered(n);
         assert!(map.pieces.len() >= 3, "{} pieces", map.pieces.len());
         check(&map, &model, &[]);
         let before = map.clone();
@@ -863,14 +870,8 @@ mod tests {
 
     #[test]
     fn many_inserts_and_removes_split_and_drop_chunks() {
-        let mut map = RangeMap::default();
-        let mut model = BTreeMap::new();
-        // 2000 ranges of 3 keys with 1-key holes, inserted in a scattered order.
         let n = 2000u64;
-        for k in 0..n {
-            let i = k * 7919 % n;
-            insert(&mut map, &mut model, i * 4, i * 4 + 2, i as u32);
-        }
+        let (mut map, mut model) = scattered(n);
         assert!(map.chunk_count() > n as usize / MAX_CHUNK);
         check(&map, &model, &[3, n * 4, u64::MAX]);
         // a clone shares chunks and is unaffected by changes to the original
