@@ -1085,17 +1085,21 @@ fn translations_are_exact_at_every_edge_of_the_page_index() {
             }
         }
     };
+    // The space and `cursor` fault on `probe`.
+    let faults = |cursor: &mut memvisor::dma::DmaCursor, probe: u64| {
+        assert_eq!(
+            errno(d.translate(Iova(probe), 8, Access::Read)),
+            libc::EFAULT
+        );
+        assert_eq!(
+            errno(cursor.translate(Iova(probe), 8, Access::Read)),
+            libc::EFAULT
+        );
+    };
     let unmapped = |cursor: &mut memvisor::dma::DmaCursor, maps: &[(u64, u64, u64)]| {
         for &(iova, pages, _) in maps {
             for probe in [iova, iova + (pages * PAGE - 1)] {
-                assert_eq!(
-                    errno(d.translate(Iova(probe), 8, Access::Read)),
-                    libc::EFAULT
-                );
-                assert_eq!(
-                    errno(cursor.translate(Iova(probe), 8, Access::Read)),
-                    libc::EFAULT
-                );
+                faults(cursor, probe);
                 assert_eq!(
                     errno(d.cursor().translate(Iova(probe), 8, Access::Read)),
                     libc::EFAULT
@@ -1106,14 +1110,7 @@ fn translations_are_exact_at_every_edge_of_the_page_index() {
     check(&mut cursor, &maps, 0);
     // Neighbours of the mappings stay unmapped.
     for probe in [MIB2 - 2 * PAGE - 1, MIB2 + 2 * PAGE, (1 << 30) + 127 * PAGE] {
-        assert_eq!(
-            errno(d.translate(Iova(probe), 8, Access::Read)),
-            libc::EFAULT
-        );
-        assert_eq!(
-            errno(cursor.translate(Iova(probe), 8, Access::Read)),
-            libc::EFAULT
-        );
+        faults(&mut cursor, probe);
     }
     // Every other mapping goes; the rest still answer, the gone ones fault.
     let (gone, kept): (Vec<_>, Vec<_>) = maps.iter().enumerate().partition(|(i, _)| i % 2 == 0);
