@@ -357,3 +357,77 @@ fn a_snapshot_keeps_removed_memory_mapped() {
     assert_eq!(&out, b"still here");
     assert_eq!(errno(t.read(Gpa(0), &mut out)), libc::EFAULT);
 }
+
+/// What the property test below does to a table of 8 slots and one cursor.
+#[derive(Debug, Clone)]
+enum Step {
+    /// `count` lookups: in slot `slot`, or in any slot (`None`), some outside every slot.
+    Lookups {
+        slot: Option<u64>,
+        count: u16,
+        seed: u64,
+    },
+    Remove(u32),
+    /// Put slot `id` (back) at guest page `page` (every slot is 16 pages; the page table spans
+    /// 8 x 32 pages, so places overlap and the insert may be refused: that is a step too).
+    Insert {
+        id: u32,
+        page: u64,
+    },
+    ReadOnly(u32),
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (proptest::option::of(0..8u64), 1..200u16, any::<u64>())
+            .prop_map(|(slot, count, seed)| Step::Lookups { slot, count, seed }),
+        1 => (0..8u32).prop_map(Step::Remove),
+        1 => (0..8u32, 0..256u64).prop_map(|(id, page)| Step::Insert { id, page }),
+        1 => (0..8u32).prop_map(Step::ReadOnly),
+    ]
+}
+
+proptest::proptest! {
+    /// A cursor answers what the table answers, whether it remembers its last slot or searches
+    /// every address (random addresses make it search, a run in one slot makes it remember),
+    /// across removals, moves and flag changes in either mode.
+    #[test]
+    fn a_cursor_answers_as_the_table_does_in_either_mode(
+        steps in proptest::collection::vec(step(), 1..60),
+    ) {
+        let t = SlotTable::new();
+        let b = anon(8 * 16 * PAGE);
+        let spec = |id: u32, page: u64| {
+            SlotSpec::new(id, Gpa(page * PAGE), b.clone()).window(u64::from(id) * 16 * PAGE, 16 * PAGE)
+        };
+        for id in 0..8u32 {
+            t.insert(spec(id, u64::from(id) * 32)).unwrap();
+        }
+        let mut c = t.cursor();
+        for s in steps {
+            match s {
+                Step::Lookups { slot, count, mut seed } => {
+                    for _ in 0..count {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 7;
+                        seed ^= seed << 17;
+                        // Slot k's first place is page 32k; 32 pages a slot, half of them a hole.
+                        let k = slot.unwrap_or(seed >> 61);
+                        let gpa = Gpa(k * 32 * PAGE + (seed & 0x1f_ffff) % (32 * PAGE));
+                        proptest::prop_assert_eq!(c.lookup(gpa), t.lookup(gpa), "at {:?}", gpa);
+                    }
+                }
+                Step::Remove(id) => {
+                    let _ = t.remove(id);
+                }
+                Step::Insert { id, page } => {
+                    let _ = t.insert(spec(id, page));
+                }
+                Step::ReadOnly(id) => {
+                    let _ = t.set_flags(id, SlotFlags::READ_ONLY);
+                }
+            }
+        }
+    }
+}

@@ -381,14 +381,14 @@ fn sizes(ctx: &Ctx) -> Sizes {
             slots: 64,
             slot_size: 64 << 20,
             runs: ctx.runs_or(5),
-            scaling: &[1, 8, 64, 512, 4096],
+            scaling: &[1, 2, 4, 8, 64, 512, 4096],
         },
         Mode::Full => Sizes {
             vcpus: 64,
             slots: 64,
             slot_size: 64 << 20,
             runs: ctx.runs_or(7),
-            scaling: &[1, 8, 64, 512, 4096, 32764],
+            scaling: &[1, 2, 4, 8, 64, 512, 4096, 32764],
         },
     }
 }
