@@ -701,9 +701,9 @@ impl SlotTable {
             snapshot,
             hit: Entry::NONE,
             hit_generation: NO_HIT,
-            search_generation: NO_HIT,
             streak: 0,
             last: usize::MAX,
+            searching: false,
         }
     }
 
@@ -890,13 +890,13 @@ pub struct SlotCursor {
     /// The generation `hit` belongs to; [`NO_HIT`] when there is none (and always while
     /// searching), so the hit test needs no separate "have a hit" check.
     hit_generation: u64,
-    /// While searching (see [`SlotCursor::lookup`]), the generation of the snapshot the cursor
-    /// holds, else [`NO_HIT`]: so one compare both picks the search and checks the snapshot.
-    search_generation: u64,
     /// Remembering: misses in a row. Searching: answers in a row from the slot at `last`.
     streak: u32,
     /// Searching: the position of the last answer's slot in the snapshot.
     last: usize,
+    /// Whether the cursor searches every address without a hit test (see
+    /// [`SlotCursor::lookup`]).
+    searching: bool,
 }
 
 /// A generation no table reaches.
@@ -938,9 +938,8 @@ impl SlotCursor {
     ///
     /// Either way the answer is the current snapshot's: the modes differ in cost only.
     ///
-    /// Always inlined: with both searches inline the function is past LLVM's own threshold,
-    /// and as a call the hit cost 3.9 ns, not 2.6. Taking the remembering miss out of line
-    /// instead cost a hit-heavy stream (15 hits in 16) ~0.5 ns a lookup.
+    /// Always inlined: the modes' few instructions took it past LLVM's own threshold, and as
+    /// a call the hit cost 3.9 ns, not 2.6.
     #[inline(always)]
     pub fn lookup(&mut self, gpa: Gpa) -> Option<Translation> {
         let generation = self.shared.generation.0.load(Ordering::Acquire);
@@ -953,51 +952,49 @@ impl SlotCursor {
             self.streak = 0;
             return Some(h.translate(gpa.0));
         }
-        if generation == self.search_generation {
-            return self.search(gpa);
-        }
         if generation != self.generation {
             self.reload();
-            if self.search_generation != NO_HIT {
-                return self.search(gpa);
-            }
         }
-        let e = *self.snapshot.find_entry_indexed(gpa)?;
-        let t = e.translate(gpa.0);
-        self.hit = e;
-        self.hit_generation = self.generation;
-        self.streak += 1;
-        if self.streak >= SEARCH_AFTER {
-            self.start_searching();
-        }
-        Some(t)
-    }
-
-    /// A searching cursor's lookup on its current snapshot.
-    #[inline(always)]
-    fn search(&mut self, gpa: Gpa) -> Option<Translation> {
+        // One search for both ways of working (one copy of it keeps `lookup` small enough to
+        // inline); what is remembered of the answer differs.
         let (i, e) = self
             .snapshot
             .buckets
             .search(&self.snapshot.entries, gpa.0)?;
         let t = e.translate(gpa.0);
-        // A count, not a branch: whether the slot repeats is as random as the addresses.
-        let same = (i == self.last) as u32;
-        self.streak = (self.streak + 1) & same.wrapping_neg();
-        self.last = i;
-        if self.streak >= REMEMBER_AFTER {
+        if self.searching {
+            // A count, not a branch: whether the slot repeats is as random as the addresses.
+            let same = (i == self.last) as u32;
+            self.streak = (self.streak + 1) & same.wrapping_neg();
+            self.last = i;
+            if self.streak >= REMEMBER_AFTER {
+                self.remember(i);
+            }
+        } else {
             self.hit = *e;
             self.hit_generation = self.generation;
-            self.search_generation = NO_HIT;
-            self.streak = 0;
+            self.streak += 1;
+            if self.streak >= SEARCH_AFTER {
+                self.start_searching();
+            }
         }
         Some(t)
+    }
+
+    /// Goes back to remembering, starting with the entry at `i`.
+    #[cold]
+    #[inline(never)]
+    fn remember(&mut self, i: usize) {
+        self.hit = self.snapshot.entries[i];
+        self.hit_generation = self.generation;
+        self.searching = false;
+        self.streak = 0;
     }
 
     #[cold]
     #[inline(never)]
     fn start_searching(&mut self) {
-        self.search_generation = self.generation;
+        self.searching = true;
         self.hit_generation = NO_HIT;
         self.streak = 0;
         self.last = usize::MAX;
@@ -1018,9 +1015,6 @@ impl SlotCursor {
         self.hit = Entry::NONE;
         self.hit_generation = NO_HIT;
         self.last = usize::MAX;
-        if self.search_generation != NO_HIT {
-            self.search_generation = self.generation;
-        }
     }
 
     /// The snapshot the cursor answers from (after a refresh).
@@ -1175,7 +1169,7 @@ mod tests {
     }
 
     fn searching(c: &SlotCursor) -> bool {
-        c.search_generation != NO_HIT
+        c.searching
     }
 
     #[test]
@@ -1201,7 +1195,7 @@ mod tests {
         t.remove(1).unwrap();
         lookups(&mut c, None, 200);
         assert!(searching(&c), "still searching after the change");
-        assert_eq!(c.search_generation, t.generation());
+        assert_eq!(c.generation, t.generation());
         // 15 hits in 16, the misses anywhere: never searching.
         let mut c = t.cursor();
         for i in 0..20_000u64 {
