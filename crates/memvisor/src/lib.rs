@@ -6,6 +6,7 @@
 //!
 //! ```text
 //! addr     Gpa / Iova / Hva, page sizes, ranges that never wrap
+//! adapt    when a slot cursor remembers its last slot and when it searches every address
 //! backing  host memory: anonymous, memfd, THP, hugetlbfs, file          (owns mmap/munmap)
 //! slots    guest physical -> host virtual: lock-free snapshots, per-vCPU cursors
 //! dma      I/O virtual -> host: the VFIO type1 model, translation, dma_read/write, dirty pages
@@ -19,6 +20,7 @@
 //! never hands out `&[u8]` over memory the guest or a device can change underneath it.
 #![cfg(target_os = "linux")]
 
+mod adapt;
 pub mod addr;
 pub mod backing;
 #[cfg(feature = "virtio-balloon")]

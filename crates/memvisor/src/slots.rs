@@ -23,9 +23,9 @@
 //!   contend. When the generation moved, the cursor reloads the snapshot and searches again: a
 //!   stale cursor is slower once, never wrong.
 //! * A cursor whose hit test keeps failing (random addresses over a few slots, where guessing
-//!   wrong costs more than the search) stops testing: after 8 misses in a row it searches every
-//!   address until 32 answers in a row come from one slot, and then remembers that slot again.
-//!   The answers are the same either way; only their cost differs.
+//!   wrong costs more than the search) stops remembering and searches every address until its
+//!   answers settle in one slot again (the `adapt` module). The answers are the same
+//!   either way; only their cost differs.
 //!
 //! Guest memory is reached through the table with [`SlotTable::read`], [`SlotTable::write`] and
 //! [`SlotTable::copy_within`], which may cross slot boundaries. They check the whole range first
@@ -41,6 +41,7 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
 
+use crate::adapt::Adapt;
 use crate::addr::{Gpa, Hva, PageSize, Range};
 use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
@@ -701,9 +702,7 @@ impl SlotTable {
             snapshot,
             hit: Entry::NONE,
             hit_generation: NO_HIT,
-            streak: 0,
-            last: usize::MAX,
-            searching: false,
+            adapt: Adapt::NEW,
         }
     }
 
@@ -890,27 +889,13 @@ pub struct SlotCursor {
     /// The generation `hit` belongs to; [`NO_HIT`] when there is none (and always while
     /// searching), so the hit test needs no separate "have a hit" check.
     hit_generation: u64,
-    /// Remembering: misses in a row. Searching: answers in a row from the slot at `last`.
-    streak: u32,
-    /// Searching: the position of the last answer's slot in the snapshot.
-    last: usize,
-    /// Whether the cursor searches every address without a hit test (see
-    /// [`SlotCursor::lookup`]).
-    searching: bool,
+    /// Whether the cursor remembers its last slot or searches every address, and the run it
+    /// counts to decide (identities: slot positions in the snapshot).
+    adapt: Adapt,
 }
 
 /// A generation no table reaches.
 const NO_HIT: u64 = u64::MAX;
-
-/// Misses in a row after which a cursor stops remembering and searches every address. Under
-/// random addresses over `n` slots a run this long comes within a few dozen lookups (`n` > 2);
-/// with 15 hits in 16 it comes once in 2^32 runs.
-const SEARCH_AFTER: u32 = 8;
-
-/// Answers in a row from one slot after which a searching cursor remembers it again. Longer
-/// than [`SEARCH_AFTER`]: over 2 slots random addresses give a run of 8 every ~256 lookups, of
-/// 32 once in ~2^31; a thread that settles in a slot pays the search 32 more times.
-const REMEMBER_AFTER: u32 = 32;
 
 impl fmt::Debug for SlotCursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -924,19 +909,14 @@ impl fmt::Debug for SlotCursor {
 impl SlotCursor {
     /// Where `gpa` lives on the host.
     ///
-    /// The cursor works in one of two ways and picks by the answers it gives:
-    /// - **Remembering** (the start): a hit on the last slot costs a load and one compare of
-    ///   each kind joined without short-circuits, one branch, and one store (the miss count
-    ///   back to 0). A miss searches the snapshot's bucket index inline and remembers the
-    ///   entry found, computing the answer before the store so the return value does not
-    ///   wait on it.
-    /// - **Searching**: after 8 misses in a row the hit test is a coin toss whose wrong
-    ///   guesses cost more than the search they could save (over 2–8 slots a remembering
-    ///   cursor was up to 2.5x slower than a plain binary search). So the cursor searches
-    ///   every address, stores nothing but the slot's position and a count, and goes back to
-    ///   remembering after 32 answers in a row from one slot.
-    ///
-    /// Either way the answer is the current snapshot's: the modes differ in cost only.
+    /// Remembering (the start): a hit on the last slot costs a load and one compare of each
+    /// kind joined without short-circuits, one branch, and one store (the miss count back to
+    /// 0); a miss searches the snapshot's bucket index inline and remembers the entry found,
+    /// computing the answer before the store so the return value does not wait on it. After 8
+    /// misses in a row the cursor searches every address and remembers only the slot's
+    /// position, until 32 answers in a row come from one slot (the `adapt` module): over
+    /// 2-8 slots a remembering cursor was up to 2.5x slower than a plain binary search on
+    /// random addresses. Either way the answer is the current snapshot's.
     ///
     /// Always inlined: the modes' few instructions took it past LLVM's own threshold, and as
     /// a call the hit cost 3.9 ns, not 2.6.
@@ -949,33 +929,28 @@ impl SlotCursor {
         if (generation == self.hit_generation)
             & (gpa.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
         {
-            self.streak = 0;
+            self.adapt.hit();
             return Some(h.translate(gpa.0));
         }
         if generation != self.generation {
             self.reload();
         }
-        // One search for both ways of working (one copy of it keeps `lookup` small enough to
-        // inline); what is remembered of the answer differs.
+        // One search for both ways of working (two inline copies cost a hit-heavy stream more
+        // than the mode's branch); what is remembered of the answer differs.
         let (i, e) = self
             .snapshot
             .buckets
             .search(&self.snapshot.entries, gpa.0)?;
         let t = e.translate(gpa.0);
-        if self.searching {
-            // A count, not a branch: whether the slot repeats is as random as the addresses.
-            let same = (i == self.last) as u32;
-            self.streak = (self.streak + 1) & same.wrapping_neg();
-            self.last = i;
-            if self.streak >= REMEMBER_AFTER {
+        if self.adapt.searching() {
+            if self.adapt.searched(i as u64) {
                 self.remember(i);
             }
         } else {
             self.hit = *e;
             self.hit_generation = self.generation;
-            self.streak += 1;
-            if self.streak >= SEARCH_AFTER {
-                self.start_searching();
+            if self.adapt.missed() {
+                self.hit_generation = NO_HIT;
             }
         }
         Some(t)
@@ -987,17 +962,6 @@ impl SlotCursor {
     fn remember(&mut self, i: usize) {
         self.hit = self.snapshot.entries[i];
         self.hit_generation = self.generation;
-        self.searching = false;
-        self.streak = 0;
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn start_searching(&mut self) {
-        self.searching = true;
-        self.hit_generation = NO_HIT;
-        self.streak = 0;
-        self.last = usize::MAX;
     }
 
     /// Moves to the table's current snapshot if it changed, letting go of the old one.
@@ -1014,7 +978,7 @@ impl SlotCursor {
         self.generation = self.snapshot.generation;
         self.hit = Entry::NONE;
         self.hit_generation = NO_HIT;
-        self.last = usize::MAX;
+        self.adapt.forget();
     }
 
     /// The snapshot the cursor answers from (after a refresh).
@@ -1169,7 +1133,7 @@ mod tests {
     }
 
     fn searching(c: &SlotCursor) -> bool {
-        c.searching
+        c.adapt.searching()
     }
 
     #[test]
@@ -1186,7 +1150,7 @@ mod tests {
         lookups(&mut c, None, 200);
         assert!(searching(&c), "200 random addresses over 4 slots");
         // Settling in slot 2: after REMEMBER_AFTER answers from it the cursor remembers it.
-        lookups(&mut c, Some(2), u64::from(REMEMBER_AFTER) + 1);
+        lookups(&mut c, Some(2), u64::from(crate::adapt::REMEMBER_AFTER));
         assert!(!searching(&c));
         assert_eq!((c.hit.id, c.hit_generation), (2, c.generation));
         // A table change while searching: the cursor searches the new snapshot.
