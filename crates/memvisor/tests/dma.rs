@@ -1085,16 +1085,14 @@ fn translations_are_exact_at_every_edge_of_the_page_index() {
             }
         }
     };
+    // The space and `cursor` refuse `access` at `probe` with `want`.
+    let refuse = |cursor: &mut memvisor::dma::DmaCursor, probe: u64, access: Access, want: i32| {
+        assert_eq!(errno(d.translate(Iova(probe), 8, access)), want);
+        assert_eq!(errno(cursor.translate(Iova(probe), 8, access)), want);
+    };
     // The space and `cursor` fault on `probe`.
     let faults = |cursor: &mut memvisor::dma::DmaCursor, probe: u64| {
-        assert_eq!(
-            errno(d.translate(Iova(probe), 8, Access::Read)),
-            libc::EFAULT
-        );
-        assert_eq!(
-            errno(cursor.translate(Iova(probe), 8, Access::Read)),
-            libc::EFAULT
-        );
+        refuse(cursor, probe, Access::Read, libc::EFAULT);
     };
     let unmapped = |cursor: &mut memvisor::dma::DmaCursor, maps: &[(u64, u64, u64)]| {
         for &(iova, pages, _) in maps {
@@ -1133,14 +1131,7 @@ fn translations_are_exact_at_every_edge_of_the_page_index() {
     d.unmap(Iova(iova), pages * PAGE).unwrap();
     d.map_backing(Iova(iova), &b, at * PAGE, pages * PAGE, Prot::READ)
         .unwrap();
-    assert_eq!(
-        errno(d.translate(Iova(iova), 8, Access::Write)),
-        libc::EPERM
-    );
-    assert_eq!(
-        errno(cursor.translate(Iova(iova), 8, Access::Write)),
-        libc::EPERM
-    );
+    refuse(&mut cursor, iova, Access::Write, libc::EPERM);
     assert_eq!(
         d.translate(Iova(iova), 8, Access::Read).unwrap().hva.0,
         base + at * PAGE
