@@ -211,8 +211,9 @@ impl DmaSpace {
 }
 
 impl DmaSpace {
-    /// Under [`VaddrRule::Refuse`](super::VaddrRule::Refuse), EBUSY while any mapping of `snap` has its host address
-    /// invalidated (Linux 6.3's container-wide check in `vfio_dma_rw` and `pin_pages`).
+    /// Under [`VaddrRule::Refuse`](super::VaddrRule::Refuse), EBUSY while any mapping of `snap`
+    /// has its host address invalidated (Linux 6.3's container-wide check in `vfio_dma_rw` and
+    /// `pin_pages`).
     pub(super) fn refuse_while_invalid(&self, snap: &DmaSnapshot, iova: u64) -> Result<()> {
         if !self.copies_allowed(snap) {
             return Err(Error::Refused {
