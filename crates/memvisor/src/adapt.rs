@@ -7,47 +7,45 @@
 //! costs more than the search it could have saved. A remembering cursor over 2-8 slots was
 //! 0.35-0.85x a plain binary search on random addresses.
 //!
-//! So the cursor watches its answers. [`Adapt`] counts misses in a row while the cursor
-//! remembers; after [`SEARCH_AFTER`] it tells the cursor to search every address and keep
-//! nothing of the answers but an identity (the slot's position). While searching it counts
-//! answers in a row from one slot, and after [`REMEMBER_AFTER`] it tells the cursor to
-//! remember again. The policy is about cost only: the cursor answers the same in either mode,
-//! from its current snapshot.
+//! So the cursor watches its misses. [`Adapt`] counts misses in a row while the cursor
+//! remembers; after [`SEARCH_AFTER`] it tells the cursor to search every address and remember
+//! nothing. A searching cursor cannot tell whether remembering would pay again without
+//! watching its answers, and watching them (a run count of answers from one slot, the first
+//! version) cost 7 instructions a lookup, a quarter of a search over a few slots. So it
+//! searches for a fixed count, [`SEARCH_FOR`] lookups, one decrement each, and then tries
+//! remembering again: a thread still on random addresses is back to searching after its next
+//! row of misses, and a thread that settled in a slot stays.
 //!
-//! The thresholds: random addresses over `n` slots give a run of 8 misses within a few dozen
-//! lookups when `n` > 2 (a few hundred at 2), while a thread with 15 hits in 16 sees one once
-//! in 2^32 runs. A run of 32 answers from one slot comes once in ~2^31 lookups over 2 slots at
-//! random; a thread that settles in a slot pays the search 32 times more before it remembers.
+//! The thresholds: random addresses over `n` slots give a row of 8 misses within a few dozen
+//! lookups when `n` > 2 (~510 on average at 2), while a thread with 15 hits in 16 sees one
+//! once in 2^32 rows. A try that fails costs at most those few hundred remembering lookups,
+//! ~2% of 16,384 searches at 2 slots (measured: 0.69x a binary search, against 0.70-0.72x for
+//! a cursor that searches for good); a thread that settles pays a search instead of a hit
+//! (~2 ns more) for at most 16,384 lookups.
 //!
 //! [`DmaCursor`](crate::DmaCursor) does not use it. Its misses over many mappings are
-//! predictable (nearly all miss), so there is no misprediction to save, and the run count
-//! costs more than the four stores of a remembered answer it would skip: 88 instructions per
-//! miss against 78, and 0.83x the speed in a bare loop over 100,000 mappings.
+//! predictable (nearly all miss), so there is no misprediction to save; with the first
+//! version's run count its misses cost 88 instructions against 78, and 0.83x the speed in a
+//! bare loop over 100,000 mappings.
 
 /// Misses in a row after which a remembering cursor starts searching.
 pub(crate) const SEARCH_AFTER: u32 = 8;
 
-/// Answers in a row from one slot or mapping after which a searching cursor remembers again.
-pub(crate) const REMEMBER_AFTER: u32 = 32;
+/// Searches after which a searching cursor tries remembering again.
+pub(crate) const SEARCH_FOR: u32 = 16384;
 
-/// An identity no answer has.
-const NONE: u64 = u64::MAX;
-
-/// One cursor's mode and the run it is counting.
+/// One cursor's mode and the count that ends it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Adapt {
-    /// Remembering: misses in a row. Searching: answers in a row from `last`.
-    streak: u32,
-    /// Searching: the identity of the last answer.
-    last: u64,
+    /// Remembering: misses in a row. Searching: searches left.
+    count: u32,
     searching: bool,
 }
 
 impl Adapt {
     /// A cursor starts out remembering.
     pub(crate) const NEW: Adapt = Adapt {
-        streak: 0,
-        last: NONE,
+        count: 0,
         searching: false,
     };
 
@@ -60,43 +58,32 @@ impl Adapt {
     /// The cursor's remembered answer held the address.
     #[inline(always)]
     pub(crate) fn hit(&mut self) {
-        self.streak = 0;
+        self.count = 0;
     }
 
     /// A remembering cursor missed and remembered the new answer. True when it should start
     /// searching (then it is searching).
     #[inline(always)]
     pub(crate) fn missed(&mut self) -> bool {
-        self.streak += 1;
-        if self.streak < SEARCH_AFTER {
+        self.count += 1;
+        if self.count < SEARCH_AFTER {
             return false;
         }
         self.searching = true;
-        self.streak = 0;
-        self.last = NONE;
+        self.count = SEARCH_FOR;
         true
     }
 
-    /// A searching cursor found the answer identified by `id`. True when it should remember
-    /// that answer (then it is remembering).
+    /// A searching cursor searched. True when it should remember this answer and try
+    /// remembering again (then it is remembering).
     #[inline(always)]
-    pub(crate) fn searched(&mut self, id: u64) -> bool {
-        // A count, not a branch: whether the answer repeats is as random as the addresses.
-        let same = (id == self.last) as u32;
-        self.streak = (self.streak & same.wrapping_neg()) + 1;
-        self.last = id;
-        if self.streak < REMEMBER_AFTER {
+    pub(crate) fn searched(&mut self) -> bool {
+        self.count -= 1;
+        if self.count != 0 {
             return false;
         }
         self.searching = false;
-        self.streak = 0;
         true
-    }
-
-    /// The cursor moved to a new snapshot: identities from the old one mean nothing.
-    #[inline(always)]
-    pub(crate) fn forget(&mut self) {
-        self.last = NONE;
     }
 }
 
@@ -120,23 +107,19 @@ mod tests {
     }
 
     #[test]
-    fn a_run_from_one_answer_ends_the_search_and_another_answer_breaks_the_run() {
+    fn a_search_lasts_its_count_then_the_cursor_tries_remembering() {
         let mut a = Adapt::NEW;
         while !a.missed() {}
-        for _ in 0..REMEMBER_AFTER - 1 {
-            assert!(!a.searched(7));
-        }
-        assert!(!a.searched(8), "another answer starts a new run");
-        for _ in 0..REMEMBER_AFTER - 2 {
-            assert!(!a.searched(8));
-        }
-        a.forget();
-        assert!(!a.searched(8), "after a new snapshot the run starts again");
-        for _ in 0..REMEMBER_AFTER - 2 {
-            assert!(!a.searched(8));
+        for _ in 0..SEARCH_FOR - 1 {
+            assert!(!a.searched());
         }
         assert!(a.searching());
-        assert!(a.searched(8));
+        assert!(a.searched());
         assert!(!a.searching());
+        // Remembering again from a clean count: it takes a full row of misses to search.
+        for _ in 0..SEARCH_AFTER - 1 {
+            assert!(!a.missed());
+        }
+        assert!(a.missed());
     }
 }

@@ -23,9 +23,9 @@
 //!   contend. When the generation moved, the cursor reloads the snapshot and searches again: a
 //!   stale cursor is slower once, never wrong.
 //! * A cursor whose hit test keeps failing (random addresses over a few slots, where guessing
-//!   wrong costs more than the search) stops remembering and searches every address until its
-//!   answers settle in one slot again (the `adapt` module). The answers are the same
-//!   either way; only their cost differs.
+//!   wrong costs more than the search) stops remembering and searches every address for a
+//!   while, then tries remembering again (the `adapt` module). The answers are the same either
+//!   way; only their cost differs.
 //!
 //! Guest memory is reached through the table with [`SlotTable::read`], [`SlotTable::write`] and
 //! [`SlotTable::copy_within`], which may cross slot boundaries. They check the whole range first
@@ -889,8 +889,8 @@ pub struct SlotCursor {
     /// The generation `hit` belongs to; [`NO_HIT`] when there is none (and always while
     /// searching), so the hit test needs no separate "have a hit" check.
     hit_generation: u64,
-    /// Whether the cursor remembers its last slot or searches every address, and the run it
-    /// counts to decide (identities: slot positions in the snapshot).
+    /// Whether the cursor remembers its last slot or searches every address, and the count
+    /// that ends the mode.
     adapt: Adapt,
 }
 
@@ -913,10 +913,10 @@ impl SlotCursor {
     /// kind joined without short-circuits, one branch, and one store (the miss count back to
     /// 0); a miss searches the snapshot's bucket index inline and remembers the entry found,
     /// computing the answer before the store so the return value does not wait on it. After 8
-    /// misses in a row the cursor searches every address and remembers only the slot's
-    /// position, until 32 answers in a row come from one slot (the `adapt` module): over
-    /// 2-8 slots a cursor that only remembered ran at 0.35-0.85x a plain binary search on
-    /// random addresses. Either way the answer is the current snapshot's.
+    /// misses in a row the cursor searches every address and remembers nothing for 16,384
+    /// lookups, then tries remembering again (the `adapt` module): over 2-8 slots a cursor
+    /// that only remembered ran at 0.35-0.85x a plain binary search on random addresses.
+    /// Either way the answer is the current snapshot's.
     ///
     /// Always inlined: the modes' few instructions took it past LLVM's own threshold, and as
     /// a call the hit cost 3.9 ns, not 2.6.
@@ -943,7 +943,7 @@ impl SlotCursor {
             .search(&self.snapshot.entries, gpa.0)?;
         let t = e.translate(gpa.0);
         if self.adapt.searching() {
-            if self.adapt.searched(i as u64) {
+            if self.adapt.searched() {
                 self.remember(i);
             }
         } else {
@@ -978,7 +978,6 @@ impl SlotCursor {
         self.generation = self.snapshot.generation;
         self.hit = Entry::NONE;
         self.hit_generation = NO_HIT;
-        self.adapt.forget();
     }
 
     /// The snapshot the cursor answers from (after a refresh).
@@ -1149,8 +1148,9 @@ mod tests {
         };
         lookups(&mut c, None, 200);
         assert!(searching(&c), "200 random addresses over 4 slots");
-        // Settling in slot 2: after REMEMBER_AFTER answers from it the cursor remembers it.
-        lookups(&mut c, Some(2), u64::from(crate::adapt::REMEMBER_AFTER));
+        // Settling in slot 2: within SEARCH_FOR lookups the cursor tries remembering again, and
+        // as they all come from slot 2 it stays.
+        lookups(&mut c, Some(2), u64::from(crate::adapt::SEARCH_FOR));
         assert!(!searching(&c));
         assert_eq!((c.hit.id, c.hit_generation), (2, c.generation));
         // A table change while searching: the cursor searches the new snapshot.
@@ -1160,6 +1160,12 @@ mod tests {
         lookups(&mut c, None, 200);
         assert!(searching(&c), "still searching after the change");
         assert_eq!(c.generation, t.generation());
+        // Random addresses through a try at remembering: back to searching after it.
+        lookups(&mut c, None, u64::from(crate::adapt::SEARCH_FOR) + 200);
+        assert!(
+            searching(&c),
+            "a failed try at remembering ends in a search"
+        );
         // 15 hits in 16, the misses anywhere: never searching.
         let mut c = t.cursor();
         for i in 0..20_000u64 {
