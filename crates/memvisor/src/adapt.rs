@@ -18,10 +18,10 @@
 //!
 //! The thresholds: random addresses over `n` slots give a row of 8 misses within a few dozen
 //! lookups when `n` > 2 (~510 on average at 2), while a thread with 15 hits in 16 sees one
-//! once in 2^32 rows. A try that fails costs at most those few hundred remembering lookups,
-//! ~2% of 16,384 searches at 2 slots (measured: 0.69x a binary search, against 0.70-0.72x for
-//! a cursor that searches for good); a thread that settles pays a search instead of a hit
-//! (~2 ns more) for at most 16,384 lookups.
+//! once in 2^32 rows. A try that fails costs those remembering lookups, a few hundred on
+//! average at 2 slots: ~2% of the 16,384 searches before it (measured: 0.69x a binary search,
+//! against 0.70-0.72x for a cursor that searches for good); a thread that settles pays a
+//! search instead of a hit (~2 ns more) for at most 16,384 lookups.
 //!
 //! [`DmaCursor`](crate::DmaCursor) does not use it. Its misses over many mappings are
 //! predictable (nearly all miss), so there is no misprediction to save; with the first
