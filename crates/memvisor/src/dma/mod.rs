@@ -41,6 +41,7 @@ mod external;
 mod grace;
 mod iotlb;
 mod locked;
+mod longterm;
 mod mode;
 mod pin;
 mod rw;

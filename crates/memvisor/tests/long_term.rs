@@ -1,0 +1,361 @@
+//! Long-term pins (`PinRegistry::set_long_term_pins`), checked against the kernel's view: the
+//! process's `VmPin` must grow and shrink by exactly what the registry says it holds that way,
+//! and no page may be mlocked (`VmFlags: lo`) unless the kernel refused the long-term pin. Pins
+//! and unpins through a DMA space, the lock cache, partial unpins, the fallback to mlock, the
+//! locked-memory limit, whole mappings over 1 GiB, and discards around pinned pages.
+//!
+//! `VmPin` is process-wide, so the tests here run one at a time (`serial()`), and no other test
+//! binary shares their process.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use memvisor::dma::{LockLimit, PinMode, PinRegistry};
+use memvisor::{
+    Backing, BackingKind, BackingOptions, DiscardOptions, Discarder, DmaConfig, DmaSpace, Gpa,
+    Iova, Prot, SlotSpec, SlotTable,
+};
+
+use proptest::prelude::*;
+
+mod common;
+
+const PAGE: u64 = 4096;
+const MIB: u64 = 1 << 20;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `VmPin` of /proc/self/status, in bytes.
+fn vm_pin() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmPin:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmPin in /proc/self/status")
+        * 1024
+}
+
+/// The pages of `b` the kernel has mlocked, by index.
+fn locked_pages(b: &Backing) -> BTreeSet<u64> {
+    let (base, end) = (b.hva().0, b.hva().0 + b.size());
+    common::vmas(base, end)
+        .iter()
+        .filter(|v| v.has_flag("lo"))
+        .flat_map(|v| (v.start.max(base)..v.end.min(end)).step_by(PAGE as usize))
+        .map(|addr| (addr - base) / PAGE)
+        .collect()
+}
+
+/// A registry with long-term pins on, or None (and a visible skip) where this process may not
+/// use them or may not lock `bytes`.
+fn registry(limit: LockLimit, bytes: u64, test: &str) -> Option<Arc<PinRegistry>> {
+    if !common::may_lock(bytes, test) {
+        return None;
+    }
+    let registry = PinRegistry::new(limit);
+    match registry.set_long_term_pins(true) {
+        Ok(()) => Some(registry),
+        Err(e) => {
+            assert_eq!(e.errno(), libc::EOPNOTSUPP, "{e}");
+            assert!(!registry.long_term_pins());
+            common::skipped(&format!("{test}: {e}"));
+            None
+        }
+    }
+}
+
+/// A space of `mode` on `registry` over `pages` pages of fresh populated memory at IOVA 0.
+fn space(registry: &Arc<PinRegistry>, mode: PinMode, pages: u64) -> (DmaSpace, Arc<Backing>) {
+    let b = Arc::new(
+        Backing::with_options(
+            BackingKind::PrivateAnon,
+            pages * PAGE,
+            &BackingOptions { populate: true },
+        )
+        .unwrap(),
+    );
+    let d = DmaSpace::new(DmaConfig {
+        pin_mode: mode,
+        registry: Some(registry.clone()),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+    (d, b)
+}
+
+#[test]
+fn a_device_pin_is_a_long_term_pin_and_no_lock() {
+    let _s = serial();
+    let Some(registry) = registry(LockLimit::Unlimited, MIB, "a_device_pin_is_a_long_term_pin")
+    else {
+        return;
+    };
+    let (d, b) = space(&registry, PinMode::Lazy, 64);
+    let base = vm_pin();
+    let areas = common::vmas(b.hva().0, b.hva().0 + b.size()).len();
+    d.pin_pages(&[5, 6, 7, 20], Prot::RW).unwrap();
+    assert_eq!(vm_pin() - base, 4 * PAGE);
+    assert_eq!(registry.long_term_bytes(), 4 * PAGE);
+    assert_eq!(registry.locked_bytes(), 4 * PAGE);
+    assert!(locked_pages(&b).is_empty(), "nothing is mlocked");
+    assert_eq!(
+        common::vmas(b.hva().0, b.hva().0 + b.size()).len(),
+        areas,
+        "no memory area was split"
+    );
+    // A second pin of a page nests; only the last unpin lets go.
+    d.pin_pages(&[6], Prot::RW).unwrap();
+    assert_eq!(vm_pin() - base, 4 * PAGE);
+    // The device's unpin leaves its pins cached: uncharged, still pinned in the kernel.
+    d.unpin_pages(&[5, 6, 7, 20]).unwrap();
+    assert_eq!(registry.locked_bytes(), PAGE);
+    assert_eq!(registry.cached_bytes(), 3 * PAGE);
+    assert_eq!(vm_pin() - base, 4 * PAGE);
+    // The next pin of a cached page takes it back without pinning again.
+    d.pin_pages(&[20], Prot::RW).unwrap();
+    assert_eq!(registry.cached_bytes(), 2 * PAGE);
+    assert_eq!(vm_pin() - base, 4 * PAGE);
+    d.unpin_pages(&[6, 20]).unwrap();
+    d.release_cached_locks();
+    assert_eq!(vm_pin(), base);
+    assert_eq!(registry.long_term_bytes(), 0);
+    assert_eq!(registry.locked_bytes(), 0);
+}
+
+#[test]
+fn unpinning_part_of_a_run_keeps_the_rest_pinned() {
+    let _s = serial();
+    let Some(registry) = registry(LockLimit::Unlimited, MIB, "unpinning_part_of_a_run") else {
+        return;
+    };
+    registry.set_lock_cache(0, 0);
+    let (d, _b) = space(&registry, PinMode::Lazy, 64);
+    let base = vm_pin();
+    // One call, one run of 8 pages: one buffer in the kernel.
+    let run: Vec<u64> = (8..16).collect();
+    d.pin_pages(&run, Prot::RW).unwrap();
+    assert_eq!(vm_pin() - base, 8 * PAGE);
+    // The middle of the run goes: both ends stay pinned.
+    d.unpin_pages(&[11, 12]).unwrap();
+    assert_eq!(vm_pin() - base, 6 * PAGE);
+    assert_eq!(registry.long_term_bytes(), 6 * PAGE);
+    // Pinned again and let go page by page, the account follows every step.
+    d.pin_pages(&[11, 12], Prot::RW).unwrap();
+    for (i, p) in run.iter().enumerate() {
+        d.unpin_pages(&[*p]).unwrap();
+        assert_eq!(
+            vm_pin() - base,
+            (7 - i as u64) * PAGE,
+            "after unpinning {p}"
+        );
+        assert_eq!(registry.long_term_bytes(), vm_pin() - base);
+    }
+}
+
+#[test]
+fn memory_the_kernel_will_not_pin_long_term_is_mlocked_instead() {
+    let _s = serial();
+    let Some(registry) = registry(LockLimit::Unlimited, MIB, "memory_the_kernel_will_not_pin")
+    else {
+        return;
+    };
+    registry.set_lock_cache(0, 0);
+    let (d, b) = space(&registry, PinMode::Lazy, 16);
+    // A read-only page cannot be pinned for writing (EFAULT from the kernel): mlocked.
+    // SAFETY: the page lies in the test's own backing, which nothing else uses.
+    let rc = unsafe {
+        libc::mprotect(
+            (b.hva().0 + 3 * PAGE) as *mut libc::c_void,
+            PAGE as usize,
+            libc::PROT_READ,
+        )
+    };
+    assert_eq!(rc, 0);
+    let base = vm_pin();
+    d.pin_pages(&[3], Prot::READ).unwrap();
+    assert_eq!(locked_pages(&b), BTreeSet::from([3]));
+    assert_eq!(vm_pin(), base);
+    assert_eq!(registry.locked_bytes(), PAGE);
+    // Its neighbours are pinned long-term, in the same registry, side by side.
+    d.pin_pages(&[2, 4], Prot::RW).unwrap();
+    assert_eq!(vm_pin() - base, 2 * PAGE);
+    assert_eq!(locked_pages(&b), BTreeSet::from([3]));
+    assert_eq!(registry.locked_bytes(), 3 * PAGE);
+    // Turned off, new pins are mlocks; the long-term ones stay until unpinned.
+    registry.set_long_term_pins(false).unwrap();
+    assert!(!registry.long_term_pins());
+    d.pin_pages(&[9], Prot::RW).unwrap();
+    assert_eq!(locked_pages(&b), BTreeSet::from([3, 9]));
+    assert_eq!(vm_pin() - base, 2 * PAGE);
+    d.unpin_pages(&[2, 3, 4, 9]).unwrap();
+    assert!(locked_pages(&b).is_empty());
+    assert_eq!(vm_pin(), base);
+    assert_eq!(registry.locked_bytes(), 0);
+    assert_eq!(registry.long_term_bytes(), 0);
+}
+
+#[test]
+fn the_limit_refuses_long_term_pins_with_enomem_and_leaves_nothing() {
+    let _s = serial();
+    let Some(registry) = registry(LockLimit::Bytes(4 * PAGE), MIB, "the_limit_refuses") else {
+        return;
+    };
+    let (d, _b) = space(&registry, PinMode::Lazy, 64);
+    let base = vm_pin();
+    d.pin_pages(&[0, 1, 2], Prot::RW).unwrap();
+    let err = d.pin_pages(&[10, 11], Prot::RW).unwrap_err();
+    assert_eq!(err.errno(), libc::ENOMEM, "{err}");
+    assert_eq!(vm_pin() - base, 3 * PAGE);
+    assert_eq!(registry.locked_bytes(), 3 * PAGE);
+    d.unpin_pages(&[0, 1, 2]).unwrap();
+    d.release_cached_locks();
+    assert_eq!(vm_pin(), base);
+}
+
+/// An Eager space pins whole mappings when they are made; one over 1 GiB (the kernel's largest
+/// io_uring buffer) is pinned as several buffers and let go whole at unmap.
+#[test]
+fn an_eager_mapping_over_a_gib_is_pinned_long_term_whole() {
+    let _s = serial();
+    let size = 1024 * MIB + 8 * MIB;
+    let Some(registry) = registry(LockLimit::Unlimited, size, "an_eager_mapping_over_a_gib") else {
+        return;
+    };
+    let base = vm_pin();
+    let (d, b) = space(&registry, PinMode::Eager, size / PAGE);
+    assert_eq!(vm_pin() - base, size);
+    assert_eq!(registry.long_term_bytes(), size);
+    assert!(locked_pages(&b).is_empty());
+    d.unmap(Iova(0), size).unwrap();
+    assert_eq!(vm_pin(), base);
+    assert_eq!(registry.locked_bytes(), 0);
+}
+
+/// A discard skips pages pinned long-term and keeps their bytes (the kernel would let
+/// `MADV_DONTNEED` take them from the process, so the registry is all that stops it), and the
+/// pins its cache holds are let go first, so that memory is really given back.
+#[test]
+fn a_discard_skips_long_term_pinned_pages_and_frees_the_cached_ones() {
+    let _s = serial();
+    let Some(registry) = registry(LockLimit::Unlimited, 4 * MIB, "a_discard_skips") else {
+        return;
+    };
+    let (d, b) = space(&registry, PinMode::Lazy, 512);
+    for p in 0..512 {
+        b.write(p * PAGE, &[(p % 251 + 1) as u8; PAGE as usize])
+            .unwrap();
+    }
+    let t = SlotTable::new();
+    t.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
+    let discarder = Discarder::with_options(
+        &t,
+        DiscardOptions {
+            registry: Some(registry.clone()),
+            ..DiscardOptions::default()
+        },
+    );
+    let base = vm_pin();
+    d.pin_pages(&[10, 11, 300], Prot::RW).unwrap();
+    d.pin_pages(&[40], Prot::RW).unwrap();
+    d.unpin_pages(&[40]).unwrap(); // cached
+    assert_eq!(vm_pin() - base, 4 * PAGE);
+    let out = discarder.report(&[(Gpa(0), 2 * MIB)]);
+    assert_eq!(out.skipped_pinned, 3 * PAGE);
+    assert_eq!(out.discarded, 2 * MIB - 3 * PAGE);
+    assert_eq!(vm_pin() - base, 3 * PAGE, "the cached pin was let go");
+    let mut page = vec![0u8; PAGE as usize];
+    for p in 0..512 {
+        b.read(p * PAGE, &mut page).unwrap();
+        let want = if [10, 11, 300].contains(&p) {
+            (p % 251 + 1) as u8
+        } else {
+            0
+        };
+        assert!(page.iter().all(|&x| x == want), "page {p}");
+    }
+    d.unpin_pages(&[10, 11, 300]).unwrap();
+    d.release_cached_locks();
+    assert_eq!(vm_pin(), base);
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// pin_pages of `len` pages from `page`.
+    Pin { page: u64, len: u64 },
+    /// unpin_pages of the n-th pin still held, or of `keep..` of its pages only (a partial
+    /// unpin: the rest stays pinned until the pin's last op).
+    Unpin { nth: usize, keep: u64 },
+    /// The lock cache's entries bound.
+    Cache { entries: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u64..60, 1u64..6).prop_map(|(page, len)| Op::Pin { page, len }),
+        4 => (0usize..8, 0u64..4).prop_map(|(nth, keep)| Op::Unpin { nth, keep }),
+        1 => (0usize..4).prop_map(|entries| Op::Cache { entries }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Any sequence of pins, whole and partial unpins and cache bounds: the kernel's `VmPin`
+    /// is exactly what the registry says it holds long-term, the account exactly the pinned
+    /// pages, nothing is mlocked, and when every pin is gone and the cache emptied, nothing is
+    /// left pinned.
+    #[test]
+    fn vm_pin_follows_any_sequence_exactly(ops in proptest::collection::vec(op(), 1..40)) {
+        let _s = serial();
+        let Some(registry) = registry(LockLimit::Unlimited, MIB, "vm_pin_follows_any_sequence")
+        else {
+            return Ok(());
+        };
+        let (d, b) = space(&registry, PinMode::Lazy, 64);
+        let base = vm_pin();
+        // Pins held, each as the pages not yet unpinned.
+        let mut held: Vec<Vec<u64>> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Pin { page, len } => {
+                    let pages: Vec<u64> = (page..page + len).collect();
+                    d.pin_pages(&pages, Prot::RW).unwrap();
+                    held.push(pages);
+                }
+                Op::Unpin { nth, keep } => {
+                    if held.is_empty() {
+                        continue;
+                    }
+                    let i = nth % held.len();
+                    let keep = (keep as usize).min(held[i].len() - 1);
+                    let gone: Vec<u64> = held[i].drain(keep..).collect();
+                    d.unpin_pages(&gone).unwrap();
+                    if held[i].is_empty() {
+                        held.remove(i);
+                    }
+                }
+                Op::Cache { entries } => registry.set_lock_cache(64 * PAGE, entries),
+            }
+            let pinned: BTreeSet<u64> = held.iter().flatten().copied().collect();
+            prop_assert_eq!(registry.locked_bytes(), pinned.len() as u64 * PAGE);
+            prop_assert_eq!(vm_pin() - base, registry.long_term_bytes());
+            prop_assert_eq!(
+                registry.long_term_bytes(),
+                registry.locked_bytes() + registry.cached_bytes()
+            );
+            prop_assert!(locked_pages(&b).is_empty());
+        }
+        for pages in held {
+            d.unpin_pages(&pages).unwrap();
+        }
+        d.release_cached_locks();
+        prop_assert_eq!(vm_pin(), base);
+        prop_assert_eq!(registry.long_term_bytes(), 0);
+    }
+}
