@@ -218,6 +218,49 @@ fn the_limit_refuses_long_term_pins_with_enomem_and_leaves_nothing() {
     assert_eq!(vm_pin(), base);
 }
 
+/// On THP memory a pin holds its whole huge page, long-term as with mlock: `VmPin` grows by
+/// 2 MiB, and the huge page stays mapped huge through the pin and the unpin.
+#[test]
+fn a_long_term_pin_inside_a_transparent_huge_page_holds_it_whole() {
+    let _s = serial();
+    let test = "a_long_term_pin_inside_a_transparent_huge_page";
+    let Some(registry) = registry(LockLimit::Unlimited, 4 * MIB, test) else {
+        return;
+    };
+    let thp = Arc::new(
+        Backing::with_options(
+            BackingKind::Thp,
+            4 * MIB,
+            &BackingOptions { populate: true },
+        )
+        .unwrap(),
+    );
+    let huge_kib = || common::smaps_sum(thp.hva().0, thp.hva().0 + 4 * MIB, "AnonHugePages") / 1024;
+    if huge_kib() < 4096 {
+        common::skipped(&format!(
+            "{test}: THP gave {} KiB of huge pages here, not 4096",
+            huge_kib()
+        ));
+        return;
+    }
+    let d = DmaSpace::new(DmaConfig {
+        registry: Some(registry.clone()),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    d.map_backing(Iova(0), &thp, 0, 4 * MIB, Prot::RW).unwrap();
+    let base = vm_pin();
+    d.pin_pages(&[600], Prot::RW).unwrap();
+    assert_eq!(vm_pin() - base, 2 * MIB);
+    assert_eq!(registry.locked_bytes(), 2 * MIB);
+    assert!(locked_pages(&thp).is_empty());
+    assert_eq!(huge_kib(), 4096, "still mapped huge while pinned");
+    d.unpin_pages(&[600]).unwrap();
+    d.release_cached_locks();
+    assert_eq!(vm_pin(), base);
+    assert_eq!(huge_kib(), 4096, "still mapped huge after the unpin");
+}
+
 /// An Eager space pins whole mappings when they are made; one over 1 GiB (the kernel's largest
 /// io_uring buffer) is pinned as several buffers and let go whole at unmap.
 #[test]
