@@ -3,8 +3,9 @@
 # vhost-user back end. Needs root (mount namespaces, chroot, mmdebstrap); builds the QEMU root
 # and the guest on first use under target/guest/.
 #
-# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] | balloon [--negative]
-#                      | mig [--negative] [--iommu=M] | hostile | vfio-user [--negative] [--private]
+# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] | balloon [--negative] [--long-term]
+#                      | mig [--negative] [--iommu=M] | hostile
+#                      | vfio-user [--negative] [--private] [--long-term]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -41,6 +42,12 @@
 #               pinned or locked. Env: MVDMA_REQ (tables, 2000), MVDMA_SECS (45), MVDMA_SCALE (4096).
 #   vfio-user --negative: the server forgets unmaps (test-only switch); the guest must catch
 #               the device writing a page it unmapped.
+#   balloon --long-term: the blk device's pins are long-term pins (io_uring, FOLL_LONGTERM), which
+#               MADV_DONTNEED does not refuse: only the pin registry keeps the balloon's discards
+#               off pages in flight; the host checks that pins went that way.
+#   vfio-user --long-term: the server holds what the device pins with long-term pins (io_uring,
+#               FOLL_LONGTERM) instead of mlock; the host also checks that pins went that way
+#               and that none is left at the end.
 #   vfio-user --private: guest RAM is private to QEMU (no shared memory backend), so every
 #               DMA_MAP comes without a descriptor and every byte the device moves goes through
 #               DMA_READ / DMA_WRITE messages to QEMU; pin mode finds nothing to pin and copies.
@@ -49,8 +56,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
-negative=0; peer=0; fuzz=0; iommu=""; private=0
-for a in "$@"; do case $a in --negative) negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
+negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0
+for a in "$@"; do case $a in --negative) negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 if [ "$(id -u)" != 0 ]; then
   echo "SKIPPED real-guest trial $trial: needs root (mount namespace + chroot for the QEMU root, mmdebstrap)"
   exit 0
@@ -62,7 +69,7 @@ guest/mkroot.sh "$work/root" >/dev/null
 fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/initrd.cpio.gz" -nt "$f" ] || fresh=0; done
 [ $fresh = 1 ] || guest/mkguest.sh "$work/vm" >/dev/null
 cd "$work"
-name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private
+name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term
 run=run/$name; rm -rf "$run"; mkdir -p "$run"
 log=$run/console.log
 pids=()
@@ -139,7 +146,8 @@ blk)
 balloon)
   truncate -s 64M "$run/disk.img"
   "$bin" serve --blk "$run/blk.sock=$run/disk.img" --balloon "$run/balloon.sock" --control "$run/control.sock" \
-    --stats "$run/stats.json" $([ $negative = 1 ] && echo --no-reporting) > "$run/backend.log" 2>&1 &
+    --stats "$run/stats.json" $([ $negative = 1 ] && echo --no-reporting) $([ $long_term = 1 ] && echo --long-term-pins) \
+    > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/blk.sock"; wait_socket "$run/balloon.sock"; wait_socket "$run/control.sock"
   control() { "$bin" balloon-target --control "$run/control.sock" "$1"; }
@@ -184,6 +192,13 @@ balloon)
   case "$bres" in *PASS*) ;; *) ok=0;; esac
   case "$kres" in *PASS*) ;; *) ok=0;; esac
   [ $dropped -ge $((freed * 8 / 10)) ] || ok=0
+  if [ $long_term = 1 ]; then
+    # The blk device's pins were held long-term, and none outlived the devices.
+    lt=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"long_term_pins":[0-9]*' | cut -d: -f2)
+    left=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"long_term_bytes":[0-9]*' | cut -d: -f2)
+    echo "  long-term pins: ${lt:-none} runs pinned, ${left:-?} bytes still pinned at the end (want > 0 and 0)"
+    [ "${lt:-0}" -gt 0 ] && [ "${left:-1}" = 0 ] || ok=0
+  fi
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: memory came back without free page reporting"; exit 1
@@ -309,7 +324,7 @@ vfio-user)
   # maps thousands of single pages, and sends DMA to unmapped IOVAs (must fail, write nothing).
   # The host checks the server ended cleanly: nothing pinned or locked, the bad descriptors
   # (3 per mode) failed and no others.
-  extra=(); [ $negative = 0 ] || extra=(--test-ignore-unmap)
+  extra=(); [ $negative = 0 ] || extra+=(--test-ignore-unmap); [ $long_term = 0 ] || extra+=(--long-term-pins)
   MEMVISOR_LOG=${MEMVISOR_LOG:-warn} "$bin" vfio-user --socket "$run/vfu.sock" --stats "$run/stats.json" \
     --record "$run/dma.rec" "${extra[@]}" > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
@@ -325,15 +340,20 @@ vfio-user)
   kill -TERM "$bpid" 2>/dev/null || true; wait "$bpid" 2>/dev/null || true
   { grep -a -h -E '^(GUEST|MVDMA)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
   res=$(grep -a '^RESULT vfio-user' "$log" | tail -1 | tr -d '\r' || true)
-  host=$(python3 - "$run/stats.json" $private <<'PY'
+  host=$(python3 - "$run/stats.json" $private $long_term <<'PY'
 import json, sys
 try:
     s = json.load(open(sys.argv[1]))
 except Exception as e:
     print(f"FAIL no server stats ({e})"); sys.exit()
 private = sys.argv[2] == "1"
+long_term = sys.argv[3] == "1"
 d = s["device"]
 bad = []
+if long_term:
+    # The device's pins went through long-term pins, and none is left.
+    if not s["long_term_pins"]: bad.append("no pin was held long-term")
+    if s["long_term_bytes_at_end"]: bad.append(f"{s['long_term_bytes_at_end']} bytes still pinned long-term")
 if private:
     # Every map without a descriptor, every byte through QEMU, none of it failing.
     if s["dma_maps_remote"] != s["dma_maps"]: bad.append(f"{s['dma_maps'] - s['dma_maps_remote']} maps came with a descriptor")
@@ -349,7 +369,8 @@ print(("FAIL " + "; ".join(bad)) if bad else "PASS", f"maps={s['dma_maps']} unma
       f"map_us={s['map_ns'] / max(s['dma_maps'] + s['dma_map_errors'], 1) / 1e3:.2f} unmap_us={s['unmap_ns'] / max(s['dma_unmaps'] + s['dma_unmaps_empty'], 1) / 1e3:.2f}",
       f"descriptors ok={d['descriptors_ok']} failed={d['descriptors_failed']} copy={d['copy_descriptors']} pin={d['pin_descriptors']}",
       f"pin_calls={d['pin_calls']} irqs={s['irqs_signalled']} mib={d['bytes'] / 2**20:.1f}",
-      f"remote_maps={s['dma_maps_remote']} dma_read={s['peer_reads']} dma_write={s['peer_writes']} peer_mib={s['peer_bytes'] / 2**20:.1f} pin_fallbacks={d['pin_fallbacks']}")
+      f"remote_maps={s['dma_maps_remote']} dma_read={s['peer_reads']} dma_write={s['peer_writes']} peer_mib={s['peer_bytes'] / 2**20:.1f} pin_fallbacks={d['pin_fallbacks']}",
+      f"long_term_pins={s['long_term_pins']} long_term_fallbacks={s['long_term_fallbacks']}")
 PY
 )
   echo "  server: $host"

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use memvisor::dma::PinRegistry;
 use memvisor_vhost::{
     Backend, BackendStats, BalloonDevice, BalloonTarget, Blk, BlkOptions, BlkStats,
 };
@@ -171,6 +172,46 @@ pub struct ServeReport {
     pub blk: Vec<BlkReport>,
     /// Balloons.
     pub balloon: Vec<BalloonReport>,
+    /// The process's pin registry when the devices had stopped.
+    pub pins: PinReport,
+}
+
+/// What the process's pin registry ([`PinRegistry::global`]) says, for `--stats`.
+#[derive(Serialize, Default)]
+pub struct PinReport {
+    /// Whether pins are held with long-term pins (`--long-term-pins`).
+    pub long_term: bool,
+    /// Runs of pages held long-term, and runs the kernel refused that were mlocked instead.
+    pub long_term_pins: u64,
+    pub long_term_fallbacks: u64,
+    /// Bytes pins still charged, and bytes still pinned long-term (the cache's included).
+    pub locked_bytes: u64,
+    pub long_term_bytes: u64,
+}
+
+impl PinReport {
+    /// The global registry now.
+    pub fn now() -> PinReport {
+        let registry = PinRegistry::global();
+        let counts = registry.long_term_counts();
+        PinReport {
+            long_term: registry.long_term_pins(),
+            long_term_pins: counts.pinned,
+            long_term_fallbacks: counts.fallbacks,
+            locked_bytes: registry.locked_bytes(),
+            long_term_bytes: registry.long_term_bytes(),
+        }
+    }
+}
+
+/// Turns long-term pins on for the process's registry, which every device here pins through
+/// (`--long-term-pins`).
+pub fn use_long_term_pins() -> Result<()> {
+    PinRegistry::global()
+        .set_long_term_pins(true)
+        .context("--long-term-pins")?;
+    log::info!("pins are held with long-term pins (io_uring, FOLL_LONGTERM), not mlock");
+    Ok(())
 }
 
 /// Devices for [`serve`].
@@ -270,6 +311,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
     if let Some(t) = control {
         let _ = t.join();
     }
+    report.pins = PinReport::now();
     Ok(report)
 }
 
@@ -373,9 +415,13 @@ pub struct VfioUserReport {
 pub fn vfio_user(
     socket: &Path,
     record: Option<&Path>,
+    long_term_pins: bool,
     test_ignore_unmap: bool,
 ) -> Result<VfioUserReport> {
     use memvisor_vfio_user::{DmaDev, Server};
+    if long_term_pins {
+        use_long_term_pins()?;
+    }
     let listener = listen(socket)?;
     listener.set_nonblocking(true)?;
     let sock = loop {

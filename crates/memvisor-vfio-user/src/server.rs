@@ -241,6 +241,12 @@ pub struct ServerStats {
     pub pinned_pages_at_end: u64,
     /// Bytes the process still had locked after the server dropped its mappings: must be 0.
     pub locked_bytes_at_end: u64,
+    /// Runs of pages the registry held with long-term pins, and runs the kernel refused that
+    /// were mlocked instead ([`PinRegistry::long_term_counts`]; 0 unless turned on).
+    pub long_term_pins: u64,
+    pub long_term_fallbacks: u64,
+    /// Bytes long-term pins still held after the server dropped its mappings: must be 0.
+    pub long_term_bytes_at_end: u64,
     /// The device's counters.
     pub device: serde_json::Value,
 }
@@ -326,6 +332,10 @@ impl<D: Device> Server<D> {
             log::warn!("unmap at disconnect: {e}");
         }
         self.stats.locked_bytes_at_end = self.port.registry.locked_bytes();
+        let counts = self.port.registry.long_term_counts();
+        self.stats.long_term_pins = counts.pinned;
+        self.stats.long_term_fallbacks = counts.fallbacks;
+        self.stats.long_term_bytes_at_end = self.port.registry.long_term_bytes();
         self.stats.irqs_signalled = self.port.signalled.load(Ordering::Relaxed);
         let peer = &self.port.peer;
         self.stats.peer_reads = peer.reads.load(Ordering::Relaxed);

@@ -182,9 +182,12 @@ fn memory_the_kernel_will_not_pin_long_term_is_mlocked_instead() {
     assert_eq!(locked_pages(&b), BTreeSet::from([3]));
     assert_eq!(vm_pin(), base);
     assert_eq!(registry.locked_bytes(), PAGE);
+    assert_eq!(registry.long_term_counts().fallbacks, 1);
+    assert_eq!(registry.long_term_counts().pinned, 0);
     // Its neighbours are pinned long-term, in the same registry, side by side.
     d.pin_pages(&[2, 4], Prot::RW).unwrap();
     assert_eq!(vm_pin() - base, 2 * PAGE);
+    assert_eq!(registry.long_term_counts().pinned, 2);
     assert_eq!(locked_pages(&b), BTreeSet::from([3]));
     assert_eq!(registry.locked_bytes(), 3 * PAGE);
     // Turned off, new pins are mlocks; the long-term ones stay until unpinned.

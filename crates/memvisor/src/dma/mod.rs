@@ -70,7 +70,7 @@ pub use account::LockLimit;
 pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
 pub use external::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pinned};
 pub use mode::{Extent, PinMode};
-pub use pin::{HostExtent, PIN_BATCH, PinRegistry};
+pub use pin::{HostExtent, LongTermCounts, PIN_BATCH, PinRegistry};
 pub use translate::{DmaCursor, Segment, Translation};
 
 /// What a mapping allows a device to do.

@@ -198,6 +198,7 @@ struct State {
     long_term: Option<LongTerm>,
     /// Whether new locks are long-term pins (else mlocks).
     use_long_term: bool,
+    long_term_counts: LongTermCounts,
 }
 
 impl State {
@@ -395,8 +396,10 @@ impl State {
                 // MAP_SHARED ext4 file), the user's locked-memory limit, a full table — it is
                 // locked the other way.
                 if long_term.pin(s, e).is_ok() {
+                    self.long_term_counts.pinned += 1;
                     return Ok(());
                 }
+                self.long_term_counts.fallbacks += 1;
             }
         }
         mlock(s, e)
@@ -481,6 +484,17 @@ impl Adapt {
     }
 }
 
+/// What long-term pins did ([`PinRegistry::long_term_counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LongTermCounts {
+    /// Runs of pages held with a long-term pin (one per run a pin had to hold anew).
+    pub pinned: u64,
+    /// Runs the kernel would not pin long-term, mlocked instead (read-only memory, a
+    /// `MAP_SHARED` file on a filesystem without long-term pins, the user's locked-memory
+    /// limit, every buffer table full).
+    pub fallbacks: u64,
+}
+
 /// Every registry of the process, so that one the kernel refuses an mlock can empty the others'
 /// caches (the kernel counts every lock of the process against one rlimit).
 static REGISTRIES: Mutex<Vec<Weak<PinRegistry>>> = Mutex::new(Vec::new());
@@ -535,6 +549,7 @@ impl PinRegistry {
                 account: Account::new(limit),
                 long_term: None,
                 use_long_term: false,
+                long_term_counts: LongTermCounts::default(),
             }),
             pagemap: OnceLock::new(),
         });
@@ -598,6 +613,12 @@ impl PinRegistry {
     /// Whether pins hold new pages with long-term pins ([`PinRegistry::set_long_term_pins`]).
     pub fn long_term_pins(&self) -> bool {
         self.lock().use_long_term
+    }
+
+    /// How often pins were held long-term, and how often the kernel refused and they were
+    /// mlocked instead, since the registry was made.
+    pub fn long_term_counts(&self) -> LongTermCounts {
+        self.lock().long_term_counts
     }
 
     /// Bytes held by long-term pins, the lock cache's included: what the kernel shows of this
