@@ -87,15 +87,25 @@ impl RunSet {
         self.pages += end - start;
     }
 
-    /// Removes the pages of `[start, end)`; returns the pieces that were in the set.
-    fn remove(&mut self, start: u64, end: u64) -> Vec<(u64, u64)> {
-        let gone = self.overlapping(start, end);
-        for &(s, e) in &gone {
-            let (&rs, &re) = self
+    /// Removes the pages of `[start, end)`; appends the pieces that were in the set to `out`
+    /// as `(start, end, unit)`, in order. Nothing is allocated but `out`'s growth: this is on
+    /// every unpin's path.
+    fn remove_into(&mut self, start: u64, end: u64, unit: u64, out: &mut Vec<(u64, u64, u64)>) {
+        let mut at = start;
+        while at < end {
+            // The first run overlapping [at, end). What is put back of a run lies before
+            // `start` or from `end` on, so it is never found again.
+            let Some((rs, re)) = self
                 .runs
-                .range(..=s)
+                .range(..=at)
                 .next_back()
-                .expect("a piece lies in a run");
+                .filter(|(_, e)| **e > at)
+                .or_else(|| self.runs.range(at..end).next())
+                .map(|(&s, &e)| (s, e))
+            else {
+                break;
+            };
+            let (s, e) = (rs.max(start), re.min(end));
             self.runs.remove(&rs);
             if rs < s {
                 self.runs.insert(rs, s);
@@ -104,8 +114,9 @@ impl RunSet {
                 self.runs.insert(e, re);
             }
             self.pages -= e - s;
+            out.push((s, e, unit));
+            at = e;
         }
-        gone
     }
 }
 
@@ -136,24 +147,36 @@ impl Locked {
 
     /// The parts of `[start, end)` not locked, in order.
     pub fn gaps(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
-        let mut held: Vec<(u64, u64)> = self
-            .sets
-            .iter()
-            .flat_map(|(_, s)| s.overlapping(start, end))
-            .collect();
-        held.sort_unstable();
         let mut out = Vec::new();
+        self.gaps_into(start, end, &mut out);
+        out
+    }
+
+    /// [`Locked::gaps`], appended to `out`. With one unit (the usual case) nothing is
+    /// allocated but `out`'s growth.
+    pub fn gaps_into(&self, start: u64, end: u64, out: &mut Vec<(u64, u64)>) {
         let mut at = start;
-        for (s, e) in held {
+        let mut step = |(s, e): (u64, u64)| {
             if s > at {
                 out.push((at, s));
             }
             at = at.max(e);
+        };
+        match self.sets.as_slice() {
+            [] => {}
+            [(_, set)] => set.overlapping_iter(start, end).for_each(&mut step),
+            sets => {
+                let mut held: Vec<(u64, u64)> = sets
+                    .iter()
+                    .flat_map(|(_, s)| s.overlapping(start, end))
+                    .collect();
+                held.sort_unstable();
+                held.into_iter().for_each(&mut step);
+            }
         }
         if at < end {
             out.push((at, end));
         }
-        out
     }
 
     /// Records `[start, end)` (not locked before) as locked in units of `unit` pages.
@@ -179,13 +202,20 @@ impl Locked {
 
     /// Forgets the locked pages of `[start, end)`; returns them as `(start, end, unit)`, in order.
     pub fn remove(&mut self, start: u64, end: u64) -> Vec<(u64, u64, u64)> {
-        let mut out: Vec<(u64, u64, u64)> = self
-            .sets
-            .iter_mut()
-            .flat_map(|(u, s)| s.remove(start, end).into_iter().map(|(a, b)| (a, b, *u)))
-            .collect();
-        out.sort_unstable();
+        let mut out = Vec::new();
+        self.remove_into(start, end, &mut out);
         out
+    }
+
+    /// [`Locked::remove`], into `out` (emptied first).
+    pub fn remove_into(&mut self, start: u64, end: u64, out: &mut Vec<(u64, u64, u64)>) {
+        out.clear();
+        for (u, s) in &mut self.sets {
+            s.remove_into(start, end, *u, out);
+        }
+        if self.sets.len() > 1 {
+            out.sort_unstable();
+        }
     }
 
     /// The locked pieces of `[start, end)` as `(start, end, unit)`, in order; nothing changes.

@@ -190,6 +190,8 @@ struct State {
     /// Scratch lists kept between calls, so that a pin or unpin allocates nothing.
     zero: Vec<(u64, u64)>,
     taken: Vec<(u64, u64, u64)>,
+    new: Vec<(u64, u64)>,
+    pieces: Vec<(u64, u64, u64)>,
     /// Runs a munlock failed for (the kernel could not split the area, e.g. at
     /// `vm.max_map_count`): still locked and charged, tried again at the next pin or unpin.
     stuck: Vec<(u64, u64)>,
@@ -225,7 +227,9 @@ impl State {
                     }
                     continue;
                 }
-                for (a, b, u) in self.locked.remove(us, ue) {
+                let mut pieces = std::mem::take(&mut self.pieces);
+                self.locked.remove_into(us, ue, &mut pieces);
+                for &(a, b, u) in &pieces {
                     if self.unlock_pages(a, b).is_ok() {
                         self.account.release((b - a) * PAGE);
                     } else {
@@ -233,6 +237,7 @@ impl State {
                         self.stuck.push((a, b));
                     }
                 }
+                self.pieces = pieces;
             }
         }
         if keep {
@@ -332,30 +337,33 @@ impl State {
 
     fn try_hold(&mut self, us: u64, ue: u64, unit: u64) -> Result<()> {
         let mut taken = std::mem::take(&mut self.taken);
+        let mut new = std::mem::take(&mut self.new);
         taken.clear();
-        let done = self.try_hold_with(us, ue, unit, &mut taken);
+        new.clear();
+        let done = self.try_hold_with(us, ue, unit, &mut taken, &mut new);
         self.taken = taken;
+        self.new = new;
         done
     }
 
-    /// [`State::try_hold`], with `taken` (empty) to collect what the cache gives back.
+    /// [`State::try_hold`], with `taken` (empty) to collect what the cache gives back and `new`
+    /// (empty) what must be locked anew.
     fn try_hold_with(
         &mut self,
         us: u64,
         ue: u64,
         unit: u64,
         taken: &mut Vec<(u64, u64, u64)>,
+        new: &mut Vec<(u64, u64)>,
     ) -> Result<()> {
         self.idle.take(us, ue, taken);
         if !taken.is_empty() {
             self.adapt.hit();
         }
         let taken_bytes: u64 = taken.iter().map(|(s, e, _)| (e - s) * PAGE).sum();
-        let new = if self.locked.covers(us, ue) {
-            Vec::new()
-        } else {
-            self.locked.gaps(us, ue)
-        };
+        if !self.locked.covers(us, ue) {
+            self.locked.gaps_into(us, ue, new);
+        }
         let new_bytes: u64 = new.iter().map(|(s, e)| (e - s) * PAGE).sum();
         if let Err(e) = self.account.charge(taken_bytes + new_bytes) {
             self.idle.give_back(taken);
@@ -381,7 +389,7 @@ impl State {
                 return Err(err);
             }
         }
-        for &(s, e) in &new {
+        for &(s, e) in new.iter() {
             self.locked.insert(s, e, unit);
         }
         Ok(())
@@ -546,6 +554,8 @@ impl PinRegistry {
                 stuck: Vec::new(),
                 zero: Vec::new(),
                 taken: Vec::new(),
+                new: Vec::new(),
+                pieces: Vec::new(),
                 account: Account::new(limit),
                 long_term: None,
                 use_long_term: false,
