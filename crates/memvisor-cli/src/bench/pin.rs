@@ -7,6 +7,9 @@
 //! `pin_batch = 1` (one populate, one mlock and one 8-byte pagemap read per page); the batched
 //! variant uses the default 512 (one of each per 2 MiB, one 4 KiB pagemap read). Frames are
 //! read only with CAP_SYS_ADMIN; without it both variants pin without frames and say so.
+//! A third variant pins with long-term pins ([`PinRegistry::set_long_term_pins`]: the kernel's
+//! `FOLL_LONGTERM` pin through io_uring buffers instead of mlock, in steps of 64 MiB); it is
+//! skipped, with the reason, where io_uring is forbidden.
 //! Each run maps fresh memory into a fresh space; the unmap after it is not timed. A size that
 //! does not fit in free memory, or that the process may not lock (RLIMIT_MEMLOCK without
 //! root), is skipped with the reason.
@@ -48,10 +51,21 @@ pub(super) fn mean_std(samples: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
-/// Seconds to pin `size` bytes of fresh populated 4 KiB memory with an Eager map.
-fn pin_seconds(size: u64, batch: usize, frames: bool) -> anyhow::Result<f64> {
+/// Seconds to pin `size` bytes of fresh populated 4 KiB memory with an Eager map, with
+/// long-term pins or mlock.
+fn pin_seconds(size: u64, batch: usize, frames: bool, long_term: bool) -> anyhow::Result<f64> {
     let memory = populated(size)?;
-    let dma = eager_space(batch, frames)?;
+    let registry = PinRegistry::new(LockLimit::Unlimited);
+    if long_term {
+        registry.set_long_term_pins(true)?;
+    }
+    let dma = DmaSpace::new(DmaConfig {
+        pin_mode: PinMode::Eager,
+        pin_batch: batch,
+        frames,
+        registry: Some(registry),
+        ..DmaConfig::default()
+    })?;
     let start = Instant::now();
     dma.map_backing(Iova(0), &memory, 0, size, Prot::RW)?;
     let secs = start.elapsed().as_secs_f64();
@@ -120,8 +134,16 @@ impl Experiment for Pin {
         };
         let runs = ctx.runs_or(default_runs);
         let frames = can_read_frames();
-        let variants = [("per-page", 1usize), ("batch of 512", PIN_BATCH)];
         let mut out = Outcome::default();
+        let mut variants = vec![
+            ("per-page", 1usize, false),
+            ("batch of 512", PIN_BATCH, false),
+        ];
+        match PinRegistry::new(LockLimit::Unlimited).set_long_term_pins(true) {
+            Ok(()) => variants.push(("long-term", PIN_BATCH, true)),
+            Err(why) => out.skipped.push(format!("long-term variant: {why}")),
+        }
+        let per_size = variants.len() as u64 * runs as u64;
         if !frames {
             out.skipped.push(
                 "physical frames: reading /proc/self/pagemap frames needs CAP_SYS_ADMIN; both \
@@ -129,7 +151,7 @@ impl Experiment for Pin {
                     .into(),
             );
         }
-        let mut progress = ctx.progress("pin", sizes.len() as u64 * 2 * runs as u64);
+        let mut progress = ctx.progress("pin", sizes.len() as u64 * per_size);
         let mut table = Table::new(
             &format!(
                 "Pin time by guest size (means of {runs} runs, as the seed reports them; lower \
@@ -146,6 +168,10 @@ impl Experiment for Pin {
                 "batched GB/s",
                 "floor s",
                 "batched / floor",
+                "long-term mean s",
+                "(std dev)",
+                "long-term GB/s",
+                "batched / long-term",
             ],
         );
         let mut chart = Chart::new(
@@ -160,15 +186,15 @@ impl Experiment for Pin {
             // Each run populates and locks `size` bytes (then lets them go).
             if let Err(why) = limits::check_free(size).and_then(|()| limits::check_lock(size)) {
                 out.skipped.push(format!("{gib} GiB: {why}"));
-                progress.inc(2 * runs as u64);
+                progress.inc(per_size);
                 continue;
             }
             let mut avg = Vec::new();
             let mut cells = Vec::new();
-            for (name, batch) in variants {
+            for &(name, batch, long_term) in &variants {
                 let mut samples = Vec::new();
                 for _ in 0..runs {
-                    samples.push(pin_seconds(size, batch, frames)?);
+                    samples.push(pin_seconds(size, batch, frames, long_term)?);
                     progress.inc(1);
                 }
                 let (mean, std) = mean_std(&samples);
@@ -185,12 +211,12 @@ impl Experiment for Pin {
                 cells.push(format!("{mean:.3}"));
                 cells.push(format!("({std:.3})"));
             }
-            let gbps: Vec<String> = avg
+            let gbps: Vec<String> = avg[..2]
                 .iter()
                 .map(|s| format!("{:.1}", size as f64 / s / 1e9))
                 .collect();
             let mut row = vec![gib.to_string(), format!("{:.1}x", avg[0] / avg[1])];
-            row.extend(cells);
+            row.extend(cells[..4].iter().cloned());
             row.extend(gbps);
             let floor_samples = (0..runs)
                 .map(|_| floor_seconds(size, frames))
@@ -207,13 +233,21 @@ impl Experiment for Pin {
             ));
             row.push(format!("{floor_mean:.3}"));
             row.push(format!("{:.2}x", avg[1] / floor_mean));
+            match avg.get(2) {
+                Some(long_term) => {
+                    row.extend(cells[4..].iter().cloned());
+                    row.push(format!("{:.1}", size as f64 / long_term / 1e9));
+                    row.push(format!("{:.1}x", avg[1] / long_term));
+                }
+                None => row.extend(["skipped", "", "", ""].map(String::from)),
+            }
             table.push(row);
             chart.groups.push(ChartGroup {
                 label: format!("{gib} GiB"),
                 bars: variants
                     .iter()
                     .zip(&avg)
-                    .map(|((n, _), s)| (n.to_string(), *s))
+                    .map(|((n, _, _), s)| (n.to_string(), *s))
                     .collect(),
             });
         }
@@ -228,7 +262,9 @@ impl Experiment for Pin {
              range plus one pass of 4 KiB pagemap reads. Seed 000 (kernel, \
              1 GB: 0.61 s -> 0.56 s, 8% faster) batched get_user_pages inside a pin path that \
              zeroes pages; here memory is populated first, so what remains is the per-step \
-             cost the batch removes.",
+             cost the batch removes. long-term: the batched map with long-term pins (the \
+             kernel's FOLL_LONGTERM pin through io_uring buffers, 64 MiB per step), which skip \
+             mlock's per-page LRU work; the floor is mlock's.",
             if frames {
                 "read"
             } else {

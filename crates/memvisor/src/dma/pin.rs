@@ -89,6 +89,11 @@ use crate::error::{Error, Result};
 /// Pages per step when pinning: one 4 KiB page of pagemap entries, as in seed 000.
 pub const PIN_BATCH: usize = 512;
 
+/// Pages per step when pinning long-term (64 MiB): each step is one buffer in the kernel's
+/// tables, of which there are 16,384, so steps of [`PIN_BATCH`] would pin at most 32 GiB
+/// long-term; 64 MiB steps reach 1 TiB, and hold the registry's lock ~1 ms each.
+const LONG_TERM_STEP: u64 = 16384;
+
 /// Default bound of the lock cache in bytes; see the module documentation.
 const LOCK_CACHE_BYTES: u64 = 64 << 20;
 
@@ -760,11 +765,16 @@ impl PinRegistry {
             None
         };
         let (first, end) = req.pages();
-        let step = req.batch.max(1) as u64;
+        let mut step = req.batch.max(1) as u64;
         if end - first > step {
             // Refuse up front when the whole call cannot fit, before any work; each step
             // still checks again under the lock, since other pins may come in between.
             let mut st = self.lock();
+            if st.use_long_term && step > 1 {
+                // Each step is one kernel buffer: larger steps keep a large mapping within
+                // the buffer tables (16,384 buffers of 2 MiB would stop at 32 GiB).
+                step = step.max(LONG_TERM_STEP);
+            }
             let (us, ue) = req.units(first, end);
             let unlocked: u64 = st.locked.gaps(us, ue).iter().map(|(s, e)| e - s).sum();
             let new = unlocked + st.idle.pages_in(us, ue);
