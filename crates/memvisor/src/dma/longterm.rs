@@ -9,15 +9,23 @@
 //! 0.6 µs to unpin this way, against 6-7 µs and 4-6 µs for `mlock` and `munlock`, whose cost is
 //! mostly splitting and merging the memory area around the page.
 //!
-//! Here io_uring instances, never used for I/O, each hold a sparse table of [`SLOTS`] buffers;
-//! a new instance opens when every slot is taken, up to [`RINGS`]. The tables are small because
-//! registering a buffer over a huge page (THP, hugetlbfs) makes the kernel look through every
-//! slot of its table for the same huge page (to charge it once): with one table of 16,384
-//! slots a 2 MiB pin cost ~15 µs, with 1,024 slots ~3.5 µs. Every [`LongTerm::pin`] of a run of pages registers it as one buffer (a run over 1 GiB, the
-//! kernel's largest buffer, as several) in a free slot, and [`LongTerm::unpin`] clears the slots
-//! of the buffers inside the run it is given. A buffer only partly inside is replaced: the parts
-//! outside are registered as buffers of their own first, then the old slot is cleared, so the
-//! pages that stay pinned are never unpinned in between.
+//! Here io_uring instances, never used for I/O, each hold a sparse table of buffers, and a new
+//! instance opens when every slot is taken. Every [`LongTerm::pin`] of a run of pages registers
+//! it as one buffer (a run over 1 GiB, the kernel's largest buffer, as several) in a free slot,
+//! and [`LongTerm::unpin`] clears the slots of the buffers inside the run it is given. A buffer
+//! only partly inside is replaced: the parts outside are registered as buffers of their own
+//! first, then the old slot is cleared, so the pages that stay pinned are never unpinned in
+//! between.
+//!
+//! **Tables come in two sizes.** Registering a buffer over a huge page (THP, hugetlbfs) makes the
+//! kernel look through its whole table — every slot, and every page of every buffer held there —
+//! for the same huge page, to charge it once. On the reference machine a 2 MiB THP buffer cost
+//! 1.6 µs to register in an empty table of 64 slots, 2.4 µs in one of 1,024 and 4.0 µs in one of
+//! 1,024 holding 1,000 one-page buffers (a 4 KiB page of ordinary memory: 0.7 µs in all three).
+//! So short buffers (at most [`SHORT_MAX_PAGES`], what a device's pin holds) go to tables of
+//! [`SHORT_SLOTS`], which hold nothing else, and long ones (pins of whole mappings, in steps of
+//! up to 64 MiB) to tables of [`SLOTS`]; up to [`RINGS`] of each. When one kind is used up, a
+//! buffer takes a free slot of the other kind: slower, never refused for it.
 //!
 //! What differs from an `mlock` (the registry's other way to hold a page), as the caller must
 //! know:
@@ -39,11 +47,25 @@ use crate::error::{Error, Result};
 
 const PAGE: u64 = 4096;
 
-/// Buffers one table holds.
+/// Buffers one table of long buffers holds.
 pub(crate) const SLOTS: u32 = 1 << 10;
 
-/// The most tables (io_uring instances) open at once: 16,384 buffers in all.
+/// Buffers one table of short buffers holds.
+pub(crate) const SHORT_SLOTS: u32 = 64;
+
+/// The most tables (io_uring instances) of each size open at once: 16,384 long buffers and
+/// 1,024 short ones, 32 file descriptors.
 pub(crate) const RINGS: u32 = 16;
+
+/// The most pages of a short buffer (4 MiB): what one `pin_pages` call can hold (512 pages,
+/// or the two huge pages they can touch).
+pub(crate) const SHORT_MAX_PAGES: u64 = 1024;
+
+/// Index of the short tables in [`LongTerm`]'s per-size lists.
+const SHORT: usize = 0;
+
+/// Index of the long tables in [`LongTerm`]'s per-size lists.
+const LONG: usize = 1;
 
 /// The largest buffer the kernel registers, in pages (1 GiB).
 const MAX_BUFFER_PAGES: u64 = (1 << 30) / PAGE;
@@ -83,31 +105,35 @@ struct RsrcUpdate {
 /// Runs of pages held by long-term pins, one registered buffer each.
 #[derive(Debug)]
 pub(crate) struct LongTerm {
-    /// The tables; slot `n` is slot `n % SLOTS` of table `n / SLOTS`.
-    rings: Vec<OwnedFd>,
-    /// Free slots, the lowest last.
-    free: Vec<u32>,
+    /// The tables and their sizes (short or long); slot `n` is slot `n % SLOTS` of table
+    /// `n / SLOTS`.
+    rings: Vec<(OwnedFd, usize)>,
+    /// Free slots of the short and the long tables, the lowest last.
+    free: [Vec<u32>; 2],
+    /// Tables opened of each size.
+    opened: [u32; 2],
     /// Buffers by first page: `(end page, slot)`. Disjoint.
     held: BTreeMap<u64, (u64, u32)>,
     pages: u64,
 }
 
 impl LongTerm {
-    /// One io_uring instance with an empty table of [`SLOTS`] buffers. Fails where the process
-    /// may not use io_uring, with the reason.
+    /// One io_uring instance with an empty table of [`SHORT_SLOTS`] buffers (the long ones
+    /// open when first needed). Fails where the process may not use io_uring, with the reason.
     pub fn open() -> Result<LongTerm> {
         let mut long_term = LongTerm {
             rings: Vec::new(),
-            free: Vec::new(),
+            free: [Vec::new(), Vec::new()],
+            opened: [0; 2],
             held: BTreeMap::new(),
             pages: 0,
         };
-        long_term.add_ring()?;
+        long_term.add_ring(SHORT)?;
         Ok(long_term)
     }
 
-    /// Opens one more table and makes its slots free.
-    fn add_ring(&mut self) -> Result<()> {
+    /// Opens one more table of size `kind` ([`SHORT`] or [`LONG`]) and makes its slots free.
+    fn add_ring(&mut self, kind: usize) -> Result<()> {
         let mut params = Params {
             words: [0; 10],
             offsets: [0; 10],
@@ -133,8 +159,9 @@ impl LongTerm {
         }
         // SAFETY: the fd was just returned by the kernel and nothing else owns it.
         let ring = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let slots = if kind == SHORT { SHORT_SLOTS } else { SLOTS };
         let table = RsrcRegister {
-            nr: SLOTS,
+            nr: slots,
             flags: IORING_RSRC_REGISTER_SPARSE,
             resv2: 0,
             data: 0,
@@ -151,8 +178,9 @@ impl LongTerm {
             why: format!("registering a sparse buffer table: {e}"),
         })?;
         let first = self.rings.len() as u32 * SLOTS;
-        self.rings.push(ring);
-        self.free.extend((first..first + SLOTS).rev());
+        self.rings.push((ring, kind));
+        self.opened[kind] += 1;
+        self.free[kind].extend((first..first + slots).rev());
         Ok(())
     }
 
@@ -245,29 +273,55 @@ impl LongTerm {
                 // Clearing a slot only fails for want of kernel memory; then its pages stay
                 // pinned until the table closes, as well as under the restored buffer.
                 let _ = self.set_slot(k, 0, 0);
-                self.free.push(k);
+                self.free_slot(k);
             }
             self.held.insert(s, (e, slot));
             self.pages += e - s;
             return done;
         }
-        self.free.push(slot);
+        self.free_slot(slot);
         Ok(())
+    }
+
+    /// Makes `slot` free again, in the list of its table's size.
+    fn free_slot(&mut self, slot: u32) {
+        let kind = self.rings[(slot / SLOTS) as usize].1;
+        self.free[kind].push(slot);
+    }
+
+    /// A free slot for a buffer of `pages`: of a table of its size, opening one if none is
+    /// free and fewer than [`RINGS`] are open, else of the other size. Fails with ENOSPC when
+    /// every table is open and full, or with the reason a table would not open.
+    fn take_slot(&mut self, pages: u64) -> Result<u32> {
+        let kind = if pages <= SHORT_MAX_PAGES {
+            SHORT
+        } else {
+            LONG
+        };
+        let mut refused = None;
+        for k in [kind, 1 - kind] {
+            if self.free[k].is_empty() && self.opened[k] < RINGS {
+                // A table that will not open (out of file descriptors, say) leaves the other
+                // size.
+                if let Err(e) = self.add_ring(k) {
+                    refused = Some(e);
+                }
+            }
+            if let Some(slot) = self.free[k].pop() {
+                return Ok(slot);
+            }
+        }
+        Err(refused.unwrap_or_else(|| Error::Os {
+            op: "long-term pin: every slot of the io_uring buffer tables is in use",
+            source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+        }))
     }
 
     /// Registers `[s, e)` (at most 1 GiB) as one buffer in a free slot.
     fn register(&mut self, s: u64, e: u64) -> Result<()> {
-        if self.free.is_empty() && self.rings.len() < RINGS as usize {
-            self.add_ring()?;
-        }
-        let Some(slot) = self.free.pop() else {
-            return Err(Error::Os {
-                op: "long-term pin: every slot of the io_uring buffer tables is in use",
-                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
-            });
-        };
+        let slot = self.take_slot(e - s)?;
         if let Err(err) = self.set_slot(slot, s * PAGE, (e - s) * PAGE) {
-            self.free.push(slot);
+            self.free_slot(slot);
             return Err(err);
         }
         self.held.insert(s, (e, slot));
@@ -294,7 +348,7 @@ impl LongTerm {
             ..update
         };
         register(
-            &self.rings[(slot / SLOTS) as usize],
+            &self.rings[(slot / SLOTS) as usize].0,
             IORING_REGISTER_BUFFERS_UPDATE,
             &update as *const RsrcUpdate as *const libc::c_void,
             std::mem::size_of::<RsrcUpdate>() as u32,
@@ -376,6 +430,21 @@ mod tests {
         }
     }
 
+    impl LongTerm {
+        /// Whether every slot of every open table is free.
+        fn all_free(&self) -> bool {
+            let slots: usize = (self.rings.iter())
+                .map(|(_, k)| if *k == SHORT { SHORT_SLOTS } else { SLOTS } as usize)
+                .sum();
+            self.free[SHORT].len() + self.free[LONG].len() == slots
+        }
+
+        /// The size (short or long) of the table holding the buffer that starts at `page`.
+        fn kind_of(&self, page: u64) -> usize {
+            self.rings[(self.held[&page].1 / SLOTS) as usize].1
+        }
+    }
+
     fn open_or_skip(test: &str) -> Option<LongTerm> {
         match LongTerm::open() {
             Ok(lt) => Some(lt),
@@ -411,7 +480,7 @@ mod tests {
         lt.unpin(a.0 + 20, a.0 + 21).unwrap();
         assert_eq!(vm_pin(), before);
         assert_eq!(lt.pages(), 0);
-        assert_eq!(lt.free.len(), SLOTS as usize);
+        assert!(lt.all_free());
     }
 
     #[test]
@@ -445,19 +514,67 @@ mod tests {
         let Some(mut lt) = open_or_skip("a_full_table_opens_another") else {
             return;
         };
-        let n = SLOTS as u64 + 2;
+        let n = SHORT_SLOTS as u64 + 2;
         let a = Area::new(2 * n);
         let before = vm_pin();
         // Every other page, so that no two buffers touch: one slot each.
         for i in 0..n {
             lt.pin(a.0 + 2 * i, a.0 + 2 * i + 1).unwrap();
         }
-        assert_eq!(lt.rings.len(), 2);
+        assert_eq!(lt.opened, [2, 0]);
         assert_eq!(vm_pin() - before, n);
         let gaps = lt.unpin(a.0, a.0 + 2 * n).unwrap();
         assert_eq!(gaps.len() as u64, n);
         assert_eq!(vm_pin(), before);
-        assert_eq!(lt.free.len(), 2 * SLOTS as usize);
+        assert!(lt.all_free());
+    }
+
+    #[test]
+    fn short_and_long_buffers_go_to_tables_of_their_own_size() {
+        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mut lt) = open_or_skip("tables_of_their_own_size") else {
+            return;
+        };
+        let long = SHORT_MAX_PAGES + 1;
+        let a = Area::new(SHORT_MAX_PAGES + 1 + long);
+        let before = vm_pin();
+        lt.pin(a.0, a.0 + SHORT_MAX_PAGES).unwrap();
+        lt.pin(a.0 + SHORT_MAX_PAGES + 1, a.0 + SHORT_MAX_PAGES + 1 + long)
+            .unwrap();
+        assert_eq!(lt.opened, [1, 1]);
+        assert_eq!(lt.kind_of(a.0), SHORT);
+        assert_eq!(lt.kind_of(a.0 + SHORT_MAX_PAGES + 1), LONG);
+        assert_eq!(vm_pin() - before, SHORT_MAX_PAGES + long);
+        // The long buffer loses its first page: what stays is short now, and moves.
+        lt.unpin(a.0 + SHORT_MAX_PAGES + 1, a.0 + SHORT_MAX_PAGES + 2)
+            .unwrap();
+        assert_eq!(lt.kind_of(a.0 + SHORT_MAX_PAGES + 2), SHORT);
+        assert_eq!(vm_pin() - before, SHORT_MAX_PAGES + long - 1);
+        lt.unpin(a.0, a.0 + 2 * SHORT_MAX_PAGES + 2).unwrap();
+        assert_eq!(vm_pin(), before);
+        assert!(lt.all_free());
+    }
+
+    #[test]
+    fn when_one_size_is_used_up_buffers_take_the_other() {
+        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mut lt) = open_or_skip("buffers_take_the_other_size") else {
+            return;
+        };
+        let n = (RINGS * SHORT_SLOTS) as u64 + 3;
+        let a = Area::new(2 * n);
+        let before = vm_pin();
+        for i in 0..n {
+            lt.pin(a.0 + 2 * i, a.0 + 2 * i + 1).unwrap();
+        }
+        assert_eq!(lt.opened, [RINGS, 1]);
+        for i in n - 3..n {
+            assert_eq!(lt.kind_of(a.0 + 2 * i), LONG);
+        }
+        assert_eq!(vm_pin() - before, n);
+        lt.unpin(a.0, a.0 + 2 * n).unwrap();
+        assert_eq!(vm_pin(), before);
+        assert!(lt.all_free());
     }
 
     #[test]
@@ -481,6 +598,6 @@ mod tests {
         assert_eq!(err.errno(), libc::EFAULT, "{err}");
         assert_eq!(vm_pin(), before);
         assert_eq!(lt.pages(), 0);
-        assert_eq!(lt.free.len(), SLOTS as usize);
+        assert!(lt.all_free());
     }
 }
