@@ -3,7 +3,7 @@
 # vhost-user back end. Needs root (mount namespaces, chroot, mmdebstrap); builds the QEMU root
 # and the guest on first use under target/guest/.
 #
-# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] | balloon [--negative] [--long-term]
+# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
 #                      | mig [--negative] [--iommu=M] | hostile
 #                      | vfio-user [--negative] [--private] [--long-term]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
@@ -42,6 +42,9 @@
 #               pinned or locked. Env: MVDMA_REQ (tables, 2000), MVDMA_SECS (45), MVDMA_SCALE (4096).
 #   vfio-user --negative: the server forgets unmaps (test-only switch); the guest must catch
 #               the device writing a page it unmapped.
+#   blk --long-term: the back end holds the pages of requests in flight with long-term pins
+#               (io_uring, FOLL_LONGTERM) instead of mlock; the host also checks that pins went
+#               that way and that none is left at the end.
 #   balloon --long-term: the blk device's pins are long-term pins (io_uring, FOLL_LONGTERM), which
 #               MADV_DONTNEED does not refuse: only the pin registry keeps the balloon's discards
 #               off pages in flight; the host checks that pins went that way.
@@ -77,6 +80,15 @@ cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done;
 trap cleanup EXIT
 
 wait_socket() { for _ in $(seq 100); do [ -S "$1" ] && return 0; sleep 0.1; done; echo "no socket $1" >&2; return 1; }
+# With --long-term: the back end's stats ($run/stats.json) must show runs pinned long-term and
+# none still pinned at the end; sets ok=0 otherwise.
+check_long_term() {
+  local lt left
+  lt=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"long_term_pins":[0-9]*' | cut -d: -f2)
+  left=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"long_term_bytes":[0-9]*' | cut -d: -f2)
+  echo "  long-term pins: ${lt:-none} runs pinned, ${left:-?} bytes still pinned at the end (want > 0 and 0)"
+  [ "${lt:-0}" -gt 0 ] && [ "${left:-1}" = 0 ] || ok=0
+}
 # Guest RAM: a shared memfd that back ends map, or (--private) QEMU's own anonymous memory.
 ram="memory-backend-memfd,id=mem,size=1G,share=on"; [ $private = 0 ] || ram="memory-backend-ram,id=mem,size=1G"
 # Runs QEMU with the trial's devices; the console goes to $log.
@@ -99,7 +111,7 @@ blk)
       --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=$sock,writable=on > "$run/backend.log" 2>&1 &
   else
     MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
-      $([ -n "$iommu" ] && echo --iommu --record-iotlb "$run/iotlb.rec") > "$run/backend.log" 2>&1 &
+      $([ -n "$iommu" ] && echo --iommu --record-iotlb "$run/iotlb.rec") $([ $long_term = 1 ] && echo --long-term-pins) > "$run/backend.log" 2>&1 &
   fi
   bpid=$!; pids+=("$bpid")
   wait_socket "$sock"
@@ -137,6 +149,7 @@ blk)
   echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
   echo "$name: ${result:-RESULT blk FAIL no verdict (see $work/$log)}"
   ok=0; case "$result" in *PASS*) [ $host = PASS ] && ok=1;; esac
+  [ $long_term = 0 ] || check_long_term
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: the corrupted image went unnoticed"; exit 1
@@ -192,13 +205,8 @@ balloon)
   case "$bres" in *PASS*) ;; *) ok=0;; esac
   case "$kres" in *PASS*) ;; *) ok=0;; esac
   [ $dropped -ge $((freed * 8 / 10)) ] || ok=0
-  if [ $long_term = 1 ]; then
-    # The blk device's pins were held long-term, and none outlived the devices.
-    lt=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"long_term_pins":[0-9]*' | cut -d: -f2)
-    left=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"long_term_bytes":[0-9]*' | cut -d: -f2)
-    echo "  long-term pins: ${lt:-none} runs pinned, ${left:-?} bytes still pinned at the end (want > 0 and 0)"
-    [ "${lt:-0}" -gt 0 ] && [ "${left:-1}" = 0 ] || ok=0
-  fi
+  # The blk device's pins were held long-term, and none outlived the devices.
+  [ $long_term = 0 ] || check_long_term
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: memory came back without free page reporting"; exit 1

@@ -96,6 +96,16 @@ impl BlkReport {
     }
 }
 
+/// What `memvisor vhost-user-blk` did: the device, and the process's pin registry after it.
+#[derive(Serialize)]
+pub struct BlkServeReport {
+    /// The device.
+    #[serde(flatten)]
+    pub device: BlkReport,
+    /// The process's pin registry when the device had stopped.
+    pub pins: PinReport,
+}
+
 /// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report.
 pub fn blk(
     socket: &Path,
@@ -103,7 +113,7 @@ pub fn blk(
     options: BlkOptions,
     record_iotlb: Option<&Path>,
     test_no_dirty_log: bool,
-) -> Result<BlkReport> {
+) -> Result<BlkServeReport> {
     let file = OpenOptions::new()
         .read(true)
         .write(!options.read_only)
@@ -127,11 +137,12 @@ pub fn blk(
     );
     backend.serve(&listener, &STOP)?;
     let _ = std::fs::remove_file(socket);
-    Ok(BlkReport::new(
-        socket,
-        &backend.stats,
-        &backend.device().stats,
-    ))
+    let device = BlkReport::new(socket, &backend.stats, &backend.device().stats);
+    drop(backend);
+    Ok(BlkServeReport {
+        device,
+        pins: PinReport::now(),
+    })
 }
 
 /// What a balloon back end did, for `--stats`.
