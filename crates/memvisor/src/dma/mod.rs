@@ -230,6 +230,12 @@ impl Host {
             .and_then(|b| b.huge_page_size())
             .map_or(PageSize::Size4K.bytes(), |p| p.bytes())
     }
+
+    /// Whether the memory's huge pages never split: its guaranteed page is a huge page
+    /// (hugetlbfs), unlike THP, which the kernel may back with 4 KiB pages.
+    fn unsplittable(&self) -> bool {
+        (self.owner.as_ref()).is_some_and(|b| b.page_size().bytes() > PageSize::Size4K.bytes())
+    }
 }
 
 /// Where a mapping's memory is.

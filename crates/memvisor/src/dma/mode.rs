@@ -180,6 +180,7 @@ impl Shared {
             hva: host.hva.0,
             len: m.iova.len(),
             granule: host.granule(),
+            unsplittable: host.unsplittable(),
             batch: self.config.pin_batch,
             frames: self.config.frames,
             // Whole mappings are unpinned when they are unmapped, when their memory may go too.

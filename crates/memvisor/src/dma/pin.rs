@@ -64,7 +64,9 @@
 //! mlock's 6-7 + 4-6 µs. Everything above holds as it is — counts, units, the cache, the
 //! account, limits: "locked" below means held either way, and a page the kernel will not pin
 //! long-term is mlocked. The kernel shows such pages in `VmPin`, not `VmLck`, and lets
-//! `MADV_DONTNEED` detach them from the process instead of refusing it.
+//! `MADV_DONTNEED` detach them from the process instead of refusing it. On hugetlbfs a unit
+//! held alone is pinned through one of its pages (the kernel pins the huge page whole), so a
+//! 1 GiB page costs what a 4 KiB one does.
 //!
 //! *Lifetime.* Cached locks go before anything could trip over them: a discard unlocks those in
 //! its range first (`MADV_DONTNEED` and `MADV_REMOVE` refuse locked memory), an unmap, vaddr or
@@ -127,6 +129,9 @@ pub(crate) struct PinRequest {
     pub len: u64,
     /// The memory's page size: pins are rounded out to it.
     pub granule: u64,
+    /// Whether the memory's huge pages never split (hugetlbfs, not THP): the kernel pins such
+    /// a page whole when any page of it is pinned long-term.
+    pub unsplittable: bool,
     /// Pages per step; 1 is the page-at-a-time baseline.
     pub batch: usize,
     /// Read physical frames and return extents split where frames are not consecutive.
@@ -153,6 +158,12 @@ impl PinRequest {
     /// The granule in pages.
     fn unit(&self) -> u64 {
         (self.granule / PAGE).max(1)
+    }
+
+    /// Pages of a huge page the kernel pins whole: the unit where huge pages never split,
+    /// else 1.
+    fn folio(&self) -> u64 {
+        if self.unsplittable { self.unit() } else { 1 }
     }
 }
 
@@ -325,8 +336,8 @@ impl State {
     /// Makes units `[us, ue)` (of `unit` pages) held for a pin: cached locks there are taken
     /// back, what is not locked is locked, and both are charged. All or nothing. If the kernel
     /// refuses the mlock for want of room, the cache is emptied and the mlock tried once more.
-    fn hold(&mut self, us: u64, ue: u64, unit: u64) -> Result<()> {
-        match self.try_hold(us, ue, unit) {
+    fn hold(&mut self, us: u64, ue: u64, unit: u64, folio: u64) -> Result<()> {
+        match self.try_hold(us, ue, unit, folio) {
             Err(e) if lacks_room(&e) => {
                 // The kernel's limit may have changed (a lower rlimit, CAP_IPC_LOCK dropped).
                 self.account.refresh();
@@ -334,18 +345,18 @@ impl State {
                     return Err(e);
                 }
                 while self.evict_oldest() {}
-                self.try_hold(us, ue, unit)
+                self.try_hold(us, ue, unit, folio)
             }
             done => done,
         }
     }
 
-    fn try_hold(&mut self, us: u64, ue: u64, unit: u64) -> Result<()> {
+    fn try_hold(&mut self, us: u64, ue: u64, unit: u64, folio: u64) -> Result<()> {
         let mut taken = std::mem::take(&mut self.taken);
         let mut new = std::mem::take(&mut self.new);
         taken.clear();
         new.clear();
-        let done = self.try_hold_with(us, ue, unit, &mut taken, &mut new);
+        let done = self.try_hold_with(us, ue, (unit, folio), &mut taken, &mut new);
         self.taken = taken;
         self.new = new;
         done
@@ -357,7 +368,7 @@ impl State {
         &mut self,
         us: u64,
         ue: u64,
-        unit: u64,
+        (unit, folio): (u64, u64),
         taken: &mut Vec<(u64, u64, u64)>,
         new: &mut Vec<(u64, u64)>,
     ) -> Result<()> {
@@ -379,7 +390,7 @@ impl State {
         }
         self.make_room(new_bytes);
         for (i, &(s, e)) in new.iter().enumerate() {
-            if let Err(err) = self.lock_pages(s, e) {
+            if let Err(err) = self.lock_pages(s, e, folio) {
                 // A failed mlock may have locked part of its range (the areas before the one
                 // that could not be split or faulted in): undo it with the others.
                 self.account.release(taken_bytes + new_bytes);
@@ -401,14 +412,15 @@ impl State {
     }
 
     /// Holds pages `[s, e)`, none of them held yet: a long-term pin when those are on and the
-    /// kernel takes it, else an mlock.
-    fn lock_pages(&mut self, s: u64, e: u64) -> Result<()> {
+    /// kernel takes it, else an mlock. `folio`: pages of a huge page the kernel pins whole
+    /// (hugetlbfs), else 1.
+    fn lock_pages(&mut self, s: u64, e: u64, folio: u64) -> Result<()> {
         if self.use_long_term {
             if let Some(long_term) = self.long_term.as_mut() {
                 // Refused — a page that cannot be pinned for writing (read-only memory, a
                 // MAP_SHARED ext4 file), the user's locked-memory limit, a full table — it is
                 // locked the other way.
-                if long_term.pin(s, e).is_ok() {
+                if long_term.pin(s, e, folio).is_ok() {
                     self.long_term_counts.pinned += 1;
                     return Ok(());
                 }
@@ -814,7 +826,7 @@ impl PinRegistry {
         let mut st = self.lock();
         st.retry_stuck();
         let (us, ue) = req.units(start, end);
-        st.hold(us, ue, req.unit())?;
+        st.hold(us, ue, req.unit(), req.folio())?;
         st.pages.add(start, end);
         st.check_account();
         Ok(())
