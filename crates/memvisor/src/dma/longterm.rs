@@ -10,26 +10,32 @@
 //! mostly splitting and merging the memory area around the page.
 //!
 //! Here io_uring instances, never used for I/O, each hold a sparse table of buffers, and a new
-//! instance opens when every slot is taken. Every [`LongTerm::pin`] of a run of pages registers
-//! it as one buffer (a run over 1 GiB, the kernel's largest buffer, as several) in a free slot,
-//! and [`LongTerm::unpin`] clears the slots of the buffers inside the run it is given. A buffer
-//! only partly inside is replaced: the parts outside are registered as buffers of their own
-//! first, then the old slot is cleared, so the pages that stay pinned are never unpinned in
-//! between.
+//! instance opens when every slot is taken. [`LongTerm::pin`] registers a run of pages as one
+//! buffer (a run over 1 GiB, the kernel's largest buffer, as several) in a free slot.
+//! [`LongTerm::unpin`] lets go of pages, and a buffer's slot is cleared — its pages unpinned —
+//! with the last of its pages. Until then the kernel keeps all of it pinned, and a later pin of
+//! a page let go takes it back from its buffer ([`LongTerm::revive`]). What remains of a
+//! buffer is never registered anew: that would pin whatever its addresses map by then (another
+//! process may have punched a hole in a shared memfd), not the pages a device was given, and
+//! let those go.
 //!
 //! **Huge pages are charged once per table.** The kernel charges a huge page a buffer touches
-//! whole (`VmPin` grows by 2 MiB for a 4 KiB buffer inside a THP), and only if no other buffer
-//! of the same table touches it. Two consequences:
-//! - The parts a replaced buffer keeps go to *another* table: in its own they would not be
-//!   charged (the old buffer still holds their huge pages), and clearing the old buffer then
-//!   uncharges huge pages that stay pinned — `VmPin`, and the user's locked memory, would fall
-//!   short of what is pinned.
-//! - On hugetlbfs, whose huge pages never split, a buffer that would cover exactly one huge
-//!   page registers only its first 4 KiB page: the kernel pins and charges the whole huge page
-//!   all the same. On the reference machine that is 0.8 µs instead of 1.8 µs for a 2 MiB page
-//!   and 0.7 µs instead of 0.4-0.7 ms for a 1 GiB page. THP memory cannot do the same: a
-//!   transparent huge page may be split or never have formed, and then one page holds only
-//!   itself (finding out costs a `PAGEMAP_SCAN`, 0.8 µs, as much as it would save).
+//! whole (`VmPin` grows by 2 MiB for a 4 KiB buffer inside a transparent huge page), and only to
+//! the first buffer of its table that touches it; clearing that buffer uncharges it, even
+//! while another buffer of the table still pins it. Memory the registry pins in 4 KiB units may
+//! be backed by huge pages all the same (THP `always`, a VMM's own `MADV_HUGEPAGE`, shmem with
+//! huge pages), so no two buffers within the same 2 MiB of memory share a table: each is
+//! charged on its own, and `VmPin` may exceed what the registry holds but never falls short of
+//! what the kernel pins. Past 32 buffers within one 2 MiB (every table), a pin is refused with
+//! ENOSPC and the registry mlocks instead.
+//!
+//! **Hugetlbfs pages are pinned through one page.** Their huge pages never split, so a buffer
+//! that would cover exactly one of them registers only its first 4 KiB page: the kernel pins
+//! and charges the whole huge page all the same. On the reference machine that is 0.8 µs
+//! instead of 1.8 µs for a 2 MiB page and 0.7 µs instead of 0.4-0.7 ms for a 1 GiB page. THP
+//! memory cannot do the same: a transparent huge page may be split or never have formed, and
+//! then one page holds only itself (finding out costs a `PAGEMAP_SCAN`, 0.8 µs, as much as it
+//! would save).
 //!
 //! **Tables come in two sizes.** Registering a buffer over a huge page (THP, hugetlbfs) makes the
 //! kernel look through its whole table — every slot, and every page of every buffer held there —
@@ -39,7 +45,7 @@
 //! So short buffers (at most [`SHORT_MAX_PAGES`], what a device's pin holds) go to tables of
 //! [`SHORT_SLOTS`], which hold nothing else, and long ones (pins of whole mappings, in steps of
 //! up to 64 MiB) to tables of [`SLOTS`]; up to [`RINGS`] of each. When one kind is used up, a
-//! buffer takes a free slot of the other kind: slower, never refused for it.
+//! buffer takes a free slot of the other kind.
 //!
 //! What differs from an `mlock` (the registry's other way to hold a page), as the caller must
 //! know:
@@ -49,6 +55,9 @@
 //!   pinned one lives on apart from it until it is unpinned (an mlocked page refuses with
 //!   EINVAL). memvisor's own discards never touch pinned pages, but a VMM that discards memory
 //!   behind memvisor's back loses what a device writes there — the same as under VFIO type1.
+//! - A page let go while the rest of its buffer is held stays pinned until that goes too (at
+//!   most 4 MiB per short buffer): discarding it frees the process's mapping at once, the page
+//!   itself only then.
 //! - Pages that cannot be pinned for writing are refused (EFAULT): read-only mappings, and
 //!   `MAP_SHARED` files on filesystems without long-term pin support (ext4, xfs). So are pins
 //!   when the process may not use io_uring (seccomp, `kernel.io_uring_disabled`), and pins past
@@ -116,20 +125,33 @@ struct RsrcUpdate {
     resv2: u32,
 }
 
+/// One registered buffer.
+#[derive(Debug, Clone, Copy)]
+struct Buffer {
+    /// Page after its last.
+    end: u64,
+    slot: u32,
+    /// Its pages the registry holds; the others were let go and stay pinned until this is 0.
+    live: u64,
+}
+
 /// Runs of pages held by long-term pins, one registered buffer each.
 #[derive(Debug)]
 pub(crate) struct LongTerm {
     /// The tables and their sizes (short or long); slot `n` is slot `n % SLOTS` of table
     /// `n / SLOTS`.
     rings: Vec<(OwnedFd, usize)>,
-    /// Free slots of the short and the long tables, the lowest last.
+    /// Free slots of the short and the long tables.
     free: [Vec<u32>; 2],
     /// Tables opened of each size.
     opened: [u32; 2],
-    /// Buffers by first page: `(end page, slot)`, the pages they hold (a buffer over one huge
-    /// page of hugetlbfs registers only its first). Disjoint.
-    held: BTreeMap<u64, (u64, u32)>,
+    /// Buffers by first page. Disjoint. A buffer over one huge page of hugetlbfs registers only
+    /// its first page and pins them all.
+    held: BTreeMap<u64, Buffer>,
+    /// Pages of all buffers: what the kernel pins.
     pages: u64,
+    /// Pages of buffers whose slot could not be cleared: pinned until the table closes.
+    lost: u64,
 }
 
 impl LongTerm {
@@ -142,6 +164,7 @@ impl LongTerm {
             opened: [0; 2],
             held: BTreeMap::new(),
             pages: 0,
+            lost: 0,
         };
         long_term.add_ring(SHORT)?;
         Ok(long_term)
@@ -182,15 +205,12 @@ impl LongTerm {
             data: 0,
             tags: 0,
         };
-        register(
-            &ring,
-            IORING_REGISTER_BUFFERS2,
-            &table as *const RsrcRegister as *const libc::c_void,
-            std::mem::size_of::<RsrcRegister>() as u32,
-        )
-        .map_err(|e| Error::Unsupported {
-            what: "long-term pins",
-            why: format!("registering a sparse buffer table: {e}"),
+        // SAFETY: a sparse table names no buffer; the struct is the kernel's.
+        unsafe { register(&ring, IORING_REGISTER_BUFFERS2, &table) }.map_err(|e| {
+            Error::Unsupported {
+                what: "long-term pins",
+                why: format!("registering a sparse buffer table: {e}"),
+            }
         })?;
         let first = self.rings.len() as u32 * SLOTS;
         self.rings.push((ring, kind));
@@ -199,27 +219,33 @@ impl LongTerm {
         Ok(())
     }
 
-    /// Pages held.
+    /// Pages the kernel pins for this instance: every buffer whole, even where the registry let
+    /// part of it go, and buffers that could not be cleared.
     pub fn pages(&self) -> u64 {
-        self.pages
+        self.pages + self.lost
     }
 
-    /// Pins pages `[start, end)`, none of which it holds yet, all or nothing. `folio` is the
-    /// pages of a huge page of this memory that the kernel never splits (hugetlbfs), else 1:
-    /// a buffer that would cover exactly one such huge page registers only its first page,
-    /// which pins — and charges — the whole huge page. Fails when the kernel refuses (the
-    /// errno says why) or the tables are full (ENOSPC).
+    /// Takes back the pages of `[start, end)` that lie in buffers (let go earlier, still
+    /// pinned) and puts the runs that lie in none into `gaps`, in order. Nothing is registered.
+    pub fn revive(&mut self, start: u64, end: u64, gaps: &mut Vec<(u64, u64)>) {
+        self.walk(start, end, gaps, |b, n| b.live += n);
+    }
+
+    /// Pins `[start, end)`, which no buffer holds any part of, as new buffers, all or nothing.
+    /// `folio` is the pages of a huge page of this memory that the kernel never splits
+    /// (hugetlbfs), else 1: a buffer that would cover exactly one such huge page registers only
+    /// its first page, which pins — and charges — the whole huge page. Fails when the kernel
+    /// refuses (the errno says why) or no table may take the buffer (ENOSPC).
     pub fn pin(&mut self, start: u64, end: u64, folio: u64) -> Result<()> {
         debug_assert!(start < end);
         let mut at = start;
         while at < end {
             let to = end.min(at + MAX_BUFFER_PAGES);
-            let whole_folio = folio > 1 && to - at == folio && at % folio == 0;
-            if let Err(e) = self.register(at, to, if whole_folio { 1 } else { to - at }) {
-                if at > start {
-                    // Only buffers this call registered lie in [start, at).
-                    let _ = self.unpin(start, at);
-                }
+            let one_page = folio > 1 && to - at == folio && at % folio == 0;
+            if let Err(e) = self.register(at, to, if one_page { 1 } else { to - at }) {
+                // Only buffers this call registered lie in [start, at).
+                self.walk(start, at, &mut Vec::new(), |b, n| b.live -= n);
+                self.clear_empty(start, at);
                 return Err(e);
             }
             at = to;
@@ -227,82 +253,78 @@ impl LongTerm {
         Ok(())
     }
 
-    /// Unpins what it holds of pages `[start, end)` and returns the parts of that range it did
-    /// not hold, in order. A buffer reaching outside the range keeps its pages there pinned. On
-    /// error (the kernel would not register the outside part of such a buffer) that buffer is
-    /// kept whole; the others are unpinned.
-    pub fn unpin(&mut self, start: u64, end: u64) -> Result<Vec<(u64, u64)>> {
-        let mut gaps = Vec::new();
-        let mut failed = None;
+    /// Puts the runs of `[start, end)` that lie in no buffer into `gaps`, in order.
+    pub fn gaps(&mut self, start: u64, end: u64, gaps: &mut Vec<(u64, u64)>) {
+        self.walk(start, end, gaps, |_, _| {});
+    }
+
+    /// Lets go of the pages of `[start, end)` that lie in buffers — all held — and puts the
+    /// runs that lie in none into `gaps`, in order. A buffer is unpinned (its slot cleared) when
+    /// the last of its pages goes; until then the kernel keeps all of it pinned. Registering
+    /// what remains of a buffer as a new one would pin whatever its addresses map by then,
+    /// which need not be the pages a device was given.
+    pub fn unpin(&mut self, start: u64, end: u64, gaps: &mut Vec<(u64, u64)>) {
+        self.walk(start, end, gaps, |b, n| {
+            debug_assert!(b.live >= n, "unpinning pages not held");
+            b.live = b.live.saturating_sub(n);
+        });
+        self.clear_empty(start, end);
+    }
+
+    /// Calls `each(buffer, pages)` for every buffer overlapping `[start, end)` with the pages of
+    /// the overlap, and puts the runs that lie in no buffer into `gaps`.
+    fn walk(
+        &mut self,
+        start: u64,
+        end: u64,
+        gaps: &mut Vec<(u64, u64)>,
+        mut each: impl FnMut(&mut Buffer, u64),
+    ) {
         let mut at = start;
-        while at < end {
-            // The first buffer overlapping [at, end): one from before `at` reaching past it, or
-            // the first to start inside. What `release` keeps of a buffer lies before `start`
-            // or from `end` on, so it is never found again.
-            let next = self
-                .held
-                .range(..=at)
-                .next_back()
-                .filter(|(_, (e, _))| *e > at)
-                .or_else(|| self.held.range(at..end).next())
-                .map(|(&s, &(e, slot))| (s, e, slot));
-            let Some((s, e, slot)) = next else {
-                break;
-            };
+        // The buffer before `start` may reach into the range; the others start inside it.
+        let first = self
+            .held
+            .range(..start)
+            .next_back()
+            .filter(|(_, b)| b.end > start)
+            .map_or(start, |(&s, _)| s);
+        for (&s, b) in self.held.range_mut(first..end) {
             if at < s {
                 gaps.push((at, s));
             }
-            if let Err(err) = self.release(s, e, slot, start, end) {
-                failed = Some(err);
-            }
-            at = e.min(end);
+            let (a, z) = (s.max(start), b.end.min(end));
+            each(b, z - a);
+            at = z;
         }
         if at < end {
             gaps.push((at, end));
         }
-        match failed {
-            Some(err) => Err(err),
-            None => Ok(gaps),
-        }
     }
 
-    /// Releases the buffer `[s, e)` in `slot` over `[start, end)`: the parts outside stay
-    /// pinned as buffers of their own, registered before the slot is cleared. On error the
-    /// buffer stays as it was.
-    fn release(&mut self, s: u64, e: u64, slot: u32, start: u64, end: u64) -> Result<()> {
-        self.held.remove(&s);
-        self.pages -= e - s;
-        let mut kept = Vec::new();
-        let mut done = Ok(());
-        for (a, b) in [(s, start), (end, e)] {
-            if a < b && done.is_ok() {
-                // In another table: the kernel charges a huge page once per table, so in the
-                // old buffer's table the part would not be charged, and clearing the old
-                // buffer would then uncharge a huge page that stays pinned.
-                done = self.register_avoiding(a, b, b - a, Some(slot / SLOTS));
-                if done.is_ok() {
-                    kept.push(a);
-                }
+    /// Unpins the buffers overlapping `[start, end)` that hold nothing any more.
+    fn clear_empty(&mut self, start: u64, end: u64) {
+        let first = self
+            .held
+            .range(..start)
+            .next_back()
+            .filter(|(_, b)| b.end > start)
+            .map_or(start, |(&s, _)| s);
+        let empty: Vec<(u64, Buffer)> = (self.held.range(first..end))
+            .filter(|(_, b)| b.live == 0)
+            .map(|(&s, &b)| (s, b))
+            .collect();
+        for (s, b) in empty {
+            self.held.remove(&s);
+            self.pages -= b.end - s;
+            if self.set_slot(b.slot, 0, 0).is_ok() {
+                self.free_slot(b.slot);
+            } else {
+                // Clearing asks the kernel for no memory and reads one iovec on this stack; if
+                // it fails anyway, the slot stays taken and its pages pinned until the table
+                // closes, counted in `pages()`.
+                self.lost += b.end - s;
             }
         }
-        if done.is_ok() {
-            done = self.set_slot(slot, 0, 0);
-        }
-        if done.is_err() {
-            for a in kept {
-                let (b, k) = self.held.remove(&a).expect("registered above");
-                self.pages -= b - a;
-                // Clearing a slot only fails for want of kernel memory; then its pages stay
-                // pinned until the table closes, as well as under the restored buffer.
-                let _ = self.set_slot(k, 0, 0);
-                self.free_slot(k);
-            }
-            self.held.insert(s, (e, slot));
-            self.pages += e - s;
-            return done;
-        }
-        self.free_slot(slot);
-        Ok(())
     }
 
     /// Makes `slot` free again, in the list of its table's size.
@@ -311,56 +333,69 @@ impl LongTerm {
         self.free[kind].push(slot);
     }
 
-    /// A free slot for a buffer of `pages`: of a table of its size, opening one if none is
-    /// free and fewer than [`RINGS`] are open, else of the other size; not of table `avoid`
-    /// unless no other has room. Fails with ENOSPC when every table is open and full, or with
-    /// the reason a table would not open.
-    fn take_slot(&mut self, pages: u64, avoid: Option<u32>) -> Result<u32> {
+    /// The tables holding a buffer that touches the same 2 MiB of memory as `[s, e)`.
+    fn tables_near(&self, s: u64, e: u64) -> Vec<u32> {
+        const REGION: u64 = (2 << 20) / PAGE;
+        let (rs, re) = (s / REGION * REGION, e.div_ceil(REGION) * REGION);
+        // Buffers are disjoint, so sorted by end as by start: walk back from the region's end
+        // while they reach into it.
+        (self.held.range(..re).rev())
+            .take_while(|(_, b)| b.end > rs)
+            .map(|(_, b)| b.slot / SLOTS)
+            .collect()
+    }
+
+    /// A free slot for a buffer of `pages` in none of the tables `avoid`: of a table of its
+    /// size, opening one if none is free and fewer than [`RINGS`] are open, else of the other
+    /// size. Fails with ENOSPC when every table is open and full (or avoided), or with the
+    /// reason a table would not open.
+    fn take_slot(&mut self, pages: u64, avoid: &[u32]) -> Result<u32> {
         let kind = if pages <= SHORT_MAX_PAGES {
             SHORT
         } else {
             LONG
         };
-        let elsewhere = |slot: &u32| Some(slot / SLOTS) != avoid;
+        let usable = |slot: &u32| !avoid.contains(&(slot / SLOTS));
         let mut refused = None;
         for k in [kind, 1 - kind] {
-            if !self.free[k].iter().any(elsewhere) && self.opened[k] < RINGS {
+            if !self.free[k].iter().rev().any(usable) && self.opened[k] < RINGS {
                 // A table that will not open (out of file descriptors, say) leaves the other
                 // size.
                 if let Err(e) = self.add_ring(k) {
                     refused = Some(e);
                 }
             }
-            // The lowest free slot outside `avoid` (the list keeps the lowest last).
-            if let Some(i) = self.free[k].iter().rposition(elsewhere) {
-                return Ok(self.free[k].remove(i));
-            }
-        }
-        for k in [kind, 1 - kind] {
-            if let Some(slot) = self.free[k].pop() {
-                return Ok(slot);
+            if let Some(i) = self.free[k].iter().rposition(usable) {
+                return Ok(self.free[k].swap_remove(i));
             }
         }
         Err(refused.unwrap_or_else(|| Error::Os {
-            op: "long-term pin: every slot of the io_uring buffer tables is in use",
+            op: "long-term pin: no io_uring buffer table has a slot free for this buffer",
             source: std::io::Error::from_raw_os_error(libc::ENOSPC),
         }))
     }
 
-    /// Holds `[s, e)` (at most 1 GiB) as one buffer in a free slot, registering its first `len`
-    /// pages: all of them, or one where that pins them all (one huge page).
+    /// Pins `[s, e)` (at most 1 GiB) as one buffer, registering its first `len` pages: all of
+    /// them, or one where that pins them all (one huge page). The buffer goes to a table
+    /// holding no other buffer within the same 2 MiB of memory: the kernel charges a huge
+    /// page to the first buffer of a table that touches it and to no other, so if two buffers
+    /// of one table shared a transparent huge page (which 4 KiB-granule memory may be backed
+    /// with), unpinning the charged one would uncharge a huge page the other still pins.
     fn register(&mut self, s: u64, e: u64, len: u64) -> Result<()> {
-        self.register_avoiding(s, e, len, None)
-    }
-
-    /// [`LongTerm::register`], in a table other than `avoid` where one has room.
-    fn register_avoiding(&mut self, s: u64, e: u64, len: u64, avoid: Option<u32>) -> Result<()> {
-        let slot = self.take_slot(len, avoid)?;
+        let avoid = self.tables_near(s, e);
+        let slot = self.take_slot(len, &avoid)?;
         if let Err(err) = self.set_slot(slot, s * PAGE, len * PAGE) {
             self.free_slot(slot);
             return Err(err);
         }
-        self.held.insert(s, (e, slot));
+        self.held.insert(
+            s,
+            Buffer {
+                end: e,
+                slot,
+                live: e - s,
+            },
+        );
         self.pages += e - s;
         Ok(())
     }
@@ -372,45 +407,49 @@ impl LongTerm {
             iov_len: len as usize,
         };
         let update = RsrcUpdate {
-            offset: slot,
+            offset: slot % SLOTS,
             resv: 0,
             data: &iov as *const libc::iovec as u64,
             tags: 0,
             nr: 1,
             resv2: 0,
         };
-        let update = RsrcUpdate {
-            offset: slot % SLOTS,
-            ..update
-        };
-        register(
-            &self.rings[(slot / SLOTS) as usize].0,
-            IORING_REGISTER_BUFFERS_UPDATE,
-            &update as *const RsrcUpdate as *const libc::c_void,
-            std::mem::size_of::<RsrcUpdate>() as u32,
-        )
-        .map_err(|source| Error::Os {
-            op: if len == 0 {
-                "long-term unpin (clearing an io_uring buffer)"
-            } else {
-                "long-term pin (registering an io_uring buffer)"
-            },
-            source,
+        let ring = &self.rings[(slot / SLOTS) as usize].0;
+        // SAFETY: `update` names one iovec, `iov`, live on this stack for the call. Registering
+        // pins the pages it covers and changes no mapping or content; an address range that is
+        // not mapped writable is refused (EFAULT).
+        unsafe { register(ring, IORING_REGISTER_BUFFERS_UPDATE, &update) }.map_err(|source| {
+            Error::Os {
+                op: if len == 0 {
+                    "long-term unpin (clearing an io_uring buffer)"
+                } else {
+                    "long-term pin (registering an io_uring buffer)"
+                },
+                source,
+            }
         })
     }
 }
 
-/// `io_uring_register(ring, op, arg, nr)`.
-fn register(
-    ring: &OwnedFd,
-    op: libc::c_uint,
-    arg: *const libc::c_void,
-    nr: u32,
-) -> std::io::Result<()> {
-    // SAFETY: `arg` points to a live struct of the size `nr` says, which the kernel only reads;
-    // the iovec a buffer update names is live too. Registering pins pages and changes no
-    // mapping or content.
-    let rc = unsafe { libc::syscall(libc::SYS_io_uring_register, ring.as_raw_fd(), op, arg, nr) };
+/// `io_uring_register(ring, op, arg, size of arg)`.
+///
+/// # Safety
+///
+/// `arg` must be the kernel's struct for `op`, and every pointer in it must be valid for the
+/// kernel to read for the length it names.
+unsafe fn register<T>(ring: &OwnedFd, op: libc::c_uint, arg: &T) -> std::io::Result<()> {
+    let size = std::mem::size_of::<T>() as libc::c_uint;
+    // SAFETY: `arg` is a live reference of `size` bytes; the caller vouches for what it points
+    // to.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            ring.as_raw_fd(),
+            op,
+            arg as *const T,
+            size,
+        )
+    };
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -437,6 +476,15 @@ mod tests {
 
     impl Area {
         fn new(pages: u64) -> Area {
+            Area::with(pages, libc::MAP_POPULATE)
+        }
+
+        /// Not populated: pages fault in as they are pinned.
+        fn sparse(pages: u64) -> Area {
+            Area::with(pages, 0)
+        }
+
+        fn with(pages: u64, populate: libc::c_int) -> Area {
             let len = (pages * PAGE) as usize;
             // SAFETY: a new anonymous mapping; nothing else refers to it.
             let p = unsafe {
@@ -444,7 +492,7 @@ mod tests {
                     std::ptr::null_mut(),
                     len,
                     libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | populate,
                     -1,
                     0,
                 )
@@ -477,7 +525,7 @@ mod tests {
 
         /// The size (short or long) of the table holding the buffer that starts at `page`.
         fn kind_of(&self, page: u64) -> usize {
-            self.rings[(self.held[&page].1 / SLOTS) as usize].1
+            self.rings[(self.held[&page].slot / SLOTS) as usize].1
         }
     }
 
@@ -497,6 +545,20 @@ mod tests {
     // VmPin is this module's alone. Tests here run one at a time against it.
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+    /// `unpin`, collecting the gaps.
+    fn unpin(lt: &mut LongTerm, start: u64, end: u64) -> Vec<(u64, u64)> {
+        let mut gaps = Vec::new();
+        lt.unpin(start, end, &mut gaps);
+        gaps
+    }
+
+    /// The table of the buffer starting at `page`.
+    fn table_of(lt: &LongTerm, page: u64) -> u32 {
+        lt.held[&page].slot / SLOTS
+    }
+
+    const REGION: u64 = 512;
+
     #[test]
     fn pin_and_unpin_show_in_vm_pin_exactly() {
         let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -510,38 +572,106 @@ mod tests {
         assert_eq!(vm_pin() - before, 9);
         assert_eq!(lt.pages(), 9);
         // Unpinning a range that covers held and unheld pages returns the unheld ones.
-        let gaps = lt.unpin(a.0, a.0 + 16).unwrap();
-        assert_eq!(gaps, vec![(a.0, a.0 + 4), (a.0 + 12, a.0 + 16)]);
+        assert_eq!(
+            unpin(&mut lt, a.0, a.0 + 16),
+            vec![(a.0, a.0 + 4), (a.0 + 12, a.0 + 16)]
+        );
         assert_eq!(vm_pin() - before, 1);
-        lt.unpin(a.0 + 20, a.0 + 21).unwrap();
+        unpin(&mut lt, a.0 + 20, a.0 + 21);
         assert_eq!(vm_pin(), before);
         assert_eq!(lt.pages(), 0);
         assert!(lt.all_free());
     }
 
     #[test]
-    fn partial_unpin_keeps_the_rest_pinned() {
+    fn a_buffer_stays_whole_until_its_last_page_goes() {
         let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(mut lt) = open_or_skip("partial_unpin_keeps_the_rest_pinned") else {
+        let Some(mut lt) = open_or_skip("a_buffer_stays_whole") else {
             return;
         };
         let a = Area::new(32);
         let before = vm_pin();
         lt.pin(a.0, a.0 + 16, 1).unwrap();
-        // The middle goes: both ends stay pinned, as two buffers.
-        assert_eq!(lt.unpin(a.0 + 4, a.0 + 6).unwrap(), vec![]);
-        assert_eq!(vm_pin() - before, 14);
-        assert_eq!(lt.held.len(), 2);
-        // The first page goes: the buffer starting there is replaced by one starting after it.
-        assert_eq!(lt.unpin(a.0, a.0 + 1).unwrap(), vec![]);
-        assert_eq!(vm_pin() - before, 13);
+        // The middle goes: the kernel keeps all 16 pinned, nothing is registered anew.
+        assert_eq!(unpin(&mut lt, a.0 + 4, a.0 + 6), vec![]);
+        assert_eq!(vm_pin() - before, 16);
+        assert_eq!(lt.held.len(), 1);
+        assert_eq!(lt.held[&a.0].live, 14);
+        // Taken back as it is, with the pages just past the buffer pinned anew.
+        let mut gaps = Vec::new();
+        lt.revive(a.0 + 4, a.0 + 6, &mut gaps);
+        assert_eq!(gaps, vec![]);
+        lt.revive(a.0 + 16, a.0 + 18, &mut gaps);
+        assert_eq!(gaps, vec![(a.0 + 16, a.0 + 18)]);
+        assert_eq!(lt.held[&a.0].live, 16);
+        lt.pin(a.0 + 16, a.0 + 18, 1).unwrap();
+        assert_eq!(vm_pin() - before, 18);
+        // Let go page by page: a buffer is unpinned with its last page.
+        for p in 0..15 {
+            unpin(&mut lt, a.0 + p, a.0 + p + 1);
+            assert_eq!(vm_pin() - before, 18);
+        }
+        unpin(&mut lt, a.0 + 15, a.0 + 16);
+        assert_eq!(vm_pin() - before, 2);
         assert_eq!(
-            lt.unpin(a.0, a.0 + 16).unwrap(),
-            vec![(a.0, a.0 + 1), (a.0 + 4, a.0 + 6)]
+            unpin(&mut lt, a.0, a.0 + 32),
+            vec![(a.0, a.0 + 16), (a.0 + 18, a.0 + 32)]
         );
         assert_eq!(vm_pin(), before);
         assert_eq!(lt.pages(), 0);
-        assert!(lt.held.is_empty());
+        assert!(lt.all_free());
+    }
+
+    #[test]
+    fn buffers_within_the_same_2_mib_go_to_different_tables() {
+        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mut lt) = open_or_skip("buffers_within_the_same_2_mib") else {
+            return;
+        };
+        let a = Area::sparse(4 * REGION);
+        let r = a.0.div_ceil(REGION) * REGION;
+        let before = vm_pin();
+        lt.pin(r + 1, r + 2, 1).unwrap();
+        lt.pin(r + 3, r + 4, 1).unwrap();
+        lt.pin(r + REGION - 1, r + REGION + 1, 1).unwrap();
+        let (t1, t3, t_edge) = (
+            table_of(&lt, r + 1),
+            table_of(&lt, r + 3),
+            table_of(&lt, r + REGION - 1),
+        );
+        assert_ne!(t1, t3);
+        assert!(
+            t_edge != t1 && t_edge != t3,
+            "it reaches into the same 2 MiB"
+        );
+        // A buffer in the next 2 MiB but one shares with nothing.
+        lt.pin(r + 2 * REGION + 5, r + 2 * REGION + 6, 1).unwrap();
+        assert_eq!(lt.opened, [3, 0]);
+        assert_eq!(vm_pin() - before, 5);
+        unpin(&mut lt, a.0, a.0 + 4 * REGION);
+        assert_eq!(vm_pin(), before);
+        assert!(lt.all_free());
+    }
+
+    #[test]
+    fn past_every_table_within_one_2_mib_a_pin_is_refused_with_enospc() {
+        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mut lt) = open_or_skip("past_every_table") else {
+            return;
+        };
+        let a = Area::sparse(2 * REGION);
+        let r = a.0.div_ceil(REGION) * REGION;
+        let tables = 2 * RINGS as u64;
+        let before = vm_pin();
+        for i in 0..tables {
+            lt.pin(r + 2 * i, r + 2 * i + 1, 1).unwrap();
+        }
+        let err = lt.pin(r + 2 * tables, r + 2 * tables + 1, 1).unwrap_err();
+        assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+        assert_eq!(vm_pin() - before, tables);
+        unpin(&mut lt, r, r + REGION);
+        assert_eq!(vm_pin(), before);
+        assert!(lt.all_free());
     }
 
     #[test]
@@ -550,16 +680,17 @@ mod tests {
         let Some(mut lt) = open_or_skip("a_full_table_opens_another") else {
             return;
         };
+        // One page in each 2 MiB, so that no two buffers need different tables.
         let n = SHORT_SLOTS as u64 + 2;
-        let a = Area::new(2 * n);
+        let a = Area::sparse((n + 1) * REGION);
+        let r = a.0.div_ceil(REGION) * REGION;
         let before = vm_pin();
-        // Every other page, so that no two buffers touch: one slot each.
         for i in 0..n {
-            lt.pin(a.0 + 2 * i, a.0 + 2 * i + 1, 1).unwrap();
+            lt.pin(r + i * REGION, r + i * REGION + 1, 1).unwrap();
         }
         assert_eq!(lt.opened, [2, 0]);
         assert_eq!(vm_pin() - before, n);
-        let gaps = lt.unpin(a.0, a.0 + 2 * n).unwrap();
+        let gaps = unpin(&mut lt, r, r + n * REGION);
         assert_eq!(gaps.len() as u64, n);
         assert_eq!(vm_pin(), before);
         assert!(lt.all_free());
@@ -572,25 +703,16 @@ mod tests {
             return;
         };
         let long = SHORT_MAX_PAGES + 1;
-        let a = Area::new(SHORT_MAX_PAGES + 1 + long);
+        let a = Area::sparse(4 * REGION + long);
+        let r = a.0.div_ceil(REGION) * REGION;
         let before = vm_pin();
-        lt.pin(a.0, a.0 + SHORT_MAX_PAGES, 1).unwrap();
-        lt.pin(
-            a.0 + SHORT_MAX_PAGES + 1,
-            a.0 + SHORT_MAX_PAGES + 1 + long,
-            1,
-        )
-        .unwrap();
+        lt.pin(r, r + SHORT_MAX_PAGES, 1).unwrap();
+        lt.pin(r + 2 * REGION, r + 2 * REGION + long, 1).unwrap();
         assert_eq!(lt.opened, [1, 1]);
-        assert_eq!(lt.kind_of(a.0), SHORT);
-        assert_eq!(lt.kind_of(a.0 + SHORT_MAX_PAGES + 1), LONG);
+        assert_eq!(lt.kind_of(r), SHORT);
+        assert_eq!(lt.kind_of(r + 2 * REGION), LONG);
         assert_eq!(vm_pin() - before, SHORT_MAX_PAGES + long);
-        // The long buffer loses its first page: what stays is short now, and moves.
-        lt.unpin(a.0 + SHORT_MAX_PAGES + 1, a.0 + SHORT_MAX_PAGES + 2)
-            .unwrap();
-        assert_eq!(lt.kind_of(a.0 + SHORT_MAX_PAGES + 2), SHORT);
-        assert_eq!(vm_pin() - before, SHORT_MAX_PAGES + long - 1);
-        lt.unpin(a.0, a.0 + 2 * SHORT_MAX_PAGES + 2).unwrap();
+        unpin(&mut lt, r, r + 2 * REGION + long);
         assert_eq!(vm_pin(), before);
         assert!(lt.all_free());
     }
@@ -602,17 +724,18 @@ mod tests {
             return;
         };
         let n = (RINGS * SHORT_SLOTS) as u64 + 3;
-        let a = Area::new(2 * n);
+        let a = Area::sparse((n + 1) * REGION);
+        let r = a.0.div_ceil(REGION) * REGION;
         let before = vm_pin();
         for i in 0..n {
-            lt.pin(a.0 + 2 * i, a.0 + 2 * i + 1, 1).unwrap();
+            lt.pin(r + i * REGION, r + i * REGION + 1, 1).unwrap();
         }
         assert_eq!(lt.opened, [RINGS, 1]);
         for i in n - 3..n {
-            assert_eq!(lt.kind_of(a.0 + 2 * i), LONG);
+            assert_eq!(lt.kind_of(r + i * REGION), LONG);
         }
         assert_eq!(vm_pin() - before, n);
-        lt.unpin(a.0, a.0 + 2 * n).unwrap();
+        unpin(&mut lt, r, r + n * REGION);
         assert_eq!(vm_pin(), before);
         assert!(lt.all_free());
     }

@@ -208,6 +208,7 @@ struct State {
     taken: Vec<(u64, u64, u64)>,
     new: Vec<(u64, u64)>,
     pieces: Vec<(u64, u64, u64)>,
+    gaps: Vec<(u64, u64)>,
     /// Runs a munlock failed for (the kernel could not split the area, e.g. at
     /// `vm.max_map_count`): still locked and charged, tried again at the next pin or unpin.
     stuck: Vec<(u64, u64)>,
@@ -411,34 +412,62 @@ impl State {
         Ok(())
     }
 
-    /// Holds pages `[s, e)`, none of them held yet: a long-term pin when those are on and the
-    /// kernel takes it, else an mlock. `folio`: pages of a huge page the kernel pins whole
-    /// (hugetlbfs), else 1.
+    /// Holds pages `[s, e)`, none of them held yet: what lies in a long-term buffer (let go
+    /// earlier, pinned until the rest of the buffer goes) is taken back as it is; the rest is
+    /// pinned long-term when those are on and the kernel takes it, else mlocked. `folio`:
+    /// pages of a huge page the kernel pins whole (hugetlbfs), else 1. On error part of the
+    /// range may be held: the caller lets go of all of it ([`State::unlock_pages`]).
     fn lock_pages(&mut self, s: u64, e: u64, folio: u64) -> Result<()> {
-        if self.use_long_term {
-            if let Some(long_term) = self.long_term.as_mut() {
+        let Some(long_term) = self.long_term.as_mut() else {
+            return mlock(s, e);
+        };
+        let mut gaps = std::mem::take(&mut self.gaps);
+        gaps.clear();
+        long_term.revive(s, e, &mut gaps);
+        let mut done = Ok(());
+        for &(a, b) in &gaps {
+            if self.use_long_term {
                 // Refused — a page that cannot be pinned for writing (read-only memory, a
-                // MAP_SHARED ext4 file), the user's locked-memory limit, a full table — it is
+                // MAP_SHARED ext4 file), the user's locked-memory limit, full tables — it is
                 // locked the other way.
-                if long_term.pin(s, e, folio).is_ok() {
+                if long_term.pin(a, b, folio).is_ok() {
                     self.long_term_counts.pinned += 1;
-                    return Ok(());
+                    continue;
                 }
                 self.long_term_counts.fallbacks += 1;
             }
+            if let Err(err) = mlock(a, b) {
+                done = Err(err);
+                break;
+            }
         }
-        mlock(s, e)
+        self.gaps = gaps;
+        done
     }
 
-    /// Lets go of pages `[s, e)`: unpins what long-term pins hold there and munlocks the rest.
+    /// Lets go of pages `[s, e)`: munlocks what lies in no long-term buffer, then lets the
+    /// buffers go of the rest (a buffer is unpinned with its last page). On error (a munlock
+    /// failed) no long-term pin was let go.
     fn unlock_pages(&mut self, s: u64, e: u64) -> Result<()> {
         let Some(long_term) = self.long_term.as_mut().filter(|l| l.pages() > 0) else {
             return munlock(s, e);
         };
-        for (a, b) in long_term.unpin(s, e)? {
-            munlock(a, b)?;
+        let mut gaps = std::mem::take(&mut self.gaps);
+        gaps.clear();
+        long_term.gaps(s, e, &mut gaps);
+        let mut done = Ok(());
+        for &(a, b) in &gaps {
+            if let Err(err) = munlock(a, b) {
+                done = Err(err);
+                break;
+            }
         }
-        Ok(())
+        if done.is_ok() {
+            gaps.clear();
+            long_term.unpin(s, e, &mut gaps);
+        }
+        self.gaps = gaps;
+        done
     }
 
     /// Unlocks cached locks, oldest first, until what is locked plus `bytes` more fits under
@@ -574,6 +603,7 @@ impl PinRegistry {
                 new: Vec::new(),
                 pieces: Vec::new(),
                 account: Account::new(limit),
+                gaps: Vec::new(),
                 long_term: None,
                 use_long_term: false,
                 long_term_counts: LongTermCounts::default(),
@@ -648,9 +678,12 @@ impl PinRegistry {
         self.lock().long_term_counts
     }
 
-    /// Bytes held by long-term pins, the lock cache's included: what the kernel shows of this
-    /// registry in the process's `VmPin` (the rest of [`PinRegistry::locked_bytes`] plus
-    /// [`PinRegistry::cached_bytes`] is in `VmLck`).
+    /// Bytes the kernel pins long-term for this registry: what it shows of the registry in the
+    /// process's `VmPin` where the memory's huge pages are the registry's units. Pages held
+    /// long-term (the lock cache's included) are in it, and so are pages let go of whose
+    /// buffer still holds others: the kernel unpins a buffer whole, with its last page.
+    /// Memory pinned in 4 KiB units but backed by transparent huge pages shows more in
+    /// `VmPin` (each buffer is charged its huge pages whole).
     pub fn long_term_bytes(&self) -> u64 {
         self.lock()
             .long_term
