@@ -152,6 +152,9 @@ pub(crate) struct LongTerm {
     pages: u64,
     /// Pages of buffers whose slot could not be cleared: pinned until the table closes.
     lost: u64,
+    /// Scratch lists kept between calls, so that a pin or unpin allocates nothing.
+    avoid: Vec<u32>,
+    empty: Vec<(u64, Buffer)>,
 }
 
 impl LongTerm {
@@ -165,6 +168,8 @@ impl LongTerm {
             held: BTreeMap::new(),
             pages: 0,
             lost: 0,
+            avoid: Vec::new(),
+            empty: Vec::new(),
         };
         long_term.add_ring(SHORT)?;
         Ok(long_term)
@@ -228,7 +233,7 @@ impl LongTerm {
     /// Takes back the pages of `[start, end)` that lie in buffers (let go earlier, still
     /// pinned) and puts the runs that lie in none into `gaps`, in order. Nothing is registered.
     pub fn revive(&mut self, start: u64, end: u64, gaps: &mut Vec<(u64, u64)>) {
-        self.walk(start, end, gaps, |b, n| b.live += n);
+        self.walk(start, end, gaps, |_, b, n| b.live += n);
     }
 
     /// Pins `[start, end)`, which no buffer holds any part of, as new buffers, all or nothing.
@@ -244,8 +249,7 @@ impl LongTerm {
             let one_page = folio > 1 && to - at == folio && at % folio == 0;
             if let Err(e) = self.register(at, to, if one_page { 1 } else { to - at }) {
                 // Only buffers this call registered lie in [start, at).
-                self.walk(start, at, &mut Vec::new(), |b, n| b.live -= n);
-                self.clear_empty(start, at);
+                self.unpin(start, at, &mut Vec::new());
                 return Err(e);
             }
             at = to;
@@ -255,7 +259,7 @@ impl LongTerm {
 
     /// Puts the runs of `[start, end)` that lie in no buffer into `gaps`, in order.
     pub fn gaps(&mut self, start: u64, end: u64, gaps: &mut Vec<(u64, u64)>) {
-        self.walk(start, end, gaps, |_, _| {});
+        self.walk(start, end, gaps, |_, _, _| {});
     }
 
     /// Lets go of the pages of `[start, end)` that lie in buffers — all held — and puts the
@@ -264,56 +268,16 @@ impl LongTerm {
     /// what remains of a buffer as a new one would pin whatever its addresses map by then,
     /// which need not be the pages a device was given.
     pub fn unpin(&mut self, start: u64, end: u64, gaps: &mut Vec<(u64, u64)>) {
-        self.walk(start, end, gaps, |b, n| {
+        let mut empty = std::mem::take(&mut self.empty);
+        empty.clear();
+        self.walk(start, end, gaps, |s, b, n| {
             debug_assert!(b.live >= n, "unpinning pages not held");
             b.live = b.live.saturating_sub(n);
-        });
-        self.clear_empty(start, end);
-    }
-
-    /// Calls `each(buffer, pages)` for every buffer overlapping `[start, end)` with the pages of
-    /// the overlap, and puts the runs that lie in no buffer into `gaps`.
-    fn walk(
-        &mut self,
-        start: u64,
-        end: u64,
-        gaps: &mut Vec<(u64, u64)>,
-        mut each: impl FnMut(&mut Buffer, u64),
-    ) {
-        let mut at = start;
-        // The buffer before `start` may reach into the range; the others start inside it.
-        let first = self
-            .held
-            .range(..start)
-            .next_back()
-            .filter(|(_, b)| b.end > start)
-            .map_or(start, |(&s, _)| s);
-        for (&s, b) in self.held.range_mut(first..end) {
-            if at < s {
-                gaps.push((at, s));
+            if b.live == 0 {
+                empty.push((s, *b));
             }
-            let (a, z) = (s.max(start), b.end.min(end));
-            each(b, z - a);
-            at = z;
-        }
-        if at < end {
-            gaps.push((at, end));
-        }
-    }
-
-    /// Unpins the buffers overlapping `[start, end)` that hold nothing any more.
-    fn clear_empty(&mut self, start: u64, end: u64) {
-        let first = self
-            .held
-            .range(..start)
-            .next_back()
-            .filter(|(_, b)| b.end > start)
-            .map_or(start, |(&s, _)| s);
-        let empty: Vec<(u64, Buffer)> = (self.held.range(first..end))
-            .filter(|(_, b)| b.live == 0)
-            .map(|(&s, &b)| (s, b))
-            .collect();
-        for (s, b) in empty {
+        });
+        for &(s, b) in &empty {
             self.held.remove(&s);
             self.pages -= b.end - s;
             if self.set_slot(b.slot, 0, 0).is_ok() {
@@ -325,6 +289,34 @@ impl LongTerm {
                 self.lost += b.end - s;
             }
         }
+        self.empty = empty;
+    }
+
+    /// Calls `each(first page, buffer, pages)` for every buffer overlapping `[start, end)` with
+    /// the pages of the overlap, and puts the runs that lie in no buffer into `gaps`.
+    fn walk(
+        &mut self,
+        start: u64,
+        end: u64,
+        gaps: &mut Vec<(u64, u64)>,
+        mut each: impl FnMut(u64, &mut Buffer, u64),
+    ) {
+        // Buffers are disjoint, so sorted by end as by start: one search, walking back from
+        // `end` while they reach past `start`; the gaps come out last first.
+        let first_gap = gaps.len();
+        let mut at = end;
+        for (&s, b) in (self.held.range_mut(..end).rev()).take_while(|(_, b)| b.end > start) {
+            let (a, z) = (s.max(start), b.end.min(end));
+            if z < at {
+                gaps.push((z, at));
+            }
+            each(s, b, z - a);
+            at = a;
+        }
+        if start < at {
+            gaps.push((start, at));
+        }
+        gaps[first_gap..].reverse();
     }
 
     /// Makes `slot` free again, in the list of its table's size.
@@ -333,16 +325,18 @@ impl LongTerm {
         self.free[kind].push(slot);
     }
 
-    /// The tables holding a buffer that touches the same 2 MiB of memory as `[s, e)`.
-    fn tables_near(&self, s: u64, e: u64) -> Vec<u32> {
+    /// Puts the tables holding a buffer that touches the same 2 MiB of memory as `[s, e)` into
+    /// `tables`.
+    fn tables_near(&self, s: u64, e: u64, tables: &mut Vec<u32>) {
         const REGION: u64 = (2 << 20) / PAGE;
         let (rs, re) = (s / REGION * REGION, e.div_ceil(REGION) * REGION);
         // Buffers are disjoint, so sorted by end as by start: walk back from the region's end
         // while they reach into it.
-        (self.held.range(..re).rev())
-            .take_while(|(_, b)| b.end > rs)
-            .map(|(_, b)| b.slot / SLOTS)
-            .collect()
+        tables.extend(
+            (self.held.range(..re).rev())
+                .take_while(|(_, b)| b.end > rs)
+                .map(|(_, b)| b.slot / SLOTS),
+        );
     }
 
     /// A free slot for a buffer of `pages` in none of the tables `avoid`: of a table of its
@@ -382,8 +376,12 @@ impl LongTerm {
     /// of one table shared a transparent huge page (which 4 KiB-granule memory may be backed
     /// with), unpinning the charged one would uncharge a huge page the other still pins.
     fn register(&mut self, s: u64, e: u64, len: u64) -> Result<()> {
-        let avoid = self.tables_near(s, e);
-        let slot = self.take_slot(len, &avoid)?;
+        let mut avoid = std::mem::take(&mut self.avoid);
+        avoid.clear();
+        self.tables_near(s, e, &mut avoid);
+        let slot = self.take_slot(len, &avoid);
+        self.avoid = avoid;
+        let slot = slot?;
         if let Err(err) = self.set_slot(slot, s * PAGE, len * PAGE) {
             self.free_slot(slot);
             return Err(err);
