@@ -362,6 +362,17 @@ if long_term:
     # The device's pins went through long-term pins, and none is left.
     if not s["long_term_pins"]: bad.append("no pin was held long-term")
     if s["long_term_bytes_at_end"]: bad.append(f"{s['long_term_bytes_at_end']} bytes still pinned long-term")
+    # Guest RAM is a shmem memfd: where the kernel's THP settings give shmem no large folios,
+    # nothing stands in the way of a long-term pin, so none may fall back to mlock.
+    import glob, re
+    def chosen(path):
+        try: return re.search(r"\[(\w+)\]", open(path).read()).group(1)
+        except Exception: return None
+    top = chosen("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    sizes = [chosen(p) for p in glob.glob("/sys/kernel/mm/transparent_hugepage/hugepages-*/shmem_enabled")]
+    sizes = [top if v == "inherit" else v for v in sizes if v]
+    shmem_thp = any(v not in (None, "never", "deny") for v in (sizes or [top]))
+    if not shmem_thp and s["long_term_fallbacks"]: bad.append(f"{s['long_term_fallbacks']} long-term pins fell back to mlock")
 if private:
     # Every map without a descriptor, every byte through QEMU, none of it failing.
     if s["dma_maps_remote"] != s["dma_maps"]: bad.append(f"{s['dma_maps'] - s['dma_maps_remote']} maps came with a descriptor")

@@ -378,6 +378,20 @@ impl Backing {
         }
     }
 
+    /// Whether the kernel may back this memory's 4 KiB pages with larger folios (transparent
+    /// huge pages of any size), by its THP settings for anonymous or for shmem memory.
+    /// hugetlbfs and THP backings, whose pins hold whole huge pages, answer false. A tmpfs
+    /// file from a mount with its own `huge=` option is judged by the shmem settings.
+    pub(crate) fn may_have_large_folios(&self) -> bool {
+        let (anon, shmem) = thp_allowed();
+        match &self.kind {
+            BackingKind::Hugetlb(_) | BackingKind::Thp => false,
+            BackingKind::Received { page_size } if page_size.bytes() > 4096 => false,
+            BackingKind::PrivateAnon | BackingKind::File { shared: false, .. } => anon,
+            _ => shmem,
+        }
+    }
+
     /// What kind of memory this is.
     #[inline]
     pub fn kind(&self) -> &BackingKind {
@@ -671,6 +685,46 @@ fn read_counter(path: &str) -> Result<u64> {
     text.trim().parse().map_err(|_| Error::Unsupported {
         what: "huge page counters",
         why: format!("{path} holds {text:?}, not a number"),
+    })
+}
+
+/// Whether the kernel's THP settings let anonymous and shmem memory have large folios: a
+/// page size whose setting is not `never` (nor `deny`), `inherit` reading the top-level one.
+/// Where there are no per-size settings (before Linux 6.8), the top-level ones decide; without
+/// THP support at all, neither can. Read once per process.
+fn thp_allowed() -> (bool, bool) {
+    static ALLOWED: OnceLock<(bool, bool)> = OnceLock::new();
+    *ALLOWED.get_or_init(|| {
+        const DIR: &str = "/sys/kernel/mm/transparent_hugepage";
+        // The bracketed choice of a sysfs setting, e.g. "always [madvise] never".
+        let chosen = |path: &std::path::Path| -> Option<String> {
+            let text = std::fs::read_to_string(path).ok()?;
+            let (_, rest) = text.split_once('[')?;
+            Some(rest.split_once(']')?.0.to_string())
+        };
+        let on = |v: &str| !matches!(v, "never" | "deny");
+        let top = [
+            chosen(std::path::Path::new(&format!("{DIR}/enabled"))),
+            chosen(std::path::Path::new(&format!("{DIR}/shmem_enabled"))),
+        ];
+        let mut sized = [None::<bool>, None];
+        for size in std::fs::read_dir(DIR).into_iter().flatten().flatten() {
+            if !size.file_name().to_string_lossy().starts_with("hugepages-") {
+                continue;
+            }
+            for (i, file) in ["enabled", "shmem_enabled"].into_iter().enumerate() {
+                if let Some(v) = chosen(&size.path().join(file)) {
+                    let v = if v == "inherit" {
+                        top[i].clone().unwrap_or_default()
+                    } else {
+                        v
+                    };
+                    sized[i] = Some(sized[i].unwrap_or(false) || on(&v));
+                }
+            }
+        }
+        let allowed = |i: usize| sized[i].unwrap_or_else(|| top[i].as_deref().is_some_and(on));
+        (allowed(0), allowed(1))
     })
 }
 

@@ -605,8 +605,8 @@ proptest! {
 
     /// Any sequence of pins, whole and partial unpins and cache bounds: the kernel's `VmPin`
     /// is exactly what the registry says it pins long-term, the account exactly the pinned
-    /// pages, nothing is mlocked, and when every pin is gone and the cache emptied, nothing is
-    /// left pinned.
+    /// pages, nothing is mlocked but what the kernel would not pin long-term, and when every
+    /// pin is gone and the cache emptied, nothing is left pinned.
     #[test]
     fn vm_pin_follows_any_sequence_exactly(ops in proptest::collection::vec(op(), 1..40)) {
         let _s = serial();
@@ -646,7 +646,11 @@ proptest! {
             prop_assert!(
                 registry.long_term_bytes() >= registry.locked_bytes() + registry.cached_bytes()
             );
-            prop_assert!(locked_pages(&b).is_empty());
+            // Nothing is mlocked unless a pin fell back to it: past 32 buffers within 2 MiB of
+            // memory THP may back (this machine's settings decide), no table may take more.
+            prop_assert!(
+                locked_pages(&b).is_empty() || registry.long_term_counts().fallbacks > 0
+            );
         }
         for pages in held {
             d.unpin_pages(&pages).unwrap();

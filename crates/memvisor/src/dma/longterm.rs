@@ -239,15 +239,17 @@ impl LongTerm {
     /// Pins `[start, end)`, which no buffer holds any part of, as new buffers, all or nothing.
     /// `folio` is the pages of a huge page of this memory that the kernel never splits
     /// (hugetlbfs), else 1: a buffer that would cover exactly one such huge page registers only
-    /// its first page, which pins — and charges — the whole huge page. Fails when the kernel
-    /// refuses (the errno says why) or no table may take the buffer (ENOSPC).
-    pub fn pin(&mut self, start: u64, end: u64, folio: u64) -> Result<()> {
+    /// its first page, which pins — and charges — the whole huge page. `spread`: the memory
+    /// may be backed by larger folios than its 4 KiB units (see [`LongTerm::register`]). Fails
+    /// when the kernel refuses (the errno says why) or no table may take the buffer (ENOSPC).
+    pub fn pin(&mut self, start: u64, end: u64, folio: u64, spread: bool) -> Result<()> {
         debug_assert!(start < end);
         let mut at = start;
         while at < end {
             let to = end.min(at + MAX_BUFFER_PAGES);
             let one_page = folio > 1 && to - at == folio && at % folio == 0;
-            if let Err(e) = self.register(at, to, if one_page { 1 } else { to - at }) {
+            let len = if one_page { 1 } else { to - at };
+            if let Err(e) = self.register(at, to, len, spread) {
                 // Only buffers this call registered lie in [start, at).
                 self.unpin(start, at, &mut Vec::new());
                 return Err(e);
@@ -370,15 +372,18 @@ impl LongTerm {
     }
 
     /// Pins `[s, e)` (at most 1 GiB) as one buffer, registering its first `len` pages: all of
-    /// them, or one where that pins them all (one huge page). The buffer goes to a table
+    /// them, or one where that pins them all (one huge page). With `spread` — memory whose
+    /// 4 KiB units may be backed by transparent huge pages — the buffer goes to a table
     /// holding no other buffer within the same 2 MiB of memory: the kernel charges a huge
     /// page to the first buffer of a table that touches it and to no other, so if two buffers
-    /// of one table shared a transparent huge page (which 4 KiB-granule memory may be backed
-    /// with), unpinning the charged one would uncharge a huge page the other still pins.
-    fn register(&mut self, s: u64, e: u64, len: u64) -> Result<()> {
+    /// of one table shared one, unpinning the charged one would uncharge a huge page the other
+    /// still pins.
+    fn register(&mut self, s: u64, e: u64, len: u64, spread: bool) -> Result<()> {
         let mut avoid = std::mem::take(&mut self.avoid);
         avoid.clear();
-        self.tables_near(s, e, &mut avoid);
+        if spread {
+            self.tables_near(s, e, &mut avoid);
+        }
         let slot = self.take_slot(len, &avoid);
         self.avoid = avoid;
         let slot = slot?;
@@ -565,8 +570,8 @@ mod tests {
         };
         let a = Area::new(64);
         let before = vm_pin();
-        lt.pin(a.0 + 4, a.0 + 12, 1).unwrap();
-        lt.pin(a.0 + 20, a.0 + 21, 1).unwrap();
+        lt.pin(a.0 + 4, a.0 + 12, 1, true).unwrap();
+        lt.pin(a.0 + 20, a.0 + 21, 1, true).unwrap();
         assert_eq!(vm_pin() - before, 9);
         assert_eq!(lt.pages(), 9);
         // Unpinning a range that covers held and unheld pages returns the unheld ones.
@@ -589,7 +594,7 @@ mod tests {
         };
         let a = Area::new(32);
         let before = vm_pin();
-        lt.pin(a.0, a.0 + 16, 1).unwrap();
+        lt.pin(a.0, a.0 + 16, 1, true).unwrap();
         // The middle goes: the kernel keeps all 16 pinned, nothing is registered anew.
         assert_eq!(unpin(&mut lt, a.0 + 4, a.0 + 6), vec![]);
         assert_eq!(vm_pin() - before, 16);
@@ -602,7 +607,7 @@ mod tests {
         lt.revive(a.0 + 16, a.0 + 18, &mut gaps);
         assert_eq!(gaps, vec![(a.0 + 16, a.0 + 18)]);
         assert_eq!(lt.held[&a.0].live, 16);
-        lt.pin(a.0 + 16, a.0 + 18, 1).unwrap();
+        lt.pin(a.0 + 16, a.0 + 18, 1, true).unwrap();
         assert_eq!(vm_pin() - before, 18);
         // Let go page by page: a buffer is unpinned with its last page.
         for p in 0..15 {
@@ -629,9 +634,9 @@ mod tests {
         let a = Area::sparse(4 * REGION);
         let r = a.0.div_ceil(REGION) * REGION;
         let before = vm_pin();
-        lt.pin(r + 1, r + 2, 1).unwrap();
-        lt.pin(r + 3, r + 4, 1).unwrap();
-        lt.pin(r + REGION - 1, r + REGION + 1, 1).unwrap();
+        lt.pin(r + 1, r + 2, 1, true).unwrap();
+        lt.pin(r + 3, r + 4, 1, true).unwrap();
+        lt.pin(r + REGION - 1, r + REGION + 1, 1, true).unwrap();
         let (t1, t3, t_edge) = (
             table_of(&lt, r + 1),
             table_of(&lt, r + 3),
@@ -643,7 +648,8 @@ mod tests {
             "it reaches into the same 2 MiB"
         );
         // A buffer in the next 2 MiB but one shares with nothing.
-        lt.pin(r + 2 * REGION + 5, r + 2 * REGION + 6, 1).unwrap();
+        lt.pin(r + 2 * REGION + 5, r + 2 * REGION + 6, 1, true)
+            .unwrap();
         assert_eq!(lt.opened, [3, 0]);
         assert_eq!(vm_pin() - before, 5);
         unpin(&mut lt, a.0, a.0 + 4 * REGION);
@@ -662,11 +668,33 @@ mod tests {
         let tables = 2 * RINGS as u64;
         let before = vm_pin();
         for i in 0..tables {
-            lt.pin(r + 2 * i, r + 2 * i + 1, 1).unwrap();
+            lt.pin(r + 2 * i, r + 2 * i + 1, 1, true).unwrap();
         }
-        let err = lt.pin(r + 2 * tables, r + 2 * tables + 1, 1).unwrap_err();
+        let err = lt
+            .pin(r + 2 * tables, r + 2 * tables + 1, 1, true)
+            .unwrap_err();
         assert_eq!(err.errno(), libc::ENOSPC, "{err}");
         assert_eq!(vm_pin() - before, tables);
+        unpin(&mut lt, r, r + REGION);
+        assert_eq!(vm_pin(), before);
+        assert!(lt.all_free());
+    }
+
+    #[test]
+    fn without_large_folios_buffers_share_tables() {
+        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mut lt) = open_or_skip("without_large_folios") else {
+            return;
+        };
+        let a = Area::sparse(2 * REGION);
+        let r = a.0.div_ceil(REGION) * REGION;
+        let n = 2 * RINGS as u64 + 8;
+        let before = vm_pin();
+        for i in 0..n {
+            lt.pin(r + 2 * i, r + 2 * i + 1, 1, false).unwrap();
+        }
+        assert_eq!(lt.opened, [1, 0]);
+        assert_eq!(vm_pin() - before, n);
         unpin(&mut lt, r, r + REGION);
         assert_eq!(vm_pin(), before);
         assert!(lt.all_free());
@@ -684,7 +712,7 @@ mod tests {
         let r = a.0.div_ceil(REGION) * REGION;
         let before = vm_pin();
         for i in 0..n {
-            lt.pin(r + i * REGION, r + i * REGION + 1, 1).unwrap();
+            lt.pin(r + i * REGION, r + i * REGION + 1, 1, true).unwrap();
         }
         assert_eq!(lt.opened, [2, 0]);
         assert_eq!(vm_pin() - before, n);
@@ -704,8 +732,9 @@ mod tests {
         let a = Area::sparse(4 * REGION + long);
         let r = a.0.div_ceil(REGION) * REGION;
         let before = vm_pin();
-        lt.pin(r, r + SHORT_MAX_PAGES, 1).unwrap();
-        lt.pin(r + 2 * REGION, r + 2 * REGION + long, 1).unwrap();
+        lt.pin(r, r + SHORT_MAX_PAGES, 1, true).unwrap();
+        lt.pin(r + 2 * REGION, r + 2 * REGION + long, 1, true)
+            .unwrap();
         assert_eq!(lt.opened, [1, 1]);
         assert_eq!(lt.kind_of(r), SHORT);
         assert_eq!(lt.kind_of(r + 2 * REGION), LONG);
@@ -726,7 +755,7 @@ mod tests {
         let r = a.0.div_ceil(REGION) * REGION;
         let before = vm_pin();
         for i in 0..n {
-            lt.pin(r + i * REGION, r + i * REGION + 1, 1).unwrap();
+            lt.pin(r + i * REGION, r + i * REGION + 1, 1, true).unwrap();
         }
         assert_eq!(lt.opened, [RINGS, 1]);
         for i in n - 3..n {
@@ -755,7 +784,7 @@ mod tests {
         };
         assert_eq!(rc, 0);
         let before = vm_pin();
-        let err = lt.pin(a.0, a.0 + 8, 1).unwrap_err();
+        let err = lt.pin(a.0, a.0 + 8, 1, true).unwrap_err();
         assert_eq!(err.errno(), libc::EFAULT, "{err}");
         assert_eq!(vm_pin(), before);
         assert_eq!(lt.pages(), 0);

@@ -231,6 +231,12 @@ impl Host {
             .map_or(PageSize::Size4K.bytes(), |p| p.bytes())
     }
 
+    /// Whether the kernel may back the memory's 4 KiB pages with larger folios: by its THP
+    /// settings, and always for caller-managed memory, whose kind is unknown.
+    fn large_folios(&self) -> bool {
+        (self.owner.as_ref()).is_none_or(|b| b.may_have_large_folios())
+    }
+
     /// Whether the memory's huge pages never split: its guaranteed page is a huge page
     /// (hugetlbfs), unlike THP, which the kernel may back with 4 KiB pages.
     fn unsplittable(&self) -> bool {

@@ -181,6 +181,7 @@ impl Shared {
             len: m.iova.len(),
             granule: host.granule(),
             unsplittable: host.unsplittable(),
+            large_folios: host.large_folios(),
             batch: self.config.pin_batch,
             frames: self.config.frames,
             // Whole mappings are unpinned when they are unmapped, when their memory may go too.

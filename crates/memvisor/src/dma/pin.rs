@@ -132,6 +132,9 @@ pub(crate) struct PinRequest {
     /// Whether the memory's huge pages never split (hugetlbfs, not THP): the kernel pins such
     /// a page whole when any page of it is pinned long-term.
     pub unsplittable: bool,
+    /// Whether the kernel may back 4 KiB units of the memory with larger folios (transparent
+    /// huge pages): long-term buffers within the same 2 MiB then go to different tables.
+    pub large_folios: bool,
     /// Pages per step; 1 is the page-at-a-time baseline.
     pub batch: usize,
     /// Read physical frames and return extents split where frames are not consecutive.
@@ -337,8 +340,8 @@ impl State {
     /// Makes units `[us, ue)` (of `unit` pages) held for a pin: cached locks there are taken
     /// back, what is not locked is locked, and both are charged. All or nothing. If the kernel
     /// refuses the mlock for want of room, the cache is emptied and the mlock tried once more.
-    fn hold(&mut self, us: u64, ue: u64, unit: u64, folio: u64) -> Result<()> {
-        match self.try_hold(us, ue, unit, folio) {
+    fn hold(&mut self, us: u64, ue: u64, req: &PinRequest) -> Result<()> {
+        match self.try_hold(us, ue, req) {
             Err(e) if lacks_room(&e) => {
                 // The kernel's limit may have changed (a lower rlimit, CAP_IPC_LOCK dropped).
                 self.account.refresh();
@@ -346,18 +349,18 @@ impl State {
                     return Err(e);
                 }
                 while self.evict_oldest() {}
-                self.try_hold(us, ue, unit, folio)
+                self.try_hold(us, ue, req)
             }
             done => done,
         }
     }
 
-    fn try_hold(&mut self, us: u64, ue: u64, unit: u64, folio: u64) -> Result<()> {
+    fn try_hold(&mut self, us: u64, ue: u64, req: &PinRequest) -> Result<()> {
         let mut taken = std::mem::take(&mut self.taken);
         let mut new = std::mem::take(&mut self.new);
         taken.clear();
         new.clear();
-        let done = self.try_hold_with(us, ue, (unit, folio), &mut taken, &mut new);
+        let done = self.try_hold_with(us, ue, req, &mut taken, &mut new);
         self.taken = taken;
         self.new = new;
         done
@@ -369,7 +372,7 @@ impl State {
         &mut self,
         us: u64,
         ue: u64,
-        (unit, folio): (u64, u64),
+        req: &PinRequest,
         taken: &mut Vec<(u64, u64, u64)>,
         new: &mut Vec<(u64, u64)>,
     ) -> Result<()> {
@@ -391,13 +394,13 @@ impl State {
         }
         self.make_room(new_bytes);
         for (i, &(s, e)) in new.iter().enumerate() {
-            if let Err(err) = self.lock_pages(s, e, folio) {
+            if let Err(err) = self.lock_pages(s, e, req) {
                 // A failed mlock may have locked part of its range (the areas before the one
                 // that could not be split or faulted in): undo it with the others.
                 self.account.release(taken_bytes + new_bytes);
                 for &(s, e) in &new[..=i] {
                     if self.unlock_pages(s, e).is_err() {
-                        self.locked.insert(s, e, unit);
+                        self.locked.insert(s, e, req.unit());
                         self.account.force_charge((e - s) * PAGE);
                         self.stuck.push((s, e));
                     }
@@ -407,17 +410,17 @@ impl State {
             }
         }
         for &(s, e) in new.iter() {
-            self.locked.insert(s, e, unit);
+            self.locked.insert(s, e, req.unit());
         }
         Ok(())
     }
 
     /// Holds pages `[s, e)`, none of them held yet: what lies in a long-term buffer (let go
     /// earlier, pinned until the rest of the buffer goes) is taken back as it is; the rest is
-    /// pinned long-term when those are on and the kernel takes it, else mlocked. `folio`:
-    /// pages of a huge page the kernel pins whole (hugetlbfs), else 1. On error part of the
-    /// range may be held: the caller lets go of all of it ([`State::unlock_pages`]).
-    fn lock_pages(&mut self, s: u64, e: u64, folio: u64) -> Result<()> {
+    /// pinned long-term when those are on and the kernel takes it, else mlocked, as `req` says
+    /// its memory is pinned. On error part of the range may be held: the caller lets go of all
+    /// of it ([`State::unlock_pages`]).
+    fn lock_pages(&mut self, s: u64, e: u64, req: &PinRequest) -> Result<()> {
         let Some(long_term) = self.long_term.as_mut() else {
             return mlock(s, e);
         };
@@ -430,7 +433,7 @@ impl State {
                 // Refused — a page that cannot be pinned for writing (read-only memory, a
                 // MAP_SHARED ext4 file), the user's locked-memory limit, full tables — it is
                 // locked the other way.
-                if long_term.pin(a, b, folio).is_ok() {
+                if long_term.pin(a, b, req.folio(), req.large_folios).is_ok() {
                     self.long_term_counts.pinned += 1;
                     continue;
                 }
@@ -859,7 +862,7 @@ impl PinRegistry {
         let mut st = self.lock();
         st.retry_stuck();
         let (us, ue) = req.units(start, end);
-        st.hold(us, ue, req.unit(), req.folio())?;
+        st.hold(us, ue, req)?;
         st.pages.add(start, end);
         st.check_account();
         Ok(())
