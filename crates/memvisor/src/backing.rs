@@ -688,10 +688,11 @@ fn read_counter(path: &str) -> Result<u64> {
     })
 }
 
-/// Whether the kernel's THP settings let anonymous and shmem memory have large folios: a
-/// page size whose setting is not `never` (nor `deny`), `inherit` reading the top-level one.
-/// Where there are no per-size settings (before Linux 6.8), the top-level ones decide; without
-/// THP support at all, neither can. Read once per process.
+/// Whether the kernel's THP settings may let anonymous and shmem memory have large folios, by
+/// any setting for them not `never` (nor `deny`): the top-level one, or a per-size one
+/// (Linux 6.8 and later; `inherit` reads the top level). Erring towards yes: the per-size shmem
+/// settings govern anonymous shared memory only, memfds the top-level one. Read once per
+/// process; `MADV_COLLAPSE`, which ignores the settings, is not foreseen.
 fn thp_allowed() -> (bool, bool) {
     static ALLOWED: OnceLock<(bool, bool)> = OnceLock::new();
     *ALLOWED.get_or_init(|| {
@@ -707,7 +708,7 @@ fn thp_allowed() -> (bool, bool) {
             chosen(std::path::Path::new(&format!("{DIR}/enabled"))),
             chosen(std::path::Path::new(&format!("{DIR}/shmem_enabled"))),
         ];
-        let mut sized = [None::<bool>, None];
+        let mut allowed = [0, 1].map(|i| top[i].as_deref().is_some_and(on));
         for size in std::fs::read_dir(DIR).into_iter().flatten().flatten() {
             if !size.file_name().to_string_lossy().starts_with("hugepages-") {
                 continue;
@@ -719,12 +720,11 @@ fn thp_allowed() -> (bool, bool) {
                     } else {
                         v
                     };
-                    sized[i] = Some(sized[i].unwrap_or(false) || on(&v));
+                    allowed[i] |= on(&v);
                 }
             }
         }
-        let allowed = |i: usize| sized[i].unwrap_or_else(|| top[i].as_deref().is_some_and(on));
-        (allowed(0), allowed(1))
+        (allowed[0], allowed[1])
     })
 }
 

@@ -348,8 +348,8 @@ impl Discarder {
             // touches, and keep every unit holding a pin, even where the report covers
             // only part of it.
             let (w0, w1) = (at / unit * unit, chunk_end.div_ceil(unit) * unit);
-            self.registry.with_locked_in(w0, w1, |locked| {
-                for (s, e) in locked.gaps(w0 / PAGE, w1 / PAGE) {
+            self.registry.with_unheld_in(w0, w1, |free| {
+                for &(s, e) in free {
                     let (mut s, mut e) = (s * PAGE, e * PAGE);
                     if s > w0 {
                         s = s.next_multiple_of(unit);

@@ -581,6 +581,45 @@ fn a_discard_skips_long_term_pinned_pages_and_frees_the_cached_ones() {
     assert_eq!(vm_pin(), base);
 }
 
+/// A page a device let go of while the rest of its buffer is held stays pinned by the kernel;
+/// a discard must leave it alone, or the page a later pin takes back from the buffer would no
+/// longer be the one the process maps.
+#[test]
+fn a_discard_skips_pages_whose_buffer_is_still_pinned() {
+    let _s = serial();
+    let Some(registry) = registry(
+        LockLimit::Unlimited,
+        MIB,
+        "a_discard_skips_pages_whose_buffer",
+    ) else {
+        return;
+    };
+    registry.set_lock_cache(0, 0);
+    let (d, b) = space(&registry, PinMode::Lazy, 64);
+    b.write(11 * PAGE, &[0x5a; 2 * PAGE as usize]).unwrap();
+    let t = SlotTable::new();
+    t.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
+    let discarder = Discarder::with_options(
+        &t,
+        DiscardOptions {
+            registry: Some(registry.clone()),
+            ..DiscardOptions::default()
+        },
+    );
+    d.pin_pages(&(8..16).collect::<Vec<_>>(), Prot::RW).unwrap();
+    d.unpin_pages(&[11, 12]).unwrap();
+    let out = discarder.report(&[(Gpa(11 * PAGE), 2 * PAGE)]);
+    assert_eq!(out.discarded, 0);
+    assert_eq!(out.skipped_pinned, 2 * PAGE);
+    let mut page = vec![0u8; 2 * PAGE as usize];
+    b.read(11 * PAGE, &mut page).unwrap();
+    assert!(page.iter().all(|&x| x == 0x5a), "the pages were kept");
+    // Once the buffer goes whole, the same report discards them.
+    d.unpin_pages(&[8, 9, 10, 13, 14, 15]).unwrap();
+    let out = discarder.report(&[(Gpa(11 * PAGE), 2 * PAGE)]);
+    assert_eq!(out.discarded, 2 * PAGE);
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     /// pin_pages of `len` pages from `page`.

@@ -24,10 +24,13 @@
 //! the first buffer of its table that touches it; clearing that buffer uncharges it, even
 //! while another buffer of the table still pins it. Memory the registry pins in 4 KiB units may
 //! be backed by huge pages all the same (THP `always`, a VMM's own `MADV_HUGEPAGE`, shmem with
-//! huge pages), so no two buffers within the same 2 MiB of memory share a table: each is
-//! charged on its own, and `VmPin` may exceed what the registry holds but never falls short of
-//! what the kernel pins. Past 32 buffers within one 2 MiB (every table), a pin is refused with
-//! ENOSPC and the registry mlocks instead.
+//! huge pages), so where the kernel's THP settings allow that, no two buffers within the same
+//! 2 MiB of memory share a table: each is charged on its own, and `VmPin` may exceed what the
+//! registry holds but never falls short of what the kernel pins. Past 32 buffers within one
+//! 2 MiB (every table), a pin is refused with ENOSPC and the registry mlocks instead. Not
+//! foreseen: folios over 2 MiB in memory pinned in 4 KiB units (a 1 GiB hugetlbfs page handed
+//! over as caller-managed memory), one huge page mapped at two addresses, and huge pages the
+//! settings forbid (`MADV_COLLAPSE`, a tmpfs mounted with its own `huge=`).
 //!
 //! **Hugetlbfs pages are pinned through one page.** Their huge pages never split, so a buffer
 //! that would cover exactly one of them registers only its first 4 KiB page: the kernel pins
@@ -419,8 +422,8 @@ impl LongTerm {
         };
         let ring = &self.rings[(slot / SLOTS) as usize].0;
         // SAFETY: `update` names one iovec, `iov`, live on this stack for the call. Registering
-        // pins the pages it covers and changes no mapping or content; an address range that is
-        // not mapped writable is refused (EFAULT).
+        // faults in and pins the pages it covers, for writing (breaking copy-on-write where it
+        // must, contents unchanged); an address range not mapped writable is refused (EFAULT).
         unsafe { register(ring, IORING_REGISTER_BUFFERS_UPDATE, &update) }.map_err(|source| {
             Error::Os {
                 op: if len == 0 {

@@ -761,23 +761,35 @@ impl PinRegistry {
             .collect()
     }
 
-    /// Runs `f` on the host pages held locked for pins (4 KiB page numbers, `hva / 4096`; whole
-    /// huge pages where memory is locked in them) while holding the lock every pin and unpin
-    /// takes, after unlocking the cached locks overlapping host bytes `[start, end)`: there,
-    /// what `f` sees locked is exactly what pins hold. Whatever `f` sees unlocked stays unpinned
-    /// until it returns: a pin that races it either locked its pages before `f` ran or locks
-    /// (and faults in) the pages after `f` is done with them. Discarding uses this; keep `f`
-    /// short, pins wait for it.
-    pub(crate) fn with_locked_in<R>(
+    /// Calls `f`, under the registry's lock (no pin can come in between), with the runs of
+    /// pages in bytes `[start, end)` that nothing holds: no pin, no lock cache entry (the cache
+    /// is emptied over the range first), no long-term buffer — whose pages the kernel keeps
+    /// pinned until the whole buffer goes, those no pin holds any more included: discarding
+    /// one would part the process's page from the pinned one, and a later pin that takes the
+    /// page back from its buffer would hold the wrong page. Page numbers are 4 KiB (`hva /
+    /// 4096`). A pin that races `f` either held its pages before `f` ran or holds (and faults
+    /// in) them after `f` is done with them. Discarding uses this; keep `f` short, pins wait.
+    pub(crate) fn with_unheld_in<R>(
         &self,
         start: u64,
         end: u64,
-        f: impl FnOnce(&Locked) -> R,
+        f: impl FnOnce(&[(u64, u64)]) -> R,
     ) -> R {
         let mut st = self.lock();
-        st.release_cached_in(start / PAGE, end.div_ceil(PAGE));
+        let (first, last) = (start / PAGE, end.div_ceil(PAGE));
+        st.release_cached_in(first, last);
         st.check_account();
-        f(&st.locked)
+        let unlocked = st.locked.gaps(first, last);
+        match st.long_term.as_mut().filter(|l| l.pages() > 0) {
+            Some(long_term) => {
+                let mut free = Vec::new();
+                for (s, e) in unlocked {
+                    long_term.gaps(s, e, &mut free);
+                }
+                f(&free)
+            }
+            None => f(&unlocked),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
