@@ -79,14 +79,19 @@ fn space(registry: &Arc<PinRegistry>, mode: PinMode, pages: u64) -> (DmaSpace, A
         )
         .unwrap(),
     );
+    (space_over(registry, mode, &b), b)
+}
+
+/// A space of `mode` on `registry` with all of `b` mapped at IOVA 0.
+fn space_over(registry: &Arc<PinRegistry>, mode: PinMode, b: &Arc<Backing>) -> DmaSpace {
     let d = DmaSpace::new(DmaConfig {
         pin_mode: mode,
         registry: Some(registry.clone()),
         ..DmaConfig::default()
     })
     .unwrap();
-    d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
-    (d, b)
+    d.map_backing(Iova(0), b, 0, b.size(), Prot::RW).unwrap();
+    d
 }
 
 #[test]
@@ -258,49 +263,6 @@ fn the_limit_refuses_long_term_pins_with_enomem_and_leaves_nothing() {
     assert_eq!(vm_pin(), base);
 }
 
-/// On THP memory a pin holds its whole huge page, long-term as with mlock: `VmPin` grows by
-/// 2 MiB, and the huge page stays mapped huge through the pin and the unpin.
-#[test]
-fn a_long_term_pin_inside_a_transparent_huge_page_holds_it_whole() {
-    let _s = serial();
-    let test = "a_long_term_pin_inside_a_transparent_huge_page";
-    let Some(registry) = registry(LockLimit::Unlimited, 4 * MIB, test) else {
-        return;
-    };
-    let thp = Arc::new(
-        Backing::with_options(
-            BackingKind::Thp,
-            4 * MIB,
-            &BackingOptions { populate: true },
-        )
-        .unwrap(),
-    );
-    let huge_kib = || common::smaps_sum(thp.hva().0, thp.hva().0 + 4 * MIB, "AnonHugePages") / 1024;
-    if huge_kib() < 4096 {
-        common::skipped(&format!(
-            "{test}: THP gave {} KiB of huge pages here, not 4096",
-            huge_kib()
-        ));
-        return;
-    }
-    let d = DmaSpace::new(DmaConfig {
-        registry: Some(registry.clone()),
-        ..DmaConfig::default()
-    })
-    .unwrap();
-    d.map_backing(Iova(0), &thp, 0, 4 * MIB, Prot::RW).unwrap();
-    let base = vm_pin();
-    d.pin_pages(&[600], Prot::RW).unwrap();
-    assert_eq!(vm_pin() - base, 2 * MIB);
-    assert_eq!(registry.locked_bytes(), 2 * MIB);
-    assert!(locked_pages(&thp).is_empty());
-    assert_eq!(huge_kib(), 4096, "still mapped huge while pinned");
-    d.unpin_pages(&[600]).unwrap();
-    d.release_cached_locks();
-    assert_eq!(vm_pin(), base);
-    assert_eq!(huge_kib(), 4096, "still mapped huge after the unpin");
-}
-
 /// The buffers this process's io_uring tables hold inside `b`, as (offset in `b`, bytes), from
 /// the kernel's own listing (`/proc/self/fdinfo` of each io_uring descriptor).
 fn kernel_buffers(b: &Backing) -> Vec<(u64, u64)> {
@@ -351,6 +313,32 @@ fn thp_or_skip(bytes: u64, test: &str) -> Option<Arc<Backing>> {
     Some(thp)
 }
 
+/// On THP memory a pin holds its whole huge page, long-term as with mlock: `VmPin` grows by
+/// 2 MiB, and the huge page stays mapped huge through the pin and the unpin.
+#[test]
+fn a_long_term_pin_inside_a_transparent_huge_page_holds_it_whole() {
+    let _s = serial();
+    let test = "a_long_term_pin_inside_a_transparent_huge_page";
+    let Some(registry) = registry(LockLimit::Unlimited, 4 * MIB, test) else {
+        return;
+    };
+    let Some(thp) = thp_or_skip(4 * MIB, test) else {
+        return;
+    };
+    let huge_kib = || common::smaps_sum(thp.hva().0, thp.hva().0 + 4 * MIB, "AnonHugePages") / 1024;
+    let d = space_over(&registry, PinMode::Lazy, &thp);
+    let base = vm_pin();
+    d.pin_pages(&[600], Prot::RW).unwrap();
+    assert_eq!(vm_pin() - base, 2 * MIB);
+    assert_eq!(registry.locked_bytes(), 2 * MIB);
+    assert!(locked_pages(&thp).is_empty());
+    assert_eq!(huge_kib(), 4096, "still mapped huge while pinned");
+    d.unpin_pages(&[600]).unwrap();
+    d.release_cached_locks();
+    assert_eq!(vm_pin(), base);
+    assert_eq!(huge_kib(), 4096, "still mapped huge after the unpin");
+}
+
 /// A buffer over two transparent huge pages that loses one stays whole, and charged whole,
 /// until the other goes too.
 #[test]
@@ -364,12 +352,7 @@ fn unpinning_one_huge_page_of_a_buffer_keeps_it_whole_and_charged() {
         return;
     };
     registry.set_lock_cache(0, 0);
-    let d = DmaSpace::new(DmaConfig {
-        registry: Some(registry.clone()),
-        ..DmaConfig::default()
-    })
-    .unwrap();
-    d.map_backing(Iova(0), &thp, 0, 4 * MIB, Prot::RW).unwrap();
+    let d = space_over(&registry, PinMode::Lazy, &thp);
     let base = vm_pin();
     // Two pages on either side of the huge page boundary: one buffer over both huge pages.
     d.pin_pages(&[511, 512], Prot::RW).unwrap();
@@ -441,12 +424,7 @@ fn a_long_term_pin_of_one_hugetlbfs_page_registers_one_page_of_it() {
     };
     registry.set_lock_cache(0, 0);
     let h = Arc::new(Backing::new(BackingKind::Hugetlb(PageSize::Size2M), 4 * MIB).unwrap());
-    let d = DmaSpace::new(DmaConfig {
-        registry: Some(registry.clone()),
-        ..DmaConfig::default()
-    })
-    .unwrap();
-    d.map_backing(Iova(0), &h, 0, 4 * MIB, Prot::RW).unwrap();
+    let d = space_over(&registry, PinMode::Lazy, &h);
     let base = vm_pin();
     d.pin_pages(&[600], Prot::RW).unwrap();
     assert_eq!(kernel_buffers(&h), vec![(2 * MIB, PAGE)]);
@@ -496,12 +474,7 @@ fn a_long_term_pin_of_one_gib_hugetlbfs_page_registers_one_page_of_it() {
         Err(e) => return common::skipped(&format!("{test}: {e}")),
     };
     let h = Arc::new(Backing::new(BackingKind::Hugetlb(PageSize::Size1G), 1 << 30).unwrap());
-    let d = DmaSpace::new(DmaConfig {
-        registry: Some(registry.clone()),
-        ..DmaConfig::default()
-    })
-    .unwrap();
-    d.map_backing(Iova(0), &h, 0, 1 << 30, Prot::RW).unwrap();
+    let d = space_over(&registry, PinMode::Lazy, &h);
     let base = vm_pin();
     d.pin_pages(&[12345], Prot::RW).unwrap();
     assert_eq!(kernel_buffers(&h), vec![(0, PAGE)]);
