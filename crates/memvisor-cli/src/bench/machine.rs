@@ -2,6 +2,13 @@
 //! numbers from different hosts are never compared blindly. Everything is read from procfs/sysfs
 //! and `uname(2)` when the run starts; anything that cannot be read becomes "unknown" (or `None`)
 //! instead of an error, because a missing detail must not stop a benchmark.
+//!
+//! A cloud guest often names its processor only "AMD EPYC", the same for hosts generations apart
+//! whose caches differ fourfold (this project's machines have been both): so the report also
+//! carries the processor's family, model and stepping, the core generation they stand for where
+//! it is a known AMD one, the sizes of the caches one core sees, and whether the machine is a
+//! virtual one. A lookup whose working set fits one core's L2 on one host and not on the next
+//! is otherwise a regression no code caused.
 
 use serde::Serialize;
 use std::fs;
@@ -10,6 +17,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 #[derive(Debug, Clone, Serialize)]
 pub struct Machine {
     pub cpu_model: String,
+    /// x86 `cpu family`, `model` and `stepping` from /proc/cpuinfo, when present.
+    pub cpu_id: Option<CpuId>,
+    /// The core generation `cpu_id` stands for, where it is a known AMD one ("Zen 4").
+    pub cpu_core: Option<String>,
+    /// Sizes of the caches cpu0 sees, one entry per cache: "L1d 32K", "L2 1024K", ...
+    pub caches: Vec<String>,
+    /// Whether the processor says it runs under a hypervisor (the `hypervisor` flag).
+    pub virtual_machine: bool,
     /// Online logical CPUs.
     pub cores: u32,
     /// `MemTotal` in GiB.
@@ -34,6 +49,13 @@ impl Machine {
             .find_map(|key| proc_field(&cpuinfo, key))
             .or_else(|| uts.as_ref().map(|u| u.machine.clone()))
             .unwrap_or_else(|| "unknown".to_string());
+        let cpu_id = CpuId::parse(&cpuinfo);
+        let cpu_core = cpu_id
+            .filter(|_| proc_field(&cpuinfo, "vendor_id").as_deref() == Some("AuthenticAMD"))
+            .and_then(|id| amd_core(id.family, id.model))
+            .map(str::to_string);
+        let virtual_machine = proc_field(&cpuinfo, "flags")
+            .is_some_and(|flags| flags.split_whitespace().any(|f| f == "hypervisor"));
         let cores = parse_cpu_list(&read("/sys/devices/system/cpu/online"))
             .or_else(|| {
                 std::thread::available_parallelism()
@@ -49,6 +71,10 @@ impl Machine {
             .map_or(0, |d| d.as_secs());
         Machine {
             cpu_model,
+            cpu_id,
+            cpu_core,
+            caches: caches(std::path::Path::new("/sys/devices/system/cpu/cpu0/cache")),
+            virtual_machine,
             cores,
             memory_gib: mem_kib / (1024.0 * 1024.0),
             kernel: uts
@@ -61,17 +87,103 @@ impl Machine {
         }
     }
 
-    /// One line, e.g. "AMD EPYC · 2 cores · 23.5 GiB · Linux 6.18.44 · THP madvise".
+    /// One line, e.g. "AMD EPYC (family 25 model 17 stepping 1, Zen 4; L1d 32K, L1i 32K,
+    /// L2 1024K, L3 32768K; virtual machine) · 2 cores · 23.5 GiB · Linux 6.18.44 · THP madvise".
     pub fn describe(&self) -> String {
+        let mut about = Vec::new();
+        if let Some(id) = self.cpu_id {
+            let mut text = format!(
+                "family {} model {} stepping {}",
+                id.family, id.model, id.stepping
+            );
+            if let Some(core) = &self.cpu_core {
+                text.push_str(", ");
+                text.push_str(core);
+            }
+            about.push(text);
+        }
+        if !self.caches.is_empty() {
+            about.push(self.caches.join(", "));
+        }
+        if self.virtual_machine {
+            about.push("virtual machine".to_string());
+        }
+        let cpu = if about.is_empty() {
+            self.cpu_model.clone()
+        } else {
+            format!("{} ({})", self.cpu_model, about.join("; "))
+        };
         format!(
             "{} · {} cores · {:.1} GiB · Linux {} · THP {}",
-            self.cpu_model,
+            cpu,
             self.cores,
             self.memory_gib,
             self.kernel,
             self.thp.as_deref().unwrap_or("unavailable")
         )
     }
+}
+
+/// An x86 processor's identity as /proc/cpuinfo gives it (decimal there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CpuId {
+    pub family: u32,
+    pub model: u32,
+    pub stepping: u32,
+}
+
+impl CpuId {
+    /// The first processor's `cpu family`, `model` and `stepping`; `None` unless all three are
+    /// there (other architectures name their fields differently).
+    fn parse(cpuinfo: &str) -> Option<CpuId> {
+        let field = |key: &str| proc_field(cpuinfo, key)?.parse().ok();
+        Some(CpuId {
+            family: field("cpu family")?,
+            model: field("model")?,
+            stepping: field("stepping")?,
+        })
+    }
+}
+
+/// The core generation of an AMD processor of `family` and `model`, as AMD's published family
+/// and model numbers assign them (17h: Zen to Zen 2, 19h: Zen 3 and Zen 4, 1Ah: Zen 5); `None`
+/// for families this table does not know.
+fn amd_core(family: u32, model: u32) -> Option<&'static str> {
+    match (family, model) {
+        (0x17, 0x00..=0x2f) => Some("Zen or Zen+"),
+        (0x17, _) => Some("Zen 2"),
+        (0x19, 0x10..=0x1f | 0x60..=0x7f | 0xa0..=0xaf) => Some("Zen 4"),
+        (0x19, _) => Some("Zen 3"),
+        (0x1a, _) => Some("Zen 5"),
+        _ => None,
+    }
+}
+
+/// The caches under `dir` (a CPU's sysfs `cache` directory), by level then kind, as "L1d 32K",
+/// "L1i 32K", "L2 1024K": the size as sysfs writes it. Empty if nothing can be read.
+fn caches(dir: &std::path::Path) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let read = |path: std::path::PathBuf| Some(fs::read_to_string(path).ok()?.trim().to_string());
+    let mut found: Vec<(u32, String, String)> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("index"))
+        .filter_map(|e| {
+            let level: u32 = read(e.path().join("level"))?.parse().ok()?;
+            let suffix = match read(e.path().join("type"))?.as_str() {
+                "Data" => "d",
+                "Instruction" => "i",
+                _ => "",
+            };
+            Some((level, suffix.to_string(), read(e.path().join("size"))?))
+        })
+        .collect();
+    found.sort();
+    found
+        .into_iter()
+        .map(|(level, suffix, size)| format!("L{level}{suffix} {size}"))
+        .collect()
 }
 
 struct Uname {
@@ -195,6 +307,45 @@ mod tests {
             Some("AMD EPYC 7B13")
         );
         assert_eq!(proc_field(info, "Hardware"), None);
+    }
+
+    #[test]
+    fn processor_identity() {
+        let info = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n\
+                    model name\t: AMD EPYC\nstepping\t: 1\n";
+        let id = CpuId::parse(info).unwrap();
+        assert_eq!((id.family, id.model, id.stepping), (25, 17, 1));
+        assert_eq!(CpuId::parse("processor\t: 0\nHardware\t: BCM2835\n"), None);
+        assert_eq!(amd_core(25, 17), Some("Zen 4"));
+        assert_eq!(amd_core(25, 1), Some("Zen 3"));
+        assert_eq!(amd_core(25, 0x61), Some("Zen 4"));
+        assert_eq!(amd_core(23, 0x31), Some("Zen 2"));
+        assert_eq!(amd_core(6, 0x55), None);
+    }
+
+    #[test]
+    fn caches_in_level_order() {
+        let dir = std::env::temp_dir().join(format!("memvisor-caches-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        for (index, level, kind, size) in [
+            ("index3", "3", "Unified", "32768K"),
+            ("index0", "1", "Data", "32K"),
+            ("index2", "2", "Unified", "1024K"),
+            ("index1", "1", "Instruction", "32K"),
+        ] {
+            let d = dir.join(index);
+            fs::create_dir_all(&d).unwrap();
+            fs::write(d.join("level"), format!("{level}\n")).unwrap();
+            fs::write(d.join("type"), format!("{kind}\n")).unwrap();
+            fs::write(d.join("size"), format!("{size}\n")).unwrap();
+        }
+        fs::create_dir_all(dir.join("power")).unwrap();
+        assert_eq!(
+            caches(&dir),
+            ["L1d 32K", "L1i 32K", "L2 1024K", "L3 32768K"]
+        );
+        fs::remove_dir_all(&dir).unwrap();
+        assert!(caches(&dir).is_empty());
     }
 
     #[test]

@@ -348,7 +348,7 @@ mod tests {
         assert_eq!(json["mode"], "quick");
         assert_eq!(
             keys(&json["machine"]),
-            "cores cpu_model date hostname kernel memory_gib memvisor_version thp"
+            "caches cores cpu_core cpu_id cpu_model date hostname kernel memory_gib memvisor_version thp virtual_machine"
         );
         let row = &json["results"][0];
         assert_eq!(
