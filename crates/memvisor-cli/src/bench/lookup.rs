@@ -14,6 +14,11 @@
 //! * `cursor`: memvisor's per-thread [`SlotCursor`];
 //! * `vm-memory`: rust-vmm's `GuestMemoryMmap::get_host_address` over the same regions.
 //!
+//! Across slot counts a fifth, `snapshot`, looks up in one memvisor snapshot held for the whole
+//! run: the bucket index alone, with no cursor and no check that the table is still current.
+//! It is the floor of what a cursor's search can cost, as `binary` is for a search that sees
+//! no change either.
+//!
 //! Each pass translates one address per 4 KiB page and writes a byte there. A microbenchmark
 //! then times lookups alone (ns each) on a thread-local pattern (the cursor hits) and a random
 //! one (it mostly misses), on one thread and on all, and across slot counts. Every pattern is
@@ -53,6 +58,8 @@ enum Variant {
     VmHint,
     Cursor,
     VmMemory,
+    /// Only across slot counts: see the module comment.
+    Snapshot,
 }
 
 impl Variant {
@@ -62,6 +69,7 @@ impl Variant {
             Variant::VmHint => "vm-hint",
             Variant::Cursor => "cursor",
             Variant::VmMemory => "vm-memory",
+            Variant::Snapshot => "snapshot",
         }
     }
 }
@@ -136,6 +144,15 @@ impl Translate for VmHint<'_> {
 
 struct Cursor(SlotCursor);
 impl Translate for Cursor {
+    #[inline(always)]
+    fn translate(&mut self, gpa: u64) -> Option<u64> {
+        self.0.lookup(Gpa(gpa)).map(|t| t.hva.0)
+    }
+}
+
+/// memvisor's own search, on a snapshot held for good: no cursor, no generation check.
+struct Held(Arc<Snapshot>);
+impl Translate for Held {
     #[inline(always)]
     fn translate(&mut self, gpa: u64) -> Option<u64> {
         self.0.lookup(Gpa(gpa)).map(|t| t.hva.0)
@@ -268,6 +285,7 @@ fn pass_times(layout: &Layout, variant: Variant, threads: u64, passes: usize) ->
         ),
         Variant::Cursor => touch_passes(layout, || Cursor(layout.table.cursor()), threads, passes),
         Variant::VmMemory => touch_passes(layout, || VmMemory(&layout.vm_memory), threads, passes),
+        Variant::Snapshot => touch_passes(layout, || Held(snap.clone()), threads, passes),
     }
 }
 
@@ -337,6 +355,7 @@ fn lookup_ns(layout: &Layout, variant: Option<Variant>, addrs: &[Vec<u64>], iter
         ),
         Some(Variant::Cursor) => time_lookups(|| Cursor(layout.table.cursor()), addrs, iters),
         Some(Variant::VmMemory) => time_lookups(|| VmMemory(&layout.vm_memory), addrs, iters),
+        Some(Variant::Snapshot) => time_lookups(|| Held(snap.clone()), addrs, iters),
     }
 }
 
@@ -552,7 +571,7 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
         )
     })
     .collect();
-    let total = (cases.len() * VARIANTS.len() + sz.scaling.len() * 2 * VARIANTS.len()) as u64;
+    let total = (cases.len() * VARIANTS.len() + sz.scaling.len() * 2 * (VARIANTS.len() + 1)) as u64;
     let mut progress = ctx.progress("lookup: ns per lookup", total);
 
     let mut table = Table::new(
@@ -669,25 +688,35 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
             "vm-hint",
             "cursor",
             "vm-memory",
+            "snapshot",
             "binary / cursor, random",
             "vm-memory / cursor, random",
+            "binary / snapshot, random",
         ],
     );
     scaling.note = Some(format!(
         "{} runs of about 30 ms each, the variants taking turns in every run; {PATTERN} \
          different addresses per pattern, cycled (random bytes of one slot, or of any slot); \
-         slots of 64 KiB; a ratio > 1 means the cursor is faster",
+         slots of 64 KiB; a ratio > 1 means the cursor (or the snapshot) is faster. snapshot: \
+         memvisor's bucket index on a snapshot held for the whole run, with no cursor and no \
+         check that the table is current (the floor of a cursor's search)",
         sz.runs
     ));
-    let order: Vec<Option<Variant>> = VARIANTS.map(Some).to_vec();
+    // VARIANTS, then the held snapshot.
+    let order: Vec<Option<Variant>> = VARIANTS
+        .iter()
+        .chain(&[Variant::Snapshot])
+        .copied()
+        .map(Some)
+        .collect();
     for &slots in sz.scaling {
         let layout = Layout::new(BackingKind::PrivateAnon, slots, 64 << 10)?;
-        let mut pairs = vec![Vec::new(); VARIANTS.len()];
+        let mut pairs = vec![Vec::new(); order.len()];
         let mut random_samples = Vec::new();
         for (name, local) in [("thread-local", true), ("random", false)] {
             let addrs = address_lists(&layout, 1, local);
             let samples = interleaved(&layout, &order, &addrs, sz.runs);
-            for (v, (variant, runs)) in VARIANTS.iter().zip(&samples).enumerate() {
+            for (v, (variant, runs)) in order.iter().flatten().zip(&samples).enumerate() {
                 let stats = Stats::from_samples(runs);
                 out.rows.push(Row::new(
                     "lookup",
@@ -706,14 +735,15 @@ fn lookup_tables(ctx: &Ctx, sz: &Sizes, out: &mut Outcome) -> anyhow::Result<()>
         }
         let mut cells = vec![slots.to_string()];
         cells.extend(pairs.iter().map(|p| p.join(" / ")));
-        // random_samples[i] is VARIANTS[i]: binary, vm-hint, cursor, vm-memory.
-        for base in [0, 3] {
-            let r = ratio(&random_samples[base], &random_samples[2]);
+        // random_samples[i] is order[i]: binary, vm-hint, cursor, vm-memory, snapshot.
+        for (base, over) in [(0, 2), (3, 2), (0, 4)] {
+            let r = ratio(&random_samples[base], &random_samples[over]);
             cells.push(ratio_cell(&r));
+            let name = |i: usize| order[i].map_or("loop-only", Variant::name);
             out.rows.push(Row::new(
                 "lookup",
                 &format!("{slots} slots, random, 1 thread"),
-                &format!("{} / cursor", VARIANTS[base].name()),
+                &format!("{} / {}", name(base), name(over)),
                 "lookup time ratio",
                 "x",
                 &r,
