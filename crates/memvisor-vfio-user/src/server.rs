@@ -192,10 +192,13 @@ impl Port {
             return false;
         };
         let one = 1u64.to_ne_bytes();
+        // Counted before the write: the client may act on the interrupt at once — even hang
+        // up, which ends the connection and reads the count — before this thread runs again.
+        self.signalled.fetch_add(1, Ordering::Relaxed);
         // SAFETY: writes 8 bytes from a live buffer to a descriptor we own.
         let n = unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), 8) };
-        if n == 8 {
-            self.signalled.fetch_add(1, Ordering::Relaxed);
+        if n != 8 {
+            self.signalled.fetch_sub(1, Ordering::Relaxed);
         }
         n == 8
     }
