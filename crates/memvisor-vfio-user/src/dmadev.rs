@@ -151,6 +151,10 @@ struct Job {
 #[derive(Debug, Default)]
 struct Flight {
     busy: bool,
+    /// The engine is sending a finished table's interrupt. A new doorbell is already accepted
+    /// (a driver may ring it the moment it sees STATUS), but a reset waits for this too, so
+    /// that the interrupt is sent and counted before the device counts as stopped.
+    signalling: bool,
     /// Pins held right now, by the engine thread.
     pinning: bool,
 }
@@ -313,10 +317,10 @@ impl DmaDev {
         }
     }
 
-    /// Waits until no table is running.
+    /// Waits until no table is running and the last one's interrupt has been sent.
     fn wait_idle(&self) {
         let mut f = lock(&self.shared.flight);
-        while f.busy {
+        while f.busy || f.signalling {
             f = self
                 .shared
                 .changed
@@ -480,9 +484,13 @@ fn engine(s: Arc<Shared>, jobs: Receiver<Job>) {
         {
             let mut f = lock(&s.flight);
             f.busy = false;
+            f.signalling = true;
             s.changed.notify_all();
         }
         s.port.signal(MSI_INDEX, 0);
+        let mut f = lock(&s.flight);
+        f.signalling = false;
+        s.changed.notify_all();
     }
 }
 
