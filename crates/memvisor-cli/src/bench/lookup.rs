@@ -434,7 +434,8 @@ impl Experiment for Lookup {
          on 1 thread and on all, and across slot counts. Variants: binary search with no \
          hint, one VM-wide hint shared by all threads (KVM before the seed), memvisor's \
          per-thread SlotCursor, and rust-vmm vm-memory 0.18 GuestMemoryMmap::get_host_address \
-         over the same memory."
+         over the same memory; across slot counts also memvisor's index on a snapshot held for \
+         the whole run (no cursor, no check that the table is current)."
     }
 
     fn seeds(&self) -> &'static [Seed] {

@@ -23,8 +23,9 @@ pub struct Machine {
     pub cpu_core: Option<String>,
     /// Sizes of the caches cpu0 sees, one entry per cache: "L1d 32K", "L2 1024K", ...
     pub caches: Vec<String>,
-    /// Whether the processor says it runs under a hypervisor (the `hypervisor` flag).
-    pub virtual_machine: bool,
+    /// Whether the processor says it runs under a hypervisor (the x86 `hypervisor` flag);
+    /// `None` where /proc/cpuinfo lists no flags (other architectures, or unreadable).
+    pub virtual_machine: Option<bool>,
     /// Online logical CPUs.
     pub cores: u32,
     /// `MemTotal` in GiB.
@@ -55,7 +56,7 @@ impl Machine {
             .and_then(|id| amd_core(id.family, id.model))
             .map(str::to_string);
         let virtual_machine = proc_field(&cpuinfo, "flags")
-            .is_some_and(|flags| flags.split_whitespace().any(|f| f == "hypervisor"));
+            .map(|flags| flags.split_whitespace().any(|f| f == "hypervisor"));
         let cores = parse_cpu_list(&read("/sys/devices/system/cpu/online"))
             .or_else(|| {
                 std::thread::available_parallelism()
@@ -105,7 +106,7 @@ impl Machine {
         if !self.caches.is_empty() {
             about.push(self.caches.join(", "));
         }
-        if self.virtual_machine {
+        if self.virtual_machine == Some(true) {
             about.push("virtual machine".to_string());
         }
         let cpu = if about.is_empty() {
@@ -145,18 +146,20 @@ impl CpuId {
     }
 }
 
-/// The core generation of an AMD processor of `family` and `model`, as AMD's published family
-/// and model numbers assign them (17h: Zen to Zen 2, 19h: Zen 3 and Zen 4, 1Ah: Zen 5); `None`
-/// for families this table does not know.
+/// The core generation of an AMD processor of `family` and `model`: the model ranges Linux
+/// assigns to each Zen generation (`bsp_init_amd` in arch/x86/kernel/cpu/amd.c, as of 6.18;
+/// "Zen" covers Zen+ there too). `None` for a family or model outside them, which Linux warns
+/// about as unknown.
 fn amd_core(family: u32, model: u32) -> Option<&'static str> {
-    match (family, model) {
-        (0x17, 0x00..=0x2f) => Some("Zen or Zen+"),
-        (0x17, _) => Some("Zen 2"),
-        (0x19, 0x10..=0x1f | 0x60..=0x7f | 0xa0..=0xaf) => Some("Zen 4"),
-        (0x19, _) => Some("Zen 3"),
-        (0x1a, _) => Some("Zen 5"),
-        _ => None,
-    }
+    Some(match (family, model) {
+        (0x17, 0x00..=0x2f | 0x50..=0x5f) => "Zen",
+        (0x17, 0x30..=0x4f | 0x60..=0x7f | 0x90..=0x91 | 0xa0..=0xaf) => "Zen 2",
+        (0x19, 0x00..=0x0f | 0x20..=0x5f) => "Zen 3",
+        (0x19, 0x10..=0x1f | 0x60..=0xaf) => "Zen 4",
+        (0x1a, 0x00..=0x2f | 0x40..=0x4f | 0x60..=0x7f) => "Zen 5",
+        (0x1a, 0x50..=0x5f | 0x80..=0xaf | 0xc0..=0xcf) => "Zen 6",
+        _ => return None,
+    })
 }
 
 /// The caches under `dir` (a CPU's sysfs `cache` directory), by level then kind, as "L1d 32K",
@@ -319,7 +322,13 @@ mod tests {
         assert_eq!(amd_core(25, 17), Some("Zen 4"));
         assert_eq!(amd_core(25, 1), Some("Zen 3"));
         assert_eq!(amd_core(25, 0x61), Some("Zen 4"));
+        assert_eq!(amd_core(25, 0x90), Some("Zen 4"));
+        assert_eq!(amd_core(25, 0xb0), None);
         assert_eq!(amd_core(23, 0x31), Some("Zen 2"));
+        assert_eq!(amd_core(23, 0x50), Some("Zen"));
+        assert_eq!(amd_core(0x1a, 0x02), Some("Zen 5"));
+        assert_eq!(amd_core(0x1a, 0x50), Some("Zen 6"));
+        assert_eq!(amd_core(0x1a, 0x30), None);
         assert_eq!(amd_core(6, 0x55), None);
     }
 
