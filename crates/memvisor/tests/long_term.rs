@@ -94,6 +94,26 @@ fn space_over(registry: &Arc<PinRegistry>, mode: PinMode, b: &Arc<Backing>) -> D
     d
 }
 
+/// `count` hugetlbfs pages of `page` reserved for the test, a backing over all of them and a
+/// Lazy space over that; `None` (the test reported skipped) if the pool cannot grow.
+fn hugetlb_space(
+    registry: &Arc<PinRegistry>,
+    page: PageSize,
+    count: u64,
+    test: &str,
+) -> Option<(HugePageReservation, Arc<Backing>, DmaSpace)> {
+    let pool = match HugePageReservation::add(page, count) {
+        Ok(pool) => pool,
+        Err(e) => {
+            common::skipped(&format!("{test}: {e}"));
+            return None;
+        }
+    };
+    let b = Arc::new(Backing::new(BackingKind::Hugetlb(page), count * page.bytes()).unwrap());
+    let d = space_over(registry, PinMode::Lazy, &b);
+    Some((pool, b, d))
+}
+
 #[test]
 fn a_device_pin_is_a_long_term_pin_and_no_lock() {
     let _s = serial();
@@ -418,13 +438,10 @@ fn a_long_term_pin_of_one_hugetlbfs_page_registers_one_page_of_it() {
     let Some(registry) = registry(LockLimit::Unlimited, 4 * MIB, test) else {
         return;
     };
-    let _pool = match HugePageReservation::add(PageSize::Size2M, 2) {
-        Ok(pool) => pool,
-        Err(e) => return common::skipped(&format!("{test}: {e}")),
+    let Some((_pool, h, d)) = hugetlb_space(&registry, PageSize::Size2M, 2, test) else {
+        return;
     };
     registry.set_lock_cache(0, 0);
-    let h = Arc::new(Backing::new(BackingKind::Hugetlb(PageSize::Size2M), 4 * MIB).unwrap());
-    let d = space_over(&registry, PinMode::Lazy, &h);
     let base = vm_pin();
     d.pin_pages(&[600], Prot::RW).unwrap();
     assert_eq!(kernel_buffers(&h), vec![(2 * MIB, PAGE)]);
@@ -469,12 +486,9 @@ fn a_long_term_pin_of_one_gib_hugetlbfs_page_registers_one_page_of_it() {
     let Some(registry) = registry(LockLimit::Unlimited, 1 << 30, test) else {
         return;
     };
-    let _pool = match HugePageReservation::add(PageSize::Size1G, 1) {
-        Ok(pool) => pool,
-        Err(e) => return common::skipped(&format!("{test}: {e}")),
+    let Some((_pool, h, d)) = hugetlb_space(&registry, PageSize::Size1G, 1, test) else {
+        return;
     };
-    let h = Arc::new(Backing::new(BackingKind::Hugetlb(PageSize::Size1G), 1 << 30).unwrap());
-    let d = space_over(&registry, PinMode::Lazy, &h);
     let base = vm_pin();
     d.pin_pages(&[12345], Prot::RW).unwrap();
     assert_eq!(kernel_buffers(&h), vec![(0, PAGE)]);
