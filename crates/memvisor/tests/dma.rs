@@ -240,6 +240,58 @@ fn rw_and_translate_check_mapping_and_permission() {
     assert_eq!(errno(d.translate(Iova(0), 0, Access::Read)), libc::EINVAL);
 }
 
+/// The page table starts with the eighth small mapping (all eight entered at once) and is
+/// dropped when fewer than two are left; a translation through the space and through a cursor
+/// gives the current mapping's host address in every state, never a removed one's.
+#[test]
+fn the_page_table_starts_and_stops_with_the_small_mappings_and_never_answers_stale() {
+    let d = DmaSpace::new(DmaConfig {
+        page_table_from: 8,
+        ..Default::default()
+    })
+    .unwrap();
+    let b = mem(16);
+    let iova = |i: u64| Iova(2 * i * PAGE);
+    let check = |d: &DmaSpace, i: u64, host_page: Option<u64>| {
+        let mut cursor = d.cursor();
+        for at in [iova(i), Iova(iova(i).0 + PAGE - 8)] {
+            match host_page {
+                Some(p) => {
+                    let want = b.hva().0 + p * PAGE + (at.0 - iova(i).0);
+                    assert_eq!(d.translate(at, 8, Access::Read).unwrap().hva.0, want);
+                    assert_eq!(cursor.translate(at, 8, Access::Read).unwrap().hva.0, want);
+                }
+                None => {
+                    assert_eq!(errno(d.translate(at, 8, Access::Read)), libc::EFAULT);
+                    assert_eq!(errno(cursor.translate(at, 8, Access::Read)), libc::EFAULT);
+                }
+            }
+        }
+    };
+    for i in 0..8 {
+        d.map_backing(iova(i), &b, i * PAGE, PAGE, Prot::RW)
+            .unwrap();
+        for j in 0..=i {
+            check(&d, j, Some(j));
+        }
+    }
+    // Down to one small mapping: the table goes.
+    for i in 0..7 {
+        d.unmap(iova(i), PAGE).unwrap();
+        check(&d, i, None);
+        check(&d, 7, Some(7));
+    }
+    // The same IOVAs mapped to other pages, below the start (no table) and past it again.
+    for i in 0..7 {
+        d.map_backing(iova(i), &b, (8 + i) * PAGE, PAGE, Prot::RW)
+            .unwrap();
+        for j in 0..=i {
+            check(&d, j, Some(8 + j));
+        }
+        check(&d, 7, Some(7));
+    }
+}
+
 #[test]
 fn reads_and_writes_span_mappings_and_sg_lists_merge_host_contiguous_pieces() {
     let d = DmaSpace::default();

@@ -294,7 +294,7 @@ impl DmaSpace {
                 bytes += m.iova.len();
             }
             if hit.len() == map.len() {
-                *map = Index::default();
+                map.clear();
             } else {
                 for (start, _) in &hit {
                     map.remove(*start).expect("found above");
