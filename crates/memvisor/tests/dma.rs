@@ -22,6 +22,15 @@ fn errno<T: std::fmt::Debug>(r: memvisor::Result<T>) -> i32 {
     r.unwrap_err().errno()
 }
 
+/// A space that keeps its page table from its first small mapping on.
+fn always_paged() -> DmaSpace {
+    DmaSpace::new(DmaConfig {
+        page_table_from: 0,
+        ..DmaConfig::default()
+    })
+    .unwrap()
+}
+
 #[test]
 fn map_rejects_bad_arguments_with_einval() {
     let d = DmaSpace::default();
@@ -241,8 +250,9 @@ fn rw_and_translate_check_mapping_and_permission() {
 }
 
 /// The page table starts with the eighth small mapping (all eight entered at once) and is
-/// dropped when fewer than two are left; a translation through the space and through a cursor
-/// gives the current mapping's host address in every state, never a removed one's.
+/// dropped when fewer than two are left; a translation through the space, a fresh cursor and a
+/// cursor kept throughout gives the current mapping's host address in every state, never a
+/// removed one's.
 #[test]
 fn the_page_table_starts_and_stops_with_the_small_mappings_and_never_answers_stale() {
     let d = DmaSpace::new(DmaConfig {
@@ -252,25 +262,44 @@ fn the_page_table_starts_and_stops_with_the_small_mappings_and_never_answers_sta
     .unwrap();
     let b = mem(16);
     let iova = |i: u64| Iova(2 * i * PAGE);
-    let check = |d: &DmaSpace, i: u64, host_page: Option<u64>| {
-        let mut cursor = d.cursor();
+    let mut kept = d.cursor();
+    let mut check = |d: &DmaSpace, i: u64, host_page: Option<u64>| {
+        let mut fresh = d.cursor();
         for at in [iova(i), Iova(iova(i).0 + PAGE - 8)] {
-            match host_page {
-                Some(p) => {
-                    let want = b.hva().0 + p * PAGE + (at.0 - iova(i).0);
-                    assert_eq!(d.translate(at, 8, Access::Read).unwrap().hva.0, want);
-                    assert_eq!(cursor.translate(at, 8, Access::Read).unwrap().hva.0, want);
-                }
-                None => {
-                    assert_eq!(errno(d.translate(at, 8, Access::Read)), libc::EFAULT);
-                    assert_eq!(errno(cursor.translate(at, 8, Access::Read)), libc::EFAULT);
+            let answers = [
+                d.translate(at, 8, Access::Read),
+                fresh.translate(at, 8, Access::Read),
+                kept.translate(at, 8, Access::Read),
+            ];
+            for got in answers {
+                match host_page {
+                    Some(p) => {
+                        let want = b.hva().0 + p * PAGE + (at.0 - iova(i).0);
+                        assert_eq!(got.unwrap().hva.0, want, "iova {:#x}", at.0);
+                    }
+                    None => assert_eq!(errno(got), libc::EFAULT, "iova {:#x}", at.0),
                 }
             }
         }
     };
+    // The words the page table holds, from the space's Debug output.
+    let words = |d: &DmaSpace| {
+        let text = format!("{d:?}");
+        let at = text
+            .find("words: ")
+            .expect("the page table in the Debug output")
+            + 7;
+        text[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
     for i in 0..8 {
         d.map_backing(iova(i), &b, i * PAGE, PAGE, Prot::RW)
             .unwrap();
+        assert_eq!(words(&d), if i < 7 { 0 } else { 8 }, "after mapping {i}");
         for j in 0..=i {
             check(&d, j, Some(j));
         }
@@ -278,6 +307,11 @@ fn the_page_table_starts_and_stops_with_the_small_mappings_and_never_answers_sta
     // Down to one small mapping: the table goes.
     for i in 0..7 {
         d.unmap(iova(i), PAGE).unwrap();
+        assert_eq!(
+            words(&d),
+            if i < 6 { 7 - i } else { 0 },
+            "after unmapping {i}"
+        );
         check(&d, i, None);
         check(&d, 7, Some(7));
     }
@@ -285,6 +319,7 @@ fn the_page_table_starts_and_stops_with_the_small_mappings_and_never_answers_sta
     for i in 0..7 {
         d.map_backing(iova(i), &b, (8 + i) * PAGE, PAGE, Prot::RW)
             .unwrap();
+        assert_eq!(words(&d), if i < 6 { 0 } else { 8 }, "after remapping {i}");
         for j in 0..=i {
             check(&d, j, Some(8 + j));
         }
@@ -884,8 +919,10 @@ fn eager_mode_pins_around_remote_mappings() {
 /// change: unmap, remap elsewhere, a second space at the same IOVA, dirty logging turned on.
 #[test]
 fn plain_translate_never_answers_from_a_stale_hit() {
-    let a = DmaSpace::default();
-    let b = DmaSpace::default();
+    // Page tables kept from the first mapping: the stale answers this looks for would come
+    // from them as well as from the sorted index.
+    let a = always_paged();
+    let b = always_paged();
     let (ma, mb) = (mem(4), mem(4));
     a.map_backing(Iova(0), &ma, 0, 4 * PAGE, Prot::RW).unwrap();
     b.map_backing(Iova(0), &mb, PAGE, 2 * PAGE, Prot::READ)
@@ -1009,6 +1046,7 @@ fn cursor_copies_stop_while_a_vaddr_is_invalidated_under_the_refuse_rule() {
 fn plain_copies_never_take_a_stale_shortcut() {
     let d = DmaSpace::new(DmaConfig {
         vaddr_rule: memvisor::dma::VaddrRule::Refuse,
+        page_table_from: 0,
         ..DmaConfig::default()
     })
     .unwrap();
@@ -1068,7 +1106,8 @@ fn plain_copies_never_take_a_stale_shortcut() {
 fn a_cursor_never_answers_from_a_snapshot_it_let_go() {
     let b = mem(16);
     let base = b.hva().0;
-    let d = DmaSpace::default();
+    // A page table from the first mapping, so the cursor's regions are in play.
+    let d = always_paged();
     let (a, x) = (0x10_0000, 0x20_0000);
     d.map_backing(Iova(a), &b, 0, PAGE, Prot::RW).unwrap();
     d.map_backing(Iova(x), &b, PAGE, PAGE, Prot::RW).unwrap();

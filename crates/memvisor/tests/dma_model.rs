@@ -735,7 +735,8 @@ proptest! {
         // cases were found), and on one whose table starts at 4 or 8 small mappings and stops
         // below 1 or 2 (the model never holds the default's 64).
         let table_from = [4, 8][ops.len() % 2];
-        run(ops.clone(), 0)?;
-        run(ops, table_from)?;
+        for (ops, from) in [(ops.clone(), 0), (ops, table_from)] {
+            run(ops, from).map_err(|e| TestCaseError::fail(format!("page table from {from}: {e}")))?;
+        }
     }
 }

@@ -413,8 +413,8 @@ impl Hot {
 /// reads the sorted index, which is the record. The two change together, only here.
 ///
 /// The page table is kept only while the space holds many small mappings: from
-/// [`DmaConfig::page_table_from`] of them on (it starts filled with all of them) until they fall
-/// below a quarter of that (it is dropped whole). The table is persistent, so every change to a
+/// [`DmaConfig::page_table_from`] of them on (it starts filled with all of them that its window
+/// and budget allow) until they fall below a quarter of that (it is dropped whole). The table is persistent, so every change to a
 /// kept one copies a 4 KiB leaf: that made an update in a small table that churns (a vIOMMU in
 /// strict mode, mapping and unmapping a buffer's pages around each request) ~1.5x dearer, for
 /// ~13 ns saved on each cursor miss (16 against 3 ns over 64 one-page mappings). Kept or not,
@@ -423,7 +423,8 @@ impl Hot {
 struct Index {
     ranges: RangeMap<Hot, Arc<Mapping>>,
     pages: PageTable,
-    /// Mappings held that the page table can take ([`table_pages`]).
+    /// Mappings held of at most [`TABLE_PAGES_MAX`] pages ([`table_pages`]), whether or not
+    /// the window and the budget let the table take them.
     small: u64,
     /// Whether the page table is kept (else it is empty).
     paged: bool,
@@ -492,10 +493,12 @@ impl Index {
         }
         if let Some(pages) = table_pages(start, last) {
             self.small -= 1;
-            if self.small < self.table_from / 4 {
+            if !self.paged {
+                // Empty: nothing to clear.
+            } else if self.small * 4 < self.table_from {
                 self.paged = false;
                 self.pages = PageTable::default();
-            } else if self.paged {
+            } else {
                 self.pages.clear(start, pages);
             }
         }
