@@ -493,12 +493,11 @@ impl Index {
         }
         if let Some(pages) = table_pages(start, last) {
             self.small -= 1;
-            if !self.paged {
-                // Empty: nothing to clear.
-            } else if self.small * 4 < self.table_from {
+            // Not kept: the table is empty, nothing to clear.
+            if self.paged && self.small * 4 < self.table_from {
                 self.paged = false;
                 self.pages = PageTable::default();
-            } else {
+            } else if self.paged {
                 self.pages.clear(start, pages);
             }
         }
