@@ -141,13 +141,16 @@ impl<V: Clone> Head<V> {
         let (g, b) = (usize::from(s) / VALUE_GROUP, usize::from(s) % VALUE_GROUP);
         self.used[g] &= !(1 << b);
         let group = self.groups[g].as_mut().expect("a used slot's group");
-        let value = Arc::make_mut(group)[b]
-            .take()
-            .expect("a used slot holds a value");
         if self.used[g] == 0 {
+            // The group's last value: drop this chunk's hold on the group instead of copying
+            // it (a shared group stays whole for the snapshots that still hold it).
+            let value = group[b].clone().expect("a used slot holds a value");
             self.groups[g] = None;
+            return value;
         }
-        value
+        Arc::make_mut(group)[b]
+            .take()
+            .expect("a used slot holds a value")
     }
 
     /// Replaces the value of the chunk's `i`th range.
@@ -269,7 +272,7 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
         self.lasts.copy_within(i + 1..len, i);
         self.items.copy_within(i + 1..len, i);
         self.head.slot.copy_within(i + 1..len, i);
-        self.clear_from(len - 1);
+        self.clear(len - 1..len);
         self.head.len -= 1;
         self.fix_tops();
         value
@@ -287,15 +290,16 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
         }
         upper.head.len = n;
         upper.fix_tops();
-        self.clear_from(at);
+        self.clear(at..self.head.len);
         self.head.len = at;
         self.fix_tops();
         upper
     }
 
-    fn clear_from(&mut self, at: usize) {
-        self.lasts[at..].fill(u64::MAX);
-        self.items[at..].fill(Item {
+    /// Marks the slots `range` unused (slots past `len` already are).
+    fn clear(&mut self, range: std::ops::Range<usize>) {
+        self.lasts[range.clone()].fill(u64::MAX);
+        self.items[range].fill(Item {
             start: u64::MAX,
             hot: H::default(),
         });
@@ -676,17 +680,24 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     pub fn remove_at(&mut self, pos: Pos) -> V {
         let c = pos.chunk as usize;
         let i = pos.index as usize;
-        let chunk = self.chunk_mut(c);
-        let value = chunk.remove(i);
-        if chunk.head.len == 0 {
-            self.edit_chunks(c, |tail| {
-                tail.remove(c % PIECE);
-            });
-            self.firsts.remove(c);
-        } else {
-            self.refirst(c);
-        }
         self.len -= 1;
+        let only = self.chunk(c).expect("chunk c");
+        if only.head.len == 1 {
+            // The chunk goes whole: take its value without copying the chunk (a few KiB) to
+            // change it first.
+            let value = only.head.value(i).clone();
+            if self.len == 0 {
+                *self = RangeMap::default();
+            } else {
+                self.edit_chunks(c, |tail| {
+                    tail.remove(c % PIECE);
+                });
+                self.firsts.remove(c);
+            }
+            return value;
+        }
+        let value = self.chunk_mut(c).remove(i);
+        self.refirst(c);
         value
     }
 
