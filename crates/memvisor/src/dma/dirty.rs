@@ -293,13 +293,7 @@ impl DmaSpace {
                 self.unpin_mapping(writer, m.id);
                 bytes += m.iova.len();
             }
-            if hit.len() == map.len() {
-                map.clear();
-            } else {
-                for (start, _) in &hit {
-                    map.remove(*start).expect("found above");
-                }
-            }
+            map.remove_all(&hit);
             Ok((bytes, !hit.is_empty()))
         })
     }

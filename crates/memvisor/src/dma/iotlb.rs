@@ -69,10 +69,10 @@ impl DmaSpace {
                 .filter(|(_, m)| m.memory.is_invalidated())
                 .count() as u64;
             writer.invalid += keep.iter().filter(|m| m.memory.is_invalidated()).count() as u64;
-            for (start, m) in &hit {
+            for (_, m) in &hit {
                 self.unpin_mapping(writer, m.id);
-                map.remove(*start).expect("found above");
             }
+            map.remove_all(&hit);
             for m in keep {
                 map.insert(m);
             }

@@ -504,6 +504,19 @@ impl Index {
         Some(self.ranges.remove_at(pos))
     }
 
+    /// Removes the mappings `hit` (as (start, mapping), in address order, each in the index):
+    /// all at once if they are all there is, else from the last down, so that no removal
+    /// shifts the entries the next ones take out.
+    fn remove_all(&mut self, hit: &[(u64, Arc<Mapping>)]) {
+        if hit.len() == self.len() {
+            self.clear();
+            return;
+        }
+        for (start, _) in hit.iter().rev() {
+            self.remove(*start).expect("a mapping of the index");
+        }
+    }
+
     /// See [`RangeMap::reindex`].
     fn reindex(&mut self) {
         self.ranges.reindex();
