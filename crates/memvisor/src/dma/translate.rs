@@ -416,19 +416,38 @@ impl DmaSpace {
                 what: "translation",
             });
         }
-        let min_page = self.shared.min_page;
-        let id = self.shared.head.0.id;
-        self.with_snapshot(|snap| {
-            let found = snap.resolve(iova.0, len, access.prot())?;
-            let n = len.min(found.last - iova.0 + 1);
-            if access == Access::Write && found.hot.dirty() {
-                mark_dirty(snap.map.get(found.pos).3, iova.0, n, min_page);
-            }
-            remember(id, snap, &found, self.copies_allowed(snap));
-            Ok(Translation {
-                hva: Hva(iova.0.wrapping_add(found.hot.delta())),
-                len: n,
-            })
+        // One try on the current snapshot; only an invalidated mapping (EBUSY) takes the
+        // waiting loop, which then tries again from the start.
+        match self.translate_in(&self.shared.current.load(), iova, len, access) {
+            Err(Error::Busy { .. }) => {}
+            other => return other,
+        }
+        self.with_snapshot(|snap| self.translate_in(snap, iova, len, access))
+    }
+
+    /// [`DmaSpace::translate`] in `snap`, remembering the hit.
+    #[inline(always)]
+    fn translate_in(
+        &self,
+        snap: &DmaSnapshot,
+        iova: Iova,
+        len: u64,
+        access: Access,
+    ) -> Result<Translation> {
+        let found = snap.resolve(iova.0, len, access.prot())?;
+        let n = len.min(found.last - iova.0 + 1);
+        if access == Access::Write && found.hot.dirty() {
+            mark_dirty(snap.map.get(found.pos).3, iova.0, n, self.shared.min_page);
+        }
+        remember(
+            self.shared.head.0.id,
+            snap,
+            &found,
+            self.copies_allowed(snap),
+        );
+        Ok(Translation {
+            hva: Hva(iova.0.wrapping_add(found.hot.delta())),
+            len: n,
         })
     }
 
