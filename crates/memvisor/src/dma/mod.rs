@@ -1224,7 +1224,8 @@ mod tests {
     use crate::pagetable::WINDOW;
     use proptest::prelude::*;
 
-    /// What the index is asked to do; `slot`s are 16-page apart, so mappings never overlap.
+    /// What the index is asked to do; `slot`s are 256 pages apart, so mappings never overlap
+    /// (an insert at a taken slot is skipped).
     #[derive(Clone, Debug)]
     enum Op {
         /// Map `pages` pages at `slot` (above the page table's window if `high`), with memory
@@ -1265,8 +1266,8 @@ mod tests {
         ]
     }
 
-    /// Slot `slot`'s IOVA: slots 16 pages apart (a 127-page mapping runs into the next few,
-    /// which are then refused as overlapping), `high` ones above the page table's window.
+    /// Slot `slot`'s IOVA: slots 256 pages apart, room for the largest mapping inserted (200
+    /// pages); `high` ones above the page table's window.
     fn slot_iova(slot: u64, high: bool) -> u64 {
         let base = if high { WINDOW + (1 << 30) } else { 1 << 30 };
         base + slot * 256 * PAGE
@@ -1328,9 +1329,9 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
-        /// The page table against the sorted index after every change, on an index that keeps
-        /// its table from 4 small mappings (and drops it below 1) and on one that always
-        /// keeps it; and every copy taken on the way unchanged by later changes.
+        /// The page table against the sorted index after every change, on indexes that keep
+        /// their table from 4 or 8 small mappings (and drop it below 1 or 2) and on one that
+        /// always keeps it; and every copy taken on the way unchanged by later changes.
         #[test]
         fn the_page_table_holds_exactly_the_small_mappings_words(
             ops in proptest::collection::vec(op(), 1..60),
