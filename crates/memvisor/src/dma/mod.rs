@@ -414,11 +414,11 @@ impl Hot {
 ///
 /// The page table is kept only while the space holds many small mappings: from
 /// [`DmaConfig::page_table_from`] of them on (it starts filled with all of them that its window
-/// and budget allow) until they fall below a quarter of that (it is dropped whole). The table is persistent, so every change to a
-/// kept one copies a 4 KiB leaf: that made an update in a small table that churns (a vIOMMU in
-/// strict mode, mapping and unmapping a buffer's pages around each request) ~1.5x dearer, for
-/// ~13 ns saved on each cursor miss (16 against 3 ns over 64 one-page mappings). Kept or not,
-/// every word the table holds is current.
+/// and budget allow) until they fall below a quarter of that (it is dropped whole). The table
+/// is persistent, so every change to a kept one copies a 4 KiB leaf: that made an update in a
+/// small table that churns (a vIOMMU in strict mode, mapping and unmapping a buffer's pages
+/// around each request) ~1.5x dearer, for ~13 ns saved on each cursor miss (16 against 3 ns
+/// over 64 one-page mappings). Kept or not, every word the table holds is current.
 #[derive(Clone, Default)]
 struct Index {
     ranges: RangeMap<Hot, Arc<Mapping>>,
@@ -493,8 +493,9 @@ impl Index {
         }
         if let Some(pages) = table_pages(start, last) {
             self.small -= 1;
-            // Not kept: the table is empty, nothing to clear.
+            // A table not kept is empty: nothing to clear then.
             if self.paged && self.small * 4 < self.table_from {
+                // Too few left: drop the table whole.
                 self.paged = false;
                 self.pages = PageTable::default();
             } else if self.paged {
