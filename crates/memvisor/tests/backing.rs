@@ -200,7 +200,7 @@ fn hugetlb_backings() {
             );
         }
         Err(e) => {
-            common::skipped(&format!("hugetlb tests: {e}"));
+            common::skipped(&format!("hugetlb_backings: {e}"));
             return;
         }
     }
@@ -211,14 +211,14 @@ fn hugetlb_backings() {
         libc::EOPNOTSUPP
     );
     if !common::is_root() {
-        common::skipped("hugetlb mapping tests: reserving huge pages needs root");
+        common::skipped("hugetlb_backings: mapping huge pages: reserving them needs root");
         return;
     }
     for (page, count) in [(PageSize::Size2M, 3u64), (PageSize::Size1G, 1)] {
         let _pool = match HugePageReservation::add(page, count) {
             Ok(r) => r,
             Err(e) => {
-                common::skipped(&format!("{page} hugetlb test: {e}"));
+                common::skipped(&format!("hugetlb_backings: {page} pages: {e}"));
                 continue;
             }
         };

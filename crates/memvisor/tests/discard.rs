@@ -580,7 +580,7 @@ fn huge_pages_go_only_whole_and_unpinned() {
     let _pool = match HugePageReservation::add(PageSize::Size2M, 4) {
         Ok(r) => r,
         Err(e) => {
-            common::skipped(&format!("hugetlb discard test: {e}"));
+            common::skipped(&format!("huge_pages_go_only_whole_and_unpinned: {e}"));
             return;
         }
     };

@@ -428,14 +428,20 @@ fn reports_whose_ranges_add_up_past_2_to_the_64_are_refused_not_overflowed() {
 fn a_huge_page_reservation_too_big_for_memory_is_refused_up_front() {
     let _s = serial();
     if !common::is_root() {
-        common::skipped("needs root to change the huge page pool");
+        common::skipped(
+            "a_huge_page_reservation_too_big_for_memory_is_refused_up_front: needs root to \
+             change the huge page pool",
+        );
         return;
     }
     // With one page reserved the pool is not empty, so `pool + count` can pass 2^64.
     let _one = match memvisor::HugePageReservation::add(memvisor::PageSize::Size2M, 1) {
         Ok(r) => r,
         Err(e) => {
-            common::skipped(&format!("cannot reserve one 2 MiB huge page: {e}"));
+            common::skipped(&format!(
+                "a_huge_page_reservation_too_big_for_memory_is_refused_up_front: cannot reserve \
+                 one 2 MiB huge page: {e}"
+            ));
             return;
         }
     };
@@ -534,7 +540,10 @@ fn a_small_rlimit_is_shared_with_the_cache_without_spurious_failures() {
         const LIMIT: u64 = 16; // pages: 64 KiB
         let base = common::vm_lck();
         if base != 0 {
-            common::skipped(&format!("{base} bytes are locked in this process already"));
+            common::skipped(&format!(
+                "a_small_rlimit_is_shared_with_the_cache_without_spurious_failures: {base} \
+                 bytes are locked in this process already"
+            ));
             return;
         }
         let _limit = SoftMemlock::set(LIMIT * PAGE);
