@@ -16,7 +16,9 @@ fn lock_pool() -> std::sync::MutexGuard<'static, ()> {
 /// passing tests (it shows only with `--nocapture`); a write to `io::stderr()` it does not.
 fn say_skipped(what: &str) {
     use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "skipped: {what}");
+    // One write: `writeln!` writes each piece apart, and tests running beside this one would
+    // cut the line.
+    let _ = std::io::stderr().write_all(format!("skipped: {what}\n").as_bytes());
 }
 
 /// Whether report.md lists `case` as skipped ("- <case>: needs ..."); if so the test says so on

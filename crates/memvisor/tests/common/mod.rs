@@ -119,5 +119,7 @@ pub fn may_lock(bytes: u64, test: &str) -> bool {
 /// `--nocapture`); a write to `io::stderr()` it does not capture.
 pub fn skipped(what: &str) {
     use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "skipped: {what}");
+    // One write: `writeln!` writes each piece apart, and tests running beside this one would
+    // cut the line.
+    let _ = std::io::stderr().write_all(format!("skipped: {what}\n").as_bytes());
 }
