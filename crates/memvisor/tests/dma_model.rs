@@ -272,6 +272,8 @@ fn run(ops: Vec<Op>, table_from: u32) -> Result<(), TestCaseError> {
         reserved: vec![reserved],
         registry: Some(registry.clone()),
         page_table_from: table_from,
+        // No notifier is registered, so pins never go: fail fast.
+        unpin_wait: std::time::Duration::from_millis(1),
         ..Default::default()
     })
     .unwrap();
@@ -376,11 +378,13 @@ fn run(ops: Vec<Op>, table_from: u32) -> Result<(), TestCaseError> {
                 } else {
                     match model.whole(page, pages) {
                         Err(e) => Err(e),
-                        Ok(starts) if starts.iter().any(|&s| model.pinned_in(s)) => {
-                            Err(libc::EBUSY)
-                        }
+                        // type1's order: an invalidated mapping is EINVAL before anything
+                        // waits for devices.
                         Ok(starts) if starts.iter().any(|s| model.maps[s].mem.is_none()) => {
                             Err(libc::EINVAL)
+                        }
+                        Ok(starts) if starts.iter().any(|&s| model.pinned_in(s)) => {
+                            Err(libc::EBUSY)
                         }
                         Ok(starts) => Ok(starts
                             .iter()

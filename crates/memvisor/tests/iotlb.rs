@@ -101,16 +101,30 @@ fn dirty_bits_outside_the_range_survive_the_cut() {
 }
 
 #[test]
-fn pins_in_a_touched_mapping_refuse_the_invalidation() {
+fn pins_kept_in_the_range_refuse_the_invalidation_and_pins_outside_it_do_not_matter() {
     let _s = serial();
-    let (dma, b) = space(16);
+    let dma = DmaSpace::new(DmaConfig {
+        unpin_wait: std::time::Duration::from_millis(5),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 16 * P).unwrap());
     dma.map_backing(Iova(0), &b, 0, 16 * P, Prot::RW).unwrap();
+    dma.start_dirty_tracking().unwrap();
     dma.pin_pages(&[5], Prot::RW).unwrap();
     let e = dma.invalidate_range(Iova(4 * P), 4 * P).unwrap_err();
     assert_eq!(e.errno(), libc::EBUSY, "{e}");
     assert!((0..16).all(|p| hva(&dma, p).is_some()), "nothing changed");
+    // The undo keeps the dirty bits, including those of the kept parts.
+    let bits = dma.get_and_clear_dirty(Iova(0), 16 * P, P).unwrap();
+    assert_eq!(bits, vec![1 << 5], "the pinned page, and nothing else");
     dma.unpin_pages(&[5]).unwrap();
+    // A pin outside the range stays with the part kept, and is released through it.
+    dma.pin_pages(&[12], Prot::RW).unwrap();
     assert_eq!(dma.invalidate_range(Iova(4 * P), 4 * P).unwrap(), 4 * P);
+    assert_eq!(dma.device_pinned_pages(), 1);
+    dma.unpin_pages(&[12]).unwrap();
+    assert_eq!(dma.device_pinned_pages(), 0);
 }
 
 #[test]

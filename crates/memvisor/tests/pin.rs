@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use memvisor::dma::{Grouping, LockLimit, PinMode, PinRegistry};
 use memvisor::{
-    Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Gpa, HugePageReservation, Iova,
-    PageSize, Prot, SlotSpec, SlotTable,
+    Access, Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Gpa, HugePageReservation,
+    Iova, PageSize, Prot, SlotSpec, SlotTable,
 };
 use proptest::prelude::*;
 
@@ -23,12 +23,14 @@ fn mem(pages: u64) -> Arc<Backing> {
     Arc::new(Backing::new(BackingKind::PrivateAnon, pages * PAGE).unwrap())
 }
 
-/// A space with a registry of its own (tests run in parallel over separate memory).
+/// A space with a registry of its own (tests run in parallel over separate memory). Pins that
+/// devices keep fail an unmap after 5 ms, not the default second.
 fn space(mode: PinMode, limit: LockLimit) -> (DmaSpace, Arc<PinRegistry>) {
     let registry = PinRegistry::new(limit);
     let d = DmaSpace::new(DmaConfig {
         pin_mode: mode,
         registry: Some(registry.clone()),
+        unpin_wait: std::time::Duration::from_millis(5),
         ..DmaConfig::default()
     })
     .unwrap();
@@ -385,24 +387,36 @@ fn unmap_asks_devices_to_unpin_and_is_busy_when_they_do_not() {
         .unwrap();
     d.pin_pages(&[0x100, 0x101, 0x203], Prot::RW).unwrap();
 
-    // A device that does not let go: EBUSY, nothing unmapped, pins intact.
+    // A device that does not let go: asked again and again until the bound, then EBUSY,
+    // nothing unmapped, pins intact.
     let calls = Arc::new(Mutex::new(Vec::new()));
     let seen = calls.clone();
     let stubborn = d.add_unmap_notifier(move |iova, size| seen.lock().unwrap().push((iova, size)));
     let e = d.unmap(Iova(0x10_0000), 0x20_0000).unwrap_err();
     assert_eq!(e.errno(), libc::EBUSY);
-    assert!(e.to_string().contains("unpin_pages"), "{e}");
-    assert_eq!(
-        *calls.lock().unwrap(),
-        vec![(Iova(0x10_0000), 8 * PAGE), (Iova(0x20_0000), 8 * PAGE)],
-        "called once per pinned mapping with its range"
-    );
+    assert!(e.to_string().contains("stop the device"), "{e}");
+    {
+        let calls = calls.lock().unwrap();
+        let ranges = [(Iova(0x10_0000), 8 * PAGE), (Iova(0x20_0000), 8 * PAGE)];
+        assert_eq!(
+            calls[..2],
+            ranges,
+            "called once per pinned mapping with its range"
+        );
+        assert!(calls.len() > 2, "asked again while the pins stayed");
+        assert!(calls.iter().all(|c| ranges.contains(c)), "{calls:?}");
+    }
     assert_eq!(d.len(), 2);
     assert_eq!(d.device_pinned_pages(), 3);
+    // The unmap was undone whole: the range translates, pins and copies again.
+    d.dma_write(Iova(0x10_0000), b"back").unwrap();
+    d.pin_pages(&[0x102], Prot::RW).unwrap();
+    d.unpin_pages(&[0x102]).unwrap();
     assert_eq!(
         errno(d.invalidate_vaddr(Iova(0x20_0000), 8 * PAGE)),
         libc::EBUSY
     );
+    assert!(d.translate(Iova(0x20_0000), 1, Access::Read).is_ok());
     assert_eq!(errno(d.unmap_all()), libc::EBUSY);
     assert!(d.remove_unmap_notifier(stubborn));
 
@@ -1158,4 +1172,64 @@ fn under_a_limit_the_cache_gives_way_to_pins() {
     registry.set_limit(LockLimit::Bytes(8 * PAGE));
     assert!(registry.cached_bytes() <= 2 * PAGE);
     assert!(locked_pages(&b).len() as u64 <= 8);
+}
+
+#[test]
+fn an_unmap_closes_the_range_and_waits_for_a_device_that_lets_go_late() {
+    let b = mem(8);
+    let registry = PinRegistry::new(LockLimit::Unlimited);
+    let d = DmaSpace::new(DmaConfig {
+        registry: Some(registry.clone()),
+        unpin_wait: std::time::Duration::from_secs(60),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    d.map_backing(Iova(0), &b, 0, 8 * PAGE, Prot::RW).unwrap();
+    d.pin_pages(&[1], Prot::RW).unwrap();
+    let (asked, told) = std::sync::mpsc::channel();
+    let asked = Mutex::new(asked);
+    d.add_unmap_notifier(move |iova, size| {
+        let _ = asked.lock().unwrap().send((iova, size));
+    });
+    let released = Arc::new(AtomicBool::new(false));
+    let device = {
+        let (d, released) = (d.clone(), released.clone());
+        std::thread::spawn(move || {
+            assert_eq!(told.recv().unwrap(), (Iova(0), 8 * PAGE));
+            // While the unmap waits, the range is a hole for everything new.
+            assert_eq!(errno(d.pin_pages(&[2], Prot::READ)), libc::EINVAL);
+            assert_eq!(errno(d.translate(Iova(0), 1, Access::Read)), libc::EFAULT);
+            assert_eq!(errno(d.dma_read(Iova(0), &mut [0; 8])), libc::EINVAL);
+            assert_eq!(errno(d.dma_write(Iova(0), &[0; 8])), libc::EINVAL);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            released.store(true, Ordering::SeqCst);
+            d.unpin_pages(&[1]).unwrap();
+        })
+    };
+    assert_eq!(d.unmap(Iova(0), 8 * PAGE).unwrap(), 8 * PAGE);
+    assert!(
+        released.load(Ordering::SeqCst),
+        "the unmap returned before the device let go"
+    );
+    device.join().unwrap();
+    assert_eq!(registry.locked_bytes(), 0);
+    assert!(d.is_empty());
+}
+
+#[test]
+fn a_notifier_that_changes_its_own_space_gets_ebusy_not_a_deadlock() {
+    let b = mem(8);
+    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    d.map_backing(Iova(0), &b, 0, 4 * PAGE, Prot::RW).unwrap();
+    d.pin_pages(&[1], Prot::RW).unwrap();
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let (dev, seen) = (d.clone(), got.clone());
+    d.add_unmap_notifier(move |_, _| {
+        let e = dev.map_backing(Iova(0x10_0000), &b, 0, PAGE, Prot::RW);
+        seen.lock().unwrap().push(errno(e));
+        let _ = dev.unpin_pages(&[1]);
+    });
+    assert_eq!(d.unmap(Iova(0), 4 * PAGE).unwrap(), 4 * PAGE);
+    assert_eq!(*got.lock().unwrap(), vec![libc::EBUSY]);
+    assert_eq!(registry.locked_bytes(), 0);
 }

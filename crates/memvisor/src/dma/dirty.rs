@@ -33,10 +33,10 @@
 //! so no read allocates. A range of more than [`DIRTY_BITMAP_PAGES_MAX`] pages is EINVAL, as in
 //! the kernel. [`DmaSpace::unmap_get_dirty`] unmaps and returns the removed range's bits
 //! (`VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP`) in one step, so nothing written before the unmap is
-//! lost. A `dma_write` still running on an old snapshot when the unmap returns has its bits in
-//! a bitmap nobody reads any more: a device must not write a range it is unmapping, the rule a
-//! guest follows for its own IOMMU.
+//! lost: the unmap returns only after every copy and pin in the range ended (`retire`), so no
+//! write lands in a bitmap nobody reads any more.
 
+use super::retire::Plan;
 use super::{DmaSpace, Index, Mapping, PinMode, Writer, whole_mappings};
 use crate::addr::Iova;
 use crate::error::{Error, Result};
@@ -200,28 +200,22 @@ impl DmaSpace {
     ) -> Result<(u64, Vec<u64>)> {
         let pages = self.check_bitmap(iova, size, page_size)?;
         let range = self.check_range(iova, size)?;
-        let mut off = !self.is_dirty_tracking();
-        if off {
-            return Err(Error::Invalid(
-                "dirty tracking is off; an unmap cannot return dirty bits".into(),
-            ));
-        }
         let mut out = vec![0u64; pages.div_ceil(64) as usize];
-        let bytes = self.remove_mappings_with(range.start().0, range.last().0, |writer, hit| {
-            if !writer.tracking {
-                off = true;
-                return false;
-            }
-            for (start, m) in hit {
-                self.take_dirty(writer, m, *start - iova.0, &mut out);
-            }
-            true
-        })?;
-        if off {
-            return Err(Error::Invalid(
-                "dirty tracking is off; an unmap cannot return dirty bits".into(),
-            ));
-        }
+        let bytes = self.remove_mappings_with(
+            range.start().0,
+            range.last().0,
+            |writer| match writer.tracking {
+                true => Ok(()),
+                false => Err(Error::Invalid(
+                    "dirty tracking is off; an unmap cannot return dirty bits".into(),
+                )),
+            },
+            |writer, hit| {
+                for (start, m) in hit {
+                    self.take_dirty(writer, m, *start - iova.0, &mut out);
+                }
+            },
+        )?;
         Ok((bytes, out))
     }
 
@@ -268,34 +262,35 @@ impl DmaSpace {
         }
     }
 
-    /// Asks devices to unpin, then removes the mappings inside `[first, last]`, calling `also`
-    /// with the writer state and the mappings just before they go; if it returns false,
-    /// nothing is removed.
+    /// Removes the mappings inside `[first, last]` once devices let go of them (`retire`):
+    /// `check` runs first under the writer lock (its error changes nothing), `take` with the
+    /// writer state and the mappings removed, before their memory can go. Returns the bytes
+    /// removed.
     pub(super) fn remove_mappings_with(
         &self,
         first: u64,
         last: u64,
-        also: impl FnOnce(&Writer, &[(u64, std::sync::Arc<Mapping>)]) -> bool,
+        check: impl FnOnce(&Writer) -> Result<()>,
+        take: impl FnOnce(&Writer, &[(u64, std::sync::Arc<Mapping>)]),
     ) -> Result<u64> {
-        self.release_external(first, last)?;
-        self.change(|map: &mut Index, writer| {
-            let hit = whole_mappings(map, first, last)?;
-            self.take_back_from_devices(writer, &hit)?;
-            if !also(writer, &hit) {
-                return Ok((0, false));
-            }
-            writer.invalid -= hit
-                .iter()
-                .filter(|(_, m)| m.memory.is_invalidated())
-                .count() as u64;
-            let mut bytes = 0;
-            for (_, m) in &hit {
-                self.unpin_mapping(writer, m.id);
-                bytes += m.iova.len();
-            }
-            map.remove_all(&hit);
-            Ok((bytes, !hit.is_empty()))
-        })
+        let (bytes, ()) = self.retire(
+            |map: &mut Index, writer| {
+                check(writer)?;
+                let hit = whole_mappings(map, first, last)?;
+                writer.invalid -= hit
+                    .iter()
+                    .filter(|(_, m)| m.memory.is_invalidated())
+                    .count() as u64;
+                map.remove_all(&hit);
+                Ok(Plan {
+                    ranges: hit.iter().map(|(s, m)| (*s, m.iova.last().0)).collect(),
+                    old: hit,
+                    made: Vec::new(),
+                })
+            },
+            take,
+        )?;
+        Ok(bytes)
     }
 }
 

@@ -15,14 +15,17 @@
 //! path costs and a run costs one pin; [`Grouping::Runs`] is the two-pass split and
 //! [`Grouping::PerPage`] the page-at-a-time baseline, both kept for the benchmarks.
 //!
-//! **Unmapping pinned memory.** A device must not lose memory it pinned. An unmap (or vaddr
-//! invalidation) of a range where devices hold pins first calls every registered unmap notifier
-//! with each such mapping's range, with no lock held, so the devices can finish I/O and unpin;
-//! then it retries once. Pins that are still there make the unmap fail with EBUSY and change
-//! nothing — never a panic, never a pin left pointing at unmapped memory.
+//! **Unmapping pinned memory.** A device must not lose memory it pinned, and must not touch
+//! memory taken away from it. An unmap, IOTLB invalidation or vaddr invalidation of a range
+//! where devices hold pins closes the range to new pins at once, calls every registered unmap
+//! notifier with each such range, with no lock held, so the devices can finish their I/O and
+//! unpin, and waits until they have (`retire`); a device that keeps its pins past
+//! [`DmaConfig::unpin_wait`](super::DmaConfig::unpin_wait) makes the change fail with EBUSY
+//! and change nothing. Never a panic, never a pin left pointing at unmapped memory.
 //!
-//! `pin_pages` holds the space's writer lock, so it cannot interleave with a map or unmap: a pin
-//! either lands before an unmap (which then sees it) or finds the memory gone (EINVAL).
+//! `pin_pages` holds the space's writer lock, so it cannot interleave with the step that
+//! closes a range: a pin either lands before it (and is waited for) or finds the range gone
+//! (EINVAL, as for memory never mapped).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -155,9 +158,11 @@ impl DmaSpace {
             done.push((p, n as u64));
         }
         let snap = self.shared.current.load();
+        let retiring = writer.retiring.as_ref().map_or(&[][..], |r| &r.old[..]);
         for (p, n) in done {
-            self.shared.unpin_iova_pages(&snap, p, n);
+            self.shared.unpin_iova_pages(&snap, retiring, p, n);
         }
+        self.pins_released(&writer);
         Ok(())
     }
 
@@ -168,7 +173,9 @@ impl DmaSpace {
 
     /// Registers `notify(iova, size)`, called when an unmap or vaddr invalidation covers a
     /// mapping `[iova, iova + size)` in which devices hold pins; it should unpin them. It is
-    /// called with no lock held and may call back into the space.
+    /// called with no lock held, again while the pins stay, and may call back into the space
+    /// to unpin, copy or translate, but not to map or unmap (EBUSY: that change would wait for
+    /// the one that called it).
     pub fn add_unmap_notifier(
         &self,
         notify: impl Fn(Iova, u64) + Send + Sync + 'static,
@@ -192,49 +199,20 @@ impl DmaSpace {
         list.len() != before
     }
 
-    /// Asks devices to unpin what they hold in the mappings inside `[first, last]`. EINVAL if the
-    /// range cuts a mapping (checked first, so a bad request notifies no one).
-    pub(super) fn release_external(&self, first: u64, last: u64) -> Result<()> {
-        let held: Vec<(Iova, u64)> = {
-            let writer = self.writer();
-            let snap = self.shared.current.load();
-            super::whole_mappings(&snap.map, first, last)?
-                .into_iter()
-                .filter(|(_, m)| pinned_in(&writer, m).is_some())
-                .map(|(start, m)| (Iova(start), m.iova.len()))
-                .collect()
-        };
-        if held.is_empty() {
-            return Ok(());
+    /// Calls every unmap notifier with each of `ranges` (no lock may be held).
+    pub(super) fn notify_unmap(&self, ranges: &[(Iova, u64)]) {
+        if ranges.is_empty() {
+            return;
         }
         let notifiers: Vec<Notifier> = lock(&self.shared.notifiers.list)
             .iter()
             .map(|(_, f)| f.clone())
             .collect();
-        for (iova, size) in held {
+        for &(iova, size) in ranges {
             for notify in &notifiers {
                 notify(iova, size);
             }
         }
-        Ok(())
-    }
-
-    /// EBUSY if devices still hold pins in any of `hit`, the mappings an unmap or vaddr
-    /// invalidation is about to take away. Otherwise the devices are done with them, and the
-    /// locks their pins left in the registry's lock cache are unlocked here, while the memory
-    /// is still mapped: the caller may unmap it (or the last handle on its backing go) as soon
-    /// as the mapping is gone, and a cached lock over memory that is gone would let a later pin
-    /// of other memory at the same address believe it locked.
-    pub(super) fn take_back_from_devices(
-        &self,
-        writer: &Writer,
-        hit: &[(u64, Arc<Mapping>)],
-    ) -> Result<()> {
-        self.check_unpinned(writer, hit)?;
-        for (_, m) in hit {
-            self.shared.release_cached(m);
-        }
-        Ok(())
     }
 
     /// Unlocks the locks devices' pins left cached in this space's memory (see
@@ -247,24 +225,6 @@ impl DmaSpace {
         for (_, _, _, m) in snap.map.iter() {
             self.shared.release_cached(m);
         }
-    }
-
-    /// EBUSY if devices still hold pins in any of `hit`.
-    fn check_unpinned(&self, writer: &Writer, hit: &[(u64, Arc<Mapping>)]) -> Result<()> {
-        for (_, m) in hit {
-            if let Some(page) = pinned_in(writer, m) {
-                return Err(Error::Busy {
-                    addr: page * PAGE,
-                    why: format!(
-                        "devices still hold pins in mapping [{:#x}, {:#x}] after the unmap \
-                         notifiers ran; they must unpin_pages first",
-                        m.iova.start().0,
-                        m.iova.last().0
-                    ),
-                });
-            }
-        }
-        Ok(())
     }
 
     fn try_pin_pages(&self, pages: &[u64], prot: Prot) -> std::result::Result<Vec<Hva>, Stop> {
@@ -366,7 +326,7 @@ impl Shared {
         let snap = self.current.load();
         for (s, e, count) in external.runs() {
             for _ in 0..count {
-                self.unpin_iova_pages(&snap, s, e - s);
+                self.unpin_iova_pages(&snap, &[], s, e - s);
             }
         }
         for (_, _, _, m) in snap.map.iter() {
@@ -375,7 +335,7 @@ impl Shared {
     }
 
     /// Unlocks the lock cache's entries over `m`'s memory.
-    fn release_cached(&self, m: &Mapping) {
+    pub(super) fn release_cached(&self, m: &Mapping) {
         if let Some(host) = m.memory.host() {
             let start = host.hva.0;
             self.registry
@@ -383,35 +343,41 @@ impl Shared {
         }
     }
 
-    /// Drops the registry pins behind `n` device-pinned IOVA pages from `page`.
-    fn unpin_iova_pages(&self, snap: &DmaSnapshot, page: u64, n: u64) {
+    /// Drops the registry pins behind `n` device-pinned IOVA pages from `page`, whose mappings
+    /// are valid in `snap` or, while a change takes them away, among `retiring`.
+    fn unpin_iova_pages(
+        &self,
+        snap: &DmaSnapshot,
+        retiring: &[(u64, Arc<Mapping>)],
+        page: u64,
+        n: u64,
+    ) {
         let end = page + n;
         let mut page = page;
         while page < end {
             let iova = page * PAGE;
-            // Device pins keep their mappings from being unmapped or invalidated, so the
-            // mapping is there and valid.
-            let Some((_, last, hot, m)) = snapshot_entry(snap, iova).filter(|e| e.2.valid()) else {
-                debug_assert!(false, "device-pinned iova {iova:#x} has no valid mapping");
+            // Device pins keep their mappings from going, and a change that takes a mapping
+            // away keeps it among `retiring` until they are released.
+            let found = snapshot_entry(snap, iova)
+                .filter(|e| e.2.valid())
+                .map(|(_, last, hot, m)| (last, hot.delta().wrapping_add(iova), m))
+                .or_else(|| {
+                    let (start, m) = retiring
+                        .iter()
+                        .find(|(s, m)| *s <= iova && iova <= m.iova.last().0)?;
+                    let hva = m.memory.host()?.hva.0 + (iova - start);
+                    Some((m.iova.last().0, hva, m))
+                });
+            let Some((last, hva, m)) = found else {
+                debug_assert!(false, "device-pinned iova {iova:#x} has no mapping");
                 return;
             };
             let pieces = (end - page).min((last - iova) / PAGE + 1);
-            let req = self.device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE);
+            let req = self.device_request(m, hva, pieces * PAGE);
             self.registry.unpin(&req);
             page += pieces;
         }
     }
-}
-
-/// The first IOVA page of mapping `m` that devices hold pins in.
-fn pinned_in(writer: &Writer, m: &Mapping) -> Option<u64> {
-    let first = m.iova.start().0 / PAGE;
-    let end = m.iova.last().0 / PAGE + 1;
-    writer
-        .external
-        .counted_in(first, end)
-        .first()
-        .map(|&(s, _, _)| s)
 }
 
 fn page_iova(page: u64) -> Result<u64> {

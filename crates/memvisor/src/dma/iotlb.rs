@@ -10,14 +10,17 @@
 //! sees the outside part unmapped. Updates are ordinary [`DmaSpace::map_guest`] /
 //! [`DmaSpace::map_backing`] calls (an IOTLB user invalidates a range before it maps it again).
 //!
-//! Pins held by devices in the mappings touched are asked back through the unmap notifiers,
-//! and the invalidation is refused (EBUSY, nothing changed) if they stay, as for an unmap: a
-//! device must never reach memory through a translation the guest took away. In Eager mode the
-//! remaining parts are pinned before the removed ones are unpinned, so no page the space keeps
-//! is unlocked in between.
+//! The range is closed to devices at once, and the invalidation returns only once copies in
+//! flight there ended and pins devices held there were released, asked back through the unmap
+//! notifiers (`retire`): a device must never reach memory through a translation the guest took
+//! away. Pins in the parts kept stay where they are. A device that keeps its pins in the range
+//! past [`DmaConfig::unpin_wait`](super::DmaConfig::unpin_wait) gets the invalidation undone
+//! (EBUSY, nothing changed). In Eager mode the remaining parts are pinned before the removed
+//! ones are unpinned, so no page the space keeps is unlocked in between.
 
 use std::sync::Arc;
 
+use super::retire::Plan;
 use super::{DmaSpace, Host, Index, Mapping, Memory, whole_mappings};
 use crate::addr::{Hva, Iova, Range};
 use crate::error::Result;
@@ -26,58 +29,60 @@ impl DmaSpace {
     /// Removes every translation in `[iova, iova + size)` (IOTLB semantics, see the module
     /// documentation); returns the bytes removed (0 if nothing was mapped there). EINVAL if the
     /// range is empty, wraps or is not page aligned; EBUSY, nothing changed, if devices keep
-    /// pins in the mappings it touches.
+    /// pins in the range past [`DmaConfig::unpin_wait`](super::DmaConfig::unpin_wait).
     pub fn invalidate_range(&self, iova: Iova, size: u64) -> Result<u64> {
         let range = self.check_range(iova, size)?;
         let (first, last) = (range.start().0, range.last().0);
-        let span = {
-            let snap = self.shared.current.load();
-            touched(&snap.map, first, last)
-        };
-        let Some((lo, hi)) = span else {
-            return Ok(0);
-        };
-        self.release_external(lo, hi)?;
         let page = self.shared.min_page;
-        self.change(|map, writer| {
-            // Recomputed under the writer lock: a concurrent change may have moved the edges.
-            let Some((lo, hi)) = touched(map, first, last) else {
-                return Ok((0, false));
-            };
-            let hit = whole_mappings(map, lo, hi)?;
-            self.take_back_from_devices(writer, &hit)?;
-            let mut keep = Vec::new();
-            for (start, m) in &hit {
-                let end = m.iova.last().0;
-                if *start < first {
-                    keep.push(piece(m, *start, first - 1, writer.next_id, page)?);
-                    writer.next_id += 1;
+        let (bytes, ()) = self.retire(
+            |map, writer| {
+                let Some((lo, hi)) = touched(map, first, last) else {
+                    return Ok(Plan {
+                        ranges: Vec::new(),
+                        old: Vec::new(),
+                        made: Vec::new(),
+                    });
+                };
+                let hit = whole_mappings(map, lo, hi)?;
+                let mut keep = Vec::new();
+                for (start, m) in &hit {
+                    let end = m.iova.last().0;
+                    if *start < first {
+                        keep.push(piece(m, *start, first - 1, writer.next_id, page)?);
+                        writer.next_id += 1;
+                    }
+                    if end > last {
+                        keep.push(piece(m, last + 1, end, writer.next_id, page)?);
+                        writer.next_id += 1;
+                    }
                 }
-                if end > last {
-                    keep.push(piece(m, last + 1, end, writer.next_id, page)?);
-                    writer.next_id += 1;
+                if writer.mode == super::PinMode::Eager {
+                    let pinned = self.pin_all(keep.iter().filter(|m| m.memory.host().is_some()))?;
+                    writer.eager.extend(pinned);
                 }
-            }
-            if writer.mode == super::PinMode::Eager {
-                let pinned = self.pin_all(keep.iter().filter(|m| m.memory.host().is_some()))?;
-                writer.eager.extend(pinned);
-            }
-            let removed: u64 = hit.iter().map(|(_, m)| m.iova.len()).sum::<u64>()
-                - keep.iter().map(|m| m.iova.len()).sum::<u64>();
-            writer.invalid -= hit
-                .iter()
-                .filter(|(_, m)| m.memory.is_invalidated())
-                .count() as u64;
-            writer.invalid += keep.iter().filter(|m| m.memory.is_invalidated()).count() as u64;
-            for (_, m) in &hit {
-                self.unpin_mapping(writer, m.id);
-            }
-            map.remove_all(&hit);
-            for m in keep {
-                map.insert(m);
-            }
-            Ok((removed, true))
-        })
+                writer.invalid -= hit
+                    .iter()
+                    .filter(|(_, m)| m.memory.is_invalidated())
+                    .count() as u64;
+                writer.invalid += keep.iter().filter(|m| m.memory.is_invalidated()).count() as u64;
+                let ranges = hit
+                    .iter()
+                    .map(|(s, m)| ((*s).max(first), m.iova.last().0.min(last)))
+                    .collect();
+                let made = keep.iter().map(|m| m.id).collect();
+                map.remove_all(&hit);
+                for m in keep {
+                    map.insert(m);
+                }
+                Ok(Plan {
+                    ranges,
+                    old: hit,
+                    made,
+                })
+            },
+            |_, _| {},
+        )?;
+        Ok(bytes)
     }
 }
 

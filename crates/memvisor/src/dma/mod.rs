@@ -23,8 +23,10 @@
 //! Pinning hangs off mappings: in [`PinMode::Eager`] every mapping is pinned whole when it is
 //! made (replayed over existing mappings when the mode switches), in [`PinMode::Lazy`] only what
 //! emulated devices ask for through `pin_pages` is. Pins are counted per host page by the
-//! process-wide [`PinRegistry`] and per IOVA page for devices; an unmap that would pull memory
-//! from under a device's pins asks the device to unpin first (`external`).
+//! process-wide [`PinRegistry`] and per IOVA page for devices. An unmap (or IOTLB or vaddr
+//! invalidation) closes its range to devices at once and returns only once no device can still
+//! touch it: copies in flight have ended and devices holding pins there were asked to release
+//! them and did (`retire`, `external`).
 //!
 //! Readers never lock. The mappings live in an immutable snapshot — a persistent two-level range
 //! map (`rangemap`), so one change copies O(n / 256) pointers, not the whole table — swapped in
@@ -44,6 +46,7 @@ mod locked;
 mod longterm;
 mod mode;
 mod pin;
+mod retire;
 mod rw;
 mod translate;
 
@@ -166,6 +169,13 @@ pub struct DmaConfig {
     /// took ~1.5x as long with it. Set 0 for a small table that rarely changes and misses
     /// often.
     pub page_table_from: u32,
+    /// How long an unmap, IOTLB invalidation or vaddr invalidation waits for devices to
+    /// release the pins they hold in the range it takes away (default 1 s). The range is closed
+    /// to new pins, translations and copies from the moment the change starts; past this bound
+    /// the change is undone and fails with EBUSY, and the caller must stop the device that keeps
+    /// its pins (see `retire`). Keep it below the peer's own reply timeout (QEMU's vfio-user
+    /// client waits 5 s for a reply).
+    pub unpin_wait: Duration,
 }
 
 impl Default for DmaConfig {
@@ -185,6 +195,7 @@ impl Default for DmaConfig {
             grouping: Grouping::Adaptive,
             registry: None,
             page_table_from: 64,
+            unpin_wait: Duration::from_secs(1),
         }
     }
 }
@@ -580,6 +591,9 @@ struct Writer {
     eager: HashMap<u64, mode::Pinned>,
     /// IOVA pages (4 KiB numbers) devices pinned through `pin_pages`, counted.
     external: RunCounts,
+    /// A change taking memory back from devices, waiting for their pins (`retire`); no other
+    /// change starts until it ends.
+    retiring: Option<retire::Retiring>,
 }
 
 /// What every translation reads first, on a cache line of its own: the generation (bumped
@@ -599,6 +613,9 @@ struct Shared {
     writer: Mutex<Writer>,
     /// Signalled after every vaddr update, for translations waiting on an invalidated range.
     updated: (Mutex<()>, Condvar),
+    /// Signalled, with `writer`, when devices unpin while a change waits for them and when that
+    /// change ends (`retire`).
+    settled: Condvar,
     config: DmaConfig,
     allowed: Vec<(Iova, Iova)>,
     min_page: u64,
@@ -671,8 +688,10 @@ impl DmaSpace {
                     mode: config.pin_mode,
                     eager: HashMap::new(),
                     external: RunCounts::default(),
+                    retiring: None,
                 }),
                 updated: (Mutex::new(()), Condvar::new()),
+                settled: Condvar::new(),
                 config,
                 allowed,
                 min_page,
@@ -797,30 +816,33 @@ impl DmaSpace {
 
     /// Unmaps every mapping inside `[iova, iova + size)` and returns the bytes unmapped (0 if
     /// there were none). EINVAL, nothing unmapped, if the range cuts a mapping at either end.
-    /// If devices hold pins in the range, the unmap notifiers are called so they can unpin;
-    /// EBUSY, nothing unmapped, if pins remain after that. Pins the space holds itself (Eager
-    /// mode) are dropped with the mappings.
+    /// The range is closed to new pins, translations and copies at once; the call returns once
+    /// copies in flight there have ended and devices holding pins there have released them
+    /// (the unmap notifiers ask them to, again and again). EBUSY, nothing unmapped, if a device
+    /// keeps its pins past [`DmaConfig::unpin_wait`]: stop that device and try again. Pins the
+    /// space holds itself (Eager mode) are dropped with the mappings.
     pub fn unmap(&self, iova: Iova, size: u64) -> Result<u64> {
         let range = self.check_range(iova, size)?;
         self.remove_mappings(range.start().0, range.last().0)
     }
 
-    /// Unmaps everything; returns the bytes unmapped. EBUSY, nothing unmapped, if devices keep
-    /// pins after the unmap notifiers ran.
+    /// Unmaps everything, as [`DmaSpace::unmap`]; returns the bytes unmapped. EBUSY, nothing
+    /// unmapped, if devices keep pins past [`DmaConfig::unpin_wait`].
     pub fn unmap_all(&self) -> Result<u64> {
         self.remove_mappings(0, u64::MAX)
     }
 
     fn remove_mappings(&self, first: u64, last: u64) -> Result<u64> {
-        self.remove_mappings_with(first, last, |_, _| true)
+        self.remove_mappings_with(first, last, |_| Ok(()), |_, _| {})
     }
 
     /// Invalidates the host address of every mapping inside `[iova, iova + size)`
     /// (`VFIO_DMA_UNMAP_FLAG_VADDR`); returns the bytes invalidated. The IOVAs stay mapped, but
     /// until [`DmaSpace::update_vaddr`] nothing reaches the old memory. EINVAL, nothing changed,
     /// if the range cuts a mapping or any mapping in it is already invalidated. The old memory
-    /// is unpinned; pins devices hold there are asked back as for [`DmaSpace::unmap`] (EBUSY if
-    /// they stay). In Eager mode `update_vaddr` pins the new memory.
+    /// is unpinned; pins devices hold there are asked back and waited for as for
+    /// [`DmaSpace::unmap`] (EBUSY, nothing changed, if they stay past
+    /// [`DmaConfig::unpin_wait`]). In Eager mode `update_vaddr` pins the new memory.
     pub fn invalidate_vaddr(&self, iova: Iova, size: u64) -> Result<u64> {
         if self.shared.config.vaddr_rule == VaddrRule::Refuse && self.has_unmap_notifiers() {
             return Err(Error::Busy {
@@ -832,36 +854,39 @@ impl DmaSpace {
         }
         let range = self.check_range(iova, size)?;
         let (first, last) = (range.start().0, range.last().0);
-        self.release_external(first, last)?;
-        self.change(|map, writer| {
-            let hit = whole_mappings(map, first, last)?;
-            self.take_back_from_devices(writer, &hit)?;
-            for (start, m) in &hit {
-                match m.memory {
-                    Memory::Local(_) => {}
-                    Memory::Invalidated => {
-                        return Err(Error::Invalid(format!(
-                            "mapping at iova {start:#x} already has its vaddr invalidated"
-                        )));
-                    }
-                    Memory::Remote => {
-                        return Err(Error::Invalid(format!(
-                            "mapping at iova {start:#x} is a peer's memory: it has no vaddr \
-                             to invalidate"
-                        )));
+        let (bytes, ()) = self.retire(
+            |map, writer| {
+                let hit = whole_mappings(map, first, last)?;
+                for (start, m) in &hit {
+                    match m.memory {
+                        Memory::Local(_) => {}
+                        Memory::Invalidated => {
+                            return Err(Error::Invalid(format!(
+                                "mapping at iova {start:#x} already has its vaddr invalidated"
+                            )));
+                        }
+                        Memory::Remote => {
+                            return Err(Error::Invalid(format!(
+                                "mapping at iova {start:#x} is a peer's memory: it has no \
+                                 vaddr to invalidate"
+                            )));
+                        }
                     }
                 }
-            }
-            let mut bytes = 0;
-            for (start, m) in &hit {
-                self.unpin_mapping(writer, m.id);
-                let pos = map.find(*start).expect("found above");
-                map.set(pos, m.with(Memory::Invalidated, m.dirty.clone()));
-                bytes += m.iova.len();
-            }
-            writer.invalid += hit.len() as u64;
-            Ok((bytes, !hit.is_empty()))
-        })
+                for (start, m) in &hit {
+                    let pos = map.find(*start).expect("found above");
+                    map.set(pos, m.with(Memory::Invalidated, m.dirty.clone()));
+                }
+                writer.invalid += hit.len() as u64;
+                Ok(retire::Plan {
+                    ranges: hit.iter().map(|(s, m)| (*s, m.iova.last().0)).collect(),
+                    old: hit,
+                    made: Vec::new(),
+                })
+            },
+            |_, _| {},
+        )?;
+        Ok(bytes)
     }
 
     /// Gives an invalidated mapping its new host memory: `size` bytes of `backing` from
@@ -1126,35 +1151,41 @@ impl DmaSpace {
     }
 
     /// Runs `edit` on a copy of the current mappings and publishes it if `edit` says it changed
-    /// something; on error nothing is published. Writers are serialized.
+    /// something; on error nothing is published. Writers are serialized, and none starts while
+    /// a change waits for devices to let go of memory it takes back (`retire`).
     fn change<T>(
         &self,
         edit: impl FnOnce(&mut Index, &mut Writer) -> Result<(T, bool)>,
     ) -> Result<T> {
-        let mut writer = self.writer();
-        let current = self.shared.current.load_full();
-        let mut map = current.map.clone();
+        let mut writer = self.settled_writer()?;
+        let mut map = self.shared.current.load().map.clone();
         let (value, changed) = edit(&mut map, &mut writer)?;
         if changed {
-            map.reindex();
-            let generation = current.generation + 1;
-            self.shared.current.store(Arc::new(DmaSnapshot {
-                generation,
-                map,
-                invalid: writer.invalid,
-            }));
-            // After the snapshot: a reader that sees this generation loads this snapshot or a
-            // later one, so what it caches under a generation is that generation's.
-            self.shared
-                .head
-                .0
-                .generation
-                .store(generation, Ordering::Release);
-            // Plain copies on a thread's last hit hold no snapshot: before the old one (and
-            // the memory only it still maps) can go, wait for those that may be on it.
-            grace::wait_for_copies(self.shared.head.0.id);
+            self.publish(&writer, map);
         }
         Ok(value)
+    }
+
+    /// Publishes `map` as the next generation and waits until no copy can still be on the
+    /// one it replaces.
+    fn publish(&self, writer: &Writer, mut map: Index) {
+        map.reindex();
+        let generation = self.shared.current.load().generation + 1;
+        self.shared.current.store(Arc::new(DmaSnapshot {
+            generation,
+            map,
+            invalid: writer.invalid,
+        }));
+        // After the snapshot: a reader that sees this generation loads this snapshot or a
+        // later one, so what it caches under a generation is that generation's.
+        self.shared
+            .head
+            .0
+            .generation
+            .store(generation, Ordering::Release);
+        // Copies announce themselves and hold no lock: before the old snapshot (and the
+        // memory only it still maps) can go, wait for those that may be on it.
+        grace::wait_for_copies(self.shared.head.0.id);
     }
 }
 

@@ -4,9 +4,10 @@
 //! range. Pinning for that — fault in, lock, copy, unlock — costs far more than the copy. Here
 //! [`DmaSpace::dma_read`] and [`DmaSpace::dma_write`] check the whole range against one snapshot
 //! (mapped, contiguous, READ resp. READ and WRITE allowed, host address valid) and then copy piece by
-//! piece with raw-pointer copies. The snapshot holds every mapping's memory, so an unmap racing
-//! the copy cannot unmap memory under it: the copy completes against the old mappings or, if it
-//! started after the unmap, fails with EINVAL. Nothing is copied when any check fails.
+//! piece with raw-pointer copies. The copy announces itself first (`grace`) and the snapshot
+//! holds every mapping's memory, so an unmap racing the copy cannot take memory away under it:
+//! the copy completes against the old mappings before the unmap returns or, if it started after
+//! the unmap began, fails with EINVAL. Nothing is copied when any check fails.
 //!
 //! A copy that lies whole in the mapping this thread last hit (by a copy or a translation, at
 //! the space's current generation, allowing the access, not logging dirty pages for a write)
@@ -20,8 +21,10 @@
 //! same way, copy the pieces in host memory and hand each piece in the peer's memory to the
 //! caller's transport, so one device model serves both kinds of mapping.
 
-use super::translate::{copy_on_last_hit, remember};
-use super::{DmaSnapshot, DmaSpace, Hot, Prot};
+use std::sync::Arc;
+
+use super::translate::{copy_on_last_hit, mark_dirty, remember};
+use super::{DmaSnapshot, DmaSpace, Hot, Mapping, Prot};
 use crate::addr::Iova;
 use crate::copy;
 use crate::error::{Error, Result};
@@ -96,8 +99,11 @@ impl DmaSpace {
     /// [`DmaSpace::dma_read`] over mappings of host memory and of a peer's memory
     /// ([`DmaSpace::map_remote`]) alike: pieces in host memory are copied here, each piece in a
     /// peer's memory is handed to `remote(iova, part of buf)` to fetch (a vfio-user server sends
-    /// `DMA_READ`). The whole range is checked first, as for `dma_read`; an error from `remote`
-    /// stops the copy and is returned, with the pieces before it already copied.
+    /// `DMA_READ`). The whole range is checked first, as for `dma_read`; then the pieces in host
+    /// memory are copied, and after them the peer's pieces in order (a change of the space
+    /// waits for copies in host memory, but must not wait for the peer). An error from `remote`
+    /// stops the copy and is returned, with the host pieces and the peer's pieces before it
+    /// already copied.
     pub fn dma_read_via<E: From<Error>>(
         &self,
         iova: Iova,
@@ -166,8 +172,12 @@ impl DmaSpace {
 
     /// Checks `[iova, iova + len)` for `need` against one snapshot, then calls
     /// `copy(iova, host address or None for a peer's memory, offset in the caller's buffer,
-    /// bytes)` for each piece, stopping at the first error it returns. A copy that falls in one
-    /// mapping of host memory becomes the thread's last hit, for the next copy's shortcut.
+    /// bytes)` for each piece, stopping at the first error it returns. The pieces in host
+    /// memory are copied first, announced (`grace`), so a change that takes them away returns
+    /// only after they landed; the pieces in a peer's memory follow, in order, once the
+    /// announcement ended (they wait on the peer, and the peer may be waiting for a change).
+    /// A copy that falls in one mapping of host memory becomes the thread's last hit, for the
+    /// next copy's shortcut.
     fn copy_pieces<E: From<Error>>(
         &self,
         iova: Iova,
@@ -181,8 +191,11 @@ impl DmaSpace {
         }
         let (min_page, id) = (self.shared.min_page, self.shared.head.0.id);
         let mut failed = None;
-        self.with_snapshot(|snap| {
+        // Pieces in a peer's memory, for after the announced part: (iova, offset, bytes, mapping).
+        let mut later: Vec<(u64, usize, usize, Arc<Mapping>)> = Vec::new();
+        self.with_snapshot_copying(|snap| {
             self.refuse_while_invalid(snap, iova.0)?;
+            later.clear();
             let mut at = 0usize;
             let first = snap.for_each_piece(
                 iova.0,
@@ -190,11 +203,17 @@ impl DmaSpace {
                 need,
                 min_page,
                 usable,
-                |addr, hva, n| {
-                    if failed.is_none() {
-                        failed = copy(addr, hva, at, n as usize).err();
+                |addr, hva, n, m| {
+                    let now = hva.is_some();
+                    match hva {
+                        Some(_) if failed.is_none() => {
+                            failed = copy(addr, hva, at, n as usize).err();
+                        }
+                        Some(_) => {}
+                        None => later.push((addr, at, n as usize, m.clone())),
                     }
                     at += n as usize;
+                    now
                 },
             )?;
             if first.holds_host(iova.0, len as u64) {
@@ -203,10 +222,16 @@ impl DmaSpace {
             Ok(())
         })
         .map_err(|e| E::from(as_type1_rw(e, iova, len)))?;
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(()),
+        if let Some(e) = failed {
+            return Err(e);
         }
+        for (addr, at, n, m) in later {
+            copy(addr, None, at, n)?;
+            if need.contains(Prot::WRITE) {
+                mark_dirty(&m, addr, n as u64, min_page);
+            }
+        }
+        Ok(())
     }
 }
 

@@ -220,7 +220,7 @@ impl DmaSnapshot {
         need: Prot,
         min_page: u64,
         usable: u64,
-        mut piece: impl FnMut(u64, Option<u64>, u64),
+        mut piece: impl FnMut(u64, Option<u64>, u64, &Arc<Mapping>) -> bool,
     ) -> Result<Found> {
         let (first, end) = self.check_span(iova, len, need, usable)?;
         let mut addr = iova;
@@ -232,10 +232,10 @@ impl DmaSnapshot {
                 true => Some(addr.wrapping_add(hot.delta())),
                 false => None,
             };
-            piece(addr, hva, n);
             // After the copy: a dirty read racing us then reports the page now or next time,
-            // never before the bytes landed.
-            if need.contains(Prot::WRITE) && hot.dirty() {
+            // never before the bytes landed. A piece `piece` leaves for later (false) is the
+            // caller's to mark once it is written.
+            if piece(addr, hva, n, m) && need.contains(Prot::WRITE) && hot.dirty() {
                 mark_dirty(m, addr, n, min_page);
             }
             addr = addr.wrapping_add(n);
@@ -350,7 +350,7 @@ fn refused(iova: u64, start: u64, last: u64, hot: Hot, need: Prot) -> Error {
 
 /// Marks the pages of `[iova, iova + n)` dirty in `m`'s bitmap, if it has one.
 #[inline]
-fn mark_dirty(m: &Mapping, iova: u64, n: u64, min_page: u64) {
+pub(super) fn mark_dirty(m: &Mapping, iova: u64, n: u64, min_page: u64) {
     if let Some(bitmap) = &m.dirty {
         let rel = iova - m.iova.start().0;
         let first = rel / min_page;
@@ -362,13 +362,40 @@ fn mark_dirty(m: &Mapping, iova: u64, n: u64, min_page: u64) {
 impl DmaSpace {
     /// Runs `f` on the current snapshot; while it fails with EBUSY (an invalidated host address)
     /// waits for a vaddr update, up to the configured time, and tries again.
-    pub(super) fn with_snapshot<T>(
+    pub(super) fn with_snapshot<T>(&self, f: impl FnMut(&DmaSnapshot) -> Result<T>) -> Result<T> {
+        self.with_snapshot_as(false, f)
+    }
+
+    /// [`DmaSpace::with_snapshot`] for a copy: each try runs announced (`grace`), so a change
+    /// that takes the memory away returns only after the copy ended, and a copy that starts
+    /// after the change sees it. The announcement ends before any wait for a vaddr update,
+    /// which is itself a change.
+    pub(super) fn with_snapshot_copying<T>(
         &self,
+        f: impl FnMut(&DmaSnapshot) -> Result<T>,
+    ) -> Result<T> {
+        self.with_snapshot_as(true, f)
+    }
+
+    fn with_snapshot_as<T>(
+        &self,
+        announce: bool,
         mut f: impl FnMut(&DmaSnapshot) -> Result<T>,
     ) -> Result<T> {
         let mut deadline = None;
         loop {
-            let result = f(&self.shared.current.load());
+            let result = {
+                let head = &self.shared.head.0;
+                // Without a slot (a nested copy from a signal handler, a thread being torn
+                // down) the snapshot alone keeps the memory mapped.
+                let _copying = announce.then(|| grace::enter(head.id)).flatten();
+                if announce {
+                    // SeqCst after the announcement: a change this load misses waits for the
+                    // copy (`grace`); one it sees is in the snapshot loaded next.
+                    head.generation.load(Ordering::SeqCst);
+                }
+                f(&self.shared.current.load())
+            };
             match result {
                 Err(Error::Busy { addr, .. }) if !self.vaddr_wait().is_zero() => {
                     let d = *deadline.get_or_insert_with(|| self.vaddr_deadline());
@@ -485,7 +512,7 @@ impl DmaSpace {
                 access.prot(),
                 min_page,
                 Hot::VALID,
-                |_, hva, n| {
+                |_, hva, n, _| {
                     let hva = hva.expect("only host memory passes Hot::VALID");
                     match segments.last_mut() {
                         Some(s) if s.hva.0 + s.len == hva => s.len += n,
@@ -494,6 +521,7 @@ impl DmaSpace {
                             len: n,
                         }),
                     }
+                    true
                 },
             )
             .map(|_| ())?;
@@ -707,18 +735,22 @@ impl DmaCursor {
     }
 
     /// [`DmaSpace::dma_read`] through the cursor: a copy that lies inside the last mapping hit
-    /// checks the generation and the bounds and copies, with no snapshot load and no lookup;
-    /// the cursor's snapshot, current at the check, keeps the memory mapped during the copy.
-    /// Anything else takes `dma_read`'s path, with its errors, and remembers the mapping.
+    /// announces itself (`grace`), checks the generation and the bounds and copies, with no
+    /// snapshot load and no lookup; a change that takes the memory away returns only after
+    /// the copy ended. Anything else takes `dma_read`'s path, with its errors, and remembers
+    /// the mapping.
     #[inline]
     pub fn read(&mut self, iova: Iova, buf: &mut [u8]) -> Result<()> {
         if self.copy_hits(iova.0, buf.len() as u64, Prot::READ.0) {
-            let hva = iova.0.wrapping_add(self.hit.delta);
-            // SAFETY: the whole range lies in the mapping last hit, which the current snapshot
-            // holds (checked just now) and the cursor keeps alive; it allows READ and has a
-            // valid host address. buf is caller memory, never guest memory.
-            unsafe { copy::from_guest(hva as usize as *const u8, buf) };
-            return Ok(());
+            if let Some(_copying) = self.announce() {
+                let hva = iova.0.wrapping_add(self.hit.delta);
+                // SAFETY: the whole range lies in the mapping last hit, which is of the current
+                // generation (checked after the announcement, so no change can take it away
+                // until the copy ends) and allows READ with a valid host address. buf is
+                // caller memory, never guest memory.
+                unsafe { copy::from_guest(hva as usize as *const u8, buf) };
+                return Ok(());
+            }
         }
         self.read_slow(iova, buf)
     }
@@ -728,16 +760,27 @@ impl DmaCursor {
     #[inline]
     pub fn write(&mut self, iova: Iova, buf: &[u8]) -> Result<()> {
         if self.copy_hits(iova.0, buf.len() as u64, Prot::RW.0) {
-            let hva = iova.0.wrapping_add(self.hit.delta);
-            // SAFETY: as in read; the mapping allows READ and WRITE.
-            unsafe { copy::to_guest(buf, hva as usize as *mut u8) };
-            if self.hit.dirty() {
-                let m = self.snapshot.map.get(self.hit.pos).3;
-                mark_dirty(m, iova.0, buf.len() as u64, self.space.shared.min_page);
+            if let Some(_copying) = self.announce() {
+                let hva = iova.0.wrapping_add(self.hit.delta);
+                // SAFETY: as in read; the mapping allows READ and WRITE.
+                unsafe { copy::to_guest(buf, hva as usize as *mut u8) };
+                if self.hit.dirty() {
+                    let m = self.snapshot.map.get(self.hit.pos).3;
+                    mark_dirty(m, iova.0, buf.len() as u64, self.space.shared.min_page);
+                }
+                return Ok(());
             }
-            return Ok(());
         }
         self.write_slow(iova, buf)
+    }
+
+    /// Announces a copy on the cursor's hit and checks, after it, that the hit is still of
+    /// the current generation (`grace`); `None` sends the copy down the slow path.
+    #[inline(always)]
+    fn announce(&self) -> Option<grace::InFlight> {
+        let head = &self.space.shared.head.0;
+        let copying = grace::enter(head.id)?;
+        (head.generation.load(Ordering::SeqCst) == self.generation).then_some(copying)
     }
 
     /// Whether `[iova, iova + len)` lies inside the last mapping hit, at the current

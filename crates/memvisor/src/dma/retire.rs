@@ -1,0 +1,244 @@
+//! Taking memory back from devices: how an unmap, an IOTLB invalidation and a vaddr
+//! invalidation end.
+//!
+//! The rule, the kernel's (`vfio_dma_do_unmap` asks the devices again and retries for as long
+//! as they hold pins): a change that takes a range away does not return while a device can
+//! still touch the range, and a device racing it is no reason to fail it. Such a change runs in
+//! three steps.
+//!
+//! 1. **Close the range.** Under the writer lock the change is published at once, so from then
+//!    on the range is a hole for translations (EFAULT), `pin_pages` and copies (EINVAL), or, for
+//!    a vaddr invalidation, an invalidated mapping. Copies that started before it (each
+//!    announces itself, `grace`) are waited for. What the change took out is kept aside as a
+//!    [`Retiring`]: the old mappings, through which the pins devices still hold there are
+//!    released, and the snapshot before, through which the change can be undone.
+//! 2. **Ask, and wait.** With no lock held, every unmap notifier is called with each range taken
+//!    where devices still hold pins; then the change waits for `unpin_pages` to release them,
+//!    asking again now and then (a device may have been about to pin when first asked; its
+//!    pin then failed, but its pins from before may still be held), up to
+//!    [`DmaConfig::unpin_wait`](super::DmaConfig::unpin_wait). No pin can be added there
+//!    meanwhile: the range is closed.
+//! 3. **Finish, or undo.** Once the pins are gone the change completes: the lock cache's entries
+//!    over the memory are unlocked, its dirty bits read (`unmap_get_dirty`) and the space's
+//!    own Eager pins of it dropped. A device that keeps its pins past the bound has the change
+//!    undone, the snapshot before published again, and the caller gets EBUSY with nothing
+//!    changed. The caller must then stop that device and try again (the vfio-user server does),
+//!    never tell its client the memory is gone while a device may still write it.
+//!
+//! One such change waits at a time, and no other change (map, unmap, mode or tracking switch)
+//! starts while it does, so undoing it is publishing the old snapshot again. `pin_pages`,
+//! `unpin_pages`, copies, translations and dirty-log reads go on meanwhile. An unmap notifier
+//! must not change the space that called it (it would wait for itself): such a change fails at
+//! once with EBUSY.
+
+use std::sync::{Arc, MutexGuard};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use super::{DmaSpace, Index, Mapping, PAGE, Writer};
+use crate::addr::Iova;
+use crate::error::{Error, Result};
+
+/// What a change took away, while it waits for devices to let go of it.
+pub(super) struct Retiring {
+    /// The IOVA ranges taken away, as inclusive `(first, last)`.
+    ranges: Vec<(u64, u64)>,
+    /// The mappings as they were, by start: the memory of the pins devices still hold there.
+    pub(super) old: Vec<(u64, Arc<Mapping>)>,
+    /// The thread that waits; a change it makes from an unmap notifier would wait for itself.
+    thread: ThreadId,
+}
+
+/// What an edit of the mappings takes away from devices, for [`DmaSpace::retire`].
+pub(super) struct Plan {
+    /// The IOVA ranges no device may touch once the change returns, as inclusive
+    /// `(first, last)`; their bytes are what the change reports.
+    pub ranges: Vec<(u64, u64)>,
+    /// The mappings replaced or removed, by start.
+    pub old: Vec<(u64, Arc<Mapping>)>,
+    /// Mappings the edit made that carry dirty bits of `old` and Eager pins of their own (the
+    /// parts of a mapping an IOTLB invalidation keeps), by id.
+    pub made: Vec<u64>,
+}
+
+impl DmaSpace {
+    /// The writer lock, once no change is waiting for devices (step 2 above). EBUSY if the
+    /// caller is that change's own thread: an unmap notifier changing the space that called it.
+    pub(super) fn settled_writer(&self) -> Result<MutexGuard<'_, Writer>> {
+        let mut writer = self.writer();
+        while let Some(r) = &writer.retiring {
+            if r.thread == std::thread::current().id() {
+                return Err(Error::Busy {
+                    addr: r.ranges[0].0,
+                    why: "an unmap notifier tried to change the space whose unmap called it; a \
+                          notifier may only unpin_pages"
+                        .into(),
+                });
+            }
+            writer = self
+                .shared
+                .settled
+                .wait(writer)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        Ok(writer)
+    }
+
+    /// Runs `edit` on a copy of the mappings and takes what its [`Plan`] names away from devices
+    /// in the three steps of the module documentation; `finish` then runs under the writer lock
+    /// with the old mappings, before their memory can go. Returns the bytes taken away and what
+    /// `finish` returned. On an error from `edit` nothing changed; EBUSY, nothing changed, if
+    /// devices keep pins in the ranges past [`DmaConfig::unpin_wait`](super::DmaConfig).
+    pub(super) fn retire<T>(
+        &self,
+        edit: impl FnOnce(&mut Index, &mut Writer) -> Result<Plan>,
+        finish: impl FnOnce(&Writer, &[(u64, Arc<Mapping>)]) -> T,
+    ) -> Result<(u64, T)> {
+        let mut writer = self.settled_writer()?;
+        let before = self.shared.current.load_full();
+        let invalid = writer.invalid;
+        let mut map = before.map.clone();
+        let plan = edit(&mut map, &mut writer)?;
+        if plan.old.is_empty() {
+            return Ok((0, finish(&writer, &[])));
+        }
+        self.publish(&writer, map);
+        if held(&writer, &plan.ranges) {
+            writer.retiring = Some(Retiring {
+                ranges: plan.ranges.clone(),
+                old: plan.old.clone(),
+                thread: std::thread::current().id(),
+            });
+            drop(writer);
+            let released = self.wait_for_unpins(&plan.ranges);
+            writer = self.writer();
+            writer.retiring = None;
+            self.shared.settled.notify_all();
+            if !released {
+                return Err(self.undo(writer, &before.map, invalid, &plan));
+            }
+        }
+        for (_, m) in &plan.old {
+            self.shared.release_cached(m);
+        }
+        let value = finish(&writer, &plan.old);
+        for (_, m) in &plan.old {
+            self.unpin_mapping(&mut writer, m.id);
+        }
+        let bytes = plan.ranges.iter().map(|&(s, l)| l - s + 1).sum();
+        Ok((bytes, value))
+    }
+
+    /// Calls the unmap notifiers for the ranges where devices hold pins, then waits for the
+    /// pins to go, asking again with growing pauses; returns whether they went before the
+    /// bound.
+    fn wait_for_unpins(&self, ranges: &[(u64, u64)]) -> bool {
+        let deadline = Instant::now().checked_add(self.shared.config.unpin_wait);
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let asked = {
+                let writer = self.writer();
+                ranges
+                    .iter()
+                    .filter(|r| held(&writer, std::slice::from_ref(r)))
+                    .map(|&(s, l)| (Iova(s), l - s + 1))
+                    .collect::<Vec<_>>()
+            };
+            self.notify_unmap(&asked);
+            let ask_again = Instant::now() + pause;
+            let mut writer = self.writer();
+            loop {
+                if !held(&writer, ranges) {
+                    return true;
+                }
+                let now = Instant::now();
+                if deadline.is_some_and(|d| now >= d) {
+                    return false;
+                }
+                if now >= ask_again {
+                    break;
+                }
+                let until = deadline.map_or(ask_again, |d| d.min(ask_again));
+                writer = self
+                    .shared
+                    .settled
+                    .wait_timeout(writer, until - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            pause = (pause * 2).min(Duration::from_millis(100));
+        }
+    }
+
+    /// Publishes `before` again: devices kept their pins. The pins the edit took for the parts
+    /// it made are dropped, and the dirty bits devices set in those parts meanwhile go back to
+    /// the mappings they came from. Returns the EBUSY to report.
+    fn undo(
+        &self,
+        mut writer: MutexGuard<'_, Writer>,
+        before: &Index,
+        invalid: u64,
+        plan: &Plan,
+    ) -> Error {
+        let now = self.shared.current.load_full();
+        for (_, _, _, m) in now.map.iter() {
+            if plan.made.contains(&m.id) {
+                if let Some((start, old)) = plan
+                    .old
+                    .iter()
+                    .find(|(s, o)| *s <= m.iova.start().0 && m.iova.last() <= o.iova.last())
+                {
+                    carry_dirty(m, old, m.iova.start().0 - start, self.shared.min_page);
+                }
+            }
+        }
+        for &id in &plan.made {
+            self.unpin_mapping(&mut writer, id);
+        }
+        writer.invalid = invalid;
+        self.publish(&writer, before.clone());
+        drop(writer);
+        // Accesses waiting for a vaddr update see the mapping valid again.
+        let (lock, cv) = &self.shared.updated;
+        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        cv.notify_all();
+        let (first, last) = plan.ranges[0];
+        Error::Busy {
+            addr: first,
+            why: format!(
+                "devices still hold pins in [{first:#x}, {last:#x}] {} ms after the unmap \
+                 notifiers asked for them back (DmaConfig::unpin_wait); nothing was changed: \
+                 stop the device that holds them, then try again",
+                self.shared.config.unpin_wait.as_millis()
+            ),
+        }
+    }
+
+    /// Wakes a change waiting for devices' pins; called after every `unpin_pages`.
+    pub(super) fn pins_released(&self, writer: &Writer) {
+        if writer.retiring.is_some() {
+            self.shared.settled.notify_all();
+        }
+    }
+}
+
+/// Whether devices hold pins in any of `ranges` (inclusive IOVA ranges).
+fn held(writer: &Writer, ranges: &[(u64, u64)]) -> bool {
+    ranges
+        .iter()
+        .any(|&(s, l)| writer.external.any_counted(s / PAGE, l / PAGE + 1))
+}
+
+/// Marks in `to` the pages (of `page` bytes) marked in `from`, which starts `offset` bytes into
+/// `to`.
+fn carry_dirty(from: &Mapping, to: &Mapping, offset: u64, page: u64) {
+    let (Some(src), Some(dst)) = (&from.dirty, &to.dirty) else {
+        return;
+    };
+    let skip = offset / page;
+    for p in 0..src.pages() {
+        if src.is_marked(p) {
+            dst.mark(skip + p, 1);
+        }
+    }
+}
