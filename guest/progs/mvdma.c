@@ -7,7 +7,9 @@
  * with the bytes around it untouched. A second thread maps and unmaps other buffers all the
  * while. Then it maps thousands of single pages (scale), and sends DMA to IOVAs that were never
  * mapped or have just been unmapped: those descriptors must fail with an errno and write
- * nothing.
+ * nothing. Last, races: it unmaps a buffer while the device is writing it, in both modes, and
+ * maps another buffer at the same IOVA. Nothing may land in the old buffer once the unmap
+ * returned, and the new buffer must get the device's data.
  *
  * usage: mvdma PCI-ADDRESS IOMMU-GROUP REQUESTS SECONDS SCALE-PAGES
  * The device's registers are documented in crates/memvisor-vfio-user/src/dmadev.rs.
@@ -51,6 +53,10 @@
 #define SCALE_IOVA 0x100000000ull /* scale: one mapping per page, a page apart */
 #define NEVER_IOVA 0x70000000ull  /* never mapped */
 #define GONE_IOVA 0x60000000ull   /* mapped, then unmapped */
+#define RACE_IOVA 0x50000000ull   /* unmapped while the device writes it */
+#define RACE_BYTES (256 * 1024)
+#define RACE_DESCS 1024           /* 16 KiB each, over the race buffer again and again */
+#define RACES 32                  /* per mode */
 #define GUARD 64
 
 struct desc {
@@ -130,8 +136,8 @@ static int unmap(uint64_t iova, uint64_t size)
 	return ioctl(container, VFIO_IOMMU_UNMAP_DMA, &u);
 }
 
-/* Runs the first `n` descriptors in `mode`; waits for the MSI. Returns STATUS, -1 on timeout. */
-static int run(int n, int mode)
+/* Starts the first `n` descriptors in `mode`; returns SEQ before the start. */
+static uint32_t start(int n, int mode)
 {
 	uint32_t seq = rd32(REG_SEQ);
 	wr32(REG_DESC, (uint32_t)DESC_IOVA);
@@ -139,6 +145,12 @@ static int run(int n, int mode)
 	wr32(REG_COUNT, n);
 	wr32(REG_MODE, mode);
 	wr32(REG_DOORBELL, 1);
+	return seq;
+}
+
+/* Waits for the MSI of the table started when SEQ was `seq`. Returns STATUS, -1 on timeout. */
+static int finish(uint32_t seq)
+{
 	struct pollfd p = { .fd = efd, .events = POLLIN };
 	for (int waited = 0; waited < 30; waited++) {
 		if (poll(&p, 1, 1000) == 1) {
@@ -155,6 +167,92 @@ static int run(int n, int mode)
 		return rd32(REG_STATUS);
 	}
 	return -1;
+}
+
+/* Runs the first `n` descriptors in `mode`; waits for the MSI. Returns STATUS, -1 on timeout. */
+static int run(int n, int mode)
+{
+	return finish(start(n, mode));
+}
+
+static void spin_us(double us)
+{
+	double until = now() + us / 1e6;
+	while (now() < until)
+		;
+}
+
+/* Races an unmap against the device writing the buffer it takes away, `RACES` times in `mode`,
+ * then maps a new buffer at the same IOVA. Returns the descriptors that failed (the ones the
+ * unmap cut off), for the host's count. */
+static uint64_t race(int mode)
+{
+	int overlapped = 0, stale = 0, refused = 0;
+	uint64_t failed_descs = 0, late_bytes = 0;
+	double delay_us = 300;
+	for (int r = 0; r < RACES; r++) {
+		uint8_t *a = mmap(NULL, RACE_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+		uint8_t *b = mmap(NULL, RACE_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+		memset(a, 0xee, RACE_BYTES);
+		memset(b, 0xee, RACE_BYTES);
+		if (map(a, RACE_IOVA, RACE_BYTES)) {
+			fail("race: map of the first buffer", r, errno);
+			break;
+		}
+		for (int i = 0; i < RACE_DESCS; i++) {
+			descs[i].src = SRC_IOVA + (i % 64) * 16384ull;
+			descs[i].dst = RACE_IOVA + (i % (RACE_BYTES / 16384)) * 16384ull;
+			descs[i].len = 16384;
+			descs[i].status = 0xffffffff;
+		}
+		uint32_t seq = start(RACE_DESCS, mode);
+		spin_us(delay_us);
+		if (unmap(RACE_IOVA, RACE_BYTES))
+			refused++;
+		/* The unmap has returned: from here on the device must not write `a`. */
+		memset(a, 0x77, RACE_BYTES);
+		if (map(b, RACE_IOVA, RACE_BYTES))
+			fail("race: map of the new buffer at the same iova", r, errno);
+		int st = finish(seq);
+		if (st < 0)
+			fail("race: no completion", r, mode);
+		uint32_t ok = rd32(REG_DONE);
+		failed_descs += RACE_DESCS - ok;
+		if (ok > 0 && ok < RACE_DESCS)
+			overlapped++;
+		/* Move the unmap toward the middle of the table. */
+		if (ok == RACE_DESCS)
+			delay_us /= 2;
+		else if (ok == 0)
+			delay_us = delay_us * 2 + 50;
+		uint64_t late = 0;
+		for (int k = 0; k < RACE_BYTES; k++)
+			late += a[k] != 0x77;
+		late_bytes += late;
+		/* The new buffer gets what the device writes now. */
+		descs[0].src = SRC_IOVA + 4096 * (r + 1);
+		descs[0].dst = RACE_IOVA + 100;
+		descs[0].len = 65536;
+		descs[0].status = 0xffffffff;
+		if (run(1, mode) != ST_DONE || descs[0].status != 0 || memcmp(b + 100, src + 4096 * (r + 1), 65536) != 0)
+			stale++;
+		if (unmap(RACE_IOVA, RACE_BYTES))
+			refused++;
+		munmap(a, RACE_BYTES);
+		munmap(b, RACE_BYTES);
+	}
+	printf("MVDMA race, mode %d: %d races, %d with the unmap inside the table, %llu descriptors cut off; "
+	       "%llu bytes written after an unmap returned, %d new buffers without their data, %d unmaps refused\n",
+	       mode, RACES, overlapped, (unsigned long long)failed_descs, (unsigned long long)late_bytes, stale, refused);
+	if (late_bytes)
+		fail("race: the device wrote a buffer after its unmap returned", late_bytes, mode);
+	if (stale)
+		fail("race: a new buffer at an unmapped iova did not get the device's data", stale, mode);
+	if (refused)
+		fail("race: unmap refused", refused, mode);
+	if (overlapped < RACES / 8)
+		fail("race: too few unmaps landed inside a running table to prove anything", overlapped, mode);
+	return failed_descs;
 }
 
 static void *churn(void *arg)
@@ -407,6 +505,9 @@ int main(int argc, char **argv)
 				break;
 			}
 	}
+	/* 4. unmaps racing the device, in pin mode and copy mode */
+	uint64_t race_failed = race(1) + race(0);
+	printf("MVDMA race_failed_descriptors=%llu\n", (unsigned long long)race_failed);
 	unmap(SRC_IOVA, POOL);
 	unmap(DST_IOVA, POOL);
 	unmap(DESC_IOVA, DESC_BYTES);

@@ -464,6 +464,11 @@ pub fn vfio_user(
         log::warn!("TEST ONLY: DMA_UNMAP is answered without unmapping");
         server.test_ignore_unmap();
     }
+    #[cfg(feature = "test-hooks")]
+    if std::env::var_os("MEMVISOR_TEST_UNMAP_BUSY").is_some() {
+        log::warn!("TEST ONLY: DMA_UNMAP is refused with EBUSY while the device holds pins");
+        server.test_busy_while_pinned();
+    }
     if let Some(path) = record {
         let f = std::fs::File::create(path)
             .with_context(|| format!("cannot create the recording {}", path.display()))?;

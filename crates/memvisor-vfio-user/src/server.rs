@@ -13,8 +13,14 @@
 //!   (QEMU unmaps the whole IOVA space in power-of-two chunks when the guest's IOMMU comes up;
 //!   libvfio-user answers those with ENOENT, which QEMU logs and ignores).
 //! * An unmap that cuts a mapping is EINVAL and changes nothing; so is `UNMAP_ALL` with a
-//!   non-zero range. Pins the device holds in an unmapped range are asked back first (the
-//!   device's unmap notifier); if they stay, EBUSY.
+//!   non-zero range.
+//! * `DMA_UNMAP` is answered only once the device can no longer touch the range: the table
+//!   closes it at once, the device finishes what it copies there and gives back its pins
+//!   there (asked through its unmap notifier), and the reply goes after that. A device that
+//!   keeps its pins past [`DmaConfig::unpin_wait`] is stopped (reset) and the unmap tried
+//!   again: a client such as QEMU treats a refused unmap as done, so EBUSY would tell it the
+//!   memory is gone while the device still writes it. Only a device that holds pins even
+//!   after its reset gets the client an EBUSY.
 //! * A map without a descriptor (memory QEMU does not share: ROM, or guest RAM that is not a
 //!   shared memory backend) becomes a peer-memory mapping ([`DmaSpace::map_remote`]): the
 //!   table checks it like any other, and the device's copies through [`Port::dma_read`] /
@@ -221,6 +227,8 @@ pub struct ServerStats {
     pub dma_unmaps_empty: u64,
     /// `DMA_UNMAP`s refused.
     pub dma_unmap_errors: u64,
+    /// Times the device was stopped because it kept its pins in a range being unmapped.
+    pub device_stops: u64,
     /// Most mappings at once.
     pub peak_mappings: u64,
     /// `DMA_MAP`s without a descriptor: memory reached with `DMA_READ` / `DMA_WRITE`.
@@ -267,6 +275,10 @@ pub struct Server<D: Device> {
     versioned: bool,
     /// TEST ONLY: ranges "unmapped" but left in the table, dropped when a map needs the room.
     zombies: Option<Vec<(u64, u64)>>,
+    /// TEST ONLY (feature `test-hooks`): answer `DMA_UNMAP` with EBUSY while the device holds
+    /// pins, as before issue 31, instead of waiting for them.
+    #[cfg(feature = "test-hooks")]
+    busy_while_pinned: bool,
 }
 
 impl<D: Device> Server<D> {
@@ -298,7 +310,43 @@ impl<D: Device> Server<D> {
             record: None,
             versioned: false,
             zombies: None,
+            #[cfg(feature = "test-hooks")]
+            busy_while_pinned: false,
         })
+    }
+
+    /// TEST ONLY (feature `test-hooks`): refuse `DMA_UNMAP` with EBUSY, changing nothing,
+    /// whenever the device holds pins — the server before it waited for the device. A client
+    /// that takes a refused unmap as done then has its device write memory it took back; the
+    /// real-guest trial's race phase must catch that.
+    #[cfg(feature = "test-hooks")]
+    pub fn test_busy_while_pinned(&mut self) {
+        self.busy_while_pinned = true;
+    }
+
+    /// Runs `unmap` on the table. If the device keeps its pins in the range past the table's
+    /// bound (EBUSY, nothing changed), stops the device, which lets go of every pin, and runs
+    /// it once more.
+    fn take_back<T>(&mut self, unmap: impl Fn(&DmaSpace) -> memvisor::Result<T>) -> Result<T> {
+        #[cfg(feature = "test-hooks")]
+        if self.busy_while_pinned && self.port.dma.device_pinned_pages() > 0 {
+            return Err(memvisor::Error::Busy {
+                addr: 0,
+                why: "TEST ONLY: the device holds pins".into(),
+            }
+            .into());
+        }
+        match unmap(&self.port.dma) {
+            Err(e @ memvisor::Error::Busy { .. }) => {
+                log::error!("DMA_UNMAP: {e}; stopping the device and unmapping again");
+                self.stats.device_stops += 1;
+                if let Err(e) = self.device.reset() {
+                    log::warn!("device reset for an unmap: {e}");
+                }
+                Ok(unmap(&self.port.dma)?)
+            }
+            r => Ok(r?),
+        }
     }
 
     /// Writes every `DMA_MAP` / `DMA_UNMAP` to `out`, one line each (`M iova size offset prot`,
@@ -598,7 +646,6 @@ impl<D: Device> Server<D> {
                 return Ok((u.to_bytes(), u.size));
             }
         }
-        let dma = &self.port.dma;
         let mut bitmap = Vec::new();
         let bytes = if u.flags & unmap_flags::ALL != 0 {
             if u.iova != 0 || u.size != 0 || u.bitmap.is_some() {
@@ -614,11 +661,12 @@ impl<D: Device> Server<D> {
                     }
                 )));
             }
-            let b = dma.unmap_all()?;
+            let b = self.take_back(|dma| dma.unmap_all())?;
             self.record(format_args!("A"));
             b
         } else if let Some((pgsize, room)) = u.bitmap {
-            let (b, words) = dma.unmap_get_dirty(Iova(u.iova), u.size, pgsize)?;
+            let (b, words) =
+                self.take_back(|dma| dma.unmap_get_dirty(Iova(u.iova), u.size, pgsize))?;
             let need = (u.size / pgsize).div_ceil(8);
             if room < need {
                 // Nothing can be undone here, so the size is checked first by the space
@@ -634,7 +682,7 @@ impl<D: Device> Server<D> {
             self.record(format_args!("U {:#x} {:#x}", u.iova, u.size));
             b
         } else {
-            let b = dma.unmap(Iova(u.iova), u.size)?;
+            let b = self.take_back(|dma| dma.unmap(Iova(u.iova), u.size))?;
             self.record(format_args!("U {:#x} {:#x}", u.iova, u.size));
             b
         };

@@ -8,6 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::thread::JoinHandle;
 
 use memvisor::DmaConfig;
+use memvisor::dma::{LockLimit, PinRegistry};
 use memvisor_vfio_user::dmadev::{self, fnv1a, reg, status};
 use memvisor_vfio_user::proto::{self, DmaMap, DmaUnmap, HEADER, Header, cmd, flags};
 use memvisor_vfio_user::{DmaDev, Result, Server, ServerStats};
@@ -115,7 +116,13 @@ impl Client {
 
 fn start() -> (Client, JoinHandle<(ServerStats, Result<()>)>) {
     let (a, b) = UnixStream::pair().unwrap();
-    let server = Server::new(b, DmaConfig::default(), DmaDev::new).unwrap();
+    // A registry of its own: tests run in parallel, and each checks that its server ends with
+    // nothing locked.
+    let config = DmaConfig {
+        registry: Some(PinRegistry::new(LockLimit::Unlimited)),
+        ..DmaConfig::default()
+    };
+    let server = Server::new(b, config, DmaDev::new).unwrap();
     let t = std::thread::spawn(move || server.serve());
     (Client { sock: a, id: 0 }, t)
 }
