@@ -265,3 +265,115 @@ fn behind_the_iommu_device_writes_are_logged_at_guest_pages_not_iovas() {
     drop(c);
     t.join().unwrap().1.ok();
 }
+
+#[test]
+fn an_invalidation_is_acknowledged_only_after_the_request_on_its_range_ended() {
+    // A read request of 256 KiB into IOVAs the frontend invalidates right after the kick. The
+    // back end serves the socket and the rings on one thread, and a request releases its pins
+    // before the next message is read, so the acknowledgement comes after the request wrote
+    // its data and completed, or before it started (it then misses and fails). Either way,
+    // nothing lands in the buffer once the acknowledgement arrived.
+    const LEN: u64 = 0x40000;
+    let disk = memfd(MIB);
+    std::os::unix::fs::FileExt::write_all_at(&disk, &[0x5a; LEN as usize], 0).unwrap();
+    let mut g = Guest::new(4 * MIB);
+    let options = BlkOptions {
+        iommu: true,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk, options).unwrap());
+    let f = c.get_u64(req::GET_FEATURES).unwrap();
+    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
+    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
+    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
+        .unwrap();
+    let table = proto::mem_table_bytes(&[g.region()]);
+    assert_eq!(
+        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
+            .unwrap(),
+        0
+    );
+    for (iova, gpa, size) in [
+        (IO + RING_AT, RING_AT, 4096),
+        (IO + HDR, HDR, 4096),
+        (IO + STATUS, STATUS, 4096),
+    ] {
+        assert_eq!(update(&c, iova, gpa, size, 3), 0);
+    }
+    let gpa_addr = g.vring_addr();
+    let io_addr = VringAddr {
+        desc: IO + RING_AT,
+        avail: IO + (gpa_addr.avail - USER),
+        used: IO + (gpa_addr.used - USER),
+        ..gpa_addr
+    };
+    let st = |n: u32| proto::vring_state_bytes(0, n);
+    for (r, p, fds) in [
+        (req::SET_VRING_NUM, st(RING_SIZE as u32), vec![]),
+        (req::SET_VRING_ADDR, io_addr.bytes(), vec![]),
+        (req::SET_VRING_BASE, st(0), vec![]),
+        (
+            req::SET_VRING_CALL,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.call.as_raw_fd()],
+        ),
+        (
+            req::SET_VRING_KICK,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.kick.as_raw_fd()],
+        ),
+        (req::SET_VRING_ENABLE, st(1), vec![]),
+    ] {
+        assert_eq!(c.ack(r, &p, &fds).unwrap(), 0, "{}", req::name(r));
+    }
+    let inv = IotlbMsg {
+        iova: IO + DATA,
+        size: LEN,
+        uaddr: 0,
+        perm: 0,
+        kind: iotlb::INVALIDATE,
+    };
+    let (mut before, mut after) = (0, 0);
+    for round in 0..6 {
+        assert_eq!(update(&c, IO + DATA, DATA, LEN, 3), 0);
+        g.mem.write(Gpa(HDR), &[0u8; 16]).unwrap(); // IN, sector 0
+        g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
+        g.mem.write(Gpa(DATA), &[0u8; LEN as usize]).unwrap();
+        g.post(&[
+            (IO + HDR, 16, false),
+            (IO + DATA, LEN as u32, true),
+            (IO + STATUS, 1, true),
+        ]);
+        assert_eq!(c.ack(req::IOTLB_MSG, &inv.bytes(), &[]).unwrap(), 0);
+        // Acknowledged: the request has ended, or has not started.
+        let at_ack = read_status(&g);
+        let mut data = vec![0u8; LEN as usize];
+        g.mem.read(Gpa(DATA), &mut data).unwrap();
+        match at_ack {
+            0 => {
+                before += 1;
+                assert!(data.iter().all(|&b| b == 0x5a), "round {round}: completed");
+            }
+            0xff => {
+                after += 1;
+                assert!(data.iter().all(|&b| b == 0), "round {round}: written");
+            }
+            s => panic!("round {round}: status {s:#x} at the acknowledgement"),
+        }
+        g.mem.write(Gpa(DATA), &[0xee; LEN as usize]).unwrap();
+        g.wait_used();
+        let end = read_status(&g);
+        assert!(
+            end == at_ack || (at_ack == 0xff && end == 1),
+            "round {round}: status {end:#x} after {at_ack:#x}"
+        );
+        g.mem.read(Gpa(DATA), &mut data).unwrap();
+        assert!(
+            data.iter().all(|&b| b == 0xee),
+            "round {round}: the device wrote the buffer after the invalidation was acknowledged"
+        );
+    }
+    println!("{before} requests ended before the acknowledgement, {after} failed after it");
+    drop(c);
+    t.join().unwrap().1.ok();
+}
