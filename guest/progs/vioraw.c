@@ -3,7 +3,9 @@
  * the kernel (vfio-pci), programs the guest IOMMU itself through VFIO type1, runs the device's
  * queue from user space, and sends requests whose buffers name IOVAs it never mapped or has
  * unmapped. Each such request must fail alone (status IOERR, nothing read or written), and the
- * device must keep serving good requests around them.
+ * device must keep serving good requests around them. Last, races: it unmaps a buffer while a
+ * read into it is in flight and posts another read to the same IOVA; once the unmap returned
+ * (the back end acknowledged the invalidation), nothing may land in the buffer.
  *
  * usage: vioraw PCI-ADDRESS IOMMU-GROUP
  * The disk holds a known pattern: the 64-bit word at byte offset o is PATTERN ^ o.
@@ -29,6 +31,9 @@
 #define DATA_OFF 0x4000
 #define NEVER_IOVA 0x70000000ULL    /* never mapped by anyone */
 #define LATE_IOVA 0x20000000ULL     /* mapped, used, then unmapped */
+#define RACE_IOVA 0x30000000ULL     /* unmapped while a read into it is in flight */
+#define RACE_BYTES (256 * 1024)
+#define RACES 8
 
 static int dev;
 static uint64_t bar_off[6];
@@ -112,34 +117,53 @@ static double now(void)
 }
 
 /*
- * One request: type 0 (read: the device writes `len` bytes at `iova`) or 1 (write: the device
- * reads them), at `sector`. Returns the status byte the device wrote, or -1 if the device did
- * not return the chain within 10 s.
+ * Posts one request in descriptor slot `slot` (0 or 1; three descriptors and a header/status
+ * pair each): type 0 (read: the device writes `len` bytes at `iova`) or 1 (write: the device
+ * reads them), at `sector`, and notifies the device.
  */
-static int request(uint32_t type, uint64_t sector, uint64_t iova, uint32_t len)
+static void post(int slot, uint32_t type, uint64_t sector, uint64_t iova, uint32_t len)
 {
-	memset(hdr(), 0, 16);
-	memcpy(hdr(), &type, 4);
-	memcpy(hdr() + 8, &sector, 8);
-	*status_byte() = 0xee;
-	volatile struct desc *d = descs();
-	d[0] = (struct desc){ BASE_IOVA + 0x3000, 16, D_NEXT, 1 };
-	d[1] = (struct desc){ iova, len, (uint16_t)(D_NEXT | (type == 0 ? D_WRITE : 0)), 2 };
-	d[2] = (struct desc){ BASE_IOVA + 0x3100, 1, D_WRITE, 0 };
-	avail()[2 + avail_idx % QSIZE] = 0;
+	uint8_t *h = hdr() + slot * 0x200;
+	memset(h, 0, 16);
+	memcpy(h, &type, 4);
+	memcpy(h + 8, &sector, 8);
+	status_byte()[slot * 0x200] = 0xee;
+	volatile struct desc *d = descs() + 3 * slot;
+	uint16_t first = 3 * slot;
+	d[0] = (struct desc){ BASE_IOVA + 0x3000 + slot * 0x200, 16, D_NEXT, (uint16_t)(first + 1) };
+	d[1] = (struct desc){ iova, len, (uint16_t)(D_NEXT | (type == 0 ? D_WRITE : 0)), (uint16_t)(first + 2) };
+	d[2] = (struct desc){ BASE_IOVA + 0x3100 + slot * 0x200, 1, D_WRITE, 0 };
+	avail()[2 + avail_idx % QSIZE] = first;
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 	avail()[1] = ++avail_idx;
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 	uint16_t q = 0;
 	bar_rw(1, notify_bar, notify + notify_off * notify_mult, &q, 2);
+}
+
+/* Waits until the device has returned `n` more chains; 0, or -1 after 10 s. */
+static int reap(int n)
+{
 	double t0 = now();
-	while (*used_idx() == used_seen) {
+	while ((uint16_t)(*used_idx() - used_seen) < n) {
 		if (now() - t0 > 10)
 			return -1;
 		usleep(1000);
 	}
-	used_seen++;
+	used_seen += n;
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	return 0;
+}
+
+/*
+ * One request, as `post` in slot 0; returns the status byte the device wrote, or -1 if the
+ * device did not return the chain within 10 s.
+ */
+static int request(uint32_t type, uint64_t sector, uint64_t iova, uint32_t len)
+{
+	post(0, type, sector, iova, len);
+	if (reap(1))
+		return -1;
 	return *status_byte();
 }
 
@@ -334,6 +358,61 @@ int main(int argc, char **argv)
 	expect("good read after the refusals", request(0, 0, data_iova, (uint32_t)DLEN), 0);
 	if (!pattern_ok(data, 0, DLEN))
 		fail("good read data after the refusals (sector 16 was the refused write)");
+
+	/* 7. races: a read of 256 KiB into a buffer, the buffer unmapped at once, and a second read
+	 *    into the same IOVA after the unmap. The unmap returns when the back end acknowledged
+	 *    the invalidation: the first read has ended by then (done whole, or failed), the second
+	 *    must fail, and nothing may land in the buffer from then on. */
+	int race_done = 0, race_failed = 0, written_after = 0, torn = 0;
+	for (int r = 0; r < RACES; r++) {
+		uint8_t *buf = mmap(NULL, RACE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+		memset(buf, 0, RACE_BYTES);
+		if (dma_map(buf, RACE_IOVA, RACE_BYTES, container)) {
+			fail("race: map");
+			break;
+		}
+		uint64_t sector = 64 + 8 * r;
+		/* A first read fills the back end's IOTLB (its misses are answered), so the racing
+		 * read below runs at once on its kick. */
+		if (request(0, sector, RACE_IOVA, RACE_BYTES) != 0 || !pattern_ok(buf, sector * 512, RACE_BYTES))
+			fail("race: the warm-up read");
+		memset(buf, 0, RACE_BYTES);
+		post(0, 0, sector, RACE_IOVA, RACE_BYTES);
+		if (dma_unmap(RACE_IOVA, RACE_BYTES, container))
+			fail("race: unmap refused");
+		/* Acknowledged. */
+		uint8_t st_then = status_byte()[0];
+		if (st_then == 0 && !pattern_ok(buf, sector * 512, RACE_BYTES))
+			torn++;
+		memset(buf, 0x77, RACE_BYTES);
+		post(1, 0, sector, RACE_IOVA, RACE_BYTES);
+		if (reap(2)) {
+			fail("race: the device did not return its requests");
+			break;
+		}
+		uint8_t st0 = status_byte()[0], st1 = status_byte()[0x200];
+		if (st0 == 0)
+			race_done++;
+		else if (st0 == 1)
+			race_failed++;
+		else
+			fail("race: the first read's status is neither OK nor IOERR");
+		if (st1 != 1)
+			fail("race: a read into the unmapped buffer did not fail");
+		for (int k = 0; k < RACE_BYTES; k++)
+			if (buf[k] != 0x77) {
+				written_after++;
+				break;
+			}
+		munmap(buf, RACE_BYTES);
+	}
+	printf("VIORAW race: %d reads ended before the unmap returned, %d failed; %d buffers written after it, "
+	       "%d completed reads with torn data\n", race_done, race_failed, written_after, torn);
+	printf("VIORAW race_failed=%d\n", race_failed + RACES);
+	if (written_after)
+		fail("race: the device wrote a buffer after its unmap returned");
+	if (torn)
+		fail("race: a read reported done before its data landed");
 	printf("RESULT hostile %s failures=%d\n", failures ? "FAIL" : "PASS", failures);
 	return failures != 0;
 }

@@ -549,6 +549,10 @@ impl<D: Device> Backend<D> {
                             ));
                         }
                         let t0 = std::time::Instant::now();
+                        #[cfg(feature = "test-hooks")]
+                        if ignored_invalidation() == Some(m.iova) {
+                            return Ok(None);
+                        }
                         self.memory.iotlb_invalidate(m.iova, m.size)?;
                         self.stats.iotlb_ns += t0.elapsed().as_nanos() as u64;
                         if let Some(r) = self.record.as_mut() {
@@ -1001,4 +1005,19 @@ fn poll_one(fd: i32, ms: i32) {
     };
     // SAFETY: one live pollfd.
     unsafe { libc::poll(&mut p, 1, ms) };
+}
+
+/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_IGNORE_INVALIDATE=IOVA` (hex), IOTLB
+/// invalidations of ranges starting at that IOVA are acknowledged and not performed, so requests
+/// keep reaching memory the guest took back there. The real-guest hostile trial's race phase
+/// must catch it; every other invalidation goes through, so the rest of the trial runs as usual.
+#[cfg(feature = "test-hooks")]
+fn ignored_invalidation() -> Option<u64> {
+    static IGNORE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *IGNORE.get_or_init(|| {
+        let v = std::env::var("MEMVISOR_TEST_IGNORE_INVALIDATE").ok()?;
+        let iova = u64::from_str_radix(v.trim_start_matches("0x"), 16).ok()?;
+        log::warn!("TEST ONLY: IOTLB invalidations at iova {iova:#x} are acknowledged and ignored");
+        Some(iova)
+    })
 }
