@@ -18,7 +18,9 @@
 //! A descriptor is checked whole before a byte moves: if any part of its source is not mapped
 //! readable or its destination writable, it fails with that errno in its status and nothing is
 //! written — DMA to an IOVA the guest unmapped is reported, not performed. An unmap of memory
-//! the engine has pinned waits (the unmap notifier) for the descriptor in flight to finish.
+//! the engine is using is answered once the engine let go: the unmap notifier waits for the
+//! piece in flight, and the rest of that descriptor fails (the range is closed to new pins and
+//! copies at once).
 //!
 //! PCI identity: vendor 0x1234, device 0x11f0, class 0x0880 (other system peripheral); BAR0 is
 //! 4 KiB of 32-bit non-prefetchable memory; one MSI vector (64-bit capable); no INTx, no
@@ -194,7 +196,7 @@ impl DmaDev {
             flight: Mutex::new(Flight::default()),
             changed: Condvar::new(),
         });
-        // An unmap that reaches pinned pages waits for the descriptor in flight: the engine
+        // An unmap that reaches pinned pages waits for the piece in flight: the engine
         // unpins at the end of every piece, so this returns within one piece's copy.
         let s = Arc::downgrade(&shared);
         shared.port.dma().add_unmap_notifier(move |_, _| {
