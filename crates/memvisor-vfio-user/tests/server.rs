@@ -742,3 +742,82 @@ fn maps_without_a_descriptor_are_served_through_the_client() {
     assert_eq!(stats.pinned_pages_at_end, 0);
     assert_eq!(stats.locked_bytes_at_end, 0);
 }
+
+/// A device that pins a page when its first register is written and lets go only when reset.
+struct Stubborn {
+    port: std::sync::Arc<memvisor_vfio_user::Port>,
+    pinned: Vec<u64>,
+    resets: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl memvisor_vfio_user::Device for Stubborn {
+    fn flags(&self) -> u32 {
+        memvisor_vfio_user::server::PCI_DEVICE
+    }
+    fn regions(&self) -> Vec<memvisor_vfio_user::RegionInfo> {
+        vec![memvisor_vfio_user::RegionInfo {
+            size: 4096,
+            flags: proto::region_flags::READ | proto::region_flags::WRITE,
+        }]
+    }
+    fn irqs(&self) -> Vec<memvisor_vfio_user::IrqInfo> {
+        Vec::new()
+    }
+    fn read(&mut self, _: u32, _: u64, buf: &mut [u8]) -> Result<()> {
+        buf.fill(0);
+        Ok(())
+    }
+    fn write(&mut self, _: u32, _: u64, data: &[u8]) -> Result<()> {
+        let page = u64::from_le_bytes(data.try_into().expect("8 bytes"));
+        self.port.dma().pin_pages(&[page], memvisor::Prot::RW)?;
+        self.pinned.push(page);
+        Ok(())
+    }
+    fn reset(&mut self) -> Result<()> {
+        self.resets
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        for page in self.pinned.drain(..) {
+            self.port.dma().unpin_pages(&[page])?;
+        }
+        Ok(())
+    }
+    fn stats(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+}
+
+#[test]
+fn a_device_that_keeps_its_pins_is_stopped_and_the_unmap_still_succeeds() {
+    let (a, b) = UnixStream::pair().unwrap();
+    let config = DmaConfig {
+        registry: Some(PinRegistry::new(LockLimit::Unlimited)),
+        unpin_wait: std::time::Duration::from_millis(50),
+        ..DmaConfig::default()
+    };
+    let resets = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let r = resets.clone();
+    let server = Server::new(b, config, move |port| Stubborn {
+        port,
+        pinned: Vec::new(),
+        resets: r,
+    })
+    .unwrap();
+    let t = std::thread::spawn(move || server.serve());
+    let mut c = Client { sock: a, id: 0 };
+    handshake(&mut c);
+    let mem = memfd(1 << 20);
+    assert_eq!(c.map(&mem, 0, 0x10000, 0x4000), 0);
+    // The device pins page 0x11 (iova 0x11000) through a register write.
+    c.region_write(0, 0, &0x11u64.to_le_bytes());
+    // It never answers the unmap notifier: the server stops it, and the unmap is done, not
+    // refused (QEMU would take a refusal as done while the device kept writing).
+    assert_eq!(c.unmap(0x10000, 0x4000, 0), (0, 0x4000));
+    assert_eq!(resets.load(std::sync::atomic::Ordering::SeqCst), 1);
+    drop(c);
+    let (stats, end) = t.join().unwrap();
+    end.unwrap();
+    assert_eq!(stats.device_stops, 1);
+    assert_eq!(stats.dma_unmap_errors, 0);
+    assert_eq!(stats.pinned_pages_at_end, 0);
+    assert_eq!(stats.locked_bytes_at_end, 0);
+}
