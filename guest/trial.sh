@@ -415,7 +415,9 @@ if private:
     # Every map without a descriptor, every byte through QEMU, none of it failing.
     if s["dma_maps_remote"] != s["dma_maps"]: bad.append(f"{s['dma_maps'] - s['dma_maps_remote']} maps came with a descriptor")
     if not (s["peer_reads"] and s["peer_writes"]): bad.append("no DMA_READ/DMA_WRITE went to QEMU")
-    if s["peer_errors"]: bad.append(f"{s['peer_errors']} DMA_READ/DMA_WRITE failed")
+    # QEMU refuses a DMA_READ/DMA_WRITE of an IOVA the guest has unmapped: only the race
+    # phase's cut-off descriptors may meet that, at most once each.
+    if s["peer_errors"] > max(race_failed, 0): bad.append(f"{s['peer_errors']} DMA_READ/DMA_WRITE failed, more than the {race_failed} descriptors the race cut off")
     if not d["pin_fallbacks"]: bad.append("pin mode never met memory without a descriptor")
 if s["end"] != "ok": bad.append(f"connection ended: {s['end']}")
 if s["pinned_pages_at_end"] or s["locked_bytes_at_end"]: bad.append(f"leaked pins {s['pinned_pages_at_end']} pages, {s['locked_bytes_at_end']} bytes locked")
