@@ -35,6 +35,41 @@ fn read_status(g: &Guest) -> u8 {
     s[0]
 }
 
+/// The guest's ring addresses as IOVAs at `IO`.
+fn io_vring_addr(g: &Guest) -> VringAddr {
+    let gpa_addr = g.vring_addr();
+    VringAddr {
+        desc: IO + RING_AT,
+        avail: IO + (gpa_addr.avail - USER),
+        used: IO + (gpa_addr.used - USER),
+        ..gpa_addr
+    }
+}
+
+/// Starts the guest's ring with its addresses as IOVAs at `IO` (which the caller has mapped).
+fn start_ring_behind_iommu(c: &memvisor_vhost::client::Client, g: &Guest) {
+    let io_addr = io_vring_addr(g);
+    let st = |n: u32| proto::vring_state_bytes(0, n);
+    for (r, p, fds) in [
+        (req::SET_VRING_NUM, st(RING_SIZE as u32), vec![]),
+        (req::SET_VRING_ADDR, io_addr.bytes(), vec![]),
+        (req::SET_VRING_BASE, st(0), vec![]),
+        (
+            req::SET_VRING_CALL,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.call.as_raw_fd()],
+        ),
+        (
+            req::SET_VRING_KICK,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.kick.as_raw_fd()],
+        ),
+        (req::SET_VRING_ENABLE, st(1), vec![]),
+    ] {
+        assert_eq!(c.ack(r, &p, &fds).unwrap(), 0, "{}", req::name(r));
+    }
+}
+
 #[test]
 fn rings_and_buffers_go_through_the_iotlb() {
     let disk = memfd(MIB);
@@ -67,13 +102,7 @@ fn rings_and_buffers_go_through_the_iotlb() {
     );
 
     // The ring at IOVA IO + RING_AT, not yet in the IOTLB: the back end asks for it.
-    let gpa_addr = g.vring_addr();
-    let io_addr = VringAddr {
-        desc: IO + RING_AT,
-        avail: IO + (gpa_addr.avail - USER),
-        used: IO + (gpa_addr.used - USER),
-        ..gpa_addr
-    };
+    let io_addr = io_vring_addr(&g);
     let st = |n: u32| proto::vring_state_bytes(0, n);
     assert_eq!(
         c.ack(req::SET_VRING_NUM, &st(RING_SIZE as u32), &[])
@@ -213,32 +242,7 @@ fn behind_the_iommu_device_writes_are_logged_at_guest_pages_not_iovas() {
     ] {
         assert_eq!(update(&c, iova, gpa, 4096, 3), 0);
     }
-    let gpa_addr = g.vring_addr();
-    let io_addr = VringAddr {
-        desc: IO + RING_AT,
-        avail: IO + (gpa_addr.avail - USER),
-        used: IO + (gpa_addr.used - USER),
-        ..gpa_addr
-    };
-    let st = |n: u32| proto::vring_state_bytes(0, n);
-    for (r, p, fds) in [
-        (req::SET_VRING_NUM, st(RING_SIZE as u32), vec![]),
-        (req::SET_VRING_ADDR, io_addr.bytes(), vec![]),
-        (req::SET_VRING_BASE, st(0), vec![]),
-        (
-            req::SET_VRING_CALL,
-            0u64.to_le_bytes().to_vec(),
-            vec![g.call.as_raw_fd()],
-        ),
-        (
-            req::SET_VRING_KICK,
-            0u64.to_le_bytes().to_vec(),
-            vec![g.kick.as_raw_fd()],
-        ),
-        (req::SET_VRING_ENABLE, st(1), vec![]),
-    ] {
-        assert_eq!(c.ack(r, &p, &fds).unwrap(), 0, "{}", req::name(r));
-    }
+    start_ring_behind_iommu(&c, &g);
     let log = memfd(4096);
     let mut p = 128u64.to_le_bytes().to_vec();
     p.extend_from_slice(&0u64.to_le_bytes());
@@ -254,7 +258,9 @@ fn behind_the_iommu_device_writes_are_logged_at_guest_pages_not_iovas() {
     ]);
     g.wait_used();
     assert_eq!(read_status(&g), 0);
-    let base = c.get(req::GET_VRING_BASE, &st(0)).unwrap();
+    let base = c
+        .get(req::GET_VRING_BASE, &proto::vring_state_bytes(0, 0))
+        .unwrap();
     assert_eq!(base, proto::vring_state_bytes(0, 1));
     let mut b = [0u8; 128];
     log.read_exact_at(&mut b, 0).unwrap();
@@ -282,17 +288,7 @@ fn an_invalidation_is_acknowledged_only_after_the_request_on_its_range_ended() {
         ..BlkOptions::default()
     };
     let (c, t) = serve(Blk::new(disk, options).unwrap());
-    let f = c.get_u64(req::GET_FEATURES).unwrap();
-    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
-    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
-    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
-        .unwrap();
-    let table = proto::mem_table_bytes(&[g.region()]);
-    assert_eq!(
-        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
-            .unwrap(),
-        0
-    );
+    negotiate(&c, &g);
     for (iova, gpa, size) in [
         (IO + RING_AT, RING_AT, 4096),
         (IO + HDR, HDR, 4096),
@@ -300,32 +296,7 @@ fn an_invalidation_is_acknowledged_only_after_the_request_on_its_range_ended() {
     ] {
         assert_eq!(update(&c, iova, gpa, size, 3), 0);
     }
-    let gpa_addr = g.vring_addr();
-    let io_addr = VringAddr {
-        desc: IO + RING_AT,
-        avail: IO + (gpa_addr.avail - USER),
-        used: IO + (gpa_addr.used - USER),
-        ..gpa_addr
-    };
-    let st = |n: u32| proto::vring_state_bytes(0, n);
-    for (r, p, fds) in [
-        (req::SET_VRING_NUM, st(RING_SIZE as u32), vec![]),
-        (req::SET_VRING_ADDR, io_addr.bytes(), vec![]),
-        (req::SET_VRING_BASE, st(0), vec![]),
-        (
-            req::SET_VRING_CALL,
-            0u64.to_le_bytes().to_vec(),
-            vec![g.call.as_raw_fd()],
-        ),
-        (
-            req::SET_VRING_KICK,
-            0u64.to_le_bytes().to_vec(),
-            vec![g.kick.as_raw_fd()],
-        ),
-        (req::SET_VRING_ENABLE, st(1), vec![]),
-    ] {
-        assert_eq!(c.ack(r, &p, &fds).unwrap(), 0, "{}", req::name(r));
-    }
+    start_ring_behind_iommu(&c, &g);
     let inv = IotlbMsg {
         iova: IO + DATA,
         size: LEN,
