@@ -557,9 +557,7 @@ mod tests {
             let _ = std::io::stderr().write_all(format!("skipped: {test}: {why}\n").as_bytes());
         };
         let need = pages * PAGE + u64::from(tables) * RING_BYTES + CLOSING_RINGS_BYTES;
-        if let Some(room) = pin_room()
-            && room < need
-        {
+        if let Some(room) = pin_room().filter(|&room| room < need) {
             skip(&format!(
                 "needs up to {need} bytes for long-term pins and io_uring rings; without \
                  CAP_IPC_LOCK, RLIMIT_MEMLOCK leaves {room} (needs `ulimit -l {}` or root)",
