@@ -1170,8 +1170,10 @@ impl DmaSpace {
     /// one it replaces.
     fn publish(&self, writer: &Writer, mut map: Index) {
         map.reindex();
-        let generation = self.shared.current.load().generation + 1;
-        self.shared.current.store(Arc::new(DmaSnapshot {
+        let generation = self.shared.head.0.generation.load(Ordering::Relaxed) + 1;
+        // Kept until the end: it may be the last holder of memory the change gave back, which
+        // copies announced before the change may still be using.
+        let _old = self.shared.current.swap(Arc::new(DmaSnapshot {
             generation,
             map,
             invalid: writer.invalid,
