@@ -177,3 +177,72 @@ fn every_queue_of_a_multiqueue_device_serves_requests() {
     let (backend, _) = t.join().unwrap();
     assert_eq!(backend.device().stats.reads, 1);
 }
+
+#[test]
+fn a_region_is_removed_only_after_the_request_on_it_ended() {
+    // Issue 31's rule for REM_MEM_REG: a request into a region the frontend removes right after
+    // the kick has ended (done whole) or has not started (it then fails) when the removal is
+    // acknowledged, and nothing lands in the region's memory after that.
+    use memvisor_vhost::proto::{self, Region, req};
+    use std::os::fd::AsRawFd;
+    const LEN: u64 = 0x40000;
+    const HIGH: u64 = 64 * MIB; // the second region's guest physical address
+    let disk = image(MIB);
+    disk.write_all_at(&[0x5a; LEN as usize], 0).unwrap();
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk, BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let (mut before, mut after) = (0, 0);
+    for round in 0..6 {
+        let high = memfd(MIB);
+        let region = Region {
+            gpa: HIGH,
+            size: MIB,
+            user_addr: USER + HIGH,
+            mmap_offset: 0,
+        };
+        let bytes = proto::single_region_bytes(&region);
+        assert_eq!(
+            c.ack(req::ADD_MEM_REG, &bytes, &[high.as_raw_fd()])
+                .unwrap(),
+            0
+        );
+        header(&g, 0, 0); // IN, sector 0
+        g.post(&[
+            (HDR, 16, false),
+            (HIGH, LEN as u32, true),
+            (STATUS, 1, true),
+        ]);
+        assert_eq!(c.ack(req::REM_MEM_REG, &bytes, &[]).unwrap(), 0);
+        // Acknowledged: the request has ended, or has not started.
+        let at_ack = status(&g);
+        let mut data = vec![0u8; LEN as usize];
+        high.read_exact_at(&mut data, 0).unwrap();
+        match at_ack {
+            0 => {
+                before += 1;
+                assert!(data.iter().all(|&b| b == 0x5a), "round {round}: completed");
+            }
+            0xff => {
+                after += 1;
+                assert!(data.iter().all(|&b| b == 0), "round {round}: written");
+            }
+            s => panic!("round {round}: status {s:#x} at the acknowledgement"),
+        }
+        high.write_all_at(&[0xee; LEN as usize], 0).unwrap();
+        g.wait_used();
+        let end = status(&g);
+        assert!(
+            end == at_ack || (at_ack == 0xff && end == 1),
+            "round {round}: status {end:#x} after {at_ack:#x}"
+        );
+        high.read_exact_at(&mut data, 0).unwrap();
+        assert!(
+            data.iter().all(|&b| b == 0xee),
+            "round {round}: the device wrote the region after its removal was acknowledged"
+        );
+    }
+    println!("{before} requests ended before the acknowledgement, {after} failed after it");
+    drop(c);
+    t.join().unwrap().1.ok();
+}
