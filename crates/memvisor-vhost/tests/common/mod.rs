@@ -219,3 +219,33 @@ pub fn start_ring_at(c: &Client, g: &Guest, index: u32) {
     ok(req::SET_VRING_KICK, &i.to_le_bytes(), &[g.kick.as_raw_fd()]);
     ok(req::SET_VRING_ENABLE, &st(1), &[]);
 }
+
+/// A request into a buffer that is taken away right after its kick, seen when the taking away
+/// is acknowledged: it has ended whole (status 0, every byte `full`) or has not started
+/// (status 0xff, the buffer still zeros). Returns whether it had ended.
+pub fn ended_at_ack(round: u32, status: u8, data: &[u8], full: u8) -> bool {
+    match status {
+        0 => {
+            assert!(data.iter().all(|&b| b == full), "round {round}: torn");
+            true
+        }
+        0xff => {
+            assert!(data.iter().all(|&b| b == 0), "round {round}: written");
+            false
+        }
+        s => panic!("round {round}: status {s:#x} at the acknowledgement"),
+    }
+}
+
+/// After the acknowledgement: the request's status did not change, or it failed if it had not
+/// started, and the guard written into the buffer then is intact.
+pub fn untouched_after_ack(round: u32, at_ack: u8, end: u8, data: &[u8], guard: u8) {
+    assert!(
+        end == at_ack || (at_ack == 0xff && end == 1),
+        "round {round}: status {end:#x} after {at_ack:#x}"
+    );
+    assert!(
+        data.iter().all(|&b| b == guard),
+        "round {round}: the device wrote the buffer after it was taken away"
+    );
+}
