@@ -508,7 +508,9 @@ fn assert_exact_extents(d: &DmaSpace, iova: u64, b: &Backing, len: u64) {
 #[test]
 fn extents_are_the_physically_contiguous_runs() {
     if !common::is_root() {
-        common::skipped("extent checks: reading frames needs CAP_SYS_ADMIN (run as root)");
+        common::skipped(
+            "extents_are_the_physically_contiguous_runs: reading frames needs CAP_SYS_ADMIN (run as root)",
+        );
         return;
     }
     let frames_space = || {
@@ -561,7 +563,9 @@ fn extents_are_the_physically_contiguous_runs() {
     let _pool = match HugePageReservation::add(PageSize::Size2M, 2) {
         Ok(r) => r,
         Err(e) => {
-            common::skipped(&format!("hugetlbfs extents: {e}"));
+            common::skipped(&format!(
+                "extents_are_the_physically_contiguous_runs: hugetlbfs extents: {e}"
+            ));
             return;
         }
     };
@@ -1081,7 +1085,9 @@ fn hugetlbfs_locks_are_cached_as_whole_huge_pages() {
     let _pool = match HugePageReservation::add(PageSize::Size2M, 2) {
         Ok(r) => r,
         Err(e) => {
-            common::skipped(&format!("no 2 MiB hugetlbfs pages here: {e}"));
+            common::skipped(&format!(
+                "hugetlbfs_locks_are_cached_as_whole_huge_pages: no 2 MiB hugetlbfs pages here: {e}"
+            ));
             return;
         }
     };
