@@ -103,6 +103,16 @@ pub(super) fn remember(space: u64, snap: &DmaSnapshot, found: &Found, copies: bo
     });
 }
 
+/// Announces a copy in the space with `head` ([`grace::enter`]) and returns it with the
+/// space's generation, loaded after the announcement: a change that this load misses waits for
+/// the copy, one it sees is in every snapshot loaded after it (see `grace`). `None` without a
+/// slot (a nested copy from a signal handler, a thread being torn down).
+#[inline(always)]
+fn announce(head: &Head) -> Option<(grace::InFlight, u64)> {
+    let copying = grace::enter(head.id)?;
+    Some((copying, head.generation.load(Ordering::SeqCst)))
+}
+
 /// Runs `copy(host address)` if `[iova, iova + len)` lies whole in this thread's last hit in
 /// the space with `head`, that mapping allows `need` (bits) and copies, and the hit is of the
 /// space's current generation; returns whether it ran. The copy is announced first
@@ -127,12 +137,10 @@ pub(super) fn copy_on_last_hit(
     if !inside {
         return false;
     }
-    let Some(_copying) = grace::enter(head.id) else {
+    let Some((_copying, generation)) = announce(head) else {
         return false;
     };
-    // SeqCst after the announcement: see `grace` for why a change that this load misses
-    // waits for the copy.
-    if head.generation.load(Ordering::SeqCst) != h.generation {
+    if generation != h.generation {
         return false;
     }
     copy(iova.wrapping_add(h.delta));
@@ -385,15 +393,10 @@ impl DmaSpace {
         let mut deadline = None;
         loop {
             let result = {
-                let head = &self.shared.head.0;
-                // Without a slot (a nested copy from a signal handler, a thread being torn
-                // down) the snapshot alone keeps the memory mapped.
-                let _copying = announce.then(|| grace::enter(head.id)).flatten();
-                if announce {
-                    // SeqCst after the announcement: a change this load misses waits for the
-                    // copy (`grace`); one it sees is in the snapshot loaded next.
-                    head.generation.load(Ordering::SeqCst);
-                }
+                // Without a slot the snapshot alone keeps the memory mapped.
+                let _copying = announce
+                    .then(|| self::announce(&self.shared.head.0))
+                    .flatten();
                 f(&self.shared.current.load())
             };
             match result {
@@ -778,9 +781,8 @@ impl DmaCursor {
     /// the current generation (`grace`); `None` sends the copy down the slow path.
     #[inline(always)]
     fn announce(&self) -> Option<grace::InFlight> {
-        let head = &self.space.shared.head.0;
-        let copying = grace::enter(head.id)?;
-        (head.generation.load(Ordering::SeqCst) == self.generation).then_some(copying)
+        let (copying, generation) = announce(&self.space.shared.head.0)?;
+        (generation == self.generation).then_some(copying)
     }
 
     /// Whether `[iova, iova + len)` lies inside the last mapping hit, at the current
