@@ -37,11 +37,7 @@ impl DmaSpace {
         let (bytes, ()) = self.retire(
             |map, writer| {
                 let Some((lo, hi)) = touched(map, first, last) else {
-                    return Ok(Plan {
-                        ranges: Vec::new(),
-                        old: Vec::new(),
-                        made: Vec::new(),
-                    });
+                    return Ok(Plan::default());
                 };
                 let hit = whole_mappings(map, lo, hi)?;
                 let mut keep = Vec::new();

@@ -49,7 +49,9 @@ pub(super) struct Retiring {
     thread: ThreadId,
 }
 
-/// What an edit of the mappings takes away from devices, for [`DmaSpace::retire`].
+/// What an edit of the mappings takes away from devices, for [`DmaSpace::retire`]; the default
+/// takes nothing.
+#[derive(Default)]
 pub(super) struct Plan {
     /// The IOVA ranges no device may touch once the change returns, as inclusive
     /// `(first, last)`; their bytes are what the change reports.
