@@ -55,7 +55,7 @@ impl Conn {
     /// between messages.
     pub fn recv(&self) -> Result<Message> {
         let mut hdr = [0u8; HEADER];
-        let got = memvisor_unix::recv_with_fds(&self.sock, &mut hdr, MAX_FDS)
+        let got = memvisor_wire::recv_with_fds(&self.sock, &mut hdr, MAX_FDS)
             .map_err(|e| Error::os("recvmsg", e))?;
         if got.len == 0 {
             return Err(Error::Disconnected);
@@ -102,7 +102,7 @@ impl Conn {
         if raw.is_empty() {
             (&self.sock).write_all(&b).map_err(|e| Error::os("send", e))
         } else {
-            memvisor_unix::send_with_fds(&self.sock, &b, &raw).map_err(|e| Error::os("sendmsg", e))
+            memvisor_wire::send_with_fds(&self.sock, &b, &raw).map_err(|e| Error::os("sendmsg", e))
         }
     }
 

@@ -8,7 +8,7 @@
 //! model, with its rules and errnos, between every device access and guest memory.
 //!
 //! * [`proto`] is the wire format, parsed from bytes with every size checked; [`conn`] frames
-//!   messages and passes descriptors (through `memvisor-unix`, shared with the vhost-user back
+//!   messages and passes descriptors (through `memvisor-wire`, shared with the vhost-user back
 //!   ends).
 //! * [`server`] is the protocol state machine and the DMA table; a [`server::Device`] only knows
 //!   its regions, interrupts and registers, and reaches guest memory through its

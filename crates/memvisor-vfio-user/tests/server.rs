@@ -33,7 +33,7 @@ impl Client {
         };
         let mut b = h.to_bytes().to_vec();
         b.extend_from_slice(body);
-        memvisor_unix::send_with_fds(&self.sock, &b, fds).unwrap();
+        memvisor_wire::send_with_fds(&self.sock, &b, fds).unwrap();
     }
 
     fn recv(&mut self) -> Answer {
@@ -483,7 +483,7 @@ fn bad_requests_get_their_errno_and_the_stream_stays_in_step() {
         flags: 0,
         error: 0,
     };
-    memvisor_unix::send_with_fds(&c.sock, &h.to_bytes(), &[]).unwrap();
+    memvisor_wire::send_with_fds(&c.sock, &h.to_bytes(), &[]).unwrap();
     let (stats, end) = t.join().unwrap();
     assert_eq!(end.unwrap_err().errno(), libc::EPROTO);
     assert_eq!(stats.dma_maps, 1);
@@ -605,7 +605,7 @@ impl PeerMemory {
         reply.size = (HEADER + out.len()) as u32;
         let mut b = reply.to_bytes().to_vec();
         b.extend_from_slice(&out);
-        memvisor_unix::send_with_fds(&c.sock, &b, &[]).unwrap();
+        memvisor_wire::send_with_fds(&c.sock, &b, &[]).unwrap();
         false
     }
 }

@@ -108,7 +108,7 @@ fn io_error(op: &'static str, e: std::io::Error) -> Error {
 /// `recvmsg` into `buf`, collecting descriptors.
 fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
     let got =
-        memvisor_unix::recv_with_fds(sock, buf, MAX_FDS).map_err(|e| io_error("recvmsg", e))?;
+        memvisor_wire::recv_with_fds(sock, buf, MAX_FDS).map_err(|e| io_error("recvmsg", e))?;
     if got.truncated {
         // `got.fds` closes what did arrive.
         return Err(Error::Protocol(format!(
@@ -120,5 +120,5 @@ fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> Result<(usize, Vec<OwnedF
 
 /// Sends `data` with descriptors (tests and the bad-frontend client use it).
 pub fn send_with_fds(sock: &UnixStream, data: &[u8], fds: &[i32]) -> Result<()> {
-    memvisor_unix::send_with_fds(sock, data, fds).map_err(|e| io_error("sendmsg", e))
+    memvisor_wire::send_with_fds(sock, data, fds).map_err(|e| io_error("sendmsg", e))
 }
