@@ -1,14 +1,16 @@
 //! One client connection: framing over the socket, and requests this side sends.
 //!
-//! Messages are read by one thread only (the server loop). A message starts with its header,
-//! read with `recvmsg` so the descriptors attached to its first byte come with it; the rest is
-//! read with plain reads. Writes come from the server loop (replies) and from the device's
-//! engine (`DMA_READ` / `DMA_WRITE` for memory mapped without a descriptor), so each message is
-//! written whole under a lock. Replies to the server's own requests arrive in the same stream;
+//! Messages are read by one thread only (the server loop). The mechanics are
+//! [`memvisor_wire`]'s, shared with vhost-user: a message starts with its header, read with
+//! `recvmsg` so the descriptors attached to its first byte come with it; the rest is read with
+//! plain reads. vfio-user's own part is its header ([`Frame`] for [`Header`]) and [`LIMITS`].
+//!
+//! Writes come from the server loop (replies) and from the device's engine (`DMA_READ` /
+//! `DMA_WRITE` for memory mapped without a descriptor), so each message is written whole under
+//! a lock. Replies to the server's own requests arrive in the same stream;
 //! the loop hands each to the thread waiting on its id.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU16, Ordering};
@@ -16,17 +18,49 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
+use memvisor_wire::frame::protocol_error;
+use memvisor_wire::{Frame, Limits, WireError};
+
 use crate::error::{Error, Result};
 use crate::proto::{self, HEADER, Header, MAX_FDS, MAX_MESSAGE, cmd, flags};
 
-/// One received message.
-#[derive(Debug)]
-pub struct Message {
-    pub header: Header,
-    /// The bytes after the header.
-    pub body: Vec<u8>,
-    pub fds: Vec<OwnedFd>,
+/// vfio-user's 16-byte header, as the wire layer frames it: its `size` counts the whole
+/// message, so a size below the header's own is refused before anything else is read.
+impl Frame for Header {
+    const PROTOCOL: &'static str = "vfio-user";
+    const SIZE: usize = HEADER;
+
+    fn parse_frame(bytes: &[u8]) -> std::result::Result<Header, WireError> {
+        let header = Header::parse(bytes.try_into().expect("HEADER bytes"));
+        if (header.size as usize) < HEADER {
+            return Err(protocol_error::<Header>(format!(
+                "{}: message size {}, smaller than the {HEADER}-byte header",
+                header.describe(),
+                header.size
+            )));
+        }
+        Ok(header)
+    }
+
+    fn body_len(&self) -> usize {
+        self.size as usize - HEADER
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (id {})", cmd::name(self.command), self.id)
+    }
 }
+
+/// What one message may carry: [`MAX_FDS`] descriptors (the `max_msg_fds` this server
+/// announces), [`MAX_MESSAGE`] bytes in all.
+pub const LIMITS: Limits = Limits {
+    max_fds: MAX_FDS,
+    max_body: MAX_MESSAGE - HEADER,
+};
+
+/// One received message: its header, the bytes after the header (`body`), and the
+/// descriptors that came with it.
+pub type Message = memvisor_wire::Message<Header>;
 
 /// The connection.
 #[derive(Debug)]
@@ -51,43 +85,10 @@ impl Conn {
         }
     }
 
-    /// Receives one message. [`Error::Disconnected`] when the client closed the socket
+    /// Receives one message. [`WireError::Disconnected`] when the client closed the socket
     /// between messages.
     pub fn recv(&self) -> Result<Message> {
-        let mut hdr = [0u8; HEADER];
-        let got = memvisor_wire::recv_with_fds(&self.sock, &mut hdr, MAX_FDS)
-            .map_err(|e| Error::os("recvmsg", e))?;
-        if got.len == 0 {
-            return Err(Error::Disconnected);
-        }
-        if got.truncated {
-            return Err(Error::Protocol(format!(
-                "a message carried more than {MAX_FDS} file descriptors (max_msg_fds)"
-            )));
-        }
-        if got.len < HEADER {
-            (&self.sock)
-                .read_exact(&mut hdr[got.len..])
-                .map_err(|e| Error::os("read header", e))?;
-        }
-        let header = Header::parse(&hdr);
-        let size = header.size as usize;
-        if !(HEADER..=MAX_MESSAGE).contains(&size) {
-            return Err(Error::Protocol(format!(
-                "{} (id {}): message size {size}, must be {HEADER}..={MAX_MESSAGE}",
-                cmd::name(header.command),
-                header.id
-            )));
-        }
-        let mut body = vec![0u8; size - HEADER];
-        (&self.sock)
-            .read_exact(&mut body)
-            .map_err(|e| Error::os("read body", e))?;
-        Ok(Message {
-            header,
-            body,
-            fds: got.fds,
-        })
+        Ok(memvisor_wire::recv::<Header>(&self.sock, LIMITS)?)
     }
 
     /// Sends one message, whole.
@@ -99,11 +100,7 @@ impl Conn {
         }
         let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
         let _w = lock(&self.writer);
-        if raw.is_empty() {
-            (&self.sock).write_all(&b).map_err(|e| Error::os("send", e))
-        } else {
-            memvisor_wire::send_with_fds(&self.sock, &b, &raw).map_err(|e| Error::os("sendmsg", e))
-        }
+        Ok(memvisor_wire::send(&self.sock, &b, &raw)?)
     }
 
     /// Replies to `to` with `body` (and descriptors).

@@ -2,8 +2,13 @@
 //!
 //! Each has the errno a VFIO kernel driver would give for the same request, which is what the
 //! error reply carries, and a message naming the bad value. A refused request leaves the server
-//! as it was; only a stream that is out of step ([`Error::Protocol`]) or broken ends the
-//! connection.
+//! as it was; only a client that left or a stream that is out of step
+//! ([`WireError::ends_connection`]) ends the connection.
+//!
+//! What the wire itself reports is [`WireError`], shared with vhost-user, wrapped as
+//! [`Error::Wire`].
+
+use memvisor_wire::WireError;
 
 /// Result of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -11,16 +16,10 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// What went wrong.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A body shorter than its command's layout (EINVAL).
-    #[error("{command}: body of {got} bytes, the layout needs {want}")]
-    BadSize {
-        /// The command.
-        command: &'static str,
-        /// Bytes received.
-        got: usize,
-        /// Bytes the fixed layout needs.
-        want: usize,
-    },
+    /// What the wire layer reports: the client left, a stream out of step, a body of the wrong
+    /// size, a socket error.
+    #[error(transparent)]
+    Wire(#[from] WireError),
     /// A request that breaks a rule of the protocol or of the device (EINVAL), in words.
     #[error("{0}")]
     Invalid(String),
@@ -32,44 +31,19 @@ pub enum Error {
         /// What was refused and why.
         why: String,
     },
-    /// The stream cannot be framed any more (oversized message, lost descriptors, a reply to
-    /// nothing): the connection ends (EPROTO).
-    #[error("vfio-user protocol: {0}")]
-    Protocol(String),
     /// memvisor refused a memory operation; its errno stands.
     #[error(transparent)]
     Memory(#[from] memvisor::Error),
-    /// A system call failed.
-    #[error("{op}: {source}")]
-    Os {
-        /// What was being done.
-        op: &'static str,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// The client closed the connection.
-    #[error("client disconnected")]
-    Disconnected,
 }
 
 impl Error {
     /// The errno a VFIO driver would return.
     pub fn errno(&self) -> i32 {
         match self {
-            Error::BadSize { .. } | Error::Invalid(_) => libc::EINVAL,
+            Error::Wire(e) => e.errno(),
+            Error::Invalid(_) => libc::EINVAL,
             Error::Refused { errno, .. } => *errno,
-            Error::Protocol(_) => libc::EPROTO,
             Error::Memory(e) => e.errno(),
-            Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
-            Error::Disconnected => libc::ECONNRESET,
-        }
-    }
-
-    pub(crate) fn os(op: &'static str, source: std::io::Error) -> Error {
-        if source.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::Disconnected
-        } else {
-            Error::Os { op, source }
         }
     }
 }

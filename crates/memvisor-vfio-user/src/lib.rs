@@ -31,4 +31,5 @@ pub mod server;
 
 pub use dmadev::{DmaDev, DmaDevStats};
 pub use error::{Error, Result};
+pub use memvisor_wire::WireError;
 pub use server::{Device, IrqInfo, Port, RegionInfo, Server, ServerStats};

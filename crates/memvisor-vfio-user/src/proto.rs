@@ -9,6 +9,8 @@
 //! to index memory. Facts from the vfio-user specification (QEMU `docs/interop/vfio-user.rst`)
 //! and QEMU 11.1's client (`hw/vfio-user/protocol.h`).
 
+use memvisor_wire::{Size, WireError};
+
 use crate::error::{Error, Result};
 
 /// Bytes in a message header.
@@ -132,11 +134,12 @@ pub fn u64_at(b: &[u8], at: usize) -> u64 {
 /// Checks a body is at least `want` bytes (the fixed part of its layout).
 fn need(command: u16, body: &[u8], want: usize) -> Result<()> {
     if body.len() < want {
-        return Err(Error::BadSize {
-            command: cmd::name(command),
+        return Err(WireError::BadSize {
+            what: cmd::name(command),
             got: body.len(),
-            want,
-        });
+            want: Size::AtLeast(want),
+        }
+        .into());
     }
     Ok(())
 }
@@ -461,11 +464,12 @@ pub fn dma_write_request(iova: u64, data: &[u8]) -> Vec<u8> {
 /// was not asked).
 pub fn dma_read_reply(body: &[u8], iova: u64, count: usize) -> Result<&[u8]> {
     if body.len() < DMA_RW + count {
-        return Err(Error::BadSize {
-            command: "DMA_READ reply",
+        return Err(WireError::BadSize {
+            what: "DMA_READ reply",
             got: body.len(),
-            want: DMA_RW + count,
-        });
+            want: Size::AtLeast(DMA_RW + count),
+        }
+        .into());
     }
     let (at, n) = (u64_at(body, 0), u64_at(body, 8));
     if at != iova || n != count as u64 {

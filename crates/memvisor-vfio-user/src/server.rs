@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use memvisor::dma::PinRegistry;
 use memvisor::{DmaConfig, DmaSpace, Iova, Prot, SharedMappings};
+use memvisor_wire::{Size, WireError};
 use serde::Serialize;
 
 use crate::conn::{Conn, Message};
@@ -404,7 +405,7 @@ impl<D: Device> Server<D> {
         loop {
             let m = match self.conn.recv() {
                 Ok(m) => m,
-                Err(Error::Disconnected) => return Ok(()),
+                Err(Error::Wire(WireError::Disconnected)) => return Ok(()),
                 Err(e) => return Err(e),
             };
             if m.header.is_reply() {
@@ -425,7 +426,7 @@ impl<D: Device> Server<D> {
             match result {
                 Ok(body) if !h.no_reply() => self.conn.reply(&h, &[&body], &[])?,
                 Ok(_) => {}
-                Err(e @ (Error::Protocol(_) | Error::Disconnected)) => return Err(e),
+                Err(Error::Wire(e)) if e.ends_connection() => return Err(e.into()),
                 Err(e) => {
                     self.stats.errors += 1;
                     log::info!("{} (id {}) refused: {e}", cmd::name(h.command), h.id);
@@ -882,11 +883,12 @@ impl<D: Device> Server<D> {
 
     fn region_write_multi(&mut self, body: &[u8]) -> Result<Reply> {
         if body.len() < 8 {
-            return Err(Error::BadSize {
-                command: "REGION_WRITE_MULTI",
+            return Err(WireError::BadSize {
+                what: "REGION_WRITE_MULTI",
                 got: body.len(),
-                want: 8,
-            });
+                want: Size::AtLeast(8),
+            }
+            .into());
         }
         let n = proto::u64_at(body, 0);
         let want = 8 + n.min(proto::WRITE_MULTI_MAX) as usize * proto::WRITE_MULTI_ONE;

@@ -29,6 +29,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use memvisor_wire::WireError;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddressSpace;
 
@@ -258,7 +259,7 @@ impl<D: Device> Backend<D> {
                     self.stats.connections += 1;
                     log::info!("{}: frontend connected", self.device.name());
                     match self.run(&sock, stop) {
-                        Ok(()) | Err(Error::Disconnected) => {
+                        Ok(()) | Err(Error::Wire(WireError::Disconnected)) => {
                             log::info!("{}: frontend disconnected", self.device.name())
                         }
                         Err(e) => log::warn!("{}: connection ended: {e}", self.device.name()),

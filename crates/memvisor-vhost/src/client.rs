@@ -8,6 +8,8 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
+use memvisor_wire::frame::protocol_error;
+
 use crate::error::{Error, Result};
 use crate::proto::{self, HEADER, Header, flags};
 use crate::wire;
@@ -60,7 +62,7 @@ impl Client {
             })?;
         let header = Header::parse(&h);
         if header.size as usize > proto::MAX_PAYLOAD {
-            return Err(Error::Protocol(format!("reply of {} bytes", header.size)));
+            return Err(protocol_error::<Header>(format!("reply of {} bytes", header.size)).into());
         }
         let mut p = vec![0u8; header.size as usize];
         (&self.sock)
@@ -77,11 +79,12 @@ impl Client {
         self.send(request, 0, payload, &[])?;
         let (h, p) = self.reply()?;
         if h.request != request {
-            return Err(Error::Protocol(format!(
+            return Err(protocol_error::<Header>(format!(
                 "reply to {} answers request {}",
                 proto::req::name(request),
                 h.request
-            )));
+            ))
+            .into());
         }
         Ok(p)
     }
@@ -97,11 +100,12 @@ impl Client {
         self.send(request, flags::NEED_REPLY, payload, fds)?;
         let (h, p) = self.reply()?;
         if h.request != request {
-            return Err(Error::Protocol(format!(
+            return Err(protocol_error::<Header>(format!(
                 "ack for {} answers request {}",
                 proto::req::name(request),
                 h.request
-            )));
+            ))
+            .into());
         }
         proto::u64_payload(request, &p)
     }

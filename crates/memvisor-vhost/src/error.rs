@@ -1,8 +1,13 @@
 //! Errors of the vhost-user layer: what a frontend did wrong, or what memvisor refused.
 //!
 //! Each carries an errno (for logs and replies) and names the bad value. A message the back end
-//! refuses leaves its state as it was; only a broken stream ([`Error::Protocol`], an I/O error)
-//! ends the connection.
+//! refuses leaves its state as it was; only a broken stream ends the connection: the frontend
+//! left or the stream is out of step ([`WireError::ends_connection`]), or a socket error.
+//!
+//! What the wire itself reports is [`WireError`], shared with vfio-user, wrapped as
+//! [`Error::Wire`].
+
+use memvisor_wire::WireError;
 
 /// Result of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -10,27 +15,17 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// What went wrong.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A payload of the wrong size for its request (EINVAL).
-    #[error("{request}: payload of {got} bytes, expected {want}")]
-    BadSize {
-        /// The request.
-        request: &'static str,
-        /// Bytes received.
-        got: usize,
-        /// Bytes the layout needs.
-        want: String,
-    },
+    /// What the wire layer reports: the frontend left, a stream out of step, a payload of the
+    /// wrong size, a socket error.
+    #[error(transparent)]
+    Wire(#[from] WireError),
     /// A request that breaks a rule of the protocol or of this device (EINVAL), in words.
     #[error("{0}")]
     Invalid(String),
-    /// A message that cannot be framed (bad version, oversized, descriptors lost): the stream is
-    /// out of step and the connection ends (EPROTO).
-    #[error("vhost-user protocol: {0}")]
-    Protocol(String),
     /// memvisor refused a memory operation; its errno stands.
     #[error(transparent)]
     Memory(#[from] memvisor::Error),
-    /// A system call failed.
+    /// A system call off the wire failed: the disk image, `poll`, `accept`, a memfd.
     #[error("{op}: {source}")]
     Os {
         /// What was being done.
@@ -47,20 +42,16 @@ pub enum Error {
         /// Whether the device writes it.
         write: bool,
     },
-    /// The frontend closed the connection.
-    #[error("frontend disconnected")]
-    Disconnected,
 }
 
 impl Error {
     /// The errno a C back end would report.
     pub fn errno(&self) -> i32 {
         match self {
-            Error::BadSize { .. } | Error::Invalid(_) => libc::EINVAL,
-            Error::Protocol(_) => libc::EPROTO,
+            Error::Wire(e) => e.errno(),
+            Error::Invalid(_) => libc::EINVAL,
             Error::Memory(e) => e.errno(),
             Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
-            Error::Disconnected => libc::ECONNRESET,
             Error::IotlbMiss { .. } => libc::EFAULT,
         }
     }

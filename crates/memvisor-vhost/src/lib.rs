@@ -42,3 +42,4 @@ pub use balloon::{BalloonDevice, BalloonTarget};
 pub use blk::{Blk, BlkOptions, BlkStats};
 pub use error::{Error, Result};
 pub use memory::FrontendMemory;
+pub use memvisor_wire::WireError;

@@ -6,6 +6,8 @@
 //! which size were wrong. Nothing here is reinterpreted in place: fields are read one by one out
 //! of the received bytes, which needs no `unsafe` and no alignment.
 
+use memvisor_wire::{Size, WireError};
+
 use crate::error::{Error, Result};
 
 /// Front-end requests this back end knows, by number.
@@ -171,11 +173,12 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 /// Checks that `payload` of `request` is exactly `want` bytes.
 pub fn exact(request: u32, payload: &[u8], want: usize) -> Result<()> {
     if payload.len() != want {
-        return Err(Error::BadSize {
-            request: req::name(request),
+        return Err(WireError::BadSize {
+            what: req::name(request),
             got: payload.len(),
-            want: format!("{want}"),
-        });
+            want: Size::Exactly(want),
+        }
+        .into());
     }
     Ok(())
 }
@@ -216,11 +219,12 @@ impl Region {
 /// `SET_MEM_TABLE`: a region count, padding, then the regions.
 pub fn mem_table(payload: &[u8]) -> Result<Vec<Region>> {
     if payload.len() < 8 {
-        return Err(Error::BadSize {
-            request: "SET_MEM_TABLE",
+        return Err(WireError::BadSize {
+            what: "SET_MEM_TABLE",
             got: payload.len(),
-            want: "at least 8".into(),
-        });
+            want: Size::AtLeast(8),
+        }
+        .into());
     }
     let n = u32_at(payload, 0) as usize;
     if n > MAX_TABLE_REGIONS {
@@ -232,11 +236,12 @@ pub fn mem_table(payload: &[u8]) -> Result<Vec<Region>> {
     // QEMU sends the payload sized for the regions it fills.
     let want = 8 + n * REGION;
     if payload.len() < want {
-        return Err(Error::BadSize {
-            request: "SET_MEM_TABLE",
+        return Err(WireError::BadSize {
+            what: "SET_MEM_TABLE",
             got: payload.len(),
-            want: format!("{want} for {n} regions"),
-        });
+            want: Size::AtLeast(want),
+        }
+        .into());
     }
     Ok((0..n)
         .map(|i| Region::parse(&payload[8 + i * REGION..]))
@@ -290,11 +295,12 @@ impl IotlbMsg {
     /// Parses the payload (`struct vhost_iotlb_msg`, 26 bytes and padding).
     pub fn parse(payload: &[u8]) -> Result<IotlbMsg> {
         if payload.len() < 26 || payload.len() > 64 {
-            return Err(Error::BadSize {
-                request: "IOTLB_MSG",
+            return Err(WireError::BadSize {
+                what: "IOTLB_MSG",
                 got: payload.len(),
-                want: "26 to 64".into(),
-            });
+                want: Size::Between(26, 64),
+            }
+            .into());
         }
         Ok(IotlbMsg {
             iova: u64_at(payload, 0),
@@ -358,11 +364,12 @@ pub fn vring_addr(payload: &[u8]) -> Result<VringAddr> {
 /// `GET_CONFIG` / `SET_CONFIG`: offset, size, flags, then `size` bytes.
 pub fn config(request: u32, payload: &[u8]) -> Result<(u32, u32, &[u8])> {
     if payload.len() < 12 {
-        return Err(Error::BadSize {
-            request: req::name(request),
+        return Err(WireError::BadSize {
+            what: req::name(request),
             got: payload.len(),
-            want: "at least 12".into(),
-        });
+            want: Size::AtLeast(12),
+        }
+        .into());
     }
     let (offset, size) = (u32_at(payload, 0), u32_at(payload, 4));
     if offset.checked_add(size).is_none_or(|end| end > MAX_CONFIG) {
@@ -373,11 +380,12 @@ pub fn config(request: u32, payload: &[u8]) -> Result<(u32, u32, &[u8])> {
     }
     let data = &payload[12..];
     if data.len() != size as usize {
-        return Err(Error::BadSize {
-            request: req::name(request),
+        return Err(WireError::BadSize {
+            what: req::name(request),
             got: payload.len(),
-            want: format!("{} for {size} config bytes", 12 + size),
-        });
+            want: Size::Exactly(12 + size as usize),
+        }
+        .into());
     }
     Ok((offset, size, data))
 }

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use common::*;
 use memvisor::Gpa;
 use memvisor_vhost::proto::{self, Region, VringAddr, req};
-use memvisor_vhost::{Blk, BlkOptions, Error};
+use memvisor_vhost::{Blk, BlkOptions, Error, WireError};
 
 fn disk() -> File {
     let f = memfd(MIB);
@@ -290,7 +290,10 @@ fn framing_errors_end_the_connection() {
     c.send(req::SET_MEM_TABLE, 0, &proto::mem_table_bytes(&[]), &fds)
         .unwrap();
     let (backend, end) = t.join().unwrap();
-    assert!(matches!(end, Err(Error::Protocol(_))), "{end:?}");
+    assert!(
+        matches!(end, Err(Error::Wire(WireError::Protocol { .. }))),
+        "{end:?}"
+    );
     assert!(backend.memory().is_empty());
 }
 

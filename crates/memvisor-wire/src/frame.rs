@@ -10,7 +10,7 @@
 //!    all means the peer closed the socket between messages ([`WireError::Disconnected`]);
 //!    more descriptors than that puts the stream out of step ([`WireError::Protocol`]);
 //! 2. the rest of the header, if `recvmsg` returned only part of it, with plain reads;
-//! 3. [`Frame::parse`], where the protocol refuses a header it cannot frame;
+//! 3. [`Frame::parse_frame`], where the protocol refuses a header it cannot frame;
 //! 4. a body longer than [`Limits::max_body`] is refused before anything is allocated for it
 //!    (a hostile peer cannot make the receiver reserve gigabytes); the body itself is read
 //!    with plain reads.
@@ -36,7 +36,7 @@ pub trait Frame: Sized {
     /// Parses a header whose [`Frame::SIZE`] bytes have all arrived. A header the protocol
     /// cannot frame (a version it does not speak, a size smaller than the header) is
     /// [`WireError::Protocol`].
-    fn parse(bytes: &[u8]) -> Result<Self, WireError>;
+    fn parse_frame(bytes: &[u8]) -> Result<Self, WireError>;
 
     /// Bytes that follow the header.
     fn body_len(&self) -> usize;
@@ -99,7 +99,7 @@ pub fn recv<H: Frame>(sock: &UnixStream, limits: Limits) -> Result<Message<H>, W
             .read_exact(&mut hdr[got.len..])
             .map_err(|e| WireError::io("read header", e))?;
     }
-    let header = H::parse(hdr)?;
+    let header = H::parse_frame(hdr)?;
     let len = header.body_len();
     if len > limits.max_body {
         return Err(protocol_error::<H>(format!(
@@ -138,7 +138,7 @@ mod tests {
     impl Frame for Toy {
         const PROTOCOL: &'static str = "toy";
         const SIZE: usize = 2;
-        fn parse(b: &[u8]) -> Result<Toy, WireError> {
+        fn parse_frame(b: &[u8]) -> Result<Toy, WireError> {
             if b[1] != 1 {
                 return Err(protocol_error::<Toy>(format!("version {}", b[1])));
             }
