@@ -9,7 +9,7 @@
 //! to index memory. Facts from the vfio-user specification (QEMU `docs/interop/vfio-user.rst`)
 //! and QEMU 11.1's client (`hw/vfio-user/protocol.h`).
 
-use memvisor_wire::{Size, WireError};
+use memvisor_wire::Size;
 
 use crate::error::{Error, Result};
 
@@ -133,14 +133,7 @@ pub fn u64_at(b: &[u8], at: usize) -> u64 {
 
 /// Checks a body is at least `want` bytes (the fixed part of its layout).
 fn need(command: u16, body: &[u8], want: usize) -> Result<()> {
-    if body.len() < want {
-        return Err(WireError::BadSize {
-            what: cmd::name(command),
-            got: body.len(),
-            want: Size::AtLeast(want),
-        }
-        .into());
-    }
+    Size::AtLeast(want).check(cmd::name(command), body.len())?;
     Ok(())
 }
 
@@ -463,14 +456,7 @@ pub fn dma_write_request(iova: u64, data: &[u8]) -> Vec<u8> {
 /// is too short for `count` bytes or names another range (a client that answers something it
 /// was not asked).
 pub fn dma_read_reply(body: &[u8], iova: u64, count: usize) -> Result<&[u8]> {
-    if body.len() < DMA_RW + count {
-        return Err(WireError::BadSize {
-            what: "DMA_READ reply",
-            got: body.len(),
-            want: Size::AtLeast(DMA_RW + count),
-        }
-        .into());
-    }
+    Size::AtLeast(DMA_RW + count).check("DMA_READ reply", body.len())?;
     let (at, n) = (u64_at(body, 0), u64_at(body, 8));
     if at != iova || n != count as u64 {
         return Err(Error::Invalid(format!(

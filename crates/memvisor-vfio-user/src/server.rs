@@ -882,14 +882,7 @@ impl<D: Device> Server<D> {
     }
 
     fn region_write_multi(&mut self, body: &[u8]) -> Result<Reply> {
-        if body.len() < 8 {
-            return Err(WireError::BadSize {
-                what: "REGION_WRITE_MULTI",
-                got: body.len(),
-                want: Size::AtLeast(8),
-            }
-            .into());
-        }
+        Size::AtLeast(8).check("REGION_WRITE_MULTI", body.len())?;
         let n = proto::u64_at(body, 0);
         let want = 8 + n.min(proto::WRITE_MULTI_MAX) as usize * proto::WRITE_MULTI_ONE;
         if n > proto::WRITE_MULTI_MAX || body.len() < want {

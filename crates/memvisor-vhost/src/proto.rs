@@ -6,7 +6,7 @@
 //! which size were wrong. Nothing here is reinterpreted in place: fields are read one by one out
 //! of the received bytes, which needs no `unsafe` and no alignment.
 
-use memvisor_wire::{Size, WireError};
+use memvisor_wire::Size;
 
 use crate::error::{Error, Result};
 
@@ -172,14 +172,7 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 
 /// Checks that `payload` of `request` is exactly `want` bytes.
 pub fn exact(request: u32, payload: &[u8], want: usize) -> Result<()> {
-    if payload.len() != want {
-        return Err(WireError::BadSize {
-            what: req::name(request),
-            got: payload.len(),
-            want: Size::Exactly(want),
-        }
-        .into());
-    }
+    Size::Exactly(want).check(req::name(request), payload.len())?;
     Ok(())
 }
 
@@ -218,14 +211,7 @@ impl Region {
 
 /// `SET_MEM_TABLE`: a region count, padding, then the regions.
 pub fn mem_table(payload: &[u8]) -> Result<Vec<Region>> {
-    if payload.len() < 8 {
-        return Err(WireError::BadSize {
-            what: "SET_MEM_TABLE",
-            got: payload.len(),
-            want: Size::AtLeast(8),
-        }
-        .into());
-    }
+    Size::AtLeast(8).check("SET_MEM_TABLE", payload.len())?;
     let n = u32_at(payload, 0) as usize;
     if n > MAX_TABLE_REGIONS {
         return Err(Error::Invalid(format!(
@@ -235,14 +221,7 @@ pub fn mem_table(payload: &[u8]) -> Result<Vec<Region>> {
     }
     // QEMU sends the payload sized for the regions it fills.
     let want = 8 + n * REGION;
-    if payload.len() < want {
-        return Err(WireError::BadSize {
-            what: "SET_MEM_TABLE",
-            got: payload.len(),
-            want: Size::AtLeast(want),
-        }
-        .into());
-    }
+    Size::AtLeast(want).check("SET_MEM_TABLE", payload.len())?;
     Ok((0..n)
         .map(|i| Region::parse(&payload[8 + i * REGION..]))
         .collect())
@@ -294,14 +273,7 @@ pub mod iotlb {
 impl IotlbMsg {
     /// Parses the payload (`struct vhost_iotlb_msg`, 26 bytes and padding).
     pub fn parse(payload: &[u8]) -> Result<IotlbMsg> {
-        if payload.len() < 26 || payload.len() > 64 {
-            return Err(WireError::BadSize {
-                what: "IOTLB_MSG",
-                got: payload.len(),
-                want: Size::Between(26, 64),
-            }
-            .into());
-        }
+        Size::Between(26, 64).check("IOTLB_MSG", payload.len())?;
         Ok(IotlbMsg {
             iova: u64_at(payload, 0),
             size: u64_at(payload, 8),
@@ -363,14 +335,7 @@ pub fn vring_addr(payload: &[u8]) -> Result<VringAddr> {
 
 /// `GET_CONFIG` / `SET_CONFIG`: offset, size, flags, then `size` bytes.
 pub fn config(request: u32, payload: &[u8]) -> Result<(u32, u32, &[u8])> {
-    if payload.len() < 12 {
-        return Err(WireError::BadSize {
-            what: req::name(request),
-            got: payload.len(),
-            want: Size::AtLeast(12),
-        }
-        .into());
-    }
+    Size::AtLeast(12).check(req::name(request), payload.len())?;
     let (offset, size) = (u32_at(payload, 0), u32_at(payload, 4));
     if offset.checked_add(size).is_none_or(|end| end > MAX_CONFIG) {
         return Err(Error::Invalid(format!(
@@ -379,14 +344,7 @@ pub fn config(request: u32, payload: &[u8]) -> Result<(u32, u32, &[u8])> {
         )));
     }
     let data = &payload[12..];
-    if data.len() != size as usize {
-        return Err(WireError::BadSize {
-            what: req::name(request),
-            got: payload.len(),
-            want: Size::Exactly(12 + size as usize),
-        }
-        .into());
-    }
+    Size::Exactly(12 + size as usize).check(req::name(request), payload.len())?;
     Ok((offset, size, data))
 }
 

@@ -25,6 +25,29 @@ pub enum Size {
     Between(usize, usize),
 }
 
+impl Size {
+    /// Whether `got` bytes fit.
+    pub fn fits(self, got: usize) -> bool {
+        match self {
+            Size::Exactly(n) => got == n,
+            Size::AtLeast(n) => got >= n,
+            Size::Between(lo, hi) => (lo..=hi).contains(&got),
+        }
+    }
+
+    /// Checks that the `got` bytes of message `what` fit: [`WireError::BadSize`] if not.
+    pub fn check(self, what: &'static str, got: usize) -> Result<(), WireError> {
+        if self.fits(got) {
+            return Ok(());
+        }
+        Err(WireError::BadSize {
+            what,
+            got,
+            want: self,
+        })
+    }
+}
+
 impl fmt::Display for Size {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -129,5 +152,16 @@ mod tests {
             "IOTLB_MSG: payload of 3 bytes, expected 26 to 64"
         );
         assert_eq!(e.errno(), libc::EINVAL);
+    }
+
+    #[test]
+    fn sizes_fit_as_they_read() {
+        assert!(Size::Exactly(8).check("x", 8).is_ok());
+        assert!(Size::Exactly(8).check("x", 9).is_err());
+        assert!(Size::AtLeast(8).check("x", 9).is_ok());
+        assert!(Size::AtLeast(8).check("x", 7).is_err());
+        assert!(Size::Between(26, 64).check("x", 64).is_ok());
+        assert!(Size::Between(26, 64).check("x", 25).is_err());
+        assert!(Size::Between(26, 64).check("x", 65).is_err());
     }
 }
