@@ -253,7 +253,7 @@ impl DmaDev {
         };
         let at = (offset & 3) as usize;
         if at + buf.len() > 8 || (buf.len() != 8 && at + buf.len() > 4) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRegion(format!(
                 "mvdma BAR0: a {}-byte read at {offset:#x} crosses a register",
                 buf.len()
             )));
@@ -267,7 +267,7 @@ impl DmaDev {
             4 => u32::from_le_bytes(data.try_into().expect("4 bytes")) as u64,
             8 => u64::from_le_bytes(data.try_into().expect("8 bytes")),
             n => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::BadRegion(format!(
                     "mvdma BAR0: a {n}-byte write at {offset:#x}; registers take 4 or 8 bytes"
                 )));
             }
@@ -281,7 +281,7 @@ impl DmaDev {
             (reg::DOORBELL, 4) if value == 1 => self.ring(),
             (reg::DOORBELL, 4) => {}
             _ => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::BadRegion(format!(
                     "mvdma BAR0: {offset:#x} is not a writable register (or the wrong width, {} \
                      bytes)",
                     data.len()
@@ -553,7 +553,7 @@ fn run_table(s: &Shared, job: &Job, bounce: &mut [u8]) -> (u32, Option<i32>) {
 
 fn run_one(s: &Shared, pin: bool, src: u64, dst: u64, len: u32, bounce: &mut [u8]) -> Result<u64> {
     if len == 0 || len > MAX_LEN {
-        return Err(Error::Invalid(format!(
+        return Err(Error::BadDescriptor(format!(
             "descriptor length {len}: must be 1..={MAX_LEN}"
         )));
     }

@@ -1,7 +1,9 @@
 //! Errors of the vfio-user server: what a client sent wrong, or what memvisor refused.
 //!
 //! Each has the errno a VFIO kernel driver would give for the same request, which is what the
-//! error reply carries, and a message naming the bad value. A refused request leaves the server
+//! error reply carries, and a message naming the bad value. A refusal says what kind of thing
+//! was wrong (a DMA request, a region access, an interrupt setting, a device descriptor), so a
+//! caller can match on it. A refused request leaves the server
 //! as it was; only a client that left or a stream that is out of step
 //! ([`WireError::ends_connection`]) ends the connection.
 //!
@@ -20,7 +22,25 @@ pub enum Error {
     /// size, a socket error.
     #[error(transparent)]
     Wire(#[from] WireError),
-    /// A request that breaks a rule of the protocol or of the device (EINVAL), in words.
+    /// A `DMA_MAP` / `DMA_UNMAP` with flags, descriptors or a dirty bitmap type1 would refuse,
+    /// or a `DMA_READ` reply that answers another range (EINVAL). Refusals of the DMA table
+    /// itself are [`Error::Memory`], with type1's errno.
+    #[error("{0}")]
+    BadDma(String),
+    /// An access to a device region (or a register in it) that does not exist, is outside the
+    /// region, is not allowed by its flags, or is too large (EINVAL).
+    #[error("{0}")]
+    BadRegion(String),
+    /// An interrupt index, vector range, flag set or descriptor count the device refuses
+    /// (EINVAL).
+    #[error("{0}")]
+    BadIrq(String),
+    /// A DMA descriptor of the reference device the engine refuses (EINVAL); the run stops
+    /// there.
+    #[error("{0}")]
+    BadDescriptor(String),
+    /// Any other request that breaks a rule of the protocol or of the device (EINVAL), in
+    /// words.
     #[error("{0}")]
     Invalid(String),
     /// A request with an errno of its own (ENOSYS, ENOTTY, ENOSPC ...), in words.
@@ -41,7 +61,11 @@ impl Error {
     pub fn errno(&self) -> i32 {
         match self {
             Error::Wire(e) => e.errno(),
-            Error::Invalid(_) => libc::EINVAL,
+            Error::BadDma(_)
+            | Error::BadRegion(_)
+            | Error::BadIrq(_)
+            | Error::BadDescriptor(_)
+            | Error::Invalid(_) => libc::EINVAL,
             Error::Refused { errno, .. } => *errno,
             Error::Memory(e) => e.errno(),
         }

@@ -261,7 +261,7 @@ impl DmaUnmap {
         };
         let known = unmap_flags::GET_DIRTY_BITMAP | unmap_flags::ALL;
         if flags & !known != 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadDma(format!(
                 "DMA_UNMAP: unknown flags {:#x} (known: GET_DIRTY_BITMAP 0x1, ALL 0x2)",
                 flags & !known
             )));
@@ -370,7 +370,7 @@ impl IrqSet {
         let data = s.flags & irq_set_flags::DATA_MASK;
         let action = s.flags & irq_set_flags::ACTION_ALL;
         if data.count_ones() != 1 || action.count_ones() != 1 || s.flags & !0x3f != 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadIrq(format!(
                 "DEVICE_SET_IRQS: flags {:#x} must name exactly one data type and one action",
                 s.flags
             )));
@@ -399,14 +399,14 @@ impl RegionAccess {
             count: u32_at(body, 12),
         };
         if a.count as usize > MAX_DATA_XFER {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRegion(format!(
                 "{}: count {} is above max_data_xfer_size {MAX_DATA_XFER}",
                 cmd::name(command),
                 a.count
             )));
         }
         if command == cmd::REGION_WRITE && body.len() != Self::SIZE + a.count as usize {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRegion(format!(
                 "REGION_WRITE: count {} but {} bytes of data",
                 a.count,
                 body.len() - Self::SIZE
@@ -459,7 +459,7 @@ pub fn dma_read_reply(body: &[u8], iova: u64, count: usize) -> Result<&[u8]> {
     Size::AtLeast(DMA_RW + count).check("DMA_READ reply", body.len())?;
     let (at, n) = (u64_at(body, 0), u64_at(body, 8));
     if at != iova || n != count as u64 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::BadDma(format!(
             "DMA_READ reply for {n} bytes at {at:#x}, asked {count} bytes at {iova:#x}"
         )));
     }
@@ -469,6 +469,29 @@ pub fn dma_read_reply(body: &[u8], iova: u64, count: usize) -> Result<&[u8]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memvisor_wire::WireError;
+
+    #[test]
+    fn refusals_say_what_kind_of_thing_was_wrong() {
+        let e = dma_read_reply(&[0; 8], 0x1000, 4).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Wire(WireError::BadSize {
+                    got: 8,
+                    want: Size::AtLeast(_),
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
+        let mut body = vec![0u8; DMA_RW + 4];
+        body[0..8].copy_from_slice(&0x2000u64.to_le_bytes());
+        body[8..16].copy_from_slice(&4u64.to_le_bytes());
+        let e = dma_read_reply(&body, 0x1000, 4).unwrap_err();
+        assert!(matches!(e, Error::BadDma(_)), "{e:?}");
+        assert_eq!(e.errno(), libc::EINVAL);
+    }
 
     #[test]
     fn header_round_trips() {

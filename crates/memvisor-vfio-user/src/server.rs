@@ -565,7 +565,7 @@ impl<D: Device> Server<D> {
         let map = DmaMap::parse(&m.body)?;
         let known = map_flags::READ | map_flags::WRITE;
         if map.flags & !known != 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadDma(format!(
                 "DMA_MAP at iova {:#x}: unknown flags {:#x} (READ 0x1, WRITE 0x2)",
                 map.iova,
                 map.flags & !known
@@ -593,7 +593,7 @@ impl<D: Device> Server<D> {
                 return Ok(Vec::new());
             }
             n => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::BadDma(format!(
                     "DMA_MAP at iova {:#x}: {n} file descriptors, expected 0 or 1",
                     map.iova
                 )));
@@ -650,7 +650,7 @@ impl<D: Device> Server<D> {
         let mut bitmap = Vec::new();
         let bytes = if u.flags & unmap_flags::ALL != 0 {
             if u.iova != 0 || u.size != 0 || u.bitmap.is_some() {
-                return Err(Error::Invalid(format!(
+                return Err(Error::BadDma(format!(
                     "DMA_UNMAP ALL with iova {:#x} size {:#x}{}: ALL takes neither a range nor \
                      a dirty bitmap",
                     u.iova,
@@ -672,7 +672,7 @@ impl<D: Device> Server<D> {
             if room < need {
                 // Nothing can be undone here, so the size is checked first by the space
                 // (EINVAL for a bitmap of the wrong shape) and the room now.
-                return Err(Error::Invalid(format!(
+                return Err(Error::BadDma(format!(
                     "DMA_UNMAP: dirty bitmap of {room} bytes, {need} needed"
                 )));
             }
@@ -716,7 +716,7 @@ impl<D: Device> Server<D> {
         let (_, index) = proto::info_request(cmd::DEVICE_GET_REGION_INFO, body)?;
         let regions = self.device.regions();
         let info = regions.get(index as usize).ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::BadRegion(format!(
                 "DEVICE_GET_REGION_INFO: region {index}, the device has {}",
                 regions.len()
             ))
@@ -734,7 +734,7 @@ impl<D: Device> Server<D> {
         let (_, index) = proto::info_request(cmd::DEVICE_GET_IRQ_INFO, body)?;
         let irqs = self.device.irqs();
         let info = irqs.get(index as usize).ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::BadIrq(format!(
                 "DEVICE_GET_IRQ_INFO: index {index}, the device has {}",
                 irqs.len()
             ))
@@ -750,7 +750,7 @@ impl<D: Device> Server<D> {
         let s = IrqSet::parse(&m.body)?;
         let irqs = self.device.irqs();
         let info = irqs.get(s.index as usize).ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::BadIrq(format!(
                 "DEVICE_SET_IRQS: index {}, the device has {}",
                 s.index,
                 irqs.len()
@@ -765,7 +765,7 @@ impl<D: Device> Server<D> {
             _ => m.fds.is_empty(),
         };
         if !fds_ok {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadIrq(format!(
                 "DEVICE_SET_IRQS index {}: {} file descriptors for count {} (EVENTFD takes one \
                  per vector or none; other data types none)",
                 s.index,
@@ -782,21 +782,21 @@ impl<D: Device> Server<D> {
                 }
                 return Ok(Vec::new());
             }
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadIrq(format!(
                 "DEVICE_SET_IRQS index {}: count 0 only with DATA_NONE|ACTION_TRIGGER",
                 s.index
             )));
         }
         let end = s.start as u64 + s.count as u64;
         if end > info.count as u64 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadIrq(format!(
                 "DEVICE_SET_IRQS index {}: vectors {}..{end}, the index has {}",
                 s.index, s.start, info.count
             )));
         }
         let bools = &m.body[IrqSet::SIZE..];
         if data == irq_set_flags::DATA_BOOL && bools.len() < s.count as usize {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadIrq(format!(
                 "DEVICE_SET_IRQS index {}: {} bool bytes for count {}",
                 s.index,
                 bools.len(),
@@ -841,7 +841,7 @@ impl<D: Device> Server<D> {
         let info = regions.get(a.region as usize).copied().unwrap_or_default();
         let end = a.offset.checked_add(a.count as u64);
         if end.is_none_or(|e| e > info.size) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRegion(format!(
                 "{}: region {} bytes {:#x}+{} outside its {:#x} bytes",
                 cmd::name(command),
                 a.region,
@@ -851,7 +851,7 @@ impl<D: Device> Server<D> {
             )));
         }
         if info.flags & need == 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRegion(format!(
                 "{}: region {} does not allow it (flags {:#x})",
                 cmd::name(command),
                 a.region,
@@ -886,7 +886,7 @@ impl<D: Device> Server<D> {
         let n = proto::u64_at(body, 0);
         let want = 8 + n.min(proto::WRITE_MULTI_MAX) as usize * proto::WRITE_MULTI_ONE;
         if n > proto::WRITE_MULTI_MAX || body.len() < want {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRegion(format!(
                 "REGION_WRITE_MULTI: {n} writes in {} bytes (at most {}, {} bytes each)",
                 body.len(),
                 proto::WRITE_MULTI_MAX,
@@ -903,7 +903,7 @@ impl<D: Device> Server<D> {
                 count: proto::u32_at(e, 12),
             };
             if a.count > 8 {
-                return Err(Error::Invalid(format!(
+                return Err(Error::BadRegion(format!(
                     "REGION_WRITE_MULTI write {i}: count {} above 8",
                     a.count
                 )));

@@ -66,7 +66,7 @@ pub trait Device: Send {
     /// Writes config bytes at `offset`.
     fn write_config(&mut self, offset: u32, data: &[u8]) -> Result<()> {
         let _ = (offset, data);
-        Err(Error::Invalid(format!(
+        Err(Error::Unsupported(format!(
             "{}: the config space is read-only",
             self.name()
         )))
@@ -384,7 +384,7 @@ impl<D: Device> Backend<D> {
                 let f = proto::u64_payload(request, p)?;
                 let unknown = f & !self.offered();
                 if unknown != 0 {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::NotNegotiated(format!(
                         "SET_FEATURES {f:#x}: bits {unknown:#x} were not offered"
                     )));
                 }
@@ -421,7 +421,7 @@ impl<D: Device> Backend<D> {
                 let f = proto::u64_payload(request, p)?;
                 let unknown = f & !self.protocol_offered();
                 if unknown != 0 {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::NotNegotiated(format!(
                         "SET_PROTOCOL_FEATURES {f:#x}: bits {unknown:#x} were not offered"
                     )));
                 }
@@ -472,7 +472,7 @@ impl<D: Device> Backend<D> {
                 let (i, num) = proto::vring_state(request, p)?;
                 let max = self.device.queue_max();
                 if num == 0 || num > max as u32 || !num.is_power_of_two() {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::BadRing(format!(
                         "SET_VRING_NUM {num} for ring {i}: a power of two from 1 to {max}"
                     )));
                 }
@@ -490,7 +490,7 @@ impl<D: Device> Backend<D> {
                         // set the log flag when migration starts. Moving a running ring is
                         // refused.
                         if v.started && v.addr != Some(gpas) {
-                            return Err(Error::Invalid(format!(
+                            return Err(Error::BadRing(format!(
                                 "SET_VRING_ADDR moves ring {} while it runs",
                                 a.index
                             )));
@@ -501,7 +501,7 @@ impl<D: Device> Backend<D> {
                     Err((iova, perm)) => {
                         let v = &mut self.vrings[a.index as usize];
                         if v.started {
-                            return Err(Error::Invalid(format!(
+                            return Err(Error::BadRing(format!(
                                 "SET_VRING_ADDR moves ring {} while it runs",
                                 a.index
                             )));
@@ -522,7 +522,7 @@ impl<D: Device> Backend<D> {
                             2 => Prot::WRITE,
                             3 => Prot::RW,
                             other => {
-                                return Err(Error::Invalid(format!(
+                                return Err(Error::BadIotlb(format!(
                                     "IOTLB update of iova {:#x}: permission {other} is not 1, 2 or 3",
                                     m.iova
                                 )));
@@ -544,7 +544,7 @@ impl<D: Device> Backend<D> {
                     }
                     proto::iotlb::INVALIDATE => {
                         if !self.memory.is_iotlb() {
-                            return Err(Error::Invalid(
+                            return Err(Error::NotNegotiated(
                                 "IOTLB invalidate without VIRTIO_F_IOMMU_PLATFORM negotiated"
                                     .into(),
                             ));
@@ -562,7 +562,7 @@ impl<D: Device> Backend<D> {
                         self.stats.iotlb_invalidates += 1;
                     }
                     other => {
-                        return Err(Error::Invalid(format!(
+                        return Err(Error::BadIotlb(format!(
                             "IOTLB message type {other} from the frontend: expected UPDATE (2) or \
                              INVALIDATE (3)"
                         )));
@@ -573,7 +573,7 @@ impl<D: Device> Backend<D> {
             req::SET_VRING_BASE => {
                 let (i, base) = proto::vring_state(request, p)?;
                 if base > u16::MAX as u32 {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::BadRing(format!(
                         "SET_VRING_BASE {base} for ring {i}: a split ring index is 16 bits"
                     )));
                 }
@@ -617,7 +617,7 @@ impl<D: Device> Backend<D> {
                 match request {
                     req::SET_VRING_KICK => {
                         let Some(kick) = fd else {
-                            return Err(Error::Invalid(format!(
+                            return Err(Error::Unsupported(format!(
                                 "SET_VRING_KICK for ring {i} without a descriptor: \
                                  polling rings are not supported"
                             )));
@@ -637,12 +637,12 @@ impl<D: Device> Backend<D> {
             req::SET_VRING_ENABLE => {
                 let (i, on) = proto::vring_state(request, p)?;
                 if on > 1 {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::BadRing(format!(
                         "SET_VRING_ENABLE {on} for ring {i}: 0 or 1"
                     )));
                 }
                 if self.acked & F_PROTOCOL_FEATURES == 0 {
-                    return Err(Error::Invalid(
+                    return Err(Error::NotNegotiated(
                         "SET_VRING_ENABLE without negotiated protocol features".into(),
                     ));
                 }
@@ -673,10 +673,10 @@ impl<D: Device> Backend<D> {
                 let (size, offset) = proto::log_base(p)?;
                 let fd = msg.take_fd("the dirty log")?;
                 let mapped = size.checked_next_multiple_of(4096).ok_or_else(|| {
-                    Error::Invalid(format!("SET_LOG_BASE: log size {size:#x} is too large"))
+                    Error::BadRegion(format!("SET_LOG_BASE: log size {size:#x} is too large"))
                 })?;
                 let memory = Backing::from_fd(fd, offset, mapped).map_err(|e| {
-                    Error::Invalid(format!(
+                    Error::BadRegion(format!(
                         "SET_LOG_BASE: log of {size:#x} bytes at offset {offset:#x}: {e}"
                     ))
                 })?;
@@ -700,7 +700,7 @@ impl<D: Device> Backend<D> {
                 proto::exact(request, p, 0)?;
                 Ok(Some(u64::from(self.status).to_le_bytes().to_vec()))
             }
-            _ => Err(Error::Invalid(format!(
+            _ => Err(Error::Unsupported(format!(
                 "request {request} ({}) is not supported by this back end",
                 req::name(request)
             ))),
@@ -830,7 +830,7 @@ impl<D: Device> Backend<D> {
     fn ring(&mut self, request: u32, index: u32) -> Result<&mut Vring> {
         let n = self.vrings.len();
         self.vrings.get_mut(index as usize).ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::BadRing(format!(
                 "{}: ring {index} does not exist (the device has {n})",
                 req::name(request)
             ))
@@ -843,7 +843,7 @@ impl<D: Device> Backend<D> {
         let max = self.device.queue_max();
         let v = &mut self.vrings[i];
         let Some((desc, avail, used)) = v.addr else {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRing(format!(
                 "SET_VRING_KICK for ring {i} before SET_VRING_ADDR"
             )));
         };
@@ -857,7 +857,7 @@ impl<D: Device> Backend<D> {
         q.set_event_idx(event_idx);
         q.set_ready(true);
         if !q.is_valid(&*mem) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRing(format!(
                 "ring {i}: size {} at desc {desc:#x} avail {avail:#x} used {used:#x} is misaligned \
                  or outside guest memory",
                 q.size()
@@ -980,7 +980,7 @@ impl<D: Device> Backend<D> {
 pub const VIRTIO_RING_F_EVENT_IDX: u32 = 29;
 
 fn queue_error(e: virtio_queue::Error) -> Error {
-    Error::Invalid(format!("virtqueue: {e}"))
+    Error::BadRing(format!("virtqueue: {e}"))
 }
 
 /// Requests whose reply is data, not an ack.

@@ -168,7 +168,7 @@ impl Device for BalloonDevice {
                 model.process_reports(queue)?.notify
             }
             other => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::BadRing(format!(
                     "balloon: queue {other} is not in use with features {:#x}",
                     model.acked_features()
                 )));

@@ -187,7 +187,7 @@ impl Blk {
     /// Carries out the request of header descriptor `hdr_buf` with `data` buffers.
     fn serve(&mut self, dma: &DmaSpace, hdr_buf: &Buf, data: &[Buf]) -> Result<(u8, u32)> {
         if hdr_buf.write || hdr_buf.len < 16 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadChain(format!(
                 "first descriptor ({} bytes, {}) is not a 16-byte readable header",
                 hdr_buf.len,
                 if hdr_buf.write {
@@ -205,7 +205,7 @@ impl Blk {
             T_IN | T_OUT => {
                 let to_guest = kind == T_IN;
                 if !to_guest && self.options.read_only {
-                    return Err(Error::Invalid("write to a read-only disk".into()));
+                    return Err(Error::BadChain("write to a read-only disk".into()));
                 }
                 let n = self.transfer(dma, data, sector, to_guest)?;
                 (S_OK, if to_guest { n } else { 0 })
@@ -220,7 +220,7 @@ impl Blk {
             }
             T_GET_ID => {
                 let Some(b) = data.first().filter(|b| b.write) else {
-                    return Err(Error::Invalid("GET_ID without a writable buffer".into()));
+                    return Err(Error::BadChain("GET_ID without a writable buffer".into()));
                 };
                 let mut id = [0u8; ID_BYTES];
                 let s = self.options.serial.as_bytes();
@@ -250,7 +250,7 @@ impl Blk {
         let mut total: u64 = 0;
         for b in data {
             if b.write != to_guest {
-                return Err(Error::Invalid(format!(
+                return Err(Error::BadChain(format!(
                     "data buffer at {:#x} is {} for a {}",
                     b.addr,
                     if b.write {
@@ -264,7 +264,7 @@ impl Blk {
             total += u64::from(b.len);
         }
         if total % SECTOR != 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadChain(format!(
                 "transfer of {total} bytes is not whole {SECTOR}-byte sectors"
             )));
         }
@@ -272,7 +272,7 @@ impl Blk {
             .checked_add(total / SECTOR)
             .filter(|&e| e <= self.sectors)
             .ok_or_else(|| {
-                Error::Invalid(format!(
+                Error::BadChain(format!(
                     "sectors {sector}+{} pass the disk's end ({} sectors)",
                     total / SECTOR,
                     self.sectors
@@ -491,7 +491,7 @@ impl Device for Blk {
             let chain = match queue.iter(&*mem) {
                 Ok(mut avail) => avail.next(),
                 Err(e) => {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::BadRing(format!(
                         "queue {index}: available ring unusable: {e}"
                     )));
                 }

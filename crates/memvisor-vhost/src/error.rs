@@ -1,6 +1,9 @@
 //! Errors of the vhost-user layer: what a frontend did wrong, or what memvisor refused.
 //!
-//! Each carries an errno (for logs and replies) and names the bad value. A message the back end
+//! Each carries an errno (for logs and replies) and names the bad value. A refusal says what
+//! kind of thing was wrong (a ring, a region, an IOTLB message, a descriptor chain, a feature
+//! not negotiated, a request not implemented), so a caller can match on it; all of these are
+//! EINVAL, as they are in C back ends. A message the back end
 //! refuses leaves its state as it was; only a broken stream ends the connection: the frontend
 //! left or the stream is out of step ([`WireError::ends_connection`]), or a socket error.
 //!
@@ -19,7 +22,33 @@ pub enum Error {
     /// wrong size, a socket error.
     #[error(transparent)]
     Wire(#[from] WireError),
-    /// A request that breaks a rule of the protocol or of this device (EINVAL), in words.
+    /// A request this back end does not implement (an unknown request, rings without a kick
+    /// descriptor, a write to a read-only config space); the frontend can go on without it
+    /// (EINVAL).
+    #[error("{0}")]
+    Unsupported(String),
+    /// Feature bits that were not offered, or a request that needs a feature the frontend did
+    /// not negotiate (EINVAL).
+    #[error("{0}")]
+    NotNegotiated(String),
+    /// A ring that does not exist, or a ring request that does not fit the ring's size, state
+    /// or addresses (EINVAL).
+    #[error("{0}")]
+    BadRing(String),
+    /// A memory table, memory region or dirty log the back end cannot take: too many, not
+    /// whole pages, overlapping, unmappable, or an address in none (EINVAL).
+    #[error("{0}")]
+    BadRegion(String),
+    /// An IOTLB message of an unknown type or permission, or not in whole pages (EINVAL).
+    #[error("{0}")]
+    BadIotlb(String),
+    /// A descriptor chain the device refuses (no readable header, a buffer in the wrong
+    /// direction, sectors past the disk's end): that request fails with an error status on its
+    /// ring, the ring goes on (EINVAL).
+    #[error("{0}")]
+    BadChain(String),
+    /// Any other request that breaks a rule of the protocol or of this device (EINVAL), in
+    /// words.
     #[error("{0}")]
     Invalid(String),
     /// memvisor refused a memory operation; its errno stands.
@@ -49,7 +78,13 @@ impl Error {
     pub fn errno(&self) -> i32 {
         match self {
             Error::Wire(e) => e.errno(),
-            Error::Invalid(_) => libc::EINVAL,
+            Error::Unsupported(_)
+            | Error::NotNegotiated(_)
+            | Error::BadRing(_)
+            | Error::BadRegion(_)
+            | Error::BadIotlb(_)
+            | Error::BadChain(_)
+            | Error::Invalid(_) => libc::EINVAL,
             Error::Memory(e) => e.errno(),
             Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             Error::IotlbMiss { .. } => libc::EFAULT,

@@ -129,12 +129,12 @@ impl FrontendMemory {
     /// one region.
     pub fn iotlb_update(&mut self, iova: u64, size: u64, uaddr: u64, prot: Prot) -> Result<()> {
         if !self.iotlb {
-            return Err(Error::Invalid(
+            return Err(Error::NotNegotiated(
                 "IOTLB update without VIRTIO_F_IOMMU_PLATFORM negotiated".into(),
             ));
         }
         if iova % PAGE != 0 || size % PAGE != 0 || uaddr % PAGE != 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadIotlb(format!(
                 "IOTLB update iova {iova:#x} size {size:#x} user address {uaddr:#x}: not whole 4 KiB pages"
             )));
         }
@@ -303,7 +303,7 @@ impl FrontendMemory {
     /// `SET_MEM_TABLE`: replaces every region, all or nothing.
     pub fn set_table(&mut self, regions: &[Region], fds: Vec<OwnedFd>) -> Result<()> {
         if fds.len() != regions.len() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRegion(format!(
                 "SET_MEM_TABLE: {} regions but {} file descriptors",
                 regions.len(),
                 fds.len()
@@ -392,7 +392,7 @@ impl FrontendMemory {
             return Err(overlap_error(&region, &o.region));
         }
         if self.held.len() >= MAX_REGIONS {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRegion(format!(
                 "ADD_MEM_REG: already {MAX_REGIONS} regions, the most this back end takes"
             )));
         }
@@ -426,7 +426,7 @@ impl FrontendMemory {
                 && h.region.size == region.size
                 && h.region.user_addr == region.user_addr
         }) else {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadRegion(format!(
                 "REM_MEM_REG: no region at guest {:#x} size {:#x} user address {:#x}",
                 region.gpa, region.size, region.user_addr
             )));
@@ -474,7 +474,7 @@ impl FrontendMemory {
                 return Ok(r.gpa + off);
             }
         }
-        Err(Error::Invalid(format!(
+        Err(Error::BadRegion(format!(
             "{what} at user address {uaddr:#x} (+{len:#x}) is in no memory region"
         )))
     }
@@ -485,19 +485,19 @@ const PAGE: u64 = 4096;
 
 fn check_region(r: &Region) -> Result<()> {
     if r.gpa % PAGE != 0 || r.size % PAGE != 0 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::BadRegion(format!(
             "memory region guest {:#x} size {:#x} is not whole 4 KiB pages",
             r.gpa, r.size
         )));
     }
     if r.size == 0 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::BadRegion(format!(
             "memory region at guest {:#x} has size 0",
             r.gpa
         )));
     }
     if r.gpa.checked_add(r.size).is_none() || r.user_addr.checked_add(r.size).is_none() {
-        return Err(Error::Invalid(format!(
+        return Err(Error::BadRegion(format!(
             "memory region guest {:#x} user {:#x} size {:#x} wraps past 2^64",
             r.gpa, r.user_addr, r.size
         )));
@@ -511,7 +511,7 @@ fn overlaps(a: &Region, b: &Region) -> bool {
 }
 
 fn overlap_error(r: &Region, o: &Region) -> Error {
-    Error::Invalid(format!(
+    Error::BadRegion(format!(
         "memory region guest {:#x}+{:#x} (user {:#x}) overlaps region guest {:#x}+{:#x} (user {:#x})",
         r.gpa, r.size, r.user_addr, o.gpa, o.size, o.user_addr
     ))
@@ -526,7 +526,7 @@ fn map_all(regions: &[Region], fds: Vec<OwnedFd>) -> Result<Vec<Arc<Backing>>> {
             SharedMappings::global()
                 .map(fd, r.mmap_offset, r.size)
                 .map_err(|e| {
-                    Error::Invalid(format!(
+                    Error::BadRegion(format!(
                         "memory region guest {:#x} size {:#x} offset {:#x}: {e}",
                         r.gpa, r.size, r.mmap_offset
                     ))

@@ -214,7 +214,7 @@ pub fn mem_table(payload: &[u8]) -> Result<Vec<Region>> {
     Size::AtLeast(8).check("SET_MEM_TABLE", payload.len())?;
     let n = u32_at(payload, 0) as usize;
     if n > MAX_TABLE_REGIONS {
-        return Err(Error::Invalid(format!(
+        return Err(Error::BadRegion(format!(
             "SET_MEM_TABLE with {n} regions: at most {MAX_TABLE_REGIONS} \
              (use ADD_MEM_REG for more)"
         )));
@@ -403,6 +403,31 @@ impl VringAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memvisor_wire::WireError;
+
+    #[test]
+    fn refusals_say_what_kind_of_thing_was_wrong() {
+        let e = u64_payload(req::SET_FEATURES, &[0; 7]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Wire(WireError::BadSize {
+                    what: "SET_FEATURES",
+                    got: 7,
+                    want: Size::Exactly(8)
+                })
+            ),
+            "{e:?}"
+        );
+        let mut t = vec![0u8; 8];
+        t[0] = 9;
+        assert!(matches!(mem_table(&t), Err(Error::BadRegion(_))));
+        let past = config_bytes(300, 0, &[]);
+        assert!(matches!(
+            config(req::GET_CONFIG, &past),
+            Err(Error::Invalid(_))
+        ));
+    }
 
     #[test]
     fn short_long_and_oversized_payloads_are_refused_by_name() {
