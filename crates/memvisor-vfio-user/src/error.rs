@@ -18,10 +18,6 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// What went wrong.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// What the wire layer reports: the client left, a stream out of step, a body of the wrong
-    /// size, a socket error.
-    #[error(transparent)]
-    Wire(#[from] WireError),
     /// A `DMA_MAP` / `DMA_UNMAP` with flags, descriptors or a dirty bitmap type1 would refuse,
     /// or a `DMA_READ` reply that answers another range (EINVAL). Refusals of the DMA table
     /// itself are [`Error::Memory`], with type1's errno.
@@ -54,13 +50,16 @@ pub enum Error {
     /// memvisor refused a memory operation; its errno stands.
     #[error(transparent)]
     Memory(#[from] memvisor::Error),
+    /// What the wire layer reports: the client left, a stream out of step, a body of the wrong
+    /// size, a socket error.
+    #[error(transparent)]
+    Wire(#[from] WireError),
 }
 
 impl Error {
     /// The errno a VFIO driver would return.
     pub fn errno(&self) -> i32 {
         match self {
-            Error::Wire(e) => e.errno(),
             Error::BadDma(_)
             | Error::BadRegion(_)
             | Error::BadIrq(_)
@@ -68,6 +67,7 @@ impl Error {
             | Error::Invalid(_) => libc::EINVAL,
             Error::Refused { errno, .. } => *errno,
             Error::Memory(e) => e.errno(),
+            Error::Wire(e) => e.errno(),
         }
     }
 }
