@@ -3,17 +3,20 @@
 //! Small and documented so a guest program can drive it with nothing but its registers: a
 //! copy engine that walks a table of scatter-gather descriptors in guest memory, reads each
 //! source range, checksums it, writes it to the destination and raises an MSI when the table
-//! is done. Every address it touches is an IOVA in the server's [`DmaSpace`](memvisor::DmaSpace); two modes run the
-//! two device paths of the seeds:
+//! is done. Every address it touches is an IOVA in the server's
+//! [`DmaSpace`](memvisor::DmaSpace); two modes run the two device paths of the kernel patches
+//! the project reproduces:
 //!
-//! * **copy** (`MODE` 0): `dma_read` / `dma_write` through a 64 KiB bounce buffer (seed 004a,
-//!   `vfio_dma_rw`): nothing pinned. Memory the client mapped without a descriptor is reached
-//!   the same way, through `DMA_READ` / `DMA_WRITE` requests ([`Port::dma_read`]).
+//! * **copy** (`MODE` 0): `dma_read` / `dma_write` through a 64 KiB bounce buffer, as the patch
+//!   "use vfio_iova_rw() to read/write IOVAs from CPU side" does with `vfio_dma_rw`: nothing
+//!   pinned. Memory the client mapped without a descriptor is reached the same way, through
+//!   `DMA_READ` / `DMA_WRITE` requests ([`Port::dma_read`]).
 //! * **pin** (`MODE` 1): each piece of a descriptor (at most 512 pages of source and of
-//!   destination) is pinned with `pin_pages` for the duration of its copy and unpinned after
-//!   (seed 002, `vfio_pin_pages`); the page count of every call is kept as a histogram. A
-//!   piece in memory mapped without a descriptor cannot be pinned (EFAULT): the descriptor's
-//!   rest is copied as in copy mode, and counted (`pin_fallbacks`).
+//!   destination) is pinned with `pin_pages` for the duration of its copy and unpinned after,
+//!   the `vfio_pin_pages` path of the patch "vfio iommu type1: Improve
+//!   vfio_iommu_type1_pin_pages performance"; the page count of every call is kept as a
+//!   histogram. A piece in memory mapped without a descriptor cannot be pinned (EFAULT): the
+//!   descriptor's rest is copied as in copy mode, and counted (`pin_fallbacks`).
 //!
 //! A descriptor is checked whole before a byte moves: if any part of its source is not mapped
 //! readable or its destination writable, it fails with that errno in its status and nothing is

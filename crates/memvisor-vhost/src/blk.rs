@@ -11,8 +11,9 @@
 //! Headers, the status byte and `GET_ID`'s string go through `dma_read` / `dma_write`.
 //!
 //! **Pins.** Before the system call the request's guest pages are pinned with
-//! [`DmaSpace::pin_pages`] and unpinned after it — the `vfio_pin_pages` pattern of seed 002 — so a
-//! balloon discard in the same process (another socket, another thread) skips them instead of
+//! [`DmaSpace::pin_pages`] and unpinned after it — the `vfio_pin_pages` pattern of the kernel
+//! patch "vfio iommu type1: Improve vfio_iommu_type1_pin_pages performance" — so a balloon
+//! discard in the same process (another socket, another thread) skips them instead of
 //! freeing memory the kernel is copying into. The page counts of these pins are recorded as a
 //! histogram ([`BlkStats::npage_histogram`]): the distribution a real guest produces.
 //!

@@ -2,12 +2,13 @@
 //!
 //! A front end's own error type wraps [`WireError`] (`#[error(transparent)] Wire(#[from]
 //! WireError)`), so everything the wire layer reports reads and matches the same in vhost-user
-//! and vfio-user. Two kinds of failure end a connection: the peer left ([`WireError::Disconnected`],
-//! which is also what end-of-file and a reset in the middle of a message become: the peer is gone
-//! either way), and a stream that can no longer be framed ([`WireError::Protocol`]: the next byte
-//! cannot be trusted to start a message). The other two are answered and the connection goes
-//! on: a payload of the wrong size for its layout ([`WireError::BadSize`]), or, when sending, a
-//! socket error the caller may report ([`WireError::Io`]).
+//! and vfio-user. Two failures always end a connection ([`WireError::ends_connection`]): the
+//! peer left ([`WireError::Disconnected`], which is also what end-of-file and a reset in the
+//! middle of a message become: the peer is gone either way), and a stream that can no longer
+//! be framed ([`WireError::Protocol`]: the next byte cannot be trusted to start a message). A
+//! payload of the wrong size for its layout ([`WireError::BadSize`]) is refused and the stream
+//! stays in step. A socket error ([`WireError::Io`]) is reported as it came; what to do about
+//! it is the caller's to decide.
 //!
 //! Each carries the errno a C implementation would give, through [`WireError::errno`].
 
