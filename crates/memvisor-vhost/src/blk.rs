@@ -27,6 +27,7 @@ use std::os::unix::fs::FileExt;
 
 use memvisor::{Access, DmaSpace, Iova, Prot};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress};
 
 use crate::backend::{Device, VIRTIO_RING_F_EVENT_IDX};
 use crate::error::{Error, Result};
@@ -53,6 +54,8 @@ const F_FLUSH: u32 = 9;
 const F_MQ: u32 = 12;
 const F_VERSION_1: u32 = 32;
 const F_RING_INDIRECT: u32 = 28;
+/// Descriptor flag: the buffer is a table of descriptors.
+const VRING_DESC_F_INDIRECT: u16 = 4;
 
 /// Segments per request the device accepts (config `seg_max`).
 const SEG_MAX: u32 = 254;
@@ -97,6 +100,8 @@ pub struct BlkStats {
     pub bytes_written: u64,
     /// Requests answered IOERR or UNSUPP.
     pub failed: u64,
+    /// Chains whose head named an indirect descriptor table.
+    pub indirect: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     pub npage_histogram: Vec<u64>,
@@ -494,6 +499,10 @@ impl Device for Blk {
                 break;
             };
             let head = chain.head_index();
+            let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
+            let indirect = mem
+                .read_obj::<u16>(GuestAddress(flags_at))
+                .is_ok_and(|f| f & VRING_DESC_F_INDIRECT != 0);
             let bufs: Vec<Buf> = chain
                 .map(|d| Buf {
                     addr: d.addr().0,
@@ -519,6 +528,7 @@ impl Device for Blk {
                     return Err(miss(m));
                 }
             }
+            self.stats.indirect += u64::from(indirect);
             let (_, written) = match cut {
                 Some(m) => {
                     // Cut short, with no one to ask: there is no status byte to write.

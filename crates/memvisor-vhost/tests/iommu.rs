@@ -438,4 +438,5 @@ fn indirect_tables_are_read_through_the_iotlb() {
     drop(c);
     let (backend, _) = t.join().unwrap();
     assert_eq!(backend.stats.iotlb_misses, 1);
+    assert_eq!(backend.device().stats.indirect, 1);
 }
