@@ -162,6 +162,12 @@ blk)
   echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
   echo "$name: ${result:-RESULT blk FAIL no verdict (see $work/$log)}"
   ok=0; case "$result" in *PASS*) [ $host = PASS ] && ok=1;; esac
+  if [ -n "$iommu" ] && [ $ok = 1 ]; then
+    # Behind the vIOMMU the guest must have used indirect tables, each read through the IOTLB.
+    ind=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"indirect":[0-9]*' | cut -d: -f2)
+    echo "  indirect descriptor chains served behind the vIOMMU: ${ind:-none}"
+    [ "${ind:-0}" -gt 0 ] || { echo "$name: no indirect descriptor chain was served"; ok=0; }
+  fi
   [ $long_term = 0 ] || check_long_term
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }

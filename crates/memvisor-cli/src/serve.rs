@@ -70,6 +70,8 @@ pub struct BlkReport {
     pub bytes_written: u64,
     /// Failed requests.
     pub failed: u64,
+    /// Requests whose chain was an indirect descriptor table.
+    pub indirect: u64,
     /// Requests by pinned 4 KiB pages, as `[pages up to, requests]`.
     pub npage_histogram: Vec<(u64, u64)>,
 }
@@ -85,6 +87,7 @@ impl BlkReport {
             bytes_read: s.bytes_read,
             bytes_written: s.bytes_written,
             failed: s.failed,
+            indirect: s.indirect,
             npage_histogram: s
                 .npage_histogram
                 .iter()

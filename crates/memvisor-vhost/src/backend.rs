@@ -31,14 +31,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use memvisor_wire::WireError;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::GuestAddressSpace;
 
 use crate::error::{Error, Result};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
 use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
 use crate::record::Recorder;
 use crate::wire::{self, Message};
-use memvisor::{Access, Prot};
+use memvisor::{Access, Iova, Prot};
 use memvisor::{Backing, SharedLog};
 use std::sync::Arc;
 
@@ -114,7 +113,8 @@ const PROTOCOL: u64 = protocol::MQ
 #[derive(Default)]
 struct Vring {
     size: u16,
-    /// Guest physical addresses of desc, avail, used.
+    /// Device addresses of desc, avail, used: IOVAs behind a vIOMMU, else guest physical
+    /// (the device space's identity), so the queue reads them through the space's view.
     addr: Option<(u64, u64, u64)>,
     /// Ring addresses whose IOVAs the IOTLB could not translate yet (a MISS went out), and the
     /// kick that came meanwhile: the ring starts when an UPDATE covers them.
@@ -483,33 +483,22 @@ impl<D: Device> Backend<D> {
             req::SET_VRING_ADDR => {
                 let a = proto::vring_addr(p)?;
                 self.ring(request, a.index)?;
-                match self.resolve_ring(&a)? {
-                    Ok(gpas) => {
-                        let v = &mut self.vrings[a.index as usize];
-                        // A running ring may be told its own addresses again: QEMU does that to
-                        // set the log flag when migration starts. Moving a running ring is
-                        // refused.
-                        if v.started && v.addr != Some(gpas) {
-                            return Err(Error::BadRing(format!(
-                                "SET_VRING_ADDR moves ring {} while it runs",
-                                a.index
-                            )));
-                        }
-                        v.addr = Some(gpas);
-                        v.pending = None;
-                    }
-                    Err((iova, perm)) => {
-                        let v = &mut self.vrings[a.index as usize];
-                        if v.started {
-                            return Err(Error::BadRing(format!(
-                                "SET_VRING_ADDR moves ring {} while it runs",
-                                a.index
-                            )));
-                        }
-                        v.addr = None;
-                        v.pending = Some(a);
-                        self.send_miss(iova, perm);
-                    }
+                let addrs = self.ring_addresses(&a)?;
+                let v = &mut self.vrings[a.index as usize];
+                // A running ring may be told its own addresses again: QEMU does that to set the
+                // log flag when migration starts. Moving a running ring is refused.
+                if v.started && v.addr != Some(addrs) {
+                    return Err(Error::BadRing(format!(
+                        "SET_VRING_ADDR moves ring {} while it runs",
+                        a.index
+                    )));
+                }
+                v.addr = Some(addrs);
+                v.pending = None;
+                if let Some(miss) = self.ring_miss(a.index as usize) {
+                    // Not translatable yet: ask, and start the ring on the update.
+                    self.vrings[a.index as usize].pending = Some(a);
+                    self.send_miss(miss.iova.0, miss.access == Access::Write);
                 }
                 Ok(None)
             }
@@ -707,58 +696,66 @@ impl<D: Device> Backend<D> {
         }
     }
 
-    /// The guest physical addresses of a ring's parts, or the first IOVA the IOTLB cannot
-    /// translate and the access it needs.
-    #[allow(clippy::type_complexity)]
-    fn resolve_ring(
-        &self,
-        a: &proto::VringAddr,
-    ) -> Result<std::result::Result<(u64, u64, u64), (u64, u8)>> {
-        let size = u64::from(self.vrings[a.index as usize].size.max(1));
-        let parts = [
-            (a.desc, 16 * size, "descriptor table", Access::Read),
-            (a.avail, 6 + 2 * size, "available ring", Access::Read),
-            (a.used, 6 + 8 * size, "used ring", Access::Write),
-        ];
-        let mut out = [0u64; 3];
-        for (k, (addr, len, what, access)) in parts.into_iter().enumerate() {
-            out[k] = if self.memory.is_iotlb() {
-                match self.memory.device_to_gpa(addr, len, access) {
-                    Some(g) => g,
-                    None => {
-                        let perm = if access == Access::Write { 3 } else { 1 };
-                        return Ok(Err((addr, perm)));
-                    }
-                }
-            } else {
-                self.memory.user_to_gpa(addr, len, what)?
-            };
+    /// The device addresses of a ring's parts: the IOVAs as sent behind a vIOMMU, else the
+    /// guest physical addresses behind the frontend's user addresses.
+    fn ring_addresses(&self, a: &proto::VringAddr) -> Result<(u64, u64, u64)> {
+        if self.memory.is_iotlb() {
+            return Ok((a.desc, a.avail, a.used));
         }
-        Ok(Ok((out[0], out[1], out[2])))
+        let [d, av, u] = ring_parts(self.vrings[a.index as usize].size);
+        Ok((
+            self.memory.user_to_gpa(a.desc, d, "descriptor table")?,
+            self.memory.user_to_gpa(a.avail, av, "available ring")?,
+            self.memory.user_to_gpa(a.used, u, "used ring")?,
+        ))
+    }
+
+    /// The first part of ring `i` the device space cannot reach yet (an IOTLB miss to ask
+    /// for), if any: the descriptor table and available ring for reading, the used ring for
+    /// writing.
+    fn ring_miss(&self, i: usize) -> Option<memvisor::dma::Miss> {
+        let (desc, avail, used) = self.vrings[i].addr?;
+        let [d, a, u] = ring_parts(self.vrings[i].size);
+        let view = self.memory.dma().memory();
+        [
+            (desc, d, Access::Read),
+            (avail, a, Access::Read),
+            (used, u, Access::Write),
+        ]
+        .into_iter()
+        .find_map(|(addr, len, access)| {
+            view.check(Iova(addr), len, access).err()?;
+            view.take_miss()
+        })
     }
 
     /// After an IOTLB update: rings waiting for a translation try again.
     fn retry_pending_rings(&mut self) -> Result<()> {
         for i in 0..self.vrings.len() {
-            let Some(a) = self.vrings[i].pending else {
+            if self.vrings[i].pending.is_none() {
                 continue;
-            };
-            match self.resolve_ring(&a)? {
-                Ok(gpas) => {
-                    self.vrings[i].addr = Some(gpas);
+            }
+            match self.ring_miss(i) {
+                None => {
                     self.vrings[i].pending = None;
                     if let Some(kick) = self.vrings[i].pending_kick.take() {
                         self.start_ring(i, kick)?;
                     }
                 }
-                Err((iova, perm)) => self.send_miss(iova, perm),
+                Some(miss) => self.send_miss(miss.iova.0, miss.access == Access::Write),
             }
         }
         Ok(())
     }
 
-    /// An IOTLB `MISS` for `iova` on the back-end channel.
-    fn send_miss(&mut self, iova: u64, perm: u8) {
+    /// An IOTLB `MISS` for `iova` on the back-end channel, asking for read access, or read
+    /// and write access for a `write`.
+    fn send_miss(&mut self, iova: u64, write: bool) {
+        let perm = if write {
+            proto::iotlb::ACCESS_RW
+        } else {
+            proto::iotlb::ACCESS_RO
+        };
         self.stats.iotlb_misses += 1;
         if let Some(r) = self.record.as_mut() {
             r.miss(iova, perm);
@@ -839,7 +836,7 @@ impl<D: Device> Backend<D> {
 
     fn start_ring(&mut self, i: usize, kick: File) -> Result<()> {
         let event_idx = self.acked & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
-        let mem = self.memory.space().memory();
+        let mem = self.memory.dma().memory();
         let max = self.device.queue_max();
         let v = &mut self.vrings[i];
         let Some((desc, avail, used)) = v.addr else {
@@ -856,10 +853,10 @@ impl<D: Device> Backend<D> {
         q.set_next_used(v.base);
         q.set_event_idx(event_idx);
         q.set_ready(true);
-        if !q.is_valid(&*mem) {
+        if !q.is_valid(&mem) {
             return Err(Error::BadRing(format!(
                 "ring {i}: size {} at desc {desc:#x} avail {avail:#x} used {used:#x} is misaligned \
-                 or outside guest memory",
+                 or outside the device's memory",
                 q.size()
             )));
         }
@@ -885,6 +882,20 @@ impl<D: Device> Backend<D> {
         if !(v.started && v.enabled) || v.miss_deadline.is_some() {
             return Ok(());
         }
+        if v.queue.is_none() {
+            return Ok(());
+        }
+        // Behind a vIOMMU the ring itself may have lost its translation (an invalidation):
+        // ask for it before the queue reads a byte, as for a buffer.
+        if self.memory.is_iotlb() {
+            if let Some(miss) = self.ring_miss(i) {
+                let v = &mut self.vrings[i];
+                v.miss_deadline = Some(std::time::Instant::now() + MISS_WAIT);
+                self.send_miss(miss.iova.0, miss.access == Access::Write);
+                return Ok(());
+            }
+        }
+        let v = &mut self.vrings[i];
         let Some(q) = v.queue.as_mut() else {
             return Ok(());
         };
@@ -916,7 +927,7 @@ impl<D: Device> Backend<D> {
                 if let Some(c) = &mut v.call {
                     let _ = c.write(&1u64.to_le_bytes());
                 }
-                self.send_miss(iova, if write { 3 } else { 1 });
+                self.send_miss(iova, write);
             }
             Ok(true) => {
                 if let Some(c) = &mut v.call {
@@ -936,8 +947,12 @@ impl<D: Device> Backend<D> {
         Ok(())
     }
 
-    /// Stops rings whose memory lies in a region about to go.
+    /// Stops rings whose memory lies in a region about to go. Behind a vIOMMU ring addresses
+    /// are IOVAs: a ring there loses its translation with the region and asks again.
     fn stop_rings_in(&mut self, gpa: u64, size: u64) {
+        if self.memory.is_iotlb() {
+            return;
+        }
         for v in &mut self.vrings {
             let inside =
                 |(d, a, u): (u64, u64, u64)| [d, a, u].iter().any(|x| x.wrapping_sub(gpa) < size);
@@ -984,6 +999,13 @@ fn queue_error(e: virtio_queue::Error) -> Error {
 }
 
 /// Requests whose reply is data, not an ack.
+/// The bytes of a split ring's descriptor table, available ring and used ring for `size`
+/// entries (a size not set yet counts as 1), with the event index words.
+fn ring_parts(size: u16) -> [u64; 3] {
+    let n = u64::from(size.max(1));
+    [16 * n, 6 + 2 * n, 6 + 8 * n]
+}
+
 fn has_reply(request: u32) -> bool {
     matches!(
         request,

@@ -28,7 +28,7 @@ use std::os::unix::fs::FileExt;
 
 use memvisor::{Access, DmaSpace, Iova, Prot};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::GuestAddressSpace;
+use vm_memory::{Bytes, GuestAddress};
 
 use crate::backend::{Device, VIRTIO_RING_F_EVENT_IDX};
 use crate::error::{Error, Result};
@@ -55,6 +55,8 @@ const F_FLUSH: u32 = 9;
 const F_MQ: u32 = 12;
 const F_VERSION_1: u32 = 32;
 const F_RING_INDIRECT: u32 = 28;
+/// Descriptor flag: the buffer is a table of descriptors.
+const VRING_DESC_F_INDIRECT: u16 = 4;
 
 /// Segments per request the device accepts (config `seg_max`).
 const SEG_MAX: u32 = 254;
@@ -99,6 +101,8 @@ pub struct BlkStats {
     pub bytes_written: u64,
     /// Requests answered IOERR or UNSUPP.
     pub failed: u64,
+    /// Chains whose head named an indirect descriptor table.
+    pub indirect: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     pub npage_histogram: Vec<u64>,
@@ -143,11 +147,7 @@ impl Blk {
     fn config(&self) -> [u8; 60] {
         let mut c = [0u8; 60];
         c[0..8].copy_from_slice(&self.sectors.to_le_bytes()); // capacity
-        // Without indirect descriptors (behind an IOMMU) a request must fit the ring itself:
-        // header + segments + status in QEMU's default 128 entries, or Linux retries a 1 MiB
-        // request of 256 segments forever.
-        let seg_max = if self.options.iommu { 126 } else { SEG_MAX };
-        c[12..16].copy_from_slice(&seg_max.to_le_bytes()); // seg_max
+        c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes()); // seg_max
         c[20..24].copy_from_slice(&(SECTOR as u32).to_le_bytes()); // blk_size
         c[34..36].copy_from_slice(&self.options.queues.to_le_bytes()); // num_queues
         c
@@ -400,23 +400,6 @@ impl Blk {
     }
 }
 
-/// The first address of `[addr, addr + len)` that has no translation (the page a MISS must
-/// ask for: asking for the buffer's start again would loop when only its tail is missing), or
-/// `None`. A translation without the access needed is no miss: the request fails on it.
-fn first_missing(dma: &DmaSpace, addr: u64, len: u64, write: bool) -> Option<u64> {
-    let access = if write { Access::Write } else { Access::Read };
-    let end = addr.checked_add(len)?;
-    let mut at = addr;
-    while at < end {
-        match dma.translate(Iova(at), end - at, access) {
-            Ok(t) if t.len > 0 => at += t.len,
-            Err(memvisor::Error::Fault { .. }) => return Some(at),
-            _ => return None,
-        }
-    }
-    None
-}
-
 fn record(h: &mut Vec<u64>, pages: usize) {
     let bucket = pages.max(1).next_power_of_two().trailing_zeros() as usize;
     if h.len() <= bucket {
@@ -453,7 +436,6 @@ impl Device for Blk {
         }
         if self.options.iommu {
             f |= crate::proto::F_IOMMU_PLATFORM;
-            f &= !(1 << F_RING_INDIRECT);
         }
         f
     }
@@ -485,26 +467,43 @@ impl Device for Blk {
     }
 
     fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool> {
-        let mem = memory.space().memory();
+        // Rings, descriptors and indirect tables are all read at device addresses, through
+        // the device space (the IOTLB behind a vIOMMU).
         let dma = memory.dma().clone();
+        let mem = dma.memory();
+        let ask = memory.is_iotlb() && !self.fail_misses;
+        let miss = |m: memvisor::dma::Miss| Error::IotlbMiss {
+            iova: m.iova.0,
+            write: m.access == Access::Write,
+        };
         let mut any = false;
         loop {
-            let chain = match queue.iter(&*mem) {
+            let chain = match queue.iter(&mem) {
                 Ok(mut avail) => avail.next(),
                 Err(e) => {
+                    if let (true, Some(m)) = (ask, mem.take_miss()) {
+                        return Err(miss(m));
+                    }
                     return Err(Error::BadRing(format!(
                         "queue {index}: available ring unusable: {e}"
                     )));
                 }
             };
             let Some(chain) = chain else {
+                if let (true, Some(m)) = (ask, mem.take_miss()) {
+                    return Err(miss(m));
+                }
                 // With event indexes, re-arm and look once more for a late arrival.
-                if queue.enable_notification(&*mem).unwrap_or(false) {
+                if queue.enable_notification(&mem).unwrap_or(false) {
                     continue;
                 }
                 break;
             };
             let head = chain.head_index();
+            let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
+            let indirect = mem
+                .read_obj::<u16>(GuestAddress(flags_at))
+                .is_ok_and(|f| f & VRING_DESC_F_INDIRECT != 0);
             let bufs: Vec<Buf> = chain
                 .map(|d| Buf {
                     addr: d.addr().0,
@@ -512,25 +511,43 @@ impl Device for Blk {
                     write: d.is_write_only(),
                 })
                 .collect();
-            if memory.is_iotlb() && !self.fail_misses {
-                // Every buffer translatable before anything is done; else put the chain back
-                // and let the back end ask the frontend.
-                if let Some(miss) = bufs.iter().find_map(|b| {
-                    let write = b.write;
-                    first_missing(memory.dma(), b.addr, u64::from(b.len), write)
-                        .map(|iova| Error::IotlbMiss { iova, write })
-                }) {
-                    queue.set_next_avail(queue.next_avail().wrapping_sub(1));
-                    return Err(miss);
+            // virtio-queue ends a chain at a descriptor it cannot read: a miss in the table
+            // (or an indirect table) cut it short.
+            let cut = mem.take_miss();
+            // Behind a vIOMMU every buffer must be translatable before anything is done; else
+            // (and for a chain cut short) put the chain back and let the back end ask.
+            let missing = || {
+                bufs.iter().find_map(|b| {
+                    let access = if b.write { Access::Write } else { Access::Read };
+                    mem.check(Iova(b.addr), u64::from(b.len), access).err()?;
+                    mem.take_miss()
+                })
+            };
+            if ask {
+                if let Some(m) = cut.or_else(missing) {
+                    queue.go_to_previous_position();
+                    return Err(miss(m));
                 }
             }
-            let (_, written) = self.request(&dma, &bufs);
-            if let Err(e) = queue.add_used(&*mem, head, written) {
+            self.stats.indirect += u64::from(indirect);
+            let (_, written) = match cut {
+                Some(m) => {
+                    // Cut short, with no one to ask: there is no status byte to write.
+                    self.stats.failed += 1;
+                    log::warn!(
+                        "blk: queue {index}: descriptor chain {head} unreadable at iova {:#x}",
+                        m.iova.0
+                    );
+                    (S_IOERR, 0)
+                }
+                None => self.request(&dma, &bufs),
+            };
+            if let Err(e) = queue.add_used(&mem, head, written) {
                 log::warn!("blk: queue {index}: cannot return head {head}: {e}");
             }
             any = true;
         }
-        Ok(any && queue.needs_notification(&*mem).unwrap_or(true))
+        Ok(any && queue.needs_notification(&mem).unwrap_or(true))
     }
 
     fn reset(&mut self) {

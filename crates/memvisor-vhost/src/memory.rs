@@ -7,21 +7,26 @@
 //!
 //! * a [`Backing`] for the descriptor, through the process's [`SharedMappings`] — so two devices
 //!   of one VMM share one mapping, and one device's pins hold against another's discards;
-//! * a slot in a [`SlotTable`] (GPA -> host address), which the vring code reads through the
-//!   vm-memory adapter ([`SlotSpace`]);
+//! * a slot in a [`SlotTable`] (GPA -> host address), which a device model of guest physical
+//!   memory (the balloon's) reads through the vm-memory adapter ([`SlotSpace`]);
 //! * a mapping in a [`DmaSpace`] at IOVA = GPA, through which devices translate, copy and pin
-//!   their buffers. Without an IOMMU the device's addresses are guest physical, so the space is
-//!   the identity over the slots; under an IOMMU (next step) the same space holds the IOTLB's
-//!   entries instead, and device code does not change.
+//!   their buffers and read their rings. Without an IOMMU the device's addresses are guest
+//!   physical, so the space is the identity over the slots; under an IOMMU the same space holds
+//!   the IOTLB's entries instead, and device code does not change.
 //!
-//! The region list itself is kept only to turn user addresses into guest physical ones.
+//! **Rings** are read at device addresses: the queue is handed the space's vm-memory view
+//! ([`DmaSpace::memory`]), so descriptor tables, available and used rings and indirect
+//! tables are all translated like any buffer. The region list itself is kept only to turn user
+//! addresses into guest physical ones (ring addresses without an IOMMU, IOTLB updates).
 //!
 //! **Dirty logging** (migration). While logging, the device space tracks dirty pages (device
-//! writes through translations, `dma_write`, and pins — pinned pages stay dirty) and every slot
-//! logs writes made through the slot table (the rings, written by `virtio-queue` through the
-//! vm-memory adapter). [`FrontendMemory::drain_dirty`] reads and clears both and ORs them into
-//! the frontend's shared log at guest physical pages: memvisor's tracking is the one source of
-//! truth and the vhost-user log its view. A new memory table keeps logging on.
+//! writes through translations, `dma_write`, the used ring, and pins — pinned pages stay dirty)
+//! and every slot logs writes made through the slot table (a device model of guest physical
+//! memory). [`FrontendMemory::drain_dirty`] reads and clears both and ORs them into the
+//! frontend's shared log at guest physical pages: memvisor's tracking is the one source of
+//! truth and the vhost-user log its view. A new memory table keeps logging on. An IOTLB entry's
+//! pages are logged at the guest physical pages behind it, found by the host address in a
+//! sorted index of the slots.
 //!
 //! **Behind a vIOMMU** (`VIRTIO_F_IOMMU_PLATFORM`), the device's addresses are IOVAs the guest's
 //! IOMMU hands out, and the device space holds the frontend's IOTLB instead of the identity:
@@ -165,26 +170,17 @@ impl FrontendMemory {
         Ok(removed)
     }
 
-    /// The guest physical address of device address `addr` for `len` bytes that must be
-    /// contiguous (ring parts): the identity without an IOMMU, else through the IOTLB and back
-    /// from host to guest physical through the slots. `None` if not mapped (an IOTLB miss).
-    pub fn device_to_gpa(&self, addr: u64, len: u64, access: memvisor::Access) -> Option<u64> {
-        if !self.iotlb {
-            return Some(addr);
-        }
-        let t = self.dma.translate(Iova(addr), len, access).ok()?;
-        if t.len < len {
-            return None;
-        }
-        self.hva_to_gpa(t.hva.0)
-    }
-
-    fn hva_to_gpa(&self, hva: u64) -> Option<u64> {
+    /// Where each slot's memory is in this process, sorted by host address, for turning the
+    /// host address behind an IOTLB entry back into guest physical pages (the dirty log's
+    /// unit): (host address, length, guest physical address).
+    fn host_index(&self) -> Vec<(u64, u64, u64)> {
         let snap = self.slots.snapshot();
-        snap.slots().find_map(|s| {
-            let off = hva.wrapping_sub(s.hva().0);
-            (off < s.range().len()).then(|| s.range().start().0 + off)
-        })
+        let mut v: Vec<(u64, u64, u64)> = snap
+            .slots()
+            .map(|s| (s.hva().0, s.range().len(), s.range().start().0))
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     /// Starts dirty logging (`VHOST_F_LOG_ALL` acked).
@@ -239,12 +235,20 @@ impl FrontendMemory {
         if self.iotlb {
             // Device writes are tracked per IOTLB entry (IOVA pages): log them at the guest
             // physical pages behind each entry.
+            let hosts = self.host_index();
+            let to_gpa = |hva: u64| {
+                let i = hosts
+                    .partition_point(|&(h, _, _)| h <= hva)
+                    .checked_sub(1)?;
+                let (h, len, gpa) = hosts[i];
+                (hva - h < len).then(|| gpa + (hva - h))
+            };
             for m in self.dma.mappings() {
                 let (Some(hva), start) = (m.hva(), m.iova().start()) else {
                     continue;
                 };
                 let words = self.dma.get_and_clear_dirty(start, m.iova().len(), PAGE)?;
-                match self.hva_to_gpa(hva.0) {
+                match to_gpa(hva.0) {
                     Some(gpa) => add(log.or_words(gpa / PAGE, &words)),
                     None => log::warn!("IOTLB entry at iova {start} is in no guest memory"),
                 }

@@ -268,6 +268,10 @@ pub mod iotlb {
     pub const UPDATE: u8 = 2;
     /// Translations to remove.
     pub const INVALIDATE: u8 = 3;
+    /// A miss's access: read only (`VHOST_ACCESS_RO`).
+    pub const ACCESS_RO: u8 = 1;
+    /// A miss's access: read and write (`VHOST_ACCESS_RW`).
+    pub const ACCESS_RW: u8 = 3;
 }
 
 impl IotlbMsg {

@@ -82,7 +82,7 @@ fn rings_and_buffers_go_through_the_iotlb() {
     let (c, t) = serve(Blk::new(disk, options).unwrap());
     let f = c.get_u64(req::GET_FEATURES).unwrap();
     assert_ne!(f & F_IOMMU_PLATFORM, 0);
-    assert_eq!(f & (1 << 28), 0, "no indirect descriptors behind an IOMMU");
+    assert_ne!(f & (1 << 28), 0, "indirect descriptors behind an IOMMU too");
     c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
     let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
     c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
@@ -333,4 +333,110 @@ fn an_invalidation_is_acknowledged_only_after_the_request_on_its_range_ended() {
     println!("{before} requests ended before the acknowledgement, {after} failed after it");
     drop(c);
     t.join().unwrap().1.ok();
+}
+
+/// An indirect descriptor table is at an IOVA like everything else: read through the IOTLB,
+/// asked for with a MISS when it is not there, and the request completes once it is.
+#[test]
+fn indirect_tables_are_read_through_the_iotlb() {
+    use memvisor::balloon::guest::{Desc, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    const VRING_DESC_F_INDIRECT: u16 = 4;
+    const TABLE: u64 = 0x90000;
+    let disk = memfd(MIB);
+    std::os::unix::fs::FileExt::write_all_at(&disk, &[0x3c; 4096], 0).unwrap();
+    let mut g = Guest::new(4 * MIB);
+    let options = BlkOptions {
+        iommu: true,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk, options).unwrap());
+    let f = c.get_u64(req::GET_FEATURES).unwrap();
+    assert_ne!(f & (1 << 28), 0, "VIRTIO_RING_F_INDIRECT_DESC offered");
+    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
+    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
+    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
+        .unwrap();
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    assert_eq!(
+        c.ack(req::SET_BACKEND_REQ_FD, &[], &[theirs.as_raw_fd()])
+            .unwrap(),
+        0
+    );
+    let table = proto::mem_table_bytes(&[g.region()]);
+    assert_eq!(
+        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
+            .unwrap(),
+        0
+    );
+    // Ring and buffers mapped; the indirect table's page not yet.
+    for (iova, gpa, perm) in [
+        (IO + RING_AT, RING_AT, 3),
+        (IO + HDR, HDR, 1),
+        (IO + DATA, DATA, 3),
+        (IO + STATUS, STATUS, 3),
+    ] {
+        assert_eq!(update(&c, iova, gpa, 4096, perm), 0);
+    }
+    start_ring_behind_iommu(&c, &g);
+
+    // The guest writes the table (header, data, status) at guest page TABLE and posts one
+    // descriptor naming it at its IOVA.
+    g.mem.write(Gpa(HDR), &[0u8; 16]).unwrap(); // IN, sector 0
+    g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
+    let entries = [
+        (IO + HDR, 16u32, VRING_DESC_F_NEXT, 1u16),
+        (IO + DATA, 512, VRING_DESC_F_WRITE | VRING_DESC_F_NEXT, 2),
+        (IO + STATUS, 1, VRING_DESC_F_WRITE, 0),
+    ];
+    for (k, (addr, len, flags, next)) in entries.into_iter().enumerate() {
+        let mut e = [0u8; 16];
+        e[0..8].copy_from_slice(&addr.to_le_bytes());
+        e[8..12].copy_from_slice(&len.to_le_bytes());
+        e[12..14].copy_from_slice(&flags.to_le_bytes());
+        e[14..16].copy_from_slice(&next.to_le_bytes());
+        g.mem.write(Gpa(TABLE + 16 * k as u64), &e).unwrap();
+    }
+    let indirect = Desc {
+        addr: IO + TABLE,
+        len: 48,
+        flags: VRING_DESC_F_INDIRECT,
+        next: 0,
+    };
+    let head = g.ring.add_raw(&[0], &[indirect]).unwrap();
+    g.ring.publish(head).unwrap();
+    std::io::Write::write_all(&mut g.kick, &1u64.to_le_bytes()).unwrap();
+
+    // The table is not in the IOTLB: the back end asks for exactly it, for reading.
+    ours.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut miss = [0u8; 12 + 32];
+    (&ours)
+        .read_exact(&mut miss)
+        .expect("a MISS for the indirect table within 5 s");
+    let m = IotlbMsg::parse(&miss[12..]).unwrap();
+    assert_eq!(
+        (m.kind, m.iova, m.perm),
+        (iotlb::MISS, IO + TABLE, iotlb::ACCESS_RO),
+        "{m:?}"
+    );
+    assert_eq!(
+        read_status(&g),
+        0xff,
+        "nothing done before the table is there"
+    );
+    // The update arrives: the request is served from the chain in the table.
+    assert_eq!(update(&c, IO + TABLE, TABLE, 4096, 1), 0);
+    let (used_head, written) = g.wait_used();
+    assert_eq!((used_head, written), (head, 513));
+    assert_eq!(read_status(&g), 0);
+    let mut d = [0u8; 512];
+    g.mem.read(Gpa(DATA), &mut d).unwrap();
+    assert_eq!(
+        d, [0x3c; 512],
+        "the data landed behind the IOVA the table named"
+    );
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.stats.iotlb_misses, 1);
+    assert_eq!(backend.device().stats.indirect, 1);
 }

@@ -42,6 +42,8 @@ pub use addr::{Gpa, Hva, Iova, PageSize, Range};
 pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation, SharedMappings};
 pub use bitmap::SharedLog;
 pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutcome};
+#[cfg(feature = "vm-memory")]
+pub use dma::DmaMemory;
 pub use dma::{Access, DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
 pub use error::{Error, Result};
 pub use slots::{SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot, Translation};

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use memvisor::{
-    Backing, BackingKind, Gpa, SlotFlags, SlotMemory, SlotSpace, SlotSpec, SlotTable, Snapshot,
+    Access, Backing, BackingKind, DmaConfig, DmaSpace, Gpa, Iova, Prot, SlotFlags, SlotMemory,
+    SlotSpace, SlotSpec, SlotTable, Snapshot,
 };
 use vm_memory::bitmap::{AtomicBitmap, Bitmap};
 use vm_memory::{
@@ -439,4 +440,101 @@ fn views_are_send_and_sync() {
 #[test]
 fn example_runs() {
     example::main().unwrap();
+}
+
+// ---- the device space's view (IOVA-addressed) ----
+
+/// The layout's slots mapped into a device space at IOVA = GPA, as a device without an IOMMU
+/// sees them.
+fn identity_space(table: &SlotTable) -> DmaSpace {
+    let dma = DmaSpace::new(DmaConfig::default()).unwrap();
+    let snap = table.snapshot();
+    for (gpa, size) in LAYOUT {
+        dma.map_guest(Iova(gpa), &snap, Gpa(gpa), size, Prot::RW)
+            .unwrap();
+    }
+    dma
+}
+
+#[test]
+fn the_device_view_behaves_as_the_slots_at_iova_equal_gpa() {
+    let table = slots([SlotFlags::NONE; 3]);
+    let dma = identity_space(&table);
+    let view = dma.memory();
+    objects(&view);
+    slices_across_regions(&view);
+    holes(&view);
+    assert!(view.physical_memory().is_none(), "addresses are IOVAs");
+}
+
+#[test]
+fn the_device_view_translates_checks_and_remembers_misses() {
+    const IO: u64 = 0x1_0000_0000;
+    let table = slots([SlotFlags::NONE; 3]);
+    let snap = table.snapshot();
+    let dma = DmaSpace::new(DmaConfig::default()).unwrap();
+    // Slot 0's memory read-only at IO, slot 2's read-write right after it.
+    dma.map_guest(Iova(IO), &snap, Gpa(0), 64 * KIB, Prot::READ)
+        .unwrap();
+    dma.map_guest(
+        Iova(IO + 64 * KIB),
+        &snap,
+        Gpa(256 * KIB),
+        64 * KIB,
+        Prot::RW,
+    )
+    .unwrap();
+    table.write(Gpa(0x40), &pattern(64, 5)).unwrap();
+    let view = dma.memory();
+    let mut back = [0u8; 64];
+    view.read_slice(&mut back, GuestAddress(IO + 0x40)).unwrap();
+    assert_eq!(
+        back[..],
+        pattern(64, 5)[..],
+        "read at the IOVA, from the guest page"
+    );
+    // A read crossing from one mapping into the next reads both guest pages.
+    view.write_slice(&[7u8; 32], GuestAddress(IO + 64 * KIB))
+        .unwrap();
+    let mut across = [0u8; 64];
+    view.read_slice(&mut across, GuestAddress(IO + 64 * KIB - 32))
+        .unwrap();
+    assert_eq!(across[32..], [7u8; 32]);
+    let mut at_gpa = [0u8; 32];
+    table.read(Gpa(256 * KIB), &mut at_gpa).unwrap();
+    assert_eq!(at_gpa, [7u8; 32], "the write landed behind the IOVA");
+    // Not allowed: a permission error, no miss.
+    let e = view.write_obj(1u32, GuestAddress(IO)).unwrap_err();
+    assert!(
+        matches!(&e, GuestMemoryError::IOError(io) if io.kind() == io::ErrorKind::PermissionDenied),
+        "{e:?}"
+    );
+    assert!(!view.check_range(GuestAddress(IO), 4, Permissions::Write));
+    assert_eq!(view.take_miss(), None);
+    // Running off the end: the miss is the first unmapped byte, not the access's start.
+    let end = IO + 128 * KIB;
+    assert!(view.read_obj::<u64>(GuestAddress(end - 4)).is_err());
+    let miss = view.take_miss().unwrap();
+    assert_eq!((miss.iova, miss.access), (Iova(end), Access::Read));
+    assert_eq!(view.take_miss(), None, "taken once");
+    // The view keeps the snapshot it was built from.
+    dma.unmap(Iova(IO), 64 * KIB).unwrap();
+    view.read_slice(&mut back, GuestAddress(IO + 0x40)).unwrap();
+    assert!(
+        dma.memory()
+            .read_slice(&mut back, GuestAddress(IO + 0x40))
+            .is_err()
+    );
+}
+
+#[test]
+fn writes_through_the_device_view_are_device_writes_for_the_dirty_log() {
+    let table = slots([SlotFlags::NONE; 3]);
+    let dma = identity_space(&table);
+    dma.start_dirty_tracking().unwrap();
+    let view = dma.memory();
+    view.write_obj(1u16, GuestAddress(0x3000)).unwrap();
+    view.read_obj::<u64>(GuestAddress(0x5000)).unwrap();
+    let words = dma.get_and_clear_dirty(Iova(0), 64 * KIB, 4096).unwrap();
+    assert_eq!(words[0], 1 << 3, "the page written, not the page read");
 }

@@ -49,6 +49,8 @@ mod pin;
 mod retire;
 mod rw;
 mod translate;
+#[cfg(feature = "vm-memory")]
+mod vm_memory;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -75,6 +77,8 @@ pub use external::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pinne
 pub use mode::{Extent, PinMode};
 pub use pin::{HostExtent, LongTermCounts, PIN_BATCH, PinRegistry};
 pub use translate::{DmaCursor, Segment, Translation};
+#[cfg(feature = "vm-memory")]
+pub use vm_memory::{DmaMemory, DmaSlices, Miss};
 
 /// What a mapping allows a device to do.
 #[derive(Clone, Copy, PartialEq, Eq, Default, Hash)]

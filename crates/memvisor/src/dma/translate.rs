@@ -455,6 +455,24 @@ impl DmaSpace {
         self.with_snapshot(|snap| self.translate_in(snap, iova, len, access))
     }
 
+    /// [`DmaSpace::translate`] in `snap`, a snapshot the caller holds (a view's), without
+    /// waiting for an invalidated host address: EBUSY at once.
+    #[cfg(feature = "vm-memory")]
+    pub(super) fn translate_at(
+        &self,
+        snap: &DmaSnapshot,
+        iova: Iova,
+        len: u64,
+        access: Access,
+    ) -> Result<Translation> {
+        if len == 0 {
+            return Err(Error::ZeroSize {
+                what: "translation",
+            });
+        }
+        self.translate_in(snap, iova, len, access)
+    }
+
     /// [`DmaSpace::translate`] in `snap`, remembering the hit.
     #[inline(always)]
     fn translate_in(
