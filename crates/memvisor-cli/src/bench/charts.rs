@@ -183,7 +183,10 @@ fn draw(root: &Area, chart: &Chart) -> Result<(), DrawError> {
         shown: !shown.is_empty(),
     };
     if chart.log_scale {
-        plot.draw((y.lo..y.hi).log_scale(), y.lo)
+        // Plotters finds the decades from logarithms, which can land a hair past a power of ten
+        // and lose the end's tick: widen the range by a part in 1e9, which no pixel shows.
+        let (lo, hi) = (y.lo * (1.0 - 1e-9), y.hi * (1.0 + 1e-9));
+        plot.draw((lo..hi).log_scale(), lo)
     } else {
         plot.draw(y.lo..y.hi, 0.0)
     }
@@ -651,9 +654,21 @@ mod tests {
                 .map(|t| t.to_string())
                 .collect::<Vec<_>>()
         };
-        let texts = texts_of(true);
+        let labels = texts_of(true);
         for tick in ["1", "10", "100", "1000", "10k"] {
-            assert!(texts.contains(&tick.to_string()), "{tick}: {texts:?}");
+            assert!(labels.contains(&tick.to_string()), "{tick}: {labels:?}");
+        }
+        // The ends of a log axis are labelled, also where log10 is inexact (0.1, 1e-10); over
+        // many decades plotters labels every few, from the bottom.
+        for (bars, ends) in [
+            (&[("x", 0.5), ("y", 30.0)][..], &["0.1", "100"][..]),
+            (&[("x", 1e-9), ("y", 1e12)][..], &["1.0e-10", "10G"]),
+        ] {
+            let svg = render(&chart(Better::Lower, true, &[("a", bars)])).unwrap();
+            let texts = texts(&svg);
+            for tick in ends {
+                assert!(texts.contains(tick), "{tick}: {texts:?}");
+            }
         }
         let texts = texts_of(false);
         for tick in ["0", "1000", "2000", "3000", "4000"] {
