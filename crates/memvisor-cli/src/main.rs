@@ -25,7 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Reproduce the seed experiments side by side and write report.md, results.json and SVG charts
+    /// Reproduce the kernel patches' measurements (the seeds, listed in the report) side by side
+    /// and write report.md, results.json and SVG charts
     Bench(BenchArgs),
     /// Serve a virtio-blk device over a raw image on a vhost-user socket (until SIGINT/SIGTERM)
     #[command(name = "vhost-user-blk")]

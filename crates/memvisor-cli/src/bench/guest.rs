@@ -154,7 +154,10 @@ impl Experiment for Guest {
         if let Some(stats) = read(&run.join("blk/stats.json")) {
             let v: serde_json::Value = serde_json::from_str(&stats)?;
             let mut t = Table::new(
-                "blk requests by pinned 4 KiB pages, from the real guest (seed 002's question)",
+                &format!(
+                    "blk requests by pinned 4 KiB pages, from the real guest (the question of {})",
+                    super::seeds::SEED_002.named()
+                ),
                 &["pages (up to)", "requests", "share"],
             );
             let hist: Vec<(u64, u64)> = v["npage_histogram"]

@@ -264,8 +264,8 @@ impl Experiment for MapUnmap {
                 String::new(),
             ]);
             for (label, [map, unmap]) in [
-                ("kernel before seed 001 (16 GB)", seed_before),
-                ("kernel after seed 001 (16 GB)", seed_after),
+                ("kernel before the patch (16 GB)", seed_before),
+                ("kernel after the patch (16 GB)", seed_after),
             ] {
                 table.push(vec![
                     seed_name.into(),
@@ -294,8 +294,9 @@ impl Experiment for MapUnmap {
             "Times and GB/s are means of {runs} runs, not medians; GB/s = bytes / mean time \
              (1 GB = 1e9 bytes, as in the seed); the raw mlock / munlock floor is one run. \
              Per-page UNMAP is one munlock and one accounting update per 4 KiB page; \
-             extent-aware UNMAP is one per run. The kernel rows are seed 001's figures for \
-             16 GB on its own machine, for reference only."
+             extent-aware UNMAP is one per run. The kernel rows are the figures of {} \
+             for 16 GB on its own machine, for reference only.",
+            SEED_001.named()
         ));
         out.tables.push(table);
         out.charts.push(("map-unmap-map".into(), map_chart));

@@ -787,8 +787,9 @@ impl Experiment for PinPages {
         // Part 2: replay.
         let mut replay_table = Table::new(
             &format!(
-                "Part 2: replay of recorded npage histograms (seed 002's vfio-ccw, mvdma under \
-                 a real guest), ns per call ({QUEUE} calls outstanding; lower is better)"
+                "Part 2: replay of recorded npage histograms (vfio-ccw from {}, mvdma under a \
+                 real guest), ns per call ({QUEUE} calls outstanding; lower is better)",
+                SEED_002.named()
             ),
             &[
                 "Workload",

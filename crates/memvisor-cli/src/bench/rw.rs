@@ -228,8 +228,9 @@ impl Experiment for Rw {
         }
         progress.finish();
         table.note = Some(format!(
-            "{runs} runs of about 30 ms each; seed 004a gives no figures of its own, the point \
-             is the gap to pin+copy+unpin"
+            "{runs} runs of about 30 ms each; {} gives no figures of its own, the point is the \
+             gap to pin+copy+unpin",
+            SEED_004A.named()
         ));
         out.tables.push(table);
         out.charts.push(("rw-gbps".into(), chart));

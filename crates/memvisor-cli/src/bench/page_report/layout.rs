@@ -5,6 +5,7 @@
 //! them all the same way, then adds the rows of `results.json`, the two charts and the notes on
 //! the targets.
 
+use super::super::seeds::SEED_004B;
 use super::super::{Better, Chart, ChartGroup, Outcome, Row, Stats, Table};
 use super::{
     BLOCKS_PER_REPORT, DISCARDED, Kind, KindResult, MIB, PINNED, RESIDENT_AFTER, RESIDENT_BEFORE,
@@ -172,18 +173,20 @@ const TABLES: [TableSpec; 3] = [
             ("faults/page after MADV_FREE", |l| l.faults(TOUCH_FREED)),
         ],
         note: |_| {
-            "One volatile byte write per 4 KiB page in address order. After discard every page \
-             faults and the kernel zero-fills it (for THP and hugetlbfs one 2 MiB huge page per \
-             512 pages, the cost spread over them); after MADV_FREE without memory pressure the \
-             pages are still there, so no fault and no zeroing (faults per page: the process's \
-             minor faults during the touch) — what is left is the CPU setting again the \
-             accessed and dirty bits MADV_FREE cleared, one page-table walk per 4 KiB page (two \
-             levels of tables in a VM), nearly nothing per 2 MiB page. Seed 004b measured this \
-             cost inside a guest: will-it-scale page_fault1 (THP) 1012402 -> 1010227 \
-             iterations and page_fault2 361855 -> 359749 with reporting enabled (1 task), the \
-             loss it blames on faults on reported pages and host zeroing, and less of it with \
-             MADV_FREE."
-                .into()
+            format!(
+                "One volatile byte write per 4 KiB page in address order. After discard every \
+                 page faults and the kernel zero-fills it (for THP and hugetlbfs one 2 MiB huge \
+                 page per 512 pages, the cost spread over them); after MADV_FREE without memory \
+                 pressure the pages are still there, so no fault and no zeroing (faults per page: \
+                 the process's minor faults during the touch) — what is left is the CPU setting \
+                 again the accessed and dirty bits MADV_FREE cleared, one page-table walk per \
+                 4 KiB page (two levels of tables in a VM), nearly nothing per 2 MiB page. {} \
+                 measured this cost inside a guest: will-it-scale page_fault1 (THP) 1012402 -> \
+                 1010227 iterations and page_fault2 361855 -> 359749 with reporting enabled (1 \
+                 task), the loss it blames on faults on reported pages and host zeroing, and less \
+                 of it with MADV_FREE.",
+                SEED_004B.named()
+            )
         },
     },
 ];
