@@ -9,7 +9,8 @@
 //! Shown: the blk trial's guest-side times beside qemu-storage-daemon's export serving the same
 //! guest and image (TCG makes the guest's CPU the bottleneck, so this compares correctness and
 //! gross cost, not device speed); the pinned-page histogram of the blk requests a real guest
-//! sent (seed 002's question); the guest memory's allocated bytes over the balloon trial.
+//! sent (the question behind "vfio iommu type1: Improve vfio_iommu_type1_pin_pages
+//! performance", seed 002); the guest memory's allocated bytes over the balloon trial.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,4 +1,5 @@
-//! `memvisor bench lookup`: seed 003, the per-vCPU last-used memslot.
+//! `memvisor bench lookup`: "KVM: Cache the last used slot index per vCPU" (seed 003), the
+//! per-vCPU last-used memslot.
 //!
 //! The seed measured KVM's dirty_log_perf_test with 64 vCPUs each working in its own one of 64
 //! memslots: "populate" (first touch of every page, dominated by faults) and "iteration 2" (the

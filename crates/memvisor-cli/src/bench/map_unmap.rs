@@ -1,6 +1,7 @@
-//! `memvisor bench map-unmap`: seed 001, DMA MAP and UNMAP throughput by memory kind.
+//! `memvisor bench map-unmap`: "vfio/type1: optimize vfio_unpin_pages_remote() for large folio"
+//! (seed 001), DMA MAP and UNMAP throughput by memory kind.
 //!
-//! Seed 001 made VFIO unpin a large folio (a huge page) in one step instead of 4 KiB page by
+//! The patch made VFIO unpin a large folio (a huge page) in one step instead of 4 KiB page by
 //! page, and measured `VFIO_IOMMU_MAP_DMA` / `UNMAP_DMA` of 16 GB in GB/s for three kinds of
 //! memory: anonymous with MADV_HUGEPAGE, MAP_POPULATE (here: shared anonymous, populated) and
 //! hugetlbfs 2 MiB. Here an Eager [`DmaSpace`](memvisor::DmaSpace) maps (pins) and unmaps (unpins) the same amount

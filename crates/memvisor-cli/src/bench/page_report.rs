@@ -1,6 +1,7 @@
-//! `memvisor bench report`: seed 004b, free page reporting on the host side.
+//! `memvisor bench report`: "mm / virtio: Provide support for free page reporting" (seed 004b),
+//! free page reporting on the host side.
 //!
-//! Seed 004b (Linux's `mm/page_reporting` with `virtio_balloon`) lets a guest hand free blocks of
+//! The series (Linux's `mm/page_reporting` with `virtio_balloon`) lets a guest hand free blocks of
 //! its memory back to the host: up to 32 blocks of 2 MiB (`pageblock_order`) per report, each
 //! report acknowledged before the guest reuses the blocks. The host's work is [`Discarder::report`]:
 //! drop the memory behind every block, except pages pinned for DMA. This experiment reports

@@ -1,6 +1,7 @@
-//! `memvisor bench pin`: seed 000, pinning a guest's memory page by page vs in batches of 512.
+//! `memvisor bench pin`: "vfio/type1: Batch page pinning" (seed 000), pinning a guest's memory
+//! page by page vs in batches of 512.
 //!
-//! Seed 000 made VFIO pin a guest's memory 512 pages per step instead of one at a time and
+//! The patch made VFIO pin a guest's memory 512 pages per step instead of one at a time and
 //! reported the time to pin 1–120 GB. Here an Eager [`DmaSpace`] maps populated private 4 KiB
 //! memory in one `map_backing` call, which pins all of it: every page faulted in, mlocked,
 //! counted, charged and its physical frame read into extents. The per-page variant sets

@@ -1,7 +1,8 @@
-//! `memvisor bench pin-pages`: seed 002, grouping the pages of a `pin_pages` call into runs.
+//! `memvisor bench pin-pages`: "vfio iommu type1: Improve vfio_iommu_type1_pin_pages
+//! performance" (seed 002), grouping the pages of a `pin_pages` call into runs.
 //!
 //! An emulated device pins the pages it hands to asynchronous I/O with
-//! `DmaSpace::pin_pages(&[iova page numbers], prot)`, at most 512 per call. Seed 002 split each
+//! `DmaSpace::pin_pages(&[iova page numbers], prot)`, at most 512 per call. The patch split each
 //! call into runs of consecutive page numbers and pinned every run at once; its author measured
 //! one call of 1 and of 512 pages, and a reviewer then showed from vfio-ccw traces that most
 //! calls — and 87% of the runs inside them — are single pages. This experiment compares the
@@ -20,7 +21,7 @@
 //! (memvisor locks THP memory in whole huge pages so that they do). The seed's own kernel
 //! figures are printed next to ours.
 //!
-//! **Part 2, replay.** Seed 002's two `@npage` histograms (BASE kernel: vfio-ccw guest boot, and
+//! **Part 2, replay.** The patch's two `@npage` histograms (BASE kernel: vfio-ccw guest boot, and
 //! fio) drive a deterministic sequence of calls (xorshift PRNG, fixed seed): npage drawn from the
 //! histogram, uniform inside a bucket. A multi-page call is cut into runs whose lengths are drawn
 //! from the seed's `vfio_iommu_type1_pin_contiguous_pages` histogram less the single-page runs
