@@ -7,9 +7,10 @@
 //! bars per case along the x axis with the x axis title naming what the cases are, and the y
 //! axis title giving the quantity and its unit; last, a footnote counting values that could not
 //! be drawn. Each variant keeps one slot and one colour in every group. The y axis is linear from
-//! zero or, for `log_scale`, plotters' log coordinate over whole decades; [`YAxis`] chooses only
-//! the range, plotters the ticks (round numbers, or the powers of ten), labelled with the values. A value that cannot be drawn (not finite, or ≤ 0 on a log scale) is
-//! left out, marked "n/a" in its slot and counted in the footnote.
+//! zero or, for `log_scale`, plotters' log coordinate over whole decades; `YAxis` chooses only
+//! the range, plotters the ticks (round numbers, or the powers of ten), labelled with the
+//! values. A value that cannot be drawn (not finite, or ≤ 0 on a log scale) is left out, marked
+//! "n/a" in its slot and counted in the footnote.
 
 use super::short_num;
 use anyhow::anyhow;

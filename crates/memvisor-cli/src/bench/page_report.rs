@@ -3,8 +3,9 @@
 //!
 //! The series (Linux's `mm/page_reporting` with `virtio_balloon`) lets a guest hand free blocks of
 //! its memory back to the host: up to 32 blocks of 2 MiB (`pageblock_order`) per report, each
-//! report acknowledged before the guest reuses the blocks. The host's work is [`Discarder::report`]:
-//! drop the memory behind every block, except pages pinned for DMA. This experiment reports
+//! report acknowledged before the guest reuses the blocks. The host's work is
+//! [`Discarder::report`](memvisor::Discarder::report): drop the memory behind every block,
+//! except pages pinned for DMA. This experiment reports
 //! 1 GiB (`--quick`; 4 GiB with `--full` where memory allows) of populated guest memory that way,
 //! for four kinds of backing — private anonymous 4 KiB (with `MADV_NOHUGEPAGE`, so 4 KiB also
 //! where THP is "always"), THP (`MADV_HUGEPAGE`, 2 MiB aligned), a memfd (shared, 4 KiB) and
@@ -21,11 +22,12 @@
 //!
 //! - `discard`: `Discarder::report`, 32 blocks of 2 MiB per call, until the whole range is
 //!   reported;
-//! - `balloon queue`: the same reports through the virtio-balloon device ([`Balloon`]): the
-//!   guest's ring gets each report as a chain of 32 buffers, the device pops and checks it, hands
-//!   it to the discarder and returns it used; the gap to `discard` is the queue's cost;
+//! - `balloon queue`: the same reports through the virtio-balloon device
+//!   ([`Balloon`](memvisor::balloon::Balloon)): the guest's ring gets each report as a chain of
+//!   32 buffers, the device pops and checks it, hands it to the discarder and returns it used;
+//!   the gap to `discard` is the queue's cost;
 //! - `discard, 10% pinned`: the same with a tenth of the memory pinned first through a Lazy
-//!   [`DmaSpace`] (`pin_pages`) on a registry the discarder shares: every tenth 4 KiB page for the
+//!   [`DmaSpace`](memvisor::DmaSpace) (`pin_pages`) on a registry the discarder shares: every tenth 4 KiB page for the
 //!   4 KiB kinds (runs of a few pages every tenth run if one-page runs would need more memory
 //!   areas than `vm.max_map_count` allows: each locked run is an area of its own), one 4 KiB page
 //!   in every tenth 2 MiB unit for THP and hugetlbfs, where a pin keeps its whole huge page. The
