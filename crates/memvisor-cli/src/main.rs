@@ -25,7 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Reproduce the seed experiments side by side and write report.md, results.json and SVG charts
+    /// Reproduce the kernel patches' measurements (the seeds, listed in the report) side by side
+    /// and write report.md, results.json and SVG charts
     Bench(BenchArgs),
     /// Serve a virtio-blk device over a raw image on a vhost-user socket (until SIGINT/SIGTERM)
     #[command(name = "vhost-user-blk")]
@@ -64,8 +65,9 @@ struct ServeArgs {
     #[arg(long)]
     iommu: bool,
     /// Hold the guest pages the devices pin with the kernel's long-term pin (FOLL_LONGTERM,
-    /// through io_uring) instead of mlock: ~3x cheaper for a page not pinned before. Needs
-    /// io_uring (seccomp profiles often forbid it); the kernel shows such pages in VmPin
+    /// through io_uring) instead of mlock: cheaper for a page not pinned before (figures in the
+    /// README). Needs io_uring (seccomp profiles often forbid it); the kernel shows such pages
+    /// in VmPin
     #[arg(long)]
     long_term_pins: bool,
     /// Write what the devices did as JSON on exit
@@ -85,8 +87,9 @@ struct VfioUserArgs {
     #[arg(long, value_name = "FILE")]
     record: Option<PathBuf>,
     /// Hold the pages the device pins with the kernel's long-term pin (FOLL_LONGTERM, through
-    /// io_uring) instead of mlock: ~3x cheaper for a page not pinned before. Needs io_uring
-    /// (seccomp profiles often forbid it); the kernel shows such pages in VmPin, not VmLck
+    /// io_uring) instead of mlock: cheaper for a page not pinned before (figures in the README).
+    /// Needs io_uring (seccomp profiles often forbid it); the kernel shows such pages in VmPin,
+    /// not VmLck
     #[arg(long)]
     long_term_pins: bool,
     /// TEST ONLY: answer DMA_UNMAP without unmapping, so the device keeps reaching memory the
@@ -137,8 +140,9 @@ struct BlkArgs {
     #[arg(long)]
     iommu: bool,
     /// Hold the pages of requests in flight with the kernel's long-term pin (FOLL_LONGTERM,
-    /// through io_uring) instead of mlock: ~3x cheaper for a page not pinned before. Needs
-    /// io_uring (seccomp profiles often forbid it); the kernel shows such pages in VmPin
+    /// through io_uring) instead of mlock: cheaper for a page not pinned before (figures in the
+    /// README). Needs io_uring (seccomp profiles often forbid it); the kernel shows such pages
+    /// in VmPin
     #[arg(long)]
     long_term_pins: bool,
     /// Write what the device did (requests, bytes, pinned-page histogram, pins) as JSON on exit
@@ -160,7 +164,7 @@ struct BenchArgs {
     /// report, iotlb, vfio-user (the default: all of these), and guest (real-guest trials; root, minutes)
     #[arg(value_name = "EXPERIMENT")]
     experiments: Vec<String>,
-    /// Small sizes: the whole suite in about 4 minutes on 2 cores (the default)
+    /// Small sizes: the whole suite in minutes (the default; the README gives its time)
     #[arg(long, conflicts_with = "full")]
     quick: bool,
     /// The seeds' sizes, where memory allows

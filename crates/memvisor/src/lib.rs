@@ -32,6 +32,7 @@ pub mod dma;
 pub mod error;
 mod pagetable;
 mod rangemap;
+pub mod seeds;
 pub mod slots;
 #[cfg(feature = "vm-memory")]
 pub mod vm_memory;

@@ -7,14 +7,15 @@
 //! bars per case along the x axis with the x axis title naming what the cases are, and the y
 //! axis title giving the quantity and its unit; last, a footnote counting values that could not
 //! be drawn. Each variant keeps one slot and one colour in every group. The y axis is linear from
-//! zero or, for `log_scale`, spans whole decades (the bars are drawn in log10 space, the ticks
-//! labelled with the values). A value that cannot be drawn (not finite, or ≤ 0 on a log scale) is
-//! left out, marked "n/a" in its slot and counted in the footnote.
+//! zero or, for `log_scale`, plotters' log coordinate over whole decades; `YAxis` chooses only
+//! the range, plotters the ticks (round numbers, or the powers of ten), labelled with the
+//! values. A value that cannot be drawn (not finite, or ≤ 0 on a log scale) is left out, marked
+//! "n/a" in its slot and counted in the footnote.
 
 use super::short_num;
 use anyhow::anyhow;
 use plotters::coord::Shift;
-use plotters::coord::ranged1d::KeyPointHint;
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
@@ -84,6 +85,9 @@ const H: u32 = 500;
 const MARGIN: i32 = 16;
 const Y_LABELS_W: u32 = 78;
 const FOOTER_H: u32 = 22;
+/// At most this many labelled ticks on the y axis (plotters picks round values, or the powers of
+/// ten on a log scale).
+const Y_TICKS: usize = 6;
 /// Okabe–Ito palette: distinguishable with the common colour-vision deficiencies.
 const COLOURS: [RGBColor; 8] = [
     RGBColor(0x00, 0x72, 0xB2),
@@ -143,9 +147,8 @@ fn draw(root: &Area, chart: &Chart) -> Result<(), DrawError> {
     let variants = variants(chart);
     let legend_bottom = draw_legend(root, &variants, 56)?;
 
-    let drawable = |v: f64| v.is_finite() && (!chart.log_scale || v > 0.0);
     let values = chart.groups.iter().flat_map(|g| g.bars.iter().map(|b| b.1));
-    let (shown, hidden): (Vec<f64>, Vec<f64>) = values.partition(|&v| drawable(v));
+    let (shown, hidden): (Vec<f64>, Vec<f64>) = values.partition(|&v| drawable(chart, v));
 
     let (body, footer) = root.split_vertically(H - FOOTER_H);
     if !hidden.is_empty() {
@@ -169,94 +172,184 @@ fn draw(root: &Area, chart: &Chart) -> Result<(), DrawError> {
     let lines = labels.iter().map(Vec::len).max().unwrap_or(1) as u32;
     let x_label_h = 14 * lines + 26;
 
-    let scale = Scale::new(&shown, chart.log_scale);
-    let groups = chart.groups.len().max(1) as f64;
-    let mut plot = ChartBuilder::on(&body)
-        .margin_top(legend_bottom as u32 + 8)
-        .margin_left(MARGIN as u32)
-        .margin_right(MARGIN as u32 + 4)
-        .x_label_area_size(x_label_h)
-        .y_label_area_size(Y_LABELS_W)
-        .build_cartesian_2d(0f64..groups, scale.clone())?;
-    let log = chart.log_scale;
-    let tick_label = |t: &f64| short_num(if log { 10f64.powf(*t) } else { *t });
-    plot.configure_mesh()
-        .disable_x_mesh()
-        .x_labels(0)
-        .y_label_formatter(&tick_label)
-        .y_label_style(font(11.0))
-        .axis_desc_style(font(13.0))
-        .x_desc(chart.x_title.clone())
-        .y_desc(chart.y_title.clone())
-        .bold_line_style(RGBColor(0xDD, 0xDD, 0xDD))
-        .axis_style(BLACK)
-        .draw()?;
+    let y = YAxis::new(&shown, chart.log_scale);
+    let plot = Plot {
+        root,
+        body: &body,
+        chart,
+        top: legend_bottom as u32 + 8,
+        x_label_h,
+        labels: &labels,
+        variants: &variants,
+        shown: !shown.is_empty(),
+    };
+    if chart.log_scale {
+        // Plotters finds the decades from logarithms, which can land a hair past a power of ten
+        // and lose the end's tick: widen the range by a part in 1e9, which no pixel shows.
+        let (lo, hi) = (y.lo * (1.0 - 1e-9), y.hi * (1.0 + 1e-9));
+        plot.draw((lo..hi).log_scale(), lo)
+    } else {
+        plot.draw(y.lo..y.hi, 0.0)
+    }
+}
 
-    // Group labels under the axis, centred on their group.
-    let below_axis = plot.backend_coord(&(0.0, scale.lo)).1 + 6;
-    for (g, lines) in labels.iter().enumerate() {
-        let x = plot.backend_coord(&(g as f64 + 0.5, scale.lo)).0;
-        for (i, line) in lines.iter().enumerate() {
-            let at = (x, below_axis + 14 * i as i32);
-            root.draw(&Text::new(line.clone(), at, centre(11.0)))?;
+/// The y range, in values: linear from zero (or the lowest negative value) to a little above the
+/// tallest bar, or on a log scale from whole powers of ten below the shortest bar to above the
+/// tallest. `lo < hi` always holds. Plotters picks the ticks within it: round numbers on a linear
+/// axis, the powers of ten on a log axis.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct YAxis {
+    lo: f64,
+    hi: f64,
+}
+
+impl YAxis {
+    /// `values` are finite, and positive when `log`; none gives a placeholder axis. Leaves
+    /// headroom above the tallest bar for its value label.
+    fn new(values: &[f64], log: bool) -> YAxis {
+        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if values.is_empty() {
+            return YAxis {
+                lo: if log { 1.0 } else { 0.0 },
+                hi: 10.0,
+            };
+        }
+        if log {
+            // A decade below the smallest value unless it sits well above its power of ten, so
+            // its bar has some height.
+            let lo = (min.log10() - 0.1).floor();
+            let hi = (max * 1.5).log10().ceil().max(lo + 1.0);
+            YAxis {
+                lo: 10f64.powi(lo as i32),
+                hi: 10f64.powi(hi as i32),
+            }
+        } else {
+            let (lo, hi) = (min.min(0.0), (max * 1.15).max(0.0));
+            YAxis {
+                lo,
+                hi: if hi > lo { hi } else { lo + 1.0 },
+            }
         }
     }
+}
 
-    if shown.is_empty() {
-        let (x, y) = plot.backend_coord(&(groups / 2.0, (scale.lo + scale.hi) / 2.0));
-        root.draw(&Text::new("no data", (x, y), centre(14.0).color(&GREY)))?;
-        return Ok(());
-    }
+/// What the plot part of a chart needs, whatever its y coordinate.
+struct Plot<'a, 'b> {
+    root: &'a Area<'b>,
+    body: &'a Area<'b>,
+    chart: &'a Chart,
+    /// Where the plot starts below the legend.
+    top: u32,
+    x_label_h: u32,
+    /// Each group's label, wrapped into lines.
+    labels: &'a [Vec<String>],
+    variants: &'a [&'a str],
+    /// Whether any value can be drawn.
+    shown: bool,
+}
 
-    // Variant by variant, each in its slot and colour; a value label above every bar, or n/a.
-    let slot_w = 0.8 / variants.len().max(1) as f64;
-    let bar_px = plot.backend_coord(&(slot_w, 0.0)).0 - plot.backend_coord(&(0.0, 0.0)).0;
-    let base = scale.baseline();
-    for (slot, variant) in variants.iter().enumerate() {
-        let colour = COLOURS[slot % COLOURS.len()];
-        let bars: Vec<(f64, f64)> = chart
-            .groups
-            .iter()
-            .enumerate()
-            .flat_map(|(g, group)| {
+impl Plot<'_, '_> {
+    /// Draws the axes, group labels and bars on the y coordinate `y` (a linear or a log range),
+    /// bars standing on `base`.
+    fn draw<Y>(&self, y: Y, base: f64) -> Result<(), DrawError>
+    where
+        Y: AsRangedCoord<Value = f64>,
+        Y::CoordDescType: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    {
+        let (root, chart) = (self.root, self.chart);
+        let centre = |px| font(px).pos(Pos::new(HPos::Center, VPos::Top));
+        let groups = chart.groups.len().max(1) as f64;
+        let mut plot = ChartBuilder::on(self.body)
+            .margin_top(self.top)
+            .margin_left(MARGIN as u32)
+            .margin_right(MARGIN as u32 + 4)
+            .x_label_area_size(self.x_label_h)
+            .y_label_area_size(Y_LABELS_W)
+            .build_cartesian_2d(0f64..groups, y)?;
+        let (lo, hi) = {
+            let range = plot.y_range();
+            (range.start, range.end)
+        };
+        plot.configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_labels(Y_TICKS)
+            .max_light_lines(0)
+            .y_label_formatter(&|v: &f64| short_num(*v))
+            .y_label_style(font(11.0))
+            .axis_desc_style(font(13.0))
+            .x_desc(chart.x_title.clone())
+            .y_desc(chart.y_title.clone())
+            .bold_line_style(RGBColor(0xDD, 0xDD, 0xDD))
+            .axis_style(BLACK)
+            .draw()?;
+
+        // Group labels under the axis, centred on their group.
+        let below_axis = plot.backend_coord(&(0.0, lo)).1 + 6;
+        for (g, lines) in self.labels.iter().enumerate() {
+            let x = plot.backend_coord(&(g as f64 + 0.5, lo)).0;
+            for (i, line) in lines.iter().enumerate() {
+                let at = (x, below_axis + 14 * i as i32);
+                root.draw(&Text::new(line.clone(), at, centre(11.0)))?;
+            }
+        }
+
+        if !self.shown {
+            let x = plot.backend_coord(&(groups / 2.0, lo)).0;
+            let y = (plot.backend_coord(&(0.0, lo)).1 + plot.backend_coord(&(0.0, hi)).1) / 2;
+            root.draw(&Text::new("no data", (x, y), centre(14.0).color(&GREY)))?;
+            return Ok(());
+        }
+
+        // Variant by variant, each in its slot and colour; a value label above every bar, or n/a.
+        let slot_w = 0.8 / self.variants.len().max(1) as f64;
+        let bar_px = plot.backend_coord(&(slot_w, base)).0 - plot.backend_coord(&(0.0, base)).0;
+        for (slot, variant) in self.variants.iter().enumerate() {
+            let colour = COLOURS[slot % COLOURS.len()];
+            let bars = chart.groups.iter().enumerate().flat_map(|(g, group)| {
                 let x0 = g as f64 + 0.1 + slot as f64 * slot_w;
                 group
                     .bars
                     .iter()
                     .filter(|(v, _)| v == variant)
                     .map(move |&(_, value)| (x0, value))
-            })
-            .collect();
-        for &(x0, value) in &bars {
-            let cx = x0 + slot_w / 2.0;
-            if !drawable(value) {
-                let (x, y) = plot.backend_coord(&(cx, base));
-                let style = font(10.0)
-                    .color(&GREY)
-                    .pos(Pos::new(HPos::Center, VPos::Bottom));
-                root.draw(&Text::new("n/a", (x, y - 3), style))?;
-                continue;
-            }
-            let y = scale.to_axis(value);
-            plot.draw_series(std::iter::once(Rectangle::new(
-                [(x0 + slot_w * 0.05, base), (x0 + slot_w * 0.95, y)],
-                colour.filled(),
-            )))?;
-            let (x, top) = plot.backend_coord(&(cx, y.max(base)));
-            let label = short_num(value);
-            if text_width(&label, 10.0) + 4.0 <= f64::from(bar_px) {
-                let style = font(10.0).pos(Pos::new(HPos::Center, VPos::Bottom));
-                root.draw(&Text::new(label, (x, top - 3), style))?;
-            } else {
-                // Too narrow for the label: stand it up, reading upwards from the bar's top.
-                let style = font(10.0)
-                    .transform(FontTransform::Rotate270)
-                    .pos(Pos::new(HPos::Left, VPos::Center));
-                root.draw(&Text::new(label, (x, top - 3), style))?;
+            });
+            for (x0, value) in bars {
+                let cx = x0 + slot_w / 2.0;
+                if !drawable(chart, value) {
+                    let (x, y) = plot.backend_coord(&(cx, base));
+                    let style = font(10.0)
+                        .color(&GREY)
+                        .pos(Pos::new(HPos::Center, VPos::Bottom));
+                    root.draw(&Text::new("n/a", (x, y - 3), style))?;
+                    continue;
+                }
+                plot.draw_series(std::iter::once(Rectangle::new(
+                    [(x0 + slot_w * 0.05, base), (x0 + slot_w * 0.95, value)],
+                    colour.filled(),
+                )))?;
+                let (x, top) = plot.backend_coord(&(cx, value.max(base)));
+                let label = short_num(value);
+                if text_width(&label, 10.0) + 4.0 <= f64::from(bar_px) {
+                    let style = font(10.0).pos(Pos::new(HPos::Center, VPos::Bottom));
+                    root.draw(&Text::new(label, (x, top - 3), style))?;
+                } else {
+                    // Too narrow for the label: stand it up, reading upwards from the bar's top.
+                    let style = font(10.0)
+                        .transform(FontTransform::Rotate270)
+                        .pos(Pos::new(HPos::Left, VPos::Center));
+                    root.draw(&Text::new(label, (x, top - 3), style))?;
+                }
             }
         }
+        Ok(())
     }
-    Ok(())
+}
+
+/// Whether `chart` can show `v` as a bar: finite, and positive on a log scale.
+fn drawable(chart: &Chart, v: f64) -> bool {
+    v.is_finite() && (!chart.log_scale || v > 0.0)
 }
 
 /// Variants in order of first appearance.
@@ -327,94 +420,6 @@ fn wrap(label: &str, width: f64, px: f64) -> Vec<String> {
         lines.push(String::new());
     }
     lines
-}
-
-/// The y axis, in the units bars are drawn in: values themselves, or their log10 on a log scale.
-/// Linear axes run between multiples of a 1/2/5 step and include zero; log axes run between
-/// whole powers of ten. `lo < hi` always holds. It is plotters' y coordinate too ([`Ranged`]),
-/// so the grid lines and tick labels fall exactly on [`Scale::ticks`].
-#[derive(Debug, Clone)]
-struct Scale {
-    lo: f64,
-    hi: f64,
-    step: f64,
-    log: bool,
-}
-
-impl Scale {
-    /// `values` are finite, and positive when `log`; none gives a placeholder axis. Leaves
-    /// headroom above the tallest bar for its value label.
-    fn new(values: &[f64], log: bool) -> Scale {
-        if values.is_empty() {
-            return Scale {
-                lo: 0.0,
-                hi: 1.0,
-                step: if log { 1.0 } else { 0.2 },
-                log,
-            };
-        }
-        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
-        let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let (lo, hi, step) = if log {
-            // Start a little below the smallest value, so its bar has some height.
-            let lo = (min.log10() - 0.1).floor();
-            (lo, (max * 1.5).log10().ceil().max(lo + 1.0), 1.0)
-        } else {
-            let (lo, hi) = (min.min(0.0), (max * 1.15).max(0.0));
-            let step = nice_step(if hi > lo { (hi - lo) / 6.0 } else { 1.0 });
-            let lo = (lo / step).floor() * step;
-            (lo, ((hi / step).ceil() * step).max(lo + step), step)
-        };
-        Scale { lo, hi, step, log }
-    }
-
-    /// Tick positions on the axis (log10 of the value on a log scale).
-    fn ticks(&self) -> Vec<f64> {
-        let n = ((self.hi - self.lo) / self.step).round() as i32;
-        (0..=n)
-            .map(|i| self.lo + f64::from(i) * self.step)
-            .collect()
-    }
-
-    /// Where bars start: zero, or the bottom of a log axis.
-    fn baseline(&self) -> f64 {
-        if self.log { self.lo } else { 0.0 }
-    }
-
-    /// A value's position on the axis.
-    fn to_axis(&self, v: f64) -> f64 {
-        if self.log { v.log10() } else { v }
-    }
-}
-
-impl Ranged for Scale {
-    type ValueType = f64;
-    type FormatOption = plotters::coord::ranged1d::DefaultFormatting;
-
-    fn map(&self, v: &f64, limit: (i32, i32)) -> i32 {
-        let frac = (v - self.lo) / (self.hi - self.lo);
-        limit.0 + (f64::from(limit.1 - limit.0) * frac).round() as i32
-    }
-
-    /// The ticks as bold points (labels and grid lines); no light grid lines.
-    fn key_points<Hint: KeyPointHint>(&self, hint: Hint) -> Vec<f64> {
-        if hint.weight().allow_light_points() {
-            Vec::new()
-        } else {
-            self.ticks()
-        }
-    }
-
-    fn range(&self) -> std::ops::Range<f64> {
-        self.lo..self.hi
-    }
-}
-
-/// The smallest 1, 2 or 5 × 10^k that is at least `x` (`x` > 0).
-fn nice_step(x: f64) -> f64 {
-    let pow = 10f64.powf(x.log10().floor());
-    let nice = [1.0, 2.0, 5.0].into_iter().find(|&n| x / pow <= n);
-    nice.unwrap_or(10.0) * pow
 }
 
 #[cfg(test)]
@@ -631,13 +636,44 @@ mod tests {
         );
     }
 
+    /// The ranges leave room above the tallest bar and span whole decades on a log scale; the
+    /// ticks plotters puts in them are round numbers, the powers of ten on a log scale.
     #[test]
     fn ticks_are_round_numbers() {
-        let s = Scale::new(&[0.0, 80.0], false);
-        assert_eq!(s.ticks(), [0.0, 20.0, 40.0, 60.0, 80.0, 100.0]);
-        let s = Scale::new(&[3.0, 4000.0], true);
-        assert_eq!(s.ticks(), [0.0, 1.0, 2.0, 3.0, 4.0], "log10 of 1 to 10 000");
-        assert_eq!((nice_step(0.03), nice_step(7.0)), (0.05, 10.0));
-        assert_eq!(s.map(&2.0, (300, 100)), 200, "y grows upwards");
+        let y = YAxis::new(&[0.0, 80.0], false);
+        assert_eq!((y.lo, y.hi), (0.0, 92.0));
+        let y = YAxis::new(&[3.0, 4000.0], true);
+        assert_eq!((y.lo, y.hi), (1.0, 10_000.0), "1 to 10 000");
+        assert_eq!(YAxis::new(&[], true), YAxis { lo: 1.0, hi: 10.0 });
+        assert_eq!(YAxis::new(&[0.0], false), YAxis { lo: 0.0, hi: 1.0 });
+
+        let bars: &[(&str, f64)] = &[("x", 3.0), ("y", 4000.0)];
+        let texts_of = |log| {
+            let svg = render(&chart(Better::Lower, log, &[("a", bars)])).unwrap();
+            texts(&svg)
+                .iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+        };
+        let labels = texts_of(true);
+        for tick in ["1", "10", "100", "1000", "10k"] {
+            assert!(labels.contains(&tick.to_string()), "{tick}: {labels:?}");
+        }
+        // The ends of a log axis are labelled, also where log10 is inexact (0.1, 1e-10); over
+        // many decades plotters labels every few, from the bottom.
+        for (bars, ends) in [
+            (&[("x", 0.5), ("y", 30.0)][..], &["0.1", "100"][..]),
+            (&[("x", 1e-9), ("y", 1e12)][..], &["1.0e-10", "10G"]),
+        ] {
+            let svg = render(&chart(Better::Lower, true, &[("a", bars)])).unwrap();
+            let texts = texts(&svg);
+            for tick in ends {
+                assert!(texts.contains(tick), "{tick}: {texts:?}");
+            }
+        }
+        let texts = texts_of(false);
+        for tick in ["0", "1000", "2000", "3000", "4000"] {
+            assert!(texts.contains(&tick.to_string()), "{tick}: {texts:?}");
+        }
     }
 }

@@ -9,7 +9,8 @@
 //! Shown: the blk trial's guest-side times beside qemu-storage-daemon's export serving the same
 //! guest and image (TCG makes the guest's CPU the bottleneck, so this compares correctness and
 //! gross cost, not device speed); the pinned-page histogram of the blk requests a real guest
-//! sent (seed 002's question); the guest memory's allocated bytes over the balloon trial.
+//! sent (the question behind "vfio iommu type1: Improve vfio_iommu_type1_pin_pages
+//! performance", seed 002); the guest memory's allocated bytes over the balloon trial.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -154,7 +155,10 @@ impl Experiment for Guest {
         if let Some(stats) = read(&run.join("blk/stats.json")) {
             let v: serde_json::Value = serde_json::from_str(&stats)?;
             let mut t = Table::new(
-                "blk requests by pinned 4 KiB pages, from the real guest (seed 002's question)",
+                &format!(
+                    "blk requests by pinned 4 KiB pages, from the real guest (the question of {})",
+                    super::seeds::SEED_002.named()
+                ),
                 &["pages (up to)", "requests", "share"],
             );
             let hist: Vec<(u64, u64)> = v["npage_histogram"]

@@ -1,6 +1,7 @@
-//! `memvisor bench map-unmap`: seed 001, DMA MAP and UNMAP throughput by memory kind.
+//! `memvisor bench map-unmap`: "vfio/type1: optimize vfio_unpin_pages_remote() for large folio"
+//! (seed 001), DMA MAP and UNMAP throughput by memory kind.
 //!
-//! Seed 001 made VFIO unpin a large folio (a huge page) in one step instead of 4 KiB page by
+//! The patch made VFIO unpin a large folio (a huge page) in one step instead of 4 KiB page by
 //! page, and measured `VFIO_IOMMU_MAP_DMA` / `UNMAP_DMA` of 16 GB in GB/s for three kinds of
 //! memory: anonymous with MADV_HUGEPAGE, MAP_POPULATE (here: shared anonymous, populated) and
 //! hugetlbfs 2 MiB. Here an Eager [`DmaSpace`](memvisor::DmaSpace) maps (pins) and unmaps (unpins) the same amount
@@ -264,8 +265,8 @@ impl Experiment for MapUnmap {
                 String::new(),
             ]);
             for (label, [map, unmap]) in [
-                ("kernel before seed 001 (16 GB)", seed_before),
-                ("kernel after seed 001 (16 GB)", seed_after),
+                ("kernel before the patch (16 GB)", seed_before),
+                ("kernel after the patch (16 GB)", seed_after),
             ] {
                 table.push(vec![
                     seed_name.into(),
@@ -294,8 +295,9 @@ impl Experiment for MapUnmap {
             "Times and GB/s are means of {runs} runs, not medians; GB/s = bytes / mean time \
              (1 GB = 1e9 bytes, as in the seed); the raw mlock / munlock floor is one run. \
              Per-page UNMAP is one munlock and one accounting update per 4 KiB page; \
-             extent-aware UNMAP is one per run. The kernel rows are seed 001's figures for \
-             16 GB on its own machine, for reference only."
+             extent-aware UNMAP is one per run. The kernel rows are the figures of {} \
+             for 16 GB on its own machine, for reference only.",
+            SEED_001.named()
         ));
         out.tables.push(table);
         out.charts.push(("map-unmap-map".into(), map_chart));

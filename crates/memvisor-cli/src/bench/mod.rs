@@ -65,7 +65,7 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
-    /// Small sizes: the whole suite in about 4 minutes on 2 cores.
+    /// Small sizes: the whole suite in minutes (the README gives its time on one machine).
     Quick,
     /// The seeds' sizes, where the machine's memory allows.
     Full,

@@ -1,6 +1,7 @@
-//! `memvisor bench pin`: seed 000, pinning a guest's memory page by page vs in batches of 512.
+//! `memvisor bench pin`: "vfio/type1: Batch page pinning" (seed 000), pinning a guest's memory
+//! page by page vs in batches of 512.
 //!
-//! Seed 000 made VFIO pin a guest's memory 512 pages per step instead of one at a time and
+//! The patch made VFIO pin a guest's memory 512 pages per step instead of one at a time and
 //! reported the time to pin 1–120 GB. Here an Eager [`DmaSpace`] maps populated private 4 KiB
 //! memory in one `map_backing` call, which pins all of it: every page faulted in, mlocked,
 //! counted, charged and its physical frame read into extents. The per-page variant sets
@@ -259,7 +260,7 @@ impl Experiment for Pin {
             "Every time here is a mean of {runs} runs, not a median, and (std dev) the \
              population standard deviation across them; speedup and GB/s come from the means. \
              Fresh populated memory per run; frames {}. The floor is one mlock of the whole \
-             range plus one pass of 4 KiB pagemap reads. Seed 000 (kernel, \
+             range plus one pass of 4 KiB pagemap reads. {} (kernel, \
              1 GB: 0.61 s -> 0.56 s, 8% faster) batched get_user_pages inside a pin path that \
              zeroes pages; here memory is populated first, so what remains is the per-step \
              cost the batch removes. long-term: the batched map with long-term pins (the \
@@ -269,7 +270,8 @@ impl Experiment for Pin {
                 "read"
             } else {
                 "not read (no CAP_SYS_ADMIN)"
-            }
+            },
+            SEED_000.named()
         ));
         out.tables.push(table);
         out.charts.push(("pin-seconds".into(), chart));

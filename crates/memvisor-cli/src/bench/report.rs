@@ -273,7 +273,9 @@ mod tests {
             &machine.describe(),
             "Mode: full",
             READING,
-            "## fake — counting <fast> (seeds 000, 001)\n\nReproduces seed 000, “vfio/type1: \
+            "## fake — counting <fast> (“vfio/type1: Batch page pinning”, seed 000; \
+             “vfio/type1: optimize vfio_unpin_pages_remote() for large folio”, seed 001)\n\n\
+             Reproduces seed 000, “vfio/type1: \
              Batch page pinning” (shared/seeds/000_bacae2283cd0fb79.txt); seed 001, “vfio/type1: \
              optimize vfio_unpin_pages_remote() for large folio” \
              (shared/seeds/001_a6f90f1f11b89d32.txt). Counts; exists",
@@ -304,7 +306,8 @@ mod tests {
 
         let text = sections[0].to_text();
         for want in [
-            "== fake — counting <fast> (seeds 000, 001) ==",
+            "== fake — counting <fast> (“vfio/type1: Batch page pinning”, seed 000; \
+             “vfio/type1: optimize vfio_unpin_pages_remote() for large folio”, seed 001) ==",
             "loop time",
             "chart: fake-loop.svg",
             "note: a note",

@@ -1,4 +1,5 @@
-//! `memvisor bench rw`: seed 004a, CPU reads and writes of IOVAs without pinning.
+//! `memvisor bench rw`: "use vfio_iova_rw() to read/write IOVAs from CPU side" (seed 004a), CPU
+//! reads and writes of IOVAs without pinning.
 //!
 //! The seed (Linux's `vfio_iova_rw`) lets an emulated device copy to and from IOVAs without
 //! pinning pages first. This experiment copies transfers of 64 B to 1 MiB between a host buffer
@@ -228,8 +229,9 @@ impl Experiment for Rw {
         }
         progress.finish();
         table.note = Some(format!(
-            "{runs} runs of about 30 ms each; seed 004a gives no figures of its own, the point \
-             is the gap to pin+copy+unpin"
+            "{runs} runs of about 30 ms each; {} gives no figures of its own, the point is the \
+             gap to pin+copy+unpin",
+            SEED_004A.named()
         ));
         out.tables.push(table);
         out.charts.push(("rw-gbps".into(), chart));

@@ -1,9 +1,11 @@
 //! The seed documents the experiments reproduce: numbered kernel patches kept in the project's
 //! shared `seeds/` folder (`000_….txt` to `004_….txt`; file 004 holds two patch series, told
-//! apart as 004a and 004b). Each [`Seed`] here is the one place an experiment's reference is
-//! written down: [`super::Experiment::seeds`] returns them, the terminal and `report.md` headings
-//! and the "Reproduces …" line are made from them ([`heading_suffix`], [`reproduces_line`]), and
-//! `results.json` serializes them as they are.
+//! apart as 004a and 004b). The library's [`memvisor::seeds`] glossary says what each measured.
+//! Each [`Seed`] here is the one place an experiment's reference is written down:
+//! [`super::Experiment::seeds`] returns them, the terminal and `report.md` headings and the
+//! "Reproduces …" line are made from them ([`heading_suffix`], [`reproduces_line`]), and
+//! `results.json` serializes them as they are. Text for people names a seed by its patch, the
+//! short id beside it ([`Seed::named`]); a bare id means nothing to a reader without the folder.
 
 use serde::Serialize;
 
@@ -49,14 +51,25 @@ pub const SEED_004B: Seed = Seed {
     file: "004_a2f6aacf2ac97302.txt",
 };
 
-/// " (seed 003)", " (seeds 000, 001)", or "" for none: the end of an experiment's heading.
-pub fn heading_suffix(seeds: &[Seed]) -> String {
-    let ids: Vec<&str> = seeds.iter().map(|s| s.id).collect();
-    match ids.len() {
-        0 => String::new(),
-        1 => format!(" (seed {})", ids[0]),
-        _ => format!(" (seeds {})", ids.join(", ")),
+impl Seed {
+    /// “KVM: Cache the last used slot index per vCPU” (seed 003): the seed as text for people
+    /// names it.
+    pub fn named(&self) -> String {
+        format!("“{}” (seed {})", self.title, self.id)
     }
+}
+
+/// " (“KVM: …”, seed 003)", " (“vfio/type1: …”, seed 000; “vfio/type1: …”, seed 001)", or ""
+/// for none: the end of an experiment's heading.
+pub fn heading_suffix(seeds: &[Seed]) -> String {
+    if seeds.is_empty() {
+        return String::new();
+    }
+    let parts: Vec<String> = seeds
+        .iter()
+        .map(|s| format!("“{}”, seed {}", s.title, s.id))
+        .collect();
+    format!(" ({})", parts.join("; "))
 }
 
 /// "Reproduces seed 003, “KVM: …” (shared/seeds/003_….txt)." with one clause per seed, or `None` when
@@ -79,8 +92,19 @@ mod tests {
     #[test]
     fn headings_and_lines_name_every_seed() {
         assert_eq!(heading_suffix(&[]), "");
-        assert_eq!(heading_suffix(&[SEED_003]), " (seed 003)");
-        assert_eq!(heading_suffix(&[SEED_000, SEED_001]), " (seeds 000, 001)");
+        assert_eq!(
+            heading_suffix(&[SEED_003]),
+            " (“KVM: Cache the last used slot index per vCPU”, seed 003)"
+        );
+        assert_eq!(
+            heading_suffix(&[SEED_000, SEED_001]),
+            " (“vfio/type1: Batch page pinning”, seed 000; “vfio/type1: optimize \
+             vfio_unpin_pages_remote() for large folio”, seed 001)"
+        );
+        assert_eq!(
+            SEED_004A.named(),
+            "“use vfio_iova_rw() to read/write IOVAs from CPU side” (seed 004a)"
+        );
         assert_eq!(reproduces_line(&[]), None);
         assert_eq!(
             reproduces_line(&[SEED_004B]).unwrap(),
