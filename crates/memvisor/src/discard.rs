@@ -78,7 +78,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::addr::{Gpa, PageSize};
 use crate::backing::{Backing, BackingKind};
-use crate::dma::PinRegistry;
+use crate::pin::PinRegistry;
 use crate::slots::{Slot, SlotFlags, SlotId, SlotTable};
 
 const PAGE: u64 = 4096;

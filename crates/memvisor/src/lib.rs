@@ -9,6 +9,7 @@
 //! adapt    when a slot cursor remembers its last slot and when it searches every address
 //! backing  host memory: anonymous, memfd, THP, hugetlbfs, file          (owns mmap/munmap)
 //! slots    guest physical -> host virtual: lock-free snapshots, per-vCPU cursors
+//! pin      host pages held for DMA: the process-wide registry, mlock or long-term pins
 //! dma      I/O virtual -> host: the VFIO type1 model, translation, dma_read/write, dirty pages
 //! discard  free page reporting, host side: reported guest memory given back, pinned pages kept
 //! vm_memory  (feature `vm-memory`) rust-vmm's vm-memory traits over the slot table
@@ -31,6 +32,7 @@ pub mod discard;
 pub mod dma;
 pub mod error;
 mod pagetable;
+pub mod pin;
 mod rangemap;
 pub mod slots;
 #[cfg(feature = "vm-memory")]
@@ -44,6 +46,7 @@ pub use bitmap::SharedLog;
 pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutcome};
 pub use dma::{Access, DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
 pub use error::{Error, Result};
+pub use pin::{LockLimit, PinRegistry};
 pub use slots::{SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot, Translation};
 
 /// The README's API tour, compiled and run as a doctest so it cannot go stale.

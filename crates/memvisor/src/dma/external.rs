@@ -30,12 +30,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::counts::RunCounts;
-use super::pin::PinRequest;
 use super::snapshot_entry;
 use super::{DmaSnapshot, DmaSpace, Mapping, Prot, Shared, Writer};
 use crate::addr::{Hva, Iova};
 use crate::error::{Error, Result};
+use crate::pin::PinRequest;
+use crate::pin::counts::RunCounts;
 
 /// Most pages one `pin_pages` / `unpin_pages` call takes (type1's
 /// `VFIO_PIN_PAGES_MAX_ENTRIES`: one page of entries).

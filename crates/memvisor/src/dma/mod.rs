@@ -36,16 +36,11 @@
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
 //! (`dma_read` / `dma_write`, seed 004a) and dirty tracking are in the submodules.
 
-mod account;
-mod counts;
 mod dirty;
 mod external;
 mod grace;
 mod iotlb;
-mod locked;
-mod longterm;
 mod mode;
-mod pin;
 mod retire;
 mod rw;
 mod translate;
@@ -64,16 +59,16 @@ use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
 use crate::error::{Error, Result};
 use crate::pagetable::PageTable;
+use crate::pin::counts::RunCounts;
 use crate::rangemap::{Pos, RangeMap};
 use crate::slots::{SlotFlags, Snapshot};
-use counts::RunCounts;
 use external::Notifiers;
 
-pub use account::LockLimit;
 pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
 pub use external::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pinned};
 pub use mode::{Extent, PinMode};
-pub use pin::{HostExtent, LongTermCounts, PIN_BATCH, PinRegistry};
+// The pin registry lives in `crate::pin`; these names stay here too, where users first met them.
+pub use crate::pin::{HostExtent, LockLimit, LongTermCounts, PIN_BATCH, PinRegistry};
 pub use translate::{DmaCursor, Segment, Translation};
 
 /// What a mapping allows a device to do.

@@ -19,10 +19,10 @@
 
 use std::collections::HashMap;
 
-use super::pin::{HostExtent, PinRequest};
 use super::{DmaSpace, Mapping, Shared, Writer};
 use crate::addr::{Hva, Iova};
 use crate::error::{Error, Result};
+use crate::pin::{HostExtent, PinRequest};
 
 /// Whether mapping pins; see the module documentation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

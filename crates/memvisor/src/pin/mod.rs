@@ -6,7 +6,7 @@
 //! memory, like `MADV_POPULATE_WRITE` — and, when the consumer programs a real IOMMU or does IOVA-as-PA DMA, its
 //! physical frame read from `/proc/self/pagemap`. mlock does not nest — one munlock undoes any
 //! number of mlocks — so nesting lives here: one [`PinRegistry`] per process counts pins per host
-//! page ([`RunCounts`](super::counts) keyed by page number), across every DMA space, mapping and
+//! page ([`RunCounts`](counts) keyed by page number), across every DMA space, mapping and
 //! device. Only a 0 -> 1 transition locks and is charged to the locked-memory account, only a
 //! 1 -> 0 transition unlocks and is released; a page pinned through two IOVAs is locked and
 //! charged once.
@@ -81,12 +81,19 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
-use super::account::{Account, Capability, LockLimit, capable};
-use super::counts::RunCounts;
-use super::locked::{Idle, Locked};
-use super::longterm::LongTerm;
+mod account;
+pub(crate) mod counts;
+mod locked;
+mod longterm;
+
 use crate::addr::Hva;
 use crate::error::{Error, Result};
+use account::{Account, Capability, capable};
+use counts::RunCounts;
+use locked::{Idle, Locked};
+use longterm::LongTerm;
+
+pub use account::LockLimit;
 
 /// Pages per step when pinning: one 4 KiB page of pagemap entries, as in seed 000.
 pub const PIN_BATCH: usize = 512;
@@ -559,7 +566,7 @@ static REGISTRIES: Mutex<Vec<Weak<PinRegistry>>> = Mutex::new(Vec::new());
 /// Pin counts for every host page of the process, the locked-memory account and the lock cache.
 ///
 /// mlock is process-wide, so there should be one registry per process: [`PinRegistry::global`],
-/// which every [`DmaSpace`](super::DmaSpace) uses unless its config names another. Separate
+/// which every [`DmaSpace`](crate::DmaSpace) uses unless its config names another. Separate
 /// registries are safe only over memory no other registry pins (tests, benchmarks).
 pub struct PinRegistry {
     state: Mutex<State>,
