@@ -254,7 +254,7 @@ impl DmaSpace {
             or_words(out, first, &taken);
         }
         let (start, last) = (m.iova.start().0, m.iova.last().0);
-        for (s, e, _) in writer.external.counted_in(start / PAGE, last / PAGE + 1) {
+        for (s, e, _) in writer.device_pins.counted_in(start / PAGE, last / PAGE + 1) {
             // Pinned 4 KiB IOVA pages, in bits of the space's page size.
             let from = (s * PAGE).max(start) - start;
             let to = ((e - 1) * PAGE + (PAGE - 1)).min(last) - start;

@@ -26,7 +26,7 @@
 //! process-wide [`PinRegistry`] and per IOVA page for devices. An unmap (or IOTLB or vaddr
 //! invalidation) closes its range to devices at once and returns only once no device can still
 //! touch it: copies in flight have ended and devices holding pins there were asked to release
-//! them and did (`retire`, `external`).
+//! them and did (`retire`, `device_pins`).
 //!
 //! Readers never lock. The mappings live in an immutable snapshot — a persistent two-level range
 //! map (`rangemap`), so one change copies O(n / 256) pointers, not the whole table — swapped in
@@ -36,8 +36,8 @@
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
 //! (`dma_read` / `dma_write`, seed 004a) and dirty tracking are in the submodules.
 
+mod device_pins;
 mod dirty;
-mod external;
 mod grace;
 mod iotlb;
 mod mode;
@@ -62,10 +62,10 @@ use crate::pagetable::PageTable;
 use crate::pin::counts::RunCounts;
 use crate::rangemap::{Pos, RangeMap};
 use crate::slots::{SlotFlags, Snapshot};
-use external::Notifiers;
+use device_pins::Notifiers;
 
+pub use device_pins::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pinned};
 pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
-pub use external::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pinned};
 pub use mode::{Extent, PinMode};
 // The pin registry lives in `crate::pin`; these names stay here too, where users first met them.
 pub use crate::pin::{HostExtent, LockLimit, LongTermCounts, PIN_BATCH, PinRegistry};
@@ -585,7 +585,7 @@ struct Writer {
     /// Pins held for whole mappings in Eager mode, by mapping id.
     eager: HashMap<u64, mode::Pinned>,
     /// IOVA pages (4 KiB numbers) devices pinned through `pin_pages`, counted.
-    external: RunCounts,
+    device_pins: RunCounts,
     /// A change taking memory back from devices, waiting for their pins (`retire`); no other
     /// change starts until it ends.
     retiring: Option<retire::Retiring>,
@@ -682,7 +682,7 @@ impl DmaSpace {
                     invalid: 0,
                     mode: config.pin_mode,
                     eager: HashMap::new(),
-                    external: RunCounts::default(),
+                    device_pins: RunCounts::default(),
                     retiring: None,
                 }),
                 updated: (Mutex::new(()), Condvar::new()),
@@ -1192,9 +1192,9 @@ impl Drop for Shared {
     fn drop(&mut self) {
         let writer = self.writer.get_mut().unwrap_or_else(|e| e.into_inner());
         let eager = std::mem::take(&mut writer.eager);
-        let external = std::mem::take(&mut writer.external);
+        let device_pins = std::mem::take(&mut writer.device_pins);
         self.drop_eager(eager);
-        self.drop_external(&external);
+        self.drop_device_pins(&device_pins);
     }
 }
 

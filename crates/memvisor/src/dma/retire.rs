@@ -228,7 +228,7 @@ impl DmaSpace {
 fn held(writer: &Writer, ranges: &[(u64, u64)]) -> bool {
     ranges
         .iter()
-        .any(|&(s, l)| writer.external.any_counted(s / PAGE, l / PAGE + 1))
+        .any(|&(s, l)| writer.device_pins.any_counted(s / PAGE, l / PAGE + 1))
 }
 
 /// Marks in `to` the pages (of `page` bytes) marked in `from`, which starts `offset` bytes into

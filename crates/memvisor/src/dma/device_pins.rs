@@ -1,4 +1,10 @@
-//! Pins for emulated devices: `pin_pages` / `unpin_pages` and the unmap notifier.
+//! Device pins: the pages an emulated device pins by IOVA (`pin_pages` / `unpin_pages`), and
+//! the unmap notifier that asks for them back.
+//!
+//! These are the pins a device takes and gives back itself, one IOVA page at a time, as opposed
+//! to the pins a space holds for whole mappings in [`PinMode::Eager`](super::PinMode) (`mode`).
+//! Both end up in the process's pin registry ([`crate::pin`]), which counts and locks host
+//! pages; this module keeps the per-IOVA-page counts and the protocol with devices.
 //!
 //! An emulated device (type1's mdev/vfio-ccw case, a vfio-user server) does not want whole
 //! mappings pinned; it pins the pages it hands to asynchronous I/O, a few at a time, by IOVA page
@@ -146,9 +152,9 @@ impl DmaSpace {
         let mut done: Done<(u64, u64)> = Done::default();
         for (i, n) in groups(pages, self.shared.config.grouping) {
             let p = pages[i];
-            if let Err(page) = writer.external.sub(p, p + n as u64) {
+            if let Err(page) = writer.device_pins.sub(p, p + n as u64) {
                 for (p, n) in done {
-                    writer.external.add(p, p + n);
+                    writer.device_pins.add(p, p + n);
                 }
                 return Err(Error::Invalid(format!(
                     "iova page {page:#x} (iova {:#x}) is not pinned by pin_pages",
@@ -168,7 +174,7 @@ impl DmaSpace {
 
     /// IOVA pages pinned by devices now (each once, however many pins it has).
     pub fn device_pinned_pages(&self) -> u64 {
-        self.writer().external.pages()
+        self.writer().device_pins.pages()
     }
 
     /// Registers `notify(iova, size)`, called when an unmap or vaddr invalidation covers a
@@ -251,7 +257,7 @@ impl DmaSpace {
         }
         if let Err(stop) = result {
             for (page, n, req) in done {
-                let _ = writer.external.sub(page, page + n);
+                let _ = writer.device_pins.sub(page, page + n);
                 self.shared.registry.unpin(&req);
             }
             return Err(stop);
@@ -306,7 +312,7 @@ impl DmaSpace {
             .shared
             .device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE);
         self.shared.registry.pin_only(&req)?;
-        writer.external.add(page, page + pieces);
+        writer.device_pins.add(page, page + pieces);
         // Pinned pages are dirty while pinned, whatever the protection (type1 marks them
         // when pinned, and every read of the log marks them again).
         if let Some(bitmap) = &m.dirty {
@@ -320,11 +326,11 @@ impl DmaSpace {
 }
 
 impl Shared {
-    /// Drops every pin `external` counts and unlocks what devices' pins left in the lock
+    /// Drops every pin `device_pins` counts and unlocks what devices' pins left in the lock
     /// cache over the space's memory (the space is going away, and its memory may go with it).
-    pub(super) fn drop_external(&self, external: &RunCounts) {
+    pub(super) fn drop_device_pins(&self, device_pins: &RunCounts) {
         let snap = self.current.load();
-        for (s, e, count) in external.runs() {
+        for (s, e, count) in device_pins.runs() {
             for _ in 0..count {
                 self.unpin_iova_pages(&snap, &[], s, e - s);
             }
