@@ -31,9 +31,7 @@ mod copy;
 pub mod discard;
 pub mod dma;
 pub mod error;
-mod pagetable;
 pub mod pin;
-mod rangemap;
 pub mod slots;
 #[cfg(feature = "vm-memory")]
 pub mod vm_memory;

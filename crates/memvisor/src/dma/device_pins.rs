@@ -36,8 +36,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::snapshot_entry;
-use super::{DmaSnapshot, DmaSpace, Mapping, Prot, Shared, Writer};
+use super::index::DmaSnapshot;
+use super::{DmaSpace, Mapping, Prot, Shared, Writer};
 use crate::addr::{Hva, Iova};
 use crate::error::{Error, Result};
 use crate::pin::PinRequest;
@@ -276,7 +276,7 @@ impl DmaSpace {
         prot: Prot,
     ) -> std::result::Result<(PinRequest, u64), Stop> {
         let iova = page_iova(page)?;
-        let Some((start, last, hot, m)) = snapshot_entry(snap, iova) else {
+        let Some((start, last, hot, m)) = snap.entry(iova) else {
             return Err(Error::Invalid(format!(
                 "pin_pages: iova page {page:#x} (iova {iova:#x}) is not mapped"
             ))
@@ -364,7 +364,8 @@ impl Shared {
             let iova = page * PAGE;
             // Device pins keep their mappings from going, and a change that takes a mapping
             // away keeps it among `retiring` until they are released.
-            let found = snapshot_entry(snap, iova)
+            let found = snap
+                .entry(iova)
                 .filter(|e| e.2.valid())
                 .map(|(_, last, hot, m)| (last, hot.delta().wrapping_add(iova), m))
                 .or_else(|| {

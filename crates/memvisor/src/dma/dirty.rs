@@ -36,8 +36,9 @@
 //! lost: the unmap returns only after every copy and pin in the range ended (`retire`), so no
 //! write lands in a bitmap nobody reads any more.
 
+use super::index::Index;
 use super::retire::Plan;
-use super::{DmaSpace, Index, Mapping, PinMode, Writer, whole_mappings};
+use super::{DmaSpace, Mapping, PinMode, Writer, whole_mappings};
 use crate::addr::Iova;
 use crate::error::{Error, Result};
 

@@ -28,8 +28,8 @@
 //! touch it: copies in flight have ended and devices holding pins there were asked to release
 //! them and did (`retire`, `device_pins`).
 //!
-//! Readers never lock. The mappings live in an immutable snapshot — a persistent two-level range
-//! map (`rangemap`), so one change copies O(n / 256) pointers, not the whole table — swapped in
+//! Readers never lock. The mappings live in an immutable snapshot (`index`) — a persistent
+//! two-level range map, so one change copies O(n / 256) pointers, not the whole table — swapped in
 //! atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
 //! the memory it maps, so memory a reader can still reach through an old snapshot stays mapped
 //! (a plain copy on its thread's last hit holds none: a change waits for those instead, `grace`).
@@ -39,6 +39,7 @@
 mod device_pins;
 mod dirty;
 mod grace;
+mod index;
 mod iotlb;
 mod mode;
 mod retire;
@@ -58,11 +59,10 @@ use crate::addr::{Gpa, Hva, Iova, PageSize, Range};
 use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
 use crate::error::{Error, Result};
-use crate::pagetable::PageTable;
 use crate::pin::counts::RunCounts;
-use crate::rangemap::{Pos, RangeMap};
 use crate::slots::{SlotFlags, Snapshot};
 use device_pins::Notifiers;
+use index::{DmaSnapshot, Index};
 
 pub use device_pins::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pinned};
 pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
@@ -334,241 +334,6 @@ impl Mapping {
             dirty,
         }
     }
-}
-
-/// What the index keeps inline per mapping, packed in one word: the fields every translation
-/// needs, next to the range, so a lookup never touches the mapping record (with 100 000 mappings
-/// the records are megabytes away). The high bits are `hva - iova` (wrapping); both are
-/// multiples of the smallest page size (4 KiB or more), so its low 12 bits are free for the
-/// protection and two flags.
-#[derive(Clone, Copy, Default, PartialEq, Eq)]
-struct Hot(u64);
-
-impl Hot {
-    const PROT: u64 = 0b11;
-    const VALID: u64 = 1 << 2;
-    const DIRTY: u64 = 1 << 3;
-    const REMOTE: u64 = 1 << 4;
-    const FLAGS: u64 = 0xfff;
-
-    /// The hot word of `mapping`: the only place it is derived.
-    fn of(mapping: &Mapping) -> Hot {
-        let start = mapping.iova.start().0;
-        let (delta, valid) = match &mapping.memory {
-            Memory::Local(h) => (h.hva.0.wrapping_sub(start), Hot::VALID),
-            Memory::Invalidated => (0, 0),
-            Memory::Remote => (0, Hot::REMOTE),
-        };
-        debug_assert_eq!(delta & Hot::FLAGS, 0, "iova and hva are page aligned");
-        let dirty = if mapping.dirty.is_some() {
-            Hot::DIRTY
-        } else {
-            0
-        };
-        Hot(delta | u64::from(mapping.prot.0) | valid | dirty)
-    }
-
-    /// hva - iova, wrapping; meaningless unless `valid`.
-    #[inline]
-    fn delta(self) -> u64 {
-        self.0 & !Hot::FLAGS
-    }
-
-    #[inline]
-    fn prot(self) -> Prot {
-        Prot((self.0 & Hot::PROT) as u8)
-    }
-
-    /// Whether the mapping has a host address (not invalidated for a live update).
-    #[inline]
-    fn valid(self) -> bool {
-        self.0 & Hot::VALID != 0
-    }
-
-    /// Whether the mapping's memory is a peer's ([`Memory::Remote`]).
-    #[inline]
-    fn remote(self) -> bool {
-        self.0 & Hot::REMOTE != 0
-    }
-
-    /// Whether the mapping has a dirty bitmap.
-    #[inline]
-    fn dirty(self) -> bool {
-        self.0 & Hot::DIRTY != 0
-    }
-}
-
-/// The page size of the page table.
-const PAGE: u64 = 4096;
-
-/// Pages a mapping may span and still be entered in the page table: the pages left to its
-/// end, 1 to 127, fit the hot word's free bits 5..=11.
-const TABLE_PAGES_MAX: u64 = 127;
-
-impl Hot {
-    /// In a page-table word: the pages from this one to the mapping's end.
-    const LEFT_SHIFT: u32 = 5;
-    const LEFT: u64 = 0x7f << Hot::LEFT_SHIFT;
-}
-
-/// The index: every mapping's IOVA range, hot word and record in the sorted [`RangeMap`]; and,
-/// for the small mappings a vIOMMU makes (at most [`TABLE_PAGES_MAX`] pages, below the page
-/// table's window, while its budget allows), one word per 4 KiB page in a [`PageTable`]: the
-/// mapping's hot word plus the pages left to its end. A translation reads the page table first
-/// and the sorted index only where it holds nothing; everything else (spans, walks, changes)
-/// reads the sorted index, which is the record. The two change together, only here.
-///
-/// The page table is kept only while the space holds many small mappings: from
-/// [`DmaConfig::page_table_from`] of them on (it starts filled with all of them that its window
-/// and budget allow) until they fall below a quarter of that (it is dropped whole). The table
-/// is persistent, so every change to a kept one copies a 4 KiB leaf: that made an update in a
-/// small table that churns (a vIOMMU in strict mode, mapping and unmapping a buffer's pages
-/// around each request) ~1.5x dearer, for ~13 ns saved on each cursor miss (16 against 3 ns
-/// over 64 one-page mappings). Kept or not, every word the table holds is current.
-#[derive(Clone, Default)]
-struct Index {
-    ranges: RangeMap<Hot, Arc<Mapping>>,
-    pages: PageTable,
-    /// Mappings held of at most [`TABLE_PAGES_MAX`] pages ([`table_pages`]), whether or not
-    /// the window and the budget let the table take them.
-    small: u64,
-    /// Whether the page table is kept (else it is empty).
-    paged: bool,
-    /// [`DmaConfig::page_table_from`].
-    table_from: u64,
-}
-
-impl std::ops::Deref for Index {
-    type Target = RangeMap<Hot, Arc<Mapping>>;
-    fn deref(&self) -> &Self::Target {
-        &self.ranges
-    }
-}
-
-impl Index {
-    /// An empty index that keeps a page table from `table_from` small mappings on.
-    fn new(table_from: u64) -> Index {
-        Index {
-            paged: table_from == 0,
-            table_from,
-            ..Index::default()
-        }
-    }
-
-    /// Drops every mapping.
-    fn clear(&mut self) {
-        *self = Index::new(self.table_from);
-    }
-
-    /// Puts `mapping` into the index.
-    fn insert(&mut self, mapping: Mapping) {
-        let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
-        let hot = Hot::of(&mapping);
-        self.ranges.insert(start, last, hot, Arc::new(mapping));
-        if table_pages(start, last).is_none() {
-            return;
-        }
-        self.small += 1;
-        if self.paged {
-            enter_pages(&mut self.pages, start, last, hot);
-        } else if self.small >= self.table_from {
-            // Start the table with every small mapping there is, this one included.
-            self.paged = true;
-            for (start, last, hot, _) in self.ranges.iter() {
-                enter_pages(&mut self.pages, start, last, hot);
-            }
-        }
-    }
-
-    /// Replaces the mapping at `pos` with `mapping` (same range).
-    fn set(&mut self, pos: Pos, mapping: Mapping) {
-        let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
-        let hot = Hot::of(&mapping);
-        if self.paged {
-            enter_pages(&mut self.pages, start, last, hot);
-        }
-        self.ranges.set(pos, hot, Arc::new(mapping));
-    }
-
-    /// Removes the mapping starting at `start`.
-    fn remove(&mut self, start: u64) -> Option<Arc<Mapping>> {
-        let pos = self.ranges.find(start)?;
-        let (first, last, _) = self.ranges.bounds(pos);
-        if first != start {
-            return None;
-        }
-        if let Some(pages) = table_pages(start, last) {
-            self.small -= 1;
-            // A table not kept is empty: nothing to clear then.
-            if self.paged && self.small * 4 < self.table_from {
-                // Too few left: drop the table whole.
-                self.paged = false;
-                self.pages = PageTable::default();
-            } else if self.paged {
-                self.pages.clear(start, pages);
-            }
-        }
-        Some(self.ranges.remove_at(pos))
-    }
-
-    /// Removes the mappings `hit` (as (start, mapping), in address order, each in the index):
-    /// all at once if they are all there is, else from the last down, so that no removal
-    /// shifts the entries the next ones take out.
-    fn remove_all(&mut self, hit: &[(u64, Arc<Mapping>)]) {
-        if hit.len() == self.len() {
-            self.clear();
-            return;
-        }
-        for (start, _) in hit.iter().rev() {
-            self.remove(*start).expect("a mapping of the index");
-        }
-    }
-
-    /// See [`RangeMap::reindex`].
-    fn reindex(&mut self) {
-        self.ranges.reindex();
-    }
-
-    /// The hot word in a page-table `word`.
-    #[inline(always)]
-    fn page_hot(word: u64) -> Hot {
-        Hot(word & !Hot::LEFT)
-    }
-
-    /// The last byte of the mapping whose page-table `word` (non-zero) `iova`'s page holds.
-    #[inline(always)]
-    fn page_last(iova: u64, word: u64) -> u64 {
-        let left = (word & Hot::LEFT) >> Hot::LEFT_SHIFT;
-        (iova & !(PAGE - 1))
-            .wrapping_add(left * PAGE)
-            .wrapping_sub(1)
-    }
-}
-
-/// The pages of a mapping `[start, last]` if the page table can take it (at most
-/// [`TABLE_PAGES_MAX`]).
-fn table_pages(start: u64, last: u64) -> Option<u64> {
-    let pages = (last - start) / PAGE + 1;
-    (pages <= TABLE_PAGES_MAX).then_some(pages)
-}
-
-/// Writes the page-table words of a mapping `[start, last]` with `hot`, if it is small; where
-/// the table refuses, clears them, so the sorted index answers.
-fn enter_pages(table: &mut PageTable, start: u64, last: u64, hot: Hot) {
-    let Some(pages) = table_pages(start, last) else {
-        return;
-    };
-    if !table.fill(start, pages, |k| hot.0 | (pages - k) << Hot::LEFT_SHIFT) {
-        table.clear(start, pages);
-    }
-}
-
-/// The mappings at one generation.
-struct DmaSnapshot {
-    generation: u64,
-    map: Index,
-    /// Mappings whose host address is invalidated.
-    invalid: u64,
 }
 
 #[repr(align(128))]
@@ -1198,11 +963,6 @@ impl Drop for Shared {
     }
 }
 
-/// The index entry holding `iova` in `snap`, as (start, last, hot word, mapping).
-fn snapshot_entry(snap: &DmaSnapshot, iova: u64) -> Option<(u64, u64, Hot, &Arc<Mapping>)> {
-    snap.map.find(iova).map(|p| snap.map.get(p))
-}
-
 /// The mappings lying in `[first, last]`, as (start, mapping); EINVAL if the range cuts one at
 /// either end.
 fn whole_mappings(map: &Index, first: u64, last: u64) -> Result<Vec<(u64, Arc<Mapping>)>> {
@@ -1250,181 +1010,6 @@ fn allowed_ranges(lo: Iova, hi: Iova, reserved: &[Range<Iova>]) -> Vec<(Iova, Io
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pagetable::WINDOW;
-    use proptest::prelude::*;
-
-    /// What the index is asked to do; `slot`s are 256 pages apart, so mappings never overlap
-    /// (an insert at a taken slot is skipped).
-    #[derive(Clone, Debug)]
-    enum Op {
-        /// Map `pages` pages at `slot` (above the page table's window if `high`), with memory
-        /// of kind `kind` (0 local, 1 invalidated, 2 remote) at host page `host`.
-        Insert {
-            slot: u64,
-            pages: u64,
-            high: bool,
-            kind: u8,
-            host: u64,
-        },
-        /// Remap the mapping at or after `slot` to host page `host` (same range).
-        Set { slot: u64, host: u64 },
-        /// Remove the mapping at or after `slot`.
-        Remove { slot: u64 },
-        /// Remove `n` mappings from the one at or after `slot`, as an unmap does.
-        RemoveRun { slot: u64, n: usize },
-        /// Keep a copy: later checks verify it did not change.
-        Snapshot,
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        let slot = 0u64..48;
-        prop_oneof![
-            6 => (slot.clone(), prop_oneof![4 => 1u64..=3, 1 => Just(TABLE_PAGES_MAX), 1 => Just(200u64)],
-                  any::<bool>(), 0u8..3, 0u64..1024)
-                .prop_map(|(slot, pages, high, kind, host)| Op::Insert {
-                    slot,
-                    pages,
-                    high: high && slot % 4 == 0,
-                    kind,
-                    host,
-                }),
-            1 => (slot.clone(), 0u64..1024).prop_map(|(slot, host)| Op::Set { slot, host }),
-            3 => slot.clone().prop_map(|slot| Op::Remove { slot }),
-            1 => (slot, 1usize..30).prop_map(|(slot, n)| Op::RemoveRun { slot, n }),
-            1 => Just(Op::Snapshot),
-        ]
-    }
-
-    /// Slot `slot`'s IOVA: slots 256 pages apart, room for the largest mapping inserted (200
-    /// pages); `high` ones above the page table's window.
-    fn slot_iova(slot: u64, high: bool) -> u64 {
-        let base = if high { WINDOW + (1 << 30) } else { 1 << 30 };
-        base + slot * 256 * PAGE
-    }
-
-    fn mapping(id: u64, start: u64, pages: u64, kind: u8, host: u64) -> Mapping {
-        let memory = match kind {
-            0 => Memory::Local(Host {
-                hva: Hva(0x7f00_0000_0000 + host * PAGE),
-                owner: None,
-            }),
-            1 => Memory::Invalidated,
-            _ => Memory::Remote,
-        };
-        Mapping {
-            id,
-            iova: Range::new("mapping", Iova(start), pages * PAGE).expect("a valid range"),
-            prot: if id % 2 == 0 { Prot::RW } else { Prot::READ },
-            memory,
-            dirty: None,
-        }
-    }
-
-    /// Every word the page table must hold, from the sorted index: each page of each small
-    /// mapping below the window while the table is kept, none otherwise. Checks that the
-    /// table holds exactly these (each one, and no others: the count), that it is kept as
-    /// the thresholds say, and that the small-mapping count is right.
-    fn check(index: &Index, paged: bool) -> std::result::Result<(), TestCaseError> {
-        prop_assert_eq!(index.paged, paged, "page table kept");
-        let mut small = 0;
-        let mut words = 0;
-        for (start, last, hot, _) in index.ranges.iter() {
-            let Some(pages) = table_pages(start, last) else {
-                continue;
-            };
-            small += 1;
-            for k in 0..pages {
-                let page = start + k * PAGE;
-                let want = if paged && last < WINDOW {
-                    words += 1;
-                    hot.0 | (pages - k) << Hot::LEFT_SHIFT
-                } else {
-                    0
-                };
-                prop_assert_eq!(
-                    index.pages.get(page),
-                    want,
-                    "word of page {:#x} of [{:#x}, {:#x}]",
-                    page,
-                    start,
-                    last
-                );
-            }
-        }
-        prop_assert_eq!(index.small, small, "small mappings counted");
-        prop_assert_eq!(index.pages.words(), words, "words held");
-        Ok(())
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
-        /// The page table against the sorted index after every change, on indexes that keep
-        /// their table from 4 or 8 small mappings (and drop it below 1 or 2) and on one that
-        /// always keeps it; and every copy taken on the way unchanged by later changes.
-        #[test]
-        fn the_page_table_holds_exactly_the_small_mappings_words(
-            ops in proptest::collection::vec(op(), 1..60),
-            from in prop_oneof![Just(0u64), Just(4u64), Just(8u64)],
-        ) {
-            let mut index = Index::new(from);
-            let mut paged = from == 0;
-            let mut id = 0;
-            let mut snapshots = Vec::new();
-            for op in ops {
-                match op {
-                    Op::Insert { slot, pages, high, kind, host } => {
-                        let start = slot_iova(slot, high);
-                        let last = start + pages * PAGE - 1;
-                        let free = index.first_ending_at_or_after(start)
-                            .is_none_or(|p| index.get(p).0 > last);
-                        if free {
-                            id += 1;
-                            index.insert(mapping(id, start, pages, kind, host));
-                            if !paged && table_pages(start, last).is_some() {
-                                paged = index.small >= from;
-                            }
-                        }
-                    }
-                    Op::Set { slot, host } => {
-                        if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
-                            let (start, last, _, m) = index.get(p);
-                            let pages = (last - start) / PAGE + 1;
-                            let kind = if m.memory.host().is_some() { 0 } else { 2 };
-                            let m = mapping(m.id, start, pages, kind, host);
-                            index.set(p, m);
-                        }
-                    }
-                    Op::Remove { slot } => {
-                        if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
-                            let start = index.get(p).0;
-                            prop_assert!(index.remove(start).is_some());
-                        }
-                    }
-                    Op::RemoveRun { slot, n } => {
-                        let from_iova = slot_iova(slot, false);
-                        let hit: Vec<(u64, Arc<Mapping>)> = index
-                            .iter()
-                            .filter(|(s, ..)| *s >= from_iova)
-                            .take(n)
-                            .map(|(s, _, _, m)| (s, m.clone()))
-                            .collect();
-                        index.remove_all(&hit);
-                    }
-                    Op::Snapshot => {
-                        index.reindex();
-                        snapshots.push((index.clone(), paged));
-                    }
-                }
-                if paged && index.small * 4 < from {
-                    paged = false;
-                }
-                check(&index, paged)?;
-            }
-            for (snap, paged) in &snapshots {
-                check(snap, *paged)?;
-            }
-        }
-    }
 
     #[test]
     fn allowed_ranges_cut_holes() {

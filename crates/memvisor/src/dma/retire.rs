@@ -35,7 +35,8 @@ use std::sync::{Arc, MutexGuard};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
-use super::{DmaSpace, Index, Mapping, PAGE, Writer};
+use super::index::{Index, PAGE};
+use super::{DmaSpace, Mapping, Writer};
 use crate::addr::Iova;
 use crate::error::{Error, Result};
 

@@ -23,8 +23,9 @@
 
 use std::sync::Arc;
 
+use super::index::{DmaSnapshot, Hot};
 use super::translate::{copy_on_last_hit, mark_dirty, remember};
-use super::{DmaSnapshot, DmaSpace, Hot, Mapping, Prot};
+use super::{DmaSpace, Mapping, Prot};
 use crate::addr::Iova;
 use crate::copy;
 use crate::error::{Error, Result};
