@@ -76,12 +76,10 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::addr::{Gpa, PageSize};
+use crate::addr::{Gpa, PAGE_4K as PAGE, PageSize};
 use crate::backing::{Backing, BackingKind};
 use crate::pin::PinRegistry;
 use crate::slots::{Slot, SlotFlags, SlotId, SlotTable};
-
-const PAGE: u64 = 4096;
 
 /// Memory discarded per hold of the pin registry's lock, so a pin waits at most about that long:
 /// 2 MiB of 4 KiB pages (about 0.15 ms of `MADV_DONTNEED` on the reference machine)...

@@ -33,19 +33,20 @@ pub mod dma;
 pub mod error;
 pub mod pin;
 pub mod slots;
+mod sync;
 #[cfg(feature = "vm-memory")]
 pub mod vm_memory;
 
 #[cfg(feature = "vm-memory")]
 pub use crate::vm_memory::{DirtySlice, SlotMemory, SlotRegion, SlotRegions, SlotSpace};
-pub use addr::{Gpa, Hva, Iova, PageSize, Range};
+pub use addr::{Gpa, Hva, Iova, PAGE_4K, PageSize, Range};
 pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation, SharedMappings};
 pub use bitmap::SharedLog;
 pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutcome};
 pub use dma::{Access, DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
 pub use error::{Error, Result};
 pub use pin::{LockLimit, PinRegistry};
-pub use slots::{SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot, Translation};
+pub use slots::{GpaTranslation, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot};
 
 /// The README's API tour, compiled and run as a doctest so it cannot go stale.
 #[cfg(doctest)]

@@ -47,6 +47,7 @@ use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
 use crate::copy;
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// A slot's number, as in KVM's `kvm_userspace_memory_region.slot`.
 pub type SlotId = u32;
@@ -181,9 +182,10 @@ impl Slot {
     }
 }
 
-/// The answer to a lookup: where a guest address lives on the host.
+/// The answer to a slot lookup: where a guest physical address lives on the host (a device's
+/// I/O virtual address translates to a [`dma::Translation`](crate::dma::Translation) instead).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Translation {
+pub struct GpaTranslation {
     /// Host address of the guest address.
     pub hva: Hva,
     /// Bytes from there to the end of the slot: the host memory is contiguous for this long.
@@ -223,8 +225,8 @@ impl Entry {
     }
 
     #[inline(always)]
-    fn translate(&self, gpa: u64) -> Translation {
-        Translation {
+    fn translate(&self, gpa: u64) -> GpaTranslation {
+        GpaTranslation {
             hva: Hva(gpa.wrapping_add(self.delta)),
             len: self.last - gpa + 1,
             slot: self.id,
@@ -419,14 +421,14 @@ impl Snapshot {
 
     /// Translates `gpa` if the slot at `index` holds it; the check a hint or cursor makes.
     #[inline]
-    pub fn translate_at(&self, index: usize, gpa: Gpa) -> Option<Translation> {
+    pub fn translate_at(&self, index: usize, gpa: Gpa) -> Option<GpaTranslation> {
         let e = self.entries.get(index)?;
         e.contains(gpa.0).then(|| e.translate(gpa.0))
     }
 
     /// Where `gpa` lives on the host, or `None` if no slot holds it.
     #[inline]
-    pub fn lookup(&self, gpa: Gpa) -> Option<Translation> {
+    pub fn lookup(&self, gpa: Gpa) -> Option<GpaTranslation> {
         self.find_entry_indexed(gpa).map(|e| e.translate(gpa.0))
     }
 
@@ -645,7 +647,7 @@ impl SlotTable {
     /// Applies a batch of changes and publishes them as one new snapshot, or — if `edit`
     /// returns an error — publishes nothing. Writers are serialized; readers are never blocked.
     pub fn update<T>(&self, edit: impl FnOnce(&mut SlotEdit) -> Result<T>) -> Result<T> {
-        let _writer = self.shared.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let _writer = lock(&self.shared.writer);
         let current = self.shared.current.load_full();
         let mut draft = SlotEdit::from_snapshot(&current, self.shared.max_slots);
         let value = edit(&mut draft)?;
@@ -707,7 +709,7 @@ impl SlotTable {
     }
 
     /// Where `gpa` lives on the host (the current snapshot's bucket index).
-    pub fn lookup(&self, gpa: Gpa) -> Option<Translation> {
+    pub fn lookup(&self, gpa: Gpa) -> Option<GpaTranslation> {
         self.shared.current.load().lookup(gpa)
     }
 
@@ -921,7 +923,7 @@ impl SlotCursor {
     /// Always inlined: the modes' few instructions took it past LLVM's own threshold, and as
     /// a call the hit cost 3.9 ns, not 2.6.
     #[inline(always)]
-    pub fn lookup(&mut self, gpa: Gpa) -> Option<Translation> {
+    pub fn lookup(&mut self, gpa: Gpa) -> Option<GpaTranslation> {
         let generation = self.shared.generation.0.load(Ordering::Acquire);
         let h = &self.hit;
         // `gpa - start` wraps above `last - start` when gpa is below the slot. Never true while

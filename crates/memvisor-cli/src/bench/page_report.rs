@@ -66,7 +66,7 @@ use super::{Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stat
 
 pub struct PageReport;
 
-const PAGE: u64 = 4096;
+use memvisor::PAGE_4K as PAGE;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 /// One reported block: order 9, Linux's `pageblock_order` on x86-64.

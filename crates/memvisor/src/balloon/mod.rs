@@ -59,7 +59,8 @@ pub use virtio_queue;
 
 pub mod guest;
 
-use crate::addr::Gpa;
+// virtio-balloon's page (VIRTIO_BALLOON_PFN_SHIFT 12): reported buffers are whole pages of it.
+use crate::addr::{Gpa, PAGE_4K as PAGE};
 use crate::discard::{DiscardOptions, Discarder, ReportOutcome};
 use crate::error::{Error, Result};
 use crate::vm_memory::{SlotMemory, SlotSpace};
@@ -83,8 +84,6 @@ pub const CONFIG_SIZE: u64 = 16;
 const CONFIG_ACTUAL: u64 = 4;
 const CONFIG_POISON_VAL: u64 = 12;
 
-/// The page size of virtio-balloon: reported buffers are whole pages of this size.
-const PAGE: u64 = 4096;
 /// Inflate queue number.
 pub const INFLATE_QUEUE_INDEX: u16 = 0;
 /// Deflate queue number.

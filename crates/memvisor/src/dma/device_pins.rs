@@ -38,16 +38,15 @@ use std::sync::{Arc, Mutex};
 
 use super::index::DmaSnapshot;
 use super::{DmaSpace, Mapping, Prot, Shared, Writer};
-use crate::addr::{Hva, Iova};
+use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
 use crate::pin::PinRequest;
 use crate::pin::counts::RunCounts;
+use crate::sync::lock;
 
 /// Most pages one `pin_pages` / `unpin_pages` call takes (type1's
 /// `VFIO_PIN_PAGES_MAX_ENTRIES`: one page of entries).
 pub const PIN_PAGES_MAX: usize = 512;
-
-const PAGE: u64 = 4096;
 
 /// How `pin_pages` groups the pages of a call; see the module documentation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -497,10 +496,6 @@ impl Iterator for Runs<'_> {
         self.at += n;
         Some((start, n))
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

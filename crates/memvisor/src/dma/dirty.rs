@@ -39,14 +39,12 @@
 use super::index::Index;
 use super::retire::Plan;
 use super::{DmaSpace, Mapping, PinMode, Writer, whole_mappings};
-use crate::addr::Iova;
+use crate::addr::{Iova, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
 
 /// Most pages one dirty bitmap read may cover (the kernel's `DIRTY_BITMAP_PAGES_MAX`,
 /// `INT_MAX`): 8 TiB of 4 KiB pages, a 256 MiB bitmap.
 pub const DIRTY_BITMAP_PAGES_MAX: u64 = i32::MAX as u64;
-
-const PAGE: u64 = 4096;
 
 /// Which pages a read of the dirty log reports; see the module documentation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

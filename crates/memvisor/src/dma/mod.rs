@@ -29,8 +29,8 @@
 //! them and did (`retire`, `device_pins`).
 //!
 //! Readers never lock. The mappings live in an immutable snapshot (`index`) — a persistent
-//! two-level range map, so one change copies O(n / 256) pointers, not the whole table — swapped in
-//! atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
+//! two-level range map, so one change copies O(n / 256) pointers, not the whole table —
+//! swapped in atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
 //! the memory it maps, so memory a reader can still reach through an old snapshot stays mapped
 //! (a plain copy on its thread's last hit holds none: a change waits for those instead, `grace`).
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
@@ -61,6 +61,7 @@ use crate::bitmap::DirtyBitmap;
 use crate::error::{Error, Result};
 use crate::pin::counts::RunCounts;
 use crate::slots::{SlotFlags, Snapshot};
+use crate::sync::lock;
 use device_pins::Notifiers;
 use index::{DmaSnapshot, Index};
 
@@ -713,8 +714,8 @@ impl DmaSpace {
             writer.invalid -= 1;
             Ok(((), true))
         })?;
-        let (lock, cv) = &self.shared.updated;
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (mutex, cv) = &self.shared.updated;
+        let _guard = lock(mutex);
         cv.notify_all();
         Ok(())
     }
@@ -736,8 +737,8 @@ impl DmaSpace {
     /// Waits until the mapping at `iova` has a valid host address or `deadline` passes (never,
     /// for `None`); returns whether it is valid now.
     fn wait_for_vaddr(&self, iova: Iova, deadline: Option<Instant>) -> bool {
-        let (lock, cv) = &self.shared.updated;
-        let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (mutex, cv) = &self.shared.updated;
+        let mut guard = lock(mutex);
         loop {
             let snap = self.shared.current.load();
             match snap.map.find(iova.0) {
@@ -907,7 +908,7 @@ impl DmaSpace {
     }
 
     fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {
-        self.shared.writer.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.shared.writer)
     }
 
     /// Runs `edit` on a copy of the current mappings and publishes it if `edit` says it changed

@@ -22,9 +22,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::index::{DmaSnapshot, Hot, PAGE, Pos, Region, WINDOW, word_answer};
+use super::index::{DmaSnapshot, Hot, Pos, Region, WINDOW, word_answer};
 use super::{Access, DmaSpace, Head, Mapping, Prot, VaddrRule, grace};
-use crate::addr::{Hva, Iova};
+use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
 use crate::copy;
 use crate::error::{Error, Result};
 

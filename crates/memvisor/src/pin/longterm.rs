@@ -69,9 +69,8 @@
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+use crate::addr::PAGE_4K as PAGE;
 use crate::error::{Error, Result};
-
-const PAGE: u64 = 4096;
 
 /// Buffers one table of long buffers holds.
 pub(crate) const SLOTS: u32 = 1 << 10;
@@ -465,6 +464,7 @@ unsafe fn register<T>(ring: &OwnedFd, op: libc::c_uint, arg: &T) -> std::io::Res
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sync::lock;
 
     /// `VmPin` of /proc/self/status, in pages.
     fn vm_pin() -> u64 {
@@ -616,7 +616,7 @@ mod tests {
 
     #[test]
     fn pin_and_unpin_show_in_vm_pin_exactly() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip("pin_and_unpin_show_in_vm_pin_exactly", 9, 2) else {
             return;
         };
@@ -640,7 +640,7 @@ mod tests {
 
     #[test]
     fn a_buffer_stays_whole_until_its_last_page_goes() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip("a_buffer_stays_whole_until_its_last_page_goes", 18, 2)
         else {
             return;
@@ -680,7 +680,7 @@ mod tests {
 
     #[test]
     fn buffers_within_the_same_2_mib_go_to_different_tables() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) =
             open_or_skip("buffers_within_the_same_2_mib_go_to_different_tables", 5, 3)
         else {
@@ -714,7 +714,7 @@ mod tests {
 
     #[test]
     fn past_every_table_within_one_2_mib_a_pin_is_refused_with_enospc() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "past_every_table_within_one_2_mib_a_pin_is_refused_with_enospc",
             2 * RINGS as u64,
@@ -741,7 +741,7 @@ mod tests {
 
     #[test]
     fn without_large_folios_buffers_share_tables() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "without_large_folios_buffers_share_tables",
             2 * RINGS as u64 + 8,
@@ -765,7 +765,7 @@ mod tests {
 
     #[test]
     fn a_full_table_opens_another() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip("a_full_table_opens_another", SHORT_SLOTS as u64 + 2, 2)
         else {
             return;
@@ -788,7 +788,7 @@ mod tests {
 
     #[test]
     fn short_and_long_buffers_go_to_tables_of_their_own_size() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "short_and_long_buffers_go_to_tables_of_their_own_size",
             2 * SHORT_MAX_PAGES + 1,
@@ -814,7 +814,7 @@ mod tests {
 
     #[test]
     fn when_one_size_is_used_up_buffers_take_the_other() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "when_one_size_is_used_up_buffers_take_the_other",
             (RINGS * SHORT_SLOTS) as u64 + 3,
@@ -841,7 +841,7 @@ mod tests {
 
     #[test]
     fn a_page_that_cannot_be_pinned_for_writing_is_refused_and_nothing_stays() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "a_page_that_cannot_be_pinned_for_writing_is_refused_and_nothing_stays",
             8,

@@ -3,8 +3,8 @@
 //!
 //! In a process, a pin is a promise that a host page stays resident and where it is until it is
 //! unpinned: the page is faulted in and locked — `mlock` does both, writable for private writable
-//! memory, like `MADV_POPULATE_WRITE` — and, when the consumer programs a real IOMMU or does IOVA-as-PA DMA, its
-//! physical frame read from `/proc/self/pagemap`. mlock does not nest — one munlock undoes any
+//! memory, like `MADV_POPULATE_WRITE` — and, when the consumer programs a real IOMMU or does
+//! IOVA-as-PA DMA, its physical frame read from `/proc/self/pagemap`. mlock does not nest — one munlock undoes any
 //! number of mlocks — so nesting lives here: one [`PinRegistry`] per process counts pins per host
 //! page ([`RunCounts`](counts) keyed by page number), across every DMA space, mapping and
 //! device. Only a 0 -> 1 transition locks and is charged to the locked-memory account, only a
@@ -49,7 +49,7 @@
 //! most a quarter of any finite locked-memory limit, the registry's or the kernel's, so that it
 //! never crowds out the locks other code in the process needs. Past a bound the least recently
 //! used entry is unlocked. When pins keep missing it — pages spread over more memory than it
-//! holds, as with guest I/O buffers all over a guest — the cache steps aside (see `Adapt`)
+//! holds, as with guest I/O buffers all over a guest — the cache steps aside (see `CacheGate`)
 //! instead of making every miss dearer, and comes back when pins hit again.
 //!
 //! *Limits.* The kernel must never see more locked than the limit: before an mlock the cache
@@ -86,8 +86,9 @@ pub(crate) mod counts;
 mod locked;
 mod longterm;
 
-use crate::addr::Hva;
+use crate::addr::{Hva, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use account::{Account, Capability, capable};
 use counts::RunCounts;
 use locked::{Idle, Locked};
@@ -112,8 +113,6 @@ const LOCK_CACHE_ENTRIES: usize = 64;
 /// Locks freed in one piece larger than this are unlocked at once, never cached: what one
 /// `pin_pages` call can pin (512 pages, or the two huge pages they can touch) fits.
 const KEEP_MAX_PAGES: u64 = 1024;
-
-const PAGE: u64 = 4096;
 
 /// One piece of pinned memory, contiguous in host virtual address and, when frames were asked
 /// for, in physical frame numbers: the unit a hardware IOMMU would be programmed with.
@@ -212,7 +211,7 @@ struct State {
     cache_bytes: u64,
     cache_entries: usize,
     /// How useful the cache has been lately.
-    adapt: Adapt,
+    gate: CacheGate,
     /// Scratch lists kept between calls, so that a pin or unpin allocates nothing.
     zero: Vec<(u64, u64)>,
     taken: Vec<(u64, u64, u64)>,
@@ -236,7 +235,7 @@ impl State {
     /// lock cache (released from the account, still locked). A munlock that fails leaves its
     /// pages locked, charged and remembered in `stuck`.
     fn release(&mut self, runs: &[(u64, u64)], keep: bool) {
-        let keep = keep && self.cache_bytes > 0 && self.cache_entries > 0 && self.adapt.admit();
+        let keep = keep && self.cache_bytes > 0 && self.cache_entries > 0 && self.gate.admit();
         for &(s, e) in runs {
             for unit in self.locked.units_around(s, e).iter() {
                 let Some((us, ue)) = whole_units(&self.pages, s, e, unit) else {
@@ -303,12 +302,12 @@ impl State {
     /// Unlocks the least recently used cached locks until the cache is within its bounds.
     fn trim_cache(&mut self) {
         let cap = self.cache_cap();
-        let entries = self.adapt.entries(self.cache_entries);
+        let entries = self.gate.entries(self.cache_entries);
         while self.idle.pages() * PAGE > cap || self.idle.len() > entries {
             if !self.evict_oldest() {
                 break;
             }
-            self.adapt.evicted();
+            self.gate.evicted();
         }
     }
 
@@ -385,7 +384,7 @@ impl State {
     ) -> Result<()> {
         self.idle.take(us, ue, taken);
         if !taken.is_empty() {
-            self.adapt.hit();
+            self.gate.hit();
         }
         let taken_bytes: u64 = taken.iter().map(|(s, e, _)| (e - s) * PAGE).sum();
         if !self.locked.covers(us, ue) {
@@ -489,7 +488,7 @@ impl State {
     }
 }
 
-/// Whether the lock cache pays: it counts, over epochs of [`Adapt::EPOCH`] events, the pins it
+/// Whether the lock cache pays: it counts, over epochs of [`CacheGate::EPOCH`] events, the pins it
 /// served (hits) and the entries it had to unlock unused (evictions). When the last epoch had
 /// more than four evictions per hit — pins spread over more memory than the cache holds, as
 /// with guest I/O buffers all over guest memory — every cached entry costs without paying back:
@@ -499,7 +498,7 @@ impl State {
 /// unpin's locks and holds an eighth of its entries, which keeps measuring, and it comes back
 /// when an epoch sees hits again.
 #[derive(Debug, Default)]
-struct Adapt {
+struct CacheGate {
     hits: u32,
     evictions: u32,
     bypass: bool,
@@ -507,7 +506,7 @@ struct Adapt {
     skipped: u32,
 }
 
-impl Adapt {
+impl CacheGate {
     const EPOCH: u32 = 64;
     const PROBE: u32 = 8;
 
@@ -606,7 +605,7 @@ impl PinRegistry {
                 idle: Idle::default(),
                 cache_bytes: LOCK_CACHE_BYTES,
                 cache_entries: LOCK_CACHE_ENTRIES,
-                adapt: Adapt::default(),
+                gate: CacheGate::default(),
                 stuck: Vec::new(),
                 zero: Vec::new(),
                 taken: Vec::new(),
@@ -620,7 +619,7 @@ impl PinRegistry {
             }),
             pagemap: OnceLock::new(),
         });
-        let mut all = REGISTRIES.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = lock(&REGISTRIES);
         all.retain(|r| r.strong_count() > 0);
         all.push(Arc::downgrade(&registry));
         registry
@@ -800,7 +799,7 @@ impl PinRegistry {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// Pins `req` in steps, all or nothing, and returns its extents: one for the whole range
@@ -940,12 +939,7 @@ impl PinRegistry {
 /// Empties the lock cache of every registry of the process (none of their locks held by the
 /// caller); returns whether any held something.
 fn release_cached_everywhere() -> bool {
-    let all: Vec<Arc<PinRegistry>> = REGISTRIES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .filter_map(Weak::upgrade)
-        .collect();
+    let all: Vec<Arc<PinRegistry>> = lock(&REGISTRIES).iter().filter_map(Weak::upgrade).collect();
     let mut any = false;
     for r in all {
         let mut st = r.lock();

@@ -31,6 +31,7 @@ use std::sync::Arc;
 #[cfg(test)]
 use super::Host;
 use super::{Mapping, Memory, Prot};
+use crate::addr::PAGE_4K as PAGE;
 use pagetable::PageTable;
 use rangemap::RangeMap;
 
@@ -104,9 +105,6 @@ impl Hot {
         self.0 & kinds != 0
     }
 }
-
-/// The page size of the page table.
-pub(super) const PAGE: u64 = 4096;
 
 /// Pages a mapping may span and still be entered in the page table: the pages left to its
 /// end, 1 to 127, fit the hot word's free bits 5..=11.
