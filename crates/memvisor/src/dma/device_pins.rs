@@ -119,7 +119,9 @@ impl DmaSpace {
     pub fn pin_pages(&self, pages: &[u64], prot: Prot) -> Result<Vec<Hva>> {
         check_count("pin_pages", pages)?;
         if prot == Prot::default() {
-            return Err(Error::Invalid("pin_pages needs READ, WRITE or both".into()));
+            return Err(Error::NoAccess {
+                what: "pin_pages".into(),
+            });
         }
         self.refuse_while_invalid(&self.shared.current.load(), pages[0] * PAGE)?;
         // Read the clock only if there is a wait: the deadline counts from the first one.
@@ -155,7 +157,7 @@ impl DmaSpace {
                 for (p, n) in done {
                     writer.device_pins.add(p, p + n);
                 }
-                return Err(Error::Invalid(format!(
+                return Err(Error::NotPinned(format!(
                     "iova page {page:#x} (iova {:#x}) is not pinned by pin_pages",
                     page.saturating_mul(PAGE)
                 )));

@@ -175,9 +175,9 @@ impl DmaSpace {
         check_out(pages, out)?;
         let writer = self.writer();
         if !writer.tracking {
-            return Err(Error::Invalid(
-                "dirty tracking is off; call start_dirty_tracking first".into(),
-            ));
+            return Err(Error::TrackingOff {
+                then: "call start_dirty_tracking first",
+            });
         }
         let snap = self.shared.current.load();
         let last = iova.0 + (size - 1);
@@ -207,9 +207,9 @@ impl DmaSpace {
             range.last().0,
             |writer| match writer.tracking {
                 true => Ok(()),
-                false => Err(Error::Invalid(
-                    "dirty tracking is off; an unmap cannot return dirty bits".into(),
-                )),
+                false => Err(Error::TrackingOff {
+                    then: "an unmap cannot return dirty bits",
+                }),
             },
             |writer, hit| {
                 for (start, m) in hit {

@@ -418,14 +418,14 @@ impl DmaSpace {
     /// sizes, or the aperture is empty.
     pub fn new(config: DmaConfig) -> Result<Self> {
         if config.page_sizes == 0 || config.page_sizes.trailing_zeros() < 12 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadConfig(format!(
                 "page size bitmap {:#x} must contain sizes of 4 KiB or more",
                 config.page_sizes
             )));
         }
         let (lo, hi) = config.aperture;
         if lo > hi {
-            return Err(Error::Invalid(format!("aperture {lo}..={hi} is empty")));
+            return Err(Error::BadConfig(format!("aperture {lo}..={hi} is empty")));
         }
         let min_page = 1u64 << config.page_sizes.trailing_zeros();
         let allowed = allowed_ranges(lo, hi, &config.reserved);
@@ -622,15 +622,21 @@ impl DmaSpace {
                     match m.memory {
                         Memory::Local(_) => {}
                         Memory::Invalidated => {
-                            return Err(Error::Invalid(format!(
-                                "mapping at iova {start:#x} already has its vaddr invalidated"
-                            )));
+                            return Err(Error::VaddrState {
+                                addr: *start,
+                                why: format!(
+                                    "mapping at iova {start:#x} already has its vaddr invalidated"
+                                ),
+                            });
                         }
                         Memory::Remote => {
-                            return Err(Error::Invalid(format!(
-                                "mapping at iova {start:#x} is a peer's memory: it has no \
-                                 vaddr to invalidate"
-                            )));
+                            return Err(Error::VaddrState {
+                                addr: *start,
+                                why: format!(
+                                    "mapping at iova {start:#x} is a peer's memory: it has no \
+                                     vaddr to invalidate"
+                                ),
+                            });
                         }
                     }
                 }
@@ -688,22 +694,28 @@ impl DmaSpace {
                 })?;
             let (start, _, _, m) = map.get(pos);
             if start != iova.0 || m.iova.len() != size {
-                return Err(Error::Invalid(format!(
-                    "vaddr update of iova {iova}+{size:#x} must name the whole mapping \
-                     [{start:#x}, {:#x}]",
-                    m.iova.last().0
-                )));
+                return Err(Error::VaddrState {
+                    addr: start,
+                    why: format!(
+                        "vaddr update of iova {iova}+{size:#x} must name the whole mapping \
+                         [{start:#x}, {:#x}]",
+                        m.iova.last().0
+                    ),
+                });
             }
             if !m.memory.is_invalidated() {
-                return Err(Error::Invalid(format!(
-                    "mapping at iova {iova} has no invalidated vaddr to update ({}); \
-                     invalidate it first",
-                    if m.is_remote() {
-                        "it is a peer's memory"
-                    } else {
-                        "its vaddr is valid"
-                    }
-                )));
+                return Err(Error::VaddrState {
+                    addr: start,
+                    why: format!(
+                        "mapping at iova {iova} has no invalidated vaddr to update ({}); \
+                         invalidate it first",
+                        if m.is_remote() {
+                            "it is a peer's memory"
+                        } else {
+                            "its vaddr is valid"
+                        }
+                    ),
+                });
             }
             let new = m.with(Memory::Local(host), m.dirty.clone());
             if writer.mode == PinMode::Eager {
@@ -778,9 +790,9 @@ impl DmaSpace {
 
     fn check_new_range(&self, iova: Iova, size: u64, prot: Prot) -> Result<Range<Iova>> {
         if prot == Prot::default() {
-            return Err(Error::Invalid(format!(
-                "mapping at iova {iova} needs READ, WRITE or both"
-            )));
+            return Err(Error::NoAccess {
+                what: format!("mapping at iova {iova}"),
+            });
         }
         self.check_range(iova, size)
     }
@@ -794,10 +806,10 @@ impl DmaSpace {
             .iter()
             .any(|&(lo, hi)| lo <= range.start() && range.last() <= hi)
         {
-            return Err(Error::Invalid(format!(
-                "iova range {range:?} is outside the allowed ranges {:?} (aperture minus reserved)",
-                self.shared.allowed
-            )));
+            return Err(Error::OutsideAllowed {
+                range,
+                allowed: self.shared.allowed.clone(),
+            });
         }
         Ok(())
     }
@@ -975,10 +987,12 @@ fn whole_mappings(map: &Index, first: u64, last: u64) -> Result<Vec<(u64, Arc<Ma
             break;
         }
         if start < first || end > last {
-            return Err(Error::Invalid(format!(
-                "range [{first:#x}, {last:#x}] would split mapping [{start:#x}, {end:#x}]; \
-                 type1 v2 unmaps whole mappings only"
-            )));
+            return Err(Error::SplitsMapping {
+                first,
+                last,
+                start,
+                end,
+            });
         }
         out.push((start, m.clone()));
         pos = map.next(p);

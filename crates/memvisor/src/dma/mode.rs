@@ -109,7 +109,7 @@ impl DmaSpace {
                 id: iova.0,
             })?;
         let pinned = writer.eager.get(&m.id).ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::NotPinned(format!(
                 "mapping at iova {iova} is not pinned (pin mode {:?}{}); only Eager mode pins \
                  whole mappings",
                 writer.mode,
