@@ -17,7 +17,8 @@
 //!   compare, one entry load, at any slot count; a binary search only among the slots of a
 //!   crowded bucket.
 //! * A [`SlotCursor`] (one per vCPU or device thread) remembers the last slot it hit and the
-//!   generation of the snapshot it came from (seed 003, KVM's per-vCPU `last_used_slot`). A hit
+//!   generation of the snapshot it came from (KVM's per-vCPU `last_used_slot`, from the patch
+//!   "KVM: Cache the last used slot index per vCPU"). A hit
 //!   costs one load of the table's generation counter — a cache line only writers write — and a
 //!   bounds check; nothing shared is written on a lookup, so cursors on different threads never
 //!   contend. When the generation moved, the cursor reloads the snapshot and searches again: a
@@ -878,7 +879,8 @@ impl SlotEdit {
     }
 }
 
-/// One thread's view of the table, remembering the last slot it hit (seed 003).
+/// One thread's view of the table, remembering the last slot it hit (as KVM's per-vCPU
+/// `last_used_slot` does).
 ///
 /// Keep one per vCPU or device thread; it is `Send` but not shared. It holds the snapshot it last
 /// used, so the memory of slots removed since stays mapped until its next lookup (or until it is
@@ -916,12 +918,12 @@ impl SlotCursor {
     /// 0); a miss searches the snapshot's bucket index inline and remembers the entry found,
     /// computing the answer before the store so the return value does not wait on it. After 8
     /// misses in a row the cursor searches every address and remembers nothing for 16,384
-    /// lookups, then tries remembering again (the `adapt` module): over 2-8 slots a cursor
-    /// that only remembered ran at 0.35-0.85x a plain binary search on random addresses.
+    /// lookups, then tries remembering again (the `adapt` module): over a few slots a cursor
+    /// that only remembered was slower than a plain binary search on random addresses.
     /// Either way the answer is the current snapshot's.
     ///
     /// Always inlined: the modes' few instructions took it past LLVM's own threshold, and as
-    /// a call the hit cost 3.9 ns, not 2.6.
+    /// a call the hit cost half as much again (figures: `MEASUREMENTS.md`, "Slot cursor").
     #[inline(always)]
     pub fn lookup(&mut self, gpa: Gpa) -> Option<GpaTranslation> {
         let generation = self.shared.generation.0.load(Ordering::Acquire);

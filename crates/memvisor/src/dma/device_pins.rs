@@ -12,7 +12,8 @@
 //! Each IOVA page keeps a count of device pins (pinning a page twice needs two unpins), and the
 //! host pages are counted by the process's pin registry like every other pin.
 //!
-//! **Grouping (seed 002).** The pages of one call are often contiguous: the call is split into
+//! **Grouping** (the kernel patch "vfio iommu type1: Improve vfio_iommu_type1_pin_pages
+//! performance"). The pages of one call are often contiguous: the call is split into
 //! runs of consecutive page numbers and each run is pinned with one registry call — one fault-in,
 //! one mlock — instead of one per page. But most calls in real workloads are single pages
 //! (vfio-ccw booting a guest: 81% of calls; 87% of runs), and the kernel's first attempt at
@@ -53,7 +54,8 @@ pub const PIN_PAGES_MAX: usize = 512;
 pub enum Grouping {
     /// One pin per page: the baseline.
     PerPage,
-    /// Split the call into runs of consecutive pages first, then pin each run (seed 002's patch).
+    /// Split the call into runs of consecutive pages first, then pin each run (the kernel
+    /// patch's way).
     Runs,
     /// Find runs while pinning, in one pass: never slower than per page, one pin per run.
     #[default]

@@ -34,7 +34,7 @@
 //! the memory it maps, so memory a reader can still reach through an old snapshot stays mapped
 //! (a plain copy on its thread's last hit holds none: a change waits for those instead, `grace`).
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
-//! (`dma_read` / `dma_write`, seed 004a) and dirty tracking are in the submodules.
+//! (`dma_read` / `dma_write`, as Linux's `vfio_dma_rw`) and dirty tracking are in the submodules.
 
 mod device_pins;
 mod dirty;

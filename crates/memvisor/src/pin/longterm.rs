@@ -5,9 +5,9 @@
 //! reclaim, migration and compaction leave it alone until it is unpinned. No VMA changes. A
 //! process can ask for exactly that pin without a device: registering a buffer with an io_uring
 //! instance (`IORING_REGISTER_BUFFERS_UPDATE`) pins its pages the same way, and clearing the
-//! buffer's slot unpins them. On the reference machine a 4 KiB page costs 1.1 µs to pin and
-//! 0.6 µs to unpin this way, against 6-7 µs and 4-6 µs for `mlock` and `munlock`, whose cost is
-//! mostly splitting and merging the memory area around the page.
+//! buffer's slot unpins them. A 4 KiB page costs several times less to pin and unpin this way
+//! than with `mlock` and `munlock`, whose cost is mostly splitting and merging the memory area
+//! around the page (figures for this module: `MEASUREMENTS.md`, "Long-term pins").
 //!
 //! Here io_uring instances, never used for I/O, each hold a sparse table of buffers, and a new
 //! instance opens when every slot is taken. [`LongTerm::pin`] registers a run of pages as one
@@ -34,18 +34,17 @@
 //!
 //! **Hugetlbfs pages are pinned through one page.** Their huge pages never split, so a buffer
 //! that would cover exactly one of them registers only its first 4 KiB page: the kernel pins
-//! and charges the whole huge page all the same. On the reference machine that is 0.8 µs
-//! instead of 1.8 µs for a 2 MiB page and 0.7 µs instead of 0.4-0.7 ms for a 1 GiB page. THP
-//! memory cannot do the same: a transparent huge page may be split or never have formed, and
-//! then one page holds only itself (finding out costs a `PAGEMAP_SCAN`, 0.8 µs, as much as it
-//! would save).
+//! and charges the whole huge page all the same, at the cost of one 4 KiB page: about half for
+//! a 2 MiB page, hundreds of times less for a 1 GiB one. THP memory cannot do the same: a
+//! transparent huge page may be split or never have formed, and then one page holds only itself
+//! (finding out costs a `PAGEMAP_SCAN`, as much as it would save).
 //!
 //! **Tables come in two sizes.** Registering a buffer over a huge page (THP, hugetlbfs) makes the
 //! kernel look through its whole table — every slot, and every page of every buffer held there —
-//! for the same huge page, to charge it once. On the reference machine a 2 MiB THP buffer cost
-//! 1.6 µs to register in an empty table of 64 slots, 2.4 µs in one of 1,024 and 4.0 µs in one of
-//! 1,024 holding 1,000 one-page buffers (a 4 KiB page of ordinary memory: 0.7 µs in all three).
-//! So short buffers (at most [`SHORT_MAX_PAGES`], what a device's pin holds) go to tables of
+//! for the same huge page, to charge it once: a 2 MiB THP buffer costs more to register the
+//! more slots and buffers its table holds (over twice as much in a full table of 1,024 as in
+//! an empty one of 64), while a 4 KiB page of ordinary memory costs the same in all. So short
+//! buffers (at most [`SHORT_MAX_PAGES`], what a device's pin holds) go to tables of
 //! [`SHORT_SLOTS`], which hold nothing else, and long ones (pins of whole mappings, in steps of
 //! up to 64 MiB) to tables of [`SLOTS`]; up to [`RINGS`] of each. When one kind is used up, a
 //! buffer takes a free slot of the other kind.
@@ -536,7 +535,7 @@ mod tests {
     }
 
     /// What `io_uring_setup` charges to `RLIMIT_MEMLOCK` for one of the tables' one-entry rings
-    /// (measured on 6.18: 8 KiB; 64 KiB of limit opens 8 of them).
+    /// (8 KiB, as Linux 6.18 charges it: 64 KiB of limit opens 8 of them).
     const RING_BYTES: u64 = 2 * PAGE;
 
     /// Rings of this module's earlier tests that may still be charged: the kernel closes a ring

@@ -11,16 +11,18 @@
 //! 1 -> 0 transition unlocks and is released; a page pinned through two IOVAs is locked and
 //! charged once.
 //!
-//! **Pinning goes in steps** of a batch of pages (512 by default, one 4 KiB page of pagemap
-//! entries — seed 000's batch). Per step, under the lock: find the pages no one has pinned yet,
-//! check the limit, mlock those pages — one call per run of them — and count; then, outside the
-//! lock, read the step's frames with one `pread` and extend the extents (runs contiguous in both
-//! virtual and physical address) kept across steps. If any step fails, every earlier step of the
-//! call is unpinned again: a pin is all or nothing. There is no separate `MADV_POPULATE` pass:
-//! mlock faults pages in itself, and a second walk over 4 KiB pages that are already present
-//! cost as much as the mlock (0.13 s per GiB on the reference machine).
+//! **Pinning goes in steps** of a batch of pages (512 by default, one 4 KiB page of pagemap entries
+//! — the batch of the kernel patch "vfio/type1: Batch page pinning"). Per step, under the lock:
+//! find the pages no one has pinned yet, check the limit, mlock those pages — one call per run of
+//! them — and count; then, outside the lock, read the step's frames with one `pread` and extend the
+//! extents (runs contiguous in both virtual and physical address) kept across steps. If any step
+//! fails, every earlier step of the call is unpinned again: a pin is all or nothing. There is no
+//! separate `MADV_POPULATE` pass: mlock faults pages in itself, and a second walk over 4 KiB pages
+//! that are already present cost as much as the mlock (figures for this module: `MEASUREMENTS.md`,
+//! "Pins").
 //!
-//! **Unpinning goes by run** (seed 001): one walk of the counts, one munlock and one accounting
+//! **Unpinning goes by run** (as in "vfio/type1: optimize vfio_unpin_pages_remote() for large
+//! folio"): one walk of the counts, one munlock and one accounting
 //! update per run that drops to zero, however many pages or huge pages it spans. A batch of one
 //! page turns both directions into the page-at-a-time baseline the benchmarks compare against.
 //!
@@ -33,9 +35,9 @@
 //! THP memory therefore locks and charges 2 MiB, as it does on hugetlbfs.
 //!
 //! **The lock cache.** Locking one page in the middle of a larger memory area makes the kernel
-//! split the area in three, and unlocking it merges them again: on the reference machine an
-//! mlock plus munlock of one page costs 8-20 µs, almost all of it that split and merge, while
-//! a pin's own bookkeeping costs well under 1 µs — and devices pin and unpin the same few pages
+//! split the area in three, and unlocking it merges them again: an mlock plus munlock of one
+//! page costs ten times or more what a pin's own bookkeeping does, almost all of it that split
+//! and merge — and devices pin and unpin the same few pages
 //! (rings, bounce buffers, I/O buffers) over and over. So when a device's pin (`pin_pages`)
 //! goes, its locks stay — whole units, no longer charged to the account, which says what is
 //! pinned — in a bounded cache ([`Idle`]), and the next pin of that memory takes them back
@@ -44,7 +46,7 @@
 //!
 //! *Bounds.* The cache holds at most 64 entries by default: every entry can split off two
 //! kernel memory areas, and scattered locked areas make every other mlock and munlock of the
-//! process dearer (measured: 64 scattered entries add under 1 µs to each, 256 add about 2 µs);
+//! process dearer, more so the more there are;
 //! 64 is also far below `vm.max_map_count`. It holds at most 64 MiB (32 huge pages), and at
 //! most a quarter of any finite locked-memory limit, the registry's or the kernel's, so that it
 //! never crowds out the locks other code in the process needs. Past a bound the least recently
@@ -60,8 +62,8 @@
 //! **Long-term pins** ([`PinRegistry::set_long_term_pins`], off by default). A registry can
 //! hold pages with the kernel's own pin instead of mlock — `pin_user_pages(FOLL_LONGTERM)`, the
 //! pin VFIO type1 takes, reached through an io_uring buffer table (`longterm`). It changes no
-//! memory area, so a pin that misses the lock cache costs ~1.1 + 0.6 µs instead of the
-//! mlock's 6-7 + 4-6 µs. Everything above holds as it is — counts, units, the cache, the
+//! memory area, so a pin that misses the lock cache costs several times less than the mlock's
+//! pin and unpin. Everything above holds as it is — counts, units, the cache, the
 //! account, limits: "locked" below means held either way, and a page the kernel will not pin
 //! long-term is mlocked. The kernel shows such pages in `VmPin`, not `VmLck`, and lets
 //! `MADV_DONTNEED` detach them from the process instead of refusing it. On hugetlbfs a unit
@@ -96,12 +98,13 @@ use longterm::LongTerm;
 
 pub use account::LockLimit;
 
-/// Pages per step when pinning: one 4 KiB page of pagemap entries, as in seed 000.
+/// Pages per step when pinning: one 4 KiB page of pagemap entries, as in the kernel patch
+/// "vfio/type1: Batch page pinning".
 pub const PIN_BATCH: usize = 512;
 
 /// Pages per step when pinning long-term (64 MiB): each step is one buffer in the kernel's
 /// tables, of which there are 16,384, so steps of [`PIN_BATCH`] would pin at most 32 GiB
-/// long-term; 64 MiB steps reach 1 TiB, and hold the registry's lock ~1 ms each.
+/// long-term; 64 MiB steps reach 1 TiB, and hold the registry's lock about a millisecond each.
 const LONG_TERM_STEP: u64 = 16384;
 
 /// Default bound of the lock cache in bytes; see the module documentation.
@@ -492,9 +495,9 @@ impl State {
 /// served (hits) and the entries it had to unlock unused (evictions). When the last epoch had
 /// more than four evictions per hit — pins spread over more memory than the cache holds, as
 /// with guest I/O buffers all over guest memory — every cached entry costs without paying back:
-/// each one splits off kernel memory areas, which makes every other mlock and munlock dearer
-/// (256 scattered entries added about 2 µs to each), and evicting it costs the munlock the unpin
-/// would have made. Then the cache goes into bypass: it admits only every [`Adapt::PROBE`]-th
+/// each one splits off kernel memory areas, which makes every other mlock and munlock dearer,
+/// and evicting it costs the munlock the unpin
+/// would have made. Then the cache goes into bypass: it admits only every [`CacheGate::PROBE`]-th
 /// unpin's locks and holds an eighth of its entries, which keeps measuring, and it comes back
 /// when an epoch sees hits again.
 #[derive(Debug, Default)]

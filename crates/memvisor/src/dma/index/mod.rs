@@ -128,8 +128,8 @@ impl Hot {
 /// and budget allow) until they fall below a quarter of that (it is dropped whole). The table
 /// is persistent, so every change to a kept one copies a 4 KiB leaf: that made an update in a
 /// small table that churns (a vIOMMU in strict mode, mapping and unmapping a buffer's pages
-/// around each request) ~1.5x dearer, for ~13 ns saved on each cursor miss (16 against 3 ns
-/// over 64 one-page mappings). Kept or not, every word the table holds is current.
+/// around each request) dearer, for most of the cost of each cursor miss saved (figures:
+/// `MEASUREMENTS.md`, "DMA page table"). Kept or not, every word the table holds is current.
 #[derive(Clone, Default)]
 pub(super) struct Index {
     ranges: RangeMap<Hot, Arc<Mapping>>,
