@@ -33,6 +33,10 @@
 //! — unmapped memory is EFAULT, a write into a read-only slot is EFAULT as in KVM — and copy only
 //! if all of it is there. Writes through the table mark the slot's dirty bitmap when the slot has
 //! [`SlotFlags::LOG_DIRTY`]: device-model writes that KVM's own dirty log cannot see.
+//!
+//! This file is long because the table, its snapshots' bucket index and the cursor share the
+//! snapshot's private layout (the cursor's hit and miss paths read it directly), and their unit
+//! tests sit beside them.
 
 use std::collections::BTreeMap;
 use std::fmt;

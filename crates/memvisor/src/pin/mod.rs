@@ -78,6 +78,10 @@
 //!
 //! Locking order: a DMA space's writer lock, then this registry's lock; nothing here calls up.
 //! Whoever must not race a pin (discarding memory) takes the registry's lock too.
+//!
+//! This file is long because the registry's state, its pin and unpin steps and the lock cache's
+//! admission all work under one lock on the same invariants (pin counts, locked set, account);
+//! the parts that stand alone are the submodules (`account`, `counts`, `locked`, `longterm`).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
