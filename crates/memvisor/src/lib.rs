@@ -31,7 +31,7 @@ mod copy;
 pub mod discard;
 pub mod dma;
 pub mod error;
-pub mod pin;
+mod pin;
 pub mod slots;
 mod sync;
 #[cfg(feature = "vm-memory")]
