@@ -109,7 +109,7 @@ const NUM_REGIONS: usize = 9;
 const MSI_INDEX: u32 = 1;
 const NUM_IRQS: usize = 5;
 const BOUNCE: usize = 64 << 10;
-const PAGE: u64 = 4096;
+use memvisor::PAGE_4K as PAGE;
 
 /// What the device counted.
 #[derive(Clone, Debug, Default, Serialize)]

@@ -12,9 +12,11 @@
 //! **Rings.** A ring is configured by `SET_VRING_NUM`/`ADDR`/`BASE`, starts when its kick
 //! descriptor arrives (`SET_VRING_KICK`) and stops at `GET_VRING_BASE`, which answers with the
 //! next index the device would have taken. With protocol features negotiated a ring also needs
-//! `SET_VRING_ENABLE 1` before it is processed. Ring addresses arrive as the frontend's own
-//! virtual addresses and are turned into guest physical ones through the memory table at
-//! `SET_VRING_ADDR` time; the queue is checked against guest memory when it starts.
+//! `SET_VRING_ENABLE 1` before it is processed. A ring is kept at device addresses: without an
+//! IOMMU the frontend's virtual addresses are turned into guest physical ones through the memory
+//! table at `SET_VRING_ADDR` time; behind a vIOMMU they are IOVAs and stay so. The queue reads
+//! them through the device space's vm-memory view, so a ring whose IOVAs the IOTLB cannot
+//! translate waits for the frontend's update (a MISS goes out) before it starts or goes on.
 //!
 //! **Bad messages.** Every request is checked before it changes anything. A refused request is
 //! answered with a non-zero `REPLY_ACK` when the frontend asked for one and logged otherwise;
@@ -32,6 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use memvisor_wire::WireError;
 use virtio_queue::{Queue, QueueT};
 
+pub use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
 use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
@@ -40,65 +43,6 @@ use crate::wire::{self, Message};
 use memvisor::{Access, Iova, Prot};
 use memvisor::{Backing, SharedLog};
 use std::sync::Arc;
-
-/// A virtio device served over vhost-user.
-pub trait Device: Send {
-    /// Short name for logs.
-    fn name(&self) -> &'static str;
-    /// Virtio feature bits the device offers (`VIRTIO_F_VERSION_1` and device bits); the
-    /// back end adds vhost-user's own.
-    fn features(&self) -> u64;
-    /// Protocol feature bits the device needs beyond the back end's own (e.g. `CONFIG`).
-    fn protocol_features(&self) -> u64 {
-        0
-    }
-    /// Number of queues.
-    fn queues(&self) -> u16;
-    /// Largest queue size.
-    fn queue_max(&self) -> u16 {
-        256
-    }
-    /// The driver's accepted features; EINVAL refuses them.
-    fn set_features(&mut self, features: u64) -> Result<()>;
-    /// Reads config bytes at `offset` (bytes past the device's config read as zero).
-    fn read_config(&self, offset: u32, data: &mut [u8]);
-    /// Writes config bytes at `offset`.
-    fn write_config(&mut self, offset: u32, data: &[u8]) -> Result<()> {
-        let _ = (offset, data);
-        Err(Error::Unsupported(format!(
-            "{}: the config space is read-only",
-            self.name()
-        )))
-    }
-    /// Whether the device logs its writes for migration (`VHOST_F_LOG_ALL`, `LOG_SHMFD`): it
-    /// must write guest memory only through the [`FrontendMemory`]'s device space or its slot
-    /// table, where memvisor tracks dirty pages.
-    fn supports_dirty_log(&self) -> bool {
-        false
-    }
-    /// Called once with the frontend's memory holder, before any message (the memory inside
-    /// changes with each memory table; the holder stays).
-    fn attach(&mut self, memory: &FrontendMemory) -> Result<()> {
-        let _ = memory;
-        Ok(())
-    }
-    /// Whether the config space changed on the device's side since last asked (the back end
-    /// then tells the frontend). Polled between messages, at least every 200 ms.
-    fn config_changed(&mut self) -> bool {
-        false
-    }
-    /// Processes what the driver made available on queue `index`; returns whether the driver
-    /// should be notified. An error means the queue is broken (the driver needs a reset); a bad
-    /// request is answered on the ring, not with an error.
-    fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool>;
-    /// Back to the state before feature negotiation.
-    fn reset(&mut self);
-    /// Whether an IOTLB miss fails the request (after the wait for the frontend's update gave
-    /// up) instead of being returned as [`Error::IotlbMiss`] with the chain put back.
-    fn set_fail_misses(&mut self, fail: bool) {
-        let _ = fail;
-    }
-}
 
 /// How long a ring waits for the frontend to answer an IOTLB miss before the request fails.
 const MISS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);

@@ -11,7 +11,7 @@
 //!   (rust-vmm/vhost issue 312), which the IOMMU support built on this layer needs.
 //! * [`memory`] turns the frontend's memory table into memvisor backings, slots and a
 //!   [`memvisor::DmaSpace`] — the one memory model; the front end adds none of its own.
-//! * [`backend`] is the protocol state machine and the serving loop; a [`backend::Device`] only
+//! * [`backend`] is the protocol state machine and the serving loop; a [`device::Device`] only
 //!   knows its features, config space and queues.
 //! * [`balloon`] is virtio-balloon (free page reporting, inflate, deflate) through memvisor's
 //!   balloon model and pin-aware discard.
@@ -20,7 +20,8 @@
 //! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
 //!
-//! Virtqueues are read with rust-vmm's `virtio-queue` over memvisor's vm-memory adapter.
+//! Virtqueues are read with rust-vmm's `virtio-queue` over the device space's vm-memory view
+//! ([`memvisor::DmaMemory`]), addressed like the device's buffers (IOVAs behind a vIOMMU).
 //! Every message and every descriptor is untrusted input: a refused one gets an error reply
 //! (or an `IOERR` status on the ring) and leaves the back end's state as it was.
 
@@ -30,6 +31,7 @@ pub mod backend;
 pub mod balloon;
 pub mod blk;
 pub mod client;
+pub mod device;
 pub mod error;
 pub mod fuzz;
 pub mod memory;
@@ -37,9 +39,10 @@ pub mod proto;
 pub mod record;
 pub mod wire;
 
-pub use backend::{Backend, BackendStats, Device};
+pub use backend::{Backend, BackendStats};
 pub use balloon::{BalloonDevice, BalloonTarget};
 pub use blk::{Blk, BlkOptions, BlkStats};
+pub use device::Device;
 pub use error::{Error, Result};
 pub use memory::FrontendMemory;
 pub use memvisor_wire::WireError;

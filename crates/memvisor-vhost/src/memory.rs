@@ -485,7 +485,7 @@ impl FrontendMemory {
 }
 
 /// The page size of guest physical memory and of the dirty log.
-const PAGE: u64 = 4096;
+use memvisor::PAGE_4K as PAGE;
 
 fn check_region(r: &Region) -> Result<()> {
     if r.gpa % PAGE != 0 || r.size % PAGE != 0 {

@@ -5,7 +5,8 @@
 //! found, and a hit costs one bounds check. When the addresses are random that check mostly
 //! fails, and over a few slots it is a coin toss: each wrong guess (a branch misprediction)
 //! costs more than the search it could have saved. A remembering cursor over 2-8 slots was
-//! 0.35-0.85x a plain binary search on random addresses.
+//! slower than a plain binary search on random addresses (figures for this module:
+//! `MEASUREMENTS.md`, "Slot cursor").
 //!
 //! So the cursor watches its misses. [`Adapt`] counts misses in a row while the cursor
 //! remembers; after [`SEARCH_AFTER`] it tells the cursor to search every address and remember
@@ -19,14 +20,14 @@
 //! The thresholds: random addresses over `n` slots give a row of 8 misses within a few dozen
 //! lookups when `n` > 2 (~510 on average at 2), while a thread with 15 hits in 16 sees one
 //! once in 2^32 rows. A try that fails costs those remembering lookups, a few hundred on
-//! average at 2 slots: ~2% of the 16,384 searches before it (measured: 0.69x a binary search,
-//! against 0.70-0.72x for a cursor that searches for good); a thread that settles pays a
-//! search instead of a hit (~2 ns more) for at most 16,384 lookups.
+//! average at 2 slots: ~2% of the 16,384 searches before it (and about what a cursor that
+//! searches for good costs); a thread that settles pays a search instead of a hit for at most
+//! 16,384 lookups.
 //!
 //! [`DmaCursor`](crate::DmaCursor) does not use it. Its misses over many mappings are
 //! predictable (nearly all miss), so there is no misprediction to save; with the first
-//! version's run count its misses cost 88 instructions against 78, and 0.83x the speed in a
-//! bare loop over 100,000 mappings.
+//! version's run count its misses cost 88 instructions against 78, and were slower in a bare
+//! loop over 100,000 mappings.
 
 /// Misses in a row after which a remembering cursor starts searching.
 pub(crate) const SEARCH_AFTER: u32 = 8;

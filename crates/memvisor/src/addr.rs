@@ -116,6 +116,10 @@ impl Hva {
     }
 }
 
+/// The base page size in bytes, [`PageSize::Size4K`]: the unit of pins, page-table words,
+/// dirty bitmaps and page numbers (`addr >> 12`) throughout memvisor.
+pub const PAGE_4K: u64 = PageSize::Size4K.bytes();
+
 /// The page sizes of x86-64 and arm64 (4 KiB granule) Linux.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub enum PageSize {

@@ -43,6 +43,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use crate::addr::{Hva, PageSize};
 use crate::copy;
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// Which kind of host memory to create.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -572,7 +573,7 @@ impl SharedMappings {
     pub fn map(&self, fd: OwnedFd, file_offset: u64, size: u64) -> Result<Arc<Backing>> {
         let (st, _) = file_identity(&fd)?;
         let key = (st.st_dev, st.st_ino, file_offset, size);
-        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        let mut live = lock(&self.live);
         live.retain(|_, b| b.strong_count() > 0);
         if let Some(b) = live.get(&key).and_then(Weak::upgrade) {
             return Ok(b);
@@ -601,7 +602,7 @@ impl SharedMappings {
             start: file_offset,
             len: size,
         })?;
-        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        let mut live = lock(&self.live);
         for (&(dev, ino, off, len), b) in live.iter() {
             if (dev, ino) == (st.st_dev, st.st_ino) && off <= file_offset && end <= off + len {
                 if let Some(b) = b.upgrade() {
@@ -629,7 +630,7 @@ impl SharedMappings {
 
     /// Live mappings in the table.
     pub fn len(&self) -> usize {
-        let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        let live = lock(&self.live);
         live.values().filter(|b| b.strong_count() > 0).count()
     }
 
@@ -777,7 +778,7 @@ impl HugePageReservation {
     /// Adds `count` pages of `page` size to the pool. Needs root (EACCES otherwise); fails with
     /// ENOMEM, restoring the pool, if the kernel cannot find that many contiguous free blocks.
     pub fn add(page: PageSize, count: u64) -> Result<Self> {
-        let _guard = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = lock(&POOL_LOCK);
         let path = format!("{}/nr_hugepages", hugepage_dir(page));
         let before = free_huge_pages(page)?;
         let nr = read_counter(&path)?;
@@ -809,7 +810,7 @@ impl HugePageReservation {
 
 impl Drop for HugePageReservation {
     fn drop(&mut self) {
-        let _guard = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = lock(&POOL_LOCK);
         let path = format!("{}/nr_hugepages", hugepage_dir(self.page));
         if let Ok(nr) = read_counter(&path) {
             let _ = write_counter(&path, nr.saturating_sub(self.count));

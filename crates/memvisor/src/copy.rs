@@ -15,8 +15,8 @@
 //!   64-byte-aligned destination. The compiler sees opaque instructions that read and write
 //!   memory, as the kernel's `copy_{to,from}_user` are; it cannot assume the bytes stay put,
 //!   read them twice or tear them into a race it may exploit. Side by side with glibc's memcpy
-//!   on the reference machine (AMD EPYC, random offsets in a 16 MiB window, medians of 6): 91-168%
-//!   of its speed from 256 bytes up, 72-80% at odd sizes between 128 and 256.
+//!   it is about as fast or faster from 256 bytes up, and somewhat slower at odd sizes between
+//!   128 and 256 (figures: `MEASUREMENTS.md`, "Guest copies").
 //! * elsewhere, volatile loads and stores, a `u64` at a time where both sides are aligned, as
 //!   vm-memory does for small copies, and a byte at a time for the rest.
 //!
@@ -133,7 +133,7 @@ mod x86 {
     }
 
     /// From this many bytes `rep movsb` is as fast as vector moves (glibc's threshold for CPUs
-    /// with fast short `rep movsb`, 2112 bytes; the same held on the reference machine).
+    /// with fast short `rep movsb`, 2112 bytes, which measurement here confirmed).
     const REP_FROM: usize = 2112;
 
     /// `rep movsb`: copies `len` bytes upwards, one byte after another as far as any reader can

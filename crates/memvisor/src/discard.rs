@@ -76,18 +76,17 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::addr::{Gpa, PageSize};
+use crate::addr::{Gpa, PAGE_4K as PAGE, PageSize};
 use crate::backing::{Backing, BackingKind};
-use crate::dma::PinRegistry;
+use crate::pin::PinRegistry;
 use crate::slots::{Slot, SlotFlags, SlotId, SlotTable};
 
-const PAGE: u64 = 4096;
-
 /// Memory discarded per hold of the pin registry's lock, so a pin waits at most about that long:
-/// 2 MiB of 4 KiB pages (about 0.15 ms of `MADV_DONTNEED` on the reference machine)...
+/// 2 MiB of 4 KiB pages (a fraction of a millisecond of `MADV_DONTNEED`; figures:
+/// `MEASUREMENTS.md`, "Discard")...
 const CHUNK: u64 = PageSize::Size2M.bytes();
 /// ...and 64 MiB of huge pages (THP or hugetlbfs), which the kernel frees 512 times fewer of for
-/// the same bytes (about 0.15 ms for THP) — at least one huge page. One system call per chunk.
+/// the same bytes (about as long for THP) — at least one huge page. One system call per chunk.
 const HUGE_CHUNK: u64 = 64 << 20;
 
 /// How a [`Discarder`] works.

@@ -7,7 +7,7 @@
 
 use std::io;
 
-use crate::addr::PageSize;
+use crate::addr::{Iova, PageSize, Range};
 
 /// What went wrong, with the numbers that were wrong.
 #[derive(Debug, thiserror::Error)]
@@ -130,7 +130,59 @@ pub enum Error {
     #[error("access at iova {addr:#x} refused: {why}")]
     Refused { addr: u64, why: String },
 
-    /// A request that breaks a rule of the interface (EINVAL), said in words.
+    /// A range that would cut a mapping at either end (EINVAL): type1 v2 unmaps, invalidates
+    /// and reads dirty bits of whole mappings only. `[first, last]` is the range asked for,
+    /// `[start, end]` the mapping it cuts; widen the range to hold the whole mapping.
+    #[error(
+        "range [{first:#x}, {last:#x}] would split mapping [{start:#x}, {end:#x}]; type1 v2 unmaps \
+         whole mappings only"
+    )]
+    SplitsMapping {
+        first: u64,
+        last: u64,
+        start: u64,
+        end: u64,
+    },
+
+    /// A new mapping outside the IOVA ranges the space allows, its aperture minus its reserved
+    /// holes (EINVAL, type1's `vfio_iommu_iova_dma_valid`); pick an IOVA inside `allowed`.
+    #[error(
+        "iova range {range:?} is outside the allowed ranges {allowed:?} (aperture minus reserved)"
+    )]
+    OutsideAllowed {
+        range: Range<Iova>,
+        allowed: Vec<(Iova, Iova)>,
+    },
+
+    /// A live-update step on a mapping in the wrong state (EINVAL): invalidating a host address
+    /// that is already invalidated or a peer's memory, updating one that is not invalidated, or
+    /// an update that does not name the whole mapping. `addr` is the mapping's IOVA.
+    #[error("{why}")]
+    VaddrState { addr: u64, why: String },
+
+    /// A mapping or pin that allows neither READ nor WRITE (EINVAL).
+    #[error("{what} needs READ, WRITE or both")]
+    NoAccess { what: String },
+
+    /// A dirty-page request while dirty tracking is off (EINVAL); start tracking first.
+    #[error("dirty tracking is off; {then}")]
+    TrackingOff { then: &'static str },
+
+    /// A release of pins that are not held (EINVAL): an IOVA page `pin_pages` did not pin, or a
+    /// whole mapping outside Eager mode.
+    #[error("{0}")]
+    NotPinned(String),
+
+    /// A configuration no space or device can be built with (EINVAL), said in words.
+    #[error("{0}")]
+    BadConfig(String),
+
+    /// The other side of a virtio queue broke the protocol, or the queue is unusable (EINVAL);
+    /// the message says what, and whether the device must be reset.
+    #[error("{0}")]
+    Protocol(String),
+
+    /// Any other request that breaks a rule of the interface (EINVAL), said in words.
     #[error("{0}")]
     Invalid(String),
 
@@ -212,6 +264,14 @@ impl Error {
             | Error::OutOfBounds { .. }
             | Error::LimitExceeded { .. }
             | Error::NotMapped { .. }
+            | Error::SplitsMapping { .. }
+            | Error::OutsideAllowed { .. }
+            | Error::VaddrState { .. }
+            | Error::NoAccess { .. }
+            | Error::TrackingOff { .. }
+            | Error::NotPinned(_)
+            | Error::BadConfig(_)
+            | Error::Protocol(_)
             | Error::Invalid(_) => libc::EINVAL,
             Error::PermissionDenied { .. } | Error::NeedsCapability { .. } => libc::EPERM,
             Error::LockLimit { .. } => libc::ENOMEM,

@@ -9,9 +9,11 @@
 //! adapt    when a slot cursor remembers its last slot and when it searches every address
 //! backing  host memory: anonymous, memfd, THP, hugetlbfs, file          (owns mmap/munmap)
 //! slots    guest physical -> host virtual: lock-free snapshots, per-vCPU cursors
+//! pin      host pages held for DMA: the process-wide registry, mlock or long-term pins
 //! dma      I/O virtual -> host: the VFIO type1 model, translation, dma_read/write, dirty pages
 //! discard  free page reporting, host side: reported guest memory given back, pinned pages kept
-//! vm_memory  (feature `vm-memory`) rust-vmm's vm-memory traits over the slot table
+//! vm_memory  (feature `vm-memory`) rust-vmm's vm-memory traits over the slot table (and, as
+//!          dma::DmaMemory, over the device space, addressed by IOVA)
 //! balloon  (feature `virtio-balloon`) virtio-balloon free page reporting queue -> discard
 //! ```
 //!
@@ -30,16 +32,16 @@ mod copy;
 pub mod discard;
 pub mod dma;
 pub mod error;
-mod pagetable;
-mod rangemap;
+mod pin;
 pub mod seeds;
 pub mod slots;
+mod sync;
 #[cfg(feature = "vm-memory")]
 pub mod vm_memory;
 
 #[cfg(feature = "vm-memory")]
 pub use crate::vm_memory::{DirtySlice, SlotMemory, SlotRegion, SlotRegions, SlotSpace};
-pub use addr::{Gpa, Hva, Iova, PageSize, Range};
+pub use addr::{Gpa, Hva, Iova, PAGE_4K, PageSize, Range};
 pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation, SharedMappings};
 pub use bitmap::SharedLog;
 pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutcome};
@@ -47,7 +49,8 @@ pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutco
 pub use dma::DmaMemory;
 pub use dma::{Access, DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
 pub use error::{Error, Result};
-pub use slots::{SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot, Translation};
+pub use pin::{LockLimit, PinRegistry};
+pub use slots::{GpaTranslation, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot};
 
 /// The README's API tour, compiled and run as a doctest so it cannot go stale.
 #[cfg(doctest)]

@@ -17,7 +17,8 @@
 //!   compare, one entry load, at any slot count; a binary search only among the slots of a
 //!   crowded bucket.
 //! * A [`SlotCursor`] (one per vCPU or device thread) remembers the last slot it hit and the
-//!   generation of the snapshot it came from (seed 003, KVM's per-vCPU `last_used_slot`). A hit
+//!   generation of the snapshot it came from (KVM's per-vCPU `last_used_slot`, from the patch
+//!   "KVM: Cache the last used slot index per vCPU"). A hit
 //!   costs one load of the table's generation counter — a cache line only writers write — and a
 //!   bounds check; nothing shared is written on a lookup, so cursors on different threads never
 //!   contend. When the generation moved, the cursor reloads the snapshot and searches again: a
@@ -32,6 +33,10 @@
 //! — unmapped memory is EFAULT, a write into a read-only slot is EFAULT as in KVM — and copy only
 //! if all of it is there. Writes through the table mark the slot's dirty bitmap when the slot has
 //! [`SlotFlags::LOG_DIRTY`]: device-model writes that KVM's own dirty log cannot see.
+//!
+//! This file is long because the table, its snapshots' bucket index and the cursor share the
+//! snapshot's private layout (the cursor's hit and miss paths read it directly), and their unit
+//! tests sit beside them.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -47,6 +52,7 @@ use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
 use crate::copy;
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// A slot's number, as in KVM's `kvm_userspace_memory_region.slot`.
 pub type SlotId = u32;
@@ -181,9 +187,10 @@ impl Slot {
     }
 }
 
-/// The answer to a lookup: where a guest address lives on the host.
+/// The answer to a slot lookup: where a guest physical address lives on the host (a device's
+/// I/O virtual address translates to a [`dma::Translation`](crate::dma::Translation) instead).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Translation {
+pub struct GpaTranslation {
     /// Host address of the guest address.
     pub hva: Hva,
     /// Bytes from there to the end of the slot: the host memory is contiguous for this long.
@@ -223,8 +230,8 @@ impl Entry {
     }
 
     #[inline(always)]
-    fn translate(&self, gpa: u64) -> Translation {
-        Translation {
+    fn translate(&self, gpa: u64) -> GpaTranslation {
+        GpaTranslation {
             hva: Hva(gpa.wrapping_add(self.delta)),
             len: self.last - gpa + 1,
             slot: self.id,
@@ -419,14 +426,14 @@ impl Snapshot {
 
     /// Translates `gpa` if the slot at `index` holds it; the check a hint or cursor makes.
     #[inline]
-    pub fn translate_at(&self, index: usize, gpa: Gpa) -> Option<Translation> {
+    pub fn translate_at(&self, index: usize, gpa: Gpa) -> Option<GpaTranslation> {
         let e = self.entries.get(index)?;
         e.contains(gpa.0).then(|| e.translate(gpa.0))
     }
 
     /// Where `gpa` lives on the host, or `None` if no slot holds it.
     #[inline]
-    pub fn lookup(&self, gpa: Gpa) -> Option<Translation> {
+    pub fn lookup(&self, gpa: Gpa) -> Option<GpaTranslation> {
         self.find_entry_indexed(gpa).map(|e| e.translate(gpa.0))
     }
 
@@ -645,7 +652,7 @@ impl SlotTable {
     /// Applies a batch of changes and publishes them as one new snapshot, or — if `edit`
     /// returns an error — publishes nothing. Writers are serialized; readers are never blocked.
     pub fn update<T>(&self, edit: impl FnOnce(&mut SlotEdit) -> Result<T>) -> Result<T> {
-        let _writer = self.shared.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let _writer = lock(&self.shared.writer);
         let current = self.shared.current.load_full();
         let mut draft = SlotEdit::from_snapshot(&current, self.shared.max_slots);
         let value = edit(&mut draft)?;
@@ -707,7 +714,7 @@ impl SlotTable {
     }
 
     /// Where `gpa` lives on the host (the current snapshot's bucket index).
-    pub fn lookup(&self, gpa: Gpa) -> Option<Translation> {
+    pub fn lookup(&self, gpa: Gpa) -> Option<GpaTranslation> {
         self.shared.current.load().lookup(gpa)
     }
 
@@ -876,7 +883,8 @@ impl SlotEdit {
     }
 }
 
-/// One thread's view of the table, remembering the last slot it hit (seed 003).
+/// One thread's view of the table, remembering the last slot it hit (as KVM's per-vCPU
+/// `last_used_slot` does).
 ///
 /// Keep one per vCPU or device thread; it is `Send` but not shared. It holds the snapshot it last
 /// used, so the memory of slots removed since stays mapped until its next lookup (or until it is
@@ -914,14 +922,14 @@ impl SlotCursor {
     /// 0); a miss searches the snapshot's bucket index inline and remembers the entry found,
     /// computing the answer before the store so the return value does not wait on it. After 8
     /// misses in a row the cursor searches every address and remembers nothing for 16,384
-    /// lookups, then tries remembering again (the `adapt` module): over 2-8 slots a cursor
-    /// that only remembered ran at 0.35-0.85x a plain binary search on random addresses.
+    /// lookups, then tries remembering again (the `adapt` module): over a few slots a cursor
+    /// that only remembered was slower than a plain binary search on random addresses.
     /// Either way the answer is the current snapshot's.
     ///
     /// Always inlined: the modes' few instructions took it past LLVM's own threshold, and as
-    /// a call the hit cost 3.9 ns, not 2.6.
+    /// a call the hit cost half as much again (figures: `MEASUREMENTS.md`, "Slot cursor").
     #[inline(always)]
-    pub fn lookup(&mut self, gpa: Gpa) -> Option<Translation> {
+    pub fn lookup(&mut self, gpa: Gpa) -> Option<GpaTranslation> {
         let generation = self.shared.generation.0.load(Ordering::Acquire);
         let h = &self.hit;
         // `gpa - start` wraps above `last - start` when gpa is below the slot. Never true while

@@ -39,7 +39,7 @@ use super::{
 
 pub struct IotlbReplay;
 
-const PAGE: u64 = 4096;
+use memvisor::PAGE_4K as PAGE;
 
 /// One stream to replay.
 struct Stream {

@@ -42,7 +42,7 @@ use super::{
 
 pub struct Lookup;
 
-const PAGE: u64 = 4096;
+use memvisor::PAGE_4K as PAGE;
 /// Addresses per thread in a lookup pattern, all different: 65,536 (a power of two, the loop
 /// masks its index).
 const PATTERN: usize = 1 << 16;

@@ -68,7 +68,7 @@ use memory::{Guest, pin, pin_plan, report_all, report_via_queue, touch_pages, un
 
 pub struct PageReport;
 
-const PAGE: u64 = 4096;
+use memvisor::PAGE_4K as PAGE;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 /// One reported block: order 9, Linux's `pageblock_order` on x86-64.

@@ -33,7 +33,7 @@ use memvisor::{Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Iova, 
 use super::{Outcome, Row, Stats, Table, hugepages, limits, ratio, ratio_cell};
 
 const NAME: &str = "pin-pages";
-const PAGE: u64 = 4096;
+use memvisor::PAGE_4K as PAGE;
 const HUGE: u64 = 2 << 20;
 /// Step between the pages of consecutive "new page" calls: odd, and more than 512 pages, so
 /// consecutive calls land in different 2 MiB chunks and every page comes up once per cycle.

@@ -66,7 +66,7 @@ use workload::{
 pub struct PinPages;
 
 const NAME: &str = "pin-pages";
-const PAGE: u64 = 4096;
+use memvisor::PAGE_4K as PAGE;
 const HUGE: u64 = 2 << 20;
 /// 2 MiB chunks per part-1 backing: the 512-page calls rotate through them.
 const CHUNKS: u64 = 16;

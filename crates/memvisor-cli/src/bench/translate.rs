@@ -22,7 +22,7 @@ use super::{Better, Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, ns_
 
 pub struct Translate;
 
-const PAGE: u64 = 4096;
+use memvisor::PAGE_4K as PAGE;
 const COUNTS: [u64; 4] = [1, 64, 10_000, 100_000];
 /// Addresses in a pattern: 65,536 (a power of two, the loop masks its index).
 const PATTERN: usize = 1 << 16;

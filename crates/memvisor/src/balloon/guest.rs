@@ -64,7 +64,7 @@ impl GuestRing {
     /// memory, zeroed. EINVAL for a bad size or alignment; EFAULT if the memory is not there.
     pub fn new(mem: &SlotTable, at: Gpa, size: u16) -> Result<Self> {
         if !size.is_power_of_two() || size > 32768 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadConfig(format!(
                 "ring size {size} is not a power of two from 1 to 32768"
             )));
         }
@@ -233,7 +233,7 @@ impl GuestRing {
             .ok()
             .and_then(|head| Some((head, self.in_flight.remove(&head)?)));
         let Some((head, ids)) = ids else {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Protocol(format!(
                 "device returned descriptor {id} in used entry {}, which is not a chain in flight",
                 self.last_used
             )));

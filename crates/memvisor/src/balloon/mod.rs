@@ -59,7 +59,8 @@ pub use virtio_queue;
 
 pub mod guest;
 
-use crate::addr::Gpa;
+// virtio-balloon's page (VIRTIO_BALLOON_PFN_SHIFT 12): reported buffers are whole pages of it.
+use crate::addr::{Gpa, PAGE_4K as PAGE};
 use crate::discard::{DiscardOptions, Discarder, ReportOutcome};
 use crate::error::{Error, Result};
 use crate::vm_memory::{SlotMemory, SlotSpace};
@@ -83,8 +84,6 @@ pub const CONFIG_SIZE: u64 = 16;
 const CONFIG_ACTUAL: u64 = 4;
 const CONFIG_POISON_VAL: u64 = 12;
 
-/// The page size of virtio-balloon: reported buffers are whole pages of this size.
-const PAGE: u64 = 4096;
 /// Inflate queue number.
 pub const INFLATE_QUEUE_INDEX: u16 = 0;
 /// Deflate queue number.
@@ -199,7 +198,7 @@ impl Balloon {
     /// queue of at most `queue_max` entries (a power of two, at most 32768).
     pub fn new(memory: SlotSpace, options: DiscardOptions, queue_max: u16) -> Result<Self> {
         let queue = Queue::new(queue_max).map_err(|e| {
-            Error::Invalid(format!(
+            Error::BadConfig(format!(
                 "balloon queue size {queue_max}: {e}; use a power of two from 1 to 32768"
             ))
         })?;
@@ -235,13 +234,13 @@ impl Balloon {
     pub fn ack_features(&mut self, features: u64) -> Result<()> {
         let extra = features & !self.device_features();
         if extra != 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Protocol(format!(
                 "balloon: driver acked features {extra:#x} the device does not offer (offered {:#x})",
                 self.device_features()
             )));
         }
         if features & 1 << VIRTIO_F_VERSION_1 == 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Protocol(format!(
                 "balloon: driver features {features:#x} lack VIRTIO_F_VERSION_1; only the modern \
                  interface is supported"
             )));
@@ -372,12 +371,12 @@ impl Balloon {
     /// [`Balloon::process_queue`] on a reporting queue the transport keeps (vhost-user).
     pub fn process_reports(&mut self, queue: &mut Queue) -> Result<Processed> {
         if let Some(why) = &self.broken {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Protocol(format!(
                 "balloon reporting queue is broken ({why}); reset the device"
             )));
         }
         if !self.has(VIRTIO_BALLOON_F_REPORTING) {
-            return Err(Error::Invalid(
+            return Err(Error::Protocol(
                 "balloon: VIRTIO_BALLOON_F_REPORTING was not negotiated; the reporting queue does \
                  not exist"
                     .into(),
@@ -386,7 +385,7 @@ impl Balloon {
         let memory = self.memory.memory();
         let mem: &SlotMemory = &memory;
         if !queue.is_valid(mem) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Protocol(format!(
                 "balloon reporting queue is not usable: ready={}, size {}, descriptors at {:#x}, \
                  available ring at {:#x}, used ring at {:#x} must be set and inside guest memory",
                 queue.ready(),
@@ -407,7 +406,7 @@ impl Balloon {
                     );
                     log::error!("balloon: {why}; the device needs a reset");
                     self.broken = Some(why.clone());
-                    return Err(Error::Invalid(format!("balloon: {why}; reset the device")));
+                    return Err(Error::Protocol(format!("balloon: {why}; reset the device")));
                 }
             };
             let Some(chain) = chain else {
@@ -473,7 +472,7 @@ impl Balloon {
             let chain = match queue.iter(mem) {
                 Ok(mut avail) => avail.next(),
                 Err(e) => {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::Protocol(format!(
                         "balloon {name} queue: available ring unusable: {e}; reset the device"
                     )));
                 }

@@ -36,16 +36,15 @@
 //! lost: the unmap returns only after every copy and pin in the range ended (`retire`), so no
 //! write lands in a bitmap nobody reads any more.
 
+use super::index::Index;
 use super::retire::Plan;
-use super::{DmaSpace, Index, Mapping, PinMode, Writer, whole_mappings};
-use crate::addr::Iova;
+use super::{DmaSpace, Mapping, PinMode, Writer, whole_mappings};
+use crate::addr::{Iova, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
 
 /// Most pages one dirty bitmap read may cover (the kernel's `DIRTY_BITMAP_PAGES_MAX`,
 /// `INT_MAX`): 8 TiB of 4 KiB pages, a 256 MiB bitmap.
 pub const DIRTY_BITMAP_PAGES_MAX: u64 = i32::MAX as u64;
-
-const PAGE: u64 = 4096;
 
 /// Which pages a read of the dirty log reports; see the module documentation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,9 +175,9 @@ impl DmaSpace {
         check_out(pages, out)?;
         let writer = self.writer();
         if !writer.tracking {
-            return Err(Error::Invalid(
-                "dirty tracking is off; call start_dirty_tracking first".into(),
-            ));
+            return Err(Error::TrackingOff {
+                then: "call start_dirty_tracking first",
+            });
         }
         let snap = self.shared.current.load();
         let last = iova.0 + (size - 1);
@@ -208,9 +207,9 @@ impl DmaSpace {
             range.last().0,
             |writer| match writer.tracking {
                 true => Ok(()),
-                false => Err(Error::Invalid(
-                    "dirty tracking is off; an unmap cannot return dirty bits".into(),
-                )),
+                false => Err(Error::TrackingOff {
+                    then: "an unmap cannot return dirty bits",
+                }),
             },
             |writer, hit| {
                 for (start, m) in hit {
@@ -254,7 +253,7 @@ impl DmaSpace {
             or_words(out, first, &taken);
         }
         let (start, last) = (m.iova.start().0, m.iova.last().0);
-        for (s, e, _) in writer.external.counted_in(start / PAGE, last / PAGE + 1) {
+        for (s, e, _) in writer.device_pins.counted_in(start / PAGE, last / PAGE + 1) {
             // Pinned 4 KiB IOVA pages, in bits of the space's page size.
             let from = (s * PAGE).max(start) - start;
             let to = ((e - 1) * PAGE + (PAGE - 1)).min(last) - start;

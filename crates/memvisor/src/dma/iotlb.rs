@@ -20,8 +20,9 @@
 
 use std::sync::Arc;
 
+use super::index::Index;
 use super::retire::Plan;
-use super::{DmaSpace, Host, Index, Mapping, Memory, whole_mappings};
+use super::{DmaSpace, Host, Mapping, Memory, whole_mappings};
 use crate::addr::{Hva, Iova, Range};
 use crate::error::Result;
 

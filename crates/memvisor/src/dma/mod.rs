@@ -26,26 +26,23 @@
 //! process-wide [`PinRegistry`] and per IOVA page for devices. An unmap (or IOTLB or vaddr
 //! invalidation) closes its range to devices at once and returns only once no device can still
 //! touch it: copies in flight have ended and devices holding pins there were asked to release
-//! them and did (`retire`, `external`).
+//! them and did (`retire`, `device_pins`).
 //!
-//! Readers never lock. The mappings live in an immutable snapshot — a persistent two-level range
-//! map (`rangemap`), so one change copies O(n / 256) pointers, not the whole table — swapped in
-//! atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
+//! Readers never lock. The mappings live in an immutable snapshot (`index`) — a persistent
+//! two-level range map, so one change copies O(n / 256) pointers, not the whole table —
+//! swapped in atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
 //! the memory it maps, so memory a reader can still reach through an old snapshot stays mapped
 //! (a plain copy on its thread's last hit holds none: a change waits for those instead, `grace`).
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
-//! (`dma_read` / `dma_write`, seed 004a) and dirty tracking are in the submodules.
+//! (`dma_read` / `dma_write`, as Linux's `vfio_dma_rw`) and dirty tracking are in the submodules.
 
-mod account;
-mod counts;
+mod config;
+mod device_pins;
 mod dirty;
-mod external;
 mod grace;
+mod index;
 mod iotlb;
-mod locked;
-mod longterm;
 mod mode;
-mod pin;
 mod retire;
 mod rw;
 mod translate;
@@ -65,17 +62,18 @@ use crate::addr::{Gpa, Hva, Iova, PageSize, Range};
 use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
 use crate::error::{Error, Result};
-use crate::pagetable::PageTable;
-use crate::rangemap::{Pos, RangeMap};
+use crate::pin::counts::RunCounts;
 use crate::slots::{SlotFlags, Snapshot};
-use counts::RunCounts;
-use external::Notifiers;
+use crate::sync::lock;
+use device_pins::Notifiers;
+use index::{DmaSnapshot, Index};
 
-pub use account::LockLimit;
+pub use config::{DmaConfig, DmaInfo, VaddrRule};
+pub use device_pins::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pinned};
 pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
-pub use external::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pinned};
 pub use mode::{Extent, PinMode};
-pub use pin::{HostExtent, LongTermCounts, PIN_BATCH, PinRegistry};
+// The pin registry lives in `crate::pin`; these names stay here too, where users first met them.
+pub use crate::pin::{HostExtent, LockLimit, LongTermCounts, PIN_BATCH, PinRegistry};
 pub use translate::{DmaCursor, Segment, Translation};
 #[cfg(feature = "vm-memory")]
 pub use vm_memory::{DmaMemory, DmaSlices, Miss};
@@ -134,107 +132,6 @@ impl Access {
             Access::Write => Prot::WRITE,
         }
     }
-}
-
-/// Limits and behaviour of a [`DmaSpace`], fixed at creation.
-#[derive(Clone, Debug)]
-pub struct DmaConfig {
-    /// Most mappings at once (VFIO's `dma_entry_limit`, default 65535).
-    pub max_mappings: u32,
-    /// Lowest and highest usable IOVA (inclusive), like an IOMMU's aperture.
-    pub aperture: (Iova, Iova),
-    /// Holes in the aperture no mapping may touch (MSI windows and the like).
-    pub reserved: Vec<Range<Iova>>,
-    /// Supported page sizes as a bitmap (VFIO's `iova_pgsizes`); the smallest sets the alignment
-    /// of every IOVA, size and host address.
-    pub page_sizes: u64,
-    /// How long a translation of an invalidated host address waits for `update_vaddr` before
-    /// failing with EBUSY. Zero fails at once. Used by [`VaddrRule::Wait`].
-    pub vaddr_wait: Duration,
-    /// Which kernel's rule for invalidated host addresses the space follows.
-    pub vaddr_rule: VaddrRule,
-    /// Whether `map` pins (Eager) or only `pin_pages` does (Lazy); see [`DmaSpace::set_pin_mode`].
-    pub pin_mode: PinMode,
-    /// Pages per pinning step ([`PIN_BATCH`]); 1 pins and unpins a page at a time, the
-    /// baseline the benchmarks measure against.
-    pub pin_batch: usize,
-    /// Read physical frames when pinning whole mappings and keep them in the extents (needs
-    /// CAP_SYS_ADMIN, as /proc/self/pagemap hides frames from everyone else).
-    pub frames: bool,
-    /// How `pin_pages` groups the pages it is given ([`Grouping::Adaptive`]).
-    pub grouping: Grouping,
-    /// The pin registry; `None` is the process's ([`PinRegistry::global`]).
-    pub registry: Option<Arc<PinRegistry>>,
-    /// Small mappings (up to 127 pages, 508 KiB) the space must hold before it keeps a page
-    /// table of them, one word per 4 KiB page; default 64. Below a quarter of this many the
-    /// table is dropped again; 0 keeps it always. With the table a cursor's miss costs ~3 ns
-    /// over 64 one-page mappings (~16 ns without) and ~5 ns over 100 000 (~40 without), but
-    /// every change to a small mapping copies a 4 KiB leaf: an IOTLB update in a small table
-    /// took ~1.5x as long with it. Set 0 for a small table that rarely changes and misses
-    /// often.
-    pub page_table_from: u32,
-    /// How long an unmap, IOTLB invalidation or vaddr invalidation waits for devices to
-    /// release the pins they hold in the range it takes away (default 1 s). The range is closed
-    /// to new pins, translations and copies from the moment the change starts; past this bound
-    /// the change is undone and fails with EBUSY, and the caller must stop the device that keeps
-    /// its pins (see `retire`). Keep it below the peer's own reply timeout (QEMU's vfio-user
-    /// client waits 5 s for a reply).
-    pub unpin_wait: Duration,
-}
-
-impl Default for DmaConfig {
-    fn default() -> Self {
-        DmaConfig {
-            max_mappings: 65535,
-            aperture: (Iova(0), Iova(u64::MAX)),
-            reserved: Vec::new(),
-            page_sizes: PageSize::Size4K.bytes()
-                | PageSize::Size2M.bytes()
-                | PageSize::Size1G.bytes(),
-            vaddr_wait: Duration::ZERO,
-            vaddr_rule: VaddrRule::Wait,
-            pin_mode: PinMode::Lazy,
-            pin_batch: PIN_BATCH,
-            frames: false,
-            grouping: Grouping::Adaptive,
-            registry: None,
-            page_table_from: 64,
-            unpin_wait: Duration::from_secs(1),
-        }
-    }
-}
-
-/// What happens to device access while a host address is invalidated for a live update
-/// (between [`DmaSpace::invalidate_vaddr`] and [`DmaSpace::update_vaddr`]). Linux changed the
-/// rule in 6.3 (and in 6.1.20 of the 6.1 stable series); a VMM picks the one it was written for.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum VaddrRule {
-    /// Linux 5.12 to 6.2: an access that reaches an invalidated mapping waits for its update
-    /// (here up to [`DmaConfig::vaddr_wait`]; the kernel waits without limit until the process
-    /// is killed), then fails: EBUSY for translation and `pin_pages`, EFAULT for
-    /// `dma_read` / `dma_write`. Other mappings work as usual, and invalidation is allowed
-    /// while devices that pin are attached (their pins are asked back first).
-    #[default]
-    Wait,
-    /// Linux 6.3 on: while any mapping's host address is invalidated, `dma_read`, `dma_write`
-    /// and `pin_pages` fail at once with EBUSY, whatever mapping they name (translation still
-    /// fails only on the invalidated mapping, at once). Invalidation is refused with EBUSY
-    /// while a device that pins is attached, i.e. an unmap notifier is registered.
-    Refuse,
-}
-
-/// What `VFIO_IOMMU_GET_INFO` reports.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DmaInfo {
-    /// Supported page sizes (bitmap).
-    pub page_sizes: u64,
-    /// Where mappings may go: the aperture minus the reserved ranges, in order, as inclusive
-    /// `(first, last)` pairs like `struct vfio_iova_range` (the whole space has 2^64 bytes).
-    pub iova_ranges: Vec<(Iova, Iova)>,
-    /// The mapping count limit.
-    pub max_mappings: u32,
-    /// Mappings that can still be made (`VFIO_IOMMU_TYPE1_INFO_DMA_AVAIL`).
-    pub available: u32,
 }
 
 /// The host memory behind a mapping.
@@ -345,241 +242,6 @@ impl Mapping {
     }
 }
 
-/// What the index keeps inline per mapping, packed in one word: the fields every translation
-/// needs, next to the range, so a lookup never touches the mapping record (with 100 000 mappings
-/// the records are megabytes away). The high bits are `hva - iova` (wrapping); both are
-/// multiples of the smallest page size (4 KiB or more), so its low 12 bits are free for the
-/// protection and two flags.
-#[derive(Clone, Copy, Default, PartialEq, Eq)]
-struct Hot(u64);
-
-impl Hot {
-    const PROT: u64 = 0b11;
-    const VALID: u64 = 1 << 2;
-    const DIRTY: u64 = 1 << 3;
-    const REMOTE: u64 = 1 << 4;
-    const FLAGS: u64 = 0xfff;
-
-    /// The hot word of `mapping`: the only place it is derived.
-    fn of(mapping: &Mapping) -> Hot {
-        let start = mapping.iova.start().0;
-        let (delta, valid) = match &mapping.memory {
-            Memory::Local(h) => (h.hva.0.wrapping_sub(start), Hot::VALID),
-            Memory::Invalidated => (0, 0),
-            Memory::Remote => (0, Hot::REMOTE),
-        };
-        debug_assert_eq!(delta & Hot::FLAGS, 0, "iova and hva are page aligned");
-        let dirty = if mapping.dirty.is_some() {
-            Hot::DIRTY
-        } else {
-            0
-        };
-        Hot(delta | u64::from(mapping.prot.0) | valid | dirty)
-    }
-
-    /// hva - iova, wrapping; meaningless unless `valid`.
-    #[inline]
-    fn delta(self) -> u64 {
-        self.0 & !Hot::FLAGS
-    }
-
-    #[inline]
-    fn prot(self) -> Prot {
-        Prot((self.0 & Hot::PROT) as u8)
-    }
-
-    /// Whether the mapping has a host address (not invalidated for a live update).
-    #[inline]
-    fn valid(self) -> bool {
-        self.0 & Hot::VALID != 0
-    }
-
-    /// Whether the mapping's memory is a peer's ([`Memory::Remote`]).
-    #[inline]
-    fn remote(self) -> bool {
-        self.0 & Hot::REMOTE != 0
-    }
-
-    /// Whether the mapping has a dirty bitmap.
-    #[inline]
-    fn dirty(self) -> bool {
-        self.0 & Hot::DIRTY != 0
-    }
-}
-
-/// The page size of the page table.
-const PAGE: u64 = 4096;
-
-/// Pages a mapping may span and still be entered in the page table: the pages left to its
-/// end, 1 to 127, fit the hot word's free bits 5..=11.
-const TABLE_PAGES_MAX: u64 = 127;
-
-impl Hot {
-    /// In a page-table word: the pages from this one to the mapping's end.
-    const LEFT_SHIFT: u32 = 5;
-    const LEFT: u64 = 0x7f << Hot::LEFT_SHIFT;
-}
-
-/// The index: every mapping's IOVA range, hot word and record in the sorted [`RangeMap`]; and,
-/// for the small mappings a vIOMMU makes (at most [`TABLE_PAGES_MAX`] pages, below the page
-/// table's window, while its budget allows), one word per 4 KiB page in a [`PageTable`]: the
-/// mapping's hot word plus the pages left to its end. A translation reads the page table first
-/// and the sorted index only where it holds nothing; everything else (spans, walks, changes)
-/// reads the sorted index, which is the record. The two change together, only here.
-///
-/// The page table is kept only while the space holds many small mappings: from
-/// [`DmaConfig::page_table_from`] of them on (it starts filled with all of them that its window
-/// and budget allow) until they fall below a quarter of that (it is dropped whole). The table
-/// is persistent, so every change to a kept one copies a 4 KiB leaf: that made an update in a
-/// small table that churns (a vIOMMU in strict mode, mapping and unmapping a buffer's pages
-/// around each request) ~1.5x dearer, for ~13 ns saved on each cursor miss (16 against 3 ns
-/// over 64 one-page mappings). Kept or not, every word the table holds is current.
-#[derive(Clone, Default)]
-struct Index {
-    ranges: RangeMap<Hot, Arc<Mapping>>,
-    pages: PageTable,
-    /// Mappings held of at most [`TABLE_PAGES_MAX`] pages ([`table_pages`]), whether or not
-    /// the window and the budget let the table take them.
-    small: u64,
-    /// Whether the page table is kept (else it is empty).
-    paged: bool,
-    /// [`DmaConfig::page_table_from`].
-    table_from: u64,
-}
-
-impl std::ops::Deref for Index {
-    type Target = RangeMap<Hot, Arc<Mapping>>;
-    fn deref(&self) -> &Self::Target {
-        &self.ranges
-    }
-}
-
-impl Index {
-    /// An empty index that keeps a page table from `table_from` small mappings on.
-    fn new(table_from: u64) -> Index {
-        Index {
-            paged: table_from == 0,
-            table_from,
-            ..Index::default()
-        }
-    }
-
-    /// Drops every mapping.
-    fn clear(&mut self) {
-        *self = Index::new(self.table_from);
-    }
-
-    /// Puts `mapping` into the index.
-    fn insert(&mut self, mapping: Mapping) {
-        let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
-        let hot = Hot::of(&mapping);
-        self.ranges.insert(start, last, hot, Arc::new(mapping));
-        if table_pages(start, last).is_none() {
-            return;
-        }
-        self.small += 1;
-        if self.paged {
-            enter_pages(&mut self.pages, start, last, hot);
-        } else if self.small >= self.table_from {
-            // Start the table with every small mapping there is, this one included.
-            self.paged = true;
-            for (start, last, hot, _) in self.ranges.iter() {
-                enter_pages(&mut self.pages, start, last, hot);
-            }
-        }
-    }
-
-    /// Replaces the mapping at `pos` with `mapping` (same range).
-    fn set(&mut self, pos: Pos, mapping: Mapping) {
-        let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
-        let hot = Hot::of(&mapping);
-        if self.paged {
-            enter_pages(&mut self.pages, start, last, hot);
-        }
-        self.ranges.set(pos, hot, Arc::new(mapping));
-    }
-
-    /// Removes the mapping starting at `start`.
-    fn remove(&mut self, start: u64) -> Option<Arc<Mapping>> {
-        let pos = self.ranges.find(start)?;
-        let (first, last, _) = self.ranges.bounds(pos);
-        if first != start {
-            return None;
-        }
-        if let Some(pages) = table_pages(start, last) {
-            self.small -= 1;
-            // A table not kept is empty: nothing to clear then.
-            if self.paged && self.small * 4 < self.table_from {
-                // Too few left: drop the table whole.
-                self.paged = false;
-                self.pages = PageTable::default();
-            } else if self.paged {
-                self.pages.clear(start, pages);
-            }
-        }
-        Some(self.ranges.remove_at(pos))
-    }
-
-    /// Removes the mappings `hit` (as (start, mapping), in address order, each in the index):
-    /// all at once if they are all there is, else from the last down, so that no removal
-    /// shifts the entries the next ones take out.
-    fn remove_all(&mut self, hit: &[(u64, Arc<Mapping>)]) {
-        if hit.len() == self.len() {
-            self.clear();
-            return;
-        }
-        for (start, _) in hit.iter().rev() {
-            self.remove(*start).expect("a mapping of the index");
-        }
-    }
-
-    /// See [`RangeMap::reindex`].
-    fn reindex(&mut self) {
-        self.ranges.reindex();
-    }
-
-    /// The hot word in a page-table `word`.
-    #[inline(always)]
-    fn page_hot(word: u64) -> Hot {
-        Hot(word & !Hot::LEFT)
-    }
-
-    /// The last byte of the mapping whose page-table `word` (non-zero) `iova`'s page holds.
-    #[inline(always)]
-    fn page_last(iova: u64, word: u64) -> u64 {
-        let left = (word & Hot::LEFT) >> Hot::LEFT_SHIFT;
-        (iova & !(PAGE - 1))
-            .wrapping_add(left * PAGE)
-            .wrapping_sub(1)
-    }
-}
-
-/// The pages of a mapping `[start, last]` if the page table can take it (at most
-/// [`TABLE_PAGES_MAX`]).
-fn table_pages(start: u64, last: u64) -> Option<u64> {
-    let pages = (last - start) / PAGE + 1;
-    (pages <= TABLE_PAGES_MAX).then_some(pages)
-}
-
-/// Writes the page-table words of a mapping `[start, last]` with `hot`, if it is small; where
-/// the table refuses, clears them, so the sorted index answers.
-fn enter_pages(table: &mut PageTable, start: u64, last: u64, hot: Hot) {
-    let Some(pages) = table_pages(start, last) else {
-        return;
-    };
-    if !table.fill(start, pages, |k| hot.0 | (pages - k) << Hot::LEFT_SHIFT) {
-        table.clear(start, pages);
-    }
-}
-
-/// The mappings at one generation.
-struct DmaSnapshot {
-    generation: u64,
-    map: Index,
-    /// Mappings whose host address is invalidated.
-    invalid: u64,
-}
-
 #[repr(align(128))]
 struct Padded<T>(T);
 
@@ -594,7 +256,7 @@ struct Writer {
     /// Pins held for whole mappings in Eager mode, by mapping id.
     eager: HashMap<u64, mode::Pinned>,
     /// IOVA pages (4 KiB numbers) devices pinned through `pin_pages`, counted.
-    external: RunCounts,
+    device_pins: RunCounts,
     /// A change taking memory back from devices, waiting for their pins (`retire`); no other
     /// change starts until it ends.
     retiring: Option<retire::Retiring>,
@@ -661,14 +323,14 @@ impl DmaSpace {
     /// sizes, or the aperture is empty.
     pub fn new(config: DmaConfig) -> Result<Self> {
         if config.page_sizes == 0 || config.page_sizes.trailing_zeros() < 12 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::BadConfig(format!(
                 "page size bitmap {:#x} must contain sizes of 4 KiB or more",
                 config.page_sizes
             )));
         }
         let (lo, hi) = config.aperture;
         if lo > hi {
-            return Err(Error::Invalid(format!("aperture {lo}..={hi} is empty")));
+            return Err(Error::BadConfig(format!("aperture {lo}..={hi} is empty")));
         }
         let min_page = 1u64 << config.page_sizes.trailing_zeros();
         let allowed = allowed_ranges(lo, hi, &config.reserved);
@@ -691,7 +353,7 @@ impl DmaSpace {
                     invalid: 0,
                     mode: config.pin_mode,
                     eager: HashMap::new(),
-                    external: RunCounts::default(),
+                    device_pins: RunCounts::default(),
                     retiring: None,
                 }),
                 updated: (Mutex::new(()), Condvar::new()),
@@ -865,15 +527,21 @@ impl DmaSpace {
                     match m.memory {
                         Memory::Local(_) => {}
                         Memory::Invalidated => {
-                            return Err(Error::Invalid(format!(
-                                "mapping at iova {start:#x} already has its vaddr invalidated"
-                            )));
+                            return Err(Error::VaddrState {
+                                addr: *start,
+                                why: format!(
+                                    "mapping at iova {start:#x} already has its vaddr invalidated"
+                                ),
+                            });
                         }
                         Memory::Remote => {
-                            return Err(Error::Invalid(format!(
-                                "mapping at iova {start:#x} is a peer's memory: it has no \
-                                 vaddr to invalidate"
-                            )));
+                            return Err(Error::VaddrState {
+                                addr: *start,
+                                why: format!(
+                                    "mapping at iova {start:#x} is a peer's memory: it has no \
+                                     vaddr to invalidate"
+                                ),
+                            });
                         }
                     }
                 }
@@ -931,22 +599,28 @@ impl DmaSpace {
                 })?;
             let (start, _, _, m) = map.get(pos);
             if start != iova.0 || m.iova.len() != size {
-                return Err(Error::Invalid(format!(
-                    "vaddr update of iova {iova}+{size:#x} must name the whole mapping \
-                     [{start:#x}, {:#x}]",
-                    m.iova.last().0
-                )));
+                return Err(Error::VaddrState {
+                    addr: start,
+                    why: format!(
+                        "vaddr update of iova {iova}+{size:#x} must name the whole mapping \
+                         [{start:#x}, {:#x}]",
+                        m.iova.last().0
+                    ),
+                });
             }
             if !m.memory.is_invalidated() {
-                return Err(Error::Invalid(format!(
-                    "mapping at iova {iova} has no invalidated vaddr to update ({}); \
-                     invalidate it first",
-                    if m.is_remote() {
-                        "it is a peer's memory"
-                    } else {
-                        "its vaddr is valid"
-                    }
-                )));
+                return Err(Error::VaddrState {
+                    addr: start,
+                    why: format!(
+                        "mapping at iova {iova} has no invalidated vaddr to update ({}); \
+                         invalidate it first",
+                        if m.is_remote() {
+                            "it is a peer's memory"
+                        } else {
+                            "its vaddr is valid"
+                        }
+                    ),
+                });
             }
             let new = m.with(Memory::Local(host), m.dirty.clone());
             if writer.mode == PinMode::Eager {
@@ -957,8 +631,8 @@ impl DmaSpace {
             writer.invalid -= 1;
             Ok(((), true))
         })?;
-        let (lock, cv) = &self.shared.updated;
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (mutex, cv) = &self.shared.updated;
+        let _guard = lock(mutex);
         cv.notify_all();
         Ok(())
     }
@@ -980,8 +654,8 @@ impl DmaSpace {
     /// Waits until the mapping at `iova` has a valid host address or `deadline` passes (never,
     /// for `None`); returns whether it is valid now.
     fn wait_for_vaddr(&self, iova: Iova, deadline: Option<Instant>) -> bool {
-        let (lock, cv) = &self.shared.updated;
-        let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (mutex, cv) = &self.shared.updated;
+        let mut guard = lock(mutex);
         loop {
             let snap = self.shared.current.load();
             match snap.map.find(iova.0) {
@@ -1021,9 +695,9 @@ impl DmaSpace {
 
     fn check_new_range(&self, iova: Iova, size: u64, prot: Prot) -> Result<Range<Iova>> {
         if prot == Prot::default() {
-            return Err(Error::Invalid(format!(
-                "mapping at iova {iova} needs READ, WRITE or both"
-            )));
+            return Err(Error::NoAccess {
+                what: format!("mapping at iova {iova}"),
+            });
         }
         self.check_range(iova, size)
     }
@@ -1037,10 +711,10 @@ impl DmaSpace {
             .iter()
             .any(|&(lo, hi)| lo <= range.start() && range.last() <= hi)
         {
-            return Err(Error::Invalid(format!(
-                "iova range {range:?} is outside the allowed ranges {:?} (aperture minus reserved)",
-                self.shared.allowed
-            )));
+            return Err(Error::OutsideAllowed {
+                range,
+                allowed: self.shared.allowed.clone(),
+            });
         }
         Ok(())
     }
@@ -1151,7 +825,7 @@ impl DmaSpace {
     }
 
     fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {
-        self.shared.writer.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.shared.writer)
     }
 
     /// Runs `edit` on a copy of the current mappings and publishes it if `edit` says it changed
@@ -1201,15 +875,10 @@ impl Drop for Shared {
     fn drop(&mut self) {
         let writer = self.writer.get_mut().unwrap_or_else(|e| e.into_inner());
         let eager = std::mem::take(&mut writer.eager);
-        let external = std::mem::take(&mut writer.external);
+        let device_pins = std::mem::take(&mut writer.device_pins);
         self.drop_eager(eager);
-        self.drop_external(&external);
+        self.drop_device_pins(&device_pins);
     }
-}
-
-/// The index entry holding `iova` in `snap`, as (start, last, hot word, mapping).
-fn snapshot_entry(snap: &DmaSnapshot, iova: u64) -> Option<(u64, u64, Hot, &Arc<Mapping>)> {
-    snap.map.find(iova).map(|p| snap.map.get(p))
 }
 
 /// The mappings lying in `[first, last]`, as (start, mapping); EINVAL if the range cuts one at
@@ -1223,10 +892,12 @@ fn whole_mappings(map: &Index, first: u64, last: u64) -> Result<Vec<(u64, Arc<Ma
             break;
         }
         if start < first || end > last {
-            return Err(Error::Invalid(format!(
-                "range [{first:#x}, {last:#x}] would split mapping [{start:#x}, {end:#x}]; \
-                 type1 v2 unmaps whole mappings only"
-            )));
+            return Err(Error::SplitsMapping {
+                first,
+                last,
+                start,
+                end,
+            });
         }
         out.push((start, m.clone()));
         pos = map.next(p);
@@ -1259,181 +930,6 @@ fn allowed_ranges(lo: Iova, hi: Iova, reserved: &[Range<Iova>]) -> Vec<(Iova, Io
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pagetable::WINDOW;
-    use proptest::prelude::*;
-
-    /// What the index is asked to do; `slot`s are 256 pages apart, so mappings never overlap
-    /// (an insert at a taken slot is skipped).
-    #[derive(Clone, Debug)]
-    enum Op {
-        /// Map `pages` pages at `slot` (above the page table's window if `high`), with memory
-        /// of kind `kind` (0 local, 1 invalidated, 2 remote) at host page `host`.
-        Insert {
-            slot: u64,
-            pages: u64,
-            high: bool,
-            kind: u8,
-            host: u64,
-        },
-        /// Remap the mapping at or after `slot` to host page `host` (same range).
-        Set { slot: u64, host: u64 },
-        /// Remove the mapping at or after `slot`.
-        Remove { slot: u64 },
-        /// Remove `n` mappings from the one at or after `slot`, as an unmap does.
-        RemoveRun { slot: u64, n: usize },
-        /// Keep a copy: later checks verify it did not change.
-        Snapshot,
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        let slot = 0u64..48;
-        prop_oneof![
-            6 => (slot.clone(), prop_oneof![4 => 1u64..=3, 1 => Just(TABLE_PAGES_MAX), 1 => Just(200u64)],
-                  any::<bool>(), 0u8..3, 0u64..1024)
-                .prop_map(|(slot, pages, high, kind, host)| Op::Insert {
-                    slot,
-                    pages,
-                    high: high && slot % 4 == 0,
-                    kind,
-                    host,
-                }),
-            1 => (slot.clone(), 0u64..1024).prop_map(|(slot, host)| Op::Set { slot, host }),
-            3 => slot.clone().prop_map(|slot| Op::Remove { slot }),
-            1 => (slot, 1usize..30).prop_map(|(slot, n)| Op::RemoveRun { slot, n }),
-            1 => Just(Op::Snapshot),
-        ]
-    }
-
-    /// Slot `slot`'s IOVA: slots 256 pages apart, room for the largest mapping inserted (200
-    /// pages); `high` ones above the page table's window.
-    fn slot_iova(slot: u64, high: bool) -> u64 {
-        let base = if high { WINDOW + (1 << 30) } else { 1 << 30 };
-        base + slot * 256 * PAGE
-    }
-
-    fn mapping(id: u64, start: u64, pages: u64, kind: u8, host: u64) -> Mapping {
-        let memory = match kind {
-            0 => Memory::Local(Host {
-                hva: Hva(0x7f00_0000_0000 + host * PAGE),
-                owner: None,
-            }),
-            1 => Memory::Invalidated,
-            _ => Memory::Remote,
-        };
-        Mapping {
-            id,
-            iova: Range::new("mapping", Iova(start), pages * PAGE).expect("a valid range"),
-            prot: if id % 2 == 0 { Prot::RW } else { Prot::READ },
-            memory,
-            dirty: None,
-        }
-    }
-
-    /// Every word the page table must hold, from the sorted index: each page of each small
-    /// mapping below the window while the table is kept, none otherwise. Checks that the
-    /// table holds exactly these (each one, and no others: the count), that it is kept as
-    /// the thresholds say, and that the small-mapping count is right.
-    fn check(index: &Index, paged: bool) -> std::result::Result<(), TestCaseError> {
-        prop_assert_eq!(index.paged, paged, "page table kept");
-        let mut small = 0;
-        let mut words = 0;
-        for (start, last, hot, _) in index.ranges.iter() {
-            let Some(pages) = table_pages(start, last) else {
-                continue;
-            };
-            small += 1;
-            for k in 0..pages {
-                let page = start + k * PAGE;
-                let want = if paged && last < WINDOW {
-                    words += 1;
-                    hot.0 | (pages - k) << Hot::LEFT_SHIFT
-                } else {
-                    0
-                };
-                prop_assert_eq!(
-                    index.pages.get(page),
-                    want,
-                    "word of page {:#x} of [{:#x}, {:#x}]",
-                    page,
-                    start,
-                    last
-                );
-            }
-        }
-        prop_assert_eq!(index.small, small, "small mappings counted");
-        prop_assert_eq!(index.pages.words(), words, "words held");
-        Ok(())
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
-        /// The page table against the sorted index after every change, on indexes that keep
-        /// their table from 4 or 8 small mappings (and drop it below 1 or 2) and on one that
-        /// always keeps it; and every copy taken on the way unchanged by later changes.
-        #[test]
-        fn the_page_table_holds_exactly_the_small_mappings_words(
-            ops in proptest::collection::vec(op(), 1..60),
-            from in prop_oneof![Just(0u64), Just(4u64), Just(8u64)],
-        ) {
-            let mut index = Index::new(from);
-            let mut paged = from == 0;
-            let mut id = 0;
-            let mut snapshots = Vec::new();
-            for op in ops {
-                match op {
-                    Op::Insert { slot, pages, high, kind, host } => {
-                        let start = slot_iova(slot, high);
-                        let last = start + pages * PAGE - 1;
-                        let free = index.first_ending_at_or_after(start)
-                            .is_none_or(|p| index.get(p).0 > last);
-                        if free {
-                            id += 1;
-                            index.insert(mapping(id, start, pages, kind, host));
-                            if !paged && table_pages(start, last).is_some() {
-                                paged = index.small >= from;
-                            }
-                        }
-                    }
-                    Op::Set { slot, host } => {
-                        if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
-                            let (start, last, _, m) = index.get(p);
-                            let pages = (last - start) / PAGE + 1;
-                            let kind = if m.memory.host().is_some() { 0 } else { 2 };
-                            let m = mapping(m.id, start, pages, kind, host);
-                            index.set(p, m);
-                        }
-                    }
-                    Op::Remove { slot } => {
-                        if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
-                            let start = index.get(p).0;
-                            prop_assert!(index.remove(start).is_some());
-                        }
-                    }
-                    Op::RemoveRun { slot, n } => {
-                        let from_iova = slot_iova(slot, false);
-                        let hit: Vec<(u64, Arc<Mapping>)> = index
-                            .iter()
-                            .filter(|(s, ..)| *s >= from_iova)
-                            .take(n)
-                            .map(|(s, _, _, m)| (s, m.clone()))
-                            .collect();
-                        index.remove_all(&hit);
-                    }
-                    Op::Snapshot => {
-                        index.reindex();
-                        snapshots.push((index.clone(), paged));
-                    }
-                }
-                if paged && index.small * 4 < from {
-                    paged = false;
-                }
-                check(&index, paged)?;
-            }
-            for (snap, paged) in &snapshots {
-                check(snap, *paged)?;
-            }
-        }
-    }
 
     #[test]
     fn allowed_ranges_cut_holes() {

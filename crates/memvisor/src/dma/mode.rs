@@ -19,10 +19,10 @@
 
 use std::collections::HashMap;
 
-use super::pin::{HostExtent, PinRequest};
 use super::{DmaSpace, Mapping, Shared, Writer};
 use crate::addr::{Hva, Iova};
 use crate::error::{Error, Result};
+use crate::pin::{HostExtent, PinRequest};
 
 /// Whether mapping pins; see the module documentation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -109,7 +109,7 @@ impl DmaSpace {
                 id: iova.0,
             })?;
         let pinned = writer.eager.get(&m.id).ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::NotPinned(format!(
                 "mapping at iova {iova} is not pinned (pin mode {:?}{}); only Eager mode pins \
                  whole mappings",
                 writer.mode,

@@ -35,9 +35,11 @@ use std::sync::{Arc, MutexGuard};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
-use super::{DmaSpace, Index, Mapping, PAGE, Writer};
-use crate::addr::Iova;
+use super::index::Index;
+use super::{DmaSpace, Mapping, Writer};
+use crate::addr::{Iova, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// What a change took away, while it waits for devices to let go of it.
 pub(super) struct Retiring {
@@ -201,8 +203,8 @@ impl DmaSpace {
         self.publish(&writer, before.clone());
         drop(writer);
         // Accesses waiting for a vaddr update see the mapping valid again.
-        let (lock, cv) = &self.shared.updated;
-        let _guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (mutex, cv) = &self.shared.updated;
+        let _guard = lock(mutex);
         cv.notify_all();
         let (first, last) = plan.ranges[0];
         Error::Busy {
@@ -228,7 +230,7 @@ impl DmaSpace {
 fn held(writer: &Writer, ranges: &[(u64, u64)]) -> bool {
     ranges
         .iter()
-        .any(|&(s, l)| writer.external.any_counted(s / PAGE, l / PAGE + 1))
+        .any(|&(s, l)| writer.device_pins.any_counted(s / PAGE, l / PAGE + 1))
 }
 
 /// Marks in `to` the pages (of `page` bytes) marked in `from`, which starts `offset` bytes into

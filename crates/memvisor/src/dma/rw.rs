@@ -1,4 +1,5 @@
-//! CPU access to IOVAs without pinning (seed 004a, Linux's `vfio_dma_rw`).
+//! CPU access to IOVAs without pinning (Linux's `vfio_dma_rw`, from the patch series "use
+//! vfio_iova_rw() to read/write IOVAs from CPU side").
 //!
 //! An emulated device often just needs to copy a descriptor or a buffer from or to an IOVA
 //! range. Pinning for that — fault in, lock, copy, unlock — costs far more than the copy. Here
@@ -23,8 +24,9 @@
 
 use std::sync::Arc;
 
+use super::index::{DmaSnapshot, Hot};
 use super::translate::{copy_on_last_hit, mark_dirty, remember};
-use super::{DmaSnapshot, DmaSpace, Hot, Mapping, Prot};
+use super::{DmaSpace, Mapping, Prot};
 use crate::addr::Iova;
 use crate::copy;
 use crate::error::{Error, Result};

@@ -7,8 +7,8 @@
 //! cache lines); neither reads the mapping record. [`DmaSpace::translate_sg`] turns a range that
 //! spans mappings into a scatter-gather list; a [`DmaCursor`], one per device thread, remembers
 //! the last mapping it hit and the snapshot generation, so a repeated hit costs one load of a
-//! counter only writers write and a bounds check — like the memslot cursor (seed 003), but with
-//! the permission check and dirty marking a device access needs. The cursor's `read` / `write`
+//! counter only writers write and a bounds check — like the memslot cursor (KVM's
+//! `last_used_slot`), but with the permission check and dirty marking a device access needs. The cursor's `read` / `write`
 //! are `dma_read` / `dma_write` with the same shortcut for copies inside the last mapping hit;
 //! plain `translate` keeps a last hit per thread (no snapshot held, so nothing stays mapped),
 //! which plain `dma_read` / `dma_write` take as their shortcut too, kept mapped for the copy by
@@ -22,14 +22,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{
-    Access, DmaSnapshot, DmaSpace, Head, Hot, Index, Mapping, PAGE, Prot, VaddrRule, grace,
-};
-use crate::addr::{Hva, Iova};
+use super::index::{DmaSnapshot, Hot, Pos, Region, WINDOW, word_answer};
+use super::{Access, DmaSpace, Head, Mapping, Prot, VaddrRule, grace};
+use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
 use crate::copy;
 use crate::error::{Error, Result};
-use crate::pagetable::{Region, WINDOW};
-use crate::rangemap::Pos;
 
 /// Where an IOVA lives on the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -167,28 +164,7 @@ impl Found {
     }
 }
 
-/// [`DmaSnapshot::page_answer`] from the page's table `word`.
-#[inline(always)]
-fn word_answer(iova: u64, word: u64, need: Prot) -> Option<(Hot, u64)> {
-    let hot = Index::page_hot(word);
-    if !(hot.prot().contains(need) & hot.valid() & !hot.dirty()) {
-        return None;
-    }
-    // Valid, so the word is a page's (an empty word is 0): the pages left are at least one.
-    Some((hot, Index::page_last(iova, word)))
-}
-
 impl DmaSnapshot {
-    /// The page table's answer for an access needing `need` at `iova`, (hot word, last byte of
-    /// the mapping), when it answers outright: the page is a small mapping's, allowed, with a
-    /// host address, and not logging dirty pages (whose marking needs the sorted index's
-    /// position). Anything else — no entry, a refusal and its exact error — is the sorted
-    /// index's, the record.
-    #[inline(always)]
-    fn page_answer(&self, iova: u64, need: Prot) -> Option<(Hot, u64)> {
-        word_answer(iova, self.map.pages.get(iova), need)
-    }
-
     /// The mapping holding `iova`, checked for `access` and a valid host address. Reads the
     /// index only, never the mapping record. Inlined into each translation path: a call
     /// would pass the result through memory.
@@ -300,7 +276,7 @@ fn checked(
     need: Prot,
     usable: u64,
 ) -> Result<Found> {
-    if !hot.prot().contains(need) || hot.0 & usable == 0 {
+    if !hot.prot().contains(need) || !hot.is_any(usable) {
         return Err(refused(iova, start, last, hot, need));
     }
     Ok(Found {
@@ -638,7 +614,8 @@ impl DmaCursor {
     /// [`DmaSpace::translate`], with a cache of the last mapping hit.
     ///
     /// Always inlined: the hit is a dozen instructions, and as an ordinary call it costs twice
-    /// that (a caller with two call sites got the call, 2.3 ns a hit instead of 1.06).
+    /// that (a caller with two call sites got the call; figures: `MEASUREMENTS.md`, "DMA
+    /// cursor").
     #[inline(always)]
     pub fn translate(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
         let h = &self.hit;

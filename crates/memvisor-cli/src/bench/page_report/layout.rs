@@ -5,12 +5,12 @@
 //! them all the same way, then adds the rows of `results.json`, the two charts and the notes on
 //! the targets.
 
-use super::super::seeds::SEED_004B;
-use super::super::{Better, Chart, ChartGroup, Outcome, Row, Stats, Table};
 use super::{
     BLOCKS_PER_REPORT, DISCARDED, Kind, KindResult, MIB, PINNED, RESIDENT_AFTER, RESIDENT_BEFORE,
     SKIPPED, Samples, TARGET_GBPS, TOUCH_DISCARDED, TOUCH_FREED, TOUCH_RESIDENT, Variant,
 };
+use crate::bench::seeds::SEED_004B;
+use crate::bench::{Better, Chart, ChartGroup, Outcome, Row, Stats, Table};
 
 /// One line of a table: a kind's results, and for the discard table one of its variants.
 struct Line<'a> {

@@ -23,8 +23,8 @@ use memvisor::{
     Iova, PageSize, Prot, SlotSpace, SlotSpec, SlotTable,
 };
 
-use super::super::hugepages::{self, Reservation};
 use super::{BASE, BLOCK, BLOCKS_PER_REPORT, Kind, PAGE, PIN_EVERY, QUEUE_SIZE, RING};
+use crate::bench::hugepages::{self, Reservation};
 
 /// One kind of guest memory: the backing, its slot table and the pin registry the discarder
 /// and the pins share. Fields drop in order, so the backing is unmapped before the huge page

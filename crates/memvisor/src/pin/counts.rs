@@ -10,7 +10,8 @@
 //!
 //! Changes hand back the runs that crossed zero — the pages to lock or unlock — so callers make
 //! one system call per run, never one per page. The type knows nothing of what a page number
-//! means: the pin registry counts host pages with it and external pins count IOVA pages.
+//! means: the pin registry counts host pages with it and a DMA space counts the IOVA pages
+//! devices pin (`dma::device_pins`) with it.
 
 use std::collections::BTreeMap;
 

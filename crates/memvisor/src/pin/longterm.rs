@@ -5,9 +5,9 @@
 //! reclaim, migration and compaction leave it alone until it is unpinned. No VMA changes. A
 //! process can ask for exactly that pin without a device: registering a buffer with an io_uring
 //! instance (`IORING_REGISTER_BUFFERS_UPDATE`) pins its pages the same way, and clearing the
-//! buffer's slot unpins them. On the reference machine a 4 KiB page costs 1.1 µs to pin and
-//! 0.6 µs to unpin this way, against 6-7 µs and 4-6 µs for `mlock` and `munlock`, whose cost is
-//! mostly splitting and merging the memory area around the page.
+//! buffer's slot unpins them. A 4 KiB page costs several times less to pin and unpin this way
+//! than with `mlock` and `munlock`, whose cost is mostly splitting and merging the memory area
+//! around the page (figures for this module: `MEASUREMENTS.md`, "Long-term pins").
 //!
 //! Here io_uring instances, never used for I/O, each hold a sparse table of buffers, and a new
 //! instance opens when every slot is taken. [`LongTerm::pin`] registers a run of pages as one
@@ -34,18 +34,17 @@
 //!
 //! **Hugetlbfs pages are pinned through one page.** Their huge pages never split, so a buffer
 //! that would cover exactly one of them registers only its first 4 KiB page: the kernel pins
-//! and charges the whole huge page all the same. On the reference machine that is 0.8 µs
-//! instead of 1.8 µs for a 2 MiB page and 0.7 µs instead of 0.4-0.7 ms for a 1 GiB page. THP
-//! memory cannot do the same: a transparent huge page may be split or never have formed, and
-//! then one page holds only itself (finding out costs a `PAGEMAP_SCAN`, 0.8 µs, as much as it
-//! would save).
+//! and charges the whole huge page all the same, at the cost of one 4 KiB page: about half for
+//! a 2 MiB page, hundreds of times less for a 1 GiB one. THP memory cannot do the same: a
+//! transparent huge page may be split or never have formed, and then one page holds only itself
+//! (finding out costs a `PAGEMAP_SCAN`, as much as it would save).
 //!
 //! **Tables come in two sizes.** Registering a buffer over a huge page (THP, hugetlbfs) makes the
 //! kernel look through its whole table — every slot, and every page of every buffer held there —
-//! for the same huge page, to charge it once. On the reference machine a 2 MiB THP buffer cost
-//! 1.6 µs to register in an empty table of 64 slots, 2.4 µs in one of 1,024 and 4.0 µs in one of
-//! 1,024 holding 1,000 one-page buffers (a 4 KiB page of ordinary memory: 0.7 µs in all three).
-//! So short buffers (at most [`SHORT_MAX_PAGES`], what a device's pin holds) go to tables of
+//! for the same huge page, to charge it once: a 2 MiB THP buffer costs more to register the
+//! more slots and buffers its table holds (over twice as much in a full table of 1,024 as in
+//! an empty one of 64), while a 4 KiB page of ordinary memory costs the same in all. So short
+//! buffers (at most [`SHORT_MAX_PAGES`], what a device's pin holds) go to tables of
 //! [`SHORT_SLOTS`], which hold nothing else, and long ones (pins of whole mappings, in steps of
 //! up to 64 MiB) to tables of [`SLOTS`]; up to [`RINGS`] of each. When one kind is used up, a
 //! buffer takes a free slot of the other kind.
@@ -69,9 +68,8 @@
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+use crate::addr::PAGE_4K as PAGE;
 use crate::error::{Error, Result};
-
-const PAGE: u64 = 4096;
 
 /// Buffers one table of long buffers holds.
 pub(crate) const SLOTS: u32 = 1 << 10;
@@ -465,6 +463,7 @@ unsafe fn register<T>(ring: &OwnedFd, op: libc::c_uint, arg: &T) -> std::io::Res
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sync::lock;
 
     /// `VmPin` of /proc/self/status, in pages.
     fn vm_pin() -> u64 {
@@ -536,7 +535,7 @@ mod tests {
     }
 
     /// What `io_uring_setup` charges to `RLIMIT_MEMLOCK` for one of the tables' one-entry rings
-    /// (measured on 6.18: 8 KiB; 64 KiB of limit opens 8 of them).
+    /// (8 KiB, as Linux 6.18 charges it: 64 KiB of limit opens 8 of them).
     const RING_BYTES: u64 = 2 * PAGE;
 
     /// Rings of this module's earlier tests that may still be charged: the kernel closes a ring
@@ -616,7 +615,7 @@ mod tests {
 
     #[test]
     fn pin_and_unpin_show_in_vm_pin_exactly() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip("pin_and_unpin_show_in_vm_pin_exactly", 9, 2) else {
             return;
         };
@@ -640,7 +639,7 @@ mod tests {
 
     #[test]
     fn a_buffer_stays_whole_until_its_last_page_goes() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip("a_buffer_stays_whole_until_its_last_page_goes", 18, 2)
         else {
             return;
@@ -680,7 +679,7 @@ mod tests {
 
     #[test]
     fn buffers_within_the_same_2_mib_go_to_different_tables() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) =
             open_or_skip("buffers_within_the_same_2_mib_go_to_different_tables", 5, 3)
         else {
@@ -714,7 +713,7 @@ mod tests {
 
     #[test]
     fn past_every_table_within_one_2_mib_a_pin_is_refused_with_enospc() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "past_every_table_within_one_2_mib_a_pin_is_refused_with_enospc",
             2 * RINGS as u64,
@@ -741,7 +740,7 @@ mod tests {
 
     #[test]
     fn without_large_folios_buffers_share_tables() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "without_large_folios_buffers_share_tables",
             2 * RINGS as u64 + 8,
@@ -765,7 +764,7 @@ mod tests {
 
     #[test]
     fn a_full_table_opens_another() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip("a_full_table_opens_another", SHORT_SLOTS as u64 + 2, 2)
         else {
             return;
@@ -788,7 +787,7 @@ mod tests {
 
     #[test]
     fn short_and_long_buffers_go_to_tables_of_their_own_size() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "short_and_long_buffers_go_to_tables_of_their_own_size",
             2 * SHORT_MAX_PAGES + 1,
@@ -814,7 +813,7 @@ mod tests {
 
     #[test]
     fn when_one_size_is_used_up_buffers_take_the_other() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "when_one_size_is_used_up_buffers_take_the_other",
             (RINGS * SHORT_SLOTS) as u64 + 3,
@@ -841,7 +840,7 @@ mod tests {
 
     #[test]
     fn a_page_that_cannot_be_pinned_for_writing_is_refused_and_nothing_stays() {
-        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = lock(&SERIAL);
         let Some(mut lt) = open_or_skip(
             "a_page_that_cannot_be_pinned_for_writing_is_refused_and_nothing_stays",
             8,

@@ -35,6 +35,9 @@
 //! x86_64 (see [`below`]); nothing here needs SSE4.2 or POPCNT.
 //!
 //! The map does not check for overlap: its owner validates a change before making it.
+//!
+//! This file is long because its unit and property tests, a third of it, check the structure's
+//! private layout (chunks, groups, tops, buckets) and so sit beside it.
 
 use std::sync::Arc;
 

@@ -1,4 +1,10 @@
-//! Pins for emulated devices: `pin_pages` / `unpin_pages` and the unmap notifier.
+//! Device pins: the pages an emulated device pins by IOVA (`pin_pages` / `unpin_pages`), and
+//! the unmap notifier that asks for them back.
+//!
+//! These are the pins a device takes and gives back itself, one IOVA page at a time, as opposed
+//! to the pins a space holds for whole mappings in [`PinMode::Eager`](super::PinMode) (`mode`).
+//! Both end up in the process's pin registry ([`crate::pin`]), which counts and locks host
+//! pages; this module keeps the per-IOVA-page counts and the protocol with devices.
 //!
 //! An emulated device (type1's mdev/vfio-ccw case, a vfio-user server) does not want whole
 //! mappings pinned; it pins the pages it hands to asynchronous I/O, a few at a time, by IOVA page
@@ -6,7 +12,8 @@
 //! Each IOVA page keeps a count of device pins (pinning a page twice needs two unpins), and the
 //! host pages are counted by the process's pin registry like every other pin.
 //!
-//! **Grouping (seed 002).** The pages of one call are often contiguous: the call is split into
+//! **Grouping** (the kernel patch "vfio iommu type1: Improve vfio_iommu_type1_pin_pages
+//! performance"). The pages of one call are often contiguous: the call is split into
 //! runs of consecutive page numbers and each run is pinned with one registry call — one fault-in,
 //! one mlock — instead of one per page. But most calls in real workloads are single pages
 //! (vfio-ccw booting a guest: 81% of calls; 87% of runs), and the kernel's first attempt at
@@ -30,25 +37,25 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::counts::RunCounts;
-use super::pin::PinRequest;
-use super::snapshot_entry;
-use super::{DmaSnapshot, DmaSpace, Mapping, Prot, Shared, Writer};
-use crate::addr::{Hva, Iova};
+use super::index::DmaSnapshot;
+use super::{DmaSpace, Mapping, Prot, Shared, Writer};
+use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
+use crate::pin::PinRequest;
+use crate::pin::counts::RunCounts;
+use crate::sync::lock;
 
 /// Most pages one `pin_pages` / `unpin_pages` call takes (type1's
 /// `VFIO_PIN_PAGES_MAX_ENTRIES`: one page of entries).
 pub const PIN_PAGES_MAX: usize = 512;
-
-const PAGE: u64 = 4096;
 
 /// How `pin_pages` groups the pages of a call; see the module documentation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Grouping {
     /// One pin per page: the baseline.
     PerPage,
-    /// Split the call into runs of consecutive pages first, then pin each run (seed 002's patch).
+    /// Split the call into runs of consecutive pages first, then pin each run (the kernel
+    /// patch's way).
     Runs,
     /// Find runs while pinning, in one pass: never slower than per page, one pin per run.
     #[default]
@@ -114,7 +121,9 @@ impl DmaSpace {
     pub fn pin_pages(&self, pages: &[u64], prot: Prot) -> Result<Vec<Hva>> {
         check_count("pin_pages", pages)?;
         if prot == Prot::default() {
-            return Err(Error::Invalid("pin_pages needs READ, WRITE or both".into()));
+            return Err(Error::NoAccess {
+                what: "pin_pages".into(),
+            });
         }
         self.refuse_while_invalid(&self.shared.current.load(), pages[0] * PAGE)?;
         // Read the clock only if there is a wait: the deadline counts from the first one.
@@ -146,11 +155,11 @@ impl DmaSpace {
         let mut done: Done<(u64, u64)> = Done::default();
         for (i, n) in groups(pages, self.shared.config.grouping) {
             let p = pages[i];
-            if let Err(page) = writer.external.sub(p, p + n as u64) {
+            if let Err(page) = writer.device_pins.sub(p, p + n as u64) {
                 for (p, n) in done {
-                    writer.external.add(p, p + n);
+                    writer.device_pins.add(p, p + n);
                 }
-                return Err(Error::Invalid(format!(
+                return Err(Error::NotPinned(format!(
                     "iova page {page:#x} (iova {:#x}) is not pinned by pin_pages",
                     page.saturating_mul(PAGE)
                 )));
@@ -168,7 +177,7 @@ impl DmaSpace {
 
     /// IOVA pages pinned by devices now (each once, however many pins it has).
     pub fn device_pinned_pages(&self) -> u64 {
-        self.writer().external.pages()
+        self.writer().device_pins.pages()
     }
 
     /// Registers `notify(iova, size)`, called when an unmap or vaddr invalidation covers a
@@ -251,7 +260,7 @@ impl DmaSpace {
         }
         if let Err(stop) = result {
             for (page, n, req) in done {
-                let _ = writer.external.sub(page, page + n);
+                let _ = writer.device_pins.sub(page, page + n);
                 self.shared.registry.unpin(&req);
             }
             return Err(stop);
@@ -270,7 +279,7 @@ impl DmaSpace {
         prot: Prot,
     ) -> std::result::Result<(PinRequest, u64), Stop> {
         let iova = page_iova(page)?;
-        let Some((start, last, hot, m)) = snapshot_entry(snap, iova) else {
+        let Some((start, last, hot, m)) = snap.entry(iova) else {
             return Err(Error::Invalid(format!(
                 "pin_pages: iova page {page:#x} (iova {iova:#x}) is not mapped"
             ))
@@ -306,7 +315,7 @@ impl DmaSpace {
             .shared
             .device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE);
         self.shared.registry.pin_only(&req)?;
-        writer.external.add(page, page + pieces);
+        writer.device_pins.add(page, page + pieces);
         // Pinned pages are dirty while pinned, whatever the protection (type1 marks them
         // when pinned, and every read of the log marks them again).
         if let Some(bitmap) = &m.dirty {
@@ -320,11 +329,11 @@ impl DmaSpace {
 }
 
 impl Shared {
-    /// Drops every pin `external` counts and unlocks what devices' pins left in the lock
+    /// Drops every pin `device_pins` counts and unlocks what devices' pins left in the lock
     /// cache over the space's memory (the space is going away, and its memory may go with it).
-    pub(super) fn drop_external(&self, external: &RunCounts) {
+    pub(super) fn drop_device_pins(&self, device_pins: &RunCounts) {
         let snap = self.current.load();
-        for (s, e, count) in external.runs() {
+        for (s, e, count) in device_pins.runs() {
             for _ in 0..count {
                 self.unpin_iova_pages(&snap, &[], s, e - s);
             }
@@ -358,7 +367,8 @@ impl Shared {
             let iova = page * PAGE;
             // Device pins keep their mappings from going, and a change that takes a mapping
             // away keeps it among `retiring` until they are released.
-            let found = snapshot_entry(snap, iova)
+            let found = snap
+                .entry(iova)
                 .filter(|e| e.2.valid())
                 .map(|(_, last, hot, m)| (last, hot.delta().wrapping_add(iova), m))
                 .or_else(|| {
@@ -490,10 +500,6 @@ impl Iterator for Runs<'_> {
         self.at += n;
         Some((start, n))
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! A persistent table of one 64-bit word per 4 KiB page: a lookup that indexes, never searches.
 //!
-//! The sorted index ([`RangeMap`](crate::rangemap::RangeMap)) finds any range in any address
+//! The sorted index ([`RangeMap`](super::rangemap::RangeMap)) finds any range in any address
 //! space, but with 100 000 scattered 4 KiB mappings — what a guest behind a vIOMMU makes — a
 //! random lookup walks a bucket, a chunk pointer, a line of group tops and a group's lines, most
 //! of them cache misses, one after the other. A radix table indexed by address bits answers the

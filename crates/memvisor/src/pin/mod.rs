@@ -3,24 +3,26 @@
 //!
 //! In a process, a pin is a promise that a host page stays resident and where it is until it is
 //! unpinned: the page is faulted in and locked — `mlock` does both, writable for private writable
-//! memory, like `MADV_POPULATE_WRITE` — and, when the consumer programs a real IOMMU or does IOVA-as-PA DMA, its
-//! physical frame read from `/proc/self/pagemap`. mlock does not nest — one munlock undoes any
+//! memory, like `MADV_POPULATE_WRITE` — and, when the consumer programs a real IOMMU or does
+//! IOVA-as-PA DMA, its physical frame read from `/proc/self/pagemap`. mlock does not nest — one munlock undoes any
 //! number of mlocks — so nesting lives here: one [`PinRegistry`] per process counts pins per host
-//! page ([`RunCounts`](super::counts) keyed by page number), across every DMA space, mapping and
+//! page ([`RunCounts`](counts) keyed by page number), across every DMA space, mapping and
 //! device. Only a 0 -> 1 transition locks and is charged to the locked-memory account, only a
 //! 1 -> 0 transition unlocks and is released; a page pinned through two IOVAs is locked and
 //! charged once.
 //!
-//! **Pinning goes in steps** of a batch of pages (512 by default, one 4 KiB page of pagemap
-//! entries — seed 000's batch). Per step, under the lock: find the pages no one has pinned yet,
-//! check the limit, mlock those pages — one call per run of them — and count; then, outside the
-//! lock, read the step's frames with one `pread` and extend the extents (runs contiguous in both
-//! virtual and physical address) kept across steps. If any step fails, every earlier step of the
-//! call is unpinned again: a pin is all or nothing. There is no separate `MADV_POPULATE` pass:
-//! mlock faults pages in itself, and a second walk over 4 KiB pages that are already present
-//! cost as much as the mlock (0.13 s per GiB on the reference machine).
+//! **Pinning goes in steps** of a batch of pages (512 by default, one 4 KiB page of pagemap entries
+//! — the batch of the kernel patch "vfio/type1: Batch page pinning"). Per step, under the lock:
+//! find the pages no one has pinned yet, check the limit, mlock those pages — one call per run of
+//! them — and count; then, outside the lock, read the step's frames with one `pread` and extend the
+//! extents (runs contiguous in both virtual and physical address) kept across steps. If any step
+//! fails, every earlier step of the call is unpinned again: a pin is all or nothing. There is no
+//! separate `MADV_POPULATE` pass: mlock faults pages in itself, and a second walk over 4 KiB pages
+//! that are already present cost as much as the mlock (figures for this module: `MEASUREMENTS.md`,
+//! "Pins").
 //!
-//! **Unpinning goes by run** (seed 001): one walk of the counts, one munlock and one accounting
+//! **Unpinning goes by run** (as in "vfio/type1: optimize vfio_unpin_pages_remote() for large
+//! folio"): one walk of the counts, one munlock and one accounting
 //! update per run that drops to zero, however many pages or huge pages it spans. A batch of one
 //! page turns both directions into the page-at-a-time baseline the benchmarks compare against.
 //!
@@ -33,9 +35,9 @@
 //! THP memory therefore locks and charges 2 MiB, as it does on hugetlbfs.
 //!
 //! **The lock cache.** Locking one page in the middle of a larger memory area makes the kernel
-//! split the area in three, and unlocking it merges them again: on the reference machine an
-//! mlock plus munlock of one page costs 8-20 µs, almost all of it that split and merge, while
-//! a pin's own bookkeeping costs well under 1 µs — and devices pin and unpin the same few pages
+//! split the area in three, and unlocking it merges them again: an mlock plus munlock of one
+//! page costs ten times or more what a pin's own bookkeeping does, almost all of it that split
+//! and merge — and devices pin and unpin the same few pages
 //! (rings, bounce buffers, I/O buffers) over and over. So when a device's pin (`pin_pages`)
 //! goes, its locks stay — whole units, no longer charged to the account, which says what is
 //! pinned — in a bounded cache ([`Idle`]), and the next pin of that memory takes them back
@@ -44,12 +46,12 @@
 //!
 //! *Bounds.* The cache holds at most 64 entries by default: every entry can split off two
 //! kernel memory areas, and scattered locked areas make every other mlock and munlock of the
-//! process dearer (measured: 64 scattered entries add under 1 µs to each, 256 add about 2 µs);
+//! process dearer, more so the more there are;
 //! 64 is also far below `vm.max_map_count`. It holds at most 64 MiB (32 huge pages), and at
 //! most a quarter of any finite locked-memory limit, the registry's or the kernel's, so that it
 //! never crowds out the locks other code in the process needs. Past a bound the least recently
 //! used entry is unlocked. When pins keep missing it — pages spread over more memory than it
-//! holds, as with guest I/O buffers all over a guest — the cache steps aside (see `Adapt`)
+//! holds, as with guest I/O buffers all over a guest — the cache steps aside (see `CacheGate`)
 //! instead of making every miss dearer, and comes back when pins hit again.
 //!
 //! *Limits.* The kernel must never see more locked than the limit: before an mlock the cache
@@ -60,8 +62,8 @@
 //! **Long-term pins** ([`PinRegistry::set_long_term_pins`], off by default). A registry can
 //! hold pages with the kernel's own pin instead of mlock — `pin_user_pages(FOLL_LONGTERM)`, the
 //! pin VFIO type1 takes, reached through an io_uring buffer table (`longterm`). It changes no
-//! memory area, so a pin that misses the lock cache costs ~1.1 + 0.6 µs instead of the
-//! mlock's 6-7 + 4-6 µs. Everything above holds as it is — counts, units, the cache, the
+//! memory area, so a pin that misses the lock cache costs several times less than the mlock's
+//! pin and unpin. Everything above holds as it is — counts, units, the cache, the
 //! account, limits: "locked" below means held either way, and a page the kernel will not pin
 //! long-term is mlocked. The kernel shows such pages in `VmPin`, not `VmLck`, and lets
 //! `MADV_DONTNEED` detach them from the process instead of refusing it. On hugetlbfs a unit
@@ -76,24 +78,37 @@
 //!
 //! Locking order: a DMA space's writer lock, then this registry's lock; nothing here calls up.
 //! Whoever must not race a pin (discarding memory) takes the registry's lock too.
+//!
+//! This file is long because the registry's state, its pin and unpin steps and the lock cache's
+//! admission all work under one lock on the same invariants (pin counts, locked set, account);
+//! the parts that stand alone are the submodules (`account`, `counts`, `locked`, `longterm`).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
-use super::account::{Account, Capability, LockLimit, capable};
-use super::counts::RunCounts;
-use super::locked::{Idle, Locked};
-use super::longterm::LongTerm;
-use crate::addr::Hva;
-use crate::error::{Error, Result};
+mod account;
+pub(crate) mod counts;
+mod locked;
+mod longterm;
 
-/// Pages per step when pinning: one 4 KiB page of pagemap entries, as in seed 000.
+use crate::addr::{Hva, PAGE_4K as PAGE};
+use crate::error::{Error, Result};
+use crate::sync::lock;
+use account::{Account, Capability, capable};
+use counts::RunCounts;
+use locked::{Idle, Locked};
+use longterm::LongTerm;
+
+pub use account::LockLimit;
+
+/// Pages per step when pinning: one 4 KiB page of pagemap entries, as in the kernel patch
+/// "vfio/type1: Batch page pinning".
 pub const PIN_BATCH: usize = 512;
 
 /// Pages per step when pinning long-term (64 MiB): each step is one buffer in the kernel's
 /// tables, of which there are 16,384, so steps of [`PIN_BATCH`] would pin at most 32 GiB
-/// long-term; 64 MiB steps reach 1 TiB, and hold the registry's lock ~1 ms each.
+/// long-term; 64 MiB steps reach 1 TiB, and hold the registry's lock about a millisecond each.
 const LONG_TERM_STEP: u64 = 16384;
 
 /// Default bound of the lock cache in bytes; see the module documentation.
@@ -105,8 +120,6 @@ const LOCK_CACHE_ENTRIES: usize = 64;
 /// Locks freed in one piece larger than this are unlocked at once, never cached: what one
 /// `pin_pages` call can pin (512 pages, or the two huge pages they can touch) fits.
 const KEEP_MAX_PAGES: u64 = 1024;
-
-const PAGE: u64 = 4096;
 
 /// One piece of pinned memory, contiguous in host virtual address and, when frames were asked
 /// for, in physical frame numbers: the unit a hardware IOMMU would be programmed with.
@@ -205,7 +218,7 @@ struct State {
     cache_bytes: u64,
     cache_entries: usize,
     /// How useful the cache has been lately.
-    adapt: Adapt,
+    gate: CacheGate,
     /// Scratch lists kept between calls, so that a pin or unpin allocates nothing.
     zero: Vec<(u64, u64)>,
     taken: Vec<(u64, u64, u64)>,
@@ -229,7 +242,7 @@ impl State {
     /// lock cache (released from the account, still locked). A munlock that fails leaves its
     /// pages locked, charged and remembered in `stuck`.
     fn release(&mut self, runs: &[(u64, u64)], keep: bool) {
-        let keep = keep && self.cache_bytes > 0 && self.cache_entries > 0 && self.adapt.admit();
+        let keep = keep && self.cache_bytes > 0 && self.cache_entries > 0 && self.gate.admit();
         for &(s, e) in runs {
             for unit in self.locked.units_around(s, e).iter() {
                 let Some((us, ue)) = whole_units(&self.pages, s, e, unit) else {
@@ -296,12 +309,12 @@ impl State {
     /// Unlocks the least recently used cached locks until the cache is within its bounds.
     fn trim_cache(&mut self) {
         let cap = self.cache_cap();
-        let entries = self.adapt.entries(self.cache_entries);
+        let entries = self.gate.entries(self.cache_entries);
         while self.idle.pages() * PAGE > cap || self.idle.len() > entries {
             if !self.evict_oldest() {
                 break;
             }
-            self.adapt.evicted();
+            self.gate.evicted();
         }
     }
 
@@ -378,7 +391,7 @@ impl State {
     ) -> Result<()> {
         self.idle.take(us, ue, taken);
         if !taken.is_empty() {
-            self.adapt.hit();
+            self.gate.hit();
         }
         let taken_bytes: u64 = taken.iter().map(|(s, e, _)| (e - s) * PAGE).sum();
         if !self.locked.covers(us, ue) {
@@ -482,17 +495,17 @@ impl State {
     }
 }
 
-/// Whether the lock cache pays: it counts, over epochs of [`Adapt::EPOCH`] events, the pins it
+/// Whether the lock cache pays: it counts, over epochs of [`CacheGate::EPOCH`] events, the pins it
 /// served (hits) and the entries it had to unlock unused (evictions). When the last epoch had
 /// more than four evictions per hit — pins spread over more memory than the cache holds, as
 /// with guest I/O buffers all over guest memory — every cached entry costs without paying back:
-/// each one splits off kernel memory areas, which makes every other mlock and munlock dearer
-/// (256 scattered entries added about 2 µs to each), and evicting it costs the munlock the unpin
-/// would have made. Then the cache goes into bypass: it admits only every [`Adapt::PROBE`]-th
+/// each one splits off kernel memory areas, which makes every other mlock and munlock dearer,
+/// and evicting it costs the munlock the unpin
+/// would have made. Then the cache goes into bypass: it admits only every [`CacheGate::PROBE`]-th
 /// unpin's locks and holds an eighth of its entries, which keeps measuring, and it comes back
 /// when an epoch sees hits again.
 #[derive(Debug, Default)]
-struct Adapt {
+struct CacheGate {
     hits: u32,
     evictions: u32,
     bypass: bool,
@@ -500,7 +513,7 @@ struct Adapt {
     skipped: u32,
 }
 
-impl Adapt {
+impl CacheGate {
     const EPOCH: u32 = 64;
     const PROBE: u32 = 8;
 
@@ -559,7 +572,7 @@ static REGISTRIES: Mutex<Vec<Weak<PinRegistry>>> = Mutex::new(Vec::new());
 /// Pin counts for every host page of the process, the locked-memory account and the lock cache.
 ///
 /// mlock is process-wide, so there should be one registry per process: [`PinRegistry::global`],
-/// which every [`DmaSpace`](super::DmaSpace) uses unless its config names another. Separate
+/// which every [`DmaSpace`](crate::DmaSpace) uses unless its config names another. Separate
 /// registries are safe only over memory no other registry pins (tests, benchmarks).
 pub struct PinRegistry {
     state: Mutex<State>,
@@ -599,7 +612,7 @@ impl PinRegistry {
                 idle: Idle::default(),
                 cache_bytes: LOCK_CACHE_BYTES,
                 cache_entries: LOCK_CACHE_ENTRIES,
-                adapt: Adapt::default(),
+                gate: CacheGate::default(),
                 stuck: Vec::new(),
                 zero: Vec::new(),
                 taken: Vec::new(),
@@ -613,7 +626,7 @@ impl PinRegistry {
             }),
             pagemap: OnceLock::new(),
         });
-        let mut all = REGISTRIES.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = lock(&REGISTRIES);
         all.retain(|r| r.strong_count() > 0);
         all.push(Arc::downgrade(&registry));
         registry
@@ -793,7 +806,7 @@ impl PinRegistry {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// Pins `req` in steps, all or nothing, and returns its extents: one for the whole range
@@ -933,12 +946,7 @@ impl PinRegistry {
 /// Empties the lock cache of every registry of the process (none of their locks held by the
 /// caller); returns whether any held something.
 fn release_cached_everywhere() -> bool {
-    let all: Vec<Arc<PinRegistry>> = REGISTRIES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .filter_map(Weak::upgrade)
-        .collect();
+    let all: Vec<Arc<PinRegistry>> = lock(&REGISTRIES).iter().filter_map(Weak::upgrade).collect();
     let mut any = false;
     for r in all {
         let mut st = r.lock();

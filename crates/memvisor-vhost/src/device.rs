@@ -1,0 +1,72 @@
+//! The seam between the vhost-user back end and a virtio device model.
+//!
+//! A [`Device`] knows its virtio features, its config space and how to process one of its
+//! queues; the protocol, the rings' life cycle, the memory table, the IOTLB and the dirty log
+//! are the back end's ([`crate::backend`]). A device reaches guest memory only through the
+//! [`FrontendMemory`] it is handed: its device space for buffers (translations, copies, pins),
+//! and the space's vm-memory view for the queue — so what it writes is tracked for migration
+//! and what the guest took back is out of its reach.
+
+use virtio_queue::Queue;
+
+use crate::error::{Error, Result};
+use crate::memory::FrontendMemory;
+
+/// A virtio device served over vhost-user.
+pub trait Device: Send {
+    /// Short name for logs.
+    fn name(&self) -> &'static str;
+    /// Virtio feature bits the device offers (`VIRTIO_F_VERSION_1` and device bits); the
+    /// back end adds vhost-user's own.
+    fn features(&self) -> u64;
+    /// Protocol feature bits the device needs beyond the back end's own (e.g. `CONFIG`).
+    fn protocol_features(&self) -> u64 {
+        0
+    }
+    /// Number of queues.
+    fn queues(&self) -> u16;
+    /// Largest queue size.
+    fn queue_max(&self) -> u16 {
+        256
+    }
+    /// The driver's accepted features; EINVAL refuses them.
+    fn set_features(&mut self, features: u64) -> Result<()>;
+    /// Reads config bytes at `offset` (bytes past the device's config read as zero).
+    fn read_config(&self, offset: u32, data: &mut [u8]);
+    /// Writes config bytes at `offset`.
+    fn write_config(&mut self, offset: u32, data: &[u8]) -> Result<()> {
+        let _ = (offset, data);
+        Err(Error::Unsupported(format!(
+            "{}: the config space is read-only",
+            self.name()
+        )))
+    }
+    /// Whether the device logs its writes for migration (`VHOST_F_LOG_ALL`, `LOG_SHMFD`): it
+    /// must write guest memory only through the [`FrontendMemory`]'s device space or its slot
+    /// table, where memvisor tracks dirty pages.
+    fn supports_dirty_log(&self) -> bool {
+        false
+    }
+    /// Called once with the frontend's memory holder, before any message (the memory inside
+    /// changes with each memory table; the holder stays).
+    fn attach(&mut self, memory: &FrontendMemory) -> Result<()> {
+        let _ = memory;
+        Ok(())
+    }
+    /// Whether the config space changed on the device's side since last asked (the back end
+    /// then tells the frontend). Polled between messages, at least every 200 ms.
+    fn config_changed(&mut self) -> bool {
+        false
+    }
+    /// Processes what the driver made available on queue `index`; returns whether the driver
+    /// should be notified. An error means the queue is broken (the driver needs a reset); a bad
+    /// request is answered on the ring, not with an error.
+    fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool>;
+    /// Back to the state before feature negotiation.
+    fn reset(&mut self);
+    /// Whether an IOTLB miss fails the request (after the wait for the frontend's update gave
+    /// up) instead of being returned as [`Error::IotlbMiss`] with the chain put back.
+    fn set_fail_misses(&mut self, fail: bool) {
+        let _ = fail;
+    }
+}

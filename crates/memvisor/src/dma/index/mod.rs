@@ -1,0 +1,307 @@
+//! The DMA index: where a space's mappings are looked up, and the one word a lookup reads.
+//!
+//! A [`DmaSnapshot`] is one generation of a space's mappings. Its [`Index`] keeps them twice:
+//!
+//! * in the sorted index, a persistent range map (`rangemap`): every mapping's IOVA range,
+//!   its [`Hot`] word and its record, found by a search that reads a few cache lines;
+//! * for the small mappings a vIOMMU makes, in a persistent page table (`pagetable`): one word
+//!   per 4 KiB page, the mapping's hot word plus the pages left to its end, found by indexing
+//!   with the address's bits, no search.
+//!
+//! The hot word packs what every translation needs — `hva - iova`, the protection, whether the
+//! memory is the host's, a peer's or invalidated, and whether it logs dirty pages — so a lookup
+//! never reads the mapping record. [`Hot::of`] is the only place a word is made from a mapping;
+//! the decoding (the `Hot` accessors, [`word_answer`], [`DmaSnapshot::page_answer`]) is here
+//! too, and the translation paths (`translate`, `rw`) use only these. They are `#[inline]` /
+//! `#[inline(always)]` on purpose: they sit on the device hot path, where a call would pass the
+//! answer through memory.
+//!
+//! Changes go through [`Index`]'s methods only, which keep the two structures in step; the
+//! space's writer (the parent module) checks a change before making it, as neither structure
+//! checks for overlap. The property tests (`tests`) hold the page table against the sorted
+//! index.
+
+mod pagetable;
+mod rangemap;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+#[cfg(test)]
+use super::Host;
+use super::{Mapping, Memory, Prot};
+use crate::addr::PAGE_4K as PAGE;
+use pagetable::PageTable;
+use rangemap::RangeMap;
+
+pub(super) use pagetable::{Region, WINDOW};
+pub(super) use rangemap::Pos;
+
+/// What the index keeps inline per mapping, packed in one word: the fields every translation
+/// needs, next to the range, so a lookup never touches the mapping record (with 100 000 mappings
+/// the records are megabytes away). The high bits are `hva - iova` (wrapping); both are
+/// multiples of the smallest page size (4 KiB or more), so its low 12 bits are free for the
+/// protection and two flags.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Hot(u64);
+
+impl Hot {
+    const PROT: u64 = 0b11;
+    pub(super) const VALID: u64 = 1 << 2;
+    const DIRTY: u64 = 1 << 3;
+    pub(super) const REMOTE: u64 = 1 << 4;
+    const FLAGS: u64 = 0xfff;
+
+    /// The hot word of `mapping`: the only place it is derived.
+    pub(super) fn of(mapping: &Mapping) -> Hot {
+        let start = mapping.iova.start().0;
+        let (delta, valid) = match &mapping.memory {
+            Memory::Local(h) => (h.hva.0.wrapping_sub(start), Hot::VALID),
+            Memory::Invalidated => (0, 0),
+            Memory::Remote => (0, Hot::REMOTE),
+        };
+        debug_assert_eq!(delta & Hot::FLAGS, 0, "iova and hva are page aligned");
+        let dirty = if mapping.dirty.is_some() {
+            Hot::DIRTY
+        } else {
+            0
+        };
+        Hot(delta | u64::from(mapping.prot.0) | valid | dirty)
+    }
+
+    /// hva - iova, wrapping; meaningless unless `valid`.
+    #[inline]
+    pub(super) fn delta(self) -> u64 {
+        self.0 & !Hot::FLAGS
+    }
+
+    #[inline]
+    pub(super) fn prot(self) -> Prot {
+        Prot((self.0 & Hot::PROT) as u8)
+    }
+
+    /// Whether the mapping has a host address (not invalidated for a live update).
+    #[inline]
+    pub(super) fn valid(self) -> bool {
+        self.0 & Hot::VALID != 0
+    }
+
+    /// Whether the mapping's memory is a peer's ([`Memory::Remote`]).
+    #[inline]
+    pub(super) fn remote(self) -> bool {
+        self.0 & Hot::REMOTE != 0
+    }
+
+    /// Whether the mapping has a dirty bitmap.
+    #[inline]
+    pub(super) fn dirty(self) -> bool {
+        self.0 & Hot::DIRTY != 0
+    }
+
+    /// Whether the mapping's memory is of a kind in `kinds` (`VALID`, `REMOTE` or both).
+    #[inline(always)]
+    pub(super) fn is_any(self, kinds: u64) -> bool {
+        self.0 & kinds != 0
+    }
+}
+
+/// Pages a mapping may span and still be entered in the page table: the pages left to its
+/// end, 1 to 127, fit the hot word's free bits 5..=11.
+const TABLE_PAGES_MAX: u64 = 127;
+
+impl Hot {
+    /// In a page-table word: the pages from this one to the mapping's end.
+    const LEFT_SHIFT: u32 = 5;
+    const LEFT: u64 = 0x7f << Hot::LEFT_SHIFT;
+}
+
+/// The index: every mapping's IOVA range, hot word and record in the sorted [`RangeMap`]; and,
+/// for the small mappings a vIOMMU makes (at most [`TABLE_PAGES_MAX`] pages, below the page
+/// table's window, while its budget allows), one word per 4 KiB page in a [`PageTable`]: the
+/// mapping's hot word plus the pages left to its end. A translation reads the page table first
+/// and the sorted index only where it holds nothing; everything else (spans, walks, changes)
+/// reads the sorted index, which is the record. The two change together, only here.
+///
+/// The page table is kept only while the space holds many small mappings: from
+/// [`DmaConfig::page_table_from`] of them on (it starts filled with all of them that its window
+/// and budget allow) until they fall below a quarter of that (it is dropped whole). The table
+/// is persistent, so every change to a kept one copies a 4 KiB leaf: that made an update in a
+/// small table that churns (a vIOMMU in strict mode, mapping and unmapping a buffer's pages
+/// around each request) dearer, for most of the cost of each cursor miss saved (figures:
+/// `MEASUREMENTS.md`, "DMA page table"). Kept or not, every word the table holds is current.
+#[derive(Clone, Default)]
+pub(super) struct Index {
+    ranges: RangeMap<Hot, Arc<Mapping>>,
+    /// Read directly by the cursor (`translate`), which keeps a [`Region`] of it; changed only
+    /// here.
+    pub(super) pages: PageTable,
+    /// Mappings held of at most [`TABLE_PAGES_MAX`] pages ([`table_pages`]), whether or not
+    /// the window and the budget let the table take them.
+    small: u64,
+    /// Whether the page table is kept (else it is empty).
+    paged: bool,
+    /// [`DmaConfig::page_table_from`].
+    table_from: u64,
+}
+
+impl std::ops::Deref for Index {
+    type Target = RangeMap<Hot, Arc<Mapping>>;
+    fn deref(&self) -> &Self::Target {
+        &self.ranges
+    }
+}
+
+impl Index {
+    /// An empty index that keeps a page table from `table_from` small mappings on.
+    pub(super) fn new(table_from: u64) -> Index {
+        Index {
+            paged: table_from == 0,
+            table_from,
+            ..Index::default()
+        }
+    }
+
+    /// Drops every mapping.
+    pub(super) fn clear(&mut self) {
+        *self = Index::new(self.table_from);
+    }
+
+    /// Puts `mapping` into the index.
+    pub(super) fn insert(&mut self, mapping: Mapping) {
+        let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
+        let hot = Hot::of(&mapping);
+        self.ranges.insert(start, last, hot, Arc::new(mapping));
+        if table_pages(start, last).is_none() {
+            return;
+        }
+        self.small += 1;
+        if self.paged {
+            enter_pages(&mut self.pages, start, last, hot);
+        } else if self.small >= self.table_from {
+            // Start the table with every small mapping there is, this one included.
+            self.paged = true;
+            for (start, last, hot, _) in self.ranges.iter() {
+                enter_pages(&mut self.pages, start, last, hot);
+            }
+        }
+    }
+
+    /// Replaces the mapping at `pos` with `mapping` (same range).
+    pub(super) fn set(&mut self, pos: Pos, mapping: Mapping) {
+        let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
+        let hot = Hot::of(&mapping);
+        if self.paged {
+            enter_pages(&mut self.pages, start, last, hot);
+        }
+        self.ranges.set(pos, hot, Arc::new(mapping));
+    }
+
+    /// Removes the mapping starting at `start`.
+    pub(super) fn remove(&mut self, start: u64) -> Option<Arc<Mapping>> {
+        let pos = self.ranges.find(start)?;
+        let (first, last, _) = self.ranges.bounds(pos);
+        if first != start {
+            return None;
+        }
+        if let Some(pages) = table_pages(start, last) {
+            self.small -= 1;
+            // A table not kept is empty: nothing to clear then.
+            if self.paged && self.small * 4 < self.table_from {
+                // Too few left: drop the table whole.
+                self.paged = false;
+                self.pages = PageTable::default();
+            } else if self.paged {
+                self.pages.clear(start, pages);
+            }
+        }
+        Some(self.ranges.remove_at(pos))
+    }
+
+    /// Removes the mappings `hit` (as (start, mapping), in address order, each in the index):
+    /// all at once if they are all there is, else from the last down, so that no removal
+    /// shifts the entries the next ones take out.
+    pub(super) fn remove_all(&mut self, hit: &[(u64, Arc<Mapping>)]) {
+        if hit.len() == self.len() {
+            self.clear();
+            return;
+        }
+        for (start, _) in hit.iter().rev() {
+            self.remove(*start).expect("a mapping of the index");
+        }
+    }
+
+    /// See [`RangeMap::reindex`].
+    pub(super) fn reindex(&mut self) {
+        self.ranges.reindex();
+    }
+
+    /// The hot word in a page-table `word`.
+    #[inline(always)]
+    fn page_hot(word: u64) -> Hot {
+        Hot(word & !Hot::LEFT)
+    }
+
+    /// The last byte of the mapping whose page-table `word` (non-zero) `iova`'s page holds.
+    #[inline(always)]
+    fn page_last(iova: u64, word: u64) -> u64 {
+        let left = (word & Hot::LEFT) >> Hot::LEFT_SHIFT;
+        (iova & !(PAGE - 1))
+            .wrapping_add(left * PAGE)
+            .wrapping_sub(1)
+    }
+}
+
+/// The pages of a mapping `[start, last]` if the page table can take it (at most
+/// [`TABLE_PAGES_MAX`]).
+fn table_pages(start: u64, last: u64) -> Option<u64> {
+    let pages = (last - start) / PAGE + 1;
+    (pages <= TABLE_PAGES_MAX).then_some(pages)
+}
+
+/// Writes the page-table words of a mapping `[start, last]` with `hot`, if it is small; where
+/// the table refuses, clears them, so the sorted index answers.
+fn enter_pages(table: &mut PageTable, start: u64, last: u64, hot: Hot) {
+    let Some(pages) = table_pages(start, last) else {
+        return;
+    };
+    if !table.fill(start, pages, |k| hot.0 | (pages - k) << Hot::LEFT_SHIFT) {
+        table.clear(start, pages);
+    }
+}
+
+/// The mappings at one generation.
+pub(super) struct DmaSnapshot {
+    pub(super) generation: u64,
+    pub(super) map: Index,
+    /// Mappings whose host address is invalidated.
+    pub(super) invalid: u64,
+}
+
+impl DmaSnapshot {
+    /// The page table's answer for an access needing `need` at `iova`, (hot word, last byte of
+    /// the mapping), when it answers outright: the page is a small mapping's, allowed, with a
+    /// host address, and not logging dirty pages (whose marking needs the sorted index's
+    /// position). Anything else — no entry, a refusal and its exact error — is the sorted
+    /// index's, the record.
+    #[inline(always)]
+    pub(super) fn page_answer(&self, iova: u64, need: Prot) -> Option<(Hot, u64)> {
+        word_answer(iova, self.map.pages.get(iova), need)
+    }
+
+    /// The index entry holding `iova`, as (start, last, hot word, mapping).
+    pub(super) fn entry(&self, iova: u64) -> Option<(u64, u64, Hot, &Arc<Mapping>)> {
+        self.map.find(iova).map(|p| self.map.get(p))
+    }
+}
+
+/// [`DmaSnapshot::page_answer`] from the page's table `word`.
+#[inline(always)]
+pub(super) fn word_answer(iova: u64, word: u64, need: Prot) -> Option<(Hot, u64)> {
+    let hot = Index::page_hot(word);
+    if !(hot.prot().contains(need) & hot.valid() & !hot.dirty()) {
+        return None;
+    }
+    // Valid, so the word is a page's (an empty word is 0): the pages left are at least one.
+    Some((hot, Index::page_last(iova, word)))
+}

@@ -1,0 +1,179 @@
+//! The page table against the sorted index: after every change the table holds exactly the
+//! words of the small mappings below its window, and copies taken on the way do not change.
+
+use super::*;
+use crate::addr::{Hva, Iova, Range};
+use proptest::prelude::*;
+
+/// What the index is asked to do; `slot`s are 256 pages apart, so mappings never overlap
+/// (an insert at a taken slot is skipped).
+#[derive(Clone, Debug)]
+enum Op {
+    /// Map `pages` pages at `slot` (above the page table's window if `high`), with memory
+    /// of kind `kind` (0 local, 1 invalidated, 2 remote) at host page `host`.
+    Insert {
+        slot: u64,
+        pages: u64,
+        high: bool,
+        kind: u8,
+        host: u64,
+    },
+    /// Remap the mapping at or after `slot` to host page `host` (same range).
+    Set { slot: u64, host: u64 },
+    /// Remove the mapping at or after `slot`.
+    Remove { slot: u64 },
+    /// Remove `n` mappings from the one at or after `slot`, as an unmap does.
+    RemoveRun { slot: u64, n: usize },
+    /// Keep a copy: later checks verify it did not change.
+    Snapshot,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let slot = 0u64..48;
+    prop_oneof![
+        6 => (slot.clone(), prop_oneof![4 => 1u64..=3, 1 => Just(TABLE_PAGES_MAX), 1 => Just(200u64)],
+              any::<bool>(), 0u8..3, 0u64..1024)
+            .prop_map(|(slot, pages, high, kind, host)| Op::Insert {
+                slot,
+                pages,
+                high: high && slot % 4 == 0,
+                kind,
+                host,
+            }),
+        1 => (slot.clone(), 0u64..1024).prop_map(|(slot, host)| Op::Set { slot, host }),
+        3 => slot.clone().prop_map(|slot| Op::Remove { slot }),
+        1 => (slot, 1usize..30).prop_map(|(slot, n)| Op::RemoveRun { slot, n }),
+        1 => Just(Op::Snapshot),
+    ]
+}
+
+/// Slot `slot`'s IOVA: slots 256 pages apart, room for the largest mapping inserted (200
+/// pages); `high` ones above the page table's window.
+fn slot_iova(slot: u64, high: bool) -> u64 {
+    let base = if high { WINDOW + (1 << 30) } else { 1 << 30 };
+    base + slot * 256 * PAGE
+}
+
+fn mapping(id: u64, start: u64, pages: u64, kind: u8, host: u64) -> Mapping {
+    let memory = match kind {
+        0 => Memory::Local(Host {
+            hva: Hva(0x7f00_0000_0000 + host * PAGE),
+            owner: None,
+        }),
+        1 => Memory::Invalidated,
+        _ => Memory::Remote,
+    };
+    Mapping {
+        id,
+        iova: Range::new("mapping", Iova(start), pages * PAGE).expect("a valid range"),
+        prot: if id % 2 == 0 { Prot::RW } else { Prot::READ },
+        memory,
+        dirty: None,
+    }
+}
+
+/// Every word the page table must hold, from the sorted index: each page of each small
+/// mapping below the window while the table is kept, none otherwise. Checks that the
+/// table holds exactly these (each one, and no others: the count), that it is kept as
+/// the thresholds say, and that the small-mapping count is right.
+fn check(index: &Index, paged: bool) -> std::result::Result<(), TestCaseError> {
+    prop_assert_eq!(index.paged, paged, "page table kept");
+    let mut small = 0;
+    let mut words = 0;
+    for (start, last, hot, _) in index.ranges.iter() {
+        let Some(pages) = table_pages(start, last) else {
+            continue;
+        };
+        small += 1;
+        for k in 0..pages {
+            let page = start + k * PAGE;
+            let want = if paged && last < WINDOW {
+                words += 1;
+                hot.0 | (pages - k) << Hot::LEFT_SHIFT
+            } else {
+                0
+            };
+            prop_assert_eq!(
+                index.pages.get(page),
+                want,
+                "word of page {:#x} of [{:#x}, {:#x}]",
+                page,
+                start,
+                last
+            );
+        }
+    }
+    prop_assert_eq!(index.small, small, "small mappings counted");
+    prop_assert_eq!(index.pages.words(), words, "words held");
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+    /// The page table against the sorted index after every change, on indexes that keep
+    /// their table from 4 or 8 small mappings (and drop it below 1 or 2) and on one that
+    /// always keeps it; and every copy taken on the way unchanged by later changes.
+    #[test]
+    fn the_page_table_holds_exactly_the_small_mappings_words(
+        ops in proptest::collection::vec(op(), 1..60),
+        from in prop_oneof![Just(0u64), Just(4u64), Just(8u64)],
+    ) {
+        let mut index = Index::new(from);
+        let mut paged = from == 0;
+        let mut id = 0;
+        let mut snapshots = Vec::new();
+        for op in ops {
+            match op {
+                Op::Insert { slot, pages, high, kind, host } => {
+                    let start = slot_iova(slot, high);
+                    let last = start + pages * PAGE - 1;
+                    let free = index.first_ending_at_or_after(start)
+                        .is_none_or(|p| index.get(p).0 > last);
+                    if free {
+                        id += 1;
+                        index.insert(mapping(id, start, pages, kind, host));
+                        if !paged && table_pages(start, last).is_some() {
+                            paged = index.small >= from;
+                        }
+                    }
+                }
+                Op::Set { slot, host } => {
+                    if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
+                        let (start, last, _, m) = index.get(p);
+                        let pages = (last - start) / PAGE + 1;
+                        let kind = if m.memory.host().is_some() { 0 } else { 2 };
+                        let m = mapping(m.id, start, pages, kind, host);
+                        index.set(p, m);
+                    }
+                }
+                Op::Remove { slot } => {
+                    if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
+                        let start = index.get(p).0;
+                        prop_assert!(index.remove(start).is_some());
+                    }
+                }
+                Op::RemoveRun { slot, n } => {
+                    let from_iova = slot_iova(slot, false);
+                    let hit: Vec<(u64, Arc<Mapping>)> = index
+                        .iter()
+                        .filter(|(s, ..)| *s >= from_iova)
+                        .take(n)
+                        .map(|(s, _, _, m)| (s, m.clone()))
+                        .collect();
+                    index.remove_all(&hit);
+                }
+                Op::Snapshot => {
+                    index.reindex();
+                    snapshots.push((index.clone(), paged));
+                }
+            }
+            if paged && index.small * 4 < from {
+                paged = false;
+            }
+            check(&index, paged)?;
+        }
+        for (snap, paged) in &snapshots {
+            check(snap, *paged)?;
+        }
+    }
+}
