@@ -13,15 +13,16 @@
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use memvisor_wire::frame::protocol_error;
 use memvisor_wire::{Frame, Limits, WireError};
 
 use crate::error::{Error, Result};
+use crate::lock;
 use crate::proto::{self, HEADER, Header, MAX_FDS, MAX_MESSAGE, cmd, flags};
 
 /// vfio-user's 16-byte header, as the wire layer frames it: its `size` counts the whole
@@ -69,10 +70,6 @@ pub struct Conn {
     writer: Mutex<()>,
     pending: Mutex<HashMap<u16, SyncSender<Message>>>,
     next_id: AtomicU16,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Conn {

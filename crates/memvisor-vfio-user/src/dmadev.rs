@@ -52,7 +52,7 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use memvisor::dma::{PIN_PAGES_MAX, read_pinned, write_pinned};
@@ -60,6 +60,7 @@ use memvisor::{Access, Iova, Prot};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::lock;
 use crate::proto::{irq_info_flags, region_flags};
 use crate::server::{Device, IrqInfo, PCI_DEVICE, Port, RegionInfo};
 
@@ -170,10 +171,6 @@ struct Shared {
     stats: Mutex<DmaDevStats>,
     flight: Mutex<Flight>,
     changed: Condvar,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The device.

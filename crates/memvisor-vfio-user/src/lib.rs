@@ -33,3 +33,10 @@ pub use dmadev::{DmaDev, DmaDevStats};
 pub use error::{Error, Result};
 pub use memvisor_wire::WireError;
 pub use server::{Device, IrqInfo, Port, RegionInfo, Server, ServerStats};
+
+/// Locks `m` even if a thread panicked holding it: the server's mutexes guard bookkeeping
+/// (the connection's writer, the device's state, statistics) that each change leaves
+/// consistent, and one failed device thread must not take the others down with it.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

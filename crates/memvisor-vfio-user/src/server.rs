@@ -37,7 +37,7 @@ use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use memvisor::dma::PinRegistry;
@@ -47,6 +47,7 @@ use serde::Serialize;
 
 use crate::conn::{Conn, Message};
 use crate::error::{Error, Result};
+use crate::lock;
 use crate::proto::{
     self, DmaMap, DmaUnmap, IrqSet, MAX_DATA_XFER, MAX_FDS, RegionAccess, Version, cmd,
     device_flags, irq_set_flags, map_flags, unmap_flags,
@@ -113,10 +114,6 @@ struct PeerCounts {
     writes: AtomicU64,
     bytes: AtomicU64,
     errors: AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Port {
