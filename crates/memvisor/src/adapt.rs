@@ -6,7 +6,7 @@
 //! fails, and over a few slots it is a coin toss: each wrong guess (a branch misprediction)
 //! costs more than the search it could have saved. A remembering cursor over 2-8 slots was
 //! slower than a plain binary search on random addresses (figures for this module:
-//! `MEASUREMENTS.md`, "Slot cursor").
+//! `docs/measurements.md`, "Slot cursor").
 //!
 //! So the cursor watches its misses. [`Adapt`] counts misses in a row while the cursor
 //! remembers; after [`SEARCH_AFTER`] it tells the cursor to search every address and remember

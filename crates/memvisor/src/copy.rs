@@ -16,7 +16,7 @@
 //!   memory, as the kernel's `copy_{to,from}_user` are; it cannot assume the bytes stay put,
 //!   read them twice or tear them into a race it may exploit. Side by side with glibc's memcpy
 //!   it is about as fast or faster from 256 bytes up, and somewhat slower at odd sizes between
-//!   128 and 256 (figures: `MEASUREMENTS.md`, "Guest copies").
+//!   128 and 256 (figures: `docs/measurements.md`, "Guest copies").
 //! * elsewhere, volatile loads and stores, a `u64` at a time where both sides are aligned, as
 //!   vm-memory does for small copies, and a byte at a time for the rest.
 //!

@@ -83,7 +83,7 @@ use crate::slots::{Slot, SlotFlags, SlotId, SlotTable};
 
 /// Memory discarded per hold of the pin registry's lock, so a pin waits at most about that long:
 /// 2 MiB of 4 KiB pages (a fraction of a millisecond of `MADV_DONTNEED`; figures:
-/// `MEASUREMENTS.md`, "Discard")...
+/// `docs/measurements.md`, "Discard")...
 const CHUNK: u64 = PageSize::Size2M.bytes();
 /// ...and 64 MiB of huge pages (THP or hugetlbfs), which the kernel frees 512 times fewer of for
 /// the same bytes (about as long for THP) — at least one huge page. One system call per chunk.

@@ -927,7 +927,7 @@ impl SlotCursor {
     /// Either way the answer is the current snapshot's.
     ///
     /// Always inlined: the modes' few instructions took it past LLVM's own threshold, and as
-    /// a call the hit cost half as much again (figures: `MEASUREMENTS.md`, "Slot cursor").
+    /// a call the hit cost half as much again (figures: `docs/measurements.md`, "Slot cursor").
     #[inline(always)]
     pub fn lookup(&mut self, gpa: Gpa) -> Option<GpaTranslation> {
         let generation = self.shared.generation.0.load(Ordering::Acquire);

@@ -43,7 +43,7 @@ pub struct DmaConfig {
     /// table is dropped again; 0 keeps it always. With the table a cursor's miss costs a
     /// fraction of a search (five to eight times less), but every change to a small mapping
     /// copies a 4 KiB leaf, which makes an IOTLB update in a small table dearer (figures:
-    /// `MEASUREMENTS.md`, "DMA page table"). Set 0 for a small table that rarely changes and
+    /// `docs/measurements.md`, "DMA page table"). Set 0 for a small table that rarely changes and
     /// misses often.
     pub page_table_from: u32,
     /// How long an unmap, IOTLB invalidation or vaddr invalidation waits for devices to

@@ -614,7 +614,7 @@ impl DmaCursor {
     /// [`DmaSpace::translate`], with a cache of the last mapping hit.
     ///
     /// Always inlined: the hit is a dozen instructions, and as an ordinary call it costs twice
-    /// that (a caller with two call sites got the call; figures: `MEASUREMENTS.md`, "DMA
+    /// that (a caller with two call sites got the call; figures: `docs/measurements.md`, "DMA
     /// cursor").
     #[inline(always)]
     pub fn translate(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {

@@ -7,7 +7,7 @@
 //! instance (`IORING_REGISTER_BUFFERS_UPDATE`) pins its pages the same way, and clearing the
 //! buffer's slot unpins them. A 4 KiB page costs several times less to pin and unpin this way
 //! than with `mlock` and `munlock`, whose cost is mostly splitting and merging the memory area
-//! around the page (figures for this module: `MEASUREMENTS.md`, "Long-term pins").
+//! around the page (figures for this module: `docs/measurements.md`, "Long-term pins").
 //!
 //! Here io_uring instances, never used for I/O, each hold a sparse table of buffers, and a new
 //! instance opens when every slot is taken. [`LongTerm::pin`] registers a run of pages as one

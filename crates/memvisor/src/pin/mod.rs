@@ -18,8 +18,8 @@
 //! extents (runs contiguous in both virtual and physical address) kept across steps. If any step
 //! fails, every earlier step of the call is unpinned again: a pin is all or nothing. There is no
 //! separate `MADV_POPULATE` pass: mlock faults pages in itself, and a second walk over 4 KiB pages
-//! that are already present cost as much as the mlock (figures for this module: `MEASUREMENTS.md`,
-//! "Pins").
+//! that are already present cost as much as the mlock (figures for this module:
+//! `docs/measurements.md`, "Pins").
 //!
 //! **Unpinning goes by run** (as in "vfio/type1: optimize vfio_unpin_pages_remote() for large
 //! folio"): one walk of the counts, one munlock and one accounting

@@ -129,7 +129,7 @@ impl Hot {
 /// is persistent, so every change to a kept one copies a 4 KiB leaf: that made an update in a
 /// small table that churns (a vIOMMU in strict mode, mapping and unmapping a buffer's pages
 /// around each request) dearer, for most of the cost of each cursor miss saved (figures:
-/// `MEASUREMENTS.md`, "DMA page table"). Kept or not, every word the table holds is current.
+/// `docs/measurements.md`, "DMA page table"). Kept or not, every word the table holds is current.
 #[derive(Clone, Default)]
 pub(super) struct Index {
     ranges: RangeMap<Hot, Arc<Mapping>>,
