@@ -197,7 +197,12 @@ impl ReportOutcome {
         if let Some(last) = self.rejected.last_mut() {
             let joined = last.len.checked_add(len);
             if last.reason == reason && last.gpa.0.checked_add(last.len) == Some(gpa) {
-                if let Some(joined) = joined.filter(|&j| last.gpa.0.checked_add(j - 1).is_some()) {
+                // The joined piece must end inside the address space; an empty one always does.
+                let fits = |&j: &u64| {
+                    j.checked_sub(1)
+                        .is_none_or(|n| last.gpa.0.checked_add(n).is_some())
+                };
+                if let Some(joined) = joined.filter(fits) {
                     last.len = joined;
                     return;
                 }

@@ -635,3 +635,26 @@ fn huge_pages_go_only_whole_and_unpinned() {
     check_pages(&b, &[(0, 512), (1024, 1536), (1536, 2048)]);
     drop((discarder, dma, t, b));
 }
+
+/// Two empty ranges at one address: the second is merged into the first (zero bytes touching
+/// zero bytes). The merge's bound check once computed `len - 1` of the joined length, 0, and a
+/// debug build panicked ("attempt to subtract with overflow"; issue 34).
+#[test]
+fn empty_ranges_at_one_address_merge_without_panicking() {
+    let _s = serial();
+    let (t, _b) = guest(BackingKind::PrivateAnon, 2 * MIB, SlotFlags::NONE);
+    let d = own_registry(&t, false);
+    for at in [BASE, 0, u64::MAX] {
+        let out = d.report(&[(Gpa(at), 0), (Gpa(at), 0), (Gpa(at), 0)]);
+        assert_eq!(out.discarded, 0);
+        assert_eq!(
+            out.rejected,
+            [Rejected {
+                gpa: Gpa(at),
+                len: 0,
+                reason: RejectReason::Empty
+            }],
+            "at {at:#x}"
+        );
+    }
+}
