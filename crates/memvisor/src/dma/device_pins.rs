@@ -318,12 +318,7 @@ impl DmaSpace {
         writer.device_pins.add(page, page + pieces);
         // Pinned pages are dirty while pinned, whatever the protection (type1 marks them
         // when pinned, and every read of the log marks them again).
-        if let Some(bitmap) = &m.dirty {
-            let min = self.shared.min_page;
-            let first = (iova - start) / min;
-            let last_bit = (iova - start + (req.len - 1)) / min;
-            bitmap.mark(first, last_bit - first + 1);
-        }
+        super::translate::mark_dirty(m, iova, req.len, self.shared.min_page);
         Ok((req, pieces))
     }
 }

@@ -136,7 +136,7 @@ impl DmaSpace {
             while let Some(p) = pos {
                 let m = map.get(p).3.clone();
                 let dirty = match on {
-                    true => Some(self.new_bitmap(m.iova.len())?),
+                    true => Some(self.new_bitmap(m.iova)?),
                     false => None,
                 };
                 changed.push((p, m.with(m.memory.clone(), dirty)));
@@ -253,11 +253,12 @@ impl DmaSpace {
             or_words(out, first, &taken);
         }
         let (start, last) = (m.iova.start().0, m.iova.last().0);
+        let base = start / page;
         for (s, e, _) in writer.device_pins.counted_in(start / PAGE, last / PAGE + 1) {
-            // Pinned 4 KiB IOVA pages, in bits of the space's page size.
-            let from = (s * PAGE).max(start) - start;
-            let to = ((e - 1) * PAGE + (PAGE - 1)).min(last) - start;
-            let (b0, b1) = (from / page, to / page + 1);
+            // Pinned 4 KiB IOVA pages, in bits of the space's page size (see `dirty_pages`).
+            let from = (s * PAGE).max(start);
+            let to = ((e - 1) * PAGE + (PAGE - 1)).min(last);
+            let (b0, b1) = (from / page - base, to / page - base + 1);
             bitmap.mark(b0, b1 - b0);
             set_bits(out, first + b0, b1 - b0);
         }

@@ -111,9 +111,10 @@ fn piece(m: &Arc<Mapping>, from: u64, to: u64, id: u64, page: u64) -> Result<Map
         other => other.clone(),
     };
     let dirty = m.dirty.as_ref().map(|old| {
-        let pages = iova.len() / page;
+        // Bits count IOVA pages from the page of each mapping's first byte (`dirty_pages`).
+        let pages = super::dirty_pages(iova, page);
         let b = crate::bitmap::DirtyBitmap::new(pages);
-        let skip = (from - start) / page;
+        let skip = from / page - start / page;
         for p in 0..pages {
             if old.is_marked(skip + p) {
                 b.mark(p, 1);

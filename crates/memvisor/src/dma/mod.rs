@@ -191,6 +191,15 @@ impl Memory {
     }
 }
 
+/// The bits of a mapping's dirty bitmap over `iova` at `page` bytes a bit. Bits count pages of
+/// the IOVA space, not of the mapping: bit 0 is the page holding the mapping's first byte, so a
+/// mapping that starts or ends inside a page (a guest range cut at a slot's edge) still has a
+/// bit for every page it touches, and its bits line up with a bitmap read at any page-aligned
+/// IOVA.
+pub(super) fn dirty_pages(iova: Range<Iova>, page: u64) -> u64 {
+    iova.last().0 / page - iova.start().0 / page + 1
+}
+
 /// One mapping: an IOVA range, its protection and where its memory is.
 /// Immutable; a change installs a new record with the same [`Mapping::id`].
 #[derive(Debug)]
@@ -782,7 +791,7 @@ impl DmaSpace {
             let mut made = Vec::with_capacity(new.len());
             for n in new {
                 let dirty = match writer.tracking {
-                    true => Some(self.new_bitmap(n.iova.len())?),
+                    true => Some(self.new_bitmap(n.iova)?),
                     false => None,
                 };
                 let id = writer.next_id;
@@ -806,9 +815,9 @@ impl DmaSpace {
         })
     }
 
-    /// A clear dirty bitmap for a mapping of `len` bytes; ENOMEM if its memory cannot be had.
-    fn new_bitmap(&self, len: u64) -> Result<Arc<DirtyBitmap>> {
-        let pages = len / self.shared.min_page;
+    /// A clear dirty bitmap for a mapping over `iova`; ENOMEM if its memory cannot be had.
+    fn new_bitmap(&self, iova: Range<Iova>) -> Result<Arc<DirtyBitmap>> {
+        let pages = dirty_pages(iova, self.shared.min_page);
         if pages > DIRTY_BITMAP_PAGES_MAX {
             // type1's vfio_dma_bitmap_alloc refuses such a mapping the same way.
             return Err(Error::Invalid(format!(

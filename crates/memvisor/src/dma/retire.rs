@@ -187,12 +187,12 @@ impl DmaSpace {
         let now = self.shared.current.load_full();
         for (_, _, _, m) in now.map.iter() {
             if plan.made.contains(&m.id) {
-                if let Some((start, old)) = plan
+                if let Some((_, old)) = plan
                     .old
                     .iter()
                     .find(|(s, o)| *s <= m.iova.start().0 && m.iova.last() <= o.iova.last())
                 {
-                    carry_dirty(m, old, m.iova.start().0 - start, self.shared.min_page);
+                    carry_dirty(m, old, self.shared.min_page);
                 }
             }
         }
@@ -233,13 +233,13 @@ fn held(writer: &Writer, ranges: &[(u64, u64)]) -> bool {
         .any(|&(s, l)| writer.device_pins.any_counted(s / PAGE, l / PAGE + 1))
 }
 
-/// Marks in `to` the pages (of `page` bytes) marked in `from`, which starts `offset` bytes into
-/// `to`.
-fn carry_dirty(from: &Mapping, to: &Mapping, offset: u64, page: u64) {
+/// Marks in `to` the pages (of `page` bytes) marked in `from`, a part of `to`.
+fn carry_dirty(from: &Mapping, to: &Mapping, page: u64) {
     let (Some(src), Some(dst)) = (&from.dirty, &to.dirty) else {
         return;
     };
-    let skip = offset / page;
+    // Bits count IOVA pages from the page of each mapping's first byte (`dirty_pages`).
+    let skip = from.iova.start().0 / page - to.iova.start().0 / page;
     for p in 0..src.pages() {
         if src.is_marked(p) {
             dst.mark(skip + p, 1);

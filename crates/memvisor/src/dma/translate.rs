@@ -336,9 +336,9 @@ fn refused(iova: u64, start: u64, last: u64, hot: Hot, need: Prot) -> Error {
 #[inline]
 pub(super) fn mark_dirty(m: &Mapping, iova: u64, n: u64, min_page: u64) {
     if let Some(bitmap) = &m.dirty {
-        let rel = iova - m.iova.start().0;
-        let first = rel / min_page;
-        let last = (rel + n - 1) / min_page;
+        let base = m.iova.start().0 / min_page;
+        let first = iova / min_page - base;
+        let last = (iova + (n - 1)) / min_page - base;
         bitmap.mark(first, last - first + 1);
     }
 }
