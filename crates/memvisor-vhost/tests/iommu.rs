@@ -70,16 +70,9 @@ fn start_ring_behind_iommu(c: &memvisor_vhost::client::Client, g: &Guest) {
     }
 }
 
-#[test]
-fn rings_and_buffers_go_through_the_iotlb() {
-    let disk = memfd(MIB);
-    std::os::unix::fs::FileExt::write_all_at(&disk, &[0x5a; 4096], 0).unwrap();
-    let mut g = Guest::new(4 * MIB);
-    let options = BlkOptions {
-        iommu: true,
-        ..BlkOptions::default()
-    };
-    let (c, t) = serve(Blk::new(disk, options).unwrap());
+/// Features (the IOMMU platform and indirect descriptors offered), protocol features, the
+/// back-end channel and the memory table; returns the frontend's end of the channel.
+fn connect_behind_iommu(c: &memvisor_vhost::client::Client, g: &Guest) -> UnixStream {
     let f = c.get_u64(req::GET_FEATURES).unwrap();
     assert_ne!(f & F_IOMMU_PLATFORM, 0);
     assert_ne!(f & (1 << 28), 0, "indirect descriptors behind an IOMMU too");
@@ -100,6 +93,34 @@ fn rings_and_buffers_go_through_the_iotlb() {
             .unwrap(),
         0
     );
+    ours
+}
+
+/// A blk device behind an IOMMU over a 1 MiB image whose first page is `fill`, served and
+/// connected ([`connect_behind_iommu`]), and the guest.
+fn blk_behind_iommu(
+    fill: u8,
+) -> (
+    memvisor_vhost::client::Client,
+    std::thread::JoinHandle<Served<Blk>>,
+    Guest,
+    UnixStream,
+) {
+    let disk = memfd(MIB);
+    std::os::unix::fs::FileExt::write_all_at(&disk, &[fill; 4096], 0).unwrap();
+    let g = Guest::new(4 * MIB);
+    let options = BlkOptions {
+        iommu: true,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk, options).unwrap());
+    let ours = connect_behind_iommu(&c, &g);
+    (c, t, g, ours)
+}
+
+#[test]
+fn rings_and_buffers_go_through_the_iotlb() {
+    let (c, t, mut g, ours) = blk_behind_iommu(0x5a);
 
     // The ring at IOVA IO + RING_AT, not yet in the IOTLB: the back end asks for it.
     let io_addr = io_vring_addr(&g);
@@ -342,32 +363,7 @@ fn indirect_tables_are_read_through_the_iotlb() {
     use memvisor::balloon::guest::{Desc, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     const VRING_DESC_F_INDIRECT: u16 = 4;
     const TABLE: u64 = 0x90000;
-    let disk = memfd(MIB);
-    std::os::unix::fs::FileExt::write_all_at(&disk, &[0x3c; 4096], 0).unwrap();
-    let mut g = Guest::new(4 * MIB);
-    let options = BlkOptions {
-        iommu: true,
-        ..BlkOptions::default()
-    };
-    let (c, t) = serve(Blk::new(disk, options).unwrap());
-    let f = c.get_u64(req::GET_FEATURES).unwrap();
-    assert_ne!(f & (1 << 28), 0, "VIRTIO_RING_F_INDIRECT_DESC offered");
-    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
-    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
-    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
-        .unwrap();
-    let (ours, theirs) = UnixStream::pair().unwrap();
-    assert_eq!(
-        c.ack(req::SET_BACKEND_REQ_FD, &[], &[theirs.as_raw_fd()])
-            .unwrap(),
-        0
-    );
-    let table = proto::mem_table_bytes(&[g.region()]);
-    assert_eq!(
-        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
-            .unwrap(),
-        0
-    );
+    let (c, t, mut g, ours) = blk_behind_iommu(0x3c);
     // Ring and buffers mapped; the indirect table's page not yet.
     for (iova, gpa, perm) in [
         (IO + RING_AT, RING_AT, 3),
