@@ -289,7 +289,13 @@ impl Blk {
                 continue;
             }
             let first = b.addr / 4096;
-            let last = (b.addr + u64::from(b.len) - 1) / 4096;
+            let end = b.addr.checked_add(u64::from(b.len) - 1).ok_or_else(|| {
+                Error::BadChain(format!(
+                    "data buffer at {:#x} of {} bytes runs past the top of the address space",
+                    b.addr, b.len
+                ))
+            })?;
+            let last = end / 4096;
             pages.extend(first..=last);
         }
         pages.sort_unstable();

@@ -170,6 +170,22 @@ fn a_status_descriptor_past_the_top_of_the_address_space_is_not_written() {
     assert_eq!(backend.device().stats.failed, 1);
 }
 
+/// The same wrap for a data buffer: the pages to pin were computed from `addr + len - 1` with a
+/// plain add (found reading the code beside the fuzzer's find).
+#[test]
+fn a_data_buffer_past_the_top_of_the_address_space_is_refused() {
+    let disk = image(MIB);
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk, BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let top = (u64::MAX - 255, 512, true);
+    assert_eq!(request(&mut g, 0, 0, &[top]).0, 1, "IOERR");
+    assert_eq!(request(&mut g, 0, 0, &[(DATA, 512, true)]), (0, 513));
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats.failed, 1);
+}
+
 #[test]
 fn every_queue_of_a_multiqueue_device_serves_requests() {
     let disk = image(MIB);
