@@ -64,6 +64,8 @@ ind = b"".join(struct.pack("<QIHH", a, l, f, n) for a, l, f, n in
                [(HDR, 16, NEXT, 1), (BUF, 512, NEXT | WRITE, 2), (STATUS, 1, WRITE, 0)])
 put("blk_chain", "indirect", ring(0, [[(0x3000, len(ind), INDIRECT)]],
                                    {HDR: blk_header(0, 0), 0x3000: ind}))
+# corpus/blk_chain/status_past_top is not written here: it is the fuzzer's own find (a status
+# descriptor whose end wraps), kept as a seed beside its regression test in tests/blk.rs.
 put("blk_chain", "read_only_write", ring(1, [[(HDR, 16, 0), (BUF, 512, 0), (STATUS, 1, WRITE)]],
                                           {HDR: blk_header(1, 0)}))
 
