@@ -161,7 +161,7 @@ impl RingMemory {
 pub fn check_leaks() {
     use std::sync::atomic::{AtomicU64, Ordering};
     static CALLS: AtomicU64 = AtomicU64::new(0);
-    if CALLS.fetch_add(1, Ordering::Relaxed) % 64 != 0 {
+    if !CALLS.fetch_add(1, Ordering::Relaxed).is_multiple_of(64) {
         return;
     }
     let ours: Vec<String> = std::fs::read_dir("/proc/self/fd")
