@@ -156,18 +156,21 @@ impl Blk {
     /// Serves one request chain; returns the status and the bytes written into the chain. The
     /// status byte is written whatever happened, if the chain has a place for it.
     fn request(&mut self, dma: &DmaSpace, bufs: &[Buf]) -> (u8, u32) {
-        let Some(status) = bufs
+        // The status byte is the last byte of the last descriptor; a descriptor that runs past
+        // the top of the address space has none (its end would wrap to a low address the chain
+        // never named).
+        let Some(status_at) = bufs
             .last()
             .filter(|b| b.write && b.len >= 1 && bufs.len() >= 2)
+            .and_then(|b| b.addr.checked_add(u64::from(b.len) - 1))
         else {
             self.stats.failed += 1;
             log::warn!(
-                "blk: chain of {} descriptors has no writable status byte",
+                "blk: chain of {} descriptors has no writable status byte inside the address space",
                 bufs.len()
             );
             return (S_IOERR, 0);
         };
-        let status_at = status.addr + u64::from(status.len) - 1;
         let (code, written) = match self.serve(dma, &bufs[0], &bufs[1..bufs.len() - 1]) {
             Ok(r) => r,
             Err(e) => {
@@ -286,7 +289,13 @@ impl Blk {
                 continue;
             }
             let first = b.addr / 4096;
-            let last = (b.addr + u64::from(b.len) - 1) / 4096;
+            let end = b.addr.checked_add(u64::from(b.len) - 1).ok_or_else(|| {
+                Error::BadChain(format!(
+                    "data buffer at {:#x} of {} bytes runs past the top of the address space",
+                    b.addr, b.len
+                ))
+            })?;
+            let last = end / 4096;
             pages.extend(first..=last);
         }
         pages.sort_unstable();

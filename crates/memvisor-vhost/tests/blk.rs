@@ -143,6 +143,49 @@ fn bad_requests_are_answered_ioerr_and_the_queue_keeps_working() {
     );
 }
 
+/// Found by the `blk_chain` fuzz target: a status descriptor whose end runs past the top of the
+/// address space. Its last byte was computed with a plain add, which panicked in a debug build
+/// and in a release build wrapped to a low guest address outside the chain and wrote the status
+/// there.
+#[test]
+fn a_status_descriptor_past_the_top_of_the_address_space_is_not_written() {
+    let disk = image(MIB);
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk, BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    // Where a wrapped end would land: 0xffff_ffff_ffff_4000 + 0xfffe - 1 = 0x3ffd (mod 2^64).
+    let wrapped = 0x3ffd;
+    g.mem.write(Gpa(wrapped), &[0x77]).unwrap();
+    header(&g, 0, 0);
+    g.post(&[(HDR, 16, false), (0xffff_ffff_ffff_4000, 0xfffe, true)]);
+    let (_, written) = g.wait_used();
+    assert_eq!(written, 0, "nothing was written into the chain");
+    let mut b = [0u8];
+    g.mem.read(Gpa(wrapped), &mut b).unwrap();
+    assert_eq!(b[0], 0x77, "the status went to a wrapped address");
+    // The queue still serves a good request.
+    assert_eq!(request(&mut g, 0, 0, &[(DATA, 512, true)]), (0, 513));
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats.failed, 1);
+}
+
+/// The same wrap for a data buffer: the pages to pin were computed from `addr + len - 1` with a
+/// plain add (found reading the code beside the fuzzer's find).
+#[test]
+fn a_data_buffer_past_the_top_of_the_address_space_is_refused() {
+    let disk = image(MIB);
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk, BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let top = (u64::MAX - 255, 512, true);
+    assert_eq!(request(&mut g, 0, 0, &[top]).0, 1, "IOERR");
+    assert_eq!(request(&mut g, 0, 0, &[(DATA, 512, true)]), (0, 513));
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats.failed, 1);
+}
+
 #[test]
 fn every_queue_of_a_multiqueue_device_serves_requests() {
     let disk = image(MIB);
