@@ -285,27 +285,9 @@ impl DmaSpace {
             ))
             .into());
         };
-        if !hot.prot().contains(prot) {
-            return Err(Error::PermissionDenied {
-                access: if prot.contains(Prot::WRITE) {
-                    "write"
-                } else {
-                    "read"
-                },
-                addr: iova,
-                start,
-                last,
-                allowed: format!("{:?}", hot.prot()),
-            }
-            .into());
-        }
-        if hot.remote() {
-            return Err(Error::Remote {
-                addr: iova,
-                start,
-                last,
-            }
-            .into());
+        if !hot.prot().contains(prot) || hot.remote() {
+            // The same EPERM, or EFAULT for a peer's memory, that a translation gives.
+            return Err(super::translate::refused(iova, start, last, hot, prot).into());
         }
         if !hot.valid() {
             return Err(Stop::Invalidated(iova));

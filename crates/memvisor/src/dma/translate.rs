@@ -303,7 +303,7 @@ fn unmapped(iova: u64, len: u64) -> Error {
 /// does not allow it, EFAULT if its memory is a peer's, else EBUSY (host address invalidated).
 #[cold]
 #[inline(never)]
-fn refused(iova: u64, start: u64, last: u64, hot: Hot, need: Prot) -> Error {
+pub(super) fn refused(iova: u64, start: u64, last: u64, hot: Hot, need: Prot) -> Error {
     if !hot.prot().contains(need) {
         return Error::PermissionDenied {
             access: if need.contains(Prot::WRITE) {
@@ -417,14 +417,9 @@ impl DmaSpace {
 
     #[inline(never)]
     fn translate_slow(&self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
-        if len == 0 {
-            return Err(Error::ZeroSize {
-                what: "translation",
-            });
-        }
         // One try on the current snapshot; only an invalidated mapping (EBUSY) takes the
         // waiting loop, which then tries again from the start.
-        match self.translate_in(&self.shared.current.load(), iova, len, access) {
+        match self.translate_at(&self.shared.current.load(), iova, len, access) {
             Err(Error::Busy { .. }) => {}
             other => return other,
         }
@@ -433,7 +428,6 @@ impl DmaSpace {
 
     /// [`DmaSpace::translate`] in `snap`, a snapshot the caller holds (a view's), without
     /// waiting for an invalidated host address: EBUSY at once.
-    #[cfg(feature = "vm-memory")]
     pub(super) fn translate_at(
         &self,
         snap: &DmaSnapshot,
