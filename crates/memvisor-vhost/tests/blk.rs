@@ -275,3 +275,93 @@ fn a_region_is_removed_only_after_the_request_on_it_ended() {
     drop(c);
     t.join().unwrap().1.ok();
 }
+
+#[test]
+fn a_region_of_any_byte_size_is_mapped_as_whole_pages() {
+    // libblkio hands over its rings as a region of 0x3b10 bytes in a memfd of exactly 0x3b10
+    // bytes; the specification allows any size. The back end maps the whole pages under it (the
+    // last one passes the file's end) and serves requests whose buffers are in it.
+    use memvisor_vhost::proto::{self, Region, req};
+    use std::os::fd::AsRawFd;
+    const SMALL: u64 = 0x3b10;
+    const AT: u64 = 64 * MIB;
+    let disk = image(MIB);
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let small = memfd(SMALL);
+    let pattern: Vec<u8> = (0..0x3a00u32).map(|i| (i * 13 + 1) as u8).collect();
+    small.write_all_at(&pattern, 0x100).unwrap();
+    let region = Region {
+        gpa: AT,
+        size: SMALL,
+        user_addr: USER + AT,
+        mmap_offset: 0,
+    };
+    let add = proto::single_region_bytes(&region);
+    assert_eq!(
+        c.ack(req::ADD_MEM_REG, &add, &[small.as_raw_fd()]).unwrap(),
+        0,
+        "a region of {SMALL:#x} bytes in a file of {SMALL:#x} bytes"
+    );
+    // OUT from the small region to sector 2, then IN back into it at another offset.
+    let (st, _) = request(&mut g, 1, 2, &[(AT + 0x100, 0x3a00, false)]);
+    assert_eq!(st, 0);
+    let mut on_disk = vec![0u8; 0x3a00];
+    disk.read_exact_at(&mut on_disk, 2 * 512).unwrap();
+    assert!(
+        on_disk == pattern,
+        "the image holds what the small region held"
+    );
+    small.write_all_at(&[0; 0x200], 0x3800).unwrap();
+    let (st, n) = request(&mut g, 0, 2, &[(AT + 0x3800, 0x200, true)]);
+    assert_eq!((st, n), (0, 0x201));
+    let mut back = vec![0u8; 0x200];
+    small.read_exact_at(&mut back, 0x3800).unwrap();
+    assert!(
+        back == pattern[..0x200],
+        "the read landed in the small region"
+    );
+    assert_eq!(c.ack(req::REM_MEM_REG, &add, &[]).unwrap(), 0);
+
+    // A region whose guest address and file offset differ within a page cannot be mapped as
+    // pages; one that shares a page with another cannot either; a page wholly past the file's
+    // end would fault. Each is refused with EINVAL and leaves the memory as it was.
+    let refuse = |r: Region, len: u64, what: &str| {
+        let f = memfd(len);
+        let got = c
+            .ack(
+                req::ADD_MEM_REG,
+                &proto::single_region_bytes(&r),
+                &[f.as_raw_fd()],
+            )
+            .unwrap();
+        assert_ne!(got, 0, "{what} was accepted");
+    };
+    let at = |gpa: u64, size: u64, off: u64| Region {
+        gpa,
+        size,
+        user_addr: USER + gpa,
+        mmap_offset: off,
+    };
+    refuse(
+        at(AT + 0x100, 0x1000, 0),
+        0x2000,
+        "guest and file offset apart",
+    );
+    refuse(
+        at(4 * MIB - 0x10, 0x1000, 0xff0),
+        0x2000,
+        "a page shared with the first region",
+    );
+    refuse(
+        at(AT, 0x2001, 0),
+        0x1000,
+        "a page wholly past the file's end",
+    );
+    // The first region still serves.
+    g.mem.write(Gpa(DATA), &[7; 512]).unwrap();
+    assert_eq!(request(&mut g, 1, 0, &[(DATA, 512, false)]).0, 0);
+    drop(c);
+    t.join().unwrap().1.ok();
+}
