@@ -26,6 +26,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
+use memvisor::dma::PIN_PAGES_MAX;
 use memvisor::{Access, DmaSpace, Iova, Prot};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
@@ -301,15 +302,9 @@ impl Blk {
         pages.sort_unstable();
         pages.dedup();
         let prot = if to_guest { Prot::WRITE } else { Prot::READ };
-        if !pages.is_empty() {
-            dma.pin_pages(&pages, prot)?;
-        }
+        pin_all(dma, &pages, prot)?;
         let result = self.io(dma, data, sector, to_guest, total);
-        if !pages.is_empty() {
-            if let Err(e) = dma.unpin_pages(&pages) {
-                log::error!("blk: unpinning {} pages: {e}", pages.len());
-            }
-        }
+        unpin_all(dma, &pages);
         let n = result?;
         record(&mut self.stats.npage_histogram, pages.len());
         if to_guest {
@@ -565,5 +560,28 @@ impl Device for Blk {
 
     fn set_fail_misses(&mut self, fail: bool) {
         self.fail_misses = fail;
+    }
+}
+
+/// Pins `pages` (sorted, distinct IOVA pages) for one request, in calls of at most
+/// [`PIN_PAGES_MAX`] pages: a request may be any size (the config offers no `size_max`), while
+/// one `pin_pages` call takes at most type1's 512 entries. A refused call unpins what the calls
+/// before it pinned, so a failed request leaves nothing pinned.
+fn pin_all(dma: &DmaSpace, pages: &[u64], prot: Prot) -> Result<()> {
+    for (i, batch) in pages.chunks(PIN_PAGES_MAX).enumerate() {
+        if let Err(e) = dma.pin_pages(batch, prot) {
+            unpin_all(dma, &pages[..i * PIN_PAGES_MAX]);
+            return Err(e.into());
+        }
+    }
+    Ok(())
+}
+
+/// Unpins what [`pin_all`] pinned, in the same batches.
+fn unpin_all(dma: &DmaSpace, pages: &[u64]) {
+    for batch in pages.chunks(PIN_PAGES_MAX) {
+        if let Err(e) = dma.unpin_pages(batch) {
+            log::error!("blk: unpinning {} pages: {e}", batch.len());
+        }
     }
 }

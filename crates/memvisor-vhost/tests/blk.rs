@@ -365,3 +365,30 @@ fn a_region_of_any_byte_size_is_mapped_as_whole_pages() {
     drop(c);
     t.join().unwrap().1.ok();
 }
+
+#[test]
+fn a_request_of_more_than_512_pages_in_one_segment_is_served() {
+    // The config offers no size_max, so one segment of any length is legal (libblkio sends
+    // 4 MiB and 8 MiB in one); pin_pages takes at most 512 pages per call.
+    const BIG: u64 = 5 * MIB; // 1280 pages, 1281 with the unaligned start
+    const AT: u64 = MIB + 0x200;
+    let disk = image(8 * MIB);
+    let mut g = Guest::new(8 * MIB);
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let pattern: Vec<u8> = (0..BIG as u32).map(|i| (i % 251) as u8).collect();
+    g.mem.write(Gpa(AT), &pattern).unwrap();
+    assert_eq!(request(&mut g, 1, 8, &[(AT, BIG as u32, false)]).0, 0);
+    let mut on_disk = vec![0u8; BIG as usize];
+    disk.read_exact_at(&mut on_disk, 8 * 512).unwrap();
+    assert!(on_disk == pattern, "the image holds the 5 MiB written");
+    g.mem.write(Gpa(AT), &vec![0; BIG as usize]).unwrap();
+    let (st, n) = request(&mut g, 0, 8, &[(AT, BIG as u32, true)]);
+    assert_eq!((st, n), (0, BIG as u32 + 1));
+    let mut back = vec![0u8; BIG as usize];
+    g.mem.read(Gpa(AT), &mut back).unwrap();
+    assert!(back == pattern, "the 5 MiB read back");
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats.failed, 0);
+}
