@@ -6,6 +6,7 @@
 # usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
 #                      | mig [--negative] [--iommu=M] | hostile [--negative]
 #                      | vfio-user [--negative] [--unmap-busy] [--private] [--long-term]
+#                      | blkio [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -40,6 +41,12 @@
 #   hostile --negative: the back end acknowledges the invalidations of the race's buffer and
 #               ignores them (needs MEMVISOR= a binary built with --features test-hooks); the
 #               race must catch it.
+#   blkio       no guest: libblkio (QEMU's blkio driver, from qemu-io) as the client of memvisor's
+#               vhost-user-blk back end: 4 MiB and 8 MiB single requests, sector-aligned and
+#               byte-unaligned writes, 16 in flight; each read back verified, and the host checks
+#               the image against the same writes replayed.
+#   blkio --negative: the back end answers writes OK and drops them (needs MEMVISOR= a binary
+#               built with --features test-hooks); the trial must then FAIL.
 #   vfio-user   memvisor's vfio-user server with its mvdma DMA device under QEMU's vfio-user-pci
 #               behind intel-iommu (caching mode); the guest's own VFIO type1 maps buffers (each
 #               map a DMA_MAP) and guest/progs/mvdma.c checks every byte of thousands of DMA
@@ -352,6 +359,65 @@ hostile)
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: requests reaching unmapped buffers went unnoticed"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  ;;
+blkio)
+  # No guest: libblkio, the second vhost-user-blk client of the ecosystem, behind QEMU's blkio
+  # driver, from qemu-io. It writes patterns in requests of every shape a libblkio program sends
+  # (4 MiB and 8 MiB in one request, sector- but not page-aligned, byte-unaligned, 16 in
+  # flight), reads each back verified, and the host checks the image byte for byte against the
+  # same writes replayed in Python. Runs as root only because qemu-io comes from the QEMU root.
+  hooks_env=(); [ $negative = 0 ] || hooks_env=(MEMVISOR_TEST_DROP_WRITES=1)
+  truncate -s 0 "$run/disk.img"; truncate -s 64M "$run/disk.img"
+  env "${hooks_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$run/blk.sock" \
+    --disk "$run/disk.img" --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$run/blk.sock"
+  # (pattern byte, offset, length): one list for qemu-io and for the host's replay.
+  writes="0x5a 0 4194304
+0x33 8388608 8388608
+0x11 16777728 3584
+0x22 20000001 12345"
+  for i in $(seq 0 15); do writes="$writes
+$((0x40 + i)) $((33554432 + i * 65536)) 65536"; done
+  args=()
+  while read -r p o l; do
+    if [ "$o" -ge 33554432 ]; then args+=(-c "aio_write -P $p $o $l"); else args+=(-c "write -P $p $o $l"); fi
+  done <<< "$writes"
+  args+=(-c "aio_flush" -c "flush")
+  while read -r p o l; do args+=(-c "read -P $p $o $l"); done <<< "$writes"
+  start=$(date +%s.%N)
+  (BIN=qemu-io timeout "${TIMEOUT:-300}" "$top/guest/qemu.sh" root \
+    --image-opts "driver=virtio-blk-vhost-user,path=$run/blk.sock,cache.direct=on" "${args[@]}") > "$log" 2>&1 || true
+  end=$(date +%s.%N)
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  verified=$(grep -c '^read [0-9]*/[0-9]* bytes' "$log" || true)
+  mismatched=$(grep -c 'Pattern verification failed' "$log" || true)
+  errors=$(grep -a -i -c 'error\|failed' "$log" || true)
+  host=$(python3 - "$run/disk.img" "$writes" <<'PY'
+import sys
+img = open(sys.argv[1], "rb").read()
+want = bytearray(len(img))
+for line in sys.argv[2].splitlines():
+    p, o, l = line.split()
+    p, o, l = int(p, 0), int(o), int(l)
+    want[o:o + l] = bytes([p]) * l
+bad = [i for i in range(0, len(img), 4096) if img[i:i + 4096] != want[i:i + 4096]]
+print("PASS" if not bad else f"FAIL {len(bad)} 4 KiB blocks differ, first at {bad[0]:#x}")
+PY
+)
+  nwrites=$(wc -l <<< "$writes")
+  echo "  qemu-io (libblkio virtio-blk-vhost-user, cache.direct=on): $nwrites writes, $verified of $nwrites reads verified, $mismatched mismatched, $errors error lines"
+  { grep -a -i 'error\|failed' "$log" || true; } | head -3 | sed 's/^/  qemu-io: /'
+  echo "  host image check: $host"
+  [ -f "$run/stats.json" ] && echo "  back end: $(tr -d ' \n' < "$run/stats.json" | cut -c1-400)"
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
+  ok=0; [ "$verified" = "$nwrites" ] && [ "$mismatched" = 0 ] && [ "$errors" = 0 ] && [ "$host" = PASS ] && ok=1
+  if [ $ok = 1 ]; then echo "$name: RESULT blkio PASS"; else echo "$name: RESULT blkio FAIL"; fi
+  if [ $negative = 1 ]; then
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: dropped writes went unnoticed"; exit 1
   fi
   [ $ok = 1 ] || exit 1
   ;;

@@ -325,6 +325,10 @@ impl Blk {
         to_guest: bool,
         total: u64,
     ) -> Result<u64> {
+        #[cfg(feature = "test-hooks")]
+        if !to_guest && drop_writes() {
+            return Ok(total);
+        }
         let access = if to_guest {
             Access::Write
         } else {
@@ -584,4 +588,19 @@ fn unpin_all(dma: &DmaSpace, pages: &[u64]) {
             log::error!("blk: unpinning {} pages: {e}", batch.len());
         }
     }
+}
+
+/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_DROP_WRITES` set, writes are answered
+/// OK and never reach the image: the libblkio trial's negative control, which its read-back and
+/// image checks must catch.
+#[cfg(feature = "test-hooks")]
+fn drop_writes() -> bool {
+    static DROP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DROP.get_or_init(|| {
+        let on = std::env::var_os("MEMVISOR_TEST_DROP_WRITES").is_some();
+        if on {
+            log::warn!("TEST ONLY: writes are answered OK and dropped");
+        }
+        on
+    })
 }
