@@ -1,7 +1,7 @@
 #!/bin/bash
 # Builds the QEMU root for the real-guest trials: Debian trixie with QEMU 11.1.x from
 # trixie-backports and its extra block drivers (qemu-block-extra: the blkio driver, libblkio's
-# client for the libblkio trial), made with mmdebstrap (about 40 s and 800 MB). Needs root.
+# client for the libblkio trial), made with mmdebstrap (about 40 s and 300 MB; APT::Default-Release lets the extra drivers' dependencies resolve). Needs root.
 # usage: guest/mkroot.sh DIR        (a root already in DIR only gets what it lacks)
 # Facts from ../shared/real-guest (measured 2026-11-22): only QEMU 11.1 has the generic
 # vhost-user-test-device-pci and vfio-user-pci; the mirror's Release files may be past their
@@ -20,7 +20,7 @@ mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2
 mirror=${mirror:-http://deb.debian.org/debian}
 mkdir -p "$(dirname "$dest")"; rm -rf "$dest.tmp"
 mmdebstrap --mode=root --variant=apt --quiet \
-  --aptopt='Acquire::Check-Valid-Until "false"' \
+  --aptopt='Acquire::Check-Valid-Until "false"' --aptopt='APT::Default-Release "trixie-backports"' \
   --include=qemu-system-x86/$bp,qemu-system-common/$bp,qemu-system-data/$bp,qemu-utils/$bp,qemu-block-extra/$bp,seabios/$bp \
   trixie "$dest.tmp" "deb $mirror trixie main" "deb $mirror $bp main"
 mv "$dest.tmp" "$dest"
