@@ -1,7 +1,8 @@
 #!/bin/bash
 # Builds the QEMU root for the real-guest trials: Debian trixie with QEMU 11.1.x from
 # trixie-backports and its extra block drivers (qemu-block-extra: the blkio driver, libblkio's
-# client for the libblkio trial), made with mmdebstrap (about 40 s and 300 MB; APT::Default-Release lets the extra drivers' dependencies resolve). Needs root.
+# client for the libblkio trial), made with mmdebstrap (40-80 s, 300 MB). Backports is the
+# default release there, or qemu-block-extra's dependencies do not resolve. Needs root.
 # usage: guest/mkroot.sh DIR        (a root already in DIR only gets what it lacks)
 # Facts from ../shared/real-guest (measured 2026-11-22): only QEMU 11.1 has the generic
 # vhost-user-test-device-pci and vfio-user-pci; the mirror's Release files may be past their
