@@ -42,7 +42,8 @@
 #               ignores them (needs MEMVISOR= a binary built with --features test-hooks); the
 #               race must catch it.
 #   blkio       no guest: libblkio (QEMU's blkio driver, from qemu-io) as the client of memvisor's
-#               vhost-user-blk back end: 4 MiB and 8 MiB single requests, sector-aligned and
+#               vhost-user-blk back end, its image opened O_DIRECT (--direct), both sides
+#               bypassing the page cache: 4 MiB and 8 MiB single requests, sector-aligned and
 #               byte-unaligned writes, 16 in flight; each read back verified, and the host checks
 #               the image against the same writes replayed.
 #   blkio --negative: the back end answers writes OK and drops them (needs MEMVISOR= a binary
@@ -364,14 +365,14 @@ hostile)
   ;;
 blkio)
   # No guest: libblkio, the second vhost-user-blk client of the ecosystem, behind QEMU's blkio
-  # driver, from qemu-io. It writes patterns in requests of every shape a libblkio program sends
+  # driver, from qemu-io; the back end's image is O_DIRECT. It writes patterns in requests of every shape a libblkio program sends
   # (4 MiB and 8 MiB in one request, sector- but not page-aligned, byte-unaligned, 16 in
   # flight), reads each back verified, and the host checks the image byte for byte against the
   # same writes replayed in Python. Runs as root only because qemu-io comes from the QEMU root.
   hooks_env=(); [ $negative = 0 ] || hooks_env=(MEMVISOR_TEST_DROP_WRITES=1)
   truncate -s 0 "$run/disk.img"; truncate -s 64M "$run/disk.img"
   env "${hooks_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$run/blk.sock" \
-    --disk "$run/disk.img" --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
+    --disk "$run/disk.img" --direct --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/blk.sock"
   # (pattern byte, offset, length): one list for qemu-io and for the host's replay.

@@ -135,6 +135,12 @@ struct BlkArgs {
     /// Serve the image read-only
     #[arg(long)]
     read_only: bool,
+    /// Open the image O_DIRECT: no host page cache, what a real disk under a VM wants (QEMU's
+    /// cache.direct=on). The device then offers the file's O_DIRECT block size; guest buffers
+    /// that are not aligned for it are copied through an aligned buffer. Default: the host page
+    /// cache, as qemu-storage-daemon's default cache.direct=off
+    #[arg(long)]
+    direct: bool,
     /// Offer VIRTIO_F_IOMMU_PLATFORM: the device may sit behind a vIOMMU (QEMU:
     /// iommu_platform=on,ats=on on the device, -device intel-iommu,device-iotlb=on)
     #[arg(long)]
@@ -219,6 +225,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         &args.socket,
         &args.disk,
         options,
+        args.direct,
         args.record_iotlb.as_deref(),
         args.test_no_dirty_log,
     )?;

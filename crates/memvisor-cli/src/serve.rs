@@ -72,6 +72,8 @@ pub struct BlkReport {
     pub failed: u64,
     /// Requests whose chain was an indirect descriptor table.
     pub indirect: u64,
+    /// Transfers copied through an aligned buffer (an O_DIRECT image, unaligned guest buffers).
+    pub bounced: u64,
     /// Requests by pinned 4 KiB pages, as `[pages up to, requests]`.
     pub npage_histogram: Vec<(u64, u64)>,
 }
@@ -88,6 +90,7 @@ impl BlkReport {
             bytes_written: s.bytes_written,
             failed: s.failed,
             indirect: s.indirect,
+            bounced: s.bounced,
             npage_histogram: s
                 .npage_histogram
                 .iter()
@@ -114,14 +117,11 @@ pub fn blk(
     socket: &Path,
     disk: &Path,
     options: BlkOptions,
+    direct: bool,
     record_iotlb: Option<&Path>,
     test_no_dirty_log: bool,
 ) -> Result<BlkServeReport> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(!options.read_only)
-        .open(disk)
-        .with_context(|| format!("cannot open disk image {}", disk.display()))?;
+    let file = open_disk(disk, options.read_only, direct)?;
     let listener = listen(socket)?;
     let mut backend = Backend::new(Blk::new(file, options)?)?;
     if test_no_dirty_log {
@@ -145,6 +145,28 @@ pub fn blk(
     Ok(BlkServeReport {
         device,
         pins: PinReport::now(),
+    })
+}
+
+/// Opens a disk image for a blk device: read-only or read-write, through the page cache or
+/// `O_DIRECT`.
+pub fn open_disk(disk: &Path, read_only: bool, direct: bool) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut o = OpenOptions::new();
+    o.read(true).write(!read_only);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(disk).map_err(|e| {
+        if direct && e.raw_os_error() == Some(libc::EINVAL) {
+            anyhow::anyhow!(
+                "cannot open disk image {} with O_DIRECT: its file system does not support it; \
+                 leave out --direct to go through the page cache",
+                disk.display()
+            )
+        } else {
+            anyhow::Error::new(e).context(format!("cannot open disk image {}", disk.display()))
+        }
     })
 }
 
@@ -250,11 +272,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
     target.set_pages(devices.balloon_target_mib.saturating_mul(256));
     let mut blk_threads = Vec::new();
     for (socket, disk) in &devices.blk {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(disk)
-            .with_context(|| format!("cannot open disk image {}", disk.display()))?;
+        let file = open_disk(disk, false, false)?;
         let listener = listen(socket)?;
         let options = BlkOptions {
             iommu: devices.iommu,

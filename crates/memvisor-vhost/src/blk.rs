@@ -7,7 +7,10 @@
 //! **Data path.** The data buffers are guest addresses; the device turns them into host
 //! addresses through memvisor's [`DmaSpace`] (`translate_sg`, which checks each buffer lies in
 //! mapped guest memory with the right permission) and hands them to `preadv` / `pwritev` on the
-//! image: the kernel copies straight between the file and guest memory, no bounce buffer.
+//! image ([`crate::disk`]): the kernel copies straight between the file and guest memory, no
+//! bounce buffer — unless the image is `O_DIRECT` and the guest's buffers are not aligned as it
+//! needs, which the virtio specification allows; such a transfer is copied through an aligned
+//! buffer of ours (counted in [`BlkStats::bounced`]).
 //! Headers, the status byte and `GET_ID`'s string go through `dma_read` / `dma_write`.
 //!
 //! **Pins.** Before the system call the request's guest pages are pinned with
@@ -23,7 +26,6 @@
 //! working. A corrupt available ring stops the queue ([`Device::process`] returns an error).
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 use memvisor::dma::PIN_PAGES_MAX;
@@ -32,6 +34,7 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::backend::{Device, VIRTIO_RING_F_EVENT_IDX};
+use crate::disk::{AlignedBuf, Disk};
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 
@@ -47,8 +50,6 @@ const S_OK: u8 = 0;
 const S_IOERR: u8 = 1;
 const S_UNSUPP: u8 = 2;
 const ID_BYTES: usize = 20;
-/// iovecs per system call (the kernel's UIO_MAXIOV).
-const IOV_MAX: usize = 1024;
 
 const F_SEG_MAX: u32 = 2;
 const F_BLK_SIZE: u32 = 6;
@@ -104,6 +105,9 @@ pub struct BlkStats {
     pub failed: u64,
     /// Chains whose head named an indirect descriptor table.
     pub indirect: u64,
+    /// Transfers copied through an aligned buffer: the image is `O_DIRECT` and the guest's
+    /// buffers were not aligned as it needs.
+    pub bounced: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     pub npage_histogram: Vec<u64>,
@@ -111,7 +115,7 @@ pub struct BlkStats {
 
 /// A virtio-blk device over a raw image.
 pub struct Blk {
-    disk: File,
+    disk: Disk,
     sectors: u64,
     options: BlkOptions,
     acked: u64,
@@ -122,14 +126,12 @@ pub struct Blk {
 
 impl Blk {
     /// A device over `disk` (its length, rounded down to whole sectors, is the capacity).
+    /// Opened `O_DIRECT`, the image is read and written without the host page cache (see
+    /// [`crate::disk`]); the device then offers the file's `O_DIRECT` offset alignment as its
+    /// block size.
     pub fn new(disk: File, options: BlkOptions) -> Result<Blk> {
-        let len = disk
-            .metadata()
-            .map_err(|source| Error::Os {
-                op: "stat the disk image",
-                source,
-            })?
-            .len();
+        let disk = Disk::new(disk)?;
+        let len = disk.len()?;
         if options.queues == 0 {
             return Err(Error::Invalid(
                 "a block device needs at least one queue".into(),
@@ -149,7 +151,8 @@ impl Blk {
         let mut c = [0u8; 60];
         c[0..8].copy_from_slice(&self.sectors.to_le_bytes()); // capacity
         c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes()); // seg_max
-        c[20..24].copy_from_slice(&(SECTOR as u32).to_le_bytes()); // blk_size
+        let block = self.disk.direct().map_or(SECTOR, |a| a.offset.max(SECTOR));
+        c[20..24].copy_from_slice(&(block as u32).to_le_bytes()); // blk_size
         c[34..36].copy_from_slice(&self.options.queues.to_le_bytes()); // num_queues
         c
     }
@@ -216,10 +219,7 @@ impl Blk {
                 (S_OK, if to_guest { n } else { 0 })
             }
             T_FLUSH => {
-                self.disk.sync_data().map_err(|source| Error::Os {
-                    op: "fdatasync the disk image",
-                    source,
-                })?;
+                self.disk.sync_data()?;
                 self.stats.flushes += 1;
                 (S_OK, 0)
             }
@@ -318,7 +318,7 @@ impl Blk {
     }
 
     fn io(
-        &self,
+        &mut self,
         dma: &DmaSpace,
         data: &[Buf],
         sector: u64,
@@ -346,65 +346,75 @@ impl Blk {
                 });
             }
         }
-        let mut done: u64 = 0;
-        let mut start = 0usize;
-        while start < iov.len() {
-            let off = (sector * SECTOR + done) as libc::off_t;
-            let count = (iov.len() - start).min(IOV_MAX) as libc::c_int;
-            // SAFETY: every iovec names guest memory translated and pinned above: mapped and
-            // resident for this call, with the access the request needs. The kernel copies
-            // between the file and those addresses; no Rust reference to them exists.
-            let r = unsafe {
-                let v = iov[start..].as_ptr();
-                if to_guest {
-                    libc::preadv(self.disk.as_raw_fd(), v, count, off)
-                } else {
-                    libc::pwritev(self.disk.as_raw_fd(), v, count, off)
-                }
-            };
-            if r < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::Os {
-                    op: if to_guest { "preadv" } else { "pwritev" },
-                    source: e,
-                });
-            }
-            if r == 0 {
-                return Err(Error::Invalid(format!(
-                    "the image ended at byte {off} during a transfer"
-                )));
-            }
-            done += r as u64;
-            // Step past what the call moved: whole iovecs, then part of one.
-            let mut left = r as usize;
-            while left > 0 {
-                let e = &mut iov[start];
-                if left >= e.iov_len {
-                    left -= e.iov_len;
-                    start += 1;
-                } else {
-                    // SAFETY: left < iov_len: the pointer stays inside the segment.
-                    e.iov_base = unsafe { e.iov_base.cast::<u8>().add(left).cast() };
-                    e.iov_len -= left;
-                    left = 0;
-                }
-            }
+        let offset = sector * SECTOR;
+        if !self.disk.fits(&iov, offset, total) {
+            return self.bounce(dma, data, offset, to_guest, total);
         }
+        // SAFETY: every iovec names guest memory translated and pinned above: mapped and
+        // resident for this call, with the access the request needs. The kernel copies between
+        // the file and those addresses; no Rust reference to them exists.
+        let done = unsafe { self.disk.rw_vectored(&mut iov, offset, to_guest)? };
         debug_assert_eq!(done, total);
         Ok(done)
     }
 
+    /// Moves a transfer whose buffers `O_DIRECT` cannot take as they are through an aligned
+    /// buffer of our own: guest memory is copied with `dma_read` / `dma_write` (the pages stay
+    /// pinned meanwhile), the file is read or written whole from the buffer.
+    fn bounce(
+        &mut self,
+        dma: &DmaSpace,
+        data: &[Buf],
+        offset: u64,
+        to_guest: bool,
+        total: u64,
+    ) -> Result<u64> {
+        let a = self
+            .disk
+            .direct()
+            .expect("only an O_DIRECT image refuses a transfer");
+        if offset % a.offset != 0 || total % a.offset != 0 {
+            return Err(Error::BadChain(format!(
+                "transfer of {total} bytes at byte {offset} is not whole {}-byte blocks of the \
+                 O_DIRECT image (the device's blk_size)",
+                a.offset
+            )));
+        }
+        let align = a.memory.max(a.offset).next_power_of_two() as usize;
+        let mut buf = AlignedBuf::new(total as usize, align).ok_or_else(|| {
+            Error::Invalid(format!(
+                "cannot allocate a {total}-byte bounce buffer aligned to {align}"
+            ))
+        })?;
+        let bytes = buf.as_mut_slice();
+        if to_guest {
+            self.disk.read_at(bytes, offset)?;
+        }
+        let mut pos = 0usize;
+        for b in data.iter().filter(|b| b.len > 0) {
+            let piece = &mut bytes[pos..pos + b.len as usize];
+            if to_guest {
+                dma.dma_write(Iova(b.addr), piece)?;
+            } else {
+                dma.dma_read(Iova(b.addr), piece)?;
+            }
+            pos += b.len as usize;
+        }
+        if !to_guest {
+            self.disk.write_at(bytes, offset)?;
+        }
+        self.stats.bounced += 1;
+        Ok(total)
+    }
+
     /// The image (for tests).
     pub fn disk(&self) -> &File {
-        &self.disk
+        self.disk.file()
     }
 
     /// Reads image bytes (for tests).
     pub fn read_disk(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.disk.read_exact_at(buf, offset)
+        self.disk.file().read_exact_at(buf, offset)
     }
 }
 

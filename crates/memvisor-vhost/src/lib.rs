@@ -16,7 +16,8 @@
 //! * [`balloon`] is virtio-balloon (free page reporting, inflate, deflate) through memvisor's
 //!   balloon model and pin-aware discard.
 //! * [`blk`] is virtio-blk over a raw image with `preadv`/`pwritev` straight into guest memory,
-//!   pages pinned through memvisor for the duration of each request.
+//!   pages pinned through memvisor for the duration of each request; [`disk`] is the image
+//!   file, through the page cache or `O_DIRECT`.
 //! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
 //!
@@ -32,6 +33,7 @@ pub mod balloon;
 pub mod blk;
 pub mod client;
 pub mod device;
+pub mod disk;
 pub mod error;
 pub mod fuzz;
 pub mod memory;
