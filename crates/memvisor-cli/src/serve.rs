@@ -74,6 +74,10 @@ pub struct BlkReport {
     pub indirect: u64,
     /// Transfers copied through an aligned buffer (an O_DIRECT image, unaligned guest buffers).
     pub bounced: u64,
+    /// Discard requests carried out.
+    pub discards: u64,
+    /// Write-zeroes requests carried out.
+    pub write_zeroes: u64,
     /// Requests by pinned 4 KiB pages, as `[pages up to, requests]`.
     pub npage_histogram: Vec<(u64, u64)>,
 }
@@ -91,6 +95,8 @@ impl BlkReport {
             failed: s.failed,
             indirect: s.indirect,
             bounced: s.bounced,
+            discards: s.discards,
+            write_zeroes: s.write_zeroes,
             npage_histogram: s
                 .npage_histogram
                 .iter()

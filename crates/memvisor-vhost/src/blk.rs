@@ -2,7 +2,8 @@
 //!
 //! A request is one descriptor chain: a 16-byte header the driver wrote (type, reserved,
 //! sector), data buffers, and a status byte the device writes last. Supported: `IN` (read),
-//! `OUT` (write), `FLUSH`, `GET_ID`; anything else is answered `UNSUPP`.
+//! `OUT` (write), `FLUSH`, `GET_ID`, and on a writable disk `DISCARD` and `WRITE_ZEROES`
+//! (hole punch / zero range, limits in the config space); anything else is answered `UNSUPP`.
 //!
 //! **Data path.** The data buffers are guest addresses; the device turns them into host
 //! addresses through memvisor's [`DmaSpace`] (`translate_sg`, which checks each buffer lies in
@@ -46,6 +47,8 @@ const T_IN: u32 = 0;
 const T_OUT: u32 = 1;
 const T_FLUSH: u32 = 4;
 const T_GET_ID: u32 = 8;
+const T_DISCARD: u32 = 11;
+const T_WRITE_ZEROES: u32 = 13;
 const S_OK: u8 = 0;
 const S_IOERR: u8 = 1;
 const S_UNSUPP: u8 = 2;
@@ -55,6 +58,8 @@ const F_SEG_MAX: u32 = 2;
 const F_BLK_SIZE: u32 = 6;
 const F_FLUSH: u32 = 9;
 const F_MQ: u32 = 12;
+const F_DISCARD: u32 = 13;
+const F_WRITE_ZEROES: u32 = 14;
 const F_VERSION_1: u32 = 32;
 const F_RING_INDIRECT: u32 = 28;
 /// Descriptor flag: the buffer is a table of descriptors.
@@ -62,6 +67,14 @@ const VRING_DESC_F_INDIRECT: u16 = 4;
 
 /// Segments per request the device accepts (config `seg_max`).
 const SEG_MAX: u32 = 254;
+/// Sectors one discard or write-zeroes segment may cover (config `max_discard_sectors`,
+/// `max_write_zeroes_sectors`): 2 GiB, so a segment's bytes fit an `off_t` step.
+const MAX_RANGE_SECTORS: u32 = 1 << 22;
+/// Segments in one discard or write-zeroes request (config `max_discard_seg`,
+/// `max_write_zeroes_seg`).
+const MAX_RANGE_SEGS: u32 = 64;
+/// Write-zeroes flag: the device may deallocate the range (a hole reads as zeros).
+const WZ_UNMAP: u32 = 1;
 
 /// How the device was set up.
 #[derive(Clone, Debug)]
@@ -108,6 +121,10 @@ pub struct BlkStats {
     /// Transfers copied through an aligned buffer: the image is `O_DIRECT` and the guest's
     /// buffers were not aligned as it needs.
     pub bounced: u64,
+    /// Discard requests carried out.
+    pub discards: u64,
+    /// Write-zeroes requests carried out.
+    pub write_zeroes: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     pub npage_histogram: Vec<u64>,
@@ -154,6 +171,15 @@ impl Blk {
         let block = self.disk.direct().map_or(SECTOR, |a| a.offset.max(SECTOR));
         c[20..24].copy_from_slice(&(block as u32).to_le_bytes()); // blk_size
         c[34..36].copy_from_slice(&self.options.queues.to_le_bytes()); // num_queues
+        if !self.options.read_only {
+            let align = (block / SECTOR) as u32;
+            c[36..40].copy_from_slice(&MAX_RANGE_SECTORS.to_le_bytes()); // max_discard_sectors
+            c[40..44].copy_from_slice(&MAX_RANGE_SEGS.to_le_bytes()); // max_discard_seg
+            c[44..48].copy_from_slice(&align.to_le_bytes()); // discard_sector_alignment
+            c[48..52].copy_from_slice(&MAX_RANGE_SECTORS.to_le_bytes()); // max_write_zeroes_sectors
+            c[52..56].copy_from_slice(&MAX_RANGE_SEGS.to_le_bytes()); // max_write_zeroes_seg
+            c[56] = 1; // write_zeroes_may_unmap
+        }
         c
     }
 
@@ -223,6 +249,9 @@ impl Blk {
                 self.stats.flushes += 1;
                 (S_OK, 0)
             }
+            T_DISCARD | T_WRITE_ZEROES if !self.options.read_only => {
+                self.ranges(dma, data, kind == T_WRITE_ZEROES)?
+            }
             T_GET_ID => {
                 let Some(b) = data.first().filter(|b| b.write) else {
                     return Err(Error::BadChain("GET_ID without a writable buffer".into()));
@@ -241,6 +270,89 @@ impl Blk {
                 (S_UNSUPP, 0)
             }
         })
+    }
+
+    /// `DISCARD` (punch a hole: the file system may free the blocks) or `WRITE_ZEROES` (zero
+    /// the range, or punch it when the driver allows unmapping: a hole reads as zeros). The
+    /// segments (sector, sectors, flags; 16 bytes each) are the data buffers' bytes. Every
+    /// segment is checked before any is carried out; an unknown flag, or `unmap` on a discard,
+    /// is `UNSUPP` as the specification asks. A file system that cannot punch holes ignores a
+    /// discard (a hint) and has zeros written instead.
+    fn ranges(&mut self, dma: &DmaSpace, data: &[Buf], zeroes: bool) -> Result<(u8, u32)> {
+        let what = if zeroes { "write-zeroes" } else { "discard" };
+        let mut bytes = Vec::new();
+        for b in data {
+            if b.write {
+                return Err(Error::BadChain(format!(
+                    "{what} segment buffer at {:#x} is device-writable",
+                    b.addr
+                )));
+            }
+            let at = bytes.len();
+            if at + b.len as usize > (MAX_RANGE_SEGS as usize) * 16 {
+                return Err(Error::BadChain(format!(
+                    "{what} request of more than {MAX_RANGE_SEGS} segments"
+                )));
+            }
+            bytes.resize(at + b.len as usize, 0);
+            dma.dma_read(Iova(b.addr), &mut bytes[at..])?;
+        }
+        if bytes.is_empty() || bytes.len() % 16 != 0 {
+            return Err(Error::BadChain(format!(
+                "{what} request of {} bytes is not whole 16-byte segments",
+                bytes.len()
+            )));
+        }
+        let align = self
+            .disk
+            .direct()
+            .map_or(1, |a| a.offset.max(SECTOR) / SECTOR);
+        let mut segs = Vec::with_capacity(bytes.len() / 16);
+        for seg in bytes.chunks_exact(16) {
+            let sector = u64::from_le_bytes(seg[0..8].try_into().expect("8"));
+            let n = u32::from_le_bytes(seg[8..12].try_into().expect("4"));
+            let flags = u32::from_le_bytes(seg[12..16].try_into().expect("4"));
+            let allowed = if zeroes { WZ_UNMAP } else { 0 };
+            if flags & !allowed != 0 {
+                log::debug!("blk: {what} segment flags {flags:#x} not supported");
+                self.stats.failed += 1;
+                return Ok((S_UNSUPP, 0));
+            }
+            if n > MAX_RANGE_SECTORS
+                || sector % align != 0
+                || u64::from(n) % align != 0
+                || sector
+                    .checked_add(u64::from(n))
+                    .is_none_or(|e| e > self.sectors)
+            {
+                return Err(Error::BadChain(format!(
+                    "{what} of sectors {sector}+{n}: past the disk's end ({} sectors), over \
+                     {MAX_RANGE_SECTORS} sectors, or not whole {align}-sector blocks",
+                    self.sectors
+                )));
+            }
+            segs.push((
+                sector * SECTOR,
+                u64::from(n) * SECTOR,
+                flags & WZ_UNMAP != 0,
+            ));
+        }
+        for (offset, len, unmap) in segs {
+            if len == 0 {
+                continue;
+            }
+            if zeroes {
+                self.disk.zero(offset, len, unmap)?;
+            } else {
+                self.disk.discard(offset, len)?;
+            }
+        }
+        if zeroes {
+            self.stats.write_zeroes += 1;
+        } else {
+            self.stats.discards += 1;
+        }
+        Ok((S_OK, 0))
     }
 
     /// Moves the data buffers of a read (`to_guest`) or write between guest memory and the
@@ -451,6 +563,8 @@ impl Device for Blk {
         }
         if self.options.read_only {
             f |= 1 << 5; // VIRTIO_BLK_F_RO
+        } else {
+            f |= 1 << F_DISCARD | 1 << F_WRITE_ZEROES;
         }
         if self.options.iommu {
             f |= crate::proto::F_IOMMU_PLATFORM;

@@ -183,6 +183,78 @@ impl Disk {
             })
     }
 
+    /// Punches a hole over `len` bytes at `offset` (`DISCARD`): the file system may free the
+    /// blocks, and the range reads as zeros. A file system that cannot punch holes ignores it:
+    /// a discard is a hint.
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        match self.fallocate(
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset,
+            len,
+        ) {
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(()),
+            r => r.map_err(|source| Error::Os {
+                op: "punch a hole in the disk image (discard)",
+                source,
+            }),
+        }
+    }
+
+    /// Zeroes `len` bytes at `offset` (`WRITE_ZEROES`): a hole where `unmap` allows it, else
+    /// the file system's zero range; where neither is supported, zeros are written.
+    pub fn zero(&self, offset: u64, len: u64, unmap: bool) -> Result<()> {
+        let mode = if unmap {
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+        } else {
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+        };
+        match self.fallocate(mode, offset, len) {
+            Ok(()) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => self.write_zeros(offset, len),
+            Err(source) => Err(Error::Os {
+                op: "zero a range of the disk image (write zeroes)",
+                source,
+            }),
+        }
+    }
+
+    fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> std::io::Result<()> {
+        loop {
+            // SAFETY: fallocate on our own descriptor; no memory is passed.
+            let r = unsafe {
+                libc::fallocate(
+                    self.file.as_raw_fd(),
+                    mode,
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                )
+            };
+            if r == 0 {
+                return Ok(());
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Writes zeros over the range, 1 MiB at a time, from an aligned buffer (so `O_DIRECT`
+    /// takes it).
+    fn write_zeros(&self, offset: u64, len: u64) -> Result<()> {
+        const STEP: u64 = 1 << 20;
+        let mut buf = AlignedBuf::new(STEP as usize, 4096)
+            .ok_or_else(|| Error::Invalid("cannot allocate a 1 MiB buffer of zeros".into()))?;
+        let zeros = buf.as_mut_slice();
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(STEP);
+            self.write_at(&zeros[..n as usize], offset + done)?;
+            done += n;
+        }
+        Ok(())
+    }
+
     /// `fdatasync`.
     pub fn sync_data(&self) -> Result<()> {
         self.file.sync_data().map_err(|source| Error::Os {

@@ -462,3 +462,52 @@ fn an_o_direct_image_serves_aligned_buffers_directly_and_copies_unaligned_ones()
     );
     std::fs::remove_file(&path).unwrap();
 }
+
+#[test]
+fn discard_and_write_zeroes_clear_their_ranges_and_refuse_bad_segments() {
+    // Segments are (sector, sectors, flags), 16 bytes each, in device-readable buffers.
+    let seg = |sector: u64, n: u32, flags: u32| {
+        let mut b = sector.to_le_bytes().to_vec();
+        b.extend_from_slice(&n.to_le_bytes());
+        b.extend_from_slice(&flags.to_le_bytes());
+        b
+    };
+    let disk = image(MIB);
+    disk.write_all_at(&[0xab; 64 * 512], 0).unwrap();
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let features = c.get_u64(memvisor_vhost::proto::req::GET_FEATURES).unwrap();
+    assert_eq!(features >> 13 & 3, 3, "DISCARD and WRITE_ZEROES offered");
+    let mut run = |g: &mut Guest, kind: u32, segs: &[Vec<u8>]| {
+        let bytes: Vec<u8> = segs.concat();
+        g.mem.write(Gpa(DATA), &bytes).unwrap();
+        request(g, kind, 0, &[(DATA, bytes.len() as u32, false)]).0
+    };
+    // Discard sectors 0..8 and 40..48 in one request; write zeroes over 16..24, and over
+    // 24..32 allowing unmap.
+    assert_eq!(run(&mut g, 11, &[seg(0, 8, 0), seg(40, 8, 0)]), 0);
+    assert_eq!(run(&mut g, 13, &[seg(16, 8, 0)]), 0);
+    assert_eq!(run(&mut g, 13, &[seg(24, 8, 1)]), 0);
+    let mut img = vec![0u8; 64 * 512];
+    disk.read_exact_at(&mut img, 0).unwrap();
+    for (i, sector) in img.chunks(512).enumerate() {
+        let cleared = matches!(i, 0..8 | 16..32 | 40..48);
+        let want = if cleared { 0 } else { 0xab };
+        assert!(sector.iter().all(|&b| b == want), "sector {i}");
+    }
+    // Unmap on a discard and unknown flags are UNSUPP; a range past the end, or a segment
+    // that is not 16 bytes, IOERR; nothing changes on the image.
+    assert_eq!(run(&mut g, 11, &[seg(8, 8, 1)]), 2);
+    assert_eq!(run(&mut g, 13, &[seg(8, 8, 4)]), 2);
+    assert_eq!(run(&mut g, 11, &[seg(2040, 16, 0)]), 1);
+    assert_eq!(run(&mut g, 13, &[seg(8, 8, 0), seg(u64::MAX, 1, 0)]), 1);
+    assert_eq!(run(&mut g, 11, &[seg(8, 8, 0)[..12].to_vec()]), 1);
+    let mut again = vec![0u8; 64 * 512];
+    disk.read_exact_at(&mut again, 0).unwrap();
+    assert!(again == img, "refused requests changed the image");
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = &backend.device().stats;
+    assert_eq!((s.discards, s.write_zeroes, s.failed), (1, 2, 5));
+}
