@@ -479,7 +479,7 @@ fn discard_and_write_zeroes_clear_their_ranges_and_refuse_bad_segments() {
     setup(&c, &g);
     let features = c.get_u64(memvisor_vhost::proto::req::GET_FEATURES).unwrap();
     assert_eq!(features >> 13 & 3, 3, "DISCARD and WRITE_ZEROES offered");
-    let mut run = |g: &mut Guest, kind: u32, segs: &[Vec<u8>]| {
+    let run = |g: &mut Guest, kind: u32, segs: &[Vec<u8>]| {
         let bytes: Vec<u8> = segs.concat();
         g.mem.write(Gpa(DATA), &bytes).unwrap();
         request(g, kind, 0, &[(DATA, bytes.len() as u32, false)]).0
