@@ -167,7 +167,9 @@ struct BlkArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// Experiments to run, in this order: lookup, translate, rw, pin, map-unmap, pin-pages,
-    /// report, iotlb, vfio-user (the default: all of these), and guest (real-guest trials; root, minutes)
+    /// report, iotlb, vfio-user (the default: all of these); and, only when named, guest
+    /// (real-guest trials) and blk (the blk back end beside qemu-storage-daemon under libblkio):
+    /// both need root and minutes
     #[arg(value_name = "EXPERIMENT")]
     experiments: Vec<String>,
     /// Small sizes: the whole suite in minutes (the default; the README gives its time)
