@@ -77,7 +77,7 @@ const MAX_RANGE_SEGS: u32 = 64;
 const WZ_UNMAP: u32 = 1;
 
 /// How the device was set up.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlkOptions {
     /// Queues offered (`num-queues` on QEMU's side may be fewer).
     pub queues: u16,
