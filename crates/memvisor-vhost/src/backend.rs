@@ -93,6 +93,9 @@ pub struct Backend<D: Device> {
     record: Option<Recorder>,
     /// Requests handled and refused over this back end's life (for the logs and tests).
     pub stats: BackendStats,
+    /// Test-only (`MEMVISOR_TEST_LEAK_ON_HANGUP`): what departed frontends left, kept.
+    #[cfg(feature = "test-hooks")]
+    leaked: Vec<Box<dyn std::any::Any + Send>>,
 }
 
 /// Counts of what a back end saw (serialized as they are named here, e.g. in `--stats`).
@@ -142,6 +145,8 @@ impl<D: Device> Backend<D> {
             log_disabled: false,
             record: None,
             stats: BackendStats::default(),
+            #[cfg(feature = "test-hooks")]
+            leaked: Vec::new(),
         })
     }
 
@@ -919,6 +924,12 @@ impl<D: Device> Backend<D> {
 
     /// A frontend left: forget everything it set up.
     fn disconnect(&mut self) {
+        #[cfg(feature = "test-hooks")]
+        if leak_on_hangup() {
+            // The slot snapshot holds every region's backing, the log its own: both stay mapped.
+            let kept = (self.memory.slots().snapshot(), self.log.take());
+            self.leaked.push(Box::new(kept));
+        }
         let _ = self.reset();
         self.log = None;
         if self.memory.is_logging() {
@@ -986,5 +997,21 @@ fn ignored_invalidation() -> Option<u64> {
         let iova = u64::from_str_radix(v.trim_start_matches("0x"), 16).ok()?;
         log::warn!("TEST ONLY: IOTLB invalidations at iova {iova:#x} are acknowledged and ignored");
         Some(iova)
+    })
+}
+
+/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_LEAK_ON_HANGUP` set, a frontend that
+/// leaves has its memory table and dirty log kept mapped (stashed in the back end) instead of
+/// dropped, so the real-guest frontend-dies trial's release check must fail; the device itself
+/// is still reset and the next frontend served.
+#[cfg(feature = "test-hooks")]
+fn leak_on_hangup() -> bool {
+    static LEAK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LEAK.get_or_init(|| {
+        let on = std::env::var_os("MEMVISOR_TEST_LEAK_ON_HANGUP").is_some();
+        if on {
+            log::warn!("TEST ONLY: a departed frontend's memory and log stay mapped");
+        }
+        on
     })
 }
