@@ -489,7 +489,7 @@ impl<D: Device> Backend<D> {
                         }
                         let t0 = std::time::Instant::now();
                         #[cfg(feature = "test-hooks")]
-                        if ignored_invalidation() == Some(m.iova) {
+                        if crate::hooks::ignored_invalidation() == Some(m.iova) {
                             return Ok(None);
                         }
                         self.memory.iotlb_invalidate(m.iova, m.size)?;
@@ -925,11 +925,7 @@ impl<D: Device> Backend<D> {
     /// A frontend left: forget everything it set up.
     fn disconnect(&mut self) {
         #[cfg(feature = "test-hooks")]
-        if leak_on_hangup() {
-            // The slot snapshot holds every region's backing, the log its own: both stay mapped.
-            let kept = (self.memory.slots().snapshot(), self.log.take());
-            self.leaked.push(Box::new(kept));
-        }
+        crate::hooks::leak_on_hangup(&mut self.leaked, &self.memory, self.log.take());
         let _ = self.reset();
         self.log = None;
         if self.memory.is_logging() {
@@ -983,35 +979,4 @@ fn poll_one(fd: i32, ms: i32) {
     };
     // SAFETY: one live pollfd.
     unsafe { libc::poll(&mut p, 1, ms) };
-}
-
-/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_IGNORE_INVALIDATE=IOVA` (hex), IOTLB
-/// invalidations of ranges starting at that IOVA are acknowledged and not performed, so requests
-/// keep reaching memory the guest took back there. The real-guest hostile trial's race phase
-/// must catch it; every other invalidation goes through, so the rest of the trial runs as usual.
-#[cfg(feature = "test-hooks")]
-fn ignored_invalidation() -> Option<u64> {
-    static IGNORE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-    *IGNORE.get_or_init(|| {
-        let v = std::env::var("MEMVISOR_TEST_IGNORE_INVALIDATE").ok()?;
-        let iova = u64::from_str_radix(v.trim_start_matches("0x"), 16).ok()?;
-        log::warn!("TEST ONLY: IOTLB invalidations at iova {iova:#x} are acknowledged and ignored");
-        Some(iova)
-    })
-}
-
-/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_LEAK_ON_HANGUP` set, a frontend that
-/// leaves has its memory table and dirty log kept mapped (stashed in the back end) instead of
-/// dropped, so the real-guest frontend-dies trial's release check must fail; the device itself
-/// is still reset and the next frontend served.
-#[cfg(feature = "test-hooks")]
-fn leak_on_hangup() -> bool {
-    static LEAK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *LEAK.get_or_init(|| {
-        let on = std::env::var_os("MEMVISOR_TEST_LEAK_ON_HANGUP").is_some();
-        if on {
-            log::warn!("TEST ONLY: a departed frontend's memory and log stay mapped");
-        }
-        on
-    })
 }
