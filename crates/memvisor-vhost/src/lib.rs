@@ -20,6 +20,8 @@
 //!   file, through the page cache or `O_DIRECT`.
 //! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
+//! * `hooks` (feature `test-hooks` only) holds the switches that break the back end on purpose
+//!   for the real-guest trials' negative controls.
 //!
 //! Virtqueues are read with rust-vmm's `virtio-queue` over the device space's vm-memory view
 //! ([`memvisor::DmaMemory`]), addressed like the device's buffers (IOVAs behind a vIOMMU).
@@ -36,6 +38,8 @@ pub mod device;
 pub mod disk;
 pub mod error;
 pub mod fuzz;
+#[cfg(feature = "test-hooks")]
+mod hooks;
 pub mod memory;
 pub mod proto;
 pub mod record;
