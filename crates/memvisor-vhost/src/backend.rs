@@ -91,6 +91,8 @@ pub struct Backend<D: Device> {
     log_disabled: bool,
     /// Where IOTLB traffic is written down, if asked ([`Backend::record_iotlb`]).
     record: Option<Recorder>,
+    /// Called when a frontend has left, before its memory is dropped ([`Backend::on_disconnect`]).
+    on_disconnect: Option<Box<dyn FnMut() + Send>>,
     /// Requests handled and refused over this back end's life (for the logs and tests).
     pub stats: BackendStats,
 }
@@ -141,6 +143,7 @@ impl<D: Device> Backend<D> {
             log: None,
             log_disabled: false,
             record: None,
+            on_disconnect: None,
             stats: BackendStats::default(),
         })
     }
@@ -150,6 +153,13 @@ impl<D: Device> Backend<D> {
     /// show that its check can fail; nothing else should.
     pub fn disable_dirty_log_for_tests(&mut self) {
         self.log_disabled = true;
+    }
+
+    /// Calls `f` each time a frontend has left, after its last request and before its memory
+    /// is unmapped: the moment to look at what the process holds for it while it is idle (the
+    /// fault trials compare the pin registry with the kernel's `VmLck` there).
+    pub fn on_disconnect(&mut self, f: Box<dyn FnMut() + Send>) {
+        self.on_disconnect = Some(f);
     }
 
     /// Writes the memory tables and IOTLB traffic (updates, invalidates, misses) to `out` in
@@ -207,6 +217,9 @@ impl<D: Device> Backend<D> {
                             log::info!("{}: frontend disconnected", self.device.name())
                         }
                         Err(e) => log::warn!("{}: connection ended: {e}", self.device.name()),
+                    }
+                    if let Some(f) = self.on_disconnect.as_mut() {
+                        f();
                     }
                     self.disconnect();
                     if let Some(r) = self.record.as_mut() {
