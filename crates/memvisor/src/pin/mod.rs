@@ -357,27 +357,25 @@ impl State {
         let done = self.hold_once_more(us, ue, req);
         #[cfg(feature = "test-hooks")]
         if let Err(e) = &done {
-            self.test_count_refused(us, ue, req, e);
+            self.test_count_refused(us, ue, e);
         }
         done
     }
 
     /// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_COUNT_REFUSED_LOCKS` set, a hold
-    /// refused for want of room records the pages the kernel never locked as locked (a
-    /// rollback that forgets to uncount), so the registry says more is locked than `VmLck`.
-    /// The real-guest memlock trial's negative control must catch it; nothing else should.
+    /// refused for want of room leaves the pages it asked for charged (a rollback that forgets
+    /// to uncount), so the registry's account says more is locked than `VmLck`. The real-guest
+    /// memlock trial's negative control must catch it; nothing else should.
     #[cfg(feature = "test-hooks")]
-    fn test_count_refused(&mut self, us: u64, ue: u64, req: &PinRequest, e: &Error) {
+    fn test_count_refused(&mut self, us: u64, ue: u64, e: &Error) {
         static ON: OnceLock<bool> = OnceLock::new();
         let on =
             *ON.get_or_init(|| std::env::var_os("MEMVISOR_TEST_COUNT_REFUSED_LOCKS").is_some());
         if !on || !(lacks_room(e) || matches!(e, Error::LockLimit { .. })) {
             return;
         }
-        let mut gaps = Vec::new();
-        self.locked.gaps_into(us, ue, &mut gaps);
+        let gaps = self.locked.gaps(us, ue);
         for (s, e) in gaps {
-            self.locked.insert(s, e, req.unit());
             self.account.force_charge((e - s) * PAGE);
         }
     }
