@@ -79,9 +79,9 @@
 #               error, and the pin registry equals VmLck (+VmPin).
 #   blk --disk-fault --negative: the back ends answer OK for requests whose I/O failed
 #               (MEMVISOR_TEST_HIDE_IO_ERRORS; needs MEMVISOR= a test-hooks build); must FAIL.
-#   blk --memlock: the back end runs without CAP_IPC_LOCK under RLIMIT_MEMLOCK 64 MiB; while the
+#   blk --memlock: the back end runs without CAP_IPC_LOCK under RLIMIT_MEMLOCK 8 MiB; while the
 #               guest does 256 KiB O_DIRECT I/O from 96 buffers the host lowers its limit to
-#               256 KiB (prlimit --pid), below what it holds locked, then restores it. Requests
+#               128 KiB (prlimit --pid), below what it holds locked, then restores it. Requests
 #               needing new locks fail with IOERR; afterwards all succeed again; the registry's
 #               account (charged + cached) and held bytes must equal VmLck + VmPin when the
 #               frontend leaves and at exit.
@@ -232,11 +232,14 @@ if [ $disk_fault = 1 ]; then
   exit 0
 fi
 if [ $memlock = 1 ]; then
-  high=$((64 << 20)); low=$((256 << 10))
+  # 8 MiB (the usual default; raising the hard limit may be refused even to root) or the hard
+  # limit if lower; only soft limits change. 128 KiB cannot hold one 256 KiB request.
+  hard=$(ulimit -H -l); high=$((8 << 20)); low=$((128 << 10))
+  [ "$hard" = unlimited ] || [ $((hard * 1024)) -ge $high ] || high=$((hard * 1024))
   truncate -s 0 "$run/disk.img"; truncate -s 16M "$run/disk.img"
   count_env=(); [ $negative = 0 ] || count_env=(MEMVISOR_TEST_COUNT_REFUSED_LOCKS=1)
   # Root without CAP_IPC_LOCK: the kernel holds the back end's mlocks to its RLIMIT_MEMLOCK.
-  prlimit --memlock=$high:$high setpriv --inh-caps=-ipc_lock --bounding-set=-ipc_lock -- \
+  prlimit --memlock=$high: setpriv --inh-caps=-ipc_lock --bounding-set=-ipc_lock -- \
     env "${count_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$run/blk.sock" \
     --disk "$run/disk.img" --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
@@ -249,10 +252,10 @@ if [ $memlock = 1 ]; then
     if [ $lowered = 0 ] && grep -a -q "FAULTIO memlock load" "$log"; then
       sleep 3
       echo "  host: VmLck $(awk '/VmLck/{print $2, $3}' /proc/$bpid/status); lowering RLIMIT_MEMLOCK to $low bytes"
-      prlimit --pid "$bpid" --memlock=$low:$high; lowered=1
+      prlimit --pid "$bpid" --memlock=$low:; lowered=1
     fi
     if [ $lowered = 1 ] && [ $restored = 0 ] && grep -a -q "FAULTIO want=memlock" "$log"; then
-      prlimit --pid "$bpid" --memlock=$high:$high; restored=1
+      prlimit --pid "$bpid" --memlock=$high:; restored=1
       echo "  host: RLIMIT_MEMLOCK back to $high bytes; VmLck $(awk '/VmLck/{print $2, $3}' /proc/$bpid/status)"
     fi
     sleep 0.2
