@@ -155,9 +155,8 @@ impl<D: Device> Backend<D> {
         self.log_disabled = true;
     }
 
-    /// Calls `f` each time a frontend has left, after its last request and before its memory
-    /// is unmapped: the moment to look at what the process holds for it while it is idle (the
-    /// fault trials compare the pin registry with the kernel's `VmLck` there).
+    /// Calls `f` each time a frontend has left, before its memory is unmapped: the moment to
+    /// see what the process holds for it, idle (the memlock trial compares registry and VmLck).
     pub fn on_disconnect(&mut self, f: Box<dyn FnMut() + Send>) {
         self.on_disconnect = Some(f);
     }
@@ -218,9 +217,7 @@ impl<D: Device> Backend<D> {
                         }
                         Err(e) => log::warn!("{}: connection ended: {e}", self.device.name()),
                     }
-                    if let Some(f) = self.on_disconnect.as_mut() {
-                        f();
-                    }
+                    self.on_disconnect.iter_mut().for_each(|f| f());
                     self.disconnect();
                     if let Some(r) = self.record.as_mut() {
                         r.flush();
