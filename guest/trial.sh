@@ -204,7 +204,8 @@ if [ $disk_fault = 1 ]; then
   alive=PASS
   for p in $b1 $b2; do kill -0 "$p" 2>/dev/null || alive="FAIL (back end $p died)"; done
   kill -TERM "$b1" "$b2" 2>/dev/null || true; wait "$b1" 2>/dev/null || true; wait "$b2" 2>/dev/null || true
-  # The FUSE server ends with its mount and prints its counts.
+  # The FUSE server ends with its mount and prints its counts (unless a mount namespace made
+  # meanwhile, such as another trial's QEMU, holds a copy of the mount: then cleanup stops it).
   umount -l "$fdir/fuse" 2>/dev/null || true
   for _ in $(seq 20); do kill -0 "$fpid" 2>/dev/null || break; sleep 0.1; done
   { grep -a -E '^(GUEST|FAULTIO)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'

@@ -351,7 +351,10 @@ impl Server {
             Err(_) => Fault::Range,
         };
         if fault != self.last {
-            eprintln!("memvisor-faultfs: fault now {fault:?}");
+            eprintln!(
+                "memvisor-faultfs: fault now {fault:?} (so far reads={} writes={} failed={})",
+                self.reads, self.writes, self.failed
+            );
             self.last = fault;
         }
         let hit = match fault {
