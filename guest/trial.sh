@@ -4,6 +4,7 @@
 # and the guest on first use under target/guest/.
 #
 # usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
+#                      | blk --disk-fault [--negative] | blk --memlock [--negative]
 #                      | mig [--negative] [--iommu=M] | hostile [--negative]
 #                      | vfio-user [--negative] [--unmap-busy] [--private] [--long-term]
 #                      | blkio [--negative]
@@ -88,15 +89,34 @@
 #   --frontend-dies --negative: the back end keeps a departed frontend's memory and log mapped
 #               (MEMVISOR_TEST_LEAK_ON_HANGUP; needs MEMVISOR= a binary built with --features
 #               test-hooks); the release check must then FAIL.
+#   blk --disk-fault: two memvisor blk back ends whose disks fail: an image on a 40 MiB tmpfs
+#               with 16 MiB of filler (writes past 24 MiB get ENOSPC) and a FUSE file
+#               (memvisor-faultfs) failing 512 KiB at 4 MiB with EIO. guest/progs/faultio.c
+#               checks that exactly the requests the faults hit fail (EIO), the others move the
+#               right data, and no memory outside the failed request's buffers changes; the host
+#               then frees the filler, makes the FUSE file fail everything, then heals it, and
+#               the guest checks requests succeed again on the same back ends. The host checks
+#               both back ends lived to the end, their stats count each failed request as an I/O
+#               error, and the pin registry equals VmLck (+VmPin).
+#   blk --disk-fault --negative: the back ends answer OK for requests whose I/O failed
+#               (MEMVISOR_TEST_HIDE_IO_ERRORS; needs MEMVISOR= a test-hooks build); must FAIL.
+#   blk --memlock: the back end runs without CAP_IPC_LOCK under RLIMIT_MEMLOCK 8 MiB; while the
+#               guest does 256 KiB O_DIRECT I/O from 96 buffers the host lowers its limit to
+#               128 KiB (prlimit --pid), below what it holds locked, then restores it. Requests
+#               needing new locks fail with IOERR; afterwards all succeed again; the registry's
+#               account (charged + cached) and held bytes must equal VmLck + VmPin when the
+#               frontend leaves and at exit.
+#   blk --memlock --negative: a refused lock stays charged (MEMVISOR_TEST_COUNT_REFUSED_LOCKS;
+#               needs a test-hooks build): the registry check must FAIL.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
-negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0
+negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
-for a in "$@"; do case $a in --negative) negative=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
+for a in "$@"; do case $a in --negative) negative=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 # With --frontend-dies, --negative is the leak switch (MEMVISOR_TEST_LEAK_ON_HANGUP, a test-hooks
 # build), not the trial's own negative control.
 leak=0; if [ $frontend_dies = 1 ] && [ $negative = 1 ]; then negative=0; leak=1; export MEMVISOR_TEST_LEAK_ON_HANGUP=1; fi
@@ -113,6 +133,11 @@ fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/in
 cd "$work"
 name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $unmap_busy = 0 ] || name=$name-unmap-busy; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term
 [ $frontend_dies = 0 ] || name=$name-frontend-dies; [ $leak = 0 ] || name=$name-negative
+[ $disk_fault = 0 ] || name=${name/blk/blk-disk-fault}; [ $memlock = 0 ] || name=${name/blk/blk-memlock}
+# The disk-fault trial's mounts (tmpfs, FUSE) from a run that died before its cleanup.
+for m in "$work/run/$name/fault/fuse" "$work/run/$name/fault/tmpfs"; do
+  mountpoint -q "$m" 2>/dev/null && umount -l "$m"
+done
 run=run/$name; rm -rf "$run"; mkdir -p "$run"
 log=$run/console.log
 pids=()
@@ -314,6 +339,159 @@ frontend_dies_mig() {
   frontend_dies_next $rel
 }
 # --- end of frontend-dies ---------------------------------------------------------------------
+# blk --disk-fault and blk --memlock (issue 34's injected faults): each its own block.
+# Reads a number at a JSON path from a stats file: jget FILE EXPR (EXPR in Python on `s`).
+jget() { python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2" 2>/dev/null || echo "?"; }
+# The registry-vs-kernel check of a vhost-user-blk --stats file: its account (charged +
+# cached) and what it holds must both equal VmLck + VmPin, when each frontend left and at exit.
+pin_check() {
+  python3 - "$1" <<'PY'
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"FAIL no stats ({e})"); sys.exit()
+checks = [("disconnect", c) for c in s["pins_at_disconnect"]] + [("exit", s["pins"]["check"])]
+bad, shown = [], []
+for when, c in checks:
+    kernel = (c["vm_lck"] or 0) + (c["vm_pin"] or 0)
+    account = c["charged_bytes"] + c["cached_bytes"]
+    shown.append(f"{when}: account={account} held={c['held_bytes']} VmLck+VmPin={kernel}")
+    if c["vm_lck"] is None: bad.append(f"{when}: no VmLck")
+    if account != kernel or c["held_bytes"] != kernel: bad.append(f"{when}: registry != kernel")
+if not s["pins_at_disconnect"]: bad.append("no check when the frontend left")
+print(("FAIL " + "; ".join(bad) if bad else "PASS") + " (" + ", ".join(shown) + ")")
+PY
+}
+if [ $disk_fault = 1 ]; then
+  fdir=$run/fault; mkdir -p "$fdir/tmpfs" "$fdir/fuse"
+  faultfs=${FAULTFS:-$(dirname "$bin")/memvisor-faultfs}
+  [ -x "$faultfs" ] || { echo "no memvisor-faultfs at $faultfs: cargo build --release -p memvisor-cli" >&2; exit 1; }
+  cleanup_fault() { cleanup; umount -l "$fdir/fuse" 2>/dev/null || true; umount -l "$fdir/tmpfs" 2>/dev/null || true; }
+  trap cleanup_fault EXIT
+  # (a) 40 MiB of tmpfs, 16 of them filler: a 64 MiB sparse image gets about 24 MiB, then ENOSPC.
+  mount -t tmpfs -o size=40m memvisor-nospc "$fdir/tmpfs"
+  dd if=/dev/zero of="$fdir/tmpfs/filler" bs=1M count=16 status=none
+  truncate -s 64M "$fdir/tmpfs/disk.img"
+  # (b) a 16 MiB FUSE file, EIO on [4 MiB, 4.5 MiB) until the control file says otherwise.
+  bad_start=$((4 << 20)); bad_len=$((512 << 10))
+  truncate -s 16M "$fdir/eio-backing.img"; echo range > "$fdir/control"
+  "$faultfs" "$fdir/fuse" "$fdir/eio-backing.img" "$fdir/control" $bad_start $bad_len > "$run/faultfs.log" 2>&1 &
+  fpid=$!; pids+=("$fpid")
+  for _ in $(seq 50); do [ -e "$fdir/fuse/disk.img" ] && break; sleep 0.1; done
+  [ -e "$fdir/fuse/disk.img" ] || { echo "$name: the FUSE file did not appear"; cat "$run/faultfs.log"; exit 1; }
+  hide_env=(); [ $negative = 0 ] || hide_env=(MEMVISOR_TEST_HIDE_IO_ERRORS=1)
+  env "${hide_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$run/nospc.sock" \
+    --disk "$fdir/tmpfs/disk.img" --stats "$run/stats-nospc.json" > "$run/backend-nospc.log" 2>&1 &
+  b1=$!; pids+=("$b1")
+  env "${hide_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$run/eio.sock" \
+    --disk "$fdir/fuse/disk.img" --stats "$run/stats-eio.json" > "$run/backend-eio.log" 2>&1 &
+  b2=$!; pids+=("$b2")
+  wait_socket "$run/nospc.sock"; wait_socket "$run/eio.sock"
+  start=$(date +%s.%N)
+  qemu "t=disk-fault nospc_sectors=131072 eio_sectors=32768 bad_start=$bad_start bad_len=$bad_len" \
+    -chardev socket,id=c0,path=$run/nospc.sock -device vhost-user-blk-pci,chardev=c0,num-queues=1 \
+    -chardev socket,id=c1,path=$run/eio.sock -device vhost-user-blk-pci,chardev=c1,num-queues=1
+  # The guest says what it waits for; the host changes the fault.
+  done_space=0; done_all=0; done_none=0
+  while kill -0 "$qpid" 2>/dev/null; do
+    if [ $done_space = 0 ] && grep -a -q "FAULTIO want=space" "$log"; then rm -f "$fdir/tmpfs/filler"; done_space=1; echo "  host: freed 16 MiB of the tmpfs"; fi
+    if [ $done_all = 0 ] && grep -a -q "FAULTIO want=all" "$log"; then echo all > "$fdir/control"; done_all=1; echo "  host: the FUSE file fails everything"; fi
+    if [ $done_none = 0 ] && grep -a -q "FAULTIO want=none" "$log"; then echo none > "$fdir/control"; done_none=1; echo "  host: the FUSE file healed"; fi
+    sleep 0.2
+  done
+  wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
+  end=$(date +%s.%N)
+  alive=PASS
+  for p in $b1 $b2; do kill -0 "$p" 2>/dev/null || alive="FAIL (back end $p died)"; done
+  kill -TERM "$b1" "$b2" 2>/dev/null || true; wait "$b1" 2>/dev/null || true; wait "$b2" 2>/dev/null || true
+  # The FUSE server ends with its mount and prints its counts (unless a mount namespace made
+  # meanwhile, such as another trial's QEMU, holds a copy of the mount: then cleanup stops it).
+  umount -l "$fdir/fuse" 2>/dev/null || true
+  for _ in $(seq 20); do kill -0 "$fpid" 2>/dev/null || break; sleep 0.1; done
+  { grep -a -E '^(GUEST|FAULTIO)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
+  result=$(grep -a '^RESULT disk-fault' "$log" | tail -1 | tr -d '\r' || true)
+  guest_failed=$({ grep -a -o 'FAULTIO failed_requests=[0-9]*' "$log" || true; } | tail -1 | cut -d= -f2)
+  n_io=$(jget "$run/stats-nospc.json" 's["io_errors"]'); n_failed=$(jget "$run/stats-nospc.json" 's["failed"]')
+  e_io=$(jget "$run/stats-eio.json" 's["io_errors"]'); e_failed=$(jget "$run/stats-eio.json" 's["failed"]')
+  stats=PASS
+  case "$n_io$e_io" in *'?'*) stats="FAIL no stats";; esac
+  if [ "$stats" = PASS ]; then
+    [ "$n_io" -gt 0 ] && [ "$e_io" -gt 0 ] || stats="FAIL a disk's stats show no I/O error"
+    [ "$n_failed" = "$n_io" ] && [ "$e_failed" = "$e_io" ] || stats="FAIL requests failed other than by I/O errors"
+    [ "$((n_io + e_io))" = "${guest_failed:-x}" ] || stats="FAIL back ends counted $((n_io + e_io)) I/O errors, the guest saw ${guest_failed:-none} fail"
+  fi
+  echo "  back ends alive to the end: $alive"
+  echo "  stats: nospc failed=$n_failed io_errors=$n_io; eio failed=$e_failed io_errors=$e_io; guest failed_requests=${guest_failed:-none}: $stats"
+  echo "  FUSE: $(tail -1 "$run/faultfs.log")"
+  pins1=$(pin_check "$run/stats-nospc.json"); pins2=$(pin_check "$run/stats-eio.json")
+  echo "  pins nospc: $pins1"; echo "  pins eio: $pins2"
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
+  echo "$name: ${result:-RESULT disk-fault FAIL no verdict (see $work/$log)}"
+  ok=0; case "$result/$alive/$stats/$pins1/$pins2" in *PASS*/PASS/PASS/PASS*/PASS*) ok=1;; esac
+  if [ $negative = 1 ]; then
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: I/O errors answered OK went unnoticed"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  exit 0
+fi
+if [ $memlock = 1 ]; then
+  # 8 MiB (the usual default; raising the hard limit may be refused even to root) or the hard
+  # limit if lower; only soft limits change. 128 KiB cannot hold one 256 KiB request.
+  hard=$(ulimit -H -l); high=$((8 << 20)); low=$((128 << 10))
+  [ "$hard" = unlimited ] || [ $((hard * 1024)) -ge $high ] || high=$((hard * 1024))
+  truncate -s 0 "$run/disk.img"; truncate -s 16M "$run/disk.img"
+  count_env=(); [ $negative = 0 ] || count_env=(MEMVISOR_TEST_COUNT_REFUSED_LOCKS=1)
+  # Root without CAP_IPC_LOCK: the kernel holds the back end's mlocks to its RLIMIT_MEMLOCK.
+  prlimit --memlock=$high: setpriv --inh-caps=-ipc_lock --bounding-set=-ipc_lock -- \
+    env "${count_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$run/blk.sock" \
+    --disk "$run/disk.img" --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$run/blk.sock"
+  grep -q '^CapEff:.*' /proc/$bpid/status && echo "  back end $bpid: $(grep CapEff /proc/$bpid/status | tr -s '\t' ' '), $(prlimit --pid $bpid --memlock -o SOFT,HARD --noheadings | tr -s ' ')"
+  start=$(date +%s.%N)
+  qemu "t=memlock" -chardev socket,id=c0,path=$run/blk.sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
+  lowered=0; restored=0
+  while kill -0 "$qpid" 2>/dev/null; do
+    if [ $lowered = 0 ] && grep -a -q "FAULTIO memlock load" "$log"; then
+      sleep 3
+      echo "  host: VmLck $(awk '/VmLck/{print $2, $3}' /proc/$bpid/status); lowering RLIMIT_MEMLOCK to $low bytes"
+      prlimit --pid "$bpid" --memlock=$low:; lowered=1
+    fi
+    if [ $lowered = 1 ] && [ $restored = 0 ] && grep -a -q "FAULTIO want=memlock" "$log"; then
+      prlimit --pid "$bpid" --memlock=$high:; restored=1
+      echo "  host: RLIMIT_MEMLOCK back to $high bytes; VmLck $(awk '/VmLck/{print $2, $3}' /proc/$bpid/status)"
+    fi
+    sleep 0.2
+  done
+  wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
+  end=$(date +%s.%N)
+  alive=PASS; kill -0 "$bpid" 2>/dev/null || alive="FAIL (the back end died)"
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  { grep -a -E '^(GUEST|FAULTIO)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
+  result=$(grep -a '^RESULT memlock' "$log" | tail -1 | tr -d '\r' || true)
+  guest_failed=$({ grep -a -o 'FAULTIO failed_requests=[0-9]*' "$log" || true; } | tail -1 | cut -d= -f2)
+  pin_err=$(jget "$run/stats.json" 's["pin_errors"]'); failed=$(jget "$run/stats.json" 's["failed"]')
+  stats=PASS
+  [ "$pin_err" != "?" ] && [ "$pin_err" -gt 0 ] || stats="FAIL no request failed for want of locked memory"
+  [ "$failed" = "$pin_err" ] || stats="FAIL requests failed for other reasons"
+  [ "$pin_err" = "${guest_failed:-x}" ] || stats="FAIL the back end counted $pin_err pin errors, the guest saw ${guest_failed:-none} fail"
+  pins=$(pin_check "$run/stats.json")
+  echo "  back end alive to the end: $alive; panics in its log: $(grep -c -i panic "$run/backend.log" || true)"
+  echo "  stats: failed=$failed pin_errors=$pin_err guest failed_requests=${guest_failed:-none}: $stats"
+  echo "  pins: $pins"
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
+  echo "$name: ${result:-RESULT memlock FAIL no verdict (see $work/$log)}"
+  ok=0; case "$result/$alive/$stats/$pins" in *PASS*/PASS/PASS/PASS*) ok=1;; esac
+  grep -q -i panic "$run/backend.log" && ok=0
+  if [ $negative = 1 ]; then
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: refused locks left charged went unnoticed"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  exit 0
+fi
 
 case $trial in
 blk)

@@ -70,6 +70,10 @@ pub struct BlkReport {
     pub bytes_written: u64,
     /// Failed requests.
     pub failed: u64,
+    /// Of those, reads and writes the disk refused (EIO, ENOSPC).
+    pub io_errors: u64,
+    /// Of those, reads and writes whose pages could not be pinned (the locked-memory limit).
+    pub pin_errors: u64,
     /// Requests whose chain was an indirect descriptor table.
     pub indirect: u64,
     /// Transfers copied through an aligned buffer (an O_DIRECT image, unaligned guest buffers).
@@ -93,6 +97,8 @@ impl BlkReport {
             bytes_read: s.bytes_read,
             bytes_written: s.bytes_written,
             failed: s.failed,
+            io_errors: s.io_errors,
+            pin_errors: s.pin_errors,
             indirect: s.indirect,
             bounced: s.bounced,
             discards: s.discards,
@@ -116,6 +122,9 @@ pub struct BlkServeReport {
     pub device: BlkReport,
     /// The process's pin registry when the device had stopped.
     pub pins: PinReport,
+    /// The registry and the kernel's count each time a frontend had left, before its memory
+    /// was unmapped: one entry per connection.
+    pub pins_at_disconnect: Vec<PinCheck>,
 }
 
 /// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report.
@@ -139,6 +148,13 @@ pub fn blk(
             .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;
         backend.record_iotlb(Box::new(std::io::BufWriter::new(f)));
     }
+    let at_disconnect = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = at_disconnect.clone();
+    backend.on_disconnect(Box::new(move || {
+        let check = PinCheck::now();
+        log::info!("vhost-user-blk: frontend gone, pins {check:?}");
+        seen.lock().unwrap_or_else(|e| e.into_inner()).push(check);
+    }));
     log::info!(
         "vhost-user-blk: serving {} on {}",
         disk.display(),
@@ -148,9 +164,14 @@ pub fn blk(
     let _ = std::fs::remove_file(socket);
     let device = BlkReport::new(socket, &backend.stats, &backend.device().stats);
     drop(backend);
+    let pins_at_disconnect = at_disconnect
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     Ok(BlkServeReport {
         device,
         pins: PinReport::now(),
+        pins_at_disconnect,
     })
 }
 
@@ -229,6 +250,35 @@ pub struct PinReport {
     /// Bytes pins still charged, and bytes still pinned long-term (the cache's included).
     pub locked_bytes: u64,
     pub long_term_bytes: u64,
+    /// The registry's held bytes beside the kernel's `VmLck` and `VmPin`, read at one moment.
+    pub check: PinCheck,
+}
+
+/// [`PinRegistry::kernel_check`] of the process's registry, for `--stats`: what the registry
+/// holds (held = charged + cached) and what `/proc/self/status` says at the same moment.
+#[derive(Serialize, Default, Clone, Copy, Debug)]
+pub struct PinCheck {
+    pub held_bytes: u64,
+    pub charged_bytes: u64,
+    pub cached_bytes: u64,
+    pub long_term_bytes: u64,
+    pub vm_lck: Option<u64>,
+    pub vm_pin: Option<u64>,
+}
+
+impl PinCheck {
+    /// The global registry and the kernel now.
+    pub fn now() -> PinCheck {
+        let k = PinRegistry::global().kernel_check();
+        PinCheck {
+            held_bytes: k.held_bytes,
+            charged_bytes: k.charged_bytes,
+            cached_bytes: k.cached_bytes,
+            long_term_bytes: k.long_term_bytes,
+            vm_lck: k.vm_lck,
+            vm_pin: k.vm_pin,
+        }
+    }
 }
 
 impl PinReport {
@@ -242,6 +292,7 @@ impl PinReport {
             long_term_fallbacks: counts.fallbacks,
             locked_bytes: registry.locked_bytes(),
             long_term_bytes: registry.long_term_bytes(),
+            check: PinCheck::now(),
         }
     }
 }

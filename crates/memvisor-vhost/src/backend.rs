@@ -91,6 +91,8 @@ pub struct Backend<D: Device> {
     log_disabled: bool,
     /// Where IOTLB traffic is written down, if asked ([`Backend::record_iotlb`]).
     record: Option<Recorder>,
+    /// Called when a frontend has left, before its memory is dropped ([`Backend::on_disconnect`]).
+    on_disconnect: Option<Box<dyn FnMut() + Send>>,
     /// Requests handled and refused over this back end's life (for the logs and tests).
     pub stats: BackendStats,
     /// Test-only (`MEMVISOR_TEST_LEAK_ON_HANGUP`): what departed frontends left, kept.
@@ -144,6 +146,7 @@ impl<D: Device> Backend<D> {
             log: None,
             log_disabled: false,
             record: None,
+            on_disconnect: None,
             stats: BackendStats::default(),
             #[cfg(feature = "test-hooks")]
             leaked: Vec::new(),
@@ -155,6 +158,12 @@ impl<D: Device> Backend<D> {
     /// show that its check can fail; nothing else should.
     pub fn disable_dirty_log_for_tests(&mut self) {
         self.log_disabled = true;
+    }
+
+    /// Calls `f` each time a frontend has left, before its memory is unmapped: the moment to
+    /// see what the process holds for it, idle (the memlock trial compares registry and VmLck).
+    pub fn on_disconnect(&mut self, f: Box<dyn FnMut() + Send>) {
+        self.on_disconnect = Some(f);
     }
 
     /// Writes the memory tables and IOTLB traffic (updates, invalidates, misses) to `out` in
@@ -213,6 +222,7 @@ impl<D: Device> Backend<D> {
                         }
                         Err(e) => log::warn!("{}: connection ended: {e}", self.device.name()),
                     }
+                    self.on_disconnect.iter_mut().for_each(|f| f());
                     self.disconnect();
                     if let Some(r) = self.record.as_mut() {
                         r.flush();

@@ -511,3 +511,37 @@ fn discard_and_write_zeroes_clear_their_ranges_and_refuse_bad_segments() {
     let s = &backend.device().stats;
     assert_eq!((s.discards, s.write_zeroes, s.failed), (1, 2, 5));
 }
+
+/// A disk whose I/O fails (here an image open read-only, so every pwritev fails with EBADF; on a
+/// real disk EIO or ENOSPC): the request is answered IOERR, counted as an I/O error, nothing
+/// stays pinned, and the next request on the same queue works.
+#[test]
+fn a_failing_disk_fails_that_request_alone() {
+    use std::os::fd::AsRawFd;
+    let disk = image(MIB);
+    disk.write_all_at(&[0x5a; 512], 0).unwrap();
+    let read_only = File::open(format!("/proc/self/fd/{}", disk.as_raw_fd())).unwrap();
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(read_only, BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    g.mem.write(Gpa(DATA), &[0x11; 4096]).unwrap();
+    assert_eq!(request(&mut g, 1, 0, &[(DATA, 4096, false)]), (1, 1));
+    let mut on_disk = [0u8; 512];
+    disk.read_exact_at(&mut on_disk, 0).unwrap();
+    assert_eq!(on_disk, [0x5a; 512], "the failed write changed the image");
+    assert_eq!(request(&mut g, 0, 0, &[(DATA, 512, true)]), (0, 513));
+    let mut d = [0u8; 512];
+    g.mem.read(Gpa(DATA), &mut d).unwrap();
+    assert_eq!(d, [0x5a; 512]);
+
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = &backend.device().stats;
+    assert_eq!((s.failed, s.io_errors, s.pin_errors), (1, 1, 0));
+    assert_eq!((s.reads, s.writes), (1, 0));
+    assert_eq!(
+        backend.memory().dma().device_pinned_pages(),
+        0,
+        "pins left behind"
+    );
+}

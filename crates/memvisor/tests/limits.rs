@@ -610,3 +610,80 @@ fn a_small_rlimit_is_shared_with_the_cache_without_spurious_failures() {
     .join()
     .unwrap();
 }
+
+/// RLIMIT_MEMLOCK lowered below what the registry holds while it holds it (`prlimit --pid` on a
+/// serving back end): the kernel keeps what is locked, a pin that needs a new lock fails whole
+/// with ENOMEM, a pin of memory already held still works, and once the limit is back pins
+/// succeed again. At every step the registry's held bytes, read with `VmLck` at the same
+/// moment ([`PinRegistry::kernel_check`]), equal `VmLck`.
+#[test]
+fn a_limit_lowered_below_what_is_locked_fails_new_pins_whole_and_keeps_the_count() {
+    let _s = serial();
+    std::thread::spawn(|| {
+        drop_ipc_lock();
+        if common::vm_lck() != 0 {
+            common::skipped(
+                "a_limit_lowered_below_what_is_locked_fails_new_pins_whole_and_keeps_the_count: \
+                 memory is locked in this process already",
+            );
+            return;
+        }
+        let agree = |registry: &PinRegistry, step: &str| {
+            let k = registry.kernel_check();
+            assert_eq!(
+                Some(k.held_bytes),
+                k.vm_lck,
+                "{step}: registry holds {} bytes, VmLck says {:?} ({k:?})",
+                k.held_bytes,
+                k.vm_lck
+            );
+            assert_eq!(k.held_bytes, k.charged_bytes + k.cached_bytes, "{step}");
+        };
+        let _limit = SoftMemlock::set(256 * PAGE);
+        let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 512 * PAGE).unwrap());
+        let registry = PinRegistry::new(LockLimit::Rlimit);
+        let d = DmaSpace::new(DmaConfig {
+            registry: Some(registry.clone()),
+            ..DmaConfig::default()
+        })
+        .unwrap();
+        d.map_backing(Iova(0), &b, 0, b.size(), Prot::RW).unwrap();
+        let held: Vec<u64> = (0..32).collect();
+        d.pin_pages(&held, Prot::RW).unwrap();
+        for p in [100, 102, 104] {
+            d.pin_pages(&[p], Prot::RW).unwrap();
+            d.unpin_pages(&[p]).unwrap();
+        }
+        agree(&registry, "before");
+        let before = registry.kernel_check().held_bytes;
+        assert!(before > 32 * PAGE, "the cache holds locks too");
+        {
+            // Lower than what is locked now.
+            let _low = SoftMemlock::set(8 * PAGE);
+            // New memory in several runs: refused whole, nothing of it pinned or locked.
+            let runs: Vec<u64> = (200..216).chain(300..304).collect();
+            let e = d.pin_pages(&runs, Prot::RW).unwrap_err();
+            assert_eq!(e.errno(), libc::ENOMEM, "{e}");
+            assert!(
+                runs.iter()
+                    .all(|&p| registry.pin_count(Hva(b.hva().0 + p * PAGE)) == 0)
+            );
+            agree(&registry, "refused under the lowered limit");
+            // Memory the registry holds already: no new lock, it still pins.
+            d.pin_pages(&held[..4], Prot::RW).unwrap();
+            d.unpin_pages(&held[..4]).unwrap();
+            agree(&registry, "held memory pinned again");
+            d.unpin_pages(&held).unwrap();
+            agree(&registry, "unpinned under the lowered limit");
+        }
+        // The limit back: the same pin succeeds.
+        let runs: Vec<u64> = (200..216).chain(300..304).collect();
+        d.pin_pages(&runs, Prot::RW).unwrap();
+        agree(&registry, "pinned after the limit came back");
+        d.unpin_pages(&runs).unwrap();
+        drop(d);
+        assert_eq!(common::vm_lck(), 0, "nothing stays locked");
+    })
+    .join()
+    .unwrap();
+}

@@ -73,7 +73,7 @@ pub use device_pins::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pi
 pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
 pub use mode::{Extent, PinMode};
 // The pin registry lives in `crate::pin`; these names stay here too, where users first met them.
-pub use crate::pin::{HostExtent, LockLimit, LongTermCounts, PIN_BATCH, PinRegistry};
+pub use crate::pin::{HostExtent, KernelCheck, LockLimit, LongTermCounts, PIN_BATCH, PinRegistry};
 pub use translate::{DmaCursor, Segment, Translation};
 #[cfg(feature = "vm-memory")]
 pub use vm_memory::{DmaMemory, DmaSlices, Miss};

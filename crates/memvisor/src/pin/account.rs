@@ -115,8 +115,10 @@ impl Account {
 
     /// Whether `bytes` more fit under the limit; ENOMEM naming the limit, the request and what
     /// is already locked if not. A refusal reads the limit again first.
+    /// Nothing more (`bytes` 0: a pin of memory already held) always fits, even when a lowered
+    /// limit is below what is held already: the kernel keeps held locks whatever the limit.
     pub fn check(&mut self, bytes: u64) -> Result<()> {
-        if self.fits(bytes) {
+        if bytes == 0 || self.fits(bytes) {
             return Ok(());
         }
         self.refresh();
@@ -275,6 +277,16 @@ mod tests {
         a.limit = LockLimit::Unlimited;
         a.charge(8192).unwrap();
         assert_eq!(a.locked(), 3 * 4096);
+    }
+
+    #[test]
+    fn nothing_more_fits_under_a_limit_lowered_below_what_is_held() {
+        let mut a = Account::new(LockLimit::Bytes(8192));
+        a.charge(8192).unwrap();
+        a.set_limit(LockLimit::Bytes(4096));
+        a.charge(0).unwrap();
+        assert_eq!(a.charge(1).unwrap_err().errno(), libc::ENOMEM);
+        assert_eq!(a.locked(), 8192);
     }
 
     #[test]

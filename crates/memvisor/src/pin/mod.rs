@@ -354,6 +354,35 @@ impl State {
     /// back, what is not locked is locked, and both are charged. All or nothing. If the kernel
     /// refuses the mlock for want of room, the cache is emptied and the mlock tried once more.
     fn hold(&mut self, us: u64, ue: u64, req: &PinRequest) -> Result<()> {
+        let done = self.hold_once_more(us, ue, req);
+        #[cfg(feature = "test-hooks")]
+        if let Err(e) = &done {
+            self.test_count_refused(us, ue, e);
+        }
+        done
+    }
+
+    /// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_COUNT_REFUSED_LOCKS` set, a hold
+    /// refused for want of room leaves the pages it asked for charged (a rollback that forgets
+    /// to uncount), so the registry's account says more is locked than `VmLck`. The real-guest
+    /// memlock trial's negative control must catch it; nothing else should.
+    #[cfg(feature = "test-hooks")]
+    fn test_count_refused(&mut self, us: u64, ue: u64, e: &Error) {
+        static ON: OnceLock<bool> = OnceLock::new();
+        let on =
+            *ON.get_or_init(|| std::env::var_os("MEMVISOR_TEST_COUNT_REFUSED_LOCKS").is_some());
+        if !on || !(lacks_room(e) || matches!(e, Error::LockLimit { .. })) {
+            return;
+        }
+        let gaps = self.locked.gaps(us, ue);
+        for (s, e) in gaps {
+            self.account.force_charge((e - s) * PAGE);
+        }
+    }
+
+    /// [`State::hold`]: if the kernel refuses the mlock for want of room, the cache is emptied
+    /// and the mlock tried once more.
+    fn hold_once_more(&mut self, us: u64, ue: u64, req: &PinRequest) -> Result<()> {
         match self.try_hold(us, ue, req) {
             Err(e) if lacks_room(&e) => {
                 // The kernel's limit may have changed (a lower rlimit, CAP_IPC_LOCK dropped).
@@ -565,6 +594,34 @@ pub struct LongTermCounts {
     pub fallbacks: u64,
 }
 
+/// The registry's and the kernel's count of locked memory at one moment
+/// ([`PinRegistry::kernel_check`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelCheck {
+    /// Bytes the registry holds locked or pinned long-term: pinned units, the lock cache, and
+    /// locks a munlock could not undo.
+    pub held_bytes: u64,
+    /// The part of it charged to the account (everything but the lock cache).
+    pub charged_bytes: u64,
+    /// The part of it in the lock cache.
+    pub cached_bytes: u64,
+    /// The part of it held by long-term pins.
+    pub long_term_bytes: u64,
+    /// The process's `VmLck` and `VmPin` from `/proc/self/status`, in bytes (`None` where the
+    /// kernel does not show it).
+    pub vm_lck: Option<u64>,
+    pub vm_pin: Option<u64>,
+}
+
+/// The value of a `Name:   N kB` line of `/proc/self/status`, in KiB.
+fn status_kib(status: &str, name: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+}
+
 /// Every registry of the process, so that one the kernel refuses an mlock can empty the others'
 /// caches (the kernel counts every lock of the process against one rlimit).
 static REGISTRIES: Mutex<Vec<Weak<PinRegistry>>> = Mutex::new(Vec::new());
@@ -705,6 +762,24 @@ impl PinRegistry {
             .long_term
             .as_ref()
             .map_or(0, |l| l.pages() * PAGE)
+    }
+
+    /// What the registry holds locked and what the kernel says the process holds, read at the
+    /// same moment: under the registry's lock, so no pin or unpin comes in between. Where the
+    /// process locks memory only through this registry, `held_bytes` equals `vm_lck + vm_pin`
+    /// (with long-term pins over THP memory `vm_pin` can be more; see
+    /// [`PinRegistry::long_term_bytes`]).
+    pub fn kernel_check(&self) -> KernelCheck {
+        let st = self.lock();
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        KernelCheck {
+            held_bytes: st.locked.pages() * PAGE,
+            charged_bytes: st.account.locked(),
+            cached_bytes: st.idle.pages() * PAGE,
+            long_term_bytes: st.long_term.as_ref().map_or(0, |l| l.pages() * PAGE),
+            vm_lck: status_kib(&status, "VmLck:").map(|k| k * 1024),
+            vm_pin: status_kib(&status, "VmPin:").map(|k| k * 1024),
+        }
     }
 
     /// Bytes locked by pins now (each page once, however often it is pinned): what is charged
