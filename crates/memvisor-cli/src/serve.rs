@@ -485,8 +485,10 @@ pub struct VfioUserConnection {
     pub requests: u64,
     pub errors: u64,
     pub dma_maps: u64,
-    /// Mappings and device pins the client left behind (released by the server at its end).
+    /// Mappings and device pins the client left behind (the server releases them), and
+    /// device pins still held after the device was stopped (must be 0).
     pub mappings_at_end: u64,
+    pub pinned_pages_at_hangup: u64,
     pub pinned_pages_at_end: u64,
     /// The process after the server released the connection.
     pub after: ProcFigures,
@@ -581,10 +583,10 @@ pub fn vfio_user(
             Err(e) => e.to_string(),
         };
         log::info!(
-            "vfio-user client {n} gone ({end}): it left {} mappings and {} pinned pages; \
-             after release {after:?}",
+            "vfio-user client {n} gone ({end}): it left {} mappings and {} pages pinned by the \
+             device; after release {after:?}",
             stats.mappings_at_end,
-            stats.pinned_pages_at_end
+            stats.pinned_pages_at_hangup
         );
         report.connections.push(VfioUserConnection {
             end: end.clone(),
@@ -592,6 +594,7 @@ pub fn vfio_user(
             errors: stats.errors,
             dma_maps: stats.dma_maps,
             mappings_at_end: stats.mappings_at_end,
+            pinned_pages_at_hangup: stats.pinned_pages_at_hangup,
             pinned_pages_at_end: stats.pinned_pages_at_end,
             after,
         });

@@ -246,6 +246,8 @@ pub struct ServerStats {
     pub region_writes: u64,
     /// Interrupts signalled through eventfds.
     pub irqs_signalled: u64,
+    /// Pages the device had pinned when the connection ended (before it was stopped).
+    pub pinned_pages_at_hangup: u64,
     /// Pages the device still had pinned after it was stopped: must be 0.
     pub pinned_pages_at_end: u64,
     /// Bytes the process still had locked after the server dropped its mappings: must be 0.
@@ -399,6 +401,7 @@ impl<D: Device> Server<D> {
         let release = !self.leak_on_hangup;
         #[cfg(not(feature = "test-hooks"))]
         let release = true;
+        self.stats.pinned_pages_at_hangup = self.port.dma.device_pinned_pages();
         // Whatever ended the connection, nothing stays pinned, mapped or locked.
         if release {
             if let Err(e) = self.device.reset() {
