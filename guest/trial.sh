@@ -399,7 +399,8 @@ vfio-user)
   read -r lck0 pin0 maps0 <<< "$(proc_figures)"
   echo "  server before any client: VmLck $lck0 kB, VmPin $pin0 kB, $maps0 memfd mappings"
   if [ $fuzz = 1 ]; then
-    "$bin" vfio-user-fuzz --socket "$run/vfu.sock" --seconds 15 --seed "${SEED:-$RANDOM}" | sed 's/^/  /'
+    "$bin" vfio-user-fuzz --socket "$run/vfu.sock" --seconds 15 --seed "${SEED:-$RANDOM}" | sed 's/^/  /' \
+      || { echo "$name: the hostile client stopped with an error"; tail "$run/backend.log"; exit 1; }
     kill -0 "$bpid" 2>/dev/null || { echo "$name: the server died under the hostile client"; tail "$run/backend.log"; exit 1; }
     # The server may still be ending the last hostile connection: give it up to 10 s.
     for _ in $(seq 50); do

@@ -321,8 +321,9 @@ fn run_vfio_user_fuzz(args: &FuzzArgs) -> Result<()> {
     )
     .with_context(|| format!("fuzzing the vfio-user server at {}", args.socket.display()))?;
     println!(
-        "vfio-user-fuzz: {} connections, {} messages, {} replies ({} refusals), {} hang-ups, \
-         {} abandoned, {} tables started, {} DMA_READ/DMA_WRITE answered",
+        "vfio-user-fuzz (seed {}): {} connections, {} messages, {} replies ({} refusals), {} \
+         hang-ups, {} abandoned, {} tables started, {} DMA_READ/DMA_WRITE answered",
+        args.seed,
         s.connections,
         s.messages,
         s.replies,

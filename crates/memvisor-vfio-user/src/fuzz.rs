@@ -7,8 +7,8 @@
 //! announced, unknown commands, reply / error / no-reply bits on requests, unknown message
 //! types), bad version negotiation (another major, capabilities that are not JSON, a
 //! `max_data_xfer_size` of 0, commands before VERSION), descriptors in the wrong number or of
-//! the wrong kind (pipes, eventfds, a 4 KiB memfd, a write-sealed memfd, more than the server
-//! takes), `DMA_MAP` / `DMA_UNMAP` at the edges (size 0, unaligned, IOVAs near `u64::MAX`,
+//! the wrong kind (pipes, eventfds, a 4 KiB memfd, a write-sealed memfd, memory opened
+//! read-only, more than the server takes), `DMA_MAP` / `DMA_UNMAP` at the edges (size 0, unaligned, IOVAs near `u64::MAX`,
 //! offsets past the file's end, overlaps, half a mapping, `UNMAP_ALL` with a range, dirty
 //! bitmaps), region accesses out of range or of the wrong width, bad interrupt settings,
 //! device-reset storms, unmaps and resets while a table runs, and maps without a descriptor
@@ -97,6 +97,8 @@ struct Fds {
     mem: OwnedFd,
     tiny: OwnedFd,
     sealed: OwnedFd,
+    /// `mem` opened again read-only (through `/proc/self/fd`).
+    readonly: OwnedFd,
     pipe: [OwnedFd; 2],
     event: OwnedFd,
 }
@@ -109,11 +111,14 @@ enum Step {
 
 /// Sends hostile traffic to the server at `path` for `duration`.
 pub fn run(path: &Path, seed: u64, duration: Duration) -> Result<FuzzStats> {
+    let mem = memfd(MEM, 0)?;
+    let readonly = reopen_read_only(&mem)?;
     let mut f = Fuzz {
         rng: Rng(seed | 1),
         stats: FuzzStats::default(),
         fds: Fds {
-            mem: memfd(MEM, 0)?,
+            mem,
+            readonly,
             tiny: memfd(4096, 0)?,
             sealed: memfd(1 << 20, libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK)?,
             pipe: pipe()?,
@@ -473,7 +478,8 @@ impl Fuzz {
             f.pipe[0].as_raw_fd(),
             f.event.as_raw_fd(),
         );
-        let fds: Vec<RawFd> = match self.rng.below(10) {
+        let readonly = f.readonly.as_raw_fd();
+        let fds: Vec<RawFd> = match self.rng.below(11) {
             0 => vec![],
             1 => vec![tiny],
             2 => vec![sealed],
@@ -481,6 +487,7 @@ impl Fuzz {
             4 => vec![event],
             5 => vec![mem, mem],
             6 => vec![mem; 16],
+            7 => vec![readonly],
             _ => vec![mem],
         };
         let (iova, size, offset) = match self.rng.below(8) {
@@ -859,6 +866,12 @@ fn memfd(size: u64, seals: i32) -> Result<OwnedFd> {
         return Err(os_error("size or seal the fuzz memfd"));
     }
     Ok(fd)
+}
+
+fn reopen_read_only(fd: &OwnedFd) -> Result<OwnedFd> {
+    let f = std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|e| Error::Wire(WireError::io("reopen the fuzz memfd read-only", e)))?;
+    Ok(f.into())
 }
 
 fn pipe() -> Result<[OwnedFd; 2]> {
