@@ -157,44 +157,63 @@ put("vfio_user", "doorbell", vhello + dma_map
 put("vfio_user", "reset_dirty", vhello + dma_map + vmsg(DEVICE_RESET)
     + vmsg(DIRTY_PAGES, struct.pack("<II", 8, 1)) + dma_unmap)
 
-# ---- dma_ops: op byte (% 8) and its arguments ----
+# ---- dma_ops: a first byte (page table from the start or not), then per op a byte (% 16)
+# choosing it and its arguments, as fuzz_targets/dma_ops.rs decodes them ----
 def op_map(page, pages, prot, mem, off):
-    return bytes([0, page, pages, (mem << 2) | prot, off])
+    return bytes([0, page, pages, prot, mem, off])
 
 
 def op_unmap(page, pages):
-    return bytes([1, page, pages])
-
-
-def op_inval(page, pages):
     return bytes([2, page, pages])
 
 
+def op_inval(page, pages):
+    return bytes([4, page, pages])
+
+
+def op_update(page, pages, mem, off):
+    return bytes([5, page, pages - 1, mem, off])
+
+
 def op_translate(addr, ln, write):
-    return bytes([3]) + struct.pack("<HHB", addr // 4, ln, write)
+    return bytes([6]) + struct.pack("<HHB", addr // 4, ln, write)
 
 
 def op_read(addr, ln):
-    return bytes([4]) + struct.pack("<HH", addr // 4, ln)
+    return bytes([7]) + struct.pack("<HH", addr // 4, ln)
 
 
 def op_write(addr, ln, byte):
-    return bytes([5]) + struct.pack("<HHB", addr // 4, ln, byte)
+    return bytes([8]) + struct.pack("<HHB", addr // 4, ln, byte)
 
 
 def op_pin(prot, pages):
-    return bytes([6, len(pages) - 1, prot] + pages)
+    # a list of pages inside the space: the list kind byte 5, its length, then (0, page) each
+    return bytes([11, 5, len(pages)] + [x for p in pages for x in (0, p)] + [prot])
 
 
-UNPIN = bytes([7])
-put("dma_ops", "map_rw", op_map(0, 4, 3, 0, 0) + op_write(100, 5000, 7) + op_read(0, 8000)
-    + op_translate(4096, 100, 1) + op_unmap(0, 4))
-put("dma_ops", "pins", op_map(8, 3, 3, 1, 2) + op_map(11, 2, 1, 1, 2) + op_pin(3, [8, 9])
-    + op_pin(1, [11, 12, 8]) + op_unmap(8, 3) + UNPIN + UNPIN + op_unmap(8, 5))
-put("dma_ops", "invalidate", op_map(20, 2, 3, 2, 0) + op_inval(20, 2) + op_read(20 * 4096, 10)
-    + op_translate(20 * 4096, 10, 0) + op_unmap(20, 2))
-put("dma_ops", "edges", op_map(38, 4, 3, 0, 0) + op_map(44, 4, 3, 0, 0) + op_map(60, 4, 2, 0, 12)
-    + op_write(60 * 4096, 4096, 1) + op_pin(2, [63]) + op_inval(60, 4) + UNPIN + op_inval(60, 4))
-TRACK_ON, TRACK_OFF, GET_DIRTY = bytes([8, 1]), bytes([8, 0]), bytes([9])
-put("dma_ops", "dirty", TRACK_ON + op_map(4, 4, 3, 0, 4) + op_write(5 * 4096 + 10, 100, 9) + GET_DIRTY
-    + op_pin(3, [6]) + GET_DIRTY + UNPIN + op_unmap(4, 4) + GET_DIRTY + TRACK_OFF + GET_DIRTY)
+def op_pin_edge(prot):
+    # u64::MAX / 4096 + 1: one page past what an IOVA can name
+    return bytes([11, 5, 1, 248, prot])
+
+
+UNPIN, UNMAP_ALL = bytes([14]), bytes([3])
+TRACK_ON, TRACK_OFF = bytes([9, 1]), bytes([9, 0])
+GET_DIRTY = bytes([10, 0])
+EAGER_ON, EAGER_OFF = bytes([15, 1]), bytes([15, 0])
+put("dma_ops", "map_rw", bytes([0]) + op_map(0, 4, 3, 0, 0) + op_write(100, 5000, 7)
+    + op_read(0, 8000) + op_translate(4096, 100, 1) + op_unmap(0, 4))
+put("dma_ops", "pins", bytes([1]) + op_map(8, 3, 3, 1, 2) + op_map(11, 2, 1, 1, 2)
+    + op_pin(3, [8, 9]) + op_pin(1, [11, 12, 8]) + op_unmap(8, 3) + UNPIN + UNPIN
+    + op_unmap(8, 5) + op_pin_edge(3))
+put("dma_ops", "invalidate", bytes([0]) + op_map(20, 2, 3, 2, 0) + op_inval(20, 2)
+    + op_read(20 * 4096, 10) + op_translate(20 * 4096, 10, 0) + op_update(20, 2, 1, 3)
+    + op_read(20 * 4096, 10) + op_unmap(20, 2))
+put("dma_ops", "edges", bytes([1]) + op_map(38, 4, 3, 0, 0) + op_map(44, 4, 3, 0, 0)
+    + op_map(60, 4, 2, 0, 12) + op_write(60 * 4096, 4096, 1) + op_pin(2, [63]) + op_inval(60, 4)
+    + UNPIN + op_inval(60, 4) + UNMAP_ALL)
+put("dma_ops", "dirty", bytes([0]) + TRACK_ON + op_map(4, 4, 3, 0, 4)
+    + op_write(5 * 4096 + 10, 100, 9) + GET_DIRTY + op_pin(3, [6]) + GET_DIRTY + UNPIN
+    + op_unmap(4, 4) + GET_DIRTY + TRACK_OFF + GET_DIRTY)
+put("dma_ops", "eager", bytes([1]) + op_map(0, 4, 3, 0, 0) + EAGER_ON + TRACK_ON
+    + op_write(4096, 10, 3) + GET_DIRTY + EAGER_OFF + GET_DIRTY + op_unmap(0, 4))

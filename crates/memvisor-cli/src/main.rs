@@ -52,9 +52,11 @@ enum Command {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// A virtio-blk device: SOCKET=DISK (repeatable)
-    #[arg(long, value_name = "SOCKET=DISK")]
-    blk: Vec<String>,
+    /// A virtio-blk device (repeatable): SOCKET=DISK, then options separated by commas:
+    /// queues=N (1-64, default 1), read-only=on, serial=TEXT (GET_ID, at most 20 bytes; default
+    /// memvisor), direct=on (open the image O_DIRECT; default: the host page cache)
+    #[arg(long, value_name = "SOCKET=DISK[,OPTION=VALUE...]")]
+    blk: Vec<serve::BlkSpec>,
     /// A virtio-balloon device on SOCKET (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,num_vqs=3,config_size=16)
     #[arg(long, value_name = "SOCKET")]
     balloon: Vec<PathBuf>,
@@ -140,9 +142,18 @@ struct BlkArgs {
     /// Queues to offer
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     queues: u16,
+    /// Serial number the device answers GET_ID with (at most 20 bytes)
+    #[arg(long, default_value = "memvisor")]
+    serial: String,
     /// Serve the image read-only
     #[arg(long)]
     read_only: bool,
+    /// Open the image O_DIRECT: no host page cache, what a real disk under a VM wants (QEMU's
+    /// cache.direct=on). The device then offers the file's O_DIRECT block size; guest buffers
+    /// that are not aligned for it are copied through an aligned buffer. Default: the host page
+    /// cache, as qemu-storage-daemon's default cache.direct=off
+    #[arg(long)]
+    direct: bool,
     /// Offer VIRTIO_F_IOMMU_PLATFORM: the device may sit behind a vIOMMU (QEMU:
     /// iommu_platform=on,ats=on on the device, -device intel-iommu,device-iotlb=on)
     #[arg(long)]
@@ -169,7 +180,9 @@ struct BlkArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// Experiments to run, in this order: lookup, translate, rw, pin, map-unmap, pin-pages,
-    /// report, iotlb, vfio-user (the default: all of these), and guest (real-guest trials; root, minutes)
+    /// report, iotlb, vfio-user (the default: all of these); and, only when named, guest
+    /// (real-guest trials) and blk (the blk back end beside qemu-storage-daemon under libblkio):
+    /// both need root and minutes
     #[arg(value_name = "EXPERIMENT")]
     experiments: Vec<String>,
     /// Small sizes: the whole suite in minutes (the default; the README gives its time)
@@ -218,16 +231,24 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
     if args.long_term_pins {
         serve::use_long_term_pins()?;
     }
+    if args.serial.len() > 20 {
+        bail!(
+            "--serial {:?} is {} bytes; virtio-blk's GET_ID holds 20",
+            args.serial,
+            args.serial.len()
+        );
+    }
     let options = memvisor_vhost::BlkOptions {
         queues: args.queues,
+        serial: args.serial.clone(),
         read_only: args.read_only,
         iommu: args.iommu,
-        ..Default::default()
     };
     let report = serve::blk(
         &args.socket,
         &args.disk,
         options,
+        args.direct,
         args.record_iotlb.as_deref(),
         args.test_no_dirty_log,
     )?;
@@ -238,13 +259,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
 fn run_serve(args: &ServeArgs) -> Result<()> {
     serve::init_logging();
     serve::stop_on_signals();
-    let mut blk = Vec::new();
-    for b in &args.blk {
-        let Some((sock, disk)) = b.split_once('=') else {
-            bail!("--blk {b:?}: write SOCKET=DISK, e.g. --blk run/blk.sock=disk.img");
-        };
-        blk.push((PathBuf::from(sock), PathBuf::from(disk)));
-    }
+    let blk = args.blk.clone();
     if blk.is_empty() && args.balloon.is_empty() {
         bail!("nothing to serve: give --blk SOCKET=DISK and/or --balloon SOCKET");
     }

@@ -79,6 +79,12 @@ pub struct BlkReport {
     pub failed: u64,
     /// Requests whose chain was an indirect descriptor table.
     pub indirect: u64,
+    /// Transfers copied through an aligned buffer (an O_DIRECT image, unaligned guest buffers).
+    pub bounced: u64,
+    /// Discard requests carried out.
+    pub discards: u64,
+    /// Write-zeroes requests carried out.
+    pub write_zeroes: u64,
     /// Requests by pinned 4 KiB pages, as `[pages up to, requests]`.
     pub npage_histogram: Vec<(u64, u64)>,
 }
@@ -95,6 +101,9 @@ impl BlkReport {
             bytes_written: s.bytes_written,
             failed: s.failed,
             indirect: s.indirect,
+            bounced: s.bounced,
+            discards: s.discards,
+            write_zeroes: s.write_zeroes,
             npage_histogram: s
                 .npage_histogram
                 .iter()
@@ -121,14 +130,11 @@ pub fn blk(
     socket: &Path,
     disk: &Path,
     options: BlkOptions,
+    direct: bool,
     record_iotlb: Option<&Path>,
     test_no_dirty_log: bool,
 ) -> Result<BlkServeReport> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(!options.read_only)
-        .open(disk)
-        .with_context(|| format!("cannot open disk image {}", disk.display()))?;
+    let file = open_disk(disk, options.read_only, direct)?;
     let listener = listen(socket)?;
     let mut backend = Backend::new(Blk::new(file, options)?)?;
     if test_no_dirty_log {
@@ -152,6 +158,28 @@ pub fn blk(
     Ok(BlkServeReport {
         device,
         pins: PinReport::now(),
+    })
+}
+
+/// Opens a disk image for a blk device: read-only or read-write, through the page cache or
+/// `O_DIRECT`.
+pub fn open_disk(disk: &Path, read_only: bool, direct: bool) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut o = OpenOptions::new();
+    o.read(true).write(!read_only);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(disk).map_err(|e| {
+        if direct && e.raw_os_error() == Some(libc::EINVAL) {
+            anyhow::anyhow!(
+                "cannot open disk image {} with O_DIRECT: its file system does not support it; \
+                 leave out --direct to go through the page cache",
+                disk.display()
+            )
+        } else {
+            anyhow::Error::new(e).context(format!("cannot open disk image {}", disk.display()))
+        }
     })
 }
 
@@ -237,8 +265,8 @@ pub fn use_long_term_pins() -> Result<()> {
 
 /// Devices for [`serve`].
 pub struct Devices {
-    /// `(socket, disk)` pairs.
-    pub blk: Vec<(PathBuf, PathBuf)>,
+    /// Block devices.
+    pub blk: Vec<BlkSpec>,
     /// Balloon sockets.
     pub balloon: Vec<PathBuf>,
     /// Initial balloon target in MiB.
@@ -251,21 +279,93 @@ pub struct Devices {
     pub iommu: bool,
 }
 
+/// One block device of `serve --blk`: `SOCKET=DISK[,queues=N][,read-only=on|off]
+/// [,serial=TEXT][,direct=on|off]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlkSpec {
+    /// vhost-user socket.
+    pub socket: PathBuf,
+    /// Raw image.
+    pub disk: PathBuf,
+    /// Queues, read-only and serial (the IOMMU choice is the whole server's).
+    pub options: BlkOptions,
+    /// Open the image `O_DIRECT`.
+    pub direct: bool,
+}
+
+impl std::str::FromStr for BlkSpec {
+    type Err = anyhow::Error;
+
+    fn from_str(arg: &str) -> Result<BlkSpec> {
+        let example = "e.g. --blk run/blk.sock=disk.img,queues=2,serial=disk0,direct=on";
+        let mut parts = arg.split(',');
+        let first = parts.next().unwrap_or_default();
+        let Some((socket, disk)) = first.split_once('=') else {
+            anyhow::bail!("--blk {arg:?}: write SOCKET=DISK[,OPTION=VALUE...], {example}");
+        };
+        if socket.is_empty() || disk.is_empty() {
+            anyhow::bail!("--blk {arg:?}: the socket and the disk must both be named, {example}");
+        }
+        let mut spec = BlkSpec {
+            socket: PathBuf::from(socket),
+            disk: PathBuf::from(disk),
+            options: BlkOptions::default(),
+            direct: false,
+        };
+        let on_off = |key: &str, v: &str| match v {
+            "on" | "true" | "yes" => Ok(true),
+            "off" | "false" | "no" => Ok(false),
+            _ => Err(anyhow::anyhow!(
+                "--blk {arg:?}: {key}={v:?}: write on or off"
+            )),
+        };
+        for opt in parts {
+            let Some((key, value)) = opt.split_once('=') else {
+                anyhow::bail!("--blk {arg:?}: option {opt:?} has no value, {example}");
+            };
+            match key {
+                "queues" => {
+                    spec.options.queues = value
+                        .parse()
+                        .ok()
+                        .filter(|q| (1..=64).contains(q))
+                        .ok_or_else(|| {
+                            anyhow::anyhow!("--blk {arg:?}: queues={value:?}: a number 1 to 64")
+                        })?
+                }
+                "read-only" => spec.options.read_only = on_off(key, value)?,
+                "direct" => spec.direct = on_off(key, value)?,
+                "serial" => {
+                    if value.len() > 20 {
+                        anyhow::bail!(
+                            "--blk {arg:?}: serial {value:?} is {} bytes; virtio-blk's GET_ID \
+                             holds 20",
+                            value.len()
+                        );
+                    }
+                    spec.options.serial = value.to_string();
+                }
+                _ => anyhow::bail!(
+                    "--blk {arg:?}: unknown option {key:?}; known: queues, read-only, serial, direct"
+                ),
+            }
+        }
+        Ok(spec)
+    }
+}
+
 /// Serves every device in its own thread, all on one memvisor state, until a signal.
 pub fn serve(devices: &Devices) -> Result<ServeReport> {
     let target = BalloonTarget::default();
     target.set_pages(devices.balloon_target_mib.saturating_mul(256));
     let mut blk_threads = Vec::new();
-    for (socket, disk) in &devices.blk {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(disk)
-            .with_context(|| format!("cannot open disk image {}", disk.display()))?;
+    for spec in &devices.blk {
+        let (socket, disk) = (&spec.socket, &spec.disk);
+        let file = open_disk(disk, spec.options.read_only, spec.direct)?;
         let listener = listen(socket)?;
         let options = BlkOptions {
             iommu: devices.iommu,
-            ..Default::default()
+            ..spec.options.clone()
         };
         let mut backend = Backend::new(Blk::new(file, options)?)?;
         let socket = socket.clone();
@@ -657,4 +757,36 @@ fn serve_one(
         server.record_to(Box::new(std::io::BufWriter::new(f)));
     }
     Ok(server.serve())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BlkSpec;
+
+    #[test]
+    fn a_blk_spec_takes_per_disk_options_and_names_what_it_refuses() {
+        let s: BlkSpec = "run/a.sock=disk.img,queues=2,serial=disk0,direct=on,read-only=on"
+            .parse()
+            .unwrap();
+        assert_eq!(s.socket.to_str(), Some("run/a.sock"));
+        assert_eq!(s.disk.to_str(), Some("disk.img"));
+        assert_eq!((s.options.queues, s.options.serial.as_str()), (2, "disk0"));
+        assert!(s.direct && s.options.read_only);
+        let plain: BlkSpec = "a.sock=d.img".parse().unwrap();
+        assert_eq!(plain.options, memvisor_vhost::BlkOptions::default());
+        assert!(!plain.direct);
+        for (bad, says) in [
+            ("a.sock", "SOCKET=DISK"),
+            ("=d.img", "must both be named"),
+            ("a=d,queues=0", "queues=\"0\""),
+            ("a=d,queues=65", "queues=\"65\""),
+            ("a=d,direct=maybe", "on or off"),
+            ("a=d,serial=123456789012345678901", "21 bytes"),
+            ("a=d,cache=none", "unknown option \"cache\""),
+            ("a=d,queues", "has no value"),
+        ] {
+            let e = bad.parse::<BlkSpec>().unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
 }

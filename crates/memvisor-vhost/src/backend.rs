@@ -93,6 +93,9 @@ pub struct Backend<D: Device> {
     record: Option<Recorder>,
     /// Requests handled and refused over this back end's life (for the logs and tests).
     pub stats: BackendStats,
+    /// Test-only (`MEMVISOR_TEST_LEAK_ON_HANGUP`): what departed frontends left, kept.
+    #[cfg(feature = "test-hooks")]
+    leaked: Vec<Box<dyn std::any::Any + Send>>,
 }
 
 /// Counts of what a back end saw (serialized as they are named here, e.g. in `--stats`).
@@ -142,6 +145,8 @@ impl<D: Device> Backend<D> {
             log_disabled: false,
             record: None,
             stats: BackendStats::default(),
+            #[cfg(feature = "test-hooks")]
+            leaked: Vec::new(),
         })
     }
 
@@ -484,7 +489,7 @@ impl<D: Device> Backend<D> {
                         }
                         let t0 = std::time::Instant::now();
                         #[cfg(feature = "test-hooks")]
-                        if ignored_invalidation() == Some(m.iova) {
+                        if crate::hooks::ignored_invalidation() == Some(m.iova) {
                             return Ok(None);
                         }
                         self.memory.iotlb_invalidate(m.iova, m.size)?;
@@ -919,6 +924,8 @@ impl<D: Device> Backend<D> {
 
     /// A frontend left: forget everything it set up.
     fn disconnect(&mut self) {
+        #[cfg(feature = "test-hooks")]
+        crate::hooks::leak_on_hangup(&mut self.leaked, &self.memory, self.log.take());
         let _ = self.reset();
         self.log = None;
         if self.memory.is_logging() {
@@ -972,19 +979,4 @@ fn poll_one(fd: i32, ms: i32) {
     };
     // SAFETY: one live pollfd.
     unsafe { libc::poll(&mut p, 1, ms) };
-}
-
-/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_IGNORE_INVALIDATE=IOVA` (hex), IOTLB
-/// invalidations of ranges starting at that IOVA are acknowledged and not performed, so requests
-/// keep reaching memory the guest took back there. The real-guest hostile trial's race phase
-/// must catch it; every other invalidation goes through, so the rest of the trial runs as usual.
-#[cfg(feature = "test-hooks")]
-fn ignored_invalidation() -> Option<u64> {
-    static IGNORE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-    *IGNORE.get_or_init(|| {
-        let v = std::env::var("MEMVISOR_TEST_IGNORE_INVALIDATE").ok()?;
-        let iova = u64::from_str_radix(v.trim_start_matches("0x"), 16).ok()?;
-        log::warn!("TEST ONLY: IOTLB invalidations at iova {iova:#x} are acknowledged and ignored");
-        Some(iova)
-    })
 }

@@ -2,12 +2,16 @@
 //!
 //! A request is one descriptor chain: a 16-byte header the driver wrote (type, reserved,
 //! sector), data buffers, and a status byte the device writes last. Supported: `IN` (read),
-//! `OUT` (write), `FLUSH`, `GET_ID`; anything else is answered `UNSUPP`.
+//! `OUT` (write), `FLUSH`, `GET_ID`, and on a writable disk `DISCARD` and `WRITE_ZEROES`
+//! (hole punch / zero range, limits in the config space); anything else is answered `UNSUPP`.
 //!
 //! **Data path.** The data buffers are guest addresses; the device turns them into host
 //! addresses through memvisor's [`DmaSpace`] (`translate_sg`, which checks each buffer lies in
 //! mapped guest memory with the right permission) and hands them to `preadv` / `pwritev` on the
-//! image: the kernel copies straight between the file and guest memory, no bounce buffer.
+//! image ([`crate::disk`]): the kernel copies straight between the file and guest memory, no
+//! bounce buffer — unless the image is `O_DIRECT` and the guest's buffers are not aligned as it
+//! needs, which the virtio specification allows; such a transfer is copied through an aligned
+//! buffer of ours (counted in [`BlkStats::bounced`]).
 //! Headers, the status byte and `GET_ID`'s string go through `dma_read` / `dma_write`.
 //!
 //! **Pins.** Before the system call the request's guest pages are pinned with
@@ -23,14 +27,15 @@
 //! working. A corrupt available ring stops the queue ([`Device::process`] returns an error).
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
+use memvisor::dma::PIN_PAGES_MAX;
 use memvisor::{Access, DmaSpace, Iova, Prot};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::backend::{Device, VIRTIO_RING_F_EVENT_IDX};
+use crate::disk::{AlignedBuf, Disk};
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 
@@ -42,17 +47,19 @@ const T_IN: u32 = 0;
 const T_OUT: u32 = 1;
 const T_FLUSH: u32 = 4;
 const T_GET_ID: u32 = 8;
+const T_DISCARD: u32 = 11;
+const T_WRITE_ZEROES: u32 = 13;
 const S_OK: u8 = 0;
 const S_IOERR: u8 = 1;
 const S_UNSUPP: u8 = 2;
 const ID_BYTES: usize = 20;
-/// iovecs per system call (the kernel's UIO_MAXIOV).
-const IOV_MAX: usize = 1024;
 
 const F_SEG_MAX: u32 = 2;
 const F_BLK_SIZE: u32 = 6;
 const F_FLUSH: u32 = 9;
 const F_MQ: u32 = 12;
+const F_DISCARD: u32 = 13;
+const F_WRITE_ZEROES: u32 = 14;
 const F_VERSION_1: u32 = 32;
 const F_RING_INDIRECT: u32 = 28;
 /// Descriptor flag: the buffer is a table of descriptors.
@@ -60,9 +67,17 @@ const VRING_DESC_F_INDIRECT: u16 = 4;
 
 /// Segments per request the device accepts (config `seg_max`).
 const SEG_MAX: u32 = 254;
+/// Sectors one discard or write-zeroes segment may cover (config `max_discard_sectors`,
+/// `max_write_zeroes_sectors`): 2 GiB, so a segment's bytes fit an `off_t` step.
+const MAX_RANGE_SECTORS: u32 = 1 << 22;
+/// Segments in one discard or write-zeroes request (config `max_discard_seg`,
+/// `max_write_zeroes_seg`).
+const MAX_RANGE_SEGS: u32 = 64;
+/// Write-zeroes flag: the device may deallocate the range (a hole reads as zeros).
+const WZ_UNMAP: u32 = 1;
 
 /// How the device was set up.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlkOptions {
     /// Queues offered (`num-queues` on QEMU's side may be fewer).
     pub queues: u16,
@@ -103,6 +118,13 @@ pub struct BlkStats {
     pub failed: u64,
     /// Chains whose head named an indirect descriptor table.
     pub indirect: u64,
+    /// Transfers copied through an aligned buffer: the image is `O_DIRECT` and the guest's
+    /// buffers were not aligned as it needs.
+    pub bounced: u64,
+    /// Discard requests carried out.
+    pub discards: u64,
+    /// Write-zeroes requests carried out.
+    pub write_zeroes: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     pub npage_histogram: Vec<u64>,
@@ -110,7 +132,7 @@ pub struct BlkStats {
 
 /// A virtio-blk device over a raw image.
 pub struct Blk {
-    disk: File,
+    disk: Disk,
     sectors: u64,
     options: BlkOptions,
     acked: u64,
@@ -121,14 +143,12 @@ pub struct Blk {
 
 impl Blk {
     /// A device over `disk` (its length, rounded down to whole sectors, is the capacity).
+    /// Opened `O_DIRECT`, the image is read and written without the host page cache (see
+    /// [`crate::disk`]); the device then offers the file's `O_DIRECT` offset alignment as its
+    /// block size.
     pub fn new(disk: File, options: BlkOptions) -> Result<Blk> {
-        let len = disk
-            .metadata()
-            .map_err(|source| Error::Os {
-                op: "stat the disk image",
-                source,
-            })?
-            .len();
+        let disk = Disk::new(disk)?;
+        let len = disk.len()?;
         if options.queues == 0 {
             return Err(Error::Invalid(
                 "a block device needs at least one queue".into(),
@@ -148,8 +168,18 @@ impl Blk {
         let mut c = [0u8; 60];
         c[0..8].copy_from_slice(&self.sectors.to_le_bytes()); // capacity
         c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes()); // seg_max
-        c[20..24].copy_from_slice(&(SECTOR as u32).to_le_bytes()); // blk_size
+        let block = self.disk.direct().map_or(SECTOR, |a| a.offset.max(SECTOR));
+        c[20..24].copy_from_slice(&(block as u32).to_le_bytes()); // blk_size
         c[34..36].copy_from_slice(&self.options.queues.to_le_bytes()); // num_queues
+        if !self.options.read_only {
+            let align = (block / SECTOR) as u32;
+            c[36..40].copy_from_slice(&MAX_RANGE_SECTORS.to_le_bytes()); // max_discard_sectors
+            c[40..44].copy_from_slice(&MAX_RANGE_SEGS.to_le_bytes()); // max_discard_seg
+            c[44..48].copy_from_slice(&align.to_le_bytes()); // discard_sector_alignment
+            c[48..52].copy_from_slice(&MAX_RANGE_SECTORS.to_le_bytes()); // max_write_zeroes_sectors
+            c[52..56].copy_from_slice(&MAX_RANGE_SEGS.to_le_bytes()); // max_write_zeroes_seg
+            c[56] = 1; // write_zeroes_may_unmap
+        }
         c
     }
 
@@ -215,12 +245,12 @@ impl Blk {
                 (S_OK, if to_guest { n } else { 0 })
             }
             T_FLUSH => {
-                self.disk.sync_data().map_err(|source| Error::Os {
-                    op: "fdatasync the disk image",
-                    source,
-                })?;
+                self.disk.sync_data()?;
                 self.stats.flushes += 1;
                 (S_OK, 0)
+            }
+            T_DISCARD | T_WRITE_ZEROES if !self.options.read_only => {
+                self.ranges(dma, data, kind == T_WRITE_ZEROES)?
             }
             T_GET_ID => {
                 let Some(b) = data.first().filter(|b| b.write) else {
@@ -240,6 +270,89 @@ impl Blk {
                 (S_UNSUPP, 0)
             }
         })
+    }
+
+    /// `DISCARD` (punch a hole: the file system may free the blocks) or `WRITE_ZEROES` (zero
+    /// the range, or punch it when the driver allows unmapping: a hole reads as zeros). The
+    /// segments (sector, sectors, flags; 16 bytes each) are the data buffers' bytes. Every
+    /// segment is checked before any is carried out; an unknown flag, or `unmap` on a discard,
+    /// is `UNSUPP` as the specification asks. A file system that cannot punch holes ignores a
+    /// discard (a hint) and has zeros written instead.
+    fn ranges(&mut self, dma: &DmaSpace, data: &[Buf], zeroes: bool) -> Result<(u8, u32)> {
+        let what = if zeroes { "write-zeroes" } else { "discard" };
+        let mut bytes = Vec::new();
+        for b in data {
+            if b.write {
+                return Err(Error::BadChain(format!(
+                    "{what} segment buffer at {:#x} is device-writable",
+                    b.addr
+                )));
+            }
+            let at = bytes.len();
+            if at + b.len as usize > (MAX_RANGE_SEGS as usize) * 16 {
+                return Err(Error::BadChain(format!(
+                    "{what} request of more than {MAX_RANGE_SEGS} segments"
+                )));
+            }
+            bytes.resize(at + b.len as usize, 0);
+            dma.dma_read(Iova(b.addr), &mut bytes[at..])?;
+        }
+        if bytes.is_empty() || bytes.len() % 16 != 0 {
+            return Err(Error::BadChain(format!(
+                "{what} request of {} bytes is not whole 16-byte segments",
+                bytes.len()
+            )));
+        }
+        let align = self
+            .disk
+            .direct()
+            .map_or(1, |a| a.offset.max(SECTOR) / SECTOR);
+        let mut segs = Vec::with_capacity(bytes.len() / 16);
+        for seg in bytes.chunks_exact(16) {
+            let sector = u64::from_le_bytes(seg[0..8].try_into().expect("8"));
+            let n = u32::from_le_bytes(seg[8..12].try_into().expect("4"));
+            let flags = u32::from_le_bytes(seg[12..16].try_into().expect("4"));
+            let allowed = if zeroes { WZ_UNMAP } else { 0 };
+            if flags & !allowed != 0 {
+                log::debug!("blk: {what} segment flags {flags:#x} not supported");
+                self.stats.failed += 1;
+                return Ok((S_UNSUPP, 0));
+            }
+            if n > MAX_RANGE_SECTORS
+                || sector % align != 0
+                || u64::from(n) % align != 0
+                || sector
+                    .checked_add(u64::from(n))
+                    .is_none_or(|e| e > self.sectors)
+            {
+                return Err(Error::BadChain(format!(
+                    "{what} of sectors {sector}+{n}: past the disk's end ({} sectors), over \
+                     {MAX_RANGE_SECTORS} sectors, or not whole {align}-sector blocks",
+                    self.sectors
+                )));
+            }
+            segs.push((
+                sector * SECTOR,
+                u64::from(n) * SECTOR,
+                flags & WZ_UNMAP != 0,
+            ));
+        }
+        for (offset, len, unmap) in segs {
+            if len == 0 {
+                continue;
+            }
+            if zeroes {
+                self.disk.zero(offset, len, unmap)?;
+            } else {
+                self.disk.discard(offset, len)?;
+            }
+        }
+        if zeroes {
+            self.stats.write_zeroes += 1;
+        } else {
+            self.stats.discards += 1;
+        }
+        Ok((S_OK, 0))
     }
 
     /// Moves the data buffers of a read (`to_guest`) or write between guest memory and the
@@ -301,15 +414,9 @@ impl Blk {
         pages.sort_unstable();
         pages.dedup();
         let prot = if to_guest { Prot::WRITE } else { Prot::READ };
-        if !pages.is_empty() {
-            dma.pin_pages(&pages, prot)?;
-        }
+        pin_all(dma, &pages, prot)?;
         let result = self.io(dma, data, sector, to_guest, total);
-        if !pages.is_empty() {
-            if let Err(e) = dma.unpin_pages(&pages) {
-                log::error!("blk: unpinning {} pages: {e}", pages.len());
-            }
-        }
+        unpin_all(dma, &pages);
         let n = result?;
         record(&mut self.stats.npage_histogram, pages.len());
         if to_guest {
@@ -323,13 +430,17 @@ impl Blk {
     }
 
     fn io(
-        &self,
+        &mut self,
         dma: &DmaSpace,
         data: &[Buf],
         sector: u64,
         to_guest: bool,
         total: u64,
     ) -> Result<u64> {
+        #[cfg(feature = "test-hooks")]
+        if !to_guest && drop_writes() {
+            return Ok(total);
+        }
         let access = if to_guest {
             Access::Write
         } else {
@@ -347,65 +458,75 @@ impl Blk {
                 });
             }
         }
-        let mut done: u64 = 0;
-        let mut start = 0usize;
-        while start < iov.len() {
-            let off = (sector * SECTOR + done) as libc::off_t;
-            let count = (iov.len() - start).min(IOV_MAX) as libc::c_int;
-            // SAFETY: every iovec names guest memory translated and pinned above: mapped and
-            // resident for this call, with the access the request needs. The kernel copies
-            // between the file and those addresses; no Rust reference to them exists.
-            let r = unsafe {
-                let v = iov[start..].as_ptr();
-                if to_guest {
-                    libc::preadv(self.disk.as_raw_fd(), v, count, off)
-                } else {
-                    libc::pwritev(self.disk.as_raw_fd(), v, count, off)
-                }
-            };
-            if r < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::Os {
-                    op: if to_guest { "preadv" } else { "pwritev" },
-                    source: e,
-                });
-            }
-            if r == 0 {
-                return Err(Error::Invalid(format!(
-                    "the image ended at byte {off} during a transfer"
-                )));
-            }
-            done += r as u64;
-            // Step past what the call moved: whole iovecs, then part of one.
-            let mut left = r as usize;
-            while left > 0 {
-                let e = &mut iov[start];
-                if left >= e.iov_len {
-                    left -= e.iov_len;
-                    start += 1;
-                } else {
-                    // SAFETY: left < iov_len: the pointer stays inside the segment.
-                    e.iov_base = unsafe { e.iov_base.cast::<u8>().add(left).cast() };
-                    e.iov_len -= left;
-                    left = 0;
-                }
-            }
+        let offset = sector * SECTOR;
+        if !self.disk.fits(&iov, offset, total) {
+            return self.bounce(dma, data, offset, to_guest, total);
         }
+        // SAFETY: every iovec names guest memory translated and pinned above: mapped and
+        // resident for this call, with the access the request needs. The kernel copies between
+        // the file and those addresses; no Rust reference to them exists.
+        let done = unsafe { self.disk.rw_vectored(&mut iov, offset, to_guest)? };
         debug_assert_eq!(done, total);
         Ok(done)
     }
 
+    /// Moves a transfer whose buffers `O_DIRECT` cannot take as they are through an aligned
+    /// buffer of our own: guest memory is copied with `dma_read` / `dma_write` (the pages stay
+    /// pinned meanwhile), the file is read or written whole from the buffer.
+    fn bounce(
+        &mut self,
+        dma: &DmaSpace,
+        data: &[Buf],
+        offset: u64,
+        to_guest: bool,
+        total: u64,
+    ) -> Result<u64> {
+        let a = self
+            .disk
+            .direct()
+            .expect("only an O_DIRECT image refuses a transfer");
+        if offset % a.offset != 0 || total % a.offset != 0 {
+            return Err(Error::BadChain(format!(
+                "transfer of {total} bytes at byte {offset} is not whole {}-byte blocks of the \
+                 O_DIRECT image (the device's blk_size)",
+                a.offset
+            )));
+        }
+        let align = a.memory.max(a.offset).next_power_of_two() as usize;
+        let mut buf = AlignedBuf::new(total as usize, align).ok_or_else(|| {
+            Error::Invalid(format!(
+                "cannot allocate a {total}-byte bounce buffer aligned to {align}"
+            ))
+        })?;
+        let bytes = buf.as_mut_slice();
+        if to_guest {
+            self.disk.read_at(bytes, offset)?;
+        }
+        let mut pos = 0usize;
+        for b in data.iter().filter(|b| b.len > 0) {
+            let piece = &mut bytes[pos..pos + b.len as usize];
+            if to_guest {
+                dma.dma_write(Iova(b.addr), piece)?;
+            } else {
+                dma.dma_read(Iova(b.addr), piece)?;
+            }
+            pos += b.len as usize;
+        }
+        if !to_guest {
+            self.disk.write_at(bytes, offset)?;
+        }
+        self.stats.bounced += 1;
+        Ok(total)
+    }
+
     /// The image (for tests).
     pub fn disk(&self) -> &File {
-        &self.disk
+        self.disk.file()
     }
 
     /// Reads image bytes (for tests).
     pub fn read_disk(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.disk.read_exact_at(buf, offset)
+        self.disk.file().read_exact_at(buf, offset)
     }
 }
 
@@ -442,6 +563,8 @@ impl Device for Blk {
         }
         if self.options.read_only {
             f |= 1 << 5; // VIRTIO_BLK_F_RO
+        } else {
+            f |= 1 << F_DISCARD | 1 << F_WRITE_ZEROES;
         }
         if self.options.iommu {
             f |= crate::proto::F_IOMMU_PLATFORM;
@@ -566,4 +689,42 @@ impl Device for Blk {
     fn set_fail_misses(&mut self, fail: bool) {
         self.fail_misses = fail;
     }
+}
+
+/// Pins `pages` (sorted, distinct IOVA pages) for one request, in calls of at most
+/// [`PIN_PAGES_MAX`] pages: a request may be any size (the config offers no `size_max`), while
+/// one `pin_pages` call takes at most type1's 512 entries. A refused call unpins what the calls
+/// before it pinned, so a failed request leaves nothing pinned.
+fn pin_all(dma: &DmaSpace, pages: &[u64], prot: Prot) -> Result<()> {
+    for (i, batch) in pages.chunks(PIN_PAGES_MAX).enumerate() {
+        if let Err(e) = dma.pin_pages(batch, prot) {
+            unpin_all(dma, &pages[..i * PIN_PAGES_MAX]);
+            return Err(e.into());
+        }
+    }
+    Ok(())
+}
+
+/// Unpins what [`pin_all`] pinned, in the same batches.
+fn unpin_all(dma: &DmaSpace, pages: &[u64]) {
+    for batch in pages.chunks(PIN_PAGES_MAX) {
+        if let Err(e) = dma.unpin_pages(batch) {
+            log::error!("blk: unpinning {} pages: {e}", batch.len());
+        }
+    }
+}
+
+/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_DROP_WRITES` set, writes are answered
+/// OK and never reach the image: the libblkio trial's negative control, which its read-back and
+/// image checks must catch.
+#[cfg(feature = "test-hooks")]
+fn drop_writes() -> bool {
+    static DROP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DROP.get_or_init(|| {
+        let on = std::env::var_os("MEMVISOR_TEST_DROP_WRITES").is_some();
+        if on {
+            log::warn!("TEST ONLY: writes are answered OK and dropped");
+        }
+        on
+    })
 }

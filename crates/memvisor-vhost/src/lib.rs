@@ -16,9 +16,12 @@
 //! * [`balloon`] is virtio-balloon (free page reporting, inflate, deflate) through memvisor's
 //!   balloon model and pin-aware discard.
 //! * [`blk`] is virtio-blk over a raw image with `preadv`/`pwritev` straight into guest memory,
-//!   pages pinned through memvisor for the duration of each request.
+//!   pages pinned through memvisor for the duration of each request; [`disk`] is the image
+//!   file, through the page cache or `O_DIRECT`.
 //! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
+//! * `hooks` (feature `test-hooks` only) holds the switches that break the back end on purpose
+//!   for the real-guest trials' negative controls.
 //!
 //! Virtqueues are read with rust-vmm's `virtio-queue` over the device space's vm-memory view
 //! ([`memvisor::DmaMemory`]), addressed like the device's buffers (IOVAs behind a vIOMMU).
@@ -32,8 +35,11 @@ pub mod balloon;
 pub mod blk;
 pub mod client;
 pub mod device;
+pub mod disk;
 pub mod error;
 pub mod fuzz;
+#[cfg(feature = "test-hooks")]
+mod hooks;
 pub mod memory;
 pub mod proto;
 pub mod record;

@@ -36,10 +36,19 @@
 //! cuts entries at its edges — IOTLB semantics, not type1's whole-mapping unmap). A new memory
 //! table empties the IOTLB: entries are a cache the frontend refills on a miss.
 //!
+//! **Regions are byte-granular** in the specification (libblkio hands over its rings as a
+//! region of 0x3b10 bytes in a memfd of exactly that size); memvisor maps, slots and translates
+//! whole 4 KiB pages. Each region is held as sent (for `REM_MEM_REG` and user addresses) and as
+//! its *cover*: the whole pages under it, mapped from the file. The cover's last page may reach
+//! past the file's end, as libvhost-user's `mmap(size + offset)` does: the kernel maps that page
+//! and its bytes past the end read as zeros (only a page wholly past the end would fault).
+//!
 //! **Checks.** A region is refused (EINVAL, state unchanged) if it is empty, wraps, overlaps
-//! another in guest physical or user address space, or if its descriptor fails
-//! [`Backing::from_fd`]'s checks (not a regular file, range past the file's end, unaligned). A
-//! `SET_MEM_TABLE` is applied whole or not at all.
+//! another in guest physical or user address space, shares a page with another (its cover
+//! would overlap theirs), starts at a guest address and file offset that differ within a page
+//! (no page mapping could serve it), or if its descriptor fails [`Backing::from_fd`]'s checks
+//! (not a regular file, a page wholly past the file's end). A `SET_MEM_TABLE` is applied whole
+//! or not at all.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -57,10 +66,11 @@ use crate::proto::Region;
 /// Regions a frontend may add with `ADD_MEM_REG` (answered to `GET_MAX_MEM_SLOTS`).
 pub const MAX_REGIONS: usize = 32;
 
-/// One region as received, with the slot it became.
+/// One region as received, the whole pages under it, and the slot they became.
 #[derive(Clone, Debug)]
 struct Held {
     region: Region,
+    cover: Region,
     slot: u32,
 }
 
@@ -122,7 +132,7 @@ impl FrontendMemory {
         if !iotlb {
             let snap = self.slots.snapshot();
             for h in &self.held {
-                let r = &h.region;
+                let r = &h.cover;
                 dma.map_guest(Iova(r.gpa), &snap, Gpa(r.gpa), r.size, Prot::RW)?;
             }
         }
@@ -255,11 +265,11 @@ impl FrontendMemory {
             }
         }
         for h in &self.held {
-            let first = h.region.gpa / PAGE;
+            let first = h.cover.gpa / PAGE;
             if !self.iotlb {
-                let words =
-                    self.dma
-                        .get_and_clear_dirty(Iova(h.region.gpa), h.region.size, PAGE)?;
+                let words = self
+                    .dma
+                    .get_and_clear_dirty(Iova(h.cover.gpa), h.cover.size, PAGE)?;
                 add(log.or_words(first, &words));
             }
             let words = self.slots.take_dirty_log(h.slot)?;
@@ -313,21 +323,20 @@ impl FrontendMemory {
                 fds.len()
             )));
         }
+        let mut held: Vec<Held> = Vec::with_capacity(regions.len());
         for (i, r) in regions.iter().enumerate() {
-            check_region(r)?;
-            if let Some(o) = regions[..i].iter().find(|o| overlaps(o, r)) {
-                return Err(overlap_error(r, o));
-            }
-        }
-        let backings = map_all(regions, fds)?;
-        let held: Vec<Held> = regions
-            .iter()
-            .enumerate()
-            .map(|(i, r)| Held {
+            let h = Held {
                 region: *r,
+                cover: page_cover(r)?,
                 slot: i as u32,
-            })
-            .collect();
+            };
+            if let Some(o) = held.iter().find(|o| overlaps(o, &h)) {
+                return Err(overlap_error(r, &o.region));
+            }
+            held.push(h);
+        }
+        let covers: Vec<Region> = held.iter().map(|h| h.cover).collect();
+        let backings = map_all(&covers, fds)?;
         let old: Vec<u32> = self.held.iter().map(|h| h.slot).collect();
         let flags = self.slot_flags();
         self.slots.update(|edit| {
@@ -335,7 +344,7 @@ impl FrontendMemory {
                 edit.remove(*id)?;
             }
             for (h, b) in held.iter().zip(&backings) {
-                edit.insert(SlotSpec::new(h.slot, Gpa(h.region.gpa), b.clone()).flags(flags))?;
+                edit.insert(SlotSpec::new(h.slot, Gpa(h.cover.gpa), b.clone()).flags(flags))?;
             }
             Ok(())
         })?;
@@ -373,7 +382,7 @@ impl FrontendMemory {
                 .iter()
                 .filter_map(|h| {
                     snap.slot(h.slot)
-                        .map(|s| (h.slot, Gpa(h.region.gpa), s.backing().clone()))
+                        .map(|s| (h.slot, Gpa(h.cover.gpa), s.backing().clone()))
                 })
                 .collect()
         };
@@ -391,8 +400,13 @@ impl FrontendMemory {
 
     /// `ADD_MEM_REG`: one more region.
     pub fn add(&mut self, region: Region, fd: OwnedFd) -> Result<()> {
-        check_region(&region)?;
-        if let Some(o) = self.held.iter().find(|h| overlaps(&h.region, &region)) {
+        let cover = page_cover(&region)?;
+        let new = Held {
+            region,
+            cover,
+            slot: 0,
+        };
+        if let Some(o) = self.held.iter().find(|h| overlaps(h, &new)) {
             return Err(overlap_error(&region, &o.region));
         }
         if self.held.len() >= MAX_REGIONS {
@@ -403,23 +417,24 @@ impl FrontendMemory {
         let slot = (0..MAX_REGIONS as u32)
             .find(|id| self.held.iter().all(|h| h.slot != *id))
             .expect("fewer regions than slots");
-        let backing = map_all(&[region], vec![fd])?.remove(0);
+        let backing = map_all(&[cover], vec![fd])?.remove(0);
         self.slots
-            .insert(SlotSpec::new(slot, Gpa(region.gpa), backing).flags(self.slot_flags()))?;
+            .insert(SlotSpec::new(slot, Gpa(cover.gpa), backing).flags(self.slot_flags()))?;
         let snap = self.slots.snapshot();
         if !self.iotlb {
-            if let Err(e) = self.dma.map_guest(
-                Iova(region.gpa),
-                &snap,
-                Gpa(region.gpa),
-                region.size,
-                Prot::RW,
-            ) {
+            if let Err(e) =
+                self.dma
+                    .map_guest(Iova(cover.gpa), &snap, Gpa(cover.gpa), cover.size, Prot::RW)
+            {
                 let _ = self.slots.remove(slot);
                 return Err(e.into());
             }
         }
-        self.held.push(Held { region, slot });
+        self.held.push(Held {
+            region,
+            cover,
+            slot,
+        });
         Ok(())
     }
 
@@ -439,7 +454,8 @@ impl FrontendMemory {
             // Entries into the region go with it; the frontend refills what it still maps.
             self.dma.unmap_all()?;
         } else {
-            self.dma.unmap(Iova(region.gpa), region.size)?;
+            let cover = self.held[i].cover;
+            self.dma.unmap(Iova(cover.gpa), cover.size)?;
         }
         let h = self.held.remove(i);
         self.slots.remove(h.slot)?;
@@ -488,12 +504,6 @@ impl FrontendMemory {
 use memvisor::PAGE_4K as PAGE;
 
 fn check_region(r: &Region) -> Result<()> {
-    if r.gpa % PAGE != 0 || r.size % PAGE != 0 {
-        return Err(Error::BadRegion(format!(
-            "memory region guest {:#x} size {:#x} is not whole 4 KiB pages",
-            r.gpa, r.size
-        )));
-    }
     if r.size == 0 {
         return Err(Error::BadRegion(format!(
             "memory region at guest {:#x} has size 0",
@@ -509,9 +519,48 @@ fn check_region(r: &Region) -> Result<()> {
     Ok(())
 }
 
-fn overlaps(a: &Region, b: &Region) -> bool {
-    let cross = |x: u64, y: u64| x < y + b.size && y < x + a.size;
-    cross(a.gpa, b.gpa) || cross(a.user_addr, b.user_addr)
+/// The whole 4 KiB pages under a region, checked first by [`check_region`]: the guest address
+/// and file offset rounded down to a page, the end rounded up. EINVAL if the guest address and
+/// the file offset differ within a page (no page of the file could sit at a page of the guest) or
+/// the rounded end passes 2^64.
+fn page_cover(r: &Region) -> Result<Region> {
+    check_region(r)?;
+    let lead = r.gpa % PAGE;
+    if r.mmap_offset % PAGE != lead {
+        return Err(Error::BadRegion(format!(
+            "memory region guest {:#x} at file offset {:#x}: the two differ within a 4 KiB page, \
+             so no page of the file can be mapped at a page of the guest",
+            r.gpa, r.mmap_offset
+        )));
+    }
+    let size = (r.size + lead).checked_next_multiple_of(PAGE);
+    let Some(size) = size.filter(|s| (r.gpa - lead).checked_add(*s).is_some()) else {
+        return Err(Error::BadRegion(format!(
+            "memory region guest {:#x} size {:#x}: its last page passes 2^64",
+            r.gpa, r.size
+        )));
+    };
+    Ok(Region {
+        gpa: r.gpa - lead,
+        size,
+        // User addresses are turned into guest ones through the region as sent.
+        user_addr: r.user_addr,
+        mmap_offset: r.mmap_offset - lead,
+    })
+}
+
+/// Whether two held regions overlap in guest physical or user address space, or share a guest
+/// page (their covers overlap).
+fn overlaps(a: &Held, b: &Held) -> bool {
+    let cross = |x: u64, xs: u64, y: u64, ys: u64| x < y + ys && y < x + xs;
+    cross(a.region.gpa, a.region.size, b.region.gpa, b.region.size)
+        || cross(
+            a.region.user_addr,
+            a.region.size,
+            b.region.user_addr,
+            b.region.size,
+        )
+        || cross(a.cover.gpa, a.cover.size, b.cover.gpa, b.cover.size)
 }
 
 fn overlap_error(r: &Region, o: &Region) -> Error {

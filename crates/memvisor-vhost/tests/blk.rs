@@ -275,3 +275,239 @@ fn a_region_is_removed_only_after_the_request_on_it_ended() {
     drop(c);
     t.join().unwrap().1.ok();
 }
+
+#[test]
+fn a_region_of_any_byte_size_is_mapped_as_whole_pages() {
+    // libblkio hands over its rings as a region of 0x3b10 bytes in a memfd of exactly 0x3b10
+    // bytes; the specification allows any size. The back end maps the whole pages under it (the
+    // last one passes the file's end) and serves requests whose buffers are in it.
+    use memvisor_vhost::proto::{self, Region, req};
+    use std::os::fd::AsRawFd;
+    const SMALL: u64 = 0x3b10;
+    const AT: u64 = 64 * MIB;
+    let disk = image(MIB);
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let small = memfd(SMALL);
+    let pattern: Vec<u8> = (0..0x3a00u32).map(|i| (i * 13 + 1) as u8).collect();
+    small.write_all_at(&pattern, 0x100).unwrap();
+    let region = Region {
+        gpa: AT,
+        size: SMALL,
+        user_addr: USER + AT,
+        mmap_offset: 0,
+    };
+    let add = proto::single_region_bytes(&region);
+    assert_eq!(
+        c.ack(req::ADD_MEM_REG, &add, &[small.as_raw_fd()]).unwrap(),
+        0,
+        "a region of {SMALL:#x} bytes in a file of {SMALL:#x} bytes"
+    );
+    // OUT from the small region to sector 2, then IN back into it at another offset.
+    let (st, _) = request(&mut g, 1, 2, &[(AT + 0x100, 0x3a00, false)]);
+    assert_eq!(st, 0);
+    let mut on_disk = vec![0u8; 0x3a00];
+    disk.read_exact_at(&mut on_disk, 2 * 512).unwrap();
+    assert!(
+        on_disk == pattern,
+        "the image holds what the small region held"
+    );
+    small.write_all_at(&[0; 0x200], 0x3800).unwrap();
+    let (st, n) = request(&mut g, 0, 2, &[(AT + 0x3800, 0x200, true)]);
+    assert_eq!((st, n), (0, 0x201));
+    let mut back = vec![0u8; 0x200];
+    small.read_exact_at(&mut back, 0x3800).unwrap();
+    assert!(
+        back == pattern[..0x200],
+        "the read landed in the small region"
+    );
+    assert_eq!(c.ack(req::REM_MEM_REG, &add, &[]).unwrap(), 0);
+
+    // A region whose guest address and file offset differ within a page cannot be mapped as
+    // pages; one that shares a page with another cannot either; a page wholly past the file's
+    // end would fault. Each is refused with EINVAL and leaves the memory as it was.
+    let refuse = |r: Region, len: u64, what: &str| {
+        let f = memfd(len);
+        let got = c
+            .ack(
+                req::ADD_MEM_REG,
+                &proto::single_region_bytes(&r),
+                &[f.as_raw_fd()],
+            )
+            .unwrap();
+        assert_ne!(got, 0, "{what} was accepted");
+    };
+    let at = |gpa: u64, size: u64, off: u64| Region {
+        gpa,
+        size,
+        user_addr: USER + gpa,
+        mmap_offset: off,
+    };
+    refuse(
+        at(AT + 0x100, 0x1000, 0),
+        0x2000,
+        "guest and file offset apart",
+    );
+    refuse(
+        at(4 * MIB - 0x10, 0x1000, 0xff0),
+        0x2000,
+        "a page shared with the first region",
+    );
+    refuse(
+        at(AT, 0x2001, 0),
+        0x1000,
+        "a page wholly past the file's end",
+    );
+    // The first region still serves.
+    g.mem.write(Gpa(DATA), &[7; 512]).unwrap();
+    assert_eq!(request(&mut g, 1, 0, &[(DATA, 512, false)]).0, 0);
+    drop(c);
+    t.join().unwrap().1.ok();
+}
+
+#[test]
+fn a_request_of_more_than_512_pages_in_one_segment_is_served() {
+    // The config offers no size_max, so one segment of any length is legal (libblkio sends
+    // 4 MiB and 8 MiB in one); pin_pages takes at most 512 pages per call.
+    const BIG: u64 = 5 * MIB; // 1280 pages, 1281 with the unaligned start
+    const AT: u64 = MIB + 0x200;
+    let disk = image(8 * MIB);
+    let mut g = Guest::new(8 * MIB);
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let pattern: Vec<u8> = (0..BIG as u32).map(|i| (i % 251) as u8).collect();
+    g.mem.write(Gpa(AT), &pattern).unwrap();
+    assert_eq!(request(&mut g, 1, 8, &[(AT, BIG as u32, false)]).0, 0);
+    let mut on_disk = vec![0u8; BIG as usize];
+    disk.read_exact_at(&mut on_disk, 8 * 512).unwrap();
+    assert!(on_disk == pattern, "the image holds the 5 MiB written");
+    g.mem.write(Gpa(AT), &vec![0; BIG as usize]).unwrap();
+    let (st, n) = request(&mut g, 0, 8, &[(AT, BIG as u32, true)]);
+    assert_eq!((st, n), (0, BIG as u32 + 1));
+    let mut back = vec![0u8; BIG as usize];
+    g.mem.read(Gpa(AT), &mut back).unwrap();
+    assert!(back == pattern, "the 5 MiB read back");
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats.failed, 0);
+}
+
+/// An image opened O_DIRECT in the temporary directory, or why it cannot be.
+fn direct_image(bytes: u64) -> Result<(File, std::path::PathBuf), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = std::env::temp_dir();
+    let path = dir.join(format!("memvisor-direct-{}.img", std::process::id()));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .map_err(|e| format!("O_DIRECT on {}: {e}", dir.display()))?;
+    f.set_len(bytes).unwrap();
+    Ok((f, path))
+}
+
+#[test]
+fn an_o_direct_image_serves_aligned_buffers_directly_and_copies_unaligned_ones() {
+    let (disk, path) = match direct_image(4 * MIB) {
+        Ok(d) => d,
+        Err(why) => {
+            println!("skipped: an_o_direct_image_...: {why}");
+            return;
+        }
+    };
+    let mut g = Guest::new(4 * MIB);
+    let blk = Blk::new(disk, BlkOptions::default()).unwrap();
+    let (c, t) = serve(blk);
+    setup(&c, &g);
+    // Page-aligned buffers go straight to the file; buffers at odd addresses (legal in virtio;
+    // no file system's O_DIRECT takes them) are copied through an aligned buffer. Both land on the image, both read back.
+    let a: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 3) as u8).collect();
+    let b: Vec<u8> = (0..4608u32).map(|i| (i * 11 + 5) as u8).collect();
+    g.mem.write(Gpa(DATA), &a).unwrap();
+    g.mem.write(Gpa(DATA + 0x4000 + 101), &b).unwrap();
+    assert_eq!(request(&mut g, 1, 0, &[(DATA, 8192, false)]).0, 0);
+    assert_eq!(
+        request(&mut g, 1, 64, &[(DATA + 0x4000 + 101, 4608, false)]).0,
+        0
+    );
+    let plain = File::open(&path).unwrap();
+    let mut on_disk = vec![0u8; 8192];
+    plain.read_exact_at(&mut on_disk, 0).unwrap();
+    assert!(on_disk == a, "the aligned write reached the image");
+    let mut on_disk = vec![0u8; 4608];
+    plain.read_exact_at(&mut on_disk, 64 * 512).unwrap();
+    assert!(on_disk == b, "the unaligned write reached the image");
+    g.mem.write(Gpa(DATA), &[0; 0x8000]).unwrap();
+    let (st, n) = request(&mut g, 0, 64, &[(DATA + 0x211, 4608, true)]);
+    assert_eq!((st, n), (0, 4609));
+    let mut back = vec![0u8; 4608];
+    g.mem.read(Gpa(DATA + 0x211), &mut back).unwrap();
+    assert!(back == b, "the unaligned read landed");
+    let (st, _) = request(&mut g, 0, 0, &[(DATA + 0x4000, 8192, true)]);
+    assert_eq!(st, 0);
+    let mut back = vec![0u8; 8192];
+    g.mem.read(Gpa(DATA + 0x4000), &mut back).unwrap();
+    assert!(back == a, "the aligned read landed");
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = &backend.device().stats;
+    assert_eq!(
+        (s.bounced, s.failed),
+        (2, 0),
+        "two transfers copied, none failed"
+    );
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn discard_and_write_zeroes_clear_their_ranges_and_refuse_bad_segments() {
+    // Segments are (sector, sectors, flags), 16 bytes each, in device-readable buffers.
+    let seg = |sector: u64, n: u32, flags: u32| {
+        let mut b = sector.to_le_bytes().to_vec();
+        b.extend_from_slice(&n.to_le_bytes());
+        b.extend_from_slice(&flags.to_le_bytes());
+        b
+    };
+    let disk = image(MIB);
+    disk.write_all_at(&[0xab; 64 * 512], 0).unwrap();
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    let features = c.get_u64(memvisor_vhost::proto::req::GET_FEATURES).unwrap();
+    assert_eq!(features >> 13 & 3, 3, "DISCARD and WRITE_ZEROES offered");
+    let run = |g: &mut Guest, kind: u32, segs: &[Vec<u8>]| {
+        let bytes: Vec<u8> = segs.concat();
+        g.mem.write(Gpa(DATA), &bytes).unwrap();
+        request(g, kind, 0, &[(DATA, bytes.len() as u32, false)]).0
+    };
+    // Discard sectors 0..8 and 40..48 in one request; write zeroes over 16..24, and over
+    // 24..32 allowing unmap.
+    assert_eq!(run(&mut g, 11, &[seg(0, 8, 0), seg(40, 8, 0)]), 0);
+    assert_eq!(run(&mut g, 13, &[seg(16, 8, 0)]), 0);
+    assert_eq!(run(&mut g, 13, &[seg(24, 8, 1)]), 0);
+    let mut img = vec![0u8; 64 * 512];
+    disk.read_exact_at(&mut img, 0).unwrap();
+    for (i, sector) in img.chunks(512).enumerate() {
+        let cleared = matches!(i, 0..8 | 16..32 | 40..48);
+        let want = if cleared { 0 } else { 0xab };
+        assert!(sector.iter().all(|&b| b == want), "sector {i}");
+    }
+    // Unmap on a discard and unknown flags are UNSUPP; a range past the end, or a segment
+    // that is not 16 bytes, IOERR; nothing changes on the image.
+    assert_eq!(run(&mut g, 11, &[seg(8, 8, 1)]), 2);
+    assert_eq!(run(&mut g, 13, &[seg(8, 8, 4)]), 2);
+    assert_eq!(run(&mut g, 11, &[seg(2040, 16, 0)]), 1);
+    assert_eq!(run(&mut g, 13, &[seg(8, 8, 0), seg(u64::MAX, 1, 0)]), 1);
+    assert_eq!(run(&mut g, 11, &[seg(8, 8, 0)[..12].to_vec()]), 1);
+    let mut again = vec![0u8; 64 * 512];
+    disk.read_exact_at(&mut again, 0).unwrap();
+    assert!(again == img, "refused requests changed the image");
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = &backend.device().stats;
+    assert_eq!((s.discards, s.write_zeroes, s.failed), (1, 2, 5));
+}

@@ -253,8 +253,10 @@ impl Backing {
     /// Maps `size` bytes of the file behind `fd`, from `file_offset`, shared: memory another
     /// process (a VMM) hands over, e.g. in a vhost-user memory table. The descriptor is
     /// checked, not trusted: EINVAL if it is not a regular file (memfds and hugetlbfs files are),
-    /// if `file_offset` or `size` is not a multiple of the file's page size, or if the range passes
-    /// the file's end; EACCES (from mmap) if it is not open for reading and writing. The backing
+    /// if `file_offset` or `size` is not a multiple of the file's page size, or if a page of the
+    /// range lies wholly past the file's end (the last page may pass it: the kernel maps that
+    /// page, and its bytes past the end read as zeros, as a frontend's own mapping of a
+    /// byte-sized region does); EACCES (from mmap) if it is not open for reading and writing. The backing
     /// keeps the descriptor; the kind is [`BackingKind::Received`] with the page size of the file
     /// system (hugetlbfs: its huge page size).
     pub fn from_fd(fd: OwnedFd, file_offset: u64, size: u64) -> Result<Backing> {
@@ -272,12 +274,13 @@ impl Backing {
         page_size.check("received memory offset", file_offset)?;
         page_size.check("received memory size", size)?;
         let file_len = st.st_size.max(0) as u64;
+        let mappable = mappable_end(file_len, page_size);
         if file_offset
             .checked_add(size)
-            .is_none_or(|end| end > file_len)
+            .is_none_or(|end| end > mappable)
         {
             return Err(Error::OutOfBounds {
-                what: "received memory range (past the end of the file: touching it would be SIGBUS)",
+                what: "received memory range (a page wholly past the end of the file: touching it would be SIGBUS)",
                 start: file_offset,
                 len: size,
                 limit: file_len,
@@ -596,7 +599,7 @@ impl SharedMappings {
         file_offset: u64,
         size: u64,
     ) -> Result<(Arc<Backing>, u64)> {
-        let (st, _) = file_identity(&fd)?;
+        let (st, page_size) = file_identity(&fd)?;
         let end = file_offset.checked_add(size).ok_or(Error::RangeWraps {
             what: "received memory range",
             start: file_offset,
@@ -612,19 +615,17 @@ impl SharedMappings {
         }
         live.retain(|_, b| b.strong_count() > 0);
         let file_len = st.st_size.max(0) as u64;
-        if end > file_len {
+        let whole = mappable_end(file_len, page_size);
+        if end > whole {
             return Err(Error::OutOfBounds {
-                what: "received memory range (past the end of the file: touching it would be SIGBUS)",
+                what: "received memory range (a page wholly past the end of the file: touching it would be SIGBUS)",
                 start: file_offset,
                 len: size,
                 limit: file_len,
             });
         }
-        let backing = Arc::new(Backing::from_fd(fd, 0, file_len)?);
-        live.insert(
-            (st.st_dev, st.st_ino, 0, file_len),
-            Arc::downgrade(&backing),
-        );
+        let backing = Arc::new(Backing::from_fd(fd, 0, whole)?);
+        live.insert((st.st_dev, st.st_ino, 0, whole), Arc::downgrade(&backing));
         Ok((backing, file_offset))
     }
 
@@ -641,6 +642,15 @@ impl SharedMappings {
 }
 
 /// `fstat` and the page size of the file system behind `fd` (hugetlbfs: its huge pages).
+/// How far a file of `file_len` bytes can be mapped and touched: to the end of the page holding
+/// its last byte. The kernel faults a page in if any of it is inside the file (the rest reads
+/// as zeros) and raises SIGBUS only for a page wholly past the end.
+fn mappable_end(file_len: u64, page_size: PageSize) -> u64 {
+    file_len
+        .checked_next_multiple_of(page_size.bytes())
+        .unwrap_or(file_len)
+}
+
 fn file_identity(fd: &OwnedFd) -> Result<(libc::stat, PageSize)> {
     // SAFETY: fstat and fstatfs write only into the structs we pass; the fd is ours.
     let (st, sfs) = unsafe {

@@ -87,6 +87,28 @@ fn hostile_descriptors_and_ranges_are_refused_with_einval() {
 }
 
 #[test]
+fn a_file_whose_last_page_is_partial_maps_that_page() {
+    // A frontend may hand over a file of any byte size (libblkio: 0x3b10 bytes). Its last page
+    // maps (the kernel faults it in; bytes past the end read as zeros); a page wholly past the
+    // end is refused, as touching it would be SIGBUS.
+    let f = memfd(0x3b10);
+    f.write_all_at(&[0x77; 0x10], 0x3b00).unwrap();
+    let b = Backing::from_fd(owned(&f), 0, 0x4000).unwrap();
+    let mut tail = [0xffu8; 0x20];
+    b.read(0x3b00, &mut tail).unwrap();
+    assert_eq!(tail[..0x10], [0x77; 0x10], "the file's last bytes");
+    assert_eq!(tail[0x10..], [0; 0x10], "past the end of the file: zeros");
+    let e = Backing::from_fd(owned(&f), 0, 0x5000).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    assert!(e.to_string().contains("wholly past the end"), "{e}");
+    // Mapping within a file maps the whole of its last page too.
+    let (whole, off) = SharedMappings::default()
+        .map_within(owned(&f), 0x3000, 0x1000)
+        .unwrap();
+    assert_eq!((whole.size(), off), (0x4000, 0x3000));
+}
+
+#[test]
 fn one_range_of_one_file_is_mapped_once_per_process() {
     let table = SharedMappings::default();
     let f = memfd(8 * MIB);

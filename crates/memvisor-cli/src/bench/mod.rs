@@ -6,6 +6,7 @@
 //! asked for, and hands out terminal [`Progress`] bars. The registry is [`all`]; the report
 //! writer ([`report`]) and the chart renderer ([`charts`]) turn outcomes into files.
 
+mod blk;
 pub mod charts;
 mod guest;
 mod hugepages;
@@ -27,9 +28,10 @@ pub use charts::{Better, Chart, ChartGroup};
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
-/// Experiments run only when named: they need root and minutes (`memvisor bench guest`).
+/// Experiments run only when named: they need root and minutes (`memvisor bench guest`,
+/// `memvisor bench blk`).
 pub fn on_request() -> Vec<Box<dyn Experiment>> {
-    vec![Box::new(guest::Guest)]
+    vec![Box::new(guest::Guest), Box::new(blk::BlkBench)]
 }
 
 /// ns one `Instant::now()` + `elapsed()` pair costs (median of many).

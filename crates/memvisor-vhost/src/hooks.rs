@@ -1,0 +1,44 @@
+//! TEST ONLY (feature `test-hooks`): switches that break the back end on purpose, so that the
+//! real-guest trials' negative controls can show their checks fail. Each is read once from an
+//! environment variable, says so in the log when on, and exists only in a test-hooks build;
+//! nothing else should use them.
+
+use memvisor::SharedLog;
+
+use crate::memory::FrontendMemory;
+
+/// With `MEMVISOR_TEST_IGNORE_INVALIDATE=IOVA` (hex), IOTLB invalidations of ranges starting at
+/// that IOVA are acknowledged and not performed, so requests keep reaching memory the guest
+/// took back there. The real-guest hostile trial's race phase must catch it; every other
+/// invalidation goes through, so the rest of the trial runs as usual.
+pub(crate) fn ignored_invalidation() -> Option<u64> {
+    static IGNORE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *IGNORE.get_or_init(|| {
+        let v = std::env::var("MEMVISOR_TEST_IGNORE_INVALIDATE").ok()?;
+        let iova = u64::from_str_radix(v.trim_start_matches("0x"), 16).ok()?;
+        log::warn!("TEST ONLY: IOTLB invalidations at iova {iova:#x} are acknowledged and ignored");
+        Some(iova)
+    })
+}
+
+/// With `MEMVISOR_TEST_LEAK_ON_HANGUP` set, a frontend that leaves has its memory table and
+/// dirty log kept mapped — the slot snapshot (which holds every region's backing) and the log
+/// go into `stash` instead of being dropped — so the real-guest frontend-dies trial's release
+/// check must fail. The device is still reset and the next frontend served.
+pub(crate) fn leak_on_hangup(
+    stash: &mut Vec<Box<dyn std::any::Any + Send>>,
+    memory: &FrontendMemory,
+    log: Option<SharedLog>,
+) {
+    static LEAK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *LEAK.get_or_init(|| {
+        let on = std::env::var_os("MEMVISOR_TEST_LEAK_ON_HANGUP").is_some();
+        if on {
+            log::warn!("TEST ONLY: a departed frontend's memory and log stay mapped");
+        }
+        on
+    });
+    if on {
+        stash.push(Box::new((memory.slots().snapshot(), log)));
+    }
+}
