@@ -6,7 +6,8 @@
 # usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
 #                      | blk --disk-fault [--negative] | blk --memlock [--negative]
 #                      | mig [--negative] [--iommu=M] | hostile [--negative]
-#                      | vfio-user [--negative] [--unmap-busy] [--private] [--long-term]
+#                      | vfio-user [--negative] [--unmap-busy] [--private] [--long-term] [--after-fuzz]
+#                                  [--client-dies [--negative]]
 #                      | blkio [--negative]
 #                      | blk --frontend-dies [--negative] | mig --frontend-dies [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
@@ -77,6 +78,19 @@
 #   vfio-user --private: guest RAM is private to QEMU (no shared memory backend), so every
 #               DMA_MAP comes without a descriptor and every byte the device moves goes through
 #               DMA_READ / DMA_WRITE messages to QEMU; pin mode finds nothing to pin and copies.
+#   vfio-user --after-fuzz: first 15 s of memvisor's hostile vfio-user client (vfio-user-fuzz)
+#               against the server; it must still be alive, and the same server process must
+#               then serve QEMU and pass. Every connection, the hostile ones too, must leave the
+#               server's VmLck, VmPin and memfd mappings where they were before the first.
+#   vfio-user --client-dies: QEMU runs the vfio-user trial; 5 s into its correctness phase, once
+#               the server holds locks or pins and maps guest memory, QEMU is killed (SIGKILL).
+#               Within 10 s the server must be alive with VmLck, VmPin and its memfd mappings
+#               back at their values before the first client (/proc/PID/status, /proc/PID/maps);
+#               then a second QEMU runs a shortened vfio-user trial (MVDMA_SECS, default 10)
+#               against the same server.
+#   vfio-user --client-dies --negative: the server keeps a dead connection's DMA table and all
+#               it maps, locks and pins (needs MEMVISOR= a binary built with --features
+#               test-hooks; MEMVISOR_TEST_LEAK_ON_HANGUP); the /proc checks must then FAIL.
 #   blk --frontend-dies: the guest streams 4 MiB O_DIRECT writes and reads (t=hammer); the host
 #               SIGKILLs QEMU while the back end is inside a request's preadv/pwritev, its pins
 #               held (it keeps the image's page cache cold so requests wait on the disk). Within
@@ -113,10 +127,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
-negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0
+negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0; client_dies=0
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
-for a in "$@"; do case $a in --negative) negative=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
+for a in "$@"; do case $a in --negative) negative=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 # With --frontend-dies, --negative is the leak switch (MEMVISOR_TEST_LEAK_ON_HANGUP, a test-hooks
 # build), not the trial's own negative control.
 leak=0; if [ $frontend_dies = 1 ] && [ $negative = 1 ]; then negative=0; leak=1; export MEMVISOR_TEST_LEAK_ON_HANGUP=1; fi
@@ -132,7 +146,7 @@ fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/in
 [ $fresh = 1 ] || guest/mkguest.sh "$work/vm" >/dev/null
 cd "$work"
 name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $unmap_busy = 0 ] || name=$name-unmap-busy; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term
-[ $frontend_dies = 0 ] || name=$name-frontend-dies; [ $leak = 0 ] || name=$name-negative
+[ $frontend_dies = 0 ] || name=$name-frontend-dies; [ $leak = 0 ] || name=$name-negative; [ $client_dies = 0 ] || name=$name-client-dies
 [ $disk_fault = 0 ] || name=${name/blk/blk-disk-fault}; [ $memlock = 0 ] || name=${name/blk/blk-memlock}
 # The disk-fault trial's mounts (tmpfs, FUSE) from a run that died before its cleanup.
 for m in "$work/run/$name/fault/fuse" "$work/run/$name/fault/tmpfs"; do
@@ -806,20 +820,89 @@ vfio-user)
   # --unmap-busy: the server refuses DMA_UNMAP with EBUSY while the device holds pins, as it
   # did before it waited for the device (a binary built with the test-hooks feature); QEMU takes
   # that as done, so the guest's race phase must see the device write an unmapped buffer.
-  extra=(); [ $negative = 0 ] || [ $unmap_busy = 1 ] || extra+=(--test-ignore-unmap); [ $long_term = 0 ] || extra+=(--long-term-pins)
-  busy_env=(); [ $unmap_busy = 0 ] || busy_env=(MEMVISOR_TEST_UNMAP_BUSY=1)
-  env "${busy_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-warn} "$bin" vfio-user --socket "$run/vfu.sock" --stats "$run/stats.json" \
-    --record "$run/dma.rec" "${extra[@]}" > "$run/backend.log" 2>&1 &
+  # --client-dies --negative: the server keeps a dead connection's memory, locks and pins.
+  extra=(); [ $negative = 0 ] || [ $unmap_busy = 1 ] || [ $client_dies = 1 ] || extra+=(--test-ignore-unmap); [ $long_term = 0 ] || extra+=(--long-term-pins)
+  # The recording (replayed by `memvisor bench vfio-user`) is of QEMU's traffic alone.
+  [ $fuzz = 1 ] || [ $client_dies = 1 ] || extra+=(--record "$run/dma.rec")
+  test_env=(); [ $unmap_busy = 0 ] || test_env=(MEMVISOR_TEST_UNMAP_BUSY=1)
+  [ $client_dies = 0 ] || [ $negative = 0 ] || test_env=(MEMVISOR_TEST_LEAK_ON_HANGUP=1)
+  env "${test_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-warn} "$bin" vfio-user --socket "$run/vfu.sock" --stats "$run/stats.json" \
+    "${extra[@]}" > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/vfu.sock"
+  # no_timer_check: a guest booting while the host is busy can fail Linux's check that the
+  # timer interrupt arrives through the remapped IO-APIC and panic (seen under TCG).
+  vfu_devices=(-device intel-iommu,intremap=on,caching-mode=on
+    -device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$run/vfu.sock\"},\"addr\":\"04.0\"}")
+  # "VmLck-kB VmPin-kB memfd-mappings" of the server process.
+  proc_figures() {
+    echo "$(awk '/^VmLck:/{l=$2} /^VmPin:/{p=$2} END{printf "%d %d", l, p}' "/proc/$bpid/status") $(grep -c '/memfd:' "/proc/$bpid/maps" || true)"
+  }
+  read -r lck0 pin0 maps0 <<< "$(proc_figures)"
+  echo "  server before any client: VmLck $lck0 kB, VmPin $pin0 kB, $maps0 memfd mappings"
+  if [ $fuzz = 1 ]; then
+    "$bin" vfio-user-fuzz --socket "$run/vfu.sock" --seconds 15 --seed "${SEED:-$RANDOM}" | sed 's/^/  /' \
+      || { echo "$name: the hostile client stopped with an error"; tail "$run/backend.log"; exit 1; }
+    kill -0 "$bpid" 2>/dev/null || { echo "$name: the server died under the hostile client"; tail "$run/backend.log"; exit 1; }
+    # The server may still be ending the last hostile connection: give it up to 10 s.
+    for _ in $(seq 50); do
+      read -r lck pin maps <<< "$(proc_figures)"
+      [ "$lck" -le "$lck0" ] && [ "$pin" -le "$pin0" ] && [ "$maps" -le "$maps0" ] && break
+      sleep 0.2
+    done
+    echo "  server alive after the hostile client: VmLck $lck kB, VmPin $pin kB, $maps memfd mappings (want $lck0, $pin0, $maps0)"
+    [ "$lck" -le "$lck0" ] && [ "$pin" -le "$pin0" ] && [ "$maps" -le "$maps0" ] \
+      || { echo "$name: the hostile client's memory, locks or pins were not released"; exit 1; }
+  fi
+  secs=${MVDMA_SECS:-45}
+  if [ $client_dies = 1 ]; then
+    # The first client: the full trial, killed once the server holds locks or pins in guest
+    # memory it maps (the guest's correctness phase alternates pin and copy mode).
+    qemu "t=vfio-user mvdma_dev=0000:00:04.0 mvdma_req=${MVDMA_REQ:-2000} mvdma_secs=45 mvdma_scale=${MVDMA_SCALE:-4096} intel_iommu=on iommu.strict=1 no_timer_check" "${vfu_devices[@]}"
+    # Killed 5 s into the guest's correctness phase (tables in both modes, maps churning),
+    # at a moment the server holds locks or pins.
+    first=$qpid; busy=""; up=0
+    for _ in $(seq 2400); do
+      kill -0 "$first" 2>/dev/null || break
+      [ $up != 0 ] || ! grep -q -a 'MVDMA device' "$log" || up=$SECONDS
+      if [ $up != 0 ] && [ $((SECONDS - up)) -ge 5 ]; then
+        read -r lck pin maps <<< "$(proc_figures)"
+        if [ $((lck + pin)) -gt $((lck0 + pin0)) ] && [ "$maps" -gt "$maps0" ]; then busy=1; break; fi
+      fi
+      sleep 0.1
+    done
+    [ -n "$busy" ] || { echo "$name: the first client never left locks or pins outstanding"; tail -20 "$log"; exit 1; }
+    victim=$(pgrep -n -f 'qemu-system-x86_64.*t=vfio-user' || true)
+    [ -n "$victim" ] || { echo "$name: no QEMU process to kill"; exit 1; }
+    kill -KILL "$victim"
+    t0=$(date +%s.%N)
+    echo "  outstanding when QEMU (pid $victim) was killed: VmLck $lck kB, VmPin $pin kB, $maps memfd mappings; guest: $(grep -a '^MVDMA' "$log" | tail -1 | tr -d '\r')"
+    wait "$first" 2>/dev/null || true
+    cp "$log" "$run/console-first.log"
+    released=""
+    while awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{exit !(b - a < 10)}'; do
+      kill -0 "$bpid" 2>/dev/null || break
+      read -r lck pin maps <<< "$(proc_figures)"
+      if [ "$lck" -le "$lck0" ] && [ "$pin" -le "$pin0" ] && [ "$maps" -le "$maps0" ]; then released=1; break; fi
+      sleep 0.1
+    done
+    took=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')
+    alive=no; ! kill -0 "$bpid" 2>/dev/null || alive=yes
+    echo "  after the kill: server alive: $alive; VmLck $lck kB, VmPin $pin kB, $maps memfd mappings after $took s (want $lck0, $pin0, $maps0 within 10 s)"
+    proc=FAIL; [ $alive = yes ] && [ -n "$released" ] && proc=PASS
+    echo "$name: /proc checks after the client died: $proc"
+    if [ $negative = 1 ]; then
+      [ $proc = FAIL ] && { echo "$name: the trial failed as it must (the dead client's memory was kept)"; exit 0; }
+      echo "$name: a server that keeps a dead client's memory went unnoticed"; exit 1
+    fi
+    [ $proc = PASS ] || { tail "$run/backend.log"; exit 1; }
+    secs=${MVDMA_SECS:-10}
+  fi
   start=$(date +%s.%N)
-  qemu "t=vfio-user mvdma_dev=0000:00:04.0 mvdma_req=${MVDMA_REQ:-2000} mvdma_secs=${MVDMA_SECS:-45} mvdma_scale=${MVDMA_SCALE:-4096} intel_iommu=on iommu.strict=1" \
-    -device intel-iommu,intremap=on,caching-mode=on \
-    -device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$run/vfu.sock\"},\"addr\":\"04.0\"}"
+  qemu "t=vfio-user mvdma_dev=0000:00:04.0 mvdma_req=${MVDMA_REQ:-2000} mvdma_secs=$secs mvdma_scale=${MVDMA_SCALE:-4096} intel_iommu=on iommu.strict=1 no_timer_check" "${vfu_devices[@]}"
   wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
   end=$(date +%s.%N)
-  # The server exits by itself when QEMU hangs up.
-  for _ in $(seq 50); do kill -0 "$bpid" 2>/dev/null || break; sleep 0.1; done
+  # The server serves client after client: stop it.
   kill -TERM "$bpid" 2>/dev/null || true; wait "$bpid" 2>/dev/null || true
   { grep -a -h -E '^(GUEST|MVDMA)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
   res=$(grep -a '^RESULT vfio-user' "$log" | tail -1 | tr -d '\r' || true)
@@ -867,6 +950,12 @@ if private:
     if s["peer_errors"] > max(race_failed, 0): bad.append(f"{s['peer_errors']} DMA_READ/DMA_WRITE failed, more than the {race_failed} descriptors the race cut off")
     if not d["pin_fallbacks"]: bad.append("pin mode never met memory without a descriptor")
 if s["end"] != "ok": bad.append(f"connection ended: {s['end']}")
+# Every connection (hostile, killed or not) must leave the process as it was before the first.
+base, conns = s["baseline"], s["connections"]
+for i, c in enumerate(conns):
+    over = [f"{k}={c['after'][k]}" for k in ("vm_lck_kb", "vm_pin_kb", "memfd_maps", "shared_file_maps") if c["after"][k] > base[k]]
+    if over:
+        bad.append(f"connection {i + 1} of {len(conns)} left {', '.join(over)} after it ended"); break
 if s["pinned_pages_at_end"] or s["locked_bytes_at_end"]: bad.append(f"leaked pins {s['pinned_pages_at_end']} pages, {s['locked_bytes_at_end']} bytes locked")
 if d["descriptors_failed"] != 6 + max(race_failed, 0):
     bad.append(f"{d['descriptors_failed']} descriptors failed, want the 6 bad ones and the {race_failed} the race's unmaps cut off")
@@ -877,7 +966,10 @@ print(("FAIL " + "; ".join(bad)) if bad else "PASS", f"maps={s['dma_maps']} unma
       f"descriptors ok={d['descriptors_ok']} failed={d['descriptors_failed']} copy={d['copy_descriptors']} pin={d['pin_descriptors']}",
       f"pin_calls={d['pin_calls']} irqs={s['irqs_signalled']} mib={d['bytes'] / 2**20:.1f}",
       f"remote_maps={s['dma_maps_remote']} dma_read={s['peer_reads']} dma_write={s['peer_writes']} peer_mib={s['peer_bytes'] / 2**20:.1f} pin_fallbacks={d['pin_fallbacks']}",
-      f"long_term_pins={s['long_term_pins']} long_term_fallbacks={s['long_term_fallbacks']}")
+      f"long_term_pins={s['long_term_pins']} long_term_fallbacks={s['long_term_fallbacks']}",
+      f"connections={len(conns)} (first: end={conns[0]['end']!r} left {conns[0]['mappings_at_end']} mappings,"
+      f" {conns[0]['pinned_pages_at_hangup']} pages pinned by the device; after it VmLck={conns[0]['after']['vm_lck_kb']} kB"
+      f" VmPin={conns[0]['after']['vm_pin_kb']} kB memfd_maps={conns[0]['after']['memfd_maps']})" if conns else "connections=0")
 PY
 )
   echo "  server: $host"

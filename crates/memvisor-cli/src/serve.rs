@@ -4,6 +4,13 @@
 //! Several `--blk` / `--balloon` devices given to one process share memvisor's process-wide
 //! state — one mapping per range of guest memory and one pin registry — so a balloon discard
 //! never frees a page the block device has pinned for I/O in flight.
+//!
+//! `memvisor vfio-user` serves one vfio-user client at a time, one after another, as a
+//! deployed device server must (QEMU reconnects after a restart or a migration): every
+//! connection gets its own server, DMA table and device, and when its client hangs up or dies
+//! the device is stopped and everything mapped, pinned or locked for it is released before the
+//! next client is accepted. The process's `VmLck`, `VmPin` and mappings of client memory are
+//! read from `/proc/self` before the first client and after each one, and reported.
 
 use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, Write};
@@ -563,58 +570,225 @@ pub fn init_logging() {
     }
 }
 
+/// What the process holds of its clients' memory, from `/proc/self`: read before the first
+/// vfio-user client and after each one's cleanup, when it must be back where it started.
+#[derive(Serialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcFigures {
+    /// `VmLck` and `VmPin` of `/proc/self/status`, KiB.
+    pub vm_lck_kb: u64,
+    pub vm_pin_kb: u64,
+    /// Mappings of memfds in `/proc/self/maps` (QEMU's guest RAM comes as one).
+    pub memfd_maps: u64,
+    /// Shared mappings of any file (memfds included): all a client's descriptors can become.
+    pub shared_file_maps: u64,
+}
+
+impl ProcFigures {
+    /// This process now; fields that cannot be read stay 0 and the reason is logged.
+    pub fn now() -> ProcFigures {
+        let mut f = ProcFigures::default();
+        match std::fs::read_to_string("/proc/self/status") {
+            Ok(status) => {
+                for line in status.lines() {
+                    let kb = |l: &str| {
+                        l.split_whitespace()
+                            .nth(1)
+                            .and_then(|v| v.parse().ok())
+                            .unwrap_or(0)
+                    };
+                    if line.starts_with("VmLck:") {
+                        f.vm_lck_kb = kb(line);
+                    } else if line.starts_with("VmPin:") {
+                        f.vm_pin_kb = kb(line);
+                    }
+                }
+            }
+            Err(e) => log::warn!("cannot read /proc/self/status: {e}"),
+        }
+        match std::fs::read_to_string("/proc/self/maps") {
+            Ok(maps) => {
+                for line in maps.lines() {
+                    // address perms offset dev inode path
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    let (Some(perms), Some(path)) = (fields.get(1), fields.get(5)) else {
+                        continue;
+                    };
+                    if path.starts_with("/memfd:") {
+                        f.memfd_maps += 1;
+                    }
+                    if perms.ends_with('s') && path.starts_with('/') {
+                        f.shared_file_maps += 1;
+                    }
+                }
+            }
+            Err(e) => log::warn!("cannot read /proc/self/maps: {e}"),
+        }
+        f
+    }
+}
+
+/// One vfio-user connection, as it ended.
+#[derive(Serialize, Clone, Debug)]
+pub struct VfioUserConnection {
+    /// How it ended: "ok" (the client hung up, or died) or the error that ended it.
+    pub end: String,
+    /// Requests, refusals and maps of the connection.
+    pub requests: u64,
+    pub errors: u64,
+    pub dma_maps: u64,
+    /// Mappings and device pins the client left behind (the server releases them), and
+    /// device pins still held after the device was stopped (must be 0).
+    pub mappings_at_end: u64,
+    pub pinned_pages_at_hangup: u64,
+    pub pinned_pages_at_end: u64,
+    /// The process after the server released the connection.
+    pub after: ProcFigures,
+}
+
 /// What `memvisor vfio-user` did, for `--stats`.
 #[derive(Serialize)]
 pub struct VfioUserReport {
     /// Socket served.
     pub socket: String,
-    /// How the connection ended: "ok" (the client hung up) or the error that ended it.
+    /// How the last connection ended: "ok" (the client hung up) or the error that ended it
+    /// ("no client connected" if none did).
     pub end: String,
-    /// The server's and the device's counters.
+    /// The process before the first client.
+    pub baseline: ProcFigures,
+    /// Every connection in order, with the process's figures after each one's cleanup.
+    pub connections: Vec<VfioUserConnection>,
+    /// The last connection's server and device counters (the pin registry's are the
+    /// process's).
     #[serde(flatten)]
     pub server: memvisor_vfio_user::ServerStats,
 }
 
-/// Serves the `mvdma` reference device to one vfio-user client on `socket`, until the client
-/// hangs up or a signal arrives; then stops the device, drops every mapping and reports.
+/// Test-only switches of the vfio-user server.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VfioUserTestSwitches {
+    /// Answer `DMA_UNMAP` without unmapping (`--test-ignore-unmap`).
+    pub ignore_unmap: bool,
+}
+
+/// Serves the `mvdma` reference device to vfio-user clients on `socket`, one after another,
+/// until a signal. Each connection gets a new server, DMA table and device; when its client
+/// hangs up or dies, the device is stopped and everything mapped, pinned or locked for it is
+/// released before the next client is accepted. Returns what every connection did.
 pub fn vfio_user(
     socket: &Path,
     record: Option<&Path>,
     long_term_pins: bool,
-    test_ignore_unmap: bool,
+    test: VfioUserTestSwitches,
 ) -> Result<VfioUserReport> {
-    use memvisor_vfio_user::{DmaDev, Server};
+    use std::sync::{Arc, Mutex};
     if long_term_pins {
         use_long_term_pins()?;
     }
+    let record = match record {
+        Some(path) => Some(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create the recording {}", path.display()))?,
+        ),
+        None => None,
+    };
     let listener = listen(socket)?;
     listener.set_nonblocking(true)?;
-    let sock = loop {
-        if STOP.load(Ordering::Relaxed) {
-            let _ = std::fs::remove_file(socket);
-            anyhow::bail!("stopped before a client connected to {}", socket.display());
-        }
-        match listener.accept() {
-            Ok((sock, _)) => break sock,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20))
-            }
-            Err(e) => return Err(e).context("accept on the vfio-user socket"),
-        }
-    };
-    sock.set_nonblocking(false)?;
-    log::info!("vfio-user client connected on {}", socket.display());
-    // A signal ends the connection: shutting the socket down wakes the server's read.
-    let watch = sock.try_clone()?;
+    let baseline = ProcFigures::now();
+    log::info!(
+        "vfio-user: serving mvdma on {}; before any client: {baseline:?}",
+        socket.display()
+    );
+    // A signal ends the connection being served: shutting its socket down wakes the server's
+    // read.
+    let current: Arc<Mutex<Option<UnixStream>>> = Arc::new(Mutex::new(None));
+    let watched = current.clone();
     std::thread::spawn(move || {
         while !STOP.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(100));
         }
-        let _ = watch.shutdown(std::net::Shutdown::Both);
+        if let Some(s) = watched.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
     });
+    let mut report = VfioUserReport {
+        socket: socket.display().to_string(),
+        end: "no client connected".into(),
+        baseline,
+        connections: Vec::new(),
+        server: Default::default(),
+    };
+    while let Some(sock) = accept(&listener)? {
+        sock.set_nonblocking(false)?;
+        let n = report.connections.len() + 1;
+        log::info!("vfio-user client {n} connected on {}", socket.display());
+        *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(sock.try_clone()?);
+        if STOP.load(Ordering::Relaxed) {
+            // The watcher may have looked before this connection was there.
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+        }
+        let (stats, end) = serve_one(sock, record.as_ref(), test)?;
+        *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let after = ProcFigures::now();
+        let end = match end {
+            Ok(()) => "ok".to_string(),
+            Err(e) => e.to_string(),
+        };
+        log::info!(
+            "vfio-user client {n} gone ({end}): it left {} mappings and {} pages pinned by the \
+             device; after release {after:?}",
+            stats.mappings_at_end,
+            stats.pinned_pages_at_hangup
+        );
+        report.connections.push(VfioUserConnection {
+            end: end.clone(),
+            requests: stats.requests,
+            errors: stats.errors,
+            dma_maps: stats.dma_maps,
+            mappings_at_end: stats.mappings_at_end,
+            pinned_pages_at_hangup: stats.pinned_pages_at_hangup,
+            pinned_pages_at_end: stats.pinned_pages_at_end,
+            after,
+        });
+        report.end = end;
+        report.server = stats;
+    }
+    let _ = std::fs::remove_file(socket);
+    Ok(report)
+}
+
+/// The next client, or None once a signal arrived.
+fn accept(listener: &UnixListener) -> Result<Option<UnixStream>> {
+    loop {
+        if STOP.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        match listener.accept() {
+            Ok((sock, _)) => return Ok(Some(sock)),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::Interrupted =>
+            {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => return Err(e).context("accept on the vfio-user socket"),
+        }
+    }
+}
+
+/// Serves one client with a new server and device; returns once it is gone and (unless a
+/// test switch says otherwise) everything it had is released.
+fn serve_one(
+    sock: UnixStream,
+    record: Option<&std::fs::File>,
+    test: VfioUserTestSwitches,
+) -> Result<(
+    memvisor_vfio_user::ServerStats,
+    memvisor_vfio_user::Result<()>,
+)> {
+    use memvisor_vfio_user::{DmaDev, Server};
     let mut server = Server::new(sock, memvisor::DmaConfig::default(), DmaDev::new)
         .context("vfio-user server")?;
-    if test_ignore_unmap {
+    if test.ignore_unmap {
         log::warn!("TEST ONLY: DMA_UNMAP is answered without unmapping");
         server.test_ignore_unmap();
     }
@@ -623,21 +797,17 @@ pub fn vfio_user(
         log::warn!("TEST ONLY: DMA_UNMAP is refused with EBUSY while the device holds pins");
         server.test_busy_while_pinned();
     }
-    if let Some(path) = record {
-        let f = std::fs::File::create(path)
-            .with_context(|| format!("cannot create the recording {}", path.display()))?;
+    #[cfg(feature = "test-hooks")]
+    if std::env::var_os("MEMVISOR_TEST_LEAK_ON_HANGUP").is_some() {
+        log::warn!("TEST ONLY: a connection's mappings, locks and pins are kept after it ends");
+        server.test_leak_on_hangup();
+    }
+    if let Some(f) = record {
+        // Every connection appends to the one recording.
+        let f = f.try_clone().context("the recording")?;
         server.record_to(Box::new(std::io::BufWriter::new(f)));
     }
-    let (stats, end) = server.serve();
-    let _ = std::fs::remove_file(socket);
-    Ok(VfioUserReport {
-        socket: socket.display().to_string(),
-        end: match end {
-            Ok(()) => "ok".into(),
-            Err(e) => e.to_string(),
-        },
-        server: stats,
-    })
+    Ok(server.serve())
 }
 
 #[cfg(test)]

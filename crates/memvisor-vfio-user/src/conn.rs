@@ -15,7 +15,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::time::Duration;
 
 use memvisor_wire::frame::protocol_error;
@@ -141,12 +141,18 @@ impl Conn {
         };
         let sent = self.send(h, body, &[]);
         let got = sent.and_then(|()| {
-            rx.recv_timeout(timeout).map_err(|_| Error::Refused {
+            rx.recv_timeout(timeout).map_err(|e| Error::Refused {
                 errno: libc::ETIMEDOUT,
-                why: format!(
-                    "{} (id {id}): no reply from the client in {timeout:?}",
-                    cmd::name(command)
-                ),
+                why: match e {
+                    RecvTimeoutError::Timeout => format!(
+                        "{} (id {id}): no reply from the client in {timeout:?}",
+                        cmd::name(command)
+                    ),
+                    RecvTimeoutError::Disconnected => format!(
+                        "{} (id {id}): the connection ended before the client replied",
+                        cmd::name(command)
+                    ),
+                },
             })
         });
         lock(&self.pending).remove(&id);
@@ -177,6 +183,13 @@ impl Conn {
                 proto::cmd::name(m.header.command)
             ),
         }
+    }
+
+    /// Wakes every thread waiting for a reply to its request: none will come (the server loop,
+    /// which delivers replies, has stopped). Their requests fail at once instead of after
+    /// their timeout.
+    pub fn fail_pending(&self) {
+        lock(&self.pending).clear();
     }
 
     /// Shuts the socket down, waking the server loop.

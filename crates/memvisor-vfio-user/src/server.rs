@@ -246,6 +246,8 @@ pub struct ServerStats {
     pub region_writes: u64,
     /// Interrupts signalled through eventfds.
     pub irqs_signalled: u64,
+    /// Pages the device had pinned when the connection ended (before it was stopped).
+    pub pinned_pages_at_hangup: u64,
     /// Pages the device still had pinned after it was stopped: must be 0.
     pub pinned_pages_at_end: u64,
     /// Bytes the process still had locked after the server dropped its mappings: must be 0.
@@ -277,7 +279,16 @@ pub struct Server<D: Device> {
     /// pins, as before issue 31, instead of waiting for them.
     #[cfg(feature = "test-hooks")]
     busy_while_pinned: bool,
+    /// TEST ONLY (feature `test-hooks`): at the end of the connection keep its DMA table,
+    /// mappings, locks and socket alive forever instead of releasing them.
+    #[cfg(feature = "test-hooks")]
+    leak_on_hangup: bool,
 }
+
+/// TEST ONLY (feature `test-hooks`): the ports of connections [`Server::test_leak_on_hangup`]
+/// kept, with their DMA tables and everything mapped, locked or pinned through them.
+#[cfg(feature = "test-hooks")]
+static LEAKED: Mutex<Vec<Arc<Port>>> = Mutex::new(Vec::new());
 
 impl<D: Device> Server<D> {
     /// A server on `sock` whose device `make` builds around the [`Port`]. The DMA space follows
@@ -310,6 +321,8 @@ impl<D: Device> Server<D> {
             zombies: None,
             #[cfg(feature = "test-hooks")]
             busy_while_pinned: false,
+            #[cfg(feature = "test-hooks")]
+            leak_on_hangup: false,
         })
     }
 
@@ -320,6 +333,15 @@ impl<D: Device> Server<D> {
     #[cfg(feature = "test-hooks")]
     pub fn test_busy_while_pinned(&mut self) {
         self.busy_while_pinned = true;
+    }
+
+    /// TEST ONLY (feature `test-hooks`): when the connection ends, neither stop the device nor
+    /// unmap anything: the port (its DMA table, every mapping of the client's memory, the locks
+    /// and pins in it, the socket) is kept in a static for the life of the process — a server
+    /// that leaks what a dead client had. The client-dies trial's `/proc` checks must catch it.
+    #[cfg(feature = "test-hooks")]
+    pub fn test_leak_on_hangup(&mut self) {
+        self.leak_on_hangup = true;
     }
 
     /// Runs `unmap` on the table. If the device keeps its pins in the range past the table's
@@ -371,14 +393,40 @@ impl<D: Device> Server<D> {
     /// returned after the same cleanup.
     pub fn serve(mut self) -> (ServerStats, Result<()>) {
         let end = self.run();
+        // The device's own requests (DMA_READ / DMA_WRITE) can neither go out nor get a reply
+        // now: new ones fail at the socket, those waiting fail at once.
+        self.conn.shutdown();
+        self.conn.fail_pending();
+        #[cfg(feature = "test-hooks")]
+        let release = !self.leak_on_hangup;
+        #[cfg(not(feature = "test-hooks"))]
+        let release = true;
+        self.stats.pinned_pages_at_hangup = self.port.dma.device_pinned_pages();
         // Whatever ended the connection, nothing stays pinned, mapped or locked.
-        if let Err(e) = self.device.reset() {
-            log::warn!("device reset at disconnect: {e}");
+        if release {
+            if let Err(e) = self.device.reset() {
+                log::warn!("device reset at disconnect: {e}");
+            }
         }
         self.stats.mappings_at_end = self.port.dma.len() as u64;
         self.stats.pinned_pages_at_end = self.port.dma.device_pinned_pages();
-        if let Err(e) = self.port.dma.unmap_all() {
-            log::warn!("unmap at disconnect: {e}");
+        if release {
+            match self.port.dma.unmap_all() {
+                // The recording's table empties here too, so a recording of several
+                // connections replays as they happened.
+                Ok(n) if n > 0 => self.record(format_args!("A")),
+                Ok(_) => {}
+                Err(e) => log::warn!("unmap at disconnect: {e}"),
+            }
+        } else {
+            #[cfg(feature = "test-hooks")]
+            {
+                log::warn!(
+                    "TEST ONLY: the connection's {} mappings, their locks and pins are kept",
+                    self.stats.mappings_at_end
+                );
+                lock(&LEAKED).push(self.port.clone());
+            }
         }
         self.stats.locked_bytes_at_end = self.port.registry.locked_bytes();
         let counts = self.port.registry.long_term_counts();
