@@ -89,6 +89,8 @@ pub struct BlkReport {
     pub discards: u64,
     /// Write-zeroes requests carried out.
     pub write_zeroes: u64,
+    /// Batches of reads and writes handed to the kernel together.
+    pub batches: u64,
     /// Requests by pinned 4 KiB pages, as `[pages up to, requests]`.
     pub npage_histogram: Vec<(u64, u64)>,
 }
@@ -110,6 +112,7 @@ impl BlkReport {
             bounced: s.bounced,
             discards: s.discards,
             write_zeroes: s.write_zeroes,
+            batches: s.batches,
             npage_histogram: s
                 .npage_histogram
                 .iter()

@@ -12,6 +12,13 @@
 //! bounce buffer — unless the image is `O_DIRECT` and the guest's buffers are not aligned as it
 //! needs, which the virtio specification allows; such a transfer is copied through an aligned
 //! buffer of ours (counted in [`BlkStats::bounced`]).
+//!
+//! **Many in flight.** The reads and writes a driver made available together are taken off the
+//! ring, translated and pinned, then handed to the kernel as one batch (up to
+//! [`crate::disk::IN_FLIGHT`]; io_uring, [`crate::disk::Disk::transfer_all`]): a slow disk
+//! serves them side by side. Each ends as its transfer does — unpinned, its status written, its
+//! chain returned — and every batch ends before the queue is left, so no transfer outlives the
+//! message handling that may unmap its memory next (an IOTLB invalidation, a new memory table).
 //! Headers, the status byte and `GET_ID`'s string go through `dma_read` / `dma_write`.
 //!
 //! **Pins.** Before the system call the request's guest pages are pinned with
@@ -43,7 +50,7 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::backend::{Device, VIRTIO_RING_F_EVENT_IDX};
-use crate::disk::{AlignedBuf, Disk};
+use crate::disk::{AlignedBuf, Disk, IN_FLIGHT, Transfer};
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 
@@ -138,6 +145,8 @@ pub struct BlkStats {
     pub discards: u64,
     /// Write-zeroes requests carried out.
     pub write_zeroes: u64,
+    /// Batches of reads and writes handed to the kernel together.
+    pub batches: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     pub npage_histogram: Vec<u64>,
@@ -196,9 +205,10 @@ impl Blk {
         c
     }
 
-    /// Serves one request chain; returns the status and the bytes written into the chain. The
-    /// status byte is written whatever happened, if the chain has a place for it.
-    fn request(&mut self, dma: &DmaSpace, bufs: &[Buf]) -> (u8, u32) {
+    /// Starts one request chain: done at once (the status and the bytes written into the
+    /// chain; the status byte is written whatever happened, if the chain has a place for it), or
+    /// a read or write ready for the kernel, finished by [`Blk::complete`].
+    fn request(&mut self, dma: &DmaSpace, bufs: &[Buf]) -> Started {
         // The status byte is the last byte of the last descriptor; a descriptor that runs past
         // the top of the address space has none (its end would wrap to a low address the chain
         // never named).
@@ -212,9 +222,25 @@ impl Blk {
                 "blk: chain of {} descriptors has no writable status byte inside the address space",
                 bufs.len()
             );
-            return (S_IOERR, 0);
+            return Started::Done(0);
         };
-        let (code, written) = match self.serve(dma, &bufs[0], &bufs[1..bufs.len() - 1]) {
+        let result = match self.serve(dma, &bufs[0], &bufs[1..bufs.len() - 1]) {
+            Ok(Served::Ready(ready)) => return Started::Ready(status_at, ready),
+            Ok(Served::Done(code, written)) => Ok((code, written)),
+            Err(f) => Err(f),
+        };
+        Started::Done(self.finish(dma, status_at, result).1)
+    }
+
+    /// Ends a request: counts a failure, writes the status byte at `status_at`; returns the
+    /// status and the bytes written into the chain.
+    fn finish(
+        &mut self,
+        dma: &DmaSpace,
+        status_at: u64,
+        result: std::result::Result<(u8, u32), Failure>,
+    ) -> (u8, u32) {
+        let (code, written) = match result {
             Ok(r) => r,
             #[cfg(feature = "test-hooks")]
             Err(Failure::Io(e)) if hide_io_errors() => {
@@ -246,13 +272,43 @@ impl Blk {
         }
     }
 
+    /// Finishes a read or write the kernel has carried out (`moved`: its bytes, or why not):
+    /// unpins its pages, counts it and ends the request.
+    fn complete(
+        &mut self,
+        dma: &DmaSpace,
+        status_at: u64,
+        ready: Ready,
+        moved: Result<u64>,
+    ) -> (u8, u32) {
+        unpin_all(dma, &ready.pages);
+        let result = moved.map_err(|e| io_failure(e, &ready)).map(|n| {
+            debug_assert_eq!(n, ready.total);
+            self.account(ready.pages.len(), ready.to_guest, n);
+            (S_OK, if ready.to_guest { n as u32 } else { 0 })
+        });
+        self.finish(dma, status_at, result)
+    }
+
+    /// Counts a read or write that moved `n` bytes over `pages` pinned pages.
+    fn account(&mut self, pages: usize, to_guest: bool, n: u64) {
+        record(&mut self.stats.npage_histogram, pages);
+        if to_guest {
+            self.stats.reads += 1;
+            self.stats.bytes_read += n;
+        } else {
+            self.stats.writes += 1;
+            self.stats.bytes_written += n;
+        }
+    }
+
     /// Carries out the request of header descriptor `hdr_buf` with `data` buffers.
     fn serve(
         &mut self,
         dma: &DmaSpace,
         hdr_buf: &Buf,
         data: &[Buf],
-    ) -> std::result::Result<(u8, u32), Failure> {
+    ) -> std::result::Result<Served, Failure> {
         if hdr_buf.write || hdr_buf.len < 16 {
             return Err(Error::BadChain(format!(
                 "first descriptor ({} bytes, {}) is not a 16-byte readable header",
@@ -270,14 +326,16 @@ impl Blk {
             .map_err(|e| Failure::Other(e.into()))?;
         let kind = u32::from_le_bytes(hdr[0..4].try_into().expect("4"));
         let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8"));
-        Ok(match kind {
+        let (code, written) = match kind {
             T_IN | T_OUT => {
                 let to_guest = kind == T_IN;
                 if !to_guest && self.options.read_only {
                     return Err(Error::BadChain("write to a read-only disk".into()).into());
                 }
-                let n = self.transfer(dma, data, sector, to_guest)?;
-                (S_OK, if to_guest { n } else { 0 })
+                match self.transfer(dma, data, sector, to_guest)? {
+                    Transferred::Ready(ready) => return Ok(Served::Ready(ready)),
+                    Transferred::Done(n) => (S_OK, if to_guest { n } else { 0 }),
+                }
             }
             T_FLUSH => {
                 self.disk.sync_data().map_err(Failure::Io)?;
@@ -308,7 +366,8 @@ impl Blk {
                 self.stats.failed += 1;
                 (S_UNSUPP, 0)
             }
-        })
+        };
+        Ok(Served::Done(code, written))
     }
 
     /// `DISCARD` (punch a hole: the file system may free the blocks) or `WRITE_ZEROES` (zero
@@ -402,7 +461,7 @@ impl Blk {
         data: &[Buf],
         sector: u64,
         to_guest: bool,
-    ) -> std::result::Result<u32, Failure> {
+    ) -> std::result::Result<Transferred, Failure> {
         let mut total: u64 = 0;
         for b in data {
             if b.write != to_guest {
@@ -456,37 +515,32 @@ impl Blk {
         pages.dedup();
         let prot = if to_guest { Prot::WRITE } else { Prot::READ };
         pin_all(dma, &pages, prot).map_err(Failure::Pin)?;
-        let result = self.io(dma, data, sector, to_guest, total);
-        unpin_all(dma, &pages);
-        let n = result.map_err(|e| match e {
-            Error::Os { .. } => Failure::Io(Error::Invalid(format!(
-                "{} of {total} bytes at sector {sector}: {e}",
-                if to_guest { "read" } else { "write" }
-            ))),
-            other => Failure::Other(other),
-        })?;
-        record(&mut self.stats.npage_histogram, pages.len());
-        if to_guest {
-            self.stats.reads += 1;
-            self.stats.bytes_read += n;
-        } else {
-            self.stats.writes += 1;
-            self.stats.bytes_written += n;
-        }
-        Ok(n as u32)
+        let ready = Ready {
+            pages,
+            iov: Vec::new(),
+            sector,
+            to_guest,
+            total,
+        };
+        let (ready, result) = match self.prepare(dma, data, ready) {
+            Prepared::Iov(ready) => return Ok(Transferred::Ready(ready)),
+            Prepared::Done(ready, n) => (ready, Ok(n)),
+            Prepared::Failed(ready, e) => (ready, Err(e)),
+        };
+        unpin_all(dma, &ready.pages);
+        let n = result.map_err(|e| io_failure(e, &ready))?;
+        self.account(ready.pages.len(), to_guest, n);
+        Ok(Transferred::Done(n as u32))
     }
 
-    fn io(
-        &mut self,
-        dma: &DmaSpace,
-        data: &[Buf],
-        sector: u64,
-        to_guest: bool,
-        total: u64,
-    ) -> Result<u64> {
+    /// Turns a pinned transfer's buffers into host iovecs for the kernel; a transfer `O_DIRECT`
+    /// cannot take as it is goes through [`Blk::bounce`] here and now. A failed one comes back
+    /// with the error, for its pages to be unpinned.
+    fn prepare(&mut self, dma: &DmaSpace, data: &[Buf], mut ready: Ready) -> Prepared {
+        let (to_guest, total) = (ready.to_guest, ready.total);
         #[cfg(feature = "test-hooks")]
         if !to_guest && drop_writes() {
-            return Ok(total);
+            return Prepared::Done(ready, total);
         }
         let access = if to_guest {
             Access::Write
@@ -498,23 +552,165 @@ impl Blk {
             if b.len == 0 {
                 continue;
             }
-            for s in dma.translate_sg(Iova(b.addr), u64::from(b.len), access)? {
+            let segments = match dma.translate_sg(Iova(b.addr), u64::from(b.len), access) {
+                Ok(s) => s,
+                Err(e) => return Prepared::Failed(ready, e.into()),
+            };
+            for s in segments {
                 iov.push(libc::iovec {
                     iov_base: s.hva.0 as usize as *mut libc::c_void,
                     iov_len: s.len as usize,
                 });
             }
         }
-        let offset = sector * SECTOR;
+        let offset = ready.sector * SECTOR;
         if !self.disk.fits(&iov, offset, total) {
-            return self.bounce(dma, data, offset, to_guest, total);
+            return match self.bounce(dma, data, offset, to_guest, total) {
+                Ok(n) => Prepared::Done(ready, n),
+                Err(e) => Prepared::Failed(ready, e),
+            };
         }
-        // SAFETY: every iovec names guest memory translated and pinned above: mapped and
-        // resident for this call, with the access the request needs. The kernel copies between
-        // the file and those addresses; no Rust reference to them exists.
-        let done = unsafe { self.disk.rw_vectored(&mut iov, offset, to_guest)? };
-        debug_assert_eq!(done, total);
-        Ok(done)
+        ready.iov = iov;
+        Prepared::Iov(ready)
+    }
+
+    /// Takes the available chains of queue `index`: requests done at once go back to the used
+    /// ring, reads and writes ready for the kernel into `batch` (run when it is full, and by
+    /// the caller at the end). Sets `any` when something went back.
+    fn take(
+        &mut self,
+        index: u16,
+        queue: &mut Queue,
+        memory: &FrontendMemory,
+        batch: &mut Vec<(u16, u64, Ready)>,
+        any: &mut bool,
+    ) -> Result<()> {
+        // Rings, descriptors and indirect tables are all read at device addresses, through
+        // the device space (the IOTLB behind a vIOMMU).
+        let dma = memory.dma().clone();
+        let mem = dma.memory();
+        let ask = memory.is_iotlb() && !self.fail_misses;
+        let miss = |m: memvisor::dma::Miss| Error::IotlbMiss {
+            iova: m.iova.0,
+            write: m.access == Access::Write,
+        };
+        loop {
+            let chain = match queue.iter(&mem) {
+                Ok(mut avail) => avail.next(),
+                Err(e) => {
+                    if let (true, Some(m)) = (ask, mem.take_miss()) {
+                        return Err(miss(m));
+                    }
+                    return Err(Error::BadRing(format!(
+                        "queue {index}: available ring unusable: {e}"
+                    )));
+                }
+            };
+            let Some(chain) = chain else {
+                if let (true, Some(m)) = (ask, mem.take_miss()) {
+                    return Err(miss(m));
+                }
+                // With event indexes, re-arm and look once more for a late arrival.
+                if queue.enable_notification(&mem).unwrap_or(false) {
+                    continue;
+                }
+                break;
+            };
+            let head = chain.head_index();
+            let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
+            let indirect = mem
+                .read_obj::<u16>(GuestAddress(flags_at))
+                .is_ok_and(|f| f & VRING_DESC_F_INDIRECT != 0);
+            let bufs: Vec<Buf> = chain
+                .map(|d| Buf {
+                    addr: d.addr().0,
+                    len: d.len(),
+                    write: d.is_write_only(),
+                })
+                .collect();
+            // virtio-queue ends a chain at a descriptor it cannot read: a miss in the table
+            // (or an indirect table) cut it short.
+            let cut = mem.take_miss();
+            // Behind a vIOMMU every buffer must be translatable before anything is done; else
+            // (and for a chain cut short) put the chain back and let the back end ask.
+            let missing = || {
+                bufs.iter().find_map(|b| {
+                    let access = if b.write { Access::Write } else { Access::Read };
+                    mem.check(Iova(b.addr), u64::from(b.len), access).err()?;
+                    mem.take_miss()
+                })
+            };
+            if ask {
+                if let Some(m) = cut.or_else(missing) {
+                    queue.go_to_previous_position();
+                    return Err(miss(m));
+                }
+            }
+            self.stats.indirect += u64::from(indirect);
+            let written = match cut {
+                Some(m) => {
+                    // Cut short, with no one to ask: there is no status byte to write.
+                    self.stats.failed += 1;
+                    log::warn!(
+                        "blk: queue {index}: descriptor chain {head} unreadable at iova {:#x}",
+                        m.iova.0
+                    );
+                    0
+                }
+                None => match self.request(&dma, &bufs) {
+                    Started::Done(written) => written,
+                    Started::Ready(status_at, ready) => {
+                        batch.push((head, status_at, ready));
+                        if batch.len() >= IN_FLIGHT {
+                            self.run_batch(index, queue, &dma, batch, any);
+                        }
+                        continue;
+                    }
+                },
+            };
+            if let Err(e) = queue.add_used(&mem, head, written) {
+                log::warn!("blk: queue {index}: cannot return head {head}: {e}");
+            }
+            *any = true;
+        }
+        Ok(())
+    }
+
+    /// Carries out the reads and writes of `batch` together (through io_uring where there is
+    /// more than one; [`Disk::transfer_all`]), then ends each request and returns its chain.
+    fn run_batch(
+        &mut self,
+        index: u16,
+        queue: &mut Queue,
+        dma: &DmaSpace,
+        batch: &mut Vec<(u16, u64, Ready)>,
+        any: &mut bool,
+    ) {
+        if batch.is_empty() {
+            return;
+        }
+        let mut jobs: Vec<Transfer> = batch
+            .iter_mut()
+            .map(|(_, _, r)| Transfer {
+                offset: r.sector * SECTOR,
+                read: r.to_guest,
+                iov: &mut r.iov,
+            })
+            .collect();
+        // SAFETY: every iovec of the batch names guest memory its request translated and
+        // pinned (`transfer`); the pins are let go only in `complete` below, after the kernel
+        // is done with every transfer; no Rust reference covers that memory.
+        let moved = unsafe { self.disk.transfer_all(&mut jobs) };
+        drop(jobs);
+        self.stats.batches += 1;
+        let mem = dma.memory();
+        for ((head, status_at, ready), moved) in batch.drain(..).zip(moved) {
+            let (_, written) = self.complete(dma, status_at, ready, moved);
+            if let Err(e) = queue.add_used(&mem, head, written) {
+                log::warn!("blk: queue {index}: cannot return head {head}: {e}");
+            }
+            *any = true;
+        }
     }
 
     /// Moves a transfer whose buffers `O_DIRECT` cannot take as they are through an aligned
@@ -574,6 +770,58 @@ impl Blk {
     /// Reads image bytes (for tests).
     pub fn read_disk(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
         self.disk.file().read_exact_at(buf, offset)
+    }
+}
+
+/// A read or write whose pages are pinned and whose iovecs point at them: ready for the
+/// kernel, which carries it out at once or in a batch through io_uring ([`Blk::process`]).
+struct Ready {
+    /// The IOVA pages pinned for it (unpinned when it ends).
+    pages: Vec<u64>,
+    /// Host addresses of its buffers; empty until [`Blk::prepare`].
+    iov: Vec<libc::iovec>,
+    sector: u64,
+    to_guest: bool,
+    total: u64,
+}
+
+/// What [`Blk::prepare`] made of a transfer: iovecs for the kernel, done already (bounced, or
+/// dropped by a test hook) with the bytes moved, or failed (its pages still to be unpinned).
+enum Prepared {
+    Iov(Ready),
+    Done(Ready, u64),
+    Failed(Ready, Error),
+}
+
+/// What [`Blk::transfer`] made of a read or write: done (bytes into the chain), or ready.
+enum Transferred {
+    Done(u32),
+    Ready(Ready),
+}
+
+/// What [`Blk::serve`] made of a request: done (status, bytes into the chain), or ready.
+enum Served {
+    Done(u8, u32),
+    Ready(Ready),
+}
+
+/// What [`Blk::request`] made of a chain: done (bytes written into the chain, its status byte
+/// among them), or a transfer ready for the kernel with the address of its status byte.
+enum Started {
+    Done(u32),
+    Ready(u64, Ready),
+}
+
+/// The failure of a read or write the disk refused, with what it was.
+fn io_failure(e: Error, r: &Ready) -> Failure {
+    match e {
+        Error::Os { .. } => Failure::Io(Error::Invalid(format!(
+            "{} of {} bytes at sector {}: {e}",
+            if r.to_guest { "read" } else { "write" },
+            r.total,
+            r.sector
+        ))),
+        other => Failure::Other(other),
     }
 }
 
@@ -670,87 +918,15 @@ impl Device for Blk {
     }
 
     fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool> {
-        // Rings, descriptors and indirect tables are all read at device addresses, through
-        // the device space (the IOTLB behind a vIOMMU).
         let dma = memory.dma().clone();
-        let mem = dma.memory();
-        let ask = memory.is_iotlb() && !self.fail_misses;
-        let miss = |m: memvisor::dma::Miss| Error::IotlbMiss {
-            iova: m.iova.0,
-            write: m.access == Access::Write,
-        };
+        let mut batch = Vec::new();
         let mut any = false;
-        loop {
-            let chain = match queue.iter(&mem) {
-                Ok(mut avail) => avail.next(),
-                Err(e) => {
-                    if let (true, Some(m)) = (ask, mem.take_miss()) {
-                        return Err(miss(m));
-                    }
-                    return Err(Error::BadRing(format!(
-                        "queue {index}: available ring unusable: {e}"
-                    )));
-                }
-            };
-            let Some(chain) = chain else {
-                if let (true, Some(m)) = (ask, mem.take_miss()) {
-                    return Err(miss(m));
-                }
-                // With event indexes, re-arm and look once more for a late arrival.
-                if queue.enable_notification(&mem).unwrap_or(false) {
-                    continue;
-                }
-                break;
-            };
-            let head = chain.head_index();
-            let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
-            let indirect = mem
-                .read_obj::<u16>(GuestAddress(flags_at))
-                .is_ok_and(|f| f & VRING_DESC_F_INDIRECT != 0);
-            let bufs: Vec<Buf> = chain
-                .map(|d| Buf {
-                    addr: d.addr().0,
-                    len: d.len(),
-                    write: d.is_write_only(),
-                })
-                .collect();
-            // virtio-queue ends a chain at a descriptor it cannot read: a miss in the table
-            // (or an indirect table) cut it short.
-            let cut = mem.take_miss();
-            // Behind a vIOMMU every buffer must be translatable before anything is done; else
-            // (and for a chain cut short) put the chain back and let the back end ask.
-            let missing = || {
-                bufs.iter().find_map(|b| {
-                    let access = if b.write { Access::Write } else { Access::Read };
-                    mem.check(Iova(b.addr), u64::from(b.len), access).err()?;
-                    mem.take_miss()
-                })
-            };
-            if ask {
-                if let Some(m) = cut.or_else(missing) {
-                    queue.go_to_previous_position();
-                    return Err(miss(m));
-                }
-            }
-            self.stats.indirect += u64::from(indirect);
-            let (_, written) = match cut {
-                Some(m) => {
-                    // Cut short, with no one to ask: there is no status byte to write.
-                    self.stats.failed += 1;
-                    log::warn!(
-                        "blk: queue {index}: descriptor chain {head} unreadable at iova {:#x}",
-                        m.iova.0
-                    );
-                    (S_IOERR, 0)
-                }
-                None => self.request(&dma, &bufs),
-            };
-            if let Err(e) = queue.add_used(&mem, head, written) {
-                log::warn!("blk: queue {index}: cannot return head {head}: {e}");
-            }
-            any = true;
-        }
-        Ok(any && queue.needs_notification(&mem).unwrap_or(true))
+        let taken = self.take(index, queue, memory, &mut batch, &mut any);
+        // Whatever stopped the taking (the ring empty, a miss to ask about, a broken ring),
+        // every transfer handed out ends, and its chain goes back, before the queue is left.
+        self.run_batch(index, queue, &dma, &mut batch, &mut any);
+        taken?;
+        Ok(any && queue.needs_notification(&dma.memory()).unwrap_or(true))
     }
 
     fn reset(&mut self) {
