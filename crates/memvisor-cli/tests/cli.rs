@@ -355,13 +355,22 @@ fn ctrl_c_gives_the_hugetlb_pool_back() {
     let _pool = lock_pool();
     let before = nr_hugepages();
     let out_dir = std::env::temp_dir().join(format!("memvisor-cli-sigint-{}", std::process::id()));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_memvisor"))
-        .args(["bench", "pin-pages", "--quick", "--runs", "1", "--out"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_memvisor"));
+    cmd.args(["bench", "pin-pages", "--quick", "--runs", "1", "--out"])
         .arg(&out_dir)
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start memvisor");
+        .stderr(std::process::Stdio::null());
+    // A test run started in the background of a script inherits SIGINT ignored, and memvisor
+    // rightly leaves an ignored signal ignored; Ctrl-C at a terminal is not ignored, so the
+    // child gets the default action back, as a terminal's foreground job has it.
+    // SAFETY: between fork and exec only signal(2), which is async-signal-safe, is called.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("start memvisor");
     let start = Instant::now();
     while nr_hugepages() <= before {
         let gone = child.try_wait().expect("poll memvisor");
