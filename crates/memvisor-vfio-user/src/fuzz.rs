@@ -20,6 +20,7 @@
 //! Deterministic for a seed (xorshift): the same seed sends the same messages, though what the
 //! server answers can depend on timing (a table still running, or done).
 
+use memvisor_wire::rng::Rng;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -52,38 +53,6 @@ pub struct FuzzStats {
     pub tables: u64,
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-    /// A value that is often at an edge.
-    fn edgy(&mut self) -> u64 {
-        match self.below(9) {
-            0 => 0,
-            1 => u64::MAX,
-            2 => u64::MAX - self.below(0x10000),
-            3 => 1 << self.below(64),
-            4 => (1 << 12) * self.below(8192),
-            5 => self.below(1 << 16),
-            6 => (1 << 12) * self.below(8192) + 1 + self.below(4095),
-            _ => self.next(),
-        }
-    }
-}
-
 /// Bytes of the memory the well-formed sequences map and run tables in.
 const MEM: u64 = 16 << 20;
 /// Where in the IOVA space the well-formed sequences put it (one of these).
@@ -114,7 +83,7 @@ pub fn run(path: &Path, seed: u64, duration: Duration) -> Result<FuzzStats> {
     let mem = memfd(MEM, 0)?;
     let readonly = reopen_read_only(&mem)?;
     let mut f = Fuzz {
-        rng: Rng(seed | 1),
+        rng: Rng::new(seed),
         stats: FuzzStats::default(),
         fds: Fds {
             mem,
@@ -377,7 +346,7 @@ impl Fuzz {
         let mode = if self.rng.chance(95) {
             self.rng.below(2) as u32
         } else {
-            self.rng.next() as u32
+            self.rng.bits() as u32
         };
         for (off, v) in [(reg::COUNT, count as u32), (reg::MODE, mode)] {
             if let Step::Gone = self.region_write(c, BAR0, off, &v.to_le_bytes()) {
@@ -515,7 +484,7 @@ impl Fuzz {
             size,
         };
         match self.rng.below(6) {
-            0 => m.flags = self.rng.next() as u32,
+            0 => m.flags = self.rng.bits() as u32,
             1 => m.flags = 0,
             2 => m.argsz = self.rng.edgy() as u32,
             _ => {}
@@ -557,7 +526,7 @@ impl Fuzz {
         let fl = match self.rng.below(8) {
             0 => proto::unmap_flags::ALL,
             1 => proto::unmap_flags::GET_DIRTY_BITMAP,
-            2 => self.rng.next() as u32,
+            2 => self.rng.bits() as u32,
             _ => 0,
         };
         if fl == proto::unmap_flags::GET_DIRTY_BITMAP {
@@ -580,7 +549,7 @@ impl Fuzz {
 
     fn bad_region(&mut self, c: &mut Client) -> Step {
         let region = match self.rng.below(6) {
-            0 => self.rng.next() as u32,
+            0 => self.rng.bits() as u32,
             1 => 1 + self.rng.below(8) as u32,
             2 => CONFIG,
             _ => BAR0,
@@ -607,7 +576,7 @@ impl Fuzz {
                 }
                 .to_bytes()
                 .to_vec();
-                b.extend((0..self.rng.below(16)).map(|_| self.rng.next() as u8));
+                b.extend((0..self.rng.below(16)).map(|_| self.rng.bits() as u8));
                 self.call(c, cmd::REGION_WRITE, &b, &[])
             }
             2 => {
@@ -621,7 +590,7 @@ impl Fuzz {
                     b.extend_from_slice(&self.rng.below(0x40).to_le_bytes());
                     b.extend_from_slice(&region.to_le_bytes());
                     b.extend_from_slice(&(self.rng.below(10) as u32).to_le_bytes());
-                    b.extend_from_slice(&self.rng.next().to_le_bytes());
+                    b.extend_from_slice(&self.rng.bits().to_le_bytes());
                 }
                 self.call(c, cmd::REGION_WRITE_MULTI, &b, &[])
             }
@@ -658,7 +627,7 @@ impl Fuzz {
         let fl = if self.rng.chance(80) {
             data | action
         } else {
-            self.rng.next() as u32
+            self.rng.bits() as u32
         };
         let index = if self.rng.chance(70) {
             self.rng.below(6) as u32
@@ -705,15 +674,15 @@ impl Fuzz {
 
     fn bad_header(&mut self, c: &mut Client) -> Step {
         let command = match self.rng.below(4) {
-            0 => self.rng.next() as u16,
+            0 => self.rng.bits() as u16,
             1 => 17 + self.rng.below(100) as u16,
             _ => 1 + self.rng.below(16) as u16,
         };
         let body: Vec<u8> = (0..self.rng.below(48))
-            .map(|_| self.rng.next() as u8)
+            .map(|_| self.rng.bits() as u8)
             .collect();
         let mut h = Header {
-            id: self.rng.next() as u16,
+            id: self.rng.bits() as u16,
             command,
             size: (HEADER + body.len()) as u32,
             flags: flags::COMMAND,
@@ -748,7 +717,7 @@ impl Fuzz {
             }
             6 => h.flags = flags::ERROR,
             7 => {
-                h.size = self.rng.next() as u32;
+                h.size = self.rng.bits() as u32;
                 expect = false;
             }
             _ => {}
@@ -786,11 +755,11 @@ impl Fuzz {
         };
         let v = proto::Version {
             major: if self.rng.chance(30) {
-                self.rng.next() as u16
+                self.rng.bits() as u16
             } else {
                 0
             },
-            minor: self.rng.next() as u16,
+            minor: self.rng.bits() as u16,
             json,
         };
         let mut b = v.to_bytes();

@@ -6,6 +6,7 @@
 //!
 //! Deterministic for a seed (xorshift), so a failure can be replayed.
 
+use memvisor_wire::rng::Rng;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
@@ -30,40 +31,9 @@ pub struct FuzzStats {
     pub hangups: u64,
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-    /// A value that is often at an edge.
-    fn edgy(&mut self) -> u64 {
-        match self.below(8) {
-            0 => 0,
-            1 => u64::MAX,
-            2 => u64::MAX - self.below(8192),
-            3 => 1 << self.below(64),
-            4 => (1 << 20) * self.below(2048),
-            5 => self.below(1 << 16),
-            _ => self.next(),
-        }
-    }
-}
-
 /// Sends hostile traffic to the back end at `path` for `duration`.
 pub fn run(path: &Path, seed: u64, duration: Duration) -> Result<FuzzStats> {
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     let mut stats = FuzzStats::default();
     let memory = memfd(4 << 20)?;
     let start = Instant::now();
@@ -92,7 +62,7 @@ fn one(c: &Client, rng: &mut Rng, memory: &File, stats: &mut FuzzStats) -> bool 
     let fd = memory.as_raw_fd();
     let request = match rng.below(10) {
         0 => rng.below(64) as u32,
-        1 => rng.next() as u32,
+        1 => rng.bits() as u32,
         _ => [
             req::GET_FEATURES,
             req::SET_FEATURES,
@@ -133,7 +103,7 @@ fn one(c: &Client, rng: &mut Rng, memory: &File, stats: &mut FuzzStats) -> bool 
         req::ADD_MEM_REG | req::REM_MEM_REG => proto::single_region_bytes(&region(rng)),
         req::SET_VRING_ADDR => VringAddr {
             index: rng.below(4) as u32,
-            flags: rng.next() as u32,
+            flags: rng.bits() as u32,
             desc: rng.edgy(),
             used: rng.edgy(),
             avail: rng.edgy(),
@@ -150,7 +120,7 @@ fn one(c: &Client, rng: &mut Rng, memory: &File, stats: &mut FuzzStats) -> bool 
     // Bend the payload: cut it, pad it, or flip a byte.
     match rng.below(6) {
         0 if !payload.is_empty() => payload.truncate(rng.below(payload.len() as u64) as usize),
-        1 => payload.extend((0..rng.below(64)).map(|_| rng.next() as u8)),
+        1 => payload.extend((0..rng.below(64)).map(|_| rng.bits() as u8)),
         2 if !payload.is_empty() => {
             let i = rng.below(payload.len() as u64) as usize;
             payload[i] ^= 1 << rng.below(8);
@@ -166,14 +136,14 @@ fn one(c: &Client, rng: &mut Rng, memory: &File, stats: &mut FuzzStats) -> bool 
         _ => vec![fd, fd],
     };
     let extra = match rng.below(10) {
-        0 => rng.next() as u32 & !flags::VERSION_MASK,
+        0 => rng.bits() as u32 & !flags::VERSION_MASK,
         1 | 2 => 0,
         _ => flags::NEED_REPLY,
     };
     let sent = if rng.chance(3) {
         // A header that lies about the version or the size, or a message cut short.
         let mut b = request.to_le_bytes().to_vec();
-        b.extend_from_slice(&(rng.next() as u32).to_le_bytes());
+        b.extend_from_slice(&(rng.bits() as u32).to_le_bytes());
         b.extend_from_slice(&(rng.edgy() as u32).to_le_bytes());
         b.truncate(rng.below(13) as usize);
         c.raw(&b, &fds)

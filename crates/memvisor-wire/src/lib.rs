@@ -12,6 +12,7 @@
 //! * [`error`]: [`WireError`], what can go wrong on the wire (the peer left, a stream out of
 //!   step, a payload of the wrong size, a socket error) with its errno. Each front end's error
 //!   type wraps it, so callers match the same variants in both.
+//! * [`rng`]: the seeded random source both hostile clients draw their messages from.
 //!
 //! Each protocol keeps its own header layout, request names and message meanings.
 
@@ -20,6 +21,7 @@
 pub mod error;
 pub mod fds;
 pub mod frame;
+pub mod rng;
 
 pub use error::{Size, WireError};
 pub use fds::{Received, recv_with_fds, send_with_fds};
