@@ -380,7 +380,7 @@ PY
 if [ $disk_fault = 1 ]; then
   fdir=$run/fault; mkdir -p "$fdir/tmpfs" "$fdir/fuse"
   faultfs=${FAULTFS:-$(dirname "$bin")/memvisor-faultfs}
-  [ -x "$faultfs" ] || { echo "no memvisor-faultfs at $faultfs: cargo build --release -p memvisor-cli" >&2; exit 1; }
+  [ -x "$faultfs" ] || { echo "no memvisor-faultfs at $faultfs: cargo build --release -p memvisor-cli --features test-hooks --bin memvisor-faultfs" >&2; exit 1; }
   cleanup_fault() { cleanup; umount -l "$fdir/fuse" 2>/dev/null || true; umount -l "$fdir/tmpfs" 2>/dev/null || true; }
   trap cleanup_fault EXIT
   # (a) 40 MiB of tmpfs, 16 of them filler: a 64 MiB sparse image gets about 24 MiB, then ENOSPC.
