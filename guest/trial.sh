@@ -163,8 +163,9 @@ wait_socket() { for _ in $(seq 100); do [ -S "$1" ] && return 0; sleep 0.1; done
 # none still pinned at the end; sets ok=0 otherwise.
 check_long_term() {
   local lt left
-  lt=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"long_term_pins":[0-9]*' | cut -d: -f2)
-  left=$(tr -d ' \n' < "$run/stats.json" 2>/dev/null | grep -o '"long_term_bytes":[0-9]*' | cut -d: -f2)
+  # The registry's figures at exit (the stats also hold readings taken at each disconnect).
+  lt=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["pins"]["long_term_pins"])' "$run/stats.json" 2>/dev/null || true)
+  left=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["pins"]["long_term_bytes"])' "$run/stats.json" 2>/dev/null || true)
   echo "  long-term pins: ${lt:-none} runs pinned, ${left:-?} bytes still pinned at the end (want > 0 and 0)"
   [ "${lt:-0}" -gt 0 ] && [ "${left:-1}" = 0 ] || ok=0
 }
