@@ -238,19 +238,7 @@ impl Fuzz {
             size,
         };
         let fds: Vec<RawFd> = fd.into_iter().collect();
-        self.stats.messages += 1;
-        match c.call(cmd::DMA_MAP, &m.to_bytes(), &fds) {
-            Ok((errno, _)) => {
-                self.stats.replies += 1;
-                if errno != 0 {
-                    self.stats.refusals += 1;
-                } else {
-                    self.maps.push((iova, size));
-                }
-                Step::Go
-            }
-            Err(e) => self.gone(e),
-        }
+        self.send_map(c, &m.to_bytes(), &fds, iova, size)
     }
 
     fn unmap(&mut self, c: &mut Client, iova: u64, size: u64, fl: u32) -> Step {
@@ -495,8 +483,20 @@ impl Fuzz {
             1 => body.extend((0..self.rng.below(64)).map(|_| 0xa5)),
             _ => {}
         }
+        self.send_map(c, &body, &fds, iova, size)
+    }
+
+    /// Sends one `DMA_MAP` body and remembers `[iova, iova + size)` as mapped if it was taken.
+    fn send_map(
+        &mut self,
+        c: &mut Client,
+        body: &[u8],
+        fds: &[RawFd],
+        iova: u64,
+        size: u64,
+    ) -> Step {
         self.stats.messages += 1;
-        match c.call(cmd::DMA_MAP, &body, &fds) {
+        match c.call(cmd::DMA_MAP, body, fds) {
             Ok((errno, _)) => {
                 self.stats.replies += 1;
                 if errno != 0 {
