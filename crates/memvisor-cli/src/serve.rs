@@ -334,7 +334,7 @@ pub struct Devices {
 }
 
 /// One block device of `serve --blk`: `SOCKET=DISK[,queues=N][,read-only=on|off]
-/// [,serial=TEXT][,direct=on|off]`.
+/// [,serial=TEXT][,direct=on|off][,poll-us=N]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlkSpec {
     /// vhost-user socket.
@@ -388,6 +388,17 @@ impl std::str::FromStr for BlkSpec {
                         })?
                 }
                 "read-only" => spec.options.read_only = on_off(key, value)?,
+                "poll-us" => {
+                    spec.options.poll_us = value
+                        .parse()
+                        .ok()
+                        .filter(|n| *n <= 1_000_000)
+                        .ok_or_else(|| {
+                            anyhow::anyhow!(
+                                "--blk {arg:?}: poll-us={value:?}: microseconds, 0 to 1000000"
+                            )
+                        })?
+                }
                 "direct" => spec.direct = on_off(key, value)?,
                 "serial" => {
                     if value.len() > 20 {
@@ -400,7 +411,8 @@ impl std::str::FromStr for BlkSpec {
                     spec.options.serial = value.to_string();
                 }
                 _ => anyhow::bail!(
-                    "--blk {arg:?}: unknown option {key:?}; known: queues, read-only, serial, direct"
+                    "--blk {arg:?}: unknown option {key:?}; known: queues, read-only, serial, direct, \
+                     poll-us"
                 ),
             }
         }

@@ -109,6 +109,9 @@ pub struct BlkOptions {
     /// Offer `VIRTIO_F_IOMMU_PLATFORM`: the device can sit behind a vIOMMU (then without
     /// indirect descriptors, whose tables virtio-queue reads at guest physical addresses).
     pub iommu: bool,
+    /// Microseconds the serving loop polls the rings after the last request before it sleeps
+    /// until a kick ([`Device::poll`]); 0: no polling.
+    pub poll_us: u32,
 }
 
 impl Default for BlkOptions {
@@ -118,6 +121,7 @@ impl Default for BlkOptions {
             serial: "memvisor".into(),
             read_only: false,
             iommu: false,
+            poll_us: 0,
         }
     }
 }
@@ -977,6 +981,11 @@ impl Device for Blk {
 
     fn set_fail_misses(&mut self, fail: bool) {
         self.fail_misses = fail;
+    }
+
+    fn poll(&self) -> Option<std::time::Duration> {
+        (self.options.poll_us > 0)
+            .then(|| std::time::Duration::from_micros(u64::from(self.options.poll_us)))
     }
 }
 

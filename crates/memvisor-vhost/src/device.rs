@@ -65,6 +65,12 @@ pub trait Device: Send {
     fn process(&mut self, index: u16, ring: &mut Ring, memory: &FrontendMemory) -> Result<bool>;
     /// Back to the state before feature negotiation.
     fn reset(&mut self);
+    /// How long the serving loop keeps looking at the started rings for new requests after
+    /// the last one it found, before it sleeps until a kick: a request that arrives meanwhile
+    /// is served without the kick's wake-up, at the price of a busy core. `None`: never.
+    fn poll(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// Whether an IOTLB miss fails the request (after the wait for the frontend's update gave
     /// up) instead of being returned as [`Error::IotlbMiss`] with the chain put back.
     fn set_fail_misses(&mut self, fail: bool) {
