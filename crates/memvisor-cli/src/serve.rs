@@ -91,6 +91,8 @@ pub struct BlkReport {
     pub write_zeroes: u64,
     /// Batches of reads and writes handed to the kernel together.
     pub batches: u64,
+    /// The most reads and writes out with the kernel at once.
+    pub most_in_flight: u64,
     /// Requests by pinned 4 KiB pages, as `[pages up to, requests]`.
     pub npage_histogram: Vec<(u64, u64)>,
 }
@@ -113,6 +115,7 @@ impl BlkReport {
             discards: s.discards,
             write_zeroes: s.write_zeroes,
             batches: s.batches,
+            most_in_flight: s.most_in_flight,
             npage_histogram: s
                 .npage_histogram
                 .iter()
