@@ -3,7 +3,7 @@
 # vhost-user back end. Needs root (mount namespaces, chroot, mmdebstrap); builds the QEMU root
 # and the guest on first use under target/guest/.
 #
-# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
+# usage: guest/trial.sh blk [--negative] [--peer] [--queues=N] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
 #                      | blk --disk-fault [--negative] | blk --memlock [--negative]
 #                      | mig [--negative] [--iommu=M] | hostile [--negative]
 #                      | vfio-user [--negative] [--unmap-busy] [--private] [--long-term] [--after-fuzz]
@@ -16,6 +16,8 @@
 #   --negative  negative control: the host changes the image while the guest waits between
 #               writing and reading; the trial must then FAIL (exit 0 only if it does).
 #   --peer      the same trial against qemu-storage-daemon's vhost-user-blk export.
+#   --queues=N  N queues and N vCPUs (QEMU num-queues=N, -smp N): the guest submits on the
+#               queue of its CPU, and rings past the first must be served by worker threads.
 #   --iommu=strict|lazy  the device behind QEMU's intel-iommu (device-iotlb), the guest with
 #               intel_iommu=on and iommu.strict=1 or 0: every address goes through the IOTLB.
 #   --after-fuzz first attack the back end for 15 s with memvisor's hostile frontend
@@ -127,10 +129,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
-negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0; client_dies=0
+queues=1; negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0; client_dies=0
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
-for a in "$@"; do case $a in --negative) negative=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
+for a in "$@"; do case $a in --negative) negative=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 # With --frontend-dies, --negative is the leak switch (MEMVISOR_TEST_LEAK_ON_HANGUP, a test-hooks
 # build), not the trial's own negative control.
 leak=0; if [ $frontend_dies = 1 ] && [ $negative = 1 ]; then negative=0; leak=1; export MEMVISOR_TEST_LEAK_ON_HANGUP=1; fi
@@ -145,7 +147,7 @@ guest/mkroot.sh "$work/root" >/dev/null
 fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/initrd.cpio.gz" -nt "$f" ] || fresh=0; done
 [ $fresh = 1 ] || guest/mkguest.sh "$work/vm" >/dev/null
 cd "$work"
-name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $unmap_busy = 0 ] || name=$name-unmap-busy; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term
+name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $unmap_busy = 0 ] || name=$name-unmap-busy; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term; [ $queues = 1 ] || name=$name-queues$queues
 [ $frontend_dies = 0 ] || name=$name-frontend-dies; [ $leak = 0 ] || name=$name-negative; [ $client_dies = 0 ] || name=$name-client-dies
 [ $disk_fault = 0 ] || name=${name/blk/blk-disk-fault}; [ $memlock = 0 ] || name=${name/blk/blk-memlock}
 # The disk-fault trial's mounts (tmpfs, FUSE) from a run that died before its cleanup.
@@ -175,7 +177,7 @@ ram="memory-backend-memfd,id=mem,size=1G,share=on"; [ $private = 0 ] || ram="mem
 qemu() {
   timeout "${TIMEOUT:-300}" "$top/guest/qemu.sh" root \
     -machine q35,memory-backend=mem -object "$ram" -m 1G \
-    -smp 1 -nographic -no-reboot -kernel vm/vmlinuz -initrd vm/initrd.cpio.gz \
+    -smp $queues -nographic -no-reboot -kernel vm/vmlinuz -initrd vm/initrd.cpio.gz \
     -append "console=ttyS0 panic=-1 quiet $1" "${@:2}" > "$log" 2>&1 &
   qpid=$!; pids+=("$qpid")
 }
@@ -518,7 +520,7 @@ blk)
       --blockdev driver=raw,node-name=disk,file=file \
       --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=$sock,writable=on > "$run/backend.log" 2>&1 &
   else
-    MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
+    MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" --queues "$queues" \
       $([ -n "$iommu" ] && echo --iommu --record-iotlb "$run/iotlb.rec") $([ $long_term = 1 ] && echo --long-term-pins) > "$run/backend.log" 2>&1 &
   fi
   bpid=$!; pids+=("$bpid")
@@ -537,7 +539,7 @@ blk)
       -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1,iommu_platform=on,ats=on,disable-legacy=on
   else
     qemu "t=blk blk_mib=$mib blk_wait=$wait_s blk_random=300 blk_serial=$serial" \
-      -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
+      -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=$queues
   fi
   if [ $negative = 1 ]; then
     # Wait for the guest to finish writing, then change three 4 KiB blocks of the image.
@@ -565,6 +567,13 @@ blk)
     [ "${ind:-0}" -gt 0 ] || { echo "$name: no indirect descriptor chain was served"; ok=0; }
   fi
   [ $long_term = 0 ] || check_long_term
+  if [ $queues -gt 1 ] && [ $ok = 1 ]; then
+    # The guest's vCPUs submit on their own queues: rings past the first are served by worker
+    # threads of their own.
+    wk=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["worker_kicks"])' "$run/stats.json" 2>/dev/null || true)
+    echo "  kicks served on worker threads (rings past the first): ${wk:-none}"
+    [ "${wk:-0}" -gt 0 ] || { echo "$name: no ring was served by a worker thread"; ok=0; }
+  fi
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: the corrupted image went unnoticed"; exit 1

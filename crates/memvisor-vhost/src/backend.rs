@@ -44,6 +44,7 @@ use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, proto
 use crate::record::Recorder;
 use crate::ring::{InflightRegion, Ring};
 use crate::wire::{self, Message};
+use crate::worker::{Lent, Worker};
 use memvisor::{Access, Iova, Prot};
 use memvisor::{Backing, SharedLog};
 use std::sync::Arc;
@@ -82,15 +83,19 @@ struct Vring {
 /// One socket's back end.
 pub struct Backend<D: Device> {
     device: D,
-    memory: FrontendMemory,
+    /// Shared with ring workers while they run; changed only when the back end holds it
+    /// alone again ([`crate::worker`]).
+    memory: Arc<FrontendMemory>,
     vrings: Vec<Vring>,
+    /// Rings lent to worker threads between messages.
+    workers: Vec<Worker<D>>,
     acked: u64,
     protocol_acked: u64,
     backend_req: Option<UnixStream>,
     /// Set by the frontend's `SET_STATUS`.
     status: u8,
     /// The frontend's dirty log (`SET_LOG_BASE`).
-    log: Option<SharedLog>,
+    log: Option<Arc<SharedLog>>,
     /// The inflight log (`GET_INFLIGHT_FD` / `SET_INFLIGHT_FD`): what each ring has taken and
     /// not completed, kept by the frontend across back-end restarts ([`crate::ring`]).
     inflight: Option<InflightRegion>,
@@ -128,6 +133,10 @@ pub struct BackendStats {
     pub iotlb_invalidates: u64,
     /// IOTLB misses sent.
     pub iotlb_misses: u64,
+    /// Times a ring was lent to a worker thread ([`crate::worker`]), and the kicks served on
+    /// those threads (counted in `kicks` too).
+    pub lent: u64,
+    pub worker_kicks: u64,
     /// Times polling found a ring with new requests, served with no kick ([`Device::poll`]).
     pub poll_hits: u64,
     /// Nanoseconds spent in the device's queue processing (requests, including their I/O).
@@ -140,7 +149,19 @@ pub struct BackendStats {
     pub iotlb_ns: u64,
 }
 
-impl<D: Device> Backend<D> {
+impl BackendStats {
+    /// Adds a ring worker's counts (what it can count: kicks, processing, the log).
+    pub(crate) fn add(&mut self, w: &BackendStats) {
+        self.kicks += w.kicks;
+        self.poll_hits += w.poll_hits;
+        self.process_ns += w.process_ns;
+        self.logged_pages += w.logged_pages;
+        self.log_ns += w.log_ns;
+        self.log_drains += w.log_drains;
+    }
+}
+
+impl<D: Device + 'static> Backend<D> {
     /// A back end for `device`.
     pub fn new(mut device: D) -> Result<Self> {
         let n = device.queues() as usize;
@@ -148,8 +169,9 @@ impl<D: Device> Backend<D> {
         device.attach(&memory)?;
         Ok(Backend {
             device,
-            memory,
+            memory: Arc::new(memory),
             vrings: (0..n).map(|_| Vring::default()).collect(),
+            workers: Vec::new(),
             acked: 0,
             protocol_acked: 0,
             backend_req: None,
@@ -259,7 +281,9 @@ impl<D: Device> Backend<D> {
     /// Serves one connected frontend until it leaves, the stream breaks, or `stop` is set;
     /// returns after every transfer the device had out has ended.
     pub fn run(&mut self, sock: &UnixStream, stop: &AtomicBool) -> Result<()> {
+        self.start_workers();
         let r = self.serve_connection(sock, stop);
+        self.stop_workers();
         self.reap(true);
         r
     }
@@ -303,7 +327,8 @@ impl<D: Device> Backend<D> {
             let first_ring = fds.len();
             let mut rings = Vec::new();
             for (i, v) in self.vrings.iter().enumerate() {
-                if let (true, Some(k)) = (v.started, &v.kick) {
+                // A ring lent to a worker (no queue here) is the worker's to wake.
+                if let (true, true, Some(k)) = (v.started, v.queue.is_some(), &v.kick) {
                     fds.push(libc::pollfd {
                         fd: k.as_raw_fd(),
                         events: libc::POLLIN,
@@ -413,10 +438,88 @@ impl<D: Device> Backend<D> {
         }
     }
 
+    /// The frontend's memory, to change: no worker holds it between messages.
+    fn memory_mut(&mut self) -> &mut FrontendMemory {
+        Arc::get_mut(&mut self.memory)
+            .expect("ring workers give the memory back before any message is handled")
+    }
+
+    /// Stops the ring workers and takes their rings back (each ends its transfers first).
+    fn stop_workers(&mut self) {
+        for w in std::mem::take(&mut self.workers) {
+            let Some(r) = w.stop() else {
+                continue;
+            };
+            let v = &mut self.vrings[usize::from(r.index)];
+            v.queue = Some(r.ring);
+            if r.broken {
+                v.started = false;
+            }
+            self.stats.add(&r.stats);
+            self.stats.worker_kicks += r.stats.kicks;
+            self.device.join_worker(r.device);
+        }
+    }
+
+    /// Lends each running ring past the first to a worker thread of its own, when the device
+    /// has more than one queue and can serve one on its own ([`crate::worker`]).
+    fn start_workers(&mut self) {
+        if self.vrings.len() < 2 || self.memory.is_iotlb() || !self.workers.is_empty() {
+            return;
+        }
+        for i in 1..self.vrings.len() {
+            let v = &self.vrings[i];
+            let ready = v.started && v.enabled && v.miss_deadline.is_none() && v.queue.is_some();
+            let Some(kick) = v.kick.as_ref().filter(|_| ready) else {
+                continue;
+            };
+            let Some(device) = self.device.queue_worker() else {
+                return;
+            };
+            let dup = |f: Option<&File>| f.and_then(|f| f.try_clone().ok());
+            let Some(kick) = dup(Some(kick)) else {
+                continue;
+            };
+            let (call, err) = (dup(v.call.as_ref()), dup(v.err.as_ref()));
+            let log = self.log.clone().filter(|_| !self.log_disabled);
+            let v = &mut self.vrings[i];
+            let ring = v.queue.take().expect("checked above");
+            let lent = Lent {
+                index: i as u16,
+                ring,
+                device,
+                memory: self.memory.clone(),
+                log,
+                kick,
+                call,
+                err,
+            };
+            match Worker::start(lent) {
+                Ok(w) => {
+                    self.stats.lent += 1;
+                    self.workers.push(w);
+                }
+                Err(e) => {
+                    // The lent ring went with the failed start: stop and say so.
+                    log::error!("{}: ring {i}: {e}", self.device.name());
+                    self.vrings[i].started = false;
+                }
+            }
+        }
+    }
+
     /// Handles one message and sends what it needs back. Every transfer the device has out
-    /// ends first: the message may take memory away.
+    /// ends first, and the ring workers stop: the message may take memory away or change a
+    /// ring. Afterwards the running rings go back to their workers.
     pub fn message(&mut self, sock: &UnixStream, msg: Message) -> Result<()> {
+        self.stop_workers();
         self.reap(true);
+        let r = self.handle_message(sock, msg);
+        self.start_workers();
+        r
+    }
+
+    fn handle_message(&mut self, sock: &UnixStream, msg: Message) -> Result<()> {
         self.stats.messages += 1;
         let request = msg.header.request;
         let ack = msg.needs_reply() && self.protocol_acked & protocol::REPLY_ACK != 0;
@@ -468,14 +571,14 @@ impl<D: Device> Backend<D> {
                 }
                 self.device
                     .set_features(f & !(F_PROTOCOL_FEATURES | F_LOG_ALL))?;
-                self.memory.set_iotlb(f & F_IOMMU_PLATFORM != 0)?;
+                self.memory_mut().set_iotlb(f & F_IOMMU_PLATFORM != 0)?;
                 let log_all = f & F_LOG_ALL != 0;
                 if log_all && !self.memory.is_logging() {
-                    self.memory.start_logging()?;
+                    self.memory_mut().start_logging()?;
                     log::info!("{}: dirty logging on", self.device.name());
                 } else if !log_all && self.memory.is_logging() {
                     self.drain_log()?;
-                    self.memory.stop_logging()?;
+                    self.memory_mut().stop_logging()?;
                     log::info!(
                         "{}: dirty logging off ({} pages logged)",
                         self.device.name(),
@@ -522,7 +625,7 @@ impl<D: Device> Backend<D> {
             req::SET_MEM_TABLE => {
                 let regions = proto::mem_table(p)?;
                 let fds = std::mem::take(&mut msg.fds);
-                self.memory.set_table(&regions, fds)?;
+                self.memory_mut().set_table(&regions, fds)?;
                 self.record_table();
                 log::info!(
                     "{}: memory table of {} regions",
@@ -534,7 +637,7 @@ impl<D: Device> Backend<D> {
             req::ADD_MEM_REG => {
                 let r = proto::single_region(request, p)?;
                 let fd = msg.take_fd("the region")?;
-                self.memory.add(r, fd)?;
+                self.memory_mut().add(r, fd)?;
                 self.record_table();
                 Ok(None)
             }
@@ -542,7 +645,7 @@ impl<D: Device> Backend<D> {
                 // QEMU attaches a descriptor it need not; it is closed with the message.
                 let r = proto::single_region(request, p)?;
                 self.stop_rings_in(r.gpa, r.size);
-                self.memory.remove(r)?;
+                self.memory_mut().remove(r)?;
                 self.record_table();
                 Ok(None)
             }
@@ -596,7 +699,8 @@ impl<D: Device> Backend<D> {
                             }
                         };
                         let t0 = std::time::Instant::now();
-                        self.memory.iotlb_update(m.iova, m.size, m.uaddr, prot)?;
+                        self.memory_mut()
+                            .iotlb_update(m.iova, m.size, m.uaddr, prot)?;
                         self.stats.iotlb_ns += t0.elapsed().as_nanos() as u64;
                         if let Some(r) = self.record.as_mut() {
                             r.update(m.iova, m.size, m.uaddr, m.perm);
@@ -621,7 +725,7 @@ impl<D: Device> Backend<D> {
                         if crate::hooks::ignored_invalidation() == Some(m.iova) {
                             return Ok(None);
                         }
-                        self.memory.iotlb_invalidate(m.iova, m.size)?;
+                        self.memory_mut().iotlb_invalidate(m.iova, m.size)?;
                         self.stats.iotlb_ns += t0.elapsed().as_nanos() as u64;
                         if let Some(r) = self.record.as_mut() {
                             r.invalidate(m.iova, m.size);
@@ -748,7 +852,7 @@ impl<D: Device> Backend<D> {
                     ))
                 })?;
                 self.drain_log()?;
-                self.log = Some(SharedLog::new(Arc::new(memory), size)?);
+                self.log = Some(Arc::new(SharedLog::new(Arc::new(memory), size)?));
                 log::info!(
                     "{}: dirty log of {size} bytes ({} GiB of guest memory)",
                     self.device.name(),
@@ -1131,11 +1235,11 @@ impl<D: Device> Backend<D> {
         self.log = None;
         self.inflight = None;
         if self.memory.is_logging() {
-            let _ = self.memory.stop_logging();
+            let _ = self.memory_mut().stop_logging();
         }
         self.protocol_acked = 0;
         self.backend_req = None;
-        if let Err(e) = self.memory.clear() {
+        if let Err(e) = self.memory_mut().clear() {
             log::warn!(
                 "{}: dropping the frontend's memory: {e}",
                 self.device.name()
