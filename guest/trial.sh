@@ -471,7 +471,11 @@ PY
   end=$(date +%s.%N)
   if [ -z "$finished" ]; then
     echo "  genio did not finish in $limit s: requests lost (QEMU stopped)"
+    # QEMU may itself be waiting on a back end that does not answer: SIGKILL after 10 s.
+    q=$(qemu_pid_under "$qpid" || true)
     kill -TERM "$qpid" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$qpid" 2>/dev/null || break; sleep 0.2; done
+    [ -z "$q" ] || kill -KILL "$q" 2>/dev/null || true
   fi
   wait "$qpid" 2>/dev/null || true
   kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true

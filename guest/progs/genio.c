@@ -319,13 +319,18 @@ int main(int argc, char **argv)
 			printf("GENIO stuck: process %d thread %d waiting %.0f s for its %s of block %u (gen %llu): requests lost\n",
 			       i / threads, i % threads, t - last, op_name[w->op], w->block,
 			       (unsigned long long)w->gen);
+			int others = 0;
 			for (int k = 0; k < procs * threads; k++) {
 				struct worker *o = &sh->w[k];
 				__atomic_load(&o->last, &last, __ATOMIC_RELAXED);
-				if (k != i && !o->done && t - last >= stall)
+				if (k == i || o->done || t - last < stall)
+					continue;
+				if (others++ < 3)
 					printf("GENIO stuck too: process %d thread %d, %.0f s in its %s of block %u\n",
 					       k / threads, k % threads, t - last, op_name[o->op], o->block);
 			}
+			if (others > 3)
+				printf("GENIO stuck too: %d more threads\n", others - 3);
 		}
 		if (t - shown >= 10) {
 			struct totals s = sum_up();
