@@ -17,6 +17,9 @@
 //! table at `SET_VRING_ADDR` time; behind a vIOMMU they are IOVAs and stay so. The queue reads
 //! them through the device space's vm-memory view, so a ring whose IOVAs the IOTLB cannot
 //! translate waits for the frontend's update (a MISS goes out) before it starts or goes on.
+//! With `INFLIGHT_SHMFD` the back end allocates the inflight log on `GET_INFLIGHT_FD` and maps
+//! the one the frontend kept on `SET_INFLIGHT_FD`; a ring starting over a log redoes what a
+//! killed predecessor left in flight ([`crate::ring`]).
 //!
 //! **Bad messages.** Every request is checked before it changes anything. A refused request is
 //! answered with a non-zero `REPLY_ACK` when the frontend asked for one and logged otherwise;
@@ -39,6 +42,7 @@ use crate::error::{Error, Result};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
 use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
 use crate::record::Recorder;
+use crate::ring::{InflightRegion, Ring};
 use crate::wire::{self, Message};
 use memvisor::{Access, Iova, Prot};
 use memvisor::{Backing, SharedLog};
@@ -72,7 +76,7 @@ struct Vring {
     err: Option<File>,
     enabled: bool,
     started: bool,
-    queue: Option<Queue>,
+    queue: Option<Ring>,
 }
 
 /// One socket's back end.
@@ -87,6 +91,9 @@ pub struct Backend<D: Device> {
     status: u8,
     /// The frontend's dirty log (`SET_LOG_BASE`).
     log: Option<SharedLog>,
+    /// The inflight log (`GET_INFLIGHT_FD` / `SET_INFLIGHT_FD`): what each ring has taken and
+    /// not completed, kept by the frontend across back-end restarts ([`crate::ring`]).
+    inflight: Option<InflightRegion>,
     /// Test-only: never write the dirty log (the migration trial's negative control).
     log_disabled: bool,
     /// Where IOTLB traffic is written down, if asked ([`Backend::record_iotlb`]).
@@ -144,6 +151,7 @@ impl<D: Device> Backend<D> {
             backend_req: None,
             status: 0,
             log: None,
+            inflight: None,
             log_disabled: false,
             record: None,
             on_disconnect: None,
@@ -308,6 +316,12 @@ impl<D: Device> Backend<D> {
         let request = msg.header.request;
         let ack = msg.needs_reply() && self.protocol_acked & protocol::REPLY_ACK != 0;
         match self.handle(msg) {
+            Ok(Some(reply)) if request == req::GET_INFLIGHT_FD => {
+                // The log's memfd goes with the reply; `handle` just made it.
+                let fd = self.inflight.as_ref().and_then(|r| r.fd());
+                let fds: Vec<i32> = fd.iter().map(|f| f.as_raw_fd()).collect();
+                wire::reply_with_fds(sock, request, &reply, &fds)
+            }
             Ok(Some(reply)) => wire::reply(sock, request, &reply),
             Ok(None) if ack => wire::reply(sock, request, &0u64.to_le_bytes()),
             Ok(None) => Ok(()),
@@ -639,6 +653,51 @@ impl<D: Device> Backend<D> {
                 Ok(Some(0u64.to_le_bytes().to_vec()))
             }
             req::SET_LOG_FD => Ok(None),
+            req::GET_INFLIGHT_FD => {
+                self.inflight_negotiated(request)?;
+                let want = proto::Inflight::parse(request, p)?;
+                let n = self.vrings.len();
+                if usize::from(want.num_queues) > n {
+                    return Err(Error::Invalid(format!(
+                        "GET_INFLIGHT_FD for {} queues: the device has {n}",
+                        want.num_queues
+                    )));
+                }
+                let region = InflightRegion::create(want.num_queues, want.queue_size)?;
+                let reply = proto::Inflight {
+                    mmap_size: region.size(),
+                    mmap_offset: 0,
+                    ..want
+                };
+                log::info!(
+                    "{}: inflight log of {} bytes for {} queues of {}",
+                    self.device.name(),
+                    reply.mmap_size,
+                    want.num_queues,
+                    want.queue_size
+                );
+                self.inflight = Some(region);
+                Ok(Some(reply.bytes()))
+            }
+            req::SET_INFLIGHT_FD => {
+                self.inflight_negotiated(request)?;
+                let d = proto::Inflight::parse(request, p)?;
+                let fd = msg.take_fd("the inflight log")?;
+                if self.vrings.iter().any(|v| v.started) {
+                    return Err(Error::Invalid(
+                        "SET_INFLIGHT_FD while rings run: the log is read when a ring starts"
+                            .into(),
+                    ));
+                }
+                self.inflight = Some(InflightRegion::map(
+                    fd,
+                    d.mmap_offset,
+                    d.mmap_size,
+                    d.num_queues,
+                    d.queue_size,
+                )?);
+                Ok(None)
+            }
             req::SET_STATUS => {
                 let s = proto::u64_payload(request, p)?;
                 self.status = s as u8;
@@ -653,6 +712,17 @@ impl<D: Device> Backend<D> {
                 req::name(request)
             ))),
         }
+    }
+
+    /// Refuses an inflight request the frontend did not negotiate.
+    fn inflight_negotiated(&self, request: u32) -> Result<()> {
+        if self.protocol_acked & protocol::INFLIGHT_SHMFD == 0 {
+            return Err(Error::NotNegotiated(format!(
+                "{} without VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD negotiated",
+                req::name(request)
+            )));
+        }
+        Ok(())
     }
 
     /// The device addresses of a ring's parts: the IOVAs as sent behind a vIOMMU, else the
@@ -780,7 +850,12 @@ impl<D: Device> Backend<D> {
         } else {
             0
         };
-        PROTOCOL | self.device.protocol_features() | log
+        let offered = PROTOCOL | self.device.protocol_features() | log;
+        #[cfg(feature = "test-hooks")]
+        if crate::hooks::no_inflight() {
+            return offered & !protocol::INFLIGHT_SHMFD;
+        }
+        offered
     }
 
     fn ring(&mut self, request: u32, index: u32) -> Result<&mut Vring> {
@@ -819,9 +894,16 @@ impl<D: Device> Backend<D> {
                 q.size()
             )));
         }
-        v.queue = Some(q);
+        let ring = Ring::new(q, self.inflight.as_ref().map(|r| (r, i as u16)), &mem)?;
+        let redo = ring.pending_resubmits() > 0;
+        v.queue = Some(ring);
         v.kick = Some(kick);
         v.started = true;
+        if redo {
+            // The driver kicked for these long ago and will not again: serve them now (or
+            // when the ring is enabled).
+            self.process(i)?;
+        }
         Ok(())
     }
 
@@ -938,6 +1020,7 @@ impl<D: Device> Backend<D> {
         crate::hooks::leak_on_hangup(&mut self.leaked, &self.memory, self.log.take());
         let _ = self.reset();
         self.log = None;
+        self.inflight = None;
         if self.memory.is_logging() {
             let _ = self.memory.stop_logging();
         }
@@ -978,6 +1061,7 @@ fn has_reply(request: u32) -> bool {
             | req::GET_MAX_MEM_SLOTS
             | req::GET_STATUS
             | req::SET_LOG_BASE
+            | req::GET_INFLIGHT_FD
     )
 }
 

@@ -25,11 +25,11 @@ use memvisor::balloon::{
     Balloon, DEFLATE_QUEUE_INDEX, INFLATE_QUEUE_INDEX, REPORTING_QUEUE_INDEX, ReportingStats,
     VIRTIO_BALLOON_F_REPORTING,
 };
-use virtio_queue::Queue;
 
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
+use crate::ring::Ring;
 
 /// virtio device id of a memory balloon.
 pub const DEVICE_ID: u32 = 5;
@@ -157,8 +157,11 @@ impl Device for BalloonDevice {
         }
     }
 
-    fn process(&mut self, index: u16, queue: &mut Queue, _memory: &FrontendMemory) -> Result<bool> {
+    fn process(&mut self, index: u16, ring: &mut Ring, _memory: &FrontendMemory) -> Result<bool> {
         let model = self.model()?;
+        // The balloon completes every chain before it returns and offers no inflight log:
+        // the queue alone will do.
+        let queue = &mut **ring;
         let notify = match index {
             INFLATE_QUEUE_INDEX => model.process_inflate(queue)?,
             DEFLATE_QUEUE_INDEX => model.process_deflate(queue)?,

@@ -21,6 +21,11 @@
 //! message handling that may unmap its memory next (an IOTLB invalidation, a new memory table).
 //! Headers, the status byte and `GET_ID`'s string go through `dma_read` / `dma_write`.
 //!
+//! **Restart.** Requests complete in the order the kernel finishes them, so the device offers
+//! the inflight log (`INFLIGHT_SHMFD`, [`crate::ring`]): each chain is marked in flight when
+//! taken and cleared when returned, and a back end started after a crash redoes the chains its
+//! predecessor left, oldest first, before reading the available ring.
+//!
 //! **Pins.** Before the system call the request's guest pages are pinned with
 //! [`DmaSpace::pin_pages`] and unpinned after it — the `vfio_pin_pages` pattern of the kernel
 //! patch "vfio iommu type1: Improve vfio_iommu_type1_pin_pages performance" — so a balloon
@@ -46,13 +51,14 @@ use std::os::unix::fs::FileExt;
 
 use memvisor::dma::PIN_PAGES_MAX;
 use memvisor::{Access, DmaSpace, Iova, Prot};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::backend::{Device, VIRTIO_RING_F_EVENT_IDX};
 use crate::disk::{AlignedBuf, Disk, IN_FLIGHT, Transfer};
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
+use crate::ring::{Desc as Buf, Ring};
 
 /// virtio device id of a block device.
 pub const DEVICE_ID: u32 = 2;
@@ -580,7 +586,7 @@ impl Blk {
     fn take(
         &mut self,
         index: u16,
-        queue: &mut Queue,
+        queue: &mut Ring,
         memory: &FrontendMemory,
         batch: &mut Vec<(u16, u64, Ready)>,
         any: &mut bool,
@@ -595,42 +601,65 @@ impl Blk {
             write: m.access == Access::Write,
         };
         loop {
-            let chain = match queue.iter(&mem) {
-                Ok(mut avail) => avail.next(),
-                Err(e) => {
-                    if let (true, Some(m)) = (ask, mem.take_miss()) {
-                        return Err(miss(m));
+            // Heads a back end before this one left in flight come first (the driver kicked
+            // for them long ago), then the available ring.
+            let redo = queue.resubmit();
+            let (head, bufs, indirect, cut) = match redo {
+                Some(head) => match queue.chain(&mem, head) {
+                    Ok((bufs, indirect)) => (head, bufs, indirect, mem.take_miss()),
+                    Err(e) => {
+                        if let (true, Some(m)) = (ask, mem.take_miss()) {
+                            queue.resubmit_later(head);
+                            return Err(miss(m));
+                        }
+                        self.stats.failed += 1;
+                        log::warn!("blk: queue {index}: request {head} left in flight: {e}");
+                        if let Err(e) = queue.add_used(&mem, head, 0) {
+                            log::warn!("blk: queue {index}: cannot return head {head}: {e}");
+                        }
+                        *any = true;
+                        continue;
                     }
-                    return Err(Error::BadRing(format!(
-                        "queue {index}: available ring unusable: {e}"
-                    )));
+                },
+                None => {
+                    let chain = match queue.iter(&mem) {
+                        Ok(mut avail) => avail.next(),
+                        Err(e) => {
+                            if let (true, Some(m)) = (ask, mem.take_miss()) {
+                                return Err(miss(m));
+                            }
+                            return Err(Error::BadRing(format!(
+                                "queue {index}: available ring unusable: {e}"
+                            )));
+                        }
+                    };
+                    let Some(chain) = chain else {
+                        if let (true, Some(m)) = (ask, mem.take_miss()) {
+                            return Err(miss(m));
+                        }
+                        // With event indexes, re-arm and look once more for a late arrival.
+                        if queue.enable_notification(&mem).unwrap_or(false) {
+                            continue;
+                        }
+                        break;
+                    };
+                    let head = chain.head_index();
+                    let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
+                    let indirect = mem
+                        .read_obj::<u16>(GuestAddress(flags_at))
+                        .is_ok_and(|f| f & VRING_DESC_F_INDIRECT != 0);
+                    let bufs: Vec<Buf> = chain
+                        .map(|d| Buf {
+                            addr: d.addr().0,
+                            len: d.len(),
+                            write: d.is_write_only(),
+                        })
+                        .collect();
+                    // virtio-queue ends a chain at a descriptor it cannot read: a miss in the
+                    // table (or an indirect table) cut it short.
+                    (head, bufs, indirect, mem.take_miss())
                 }
             };
-            let Some(chain) = chain else {
-                if let (true, Some(m)) = (ask, mem.take_miss()) {
-                    return Err(miss(m));
-                }
-                // With event indexes, re-arm and look once more for a late arrival.
-                if queue.enable_notification(&mem).unwrap_or(false) {
-                    continue;
-                }
-                break;
-            };
-            let head = chain.head_index();
-            let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
-            let indirect = mem
-                .read_obj::<u16>(GuestAddress(flags_at))
-                .is_ok_and(|f| f & VRING_DESC_F_INDIRECT != 0);
-            let bufs: Vec<Buf> = chain
-                .map(|d| Buf {
-                    addr: d.addr().0,
-                    len: d.len(),
-                    write: d.is_write_only(),
-                })
-                .collect();
-            // virtio-queue ends a chain at a descriptor it cannot read: a miss in the table
-            // (or an indirect table) cut it short.
-            let cut = mem.take_miss();
             // Behind a vIOMMU every buffer must be translatable before anything is done; else
             // (and for a chain cut short) put the chain back and let the back end ask.
             let missing = || {
@@ -642,9 +671,15 @@ impl Blk {
             };
             if ask {
                 if let Some(m) = cut.or_else(missing) {
-                    queue.go_to_previous_position();
+                    match redo {
+                        Some(head) => queue.resubmit_later(head),
+                        None => queue.go_to_previous_position(),
+                    }
                     return Err(miss(m));
                 }
+            }
+            if redo.is_none() {
+                queue.taken(head);
             }
             self.stats.indirect += u64::from(indirect);
             let written = match cut {
@@ -681,7 +716,7 @@ impl Blk {
     fn run_batch(
         &mut self,
         index: u16,
-        queue: &mut Queue,
+        queue: &mut Ring,
         dma: &DmaSpace,
         batch: &mut Vec<(u16, u64, Ready)>,
         any: &mut bool,
@@ -704,7 +739,20 @@ impl Blk {
         drop(jobs);
         self.stats.batches += 1;
         let mem = dma.memory();
-        for ((head, status_at, ready), moved) in batch.drain(..).zip(moved) {
+        #[allow(unused_mut)]
+        let mut done: Vec<_> = batch.drain(..).zip(moved).collect();
+        #[cfg(feature = "test-hooks")]
+        let reorder = crate::hooks::reorder_completions();
+        #[cfg(feature = "test-hooks")]
+        if reorder {
+            done.reverse();
+        }
+        for (i, ((head, status_at, ready), moved)) in done.into_iter().enumerate() {
+            #[cfg(feature = "test-hooks")]
+            if reorder && i > 0 {
+                std::thread::sleep(crate::hooks::REORDER_GAP);
+            }
+            let _ = i;
             let (_, written) = self.complete(dma, status_at, ready, moved);
             if let Err(e) = queue.add_used(&mem, head, written) {
                 log::warn!("blk: queue {index}: cannot return head {head}: {e}");
@@ -857,14 +905,6 @@ fn record(h: &mut Vec<u64>, pages: usize) {
     h[bucket] += 1;
 }
 
-/// One descriptor of a chain.
-#[derive(Clone, Copy, Debug)]
-struct Buf {
-    addr: u64,
-    len: u32,
-    write: bool,
-}
-
 impl Device for Blk {
     fn name(&self) -> &'static str {
         "vhost-user-blk"
@@ -892,7 +932,9 @@ impl Device for Blk {
     }
 
     fn protocol_features(&self) -> u64 {
-        crate::proto::protocol::CONFIG
+        // Completions come in the order the kernel finishes them: a frontend restarting the
+        // back end needs the inflight log to know which requests to hand it again.
+        crate::proto::protocol::CONFIG | crate::proto::protocol::INFLIGHT_SHMFD
     }
 
     fn supports_dirty_log(&self) -> bool {
@@ -917,7 +959,7 @@ impl Device for Blk {
         }
     }
 
-    fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool> {
+    fn process(&mut self, index: u16, queue: &mut Ring, memory: &FrontendMemory) -> Result<bool> {
         let dma = memory.dma().clone();
         let mut batch = Vec::new();
         let mut any = false;

@@ -7,10 +7,9 @@
 //! and the space's vm-memory view for the queue — so what it writes is tracked for migration
 //! and what the guest took back is out of its reach.
 
-use virtio_queue::Queue;
-
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
+use crate::ring::Ring;
 
 /// A virtio device served over vhost-user.
 pub trait Device: Send {
@@ -58,10 +57,12 @@ pub trait Device: Send {
     fn config_changed(&mut self) -> bool {
         false
     }
-    /// Processes what the driver made available on queue `index`; returns whether the driver
-    /// should be notified. An error means the queue is broken (the driver needs a reset); a bad
+    /// Processes what the driver made available on queue `index` — first the heads
+    /// [`Ring::resubmit`] gives, left in flight by a back end before this one — taking chains
+    /// with [`Ring::taken`] and returning them with [`Ring::add_used`] (which keep the inflight
+    /// log); returns whether the driver should be notified. An error means the queue is broken (the driver needs a reset); a bad
     /// request is answered on the ring, not with an error.
-    fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool>;
+    fn process(&mut self, index: u16, ring: &mut Ring, memory: &FrontendMemory) -> Result<bool>;
     /// Back to the state before feature negotiation.
     fn reset(&mut self);
     /// Whether an IOTLB miss fails the request (after the wait for the frontend's update gave
