@@ -10,7 +10,7 @@
 #                                  [--client-dies [--negative]]
 #                      | blkio [--negative]
 #                      | blk --frontend-dies [--negative] | mig --frontend-dies [--negative]
-#                      | blk --crash [--negative]
+#                      | blk --crash [--negative | --reorder]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -128,22 +128,27 @@
 #               processes x 4 threads of O_DIRECT reads and writes of generation-stamped 4 KiB
 #               blocks in flight for CRASH_SECS (45) s and must see no I/O error, no stale or
 #               corrupt block, and no request left unanswered for CRASH_STALL (20) s; the host
-#               checks every block of the image and genio's final generations, 3 kills and 4
-#               frontend connections, and stops a guest not done CRASH_SECS + 60 s after genio began.
+#               checks every block of the image and genio's final generations, 3 kills, 4
+#               frontend connections and that INFLIGHT_SHMFD was in use (the back end made the
+#               inflight log), and stops a guest not done CRASH_SECS + 60 s after genio began.
 #   blk --crash --negative: the back end withholds INFLIGHT_SHMFD and completes each batch of
 #               requests in reverse order (MEMVISOR_TEST_NO_INFLIGHT, MEMVISOR_TEST_REORDER; needs
 #               MEMVISOR= a test-hooks build); the trial must FAIL (lost requests: a hang the
 #               watchdog reports, errors, or stale data).
+#   blk --crash --reorder: the positive trial with each batch completed in reverse order
+#               (MEMVISOR_TEST_REORDER alone; needs MEMVISOR= a test-hooks build) and
+#               INFLIGHT_SHMFD on: out-of-order completion, which the used index cannot describe,
+#               must still lose nothing.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
 negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0; client_dies=0
-crash=0
+crash=0; reorder=0
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
-for a in "$@"; do case $a in --negative) negative=1;; --crash) crash=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
+for a in "$@"; do case $a in --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 # With --frontend-dies, --negative is the leak switch (MEMVISOR_TEST_LEAK_ON_HANGUP, a test-hooks
 # build), not the trial's own negative control.
 leak=0; if [ $frontend_dies = 1 ] && [ $negative = 1 ]; then negative=0; leak=1; export MEMVISOR_TEST_LEAK_ON_HANGUP=1; fi
@@ -161,7 +166,7 @@ cd "$work"
 name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $unmap_busy = 0 ] || name=$name-unmap-busy; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term
 [ $frontend_dies = 0 ] || name=$name-frontend-dies; [ $leak = 0 ] || name=$name-negative; [ $client_dies = 0 ] || name=$name-client-dies
 [ $disk_fault = 0 ] || name=${name/blk/blk-disk-fault}; [ $memlock = 0 ] || name=${name/blk/blk-memlock}
-[ $crash = 0 ] || name=${name/blk/blk-crash}
+[ $crash = 0 ] || name=${name/blk/blk-crash}; [ $reorder = 0 ] || name=$name-reorder
 # The disk-fault trial's mounts (tmpfs, FUSE) from a run that died before its cleanup.
 for m in "$work/run/$name/fault/fuse" "$work/run/$name/fault/tmpfs"; do
   mountpoint -q "$m" 2>/dev/null && umount -l "$m"
@@ -400,14 +405,18 @@ PY
 # block and nothing stuck (its watchdog says "requests lost" after CRASH_STALL s without a
 # completion; virtio-blk has no timeout of its own). The host checks every block of the image
 # against its header and genio's digest of the final generations, counts the kills and the
-# frontend connections, and ends the run if genio is not done CRASH_SECS + 60 s after it started.
+# frontend connections, checks the first back end made the inflight log (INFLIGHT_SHMFD in use),
+# reports how many requests each restarted back end redid, and ends the run if genio is not done
+# CRASH_SECS + 60 s after it started.
 # --negative: the back end withholds INFLIGHT_SHMFD and completes each batch in reverse order
 # (MEMVISOR_TEST_NO_INFLIGHT, MEMVISOR_TEST_REORDER; a test-hooks build): the trial must FAIL.
+# --reorder: the reverse-order completions alone, INFLIGHT_SHMFD on: the trial must PASS.
 if [ $crash = 1 ]; then
   secs=${CRASH_SECS:-45}; stall=${CRASH_STALL:-20}; kills=3
   sock=$run/blk.sock
   truncate -s 0 "$run/disk.img"; truncate -s 64M "$run/disk.img"
   hooks_env=(); [ $negative = 0 ] || hooks_env=(MEMVISOR_TEST_NO_INFLIGHT=1 MEMVISOR_TEST_REORDER=1)
+  [ $reorder = 0 ] || hooks_env=(MEMVISOR_TEST_REORDER=1)
   # Back end number $1 (0 the first), its log in backend-$1.log.
   crash_backend() {
     env "${hooks_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$sock" \
@@ -425,8 +434,9 @@ if [ $crash = 1 ]; then
   t_started=$SECONDS
   echo "  guest: $(grep -a 'GENIO started' "$log" | tr -d '\r')"
   # Kill k (1..3) at about 5 + 9(k-1) s into genio's run: while a back end thread is in an I/O
-  # system call if one is seen within 3 s (the image's page cache kept cold so that requests
-  # wait on the disk), else anyway; then a new back end at once on the same socket.
+  # system call or in a pause between two completions (the reorder hook's), if one is seen
+  # within 3 s (the image's page cache kept cold so that requests wait on the disk), else
+  # anyway; then a new back end at once on the same socket.
   done_kills=0
   for k in $(seq $kills); do
     while [ $((SECONDS - t_started)) -lt $((5 + 9 * (k - 1))) ]; do sleep 0.2; done
@@ -436,7 +446,8 @@ if [ $crash = 1 ]; then
 import os, signal, sys, time
 b, secs = int(sys.argv[1]), float(sys.argv[3])
 names = {17: "pread64", 18: "pwrite64", 19: "readv", 20: "writev", 295: "preadv", 296: "pwritev",
-         327: "preadv2", 328: "pwritev2", 426: "io_uring_enter", 74: "fsync", 75: "fdatasync"}
+         327: "preadv2", 328: "pwritev2", 426: "io_uring_enter", 74: "fsync", 75: "fdatasync",
+         35: "a pause between completions (nanosleep)", 230: "a pause between completions (clock_nanosleep)"}
 image = os.open(sys.argv[2], os.O_RDONLY)
 end, cooled, caught = time.monotonic() + secs, 0.0, None
 while caught is None and time.monotonic() < end:
@@ -520,15 +531,23 @@ PY
   tested=$(cat "$run"/backend-*.log | grep -a 'TEST ONLY' | sort | uniq -c | sed 's/^ *//' | head -3 | tr '\n' ';' || true)
   echo "  host image check: $host"
   echo "  kills: $done_kills of $kills; frontend connections seen by the back ends: $conns (want $((kills + 1)))"
-  echo "  inflight in the back end logs: $(cat "$run"/backend-*.log | grep -a -i -c 'inflight' || true) lines$([ -z "$tested" ] || echo "; test hooks: $tested")"
+  # INFLIGHT_SHMFD in use: the first back end made the log QEMU keeps; restarted ones say what
+  # they redid.
+  logs=$(cat "$run"/backend-*.log | grep -a -c 'inflight log of' || true)
+  redone=$({ cat "$run"/backend-*.log | grep -a -o '[0-9]* requests were in flight when the last back end stopped' || true; } | awk '{n += $1; r = r " " $1} END {printf "%d (per restart:%s)", n, r ? r : " none"}')
+  echo "  inflight logs made: $logs; requests redone by restarted back ends: $redone$([ -z "$tested" ] || echo "; test hooks: $tested")"
   echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
   echo "$name: ${result:-RESULT crash FAIL no verdict from genio (see $work/$log)}"
   ok=0
   case "$result/$host" in *PASS*/PASS*) [ -n "$finished" ] && [ "$done_kills" = $kills ] && [ "$conns" = $((kills + 1)) ] && ok=1;; esac
-  if [ $negative = 1 ]; then
+  [ $negative = 1 ] || [ "$logs" -ge 1 ] || { echo "  no inflight log was made: INFLIGHT_SHMFD not in use"; ok=0; }
+  if [ $negative = 1 ] || [ $reorder = 1 ]; then
     [ -n "$tested" ] || { echo "$name: the back end logged no test hook: run it with MEMVISOR= a test-hooks build"; exit 1; }
+  fi
+  if [ $negative = 1 ]; then
+    [ "$logs" = 0 ] || { echo "$name: an inflight log was made: INFLIGHT_SHMFD was not withheld"; exit 1; }
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
-    echo "$name: requests in flight survived the kills without INFLIGHT_SHMFD and in-order completion"; exit 1
+    echo "$name: requests completed out of order survived the kills without INFLIGHT_SHMFD"; exit 1
   fi
   [ $ok = 1 ] || exit 1
   exit 0
