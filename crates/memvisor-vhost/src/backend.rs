@@ -100,6 +100,8 @@ pub struct Backend<D: Device> {
     record: Option<Recorder>,
     /// Called when a frontend has left, before its memory is dropped ([`Backend::on_disconnect`]).
     on_disconnect: Option<Box<dyn FnMut() + Send>>,
+    /// A kick was served since the loop last slept: poll before sleeping ([`Device::poll`]).
+    kicked_since_sleep: bool,
     /// Requests handled and refused over this back end's life (for the logs and tests).
     pub stats: BackendStats,
     /// Test-only (`MEMVISOR_TEST_LEAK_ON_HANGUP`): what departed frontends left, kept.
@@ -126,6 +128,8 @@ pub struct BackendStats {
     pub iotlb_invalidates: u64,
     /// IOTLB misses sent.
     pub iotlb_misses: u64,
+    /// Times polling found a ring with new requests, served with no kick ([`Device::poll`]).
+    pub poll_hits: u64,
     /// Nanoseconds spent in the device's queue processing (requests, including their I/O).
     pub process_ns: u64,
     /// Nanoseconds spent moving dirty pages into the frontend's log, and how many times.
@@ -155,6 +159,7 @@ impl<D: Device> Backend<D> {
             log_disabled: false,
             record: None,
             on_disconnect: None,
+            kicked_since_sleep: false,
             stats: BackendStats::default(),
             #[cfg(feature = "test-hooks")]
             leaked: Vec::new(),
@@ -251,8 +256,15 @@ impl<D: Device> Backend<D> {
         Ok(())
     }
 
-    /// Serves one connected frontend until it leaves, the stream breaks, or `stop` is set.
+    /// Serves one connected frontend until it leaves, the stream breaks, or `stop` is set;
+    /// returns after every transfer the device had out has ended.
     pub fn run(&mut self, sock: &UnixStream, stop: &AtomicBool) -> Result<()> {
+        let r = self.serve_connection(sock, stop);
+        self.reap(true);
+        r
+    }
+
+    fn serve_connection(&mut self, sock: &UnixStream, stop: &AtomicBool) -> Result<()> {
         while !stop.load(Ordering::Relaxed) {
             if self.device.config_changed() {
                 self.notify_config_change()?;
@@ -269,11 +281,26 @@ impl<D: Device> Backend<D> {
                     r?;
                 }
             }
+            if let Some(budget) = self.device.poll() {
+                if std::mem::take(&mut self.kicked_since_sleep) {
+                    self.poll_rings(sock, budget)?;
+                }
+            }
             let mut fds = vec![libc::pollfd {
                 fd: sock.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             }];
+            // The device's completions, if it has work out.
+            let done_fd = self.device.completion_fd();
+            if let Some(fd) = done_fd {
+                fds.push(libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+            }
+            let first_ring = fds.len();
             let mut rings = Vec::new();
             for (i, v) in self.vrings.iter().enumerate() {
                 if let (true, Some(k)) = (v.started, &v.kick) {
@@ -297,7 +324,16 @@ impl<D: Device> Backend<D> {
                     source: e,
                 });
             }
-            for (slot, &ring) in fds[1..].iter().zip(&rings) {
+            if done_fd.is_some() && fds[1].revents & libc::POLLIN != 0 {
+                self.reap(false);
+                // Chains left on a ring while the device had as many out as it keeps.
+                for i in 0..self.vrings.len() {
+                    if self.has_requests(i) {
+                        self.process(i)?;
+                    }
+                }
+            }
+            for (slot, &ring) in fds[first_ring..].iter().zip(&rings) {
                 if slot.revents & libc::POLLIN != 0 {
                     self.kicked(ring)?;
                 }
@@ -310,8 +346,77 @@ impl<D: Device> Backend<D> {
         Ok(())
     }
 
-    /// Handles one message and sends what it needs back.
+    /// After a kick: serves rings with new requests, looking again and again until `budget`
+    /// passed since the last one found or a message arrives (messages come first: one may take
+    /// memory away). An idle device sleeps; only a busy one spins.
+    fn poll_rings(&mut self, sock: &UnixStream, budget: std::time::Duration) -> Result<()> {
+        let mut until = std::time::Instant::now() + budget;
+        loop {
+            self.reap(false);
+            for i in 0..self.vrings.len() {
+                if self.has_requests(i) {
+                    self.stats.poll_hits += 1;
+                    self.process(i)?;
+                    until = std::time::Instant::now() + budget;
+                }
+            }
+            if poll_one(sock.as_raw_fd(), 0) || std::time::Instant::now() >= until {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Whether ring `i` runs and its driver made requests available it has not taken.
+    fn has_requests(&self, i: usize) -> bool {
+        let v = &self.vrings[i];
+        let (true, true, None, Some(q)) = (v.started, v.enabled, v.miss_deadline, &v.queue) else {
+            return false;
+        };
+        let mem = self.memory.dma().memory();
+        q.pending_resubmits() > 0
+            || q.avail_idx(&mem, Ordering::Acquire)
+                .is_ok_and(|a| a.0 != q.next_avail())
+    }
+
+    /// Ends the device's work that has ended (with `wait`, all of it): chains go back to their
+    /// rings, what they wrote into the frontend's dirty log, and their drivers are notified.
+    fn reap(&mut self, wait: bool) {
+        let mut rings: Vec<Option<&mut Ring>> =
+            self.vrings.iter_mut().map(|v| v.queue.as_mut()).collect();
+        let ended = match self.device.complete(&mut rings, &self.memory, wait) {
+            Ok(e) => e,
+            Err(e) => {
+                log::error!("{}: ending requests: {e}", self.device.name());
+                return;
+            }
+        };
+        if ended.is_empty() {
+            return;
+        }
+        // Logged before the guest is told, as in `process`.
+        if let (Some(log), false) = (&self.log, self.log_disabled) {
+            let t0 = std::time::Instant::now();
+            match self.memory.drain_dirty(log) {
+                Ok(pages) => self.stats.logged_pages += pages,
+                Err(e) => log::error!("{}: dirty log: {e}", self.device.name()),
+            }
+            self.stats.log_ns += t0.elapsed().as_nanos() as u64;
+            self.stats.log_drains += 1;
+        }
+        for (i, notify) in ended {
+            if let (true, Some(c)) = (notify, self.vrings.get_mut(usize::from(i))) {
+                if let Some(c) = &mut c.call {
+                    let _ = c.write(&1u64.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Handles one message and sends what it needs back. Every transfer the device has out
+    /// ends first: the message may take memory away.
     pub fn message(&mut self, sock: &UnixStream, msg: Message) -> Result<()> {
+        self.reap(true);
         self.stats.messages += 1;
         let request = msg.header.request;
         let ack = msg.needs_reply() && self.protocol_acked & protocol::REPLY_ACK != 0;
@@ -915,6 +1020,7 @@ impl<D: Device> Backend<D> {
             let _ = k.read(&mut b);
         }
         self.stats.kicks += 1;
+        self.kicked_since_sleep = true;
         self.process(i)
     }
 
@@ -943,6 +1049,9 @@ impl<D: Device> Backend<D> {
         let t0 = std::time::Instant::now();
         let r = self.device.process(i as u16, q, &self.memory);
         self.stats.process_ns += t0.elapsed().as_nanos() as u64;
+        // Transfers the kernel finished at once (the page cache) end now, not a poll later.
+        self.reap(false);
+        let v = &mut self.vrings[i];
         // Completed requests are logged before the guest is told (and before the frontend can
         // stop the ring and read the log for the last time).
         if let (Some(log), false) = (&self.log, self.log_disabled) {
@@ -1065,12 +1174,13 @@ fn has_reply(request: u32) -> bool {
     )
 }
 
-fn poll_one(fd: i32, ms: i32) {
+/// Waits up to `ms` for `fd` to be readable; returns whether it is.
+fn poll_one(fd: i32, ms: i32) -> bool {
     let mut p = libc::pollfd {
         fd,
         events: libc::POLLIN,
         revents: 0,
     };
     // SAFETY: one live pollfd.
-    unsafe { libc::poll(&mut p, 1, ms) };
+    unsafe { libc::poll(&mut p, 1, ms) > 0 }
 }

@@ -905,3 +905,54 @@ fn bad_inflight_requests_are_refused_and_change_nothing() {
     drop(c);
     let _ = t.join().unwrap();
 }
+
+#[test]
+fn a_polling_device_serves_requests_made_available_without_a_kick() {
+    // After a kicked request, the driver publishes a read and does not kick (as it may when the
+    // device asked not to be notified). With polling the device finds it; without, it waits
+    // for the kick.
+    for poll_us in [500_000u32, 0] {
+        let disk = image(MIB);
+        disk.write_all_at(&[0x5a; 4096], 0).unwrap();
+        let mut g = Guest::new(4 * MIB);
+        let options = BlkOptions {
+            poll_us,
+            ..BlkOptions::default()
+        };
+        let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), options).unwrap());
+        setup(&c, &g);
+        read_chain(&mut g, [0, 1, 2], 0, DATA, STATUS);
+        {
+            use std::io::Write;
+            g.kick.write_all(&1u64.to_le_bytes()).unwrap();
+        }
+        g.wait_used();
+        g.mem.write(Gpa(DATA), &[0u8; 4096]).unwrap();
+        read_chain(&mut g, [0, 1, 2], 0, DATA, STATUS);
+        let mut served = false;
+        for _ in 0..100 {
+            if g.ring.get_used().unwrap().is_some() {
+                served = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(
+            served,
+            poll_us > 0,
+            "poll-us {poll_us}: served with no kick"
+        );
+        if !served {
+            use std::io::Write;
+            g.kick.write_all(&1u64.to_le_bytes()).unwrap();
+            g.wait_used();
+        }
+        assert_eq!(status(&g), 0);
+        let mut got = [0u8; 4096];
+        g.mem.read(Gpa(DATA), &mut got).unwrap();
+        assert!(got.iter().all(|&b| b == 0x5a));
+        drop(c);
+        let (backend, _) = t.join().unwrap();
+        assert_eq!(backend.stats.poll_hits > 0, poll_us > 0);
+    }
+}
