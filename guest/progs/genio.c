@@ -43,7 +43,7 @@
 #define MAGIC 0x47454e494f626c6bULL /* "GENIOblk" */
 #define WORDS ((BLOCK - 32) / 8)
 #define MAX_WORKERS 64
-#define MAX_REPORTS 3 /* lines per worker and kind */
+#define MAX_REPORTS 8 /* problem lines in all (the counts say the rest) */
 
 enum op { OP_IDLE, OP_WRITE, OP_READ, OP_VERIFY };
 static const char *op_name[] = {"nothing", "write", "read", "final read"};
@@ -55,11 +55,12 @@ struct worker {
 	unsigned block;  /* ... on which block */
 	uint64_t gen;    /* ... at which generation (write) or expecting (read) */
 	int done;        /* finished its final check */
-	unsigned long writes, reads, ioerrors, stale, corrupt, reported;
+	unsigned long writes, reads, ioerrors, stale, corrupt;
 };
 
 struct shared {
 	struct worker w[MAX_WORKERS];
+	unsigned long reported; /* problem lines printed, all workers */
 	/* Per block: the generations it may hold. lo = last write known done; hi = last write
 	 * sent (above lo only after a write failed, when either may be on the disk). */
 	uint64_t lo[]; /* blocks entries, followed by as many of hi */
@@ -120,10 +121,11 @@ static void progress(struct worker *me)
 	__atomic_store(&me->last, &t, __ATOMIC_RELAXED);
 }
 
-/* The first MAX_REPORTS problems of a worker, as "GENIO ..." lines. */
+/* The first MAX_REPORTS problems of the run, as "GENIO ..." lines. */
 static void report(struct worker *me, const char *fmt, ...)
 {
-	if (me->reported++ >= MAX_REPORTS)
+	(void)me;
+	if (__atomic_fetch_add(&sh->reported, 1, __ATOMIC_RELAXED) >= MAX_REPORTS)
 		return;
 	char line[256];
 	va_list ap;
