@@ -118,6 +118,13 @@ fn fill(dma: &memvisor::DmaSpace, addr: u64, len: u32) -> std::io::Result<()> {
 
 /// Fills `buf` (the device's own memory, not the guest's) from the kernel's random pool.
 fn random(buf: &mut [u8]) -> std::io::Result<()> {
+    // TEST ONLY (feature `test-hooks`): zeros instead, for the real-guest trial's negative
+    // control (guest/trial.sh rng --negative), which must then see the guest's check fail.
+    #[cfg(feature = "test-hooks")]
+    if std::env::var_os("MEMVISOR_TEST_RNG_ZEROS").is_some() {
+        buf.fill(0);
+        return Ok(());
+    }
     let mut at = 0;
     while at < buf.len() {
         let rest = &mut buf[at..];
