@@ -27,16 +27,17 @@
 //! 0x10 `LEN` (1 to 64 KiB), 0x14 `GO` (write-only; any value copies), 0x18 `RESULT`
 //! (read-only: 0 after a good copy, else the errno; `u32::MAX` before the first).
 //!
-//! **Serving it**: one client after another on a listening socket; QEMU 10.1 or later:
+//! **Serving it**: one client after another on a listening socket, for QEMU's `vfio-user-pci`
+//! (the project's trials use QEMU 11.1):
 //!
 //! ```text
 //! cargo run --release -p memvisor-vfio-user --example memcopy -- /tmp/memcopy.sock
-//! qemu-system-x86_64 ... -object memory-backend-memfd,id=mem,size=1G,share=on \
-//!     -numa node,memdev=mem \
+//! qemu-system-x86_64 ... -machine q35,memory-backend=mem -m 1G \
+//!     -object memory-backend-memfd,id=mem,size=1G,share=on \
 //!     -device '{"driver":"vfio-user-pci","socket":{"type":"unix","path":"/tmp/memcopy.sock"}}'
 //! ```
 //!
-//! `tests/memcopy_example.rs` drives it with the crate's client.
+//! `tests/memcopy_example.rs` drives it with the crate's client. More in docs/devices.md.
 
 use std::os::unix::net::UnixListener;
 use std::sync::Arc;

@@ -11,9 +11,9 @@
 //! device space ([`FrontendMemory::dma`], a [`memvisor::DmaSpace`]) translates the addresses the
 //! driver put in the descriptors, and `dma_write` copies into them with bounds and permission
 //! checks and dirty-page tracking. A device never builds a `&[u8]` or `&mut [u8]` over guest
-//! memory: the guest may change or take back that memory at any moment, and a Rust reference
-//! over it would be a lie. A buffer that does not translate is an error on that request (the
-//! chain goes back with 0 bytes), never a crash.
+//! memory: the guest may change or take back that memory at any moment, which a Rust reference
+//! forbids (undefined behaviour). A buffer that does not translate ends that request (the chain
+//! goes back with the bytes written before it), never the device.
 //!
 //! **Chains** are taken with virtio-queue's iterator over the [`Ring`] (it dereferences to
 //! `virtio_queue::Queue`), marked with [`Ring::taken`], and returned with [`Ring::add_used`];
@@ -27,14 +27,16 @@
 //!
 //! ```text
 //! cargo run --release -p memvisor-vhost --example rng -- /tmp/rng.sock
-//! qemu-system-x86_64 ... -object memory-backend-memfd,id=mem,size=1G,share=on \
-//!     -numa node,memdev=mem -chardev socket,id=rng,path=/tmp/rng.sock \
+//! qemu-system-x86_64 ... -machine q35,memory-backend=mem -m 1G \
+//!     -object memory-backend-memfd,id=mem,size=1G,share=on \
+//!     -chardev socket,id=rng,path=/tmp/rng.sock \
 //!     -device vhost-user-test-device-pci,chardev=rng,virtio-id=4,num_vqs=1
 //! ```
 //!
 //! In the guest, `cat /sys/class/misc/hw_random/rng_current` names `virtio_rng.0` and
-//! `/dev/hwrng` reads from this process. `tests/rng_example.rs` drives [`Rng`] through the
-//! crate's test frontend.
+//! `/dev/hwrng` reads from this process (`guest/trial.sh rng` checks that with QEMU 11.1).
+//! `tests/rng_example.rs` drives [`Rng`] through the crate's test frontend. More in
+//! docs/devices.md.
 
 use std::os::unix::net::UnixListener;
 use std::sync::atomic::AtomicBool;
