@@ -176,7 +176,7 @@ bin=${MEMVISOR:-$top/target/release/memvisor}
 # the switch would be ignored and the control would prove nothing.
 need_hooks() {
   grep -q -a "$1" "$bin" && return 0
-  echo "$trial ${*:2}: $1 needs MEMVISOR= a binary built with --features test-hooks (.ci/run's target/release/memvisor-test-hooks); $bin is not one" >&2
+  echo "trial.sh $trial: $1 needs MEMVISOR= a binary built with --features test-hooks (.ci/run's target/release/memvisor-test-hooks); $bin is not one" >&2
   exit 2
 }
 work=$top/target/guest

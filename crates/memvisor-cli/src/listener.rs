@@ -8,8 +8,8 @@
 //!   path. Otherwise memvisor binds the path itself — but never takes a path from someone
 //!   else: a path where a listener answers (`connect()` succeeds) is refused with an error
 //!   naming it; a path that is not a socket is refused; only a stale socket (nothing listening:
-//!   `ECONNREFUSED`) is replaced. A socket memvisor bound is removed at exit, if the path still
-//!   names it.
+//!   `ECONNREFUSED`) is replaced. A socket memvisor bound is removed when its [`Listener`] is
+//!   dropped (at exit, or when a later step of the start fails), if the path still names it.
 //! * `--fd N`: a listening Unix stream socket the parent left open as descriptor N. It is
 //!   checked (open, a socket, Unix, stream, listening) before use and never unlinked.
 //! * Neither: the socket systemd passed (`LISTEN_PID` is this process, `LISTEN_FDS` = 1, fd 3).
@@ -75,7 +75,8 @@ impl Listener {
         }
     }
 
-    /// Removes the socket file if memvisor bound it and the path still names that socket.
+    /// Removes the socket file if memvisor bound it and the path still names that socket
+    /// (also done on drop, so a start that fails half-way leaves no socket behind).
     pub fn remove(&self) {
         let (Some(path), Some((dev, ino))) = (&self.path, self.bound_here) else {
             return;
@@ -85,6 +86,12 @@ impl Listener {
                 let _ = std::fs::remove_file(path);
             }
         }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.remove();
     }
 }
 

@@ -49,16 +49,14 @@ pub fn stop_on_signals() {
     }
 }
 
-/// Tells a service manager the server is up (every socket listens), and that it stops once a
-/// signal came.
-fn ready_until_stopped() {
+/// Tells a service manager the server is up: every socket listens.
+fn ready() {
     crate::notify::notify("READY=1");
-    std::thread::spawn(|| {
-        while !STOP.load(Ordering::Relaxed) {
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        crate::notify::notify("STOPPING=1");
-    });
+}
+
+/// Tells a service manager the server is stopping: its devices have stopped serving.
+fn stopping() {
+    crate::notify::notify("STOPPING=1");
 }
 
 /// What a block back end did, for `--stats`.
@@ -179,8 +177,10 @@ pub fn blk(
         disk.display(),
         listener.origin
     );
-    ready_until_stopped();
-    backend.serve(&listener.socket, &STOP)?;
+    ready();
+    let served = backend.serve(&listener.socket, &STOP);
+    stopping();
+    served?;
     listener.remove();
     let device = BlkReport::new(listener.name(), &backend.stats, &backend.device().stats);
     drop(backend);
@@ -529,13 +529,22 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
         Some(listener) => Some(control_thread(listener, target.clone())?),
         None => None,
     };
-    ready_until_stopped();
+    ready();
+    let blk_ends: Vec<_> = blk_threads
+        .into_iter()
+        .map(|t| t.join().expect("blk thread panicked"))
+        .collect();
+    let balloon_ends: Vec<_> = balloon_threads
+        .into_iter()
+        .map(|t| t.join().expect("balloon thread panicked"))
+        .collect();
+    stopping();
     let mut report = ServeReport::default();
-    for t in blk_threads {
-        report.blk.push(t.join().expect("blk thread panicked")?);
+    for r in blk_ends {
+        report.blk.push(r?);
     }
-    for t in balloon_threads {
-        let mut r = t.join().expect("balloon thread panicked")?;
+    for r in balloon_ends {
+        let mut r = r?;
         r.target_pages = target.pages();
         report.balloon.push(r);
     }
@@ -744,7 +753,7 @@ pub fn vfio_user(
         connections: Vec::new(),
         server: Default::default(),
     };
-    ready_until_stopped();
+    ready();
     while let Some(sock) = accept(listener)? {
         sock.set_nonblocking(false)?;
         let n = report.connections.len() + 1;
@@ -780,6 +789,7 @@ pub fn vfio_user(
         report.end = end;
         report.server = stats;
     }
+    stopping();
     bound.remove();
     Ok(report)
 }
