@@ -449,10 +449,10 @@ fn rust_log_filters_by_module_and_a_bad_filter_is_refused() {
     let notify = Notify::new(&dir);
     let (disk, sock) = (dir.disk(), dir.join("log.sock"));
     // Each filter, one connection, then the lines the log kept.
-    let lines_with = |filter: Option<(&str, &str)>| -> String {
+    let lines_with = |filter: &[(&str, &str)]| -> String {
         let mut cmd = memvisor(&["vhost-user-blk", "--socket-path"]);
         cmd.arg(&sock).arg("--disk").arg(&disk);
-        if let Some((var, value)) = filter {
+        for (var, value) in filter {
             cmd.env(var, value);
         }
         let server = Server::start(cmd, &dir, &notify);
@@ -465,7 +465,7 @@ fn rust_log_filters_by_module_and_a_bad_filter_is_refused() {
     // memvisor_cli::serve logs "serving", memvisor_vhost::backend "frontend connected".
     let serving = "INFO  memvisor_cli::serve] vhost-user-blk: serving";
     let connected = "INFO  memvisor_vhost::backend] vhost-user-blk: frontend connected";
-    let all = lines_with(None);
+    let all = lines_with(&[]);
     assert!(all.contains(serving) && all.contains(connected), "{all}");
     // Timestamps: [YYYY-MM-DDTHH:MM:SS.mmmZ LEVEL module] message.
     let first = all.lines().next().unwrap();
@@ -473,18 +473,23 @@ fn rust_log_filters_by_module_and_a_bad_filter_is_refused() {
         first.starts_with("[20") && first.as_bytes()[11] == b'T' && first[..30].contains('Z'),
         "{first}"
     );
-    let some = lines_with(Some(("RUST_LOG", "warn,memvisor_cli=info")));
+    let some = lines_with(&[("RUST_LOG", "warn,memvisor_cli=info")]);
     assert!(
         some.contains(serving) && !some.contains(connected),
         "{some}"
     );
-    let none = lines_with(Some(("RUST_LOG", "off")));
+    let none = lines_with(&[("RUST_LOG", "off")]);
     assert!(!none.contains("INFO"), "{none}");
     // MEMVISOR_LOG still works, says it is deprecated, and yields to RUST_LOG.
-    let old = lines_with(Some(("MEMVISOR_LOG", "warn")));
+    let old = lines_with(&[("MEMVISOR_LOG", "warn")]);
     assert!(
         !old.contains("INFO") && old.contains("MEMVISOR_LOG is deprecated"),
         "{old}"
+    );
+    let both = lines_with(&[("MEMVISOR_LOG", "off"), ("RUST_LOG", "info")]);
+    assert!(
+        both.contains(serving) && !both.contains("deprecated"),
+        "{both}"
     );
 
     for (var, bad, says) in [
