@@ -142,8 +142,39 @@ fn memvisor(args: &[&str]) -> Command {
     c
 }
 
+/// Runs a command that must end by itself (print and exit, or refuse to start); one still
+/// running after 20 s (a server that started instead of refusing) is killed and the test fails.
 fn run(mut cmd: Command) -> Output {
-    cmd.output().expect("run memvisor")
+    let base = std::env::temp_dir().join(format!(
+        "memvisor-conv-run-{}-{}",
+        std::process::id(),
+        unique()
+    ));
+    let (out, err) = (base.with_extension("out"), base.with_extension("err"));
+    cmd.stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap());
+    let mut child = cmd.spawn().expect("run memvisor");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+            panic!("still running after 20 s (it should have ended by itself):\n{stderr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = Output {
+        status,
+        stdout: std::fs::read(&out).unwrap(),
+        stderr: std::fs::read(&err).unwrap(),
+    };
+    let _ = std::fs::remove_file(out);
+    let _ = std::fs::remove_file(err);
+    output
 }
 
 /// A vhost-user-blk back end answers on `path`: GET_FEATURES gets a reply.
