@@ -3,12 +3,20 @@
 //! it finishes and writes the report. Human-readable output goes to stdout, or to stderr with
 //! `--json` so that stdout carries exactly one JSON object. A failing experiment does not stop the
 //! others; the report covers those that succeeded and the exit code is non-zero.
+//!
+//! The servers (`vhost-user-blk`, `serve`, `vfio-user`) follow the vhost-user specification's
+//! back end conventions: `--socket-path` (alias `--socket`), `--fd N`, systemd socket
+//! activation, `--print-capabilities`, sd_notify readiness, `RUST_LOG`
+//! (docs/deploying.md). Test-only switches are not options: a `test-hooks` build reads them
+//! from `MEMVISOR_TEST_*` environment variables.
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use memvisor_cli::bench::{self, Ctx, Experiment, Mode, machine::Machine, report};
-use memvisor_cli::serve;
+use memvisor_cli::listener::SocketSpec;
+use memvisor_cli::{capabilities, serve};
 use std::io::{self, IsTerminal, Write};
+use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -81,13 +89,39 @@ struct ServeArgs {
     /// Write what the devices did as JSON on exit
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
+    /// Print the device types this server hosts as JSON (a list of the vhost-user
+    /// specification's capabilities objects) and exit
+    #[arg(long)]
+    print_capabilities: bool,
+}
+
+/// Where a server listens: the vhost-user specification's `--socket-path` / `--fd`, or, with
+/// neither, the socket systemd passes (socket activation).
+#[derive(Args)]
+struct SocketArgs {
+    /// Unix socket to listen on; a socket systemd passed for this path is used, a live one
+    /// refused, a stale one replaced
+    #[arg(long = "socket-path", visible_alias = "socket", value_name = "PATH")]
+    socket_path: Option<PathBuf>,
+    /// Listen on the inherited listening socket N instead (from the parent, e.g. libvirt)
+    #[arg(long, value_name = "N", conflicts_with = "socket_path")]
+    fd: Option<RawFd>,
+    /// Print the back end's capabilities as JSON (the vhost-user specification's) and exit
+    #[arg(long)]
+    print_capabilities: bool,
+}
+
+impl SocketArgs {
+    fn spec(&self) -> SocketSpec {
+        SocketSpec::from_args(self.socket_path.as_deref(), self.fd)
+    }
 }
 
 #[derive(Args)]
 struct VfioUserArgs {
-    /// Unix socket to listen on (QEMU: -device '{"driver":"vfio-user-pci","socket":{"type":"unix","path":PATH}}')
-    #[arg(long, value_name = "PATH")]
-    socket: PathBuf,
+    /// The socket (QEMU: -device '{"driver":"vfio-user-pci","socket":{"type":"unix","path":PATH}}')
+    #[command(flatten)]
+    socket: SocketArgs,
     /// Write what the server and device did as JSON on exit: the last connection's maps,
     /// unmaps, DMA and pin histogram, and per connection how it ended and the process's VmLck,
     /// VmPin and mappings of client memory after it
@@ -102,10 +136,6 @@ struct VfioUserArgs {
     /// not VmLck
     #[arg(long)]
     long_term_pins: bool,
-    /// TEST ONLY: answer DMA_UNMAP without unmapping, so the device keeps reaching memory the
-    /// guest took away (the vfio-user trial's negative control)
-    #[arg(long, hide = true)]
-    test_ignore_unmap: bool,
 }
 
 #[derive(Args)]
@@ -133,12 +163,17 @@ struct FuzzArgs {
 
 #[derive(Args)]
 struct BlkArgs {
-    /// Unix socket to listen on (QEMU: -chardev socket,path=PATH)
-    #[arg(long, value_name = "PATH")]
-    socket: PathBuf,
+    /// The socket (QEMU: -chardev socket,path=PATH)
+    #[command(flatten)]
+    socket: SocketArgs,
     /// Raw disk image to serve
-    #[arg(long, value_name = "FILE")]
-    disk: PathBuf,
+    #[arg(
+        long,
+        visible_alias = "blk-file",
+        value_name = "FILE",
+        required_unless_present = "print_capabilities"
+    )]
+    disk: Option<PathBuf>,
     /// Queues to offer
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     queues: u16,
@@ -177,10 +212,6 @@ struct BlkArgs {
     /// `memvisor bench iotlb --replay FILE`
     #[arg(long, value_name = "FILE")]
     record_iotlb: Option<PathBuf>,
-    /// TEST ONLY: never write the migration dirty log, so a migration loses what the device
-    /// wrote (the migration trial's negative control)
-    #[arg(long, hide = true)]
-    test_no_dirty_log: bool,
 }
 
 #[derive(Args)]
@@ -231,9 +262,28 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_blk(args: &BlkArgs) -> Result<()> {
-    serve::init_logging();
+/// Prints `--print-capabilities` JSON on stdout.
+fn print_capabilities(caps: serde_json::Value) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(&caps)?);
+    Ok(())
+}
+
+/// What every server does first: the log, the signals, the sockets systemd passed.
+fn start_server() -> Result<()> {
+    serve::init_logging()?;
+    memvisor_cli::listener::take_from_environment()?;
     serve::stop_on_signals();
+    Ok(())
+}
+
+fn run_blk(args: &BlkArgs) -> Result<()> {
+    if args.socket.print_capabilities {
+        return print_capabilities(capabilities::vhost_user_blk());
+    }
+    start_server()?;
+    let Some(disk) = args.disk.as_ref() else {
+        bail!("--disk FILE is required");
+    };
     if args.long_term_pins {
         serve::use_long_term_pins()?;
     }
@@ -252,20 +302,21 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         poll_us: args.poll_us,
     };
     let report = serve::blk(
-        &args.socket,
-        &args.disk,
+        &args.socket.spec(),
+        disk,
         options,
         args.direct,
         args.record_iotlb.as_deref(),
-        args.test_no_dirty_log,
     )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
 }
 
 fn run_serve(args: &ServeArgs) -> Result<()> {
-    serve::init_logging();
-    serve::stop_on_signals();
+    if args.print_capabilities {
+        return print_capabilities(capabilities::serve());
+    }
+    start_server()?;
     let blk = args.blk.clone();
     if blk.is_empty() && args.balloon.is_empty() {
         bail!("nothing to serve: give --blk SOCKET=DISK and/or --balloon SOCKET");
@@ -287,15 +338,14 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
 }
 
 fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
-    serve::init_logging();
-    serve::stop_on_signals();
+    if args.socket.print_capabilities {
+        return print_capabilities(capabilities::vfio_user());
+    }
+    start_server()?;
     let report = serve::vfio_user(
-        &args.socket,
+        &args.socket.spec(),
         args.record.as_deref(),
         args.long_term_pins,
-        serve::VfioUserTestSwitches {
-            ignore_unmap: args.test_ignore_unmap,
-        },
     )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)

@@ -11,6 +11,11 @@
 //! the device is stopped and everything mapped, pinned or locked for it is released before the
 //! next client is accepted. The process's `VmLck`, `VmPin` and mappings of client memory are
 //! read from `/proc/self` before the first client and after each one, and reported.
+//!
+//! Every server gets its sockets from [`crate::listener`] (a path, `--fd`, or systemd's socket
+//! activation; a live socket is never taken over) and tells a service manager it is ready
+//! ([`crate::notify`]) once all of them listen. Test-only switches (feature `test-hooks`) are
+//! read from `MEMVISOR_TEST_*` environment variables, and exist in no other build.
 
 use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, Write};
@@ -21,6 +26,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+
+use crate::listener::{self, SocketSpec};
 use memvisor::dma::PinRegistry;
 use memvisor_vhost::{
     Backend, BackendStats, BalloonDevice, BalloonTarget, Blk, BlkOptions, BlkStats,
@@ -42,18 +49,14 @@ pub fn stop_on_signals() {
     }
 }
 
-/// Binds `path`, replacing a stale socket left by an earlier run.
-pub fn listen(path: &Path) -> Result<UnixListener> {
-    if path.exists() {
-        std::fs::remove_file(path)
-            .with_context(|| format!("{} exists and cannot be removed", path.display()))?;
-    }
-    UnixListener::bind(path).with_context(|| {
-        format!(
-            "cannot listen on {}: is the directory writable?",
-            path.display()
-        )
-    })
+/// Tells a service manager the server is up: every socket listens.
+fn ready() {
+    crate::notify::notify("READY=1");
+}
+
+/// Tells a service manager the server is stopping: its devices have stopped serving.
+fn stopping() {
+    crate::notify::notify("STOPPING=1");
 }
 
 /// What a block back end did, for `--stats`.
@@ -98,9 +101,9 @@ pub struct BlkReport {
 }
 
 impl BlkReport {
-    fn new(socket: &Path, b: &BackendStats, s: &BlkStats) -> Self {
+    fn new(socket: String, b: &BackendStats, s: &BlkStats) -> Self {
         BlkReport {
-            socket: socket.display().to_string(),
+            socket,
             backend: *b,
             reads: s.reads,
             writes: s.writes,
@@ -142,17 +145,18 @@ pub struct BlkServeReport {
 
 /// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report.
 pub fn blk(
-    socket: &Path,
+    socket: &SocketSpec,
     disk: &Path,
     options: BlkOptions,
     direct: bool,
     record_iotlb: Option<&Path>,
-    test_no_dirty_log: bool,
 ) -> Result<BlkServeReport> {
     let file = open_disk(disk, options.read_only, direct)?;
-    let listener = listen(socket)?;
+    let listener = listener::open(socket)?;
+    listener::check_all_claimed()?;
     let mut backend = Backend::new(Blk::new(file, options)?)?;
-    if test_no_dirty_log {
+    #[cfg(feature = "test-hooks")]
+    if std::env::var_os("MEMVISOR_TEST_NO_DIRTY_LOG").is_some() {
         log::warn!("TEST ONLY: the migration dirty log stays empty; migrations lose device writes");
         backend.disable_dirty_log_for_tests();
     }
@@ -171,11 +175,14 @@ pub fn blk(
     log::info!(
         "vhost-user-blk: serving {} on {}",
         disk.display(),
-        socket.display()
+        listener.origin
     );
-    backend.serve(&listener, &STOP)?;
-    let _ = std::fs::remove_file(socket);
-    let device = BlkReport::new(socket, &backend.stats, &backend.device().stats);
+    ready();
+    let served = backend.serve(&listener.socket, &STOP);
+    stopping();
+    served?;
+    listener.remove();
+    let device = BlkReport::new(listener.name(), &backend.stats, &backend.device().stats);
     drop(backend);
     let pins_at_disconnect = at_disconnect
         .lock()
@@ -423,53 +430,86 @@ impl std::str::FromStr for BlkSpec {
     }
 }
 
+/// Refuses a socket path named twice (two devices, or a device and the control socket).
+fn check_distinct_sockets(devices: &Devices) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    let paths = devices
+        .blk
+        .iter()
+        .map(|b| &b.socket)
+        .chain(&devices.balloon)
+        .chain(&devices.control);
+    for p in paths {
+        let key = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+        if !seen.insert(key) {
+            anyhow::bail!(
+                "socket {} is named twice: every device and the control socket need their own",
+                p.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Serves every device in its own thread, all on one memvisor state, until a signal.
 pub fn serve(devices: &Devices) -> Result<ServeReport> {
+    check_distinct_sockets(devices)?;
     let target = BalloonTarget::default();
     target.set_pages(devices.balloon_target_mib.saturating_mul(256));
-    let mut blk_threads = Vec::new();
+    // Every socket first (inherited ones claimed by path), then the threads: a start that
+    // fails leaves no device half served.
+    let mut blk_sockets = Vec::new();
     for spec in &devices.blk {
-        let (socket, disk) = (&spec.socket, &spec.disk);
-        let file = open_disk(disk, spec.options.read_only, spec.direct)?;
-        let listener = listen(socket)?;
+        let file = open_disk(&spec.disk, spec.options.read_only, spec.direct)?;
+        blk_sockets.push((spec, file, listener::at(&spec.socket)?));
+    }
+    let mut balloon_sockets = Vec::new();
+    for socket in &devices.balloon {
+        balloon_sockets.push(listener::at(socket)?);
+    }
+    let control_socket = match &devices.control {
+        Some(path) => Some(listener::at(path)?),
+        None => None,
+    };
+    listener::check_all_claimed()?;
+    let mut blk_threads = Vec::new();
+    for (spec, file, listener) in blk_sockets {
+        let disk = &spec.disk;
         let options = BlkOptions {
             iommu: devices.iommu,
             ..spec.options.clone()
         };
         let mut backend = Backend::new(Blk::new(file, options)?)?;
-        let socket = socket.clone();
         log::info!(
             "vhost-user-blk: serving {} on {}",
             disk.display(),
-            socket.display()
+            listener.origin
         );
         blk_threads.push(std::thread::spawn(move || -> Result<BlkReport> {
-            backend.serve(&listener, &STOP)?;
-            let _ = std::fs::remove_file(&socket);
+            backend.serve(&listener.socket, &STOP)?;
+            listener.remove();
             Ok(BlkReport::new(
-                &socket,
+                listener.name(),
                 &backend.stats,
                 &backend.device().stats,
             ))
         }));
     }
     let mut balloon_threads = Vec::new();
-    for socket in &devices.balloon {
-        let listener = listen(socket)?;
+    for listener in balloon_sockets {
         let mut device = BalloonDevice::new(target.clone());
         if !devices.reporting {
             device = device.without_reporting();
         }
         let mut backend = Backend::new(device)?;
-        let socket = socket.clone();
-        log::info!("vhost-user-balloon: serving on {}", socket.display());
+        log::info!("vhost-user-balloon: serving on {}", listener.origin);
         balloon_threads.push(std::thread::spawn(move || -> Result<BalloonReport> {
-            backend.serve(&listener, &STOP)?;
-            let _ = std::fs::remove_file(&socket);
+            backend.serve(&listener.socket, &STOP)?;
+            listener.remove();
             let d = backend.device();
             let s = d.stats();
             Ok(BalloonReport {
-                socket: socket.display().to_string(),
+                socket: listener.name(),
                 connections: backend.stats.connections,
                 messages: backend.stats.messages,
                 refused: backend.stats.refused,
@@ -485,16 +525,26 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
             })
         }));
     }
-    let control = match &devices.control {
-        Some(path) => Some(control_thread(path, target.clone())?),
+    let control = match control_socket {
+        Some(listener) => Some(control_thread(listener, target.clone())?),
         None => None,
     };
+    ready();
+    let blk_ends: Vec<_> = blk_threads
+        .into_iter()
+        .map(|t| t.join().expect("blk thread panicked"))
+        .collect();
+    let balloon_ends: Vec<_> = balloon_threads
+        .into_iter()
+        .map(|t| t.join().expect("balloon thread panicked"))
+        .collect();
+    stopping();
     let mut report = ServeReport::default();
-    for t in blk_threads {
-        report.blk.push(t.join().expect("blk thread panicked")?);
+    for r in blk_ends {
+        report.blk.push(r?);
     }
-    for t in balloon_threads {
-        let mut r = t.join().expect("balloon thread panicked")?;
+    for r in balloon_ends {
+        let mut r = r?;
         r.target_pages = target.pages();
         report.balloon.push(r);
     }
@@ -507,18 +557,19 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
 
 /// Accepts control connections until a signal: each line `target <MiB>` sets the balloon target
 /// and is answered `ok <pages>`; anything else `error: ...`.
-fn control_thread(path: &Path, target: BalloonTarget) -> Result<std::thread::JoinHandle<()>> {
-    let listener = listen(path)?;
-    listener.set_nonblocking(true)?;
-    let path = path.to_path_buf();
+fn control_thread(
+    listener: listener::Listener,
+    target: BalloonTarget,
+) -> Result<std::thread::JoinHandle<()>> {
+    listener.socket.set_nonblocking(true)?;
     Ok(std::thread::spawn(move || {
         while !STOP.load(Ordering::Relaxed) {
-            match listener.accept() {
+            match listener.socket.accept() {
                 Ok((sock, _)) => control_connection(sock, &target),
                 Err(_) => std::thread::sleep(Duration::from_millis(100)),
             }
         }
-        let _ = std::fs::remove_file(&path);
+        listener.remove();
     }))
 }
 
@@ -556,36 +607,9 @@ pub fn write_json<T: Serialize>(path: Option<&PathBuf>, value: &T) -> Result<()>
     Ok(())
 }
 
-/// A logger to stderr: `MEMVISOR_LOG=debug|info|warn|error` (default info).
-pub fn init_logging() {
-    struct Stderr(log::LevelFilter);
-    impl log::Log for Stderr {
-        fn enabled(&self, m: &log::Metadata) -> bool {
-            m.level() <= self.0
-        }
-        fn log(&self, r: &log::Record) {
-            if self.enabled(r.metadata()) {
-                eprintln!(
-                    "memvisor[{}] {}: {}",
-                    std::process::id(),
-                    r.level(),
-                    r.args()
-                );
-            }
-        }
-        fn flush(&self) {}
-    }
-    let level = match std::env::var("MEMVISOR_LOG").as_deref() {
-        Ok("debug") => log::LevelFilter::Debug,
-        Ok("warn") => log::LevelFilter::Warn,
-        Ok("error") => log::LevelFilter::Error,
-        Ok("trace") => log::LevelFilter::Trace,
-        _ => log::LevelFilter::Info,
-    };
-    let logger: &'static Stderr = Box::leak(Box::new(Stderr(level)));
-    if log::set_logger(logger).is_ok() {
-        log::set_max_level(level);
-    }
+/// Starts the servers' log ([`crate::logging`]: `RUST_LOG`); an unusable filter is an error.
+pub fn init_logging() -> Result<()> {
+    crate::logging::init()
 }
 
 /// What the process holds of its clients' memory, from `/proc/self`: read before the first
@@ -681,22 +705,14 @@ pub struct VfioUserReport {
     pub server: memvisor_vfio_user::ServerStats,
 }
 
-/// Test-only switches of the vfio-user server.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct VfioUserTestSwitches {
-    /// Answer `DMA_UNMAP` without unmapping (`--test-ignore-unmap`).
-    pub ignore_unmap: bool,
-}
-
 /// Serves the `mvdma` reference device to vfio-user clients on `socket`, one after another,
 /// until a signal. Each connection gets a new server, DMA table and device; when its client
 /// hangs up or dies, the device is stopped and everything mapped, pinned or locked for it is
 /// released before the next client is accepted. Returns what every connection did.
 pub fn vfio_user(
-    socket: &Path,
+    socket: &SocketSpec,
     record: Option<&Path>,
     long_term_pins: bool,
-    test: VfioUserTestSwitches,
 ) -> Result<VfioUserReport> {
     use std::sync::{Arc, Mutex};
     if long_term_pins {
@@ -709,12 +725,14 @@ pub fn vfio_user(
         ),
         None => None,
     };
-    let listener = listen(socket)?;
+    let bound = listener::open(socket)?;
+    listener::check_all_claimed()?;
+    let listener = &bound.socket;
     listener.set_nonblocking(true)?;
     let baseline = ProcFigures::now();
     log::info!(
         "vfio-user: serving mvdma on {}; before any client: {baseline:?}",
-        socket.display()
+        bound.origin
     );
     // A signal ends the connection being served: shutting its socket down wakes the server's
     // read.
@@ -729,22 +747,23 @@ pub fn vfio_user(
         }
     });
     let mut report = VfioUserReport {
-        socket: socket.display().to_string(),
+        socket: bound.name(),
         end: "no client connected".into(),
         baseline,
         connections: Vec::new(),
         server: Default::default(),
     };
-    while let Some(sock) = accept(&listener)? {
+    ready();
+    while let Some(sock) = accept(listener)? {
         sock.set_nonblocking(false)?;
         let n = report.connections.len() + 1;
-        log::info!("vfio-user client {n} connected on {}", socket.display());
+        log::info!("vfio-user client {n} connected on {}", bound.name());
         *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(sock.try_clone()?);
         if STOP.load(Ordering::Relaxed) {
             // The watcher may have looked before this connection was there.
             let _ = sock.shutdown(std::net::Shutdown::Both);
         }
-        let (stats, end) = serve_one(sock, record.as_ref(), test)?;
+        let (stats, end) = serve_one(sock, record.as_ref())?;
         *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let after = ProcFigures::now();
         let end = match end {
@@ -770,7 +789,8 @@ pub fn vfio_user(
         report.end = end;
         report.server = stats;
     }
-    let _ = std::fs::remove_file(socket);
+    stopping();
+    bound.remove();
     Ok(report)
 }
 
@@ -798,7 +818,6 @@ fn accept(listener: &UnixListener) -> Result<Option<UnixStream>> {
 fn serve_one(
     sock: UnixStream,
     record: Option<&std::fs::File>,
-    test: VfioUserTestSwitches,
 ) -> Result<(
     memvisor_vfio_user::ServerStats,
     memvisor_vfio_user::Result<()>,
@@ -806,7 +825,8 @@ fn serve_one(
     use memvisor_vfio_user::{DmaDev, Server};
     let mut server = Server::new(sock, memvisor::DmaConfig::default(), DmaDev::new)
         .context("vfio-user server")?;
-    if test.ignore_unmap {
+    #[cfg(feature = "test-hooks")]
+    if std::env::var_os("MEMVISOR_TEST_IGNORE_UNMAP").is_some() {
         log::warn!("TEST ONLY: DMA_UNMAP is answered without unmapping");
         server.test_ignore_unmap();
     }

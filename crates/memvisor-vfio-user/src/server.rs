@@ -273,7 +273,9 @@ pub struct Server<D: Device> {
     stats: ServerStats,
     record: Option<Box<dyn Write + Send>>,
     versioned: bool,
-    /// TEST ONLY: ranges "unmapped" but left in the table, dropped when a map needs the room.
+    /// TEST ONLY (feature `test-hooks`): ranges "unmapped" but left in the table, dropped when
+    /// a map needs the room.
+    #[cfg(feature = "test-hooks")]
     zombies: Option<Vec<(u64, u64)>>,
     /// TEST ONLY (feature `test-hooks`): answer `DMA_UNMAP` with EBUSY while the device holds
     /// pins, as before issue 31, instead of waiting for them.
@@ -318,6 +320,7 @@ impl<D: Device> Server<D> {
             stats: ServerStats::default(),
             record: None,
             versioned: false,
+            #[cfg(feature = "test-hooks")]
             zombies: None,
             #[cfg(feature = "test-hooks")]
             busy_while_pinned: false,
@@ -375,10 +378,11 @@ impl<D: Device> Server<D> {
         self.record = Some(out);
     }
 
-    /// TEST ONLY: answer `DMA_UNMAP` as done but leave the mappings in place until a later map
-    /// needs their IOVAs — a broken IOMMU that forgets to invalidate. The device keeps reaching
-    /// memory the guest took away; the real-guest trial's negative control shows it notices.
-    #[doc(hidden)]
+    /// TEST ONLY (feature `test-hooks`): answer `DMA_UNMAP` as done but leave the mappings in
+    /// place until a later map needs their IOVAs — a broken IOMMU that forgets to invalidate.
+    /// The device keeps reaching memory the guest took away; the real-guest trial's negative
+    /// control shows it notices.
+    #[cfg(feature = "test-hooks")]
     pub fn test_ignore_unmap(&mut self) {
         self.zombies = Some(Vec::new());
     }
@@ -631,6 +635,7 @@ impl<D: Device> Server<D> {
         let fd = match m.fds.len() {
             1 => m.fds.pop().expect("one fd"),
             0 => {
+                #[cfg(feature = "test-hooks")]
                 self.drop_zombies(map.iova, map.size);
                 self.port.dma.map_remote(Iova(map.iova), map.size, prot)?;
                 self.stats.dma_maps_remote += 1;
@@ -644,6 +649,7 @@ impl<D: Device> Server<D> {
                 )));
             }
         };
+        #[cfg(feature = "test-hooks")]
         self.drop_zombies(map.iova, map.size);
         // Type1's checks on the IOVA range come first (size 0, alignment, overlap) in
         // map_backing; the file range is checked where it is mapped.
@@ -660,6 +666,7 @@ impl<D: Device> Server<D> {
 
     /// TEST ONLY (`test_ignore_unmap`): really unmaps the "unmapped" ranges a new map of
     /// `[iova, iova + size)` needs.
+    #[cfg(feature = "test-hooks")]
     fn drop_zombies(&mut self, iova: u64, size: u64) {
         let Some(z) = self.zombies.as_mut() else {
             return;
@@ -686,6 +693,7 @@ impl<D: Device> Server<D> {
 
     fn try_dma_unmap(&mut self, body: &[u8]) -> Result<(Reply, u64)> {
         let mut u = DmaUnmap::parse(body)?;
+        #[cfg(feature = "test-hooks")]
         if let Some(z) = self.zombies.as_mut() {
             if u.flags & unmap_flags::ALL == 0 {
                 z.push((u.iova, u.size));

@@ -31,7 +31,10 @@ fn read_with_log(disable: bool) -> (Vec<u64>, u64) {
     let mut g = Guest::new(4 * MIB);
     let mut backend = Backend::new(Blk::new(disk, BlkOptions::default()).unwrap()).unwrap();
     if disable {
+        #[cfg(feature = "test-hooks")]
         backend.disable_dirty_log_for_tests();
+        #[cfg(not(feature = "test-hooks"))]
+        unreachable!("the switch needs the test-hooks feature");
     }
     let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
     let t = std::thread::spawn(move || {
@@ -107,6 +110,9 @@ fn device_writes_are_logged_at_their_guest_pages_and_reads_are_not() {
     assert!(n >= want.len() as u64);
 }
 
+/// The switch exists only with the `test-hooks` feature:
+/// `cargo test -p memvisor-vhost --features test-hooks`.
+#[cfg(feature = "test-hooks")]
 #[test]
 fn with_the_test_switch_nothing_reaches_the_log() {
     let (pages, n) = read_with_log(true);

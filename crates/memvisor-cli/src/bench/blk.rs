@@ -112,7 +112,7 @@ fn start(top: &Path, dir: &Path, server: Server, direct: bool) -> Result<Child, 
             if direct {
                 c.arg("--direct");
             }
-            c.env("MEMVISOR_LOG", "warn");
+            c.env("RUST_LOG", "warn");
             c
         }
         Server::QsdThreads | Server::QsdIoUring => {

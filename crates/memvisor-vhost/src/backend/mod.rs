@@ -190,9 +190,10 @@ impl<D: Device + 'static> Backend<D> {
         })
     }
 
-    /// Test-only: track dirty pages but never write them to the frontend's log, so a
-    /// migration loses what the device wrote. The migration trial's negative control uses it to
-    /// show that its check can fail; nothing else should.
+    /// Test-only (feature `test-hooks`): track dirty pages but never write them to the
+    /// frontend's log, so a migration loses what the device wrote. The migration trial's
+    /// negative control uses it to show that its check can fail; nothing else should.
+    #[cfg(feature = "test-hooks")]
     pub fn disable_dirty_log_for_tests(&mut self) {
         self.log_disabled = true;
     }

@@ -1,0 +1,364 @@
+//! Where a server's listening socket comes from: the vhost-user specification's "Backend program
+//! conventions" (`--socket-path PATH`, `--fd N`) and systemd's socket activation (`LISTEN_FDS`).
+//!
+//! The model: a server names its socket one of three ways ([`SocketSpec`]).
+//!
+//! * A path. If systemd passed a listening socket already bound to that path (socket
+//!   activation), that one is used, so a unit file and the command line can name the same
+//!   path. Otherwise memvisor binds the path itself — but never takes a path from someone
+//!   else: a path where a listener answers (`connect()` succeeds) is refused with an error
+//!   naming it; a path that is not a socket is refused; only a stale socket (nothing listening:
+//!   `ECONNREFUSED`) is replaced. A socket memvisor bound is removed when its [`Listener`] is
+//!   dropped (at exit, or when a later step of the start fails), if the path still names it.
+//! * `--fd N`: a listening Unix stream socket the parent left open as descriptor N. It is
+//!   checked (open, a socket, Unix, stream, listening) before use and never unlinked.
+//! * Neither: the socket systemd passed (`LISTEN_PID` is this process, `LISTEN_FDS` = 1, fd 3).
+//!
+//! The sockets systemd passes are taken from the environment once, the first time one is asked
+//! for (`LISTEN_*` are then removed, so children do not see them). Each is claimed by at most
+//! one device; [`check_all_claimed`] refuses a start that would leave one unused, which is a
+//! unit file and a command line that disagree.
+//!
+//! The live check connects to the path: a memvisor server on it sees one connection that closes
+//! at once, which it takes as a frontend that left. A server that goes away between the check
+//! and the bind leaves the path to the next start; the check is not atomic, and cannot be.
+
+use std::io;
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use anyhow::{Context, Result, anyhow, bail};
+
+/// How a server's socket is named on its command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SocketSpec {
+    /// `--socket-path PATH` (or `--socket PATH`).
+    Path(PathBuf),
+    /// `--fd N`: an inherited listening socket.
+    Fd(RawFd),
+    /// Neither: the one socket systemd passed (`LISTEN_FDS`).
+    Activated,
+}
+
+impl SocketSpec {
+    /// From the two options of a server's command line (clap keeps them exclusive).
+    pub fn from_args(path: Option<&Path>, fd: Option<RawFd>) -> SocketSpec {
+        match (path, fd) {
+            (Some(p), _) => SocketSpec::Path(p.to_path_buf()),
+            (None, Some(fd)) => SocketSpec::Fd(fd),
+            (None, None) => SocketSpec::Activated,
+        }
+    }
+}
+
+/// A listening socket and where it came from.
+pub struct Listener {
+    /// The socket.
+    pub socket: UnixListener,
+    /// Its path, if it is bound to one (an inherited socket may be abstract or unnamed).
+    pub path: Option<PathBuf>,
+    /// Device and inode of the socket file, if memvisor bound it (then it is removed at exit).
+    bound_here: Option<(u64, u64)>,
+    /// How it came, for messages: "PATH", "fd N (PATH)", "systemd fd N (PATH)".
+    pub origin: String,
+}
+
+impl Listener {
+    /// The socket's name in reports and logs: its path, or its origin if it has none.
+    pub fn name(&self) -> String {
+        match &self.path {
+            Some(p) => p.display().to_string(),
+            None => self.origin.clone(),
+        }
+    }
+
+    /// Removes the socket file if memvisor bound it and the path still names that socket
+    /// (also done on drop, so a start that fails half-way leaves no socket behind).
+    pub fn remove(&self) {
+        let (Some(path), Some((dev, ino))) = (&self.path, self.bound_here) else {
+            return;
+        };
+        if let Ok(m) = std::fs::symlink_metadata(path) {
+            if m.dev() == dev && m.ino() == ino {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}
+
+/// The sockets systemd passed and no device has claimed yet; `None` until first read.
+static ACTIVATED: Mutex<Option<Vec<RawFd>>> = Mutex::new(None);
+
+/// The first descriptor systemd passes (`SD_LISTEN_FDS_START`).
+const LISTEN_FDS_START: RawFd = 3;
+
+/// Runs `f` on the unclaimed activated sockets, reading them from the environment first if
+/// this is the first call.
+fn with_activated<T>(f: impl FnOnce(&mut Vec<RawFd>) -> T) -> Result<T> {
+    let mut guard = ACTIVATED.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        *guard = Some(read_listen_fds()?);
+    }
+    Ok(f(guard.as_mut().expect("just filled")))
+}
+
+/// `LISTEN_FDS` for this process, as sd_listen_fds(3) reads it; the variables are removed.
+fn read_listen_fds() -> Result<Vec<RawFd>> {
+    let pid = std::env::var("LISTEN_PID").ok();
+    let count = std::env::var("LISTEN_FDS").ok();
+    // SAFETY: first called by take_from_environment() before the server starts any thread,
+    // so nothing reads the environment while it changes (remove_var's only requirement).
+    unsafe {
+        std::env::remove_var("LISTEN_PID");
+        std::env::remove_var("LISTEN_FDS");
+        std::env::remove_var("LISTEN_FDNAMES");
+    }
+    let (Some(pid), Some(count)) = (pid, count) else {
+        return Ok(Vec::new());
+    };
+    if pid.trim().parse::<u32>().ok() != Some(std::process::id()) {
+        // Meant for another process (the variables leaked through a parent): not ours.
+        return Ok(Vec::new());
+    }
+    let n: RawFd = count
+        .trim()
+        .parse()
+        .ok()
+        .filter(|n| (0..=1024).contains(n))
+        .ok_or_else(|| anyhow!("LISTEN_FDS={count:?} is not a count of descriptors (0-1024)"))?;
+    let fds: Vec<RawFd> = (LISTEN_FDS_START..LISTEN_FDS_START + n).collect();
+    for &fd in &fds {
+        // Not passed on to anything this process starts.
+        set_cloexec(fd).with_context(|| format!("LISTEN_FDS={n}: descriptor {fd}"))?;
+    }
+    Ok(fds)
+}
+
+fn set_cloexec(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor number reads and sets its flags; no memory is involved.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// An `int` socket option of `fd`.
+fn sockopt(fd: RawFd, name: libc::c_int) -> io::Result<libc::c_int> {
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: value and len are locals of the sizes the kernel is told; it writes at most len
+    // bytes to value.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            name,
+            (&mut value as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(value)
+    }
+}
+
+/// Checks that `fd` is an open, listening Unix stream socket; says what it is otherwise.
+fn check_listening(fd: RawFd, what: &str) -> Result<()> {
+    if (0..=2).contains(&fd) {
+        bail!("{what}: descriptors 0, 1 and 2 are stdin, stdout and stderr, not a socket");
+    }
+    // SAFETY: fcntl(F_GETFD) only reads the descriptor's flags.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        bail!("{what}: descriptor {fd} is not open in this process");
+    }
+    let domain = sockopt(fd, libc::SO_DOMAIN).map_err(|e| {
+        if e.raw_os_error() == Some(libc::ENOTSOCK) {
+            anyhow!("{what}: descriptor {fd} is not a socket")
+        } else {
+            anyhow!("{what}: descriptor {fd}: {e}")
+        }
+    })?;
+    if domain != libc::AF_UNIX {
+        bail!("{what}: descriptor {fd} is not a Unix socket (domain {domain})");
+    }
+    if sockopt(fd, libc::SO_TYPE)? != libc::SOCK_STREAM {
+        bail!("{what}: descriptor {fd} is not a stream socket");
+    }
+    if sockopt(fd, libc::SO_ACCEPTCONN)? == 0 {
+        bail!("{what}: descriptor {fd} is a socket that is not listening (call listen() on it)");
+    }
+    Ok(())
+}
+
+/// Wraps a checked, claimed descriptor.
+fn adopt(fd: RawFd, origin: &str) -> Result<Listener> {
+    check_listening(fd, origin)?;
+    set_cloexec(fd)?;
+    // SAFETY: fd is open and a listening Unix stream socket (checked above); it was handed to
+    // this process for this use and claimed once (by --fd, or taken out of the activated
+    // list), so nothing else here owns or closes it.
+    let socket = unsafe { UnixListener::from_raw_fd(fd) };
+    let path = socket
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_pathname().map(Path::to_path_buf));
+    let origin = match &path {
+        Some(p) => format!("{origin} ({})", p.display()),
+        None => origin.to_string(),
+    };
+    Ok(Listener {
+        socket,
+        path,
+        bound_here: None,
+        origin,
+    })
+}
+
+/// The path an inherited descriptor is bound to, if any.
+fn bound_path(fd: RawFd) -> Option<PathBuf> {
+    // Borrow without taking ownership: a listener built from a dup, dropped at once.
+    // SAFETY: dup only creates a new descriptor for the same socket.
+    let dup = unsafe { libc::dup(fd) };
+    if dup < 0 {
+        return None;
+    }
+    // SAFETY: dup is a fresh descriptor owned by nothing else; the listener closes it.
+    let l = unsafe { UnixListener::from_raw_fd(dup) };
+    l.local_addr()
+        .ok()
+        .and_then(|a| a.as_pathname().map(Path::to_path_buf))
+}
+
+/// Opens the listening socket `spec` names.
+pub fn open(spec: &SocketSpec) -> Result<Listener> {
+    match spec {
+        SocketSpec::Fd(fd) => {
+            // If systemd passed it too, it is claimed here.
+            with_activated(|fds| fds.retain(|f| f != fd))?;
+            adopt(*fd, &format!("--fd {fd}"))
+        }
+        SocketSpec::Activated => {
+            let fds = with_activated(std::mem::take)?;
+            match fds.as_slice() {
+                [fd] => adopt(*fd, &format!("systemd socket (fd {fd})")),
+                [] => bail!(
+                    "no socket to listen on: give --socket-path PATH or --fd N, or start under \
+                     systemd socket activation (LISTEN_FDS)"
+                ),
+                many => {
+                    // Put them back: the error names them, nothing was taken.
+                    let n = many.len();
+                    with_activated(|f| *f = fds.clone())?;
+                    bail!(
+                        "systemd passed {n} sockets (LISTEN_FDS={n}) and no --socket-path says \
+                         which to use"
+                    )
+                }
+            }
+        }
+        SocketSpec::Path(path) => at(path),
+    }
+}
+
+/// Listens on `path`: the socket systemd passed for it, or one bound here (see the module
+/// comment for what is refused).
+pub fn at(path: &Path) -> Result<Listener> {
+    let want = absolute(path);
+    let passed = with_activated(|fds| {
+        let i = fds
+            .iter()
+            .position(|&fd| bound_path(fd).is_some_and(|p| absolute(&p) == want))?;
+        Some(fds.remove(i))
+    })?;
+    if let Some(fd) = passed {
+        return adopt(fd, &format!("systemd socket (fd {fd})"));
+    }
+    bind(path)
+}
+
+/// `path` made absolute against the current directory, for comparing with inherited sockets.
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// Binds `path`, replacing only a stale socket.
+fn bind(path: &Path) -> Result<Listener> {
+    let shown = path.display();
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => bail!("cannot check {shown} before listening on it: {e}"),
+        Ok(m) if !m.file_type().is_socket() => bail!(
+            "{shown} exists and is not a socket; memvisor does not remove it: choose another \
+             --socket-path or remove the file yourself"
+        ),
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => bail!(
+                "{shown} is in use: a server is listening on it (connect() succeeded); stop \
+                 that server or choose another socket path"
+            ),
+            Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
+                log::info!("{shown}: replacing a stale socket (nothing listens on it)");
+                std::fs::remove_file(path)
+                    .with_context(|| format!("{shown} is a stale socket and cannot be removed"))?;
+            }
+            Err(e) => bail!(
+                "{shown} is a socket that cannot be checked ({e}); memvisor does not remove \
+                 it: choose another socket path or remove it yourself"
+            ),
+        },
+    }
+    let socket = UnixListener::bind(path)
+        .with_context(|| format!("cannot listen on {shown}: is the directory writable?"))?;
+    let m = std::fs::symlink_metadata(path)
+        .with_context(|| format!("{shown} vanished right after it was bound"))?;
+    Ok(Listener {
+        socket,
+        path: Some(path.to_path_buf()),
+        bound_here: Some((m.dev(), m.ino())),
+        origin: shown.to_string(),
+    })
+}
+
+/// Refuses to go on with sockets systemd passed that no device took: the unit file and the
+/// command line disagree.
+pub fn check_all_claimed() -> Result<()> {
+    let left = with_activated(|fds| fds.clone())?;
+    if left.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<String> = left
+        .iter()
+        .map(|&fd| match bound_path(fd) {
+            Some(p) => format!("fd {fd} ({})", p.display()),
+            None => format!("fd {fd}"),
+        })
+        .collect();
+    bail!(
+        "systemd passed sockets no device uses: {}; name each one's path on the command line \
+         (--socket-path, --blk, --balloon, --control)",
+        names.join(", ")
+    )
+}
+
+/// Reads the sockets systemd passed, and removes `LISTEN_*` from the environment. Servers call
+/// it first thing, before they start a thread (changing the environment is safe only then);
+/// later calls do nothing.
+pub fn take_from_environment() -> Result<()> {
+    with_activated(|_| ())
+}

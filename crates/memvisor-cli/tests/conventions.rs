@@ -1,0 +1,566 @@
+//! The servers' back end conventions (issue 36), checked on the `memvisor` binary as a service
+//! manager runs it: `--socket-path` and its alias `--socket`, `--fd N` with an inherited
+//! listener, systemd socket activation (`LISTEN_FDS`), `--print-capabilities`, `READY=1` on
+//! `$NOTIFY_SOCKET`, a live socket refused (and its server unharmed), a stale one replaced, a
+//! file that is not a socket left alone, and `RUST_LOG`: module filters and a refused filter.
+//! Nothing here needs root.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use memvisor_vhost::client::Client;
+use memvisor_vhost::proto::req;
+
+const BIN: &str = env!("CARGO_BIN_EXE_memvisor");
+
+/// A fresh directory under the temporary directory, removed on drop.
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(name: &str) -> Dir {
+        let d = std::env::temp_dir().join(format!("memvisor-conv-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Dir(d)
+    }
+    fn join(&self, p: &str) -> PathBuf {
+        self.0.join(p)
+    }
+    /// A 16 MiB raw image.
+    fn disk(&self) -> PathBuf {
+        let p = self.join("disk.img");
+        std::fs::File::create(&p)
+            .unwrap()
+            .set_len(16 << 20)
+            .unwrap();
+        p
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A datagram socket standing in for systemd's notification socket.
+struct Notify {
+    sock: UnixDatagram,
+    path: PathBuf,
+}
+
+impl Notify {
+    fn new(dir: &Dir) -> Notify {
+        let path = dir.join("notify.sock");
+        let sock = UnixDatagram::bind(&path).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        Notify { sock, path }
+    }
+    /// The next message, or None after 30 s.
+    fn try_next(&self) -> Option<String> {
+        let mut buf = [0u8; 256];
+        let n = self.sock.recv(&mut buf).ok()?;
+        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+    }
+    /// The next message, or panics after 30 s.
+    fn next(&self) -> String {
+        self.try_next()
+            .expect("a message on NOTIFY_SOCKET within 30 s")
+    }
+}
+
+/// A running server, stopped with SIGTERM (and reaped) on drop.
+struct Server {
+    child: Child,
+    stderr: PathBuf,
+}
+
+impl Server {
+    /// Starts `cmd` with NOTIFY_SOCKET and stderr to a file; returns once it said READY=1.
+    fn start(mut cmd: Command, dir: &Dir, notify: &Notify) -> Server {
+        let stderr = dir.join(&format!("stderr-{}.log", unique()));
+        cmd.env("NOTIFY_SOCKET", &notify.path)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        let child = cmd.spawn().expect("start memvisor");
+        let mut s = Server { child, stderr };
+        let msg = notify.try_next();
+        let exited = s.child.try_wait().unwrap();
+        assert_eq!(msg.as_deref(), Some("READY=1"), "{exited:?}\n{}", s.log());
+        s
+    }
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+    /// SIGTERM, then the exit status and stderr.
+    fn stop(mut self) -> (std::process::ExitStatus, String) {
+        let pid = self.child.id() as libc::pid_t;
+        // SAFETY: kill only sends a signal, to our own child, not yet reaped.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let status = wait_for(&mut self.child);
+        (status, self.log())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+fn wait_for(child: &mut Child) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("memvisor did not stop within 30 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn memvisor(args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.args(args)
+        .env_remove("RUST_LOG")
+        .env_remove("MEMVISOR_LOG");
+    c
+}
+
+/// Runs a command that must end by itself (print and exit, or refuse to start); one still
+/// running after 20 s (a server that started instead of refusing) is killed and the test fails.
+fn run(mut cmd: Command) -> Output {
+    let base = std::env::temp_dir().join(format!(
+        "memvisor-conv-run-{}-{}",
+        std::process::id(),
+        unique()
+    ));
+    let (out, err) = (base.with_extension("out"), base.with_extension("err"));
+    cmd.stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap());
+    let mut child = cmd.spawn().expect("run memvisor");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+            panic!("still running after 20 s (it should have ended by itself):\n{stderr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = Output {
+        status,
+        stdout: std::fs::read(&out).unwrap(),
+        stderr: std::fs::read(&err).unwrap(),
+    };
+    let _ = std::fs::remove_file(out);
+    let _ = std::fs::remove_file(err);
+    output
+}
+
+/// A vhost-user-blk back end answers on `path`: GET_FEATURES gets a reply.
+fn answers_vhost_user(path: &Path) -> u64 {
+    let s = UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    Client::from_stream(s)
+        .get_u64(req::GET_FEATURES)
+        .expect("GET_FEATURES answered")
+}
+
+/// In the child, before exec: `fd` becomes descriptor `at` (without close-on-exec).
+fn pass_fd(cmd: &mut Command, fd: RawFd, at: RawFd) {
+    // SAFETY: between fork and exec only dup2 and fcntl, which are async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            // dup2 onto itself keeps close-on-exec: clear it instead.
+            let r = if fd == at {
+                libc::fcntl(fd, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(fd, at)
+            };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// `memvisor ARGS` started as systemd starts a socket-activated service: the listener as fd 3,
+/// `LISTEN_FDS=1`, `LISTEN_PID` the server's own pid (a shell sets it, then execs memvisor).
+fn activated(listener: &UnixListener, args: &[&str]) -> Command {
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg("LISTEN_PID=$$ LISTEN_FDS=1 exec \"$0\" \"$@\"")
+        .arg(BIN)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env_remove("MEMVISOR_LOG");
+    pass_fd(&mut c, listener.as_raw_fd(), 3);
+    c
+}
+
+#[test]
+fn print_capabilities_prints_the_specifications_json_and_exits() {
+    let dir = Dir::new("caps");
+    // Other options are ignored: no disk, and a socket path that must not be created.
+    let sock = dir.join("never.sock");
+    let sock = sock.to_str().unwrap();
+    for (args, want) in [
+        (
+            vec![
+                "vhost-user-blk",
+                "--print-capabilities",
+                "--socket-path",
+                sock,
+            ],
+            serde_json::json!({"type": "block", "features": ["read-only", "blk-file"]}),
+        ),
+        (
+            vec!["serve", "--print-capabilities"],
+            serde_json::json!([
+                {"type": "block", "features": []},
+                {"type": "balloon", "features": []}
+            ]),
+        ),
+        (
+            vec!["vfio-user", "--print-capabilities", "--socket", sock],
+            serde_json::json!({"type": "vfio-user", "device": "mvdma", "features": []}),
+        ),
+    ] {
+        let out = run(memvisor(&args));
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        let got: serde_json::Value =
+            serde_json::from_slice(&out.stdout).expect("stdout is one JSON value");
+        assert_eq!(got, want, "{args:?}");
+        assert!(!Path::new(sock).exists(), "{args:?} created its socket");
+    }
+    // The features it claims exist: --blk-file and --read-only are options of vhost-user-blk.
+    let help = String::from_utf8(run(memvisor(&["vhost-user-blk", "--help"])).stdout).unwrap();
+    for flag in ["--blk-file", "--read-only", "--socket-path", "--fd <N>"] {
+        assert!(help.contains(flag), "help lacks {flag}:\n{help}");
+    }
+}
+
+#[test]
+fn socket_path_serves_says_ready_and_is_removed_at_exit() {
+    let dir = Dir::new("path");
+    let notify = Notify::new(&dir);
+    let (disk, sock) = (dir.disk(), dir.join("blk.sock"));
+    let mut cmd = memvisor(&["vhost-user-blk", "--socket-path"]);
+    cmd.arg(&sock).arg("--blk-file").arg(&disk);
+    let server = Server::start(cmd, &dir, &notify);
+    // READY=1 came once the socket listens: the back end answers at once.
+    assert_ne!(answers_vhost_user(&sock), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert_eq!(notify.next(), "STOPPING=1");
+    assert!(!sock.exists(), "the socket it bound is removed at exit");
+}
+
+#[test]
+fn fd_serves_an_inherited_listener_and_leaves_its_path() {
+    let dir = Dir::new("fd");
+    let notify = Notify::new(&dir);
+    let disk = dir.disk();
+    let sock = dir.join("inherited.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let mut cmd = memvisor(&["vhost-user-blk", "--fd", "5", "--disk"]);
+    cmd.arg(&disk);
+    pass_fd(&mut cmd, listener.as_raw_fd(), 5);
+    let server = Server::start(cmd, &dir, &notify);
+    drop(listener); // only the server holds it now
+    assert_ne!(answers_vhost_user(&sock), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(
+        sock.exists(),
+        "a socket memvisor did not bind is not removed"
+    );
+
+    // Descriptors that are not a listening Unix socket are refused, naming them.
+    let file = std::fs::File::open(&disk).unwrap();
+    let mut cmd = memvisor(&["vhost-user-blk", "--fd", "5", "--disk"]);
+    cmd.arg(&disk);
+    pass_fd(&mut cmd, file.as_raw_fd(), 5);
+    let out = run(cmd);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--fd 5: descriptor 5 is not a socket"),
+        "{err}"
+    );
+    let out = run(memvisor(&[
+        "vhost-user-blk",
+        "--fd",
+        "7",
+        "--disk",
+        disk.to_str().unwrap(),
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("descriptor 7 is not open"),
+        "{err}"
+    );
+}
+
+#[test]
+fn socket_activation_serves_the_socket_systemd_passed() {
+    let dir = Dir::new("activation");
+    let notify = Notify::new(&dir);
+    let disk = dir.disk();
+    // vhost-user-blk with no socket option: the one socket passed.
+    let sock = dir.join("activated.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let mut cmd = activated(&listener, &["vhost-user-blk", "--disk"]);
+    cmd.arg(&disk);
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&sock), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(log.contains("systemd socket (fd 3"), "{log}");
+    notify.next(); // STOPPING=1
+
+    // serve: the passed socket is the one whose path a --blk names (the unit file and the
+    // command line name the same path); the other device binds its own.
+    let (sock2, own) = (dir.join("serve-a.sock"), dir.join("serve-b.sock"));
+    let listener2 = UnixListener::bind(&sock2).unwrap();
+    let a = format!("{}={}", sock2.display(), disk.display());
+    let b = format!("{}={},read-only=on", own.display(), disk.display());
+    let cmd = activated(&listener2, &["serve", "--blk", &a, "--blk", &b]);
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&sock2), 0);
+    assert_ne!(answers_vhost_user(&own), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(
+        sock2.exists() && !own.exists(),
+        "only what it bound is removed"
+    );
+    notify.next();
+
+    // A passed socket no device names is a unit file and a command line that disagree.
+    let stray = UnixListener::bind(dir.join("stray.sock")).unwrap();
+    let c = format!("{}={}", dir.join("c.sock").display(), disk.display());
+    let out = run(activated(&stray, &["serve", "--blk", &c]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("systemd passed sockets no device uses: fd 3"),
+        "{err}"
+    );
+    assert!(err.contains("stray.sock"), "{err}");
+
+    // vfio-user: the same, seen in its report (the connection came through the passed socket).
+    let sock3 = dir.join("vfu.sock");
+    let stats = dir.join("vfu.json");
+    let listener3 = UnixListener::bind(&sock3).unwrap();
+    let mut cmd = activated(&listener3, &["vfio-user", "--stats"]);
+    cmd.arg(&stats);
+    let server = Server::start(cmd, &dir, &notify);
+    drop(UnixStream::connect(&sock3).unwrap());
+    // The client's end: give the server a moment to accept and see it gone.
+    let start = Instant::now();
+    while !server.log().contains("client 1 gone") && start.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(report["socket"], sock3.display().to_string());
+    assert_eq!(
+        report["connections"].as_array().unwrap().len(),
+        1,
+        "{report}"
+    );
+}
+
+#[test]
+fn a_live_socket_is_refused_and_its_server_unharmed() {
+    let dir = Dir::new("live");
+    let notify = Notify::new(&dir);
+    let (disk, sock) = (dir.disk(), dir.join("live.sock"));
+    let mut cmd = memvisor(&["vhost-user-blk", "--socket"]);
+    cmd.arg(&sock).arg("--disk").arg(&disk);
+    let first = Server::start(cmd, &dir, &notify);
+    for server in ["vhost-user-blk", "vfio-user"] {
+        let mut cmd = memvisor(&[server, "--socket-path"]);
+        cmd.arg(&sock).args(["--disk", disk.to_str().unwrap()]);
+        if server == "vfio-user" {
+            cmd = memvisor(&[server, "--socket-path"]);
+            cmd.arg(&sock);
+        }
+        let out = run(cmd);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{server}: {err}");
+        assert!(
+            err.contains(&format!("{} is in use", sock.display()))
+                && err.contains("stop that server or choose another socket path"),
+            "{server}: {err}"
+        );
+    }
+    // serve refuses the same way, for a device's socket and for its control socket.
+    let spec = format!("{}={}", sock.display(), disk.display());
+    let out = run(memvisor(&["serve", "--blk", &spec]));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is in use"),
+        "{out:?}"
+    );
+    let other = format!("{}={}", dir.join("other.sock").display(), disk.display());
+    let mut cmd = memvisor(&["serve", "--blk", &other, "--control"]);
+    cmd.arg(&sock);
+    let out = run(cmd);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is in use"),
+        "{out:?}"
+    );
+    assert!(!dir.join("other.sock").exists(), "nothing left half set up");
+    // The first server still has its socket and serves.
+    assert!(sock.exists());
+    assert_ne!(answers_vhost_user(&sock), 0);
+    let (status, log) = first.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+}
+
+#[test]
+fn a_stale_socket_is_replaced_and_a_file_is_left_alone() {
+    let dir = Dir::new("stale");
+    let notify = Notify::new(&dir);
+    let (disk, sock) = (dir.disk(), dir.join("stale.sock"));
+    drop(UnixListener::bind(&sock).unwrap()); // the file stays, nothing listens
+    assert!(sock.exists());
+    let mut cmd = memvisor(&["vhost-user-blk", "--socket-path"]);
+    cmd.arg(&sock).arg("--disk").arg(&disk);
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&sock), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(log.contains("replacing a stale socket"), "{log}");
+
+    let file = dir.join("not-a-socket");
+    std::fs::write(&file, b"keep me").unwrap();
+    let out = run(memvisor(&[
+        "vhost-user-blk",
+        "--socket-path",
+        file.to_str().unwrap(),
+        "--disk",
+        disk.to_str().unwrap(),
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("{} exists and is not a socket", file.display())),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+}
+
+#[test]
+fn rust_log_filters_by_module_and_a_bad_filter_is_refused() {
+    let dir = Dir::new("log");
+    let notify = Notify::new(&dir);
+    let (disk, sock) = (dir.disk(), dir.join("log.sock"));
+    // Each filter, one connection, then the lines the log kept.
+    let lines_with = |filter: &[(&str, &str)]| -> String {
+        let mut cmd = memvisor(&["vhost-user-blk", "--socket-path"]);
+        cmd.arg(&sock).arg("--disk").arg(&disk);
+        for (var, value) in filter {
+            cmd.env(var, value);
+        }
+        let server = Server::start(cmd, &dir, &notify);
+        answers_vhost_user(&sock);
+        let (status, log) = server.stop();
+        assert!(status.success(), "{status:?}\n{log}");
+        notify.next();
+        log
+    };
+    // memvisor_cli::serve logs "serving", memvisor_vhost::backend "frontend connected".
+    let serving = "INFO  memvisor_cli::serve] vhost-user-blk: serving";
+    let connected = "INFO  memvisor_vhost::backend] vhost-user-blk: frontend connected";
+    let all = lines_with(&[]);
+    assert!(all.contains(serving) && all.contains(connected), "{all}");
+    // Timestamps: [YYYY-MM-DDTHH:MM:SS.mmmZ LEVEL module] message.
+    let first = all.lines().next().unwrap();
+    assert!(
+        first.starts_with("[20") && first.as_bytes()[11] == b'T' && first[..30].contains('Z'),
+        "{first}"
+    );
+    let some = lines_with(&[("RUST_LOG", "warn,memvisor_cli=info")]);
+    assert!(
+        some.contains(serving) && !some.contains(connected),
+        "{some}"
+    );
+    let none = lines_with(&[("RUST_LOG", "off")]);
+    assert!(!none.contains("INFO"), "{none}");
+    // MEMVISOR_LOG still works, says it is deprecated, and yields to RUST_LOG.
+    let old = lines_with(&[("MEMVISOR_LOG", "warn")]);
+    assert!(
+        !old.contains("INFO") && old.contains("MEMVISOR_LOG is deprecated"),
+        "{old}"
+    );
+    let both = lines_with(&[("MEMVISOR_LOG", "off"), ("RUST_LOG", "info")]);
+    assert!(
+        both.contains(serving) && !both.contains("deprecated"),
+        "{both}"
+    );
+
+    for (var, bad, says) in [
+        ("RUST_LOG", "memvisor=loud", "invalid logging spec 'loud'"),
+        ("RUST_LOG", "debgu", "\"debgu\" is neither a level"),
+        ("MEMVISOR_LOG", "info/a/b", "too many '/'s"),
+    ] {
+        let mut cmd = memvisor(&["vhost-user-blk", "--socket-path"]);
+        cmd.arg(&sock).arg("--disk").arg(&disk).env(var, bad);
+        let out = run(cmd);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad}: {err}");
+        assert!(
+            err.contains(&format!("{var}={bad:?}")) && err.contains(says),
+            "{err}"
+        );
+        assert!(!sock.exists(), "{bad}: refused before listening");
+    }
+}
+
+#[test]
+fn test_switches_are_not_options_of_the_product() {
+    for (cmd, flag) in [
+        ("vfio-user", "--test-ignore-unmap"),
+        ("vhost-user-blk", "--test-no-dirty-log"),
+    ] {
+        let out = run(memvisor(&[cmd, flag, "--socket", "/nonexistent/x.sock"]));
+        assert_eq!(out.status.code(), Some(2), "{cmd} {flag}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!("unexpected argument '{flag}'")),
+            "{err}"
+        );
+        let help = String::from_utf8(run(memvisor(&[cmd, "--help"])).stdout).unwrap();
+        assert!(
+            !help.to_lowercase().contains("test"),
+            "{cmd} --help:\n{help}"
+        );
+    }
+    // Not a signal: memvisor exits by itself with clap's usage error.
+    let out = run(memvisor(&["vfio-user", "--test-ignore-unmap"]));
+    assert_eq!(out.status.signal(), None);
+}
