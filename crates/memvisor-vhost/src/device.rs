@@ -58,6 +58,12 @@ pub trait Device: Send {
     fn config_changed(&mut self) -> bool {
         false
     }
+    /// A queue the device wants processed now although no kick came (a timer of its own: the
+    /// balloon asking for fresh statistics); the back end then processes it as if kicked.
+    /// Polled between messages, at least every 200 ms.
+    fn due(&mut self) -> Option<u16> {
+        None
+    }
     /// Processes what the driver made available on queue `index`; returns whether the driver
     /// should be notified. An error means the queue is broken (the driver needs a reset); a bad
     /// request is answered on the ring, not with an error.
