@@ -47,7 +47,7 @@ fn features_and_queues_follow_the_options() {
     assert_eq!(f & bit(VIRTIO_BALLOON_F_DEFLATE_ON_OOM), 0);
     assert_ne!(f & bit(VIRTIO_BALLOON_F_REPORTING), 0);
     drop(c);
-    t.join().unwrap();
+    let (_, _) = t.join().unwrap();
 
     let all = BalloonDevice::new(BalloonTarget::default())
         .with_stats_interval(Duration::from_secs(1))
@@ -62,7 +62,7 @@ fn features_and_queues_follow_the_options() {
     assert_ne!(f & bit(VIRTIO_BALLOON_F_STATS_VQ), 0);
     assert_ne!(f & bit(VIRTIO_BALLOON_F_DEFLATE_ON_OOM), 0);
     drop(c);
-    t.join().unwrap();
+    let (_, _) = t.join().unwrap();
 }
 
 #[test]
@@ -154,5 +154,5 @@ fn actual_is_live_and_a_deflation_below_the_target_is_counted() {
     actual(400);
     assert_eq!(live.status().deflated_below_target_pages, 456);
     drop(c);
-    t.join().unwrap();
+    let (_, _) = t.join().unwrap();
 }
