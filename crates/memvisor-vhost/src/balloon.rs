@@ -20,8 +20,8 @@
 //! every interval, returns it ([`Device::due`] tells the back end when), and the driver answers
 //! with fresh figures. The latest figures, with their time, `actual` and the target are kept in
 //! a [`BalloonLive`] that other threads read while the device runs ([`BalloonLive::status`]).
-//! `actual` changes are logged: every one at debug, reaching the target and a deflation below
-//! the target (the guest taking pages back by itself, on OOM) at info.
+//! `actual` changes are logged: every one at debug, reaching the target at info, and deflations
+//! below the target (the guest taking pages back by itself, on OOM) at info at most every 5 s.
 //!
 //! Discards run through the frontend memory's slot table with the process's pin registry, and the
 //! guest memory is mapped once per process ([`memvisor::SharedMappings`]): a page a block device
@@ -129,7 +129,13 @@ pub struct BalloonDevice {
     stats_interval: Duration,
     deflate_on_oom: bool,
     live: BalloonLive,
+    /// When a deflation below the target was last logged at info, and the pages since.
+    oom_logged: Option<std::time::Instant>,
+    oom_unlogged: u64,
 }
+
+/// The least time between two info lines about deflations below the target.
+const OOM_LOG_EVERY: Duration = Duration::from_secs(5);
 
 impl BalloonDevice {
     /// A balloon whose target follows `target`: free page reporting offered, no statistics
@@ -143,6 +149,8 @@ impl BalloonDevice {
             stats_interval: Duration::ZERO,
             deflate_on_oom: false,
             live: BalloonLive::default(),
+            oom_logged: None,
+            oom_unlogged: 0,
         }
     }
 
@@ -292,11 +300,19 @@ impl Device for BalloonDevice {
         // (on OOM) goes there; following a lowered target stays at or above it.
         let below = u64::from(before.min(target).saturating_sub(actual));
         if below > 0 {
-            log::info!(
-                "balloon: the guest took back {below} pages below the target (deflate on OOM): \
-                 actual {actual} pages ({} MiB), target {target}",
-                actual / 256
-            );
+            // The driver deflates 1 MiB per OOM event, hundreds a second under pressure: one
+            // info line at most every 5 s, with the pages since the last one.
+            self.oom_unlogged += below;
+            if self.oom_logged.is_none_or(|t| t.elapsed() >= OOM_LOG_EVERY) {
+                log::info!(
+                    "balloon: the guest took back {} pages below the target (deflate on OOM): \
+                     actual {actual} pages ({} MiB), target {target}",
+                    self.oom_unlogged,
+                    actual / 256
+                );
+                self.oom_unlogged = 0;
+                self.oom_logged = Some(std::time::Instant::now());
+            }
         } else if actual == target {
             log::info!(
                 "balloon: actual {actual} pages ({} MiB) reached the target",
