@@ -30,7 +30,7 @@ fuzz_target!(|data: &[u8]| {
     device
         .set_features(features)
         .expect("the balloon's own features");
-    let mut queue = ring.queue(base, event_idx);
+    let mut queue = memvisor_vhost::Ring::plain(ring.queue(base, event_idx));
     let _ = device.process(index, &mut queue, &ring.memory);
     drop(device);
     drop(ring);

@@ -25,7 +25,7 @@ fuzz_target!(|data: &[u8]| {
     )
     .expect("blk device");
     blk.set_features(blk.features()).expect("features");
-    let mut queue = ring.queue(base, event_idx);
+    let mut queue = memvisor_vhost::Ring::plain(ring.queue(base, event_idx));
     let _ = blk.process(0, &mut queue, &ring.memory);
     drop(blk);
     drop(ring);

@@ -168,6 +168,12 @@ struct BlkArgs {
     /// iommu_platform=on,ats=on on the device, -device intel-iommu,device-iotlb=on)
     #[arg(long)]
     iommu: bool,
+    /// After the last request, keep looking at the rings for new ones for this many
+    /// microseconds before sleeping until a kick: lower latency at low queue depth for a
+    /// busy core. Default 0: sleep at once
+    #[arg(long, value_name = "US", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    poll_us: u32,
     /// Hold the pages of requests in flight with the kernel's long-term pin (FOLL_LONGTERM,
     /// through io_uring) instead of mlock: cheaper for a page not pinned before (figures in the
     /// README). Needs io_uring (seccomp profiles often forbid it); the kernel shows such pages
@@ -253,6 +259,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         serial: args.serial.clone(),
         read_only: args.read_only,
         iommu: args.iommu,
+        poll_us: args.poll_us,
     };
     let report = serve::blk(
         &args.socket,

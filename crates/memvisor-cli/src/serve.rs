@@ -92,6 +92,8 @@ pub struct BlkReport {
     pub write_zeroes: u64,
     /// Batches of reads and writes handed to the kernel together.
     pub batches: u64,
+    /// The most reads and writes out with the kernel at once.
+    pub most_in_flight: u64,
     /// Requests by pinned 4 KiB pages, as `[pages up to, requests]`.
     pub npage_histogram: Vec<(u64, u64)>,
 }
@@ -114,6 +116,7 @@ impl BlkReport {
             discards: s.discards,
             write_zeroes: s.write_zeroes,
             batches: s.batches,
+            most_in_flight: s.most_in_flight,
             npage_histogram: s
                 .npage_histogram
                 .iter()
@@ -349,7 +352,7 @@ pub struct Devices {
 }
 
 /// One block device of `serve --blk`: `SOCKET=DISK[,queues=N][,read-only=on|off]
-/// [,serial=TEXT][,direct=on|off]`.
+/// [,serial=TEXT][,direct=on|off][,poll-us=N]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlkSpec {
     /// vhost-user socket.
@@ -403,6 +406,17 @@ impl std::str::FromStr for BlkSpec {
                         })?
                 }
                 "read-only" => spec.options.read_only = on_off(key, value)?,
+                "poll-us" => {
+                    spec.options.poll_us = value
+                        .parse()
+                        .ok()
+                        .filter(|n| *n <= 1_000_000)
+                        .ok_or_else(|| {
+                            anyhow::anyhow!(
+                                "--blk {arg:?}: poll-us={value:?}: microseconds, 0 to 1000000"
+                            )
+                        })?
+                }
                 "direct" => spec.direct = on_off(key, value)?,
                 "serial" => {
                     if value.len() > 20 {
@@ -415,7 +429,8 @@ impl std::str::FromStr for BlkSpec {
                     spec.options.serial = value.to_string();
                 }
                 _ => anyhow::bail!(
-                    "--blk {arg:?}: unknown option {key:?}; known: queues, read-only, serial, direct"
+                    "--blk {arg:?}: unknown option {key:?}; known: queues, read-only, serial, direct, \
+                     poll-us"
                 ),
             }
         }

@@ -17,6 +17,9 @@
 //! table at `SET_VRING_ADDR` time; behind a vIOMMU they are IOVAs and stay so. The queue reads
 //! them through the device space's vm-memory view, so a ring whose IOVAs the IOTLB cannot
 //! translate waits for the frontend's update (a MISS goes out) before it starts or goes on.
+//! With `INFLIGHT_SHMFD` the back end allocates the inflight log on `GET_INFLIGHT_FD` and maps
+//! the one the frontend kept on `SET_INFLIGHT_FD`; a ring starting over a log redoes what a
+//! killed predecessor left in flight ([`crate::ring`]).
 //!
 //! **Bad messages.** Every request is checked before it changes anything. A refused request is
 //! answered with a non-zero `REPLY_ACK` when the frontend asked for one and logged otherwise;
@@ -39,6 +42,7 @@ use crate::error::{Error, Result};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
 use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
 use crate::record::Recorder;
+use crate::ring::{InflightRegion, Ring};
 use crate::wire::{self, Message};
 use memvisor::{Access, Iova, Prot};
 use memvisor::{Backing, SharedLog};
@@ -72,7 +76,7 @@ struct Vring {
     err: Option<File>,
     enabled: bool,
     started: bool,
-    queue: Option<Queue>,
+    queue: Option<Ring>,
 }
 
 /// One socket's back end.
@@ -87,12 +91,17 @@ pub struct Backend<D: Device> {
     status: u8,
     /// The frontend's dirty log (`SET_LOG_BASE`).
     log: Option<SharedLog>,
+    /// The inflight log (`GET_INFLIGHT_FD` / `SET_INFLIGHT_FD`): what each ring has taken and
+    /// not completed, kept by the frontend across back-end restarts ([`crate::ring`]).
+    inflight: Option<InflightRegion>,
     /// Test-only: never write the dirty log (the migration trial's negative control).
     log_disabled: bool,
     /// Where IOTLB traffic is written down, if asked ([`Backend::record_iotlb`]).
     record: Option<Recorder>,
     /// Called when a frontend has left, before its memory is dropped ([`Backend::on_disconnect`]).
     on_disconnect: Option<Box<dyn FnMut() + Send>>,
+    /// A kick was served since the loop last slept: poll before sleeping ([`Device::poll`]).
+    kicked_since_sleep: bool,
     /// Requests handled and refused over this back end's life (for the logs and tests).
     pub stats: BackendStats,
     /// Test-only (`MEMVISOR_TEST_LEAK_ON_HANGUP`): what departed frontends left, kept.
@@ -119,6 +128,8 @@ pub struct BackendStats {
     pub iotlb_invalidates: u64,
     /// IOTLB misses sent.
     pub iotlb_misses: u64,
+    /// Times polling found a ring with new requests, served with no kick ([`Device::poll`]).
+    pub poll_hits: u64,
     /// Nanoseconds spent in the device's queue processing (requests, including their I/O).
     pub process_ns: u64,
     /// Nanoseconds spent moving dirty pages into the frontend's log, and how many times.
@@ -144,9 +155,11 @@ impl<D: Device> Backend<D> {
             backend_req: None,
             status: 0,
             log: None,
+            inflight: None,
             log_disabled: false,
             record: None,
             on_disconnect: None,
+            kicked_since_sleep: false,
             stats: BackendStats::default(),
             #[cfg(feature = "test-hooks")]
             leaked: Vec::new(),
@@ -243,8 +256,15 @@ impl<D: Device> Backend<D> {
         Ok(())
     }
 
-    /// Serves one connected frontend until it leaves, the stream breaks, or `stop` is set.
+    /// Serves one connected frontend until it leaves, the stream breaks, or `stop` is set;
+    /// returns after every transfer the device had out has ended.
     pub fn run(&mut self, sock: &UnixStream, stop: &AtomicBool) -> Result<()> {
+        let r = self.serve_connection(sock, stop);
+        self.reap(true);
+        r
+    }
+
+    fn serve_connection(&mut self, sock: &UnixStream, stop: &AtomicBool) -> Result<()> {
         while !stop.load(Ordering::Relaxed) {
             if self.device.config_changed() {
                 self.notify_config_change()?;
@@ -267,11 +287,26 @@ impl<D: Device> Backend<D> {
                     r?;
                 }
             }
+            if let Some(budget) = self.device.poll() {
+                if std::mem::take(&mut self.kicked_since_sleep) {
+                    self.poll_rings(sock, budget)?;
+                }
+            }
             let mut fds = vec![libc::pollfd {
                 fd: sock.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             }];
+            // The device's completions, if it has work out.
+            let done_fd = self.device.completion_fd();
+            if let Some(fd) = done_fd {
+                fds.push(libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+            }
+            let first_ring = fds.len();
             let mut rings = Vec::new();
             for (i, v) in self.vrings.iter().enumerate() {
                 if let (true, Some(k)) = (v.started, &v.kick) {
@@ -295,7 +330,16 @@ impl<D: Device> Backend<D> {
                     source: e,
                 });
             }
-            for (slot, &ring) in fds[1..].iter().zip(&rings) {
+            if done_fd.is_some() && fds[1].revents & libc::POLLIN != 0 {
+                self.reap(false);
+                // Chains left on a ring while the device had as many out as it keeps.
+                for i in 0..self.vrings.len() {
+                    if self.has_requests(i) {
+                        self.process(i)?;
+                    }
+                }
+            }
+            for (slot, &ring) in fds[first_ring..].iter().zip(&rings) {
                 if slot.revents & libc::POLLIN != 0 {
                     self.kicked(ring)?;
                 }
@@ -308,12 +352,87 @@ impl<D: Device> Backend<D> {
         Ok(())
     }
 
-    /// Handles one message and sends what it needs back.
+    /// After a kick: serves rings with new requests, looking again and again until `budget`
+    /// passed since the last one found or a message arrives (messages come first: one may take
+    /// memory away). An idle device sleeps; only a busy one spins.
+    fn poll_rings(&mut self, sock: &UnixStream, budget: std::time::Duration) -> Result<()> {
+        let mut until = std::time::Instant::now() + budget;
+        loop {
+            self.reap(false);
+            for i in 0..self.vrings.len() {
+                if self.has_requests(i) {
+                    self.stats.poll_hits += 1;
+                    self.process(i)?;
+                    until = std::time::Instant::now() + budget;
+                }
+            }
+            if poll_one(sock.as_raw_fd(), 0) || std::time::Instant::now() >= until {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Whether ring `i` runs and its driver made requests available it has not taken.
+    fn has_requests(&self, i: usize) -> bool {
+        let v = &self.vrings[i];
+        let (true, true, None, Some(q)) = (v.started, v.enabled, v.miss_deadline, &v.queue) else {
+            return false;
+        };
+        let mem = self.memory.dma().memory();
+        q.pending_resubmits() > 0
+            || q.avail_idx(&mem, Ordering::Acquire)
+                .is_ok_and(|a| a.0 != q.next_avail())
+    }
+
+    /// Ends the device's work that has ended (with `wait`, all of it): chains go back to their
+    /// rings, what they wrote into the frontend's dirty log, and their drivers are notified.
+    fn reap(&mut self, wait: bool) {
+        let mut rings: Vec<Option<&mut Ring>> =
+            self.vrings.iter_mut().map(|v| v.queue.as_mut()).collect();
+        let ended = match self.device.complete(&mut rings, &self.memory, wait) {
+            Ok(e) => e,
+            Err(e) => {
+                log::error!("{}: ending requests: {e}", self.device.name());
+                return;
+            }
+        };
+        if ended.is_empty() {
+            return;
+        }
+        // Logged before the guest is told, as in `process`.
+        if let (Some(log), false) = (&self.log, self.log_disabled) {
+            let t0 = std::time::Instant::now();
+            match self.memory.drain_dirty(log) {
+                Ok(pages) => self.stats.logged_pages += pages,
+                Err(e) => log::error!("{}: dirty log: {e}", self.device.name()),
+            }
+            self.stats.log_ns += t0.elapsed().as_nanos() as u64;
+            self.stats.log_drains += 1;
+        }
+        for (i, notify) in ended {
+            if let (true, Some(c)) = (notify, self.vrings.get_mut(usize::from(i))) {
+                if let Some(c) = &mut c.call {
+                    let _ = c.write(&1u64.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Handles one message and sends what it needs back. Every transfer the device has out
+    /// ends first: the message may take memory away.
     pub fn message(&mut self, sock: &UnixStream, msg: Message) -> Result<()> {
+        self.reap(true);
         self.stats.messages += 1;
         let request = msg.header.request;
         let ack = msg.needs_reply() && self.protocol_acked & protocol::REPLY_ACK != 0;
         match self.handle(msg) {
+            Ok(Some(reply)) if request == req::GET_INFLIGHT_FD => {
+                // The log's memfd goes with the reply; `handle` just made it.
+                let fd = self.inflight.as_ref().and_then(|r| r.fd());
+                let fds: Vec<i32> = fd.iter().map(|f| f.as_raw_fd()).collect();
+                wire::reply_with_fds(sock, request, &reply, &fds)
+            }
             Ok(Some(reply)) => wire::reply(sock, request, &reply),
             Ok(None) if ack => wire::reply(sock, request, &0u64.to_le_bytes()),
             Ok(None) => Ok(()),
@@ -645,6 +764,51 @@ impl<D: Device> Backend<D> {
                 Ok(Some(0u64.to_le_bytes().to_vec()))
             }
             req::SET_LOG_FD => Ok(None),
+            req::GET_INFLIGHT_FD => {
+                self.inflight_negotiated(request)?;
+                let want = proto::Inflight::parse(request, p)?;
+                let n = self.vrings.len();
+                if usize::from(want.num_queues) > n {
+                    return Err(Error::Invalid(format!(
+                        "GET_INFLIGHT_FD for {} queues: the device has {n}",
+                        want.num_queues
+                    )));
+                }
+                let region = InflightRegion::create(want.num_queues, want.queue_size)?;
+                let reply = proto::Inflight {
+                    mmap_size: region.size(),
+                    mmap_offset: 0,
+                    ..want
+                };
+                log::info!(
+                    "{}: inflight log of {} bytes for {} queues of {}",
+                    self.device.name(),
+                    reply.mmap_size,
+                    want.num_queues,
+                    want.queue_size
+                );
+                self.inflight = Some(region);
+                Ok(Some(reply.bytes()))
+            }
+            req::SET_INFLIGHT_FD => {
+                self.inflight_negotiated(request)?;
+                let d = proto::Inflight::parse(request, p)?;
+                let fd = msg.take_fd("the inflight log")?;
+                if self.vrings.iter().any(|v| v.started) {
+                    return Err(Error::Invalid(
+                        "SET_INFLIGHT_FD while rings run: the log is read when a ring starts"
+                            .into(),
+                    ));
+                }
+                self.inflight = Some(InflightRegion::map(
+                    fd,
+                    d.mmap_offset,
+                    d.mmap_size,
+                    d.num_queues,
+                    d.queue_size,
+                )?);
+                Ok(None)
+            }
             req::SET_STATUS => {
                 let s = proto::u64_payload(request, p)?;
                 self.status = s as u8;
@@ -659,6 +823,17 @@ impl<D: Device> Backend<D> {
                 req::name(request)
             ))),
         }
+    }
+
+    /// Refuses an inflight request the frontend did not negotiate.
+    fn inflight_negotiated(&self, request: u32) -> Result<()> {
+        if self.protocol_acked & protocol::INFLIGHT_SHMFD == 0 {
+            return Err(Error::NotNegotiated(format!(
+                "{} without VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD negotiated",
+                req::name(request)
+            )));
+        }
+        Ok(())
     }
 
     /// The device addresses of a ring's parts: the IOVAs as sent behind a vIOMMU, else the
@@ -786,7 +961,12 @@ impl<D: Device> Backend<D> {
         } else {
             0
         };
-        PROTOCOL | self.device.protocol_features() | log
+        let offered = PROTOCOL | self.device.protocol_features() | log;
+        #[cfg(feature = "test-hooks")]
+        if crate::hooks::no_inflight() {
+            return offered & !protocol::INFLIGHT_SHMFD;
+        }
+        offered
     }
 
     fn ring(&mut self, request: u32, index: u32) -> Result<&mut Vring> {
@@ -825,9 +1005,16 @@ impl<D: Device> Backend<D> {
                 q.size()
             )));
         }
-        v.queue = Some(q);
+        let ring = Ring::new(q, self.inflight.as_ref().map(|r| (r, i as u16)), &mem)?;
+        let redo = ring.pending_resubmits() > 0;
+        v.queue = Some(ring);
         v.kick = Some(kick);
         v.started = true;
+        if redo {
+            // The driver kicked for these long ago and will not again: serve them now (or
+            // when the ring is enabled).
+            self.process(i)?;
+        }
         Ok(())
     }
 
@@ -839,6 +1026,7 @@ impl<D: Device> Backend<D> {
             let _ = k.read(&mut b);
         }
         self.stats.kicks += 1;
+        self.kicked_since_sleep = true;
         self.process(i)
     }
 
@@ -867,6 +1055,9 @@ impl<D: Device> Backend<D> {
         let t0 = std::time::Instant::now();
         let r = self.device.process(i as u16, q, &self.memory);
         self.stats.process_ns += t0.elapsed().as_nanos() as u64;
+        // Transfers the kernel finished at once (the page cache) end now, not a poll later.
+        self.reap(false);
+        let v = &mut self.vrings[i];
         // Completed requests are logged before the guest is told (and before the frontend can
         // stop the ring and read the log for the last time).
         if let (Some(log), false) = (&self.log, self.log_disabled) {
@@ -944,6 +1135,7 @@ impl<D: Device> Backend<D> {
         crate::hooks::leak_on_hangup(&mut self.leaked, &self.memory, self.log.take());
         let _ = self.reset();
         self.log = None;
+        self.inflight = None;
         if self.memory.is_logging() {
             let _ = self.memory.stop_logging();
         }
@@ -984,15 +1176,17 @@ fn has_reply(request: u32) -> bool {
             | req::GET_MAX_MEM_SLOTS
             | req::GET_STATUS
             | req::SET_LOG_BASE
+            | req::GET_INFLIGHT_FD
     )
 }
 
-fn poll_one(fd: i32, ms: i32) {
+/// Waits up to `ms` for `fd` to be readable; returns whether it is.
+fn poll_one(fd: i32, ms: i32) -> bool {
     let mut p = libc::pollfd {
         fd,
         events: libc::POLLIN,
         revents: 0,
     };
     // SAFETY: one live pollfd.
-    unsafe { libc::poll(&mut p, 1, ms) };
+    unsafe { libc::poll(&mut p, 1, ms) > 0 }
 }

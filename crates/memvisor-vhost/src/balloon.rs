@@ -37,11 +37,11 @@ use memvisor::balloon::{
     Balloon, QueueKind, ReportingStats, STATS_QUEUE_INDEX, VIRTIO_BALLOON_F_DEFLATE_ON_OOM,
     VIRTIO_BALLOON_F_REPORTING, VIRTIO_BALLOON_F_STATS_VQ,
 };
-use virtio_queue::Queue;
 
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
+use crate::ring::Ring;
 
 /// virtio device id of a memory balloon.
 pub const DEVICE_ID: u32 = 5;
@@ -351,9 +351,13 @@ impl Device for BalloonDevice {
         Some(STATS_QUEUE_INDEX)
     }
 
-    fn process(&mut self, index: u16, queue: &mut Queue, _memory: &FrontendMemory) -> Result<bool> {
+    fn process(&mut self, index: u16, ring: &mut Ring, _memory: &FrontendMemory) -> Result<bool> {
         let interval = self.stats_interval;
         let model = self.model()?;
+        // The balloon completes every chain before it returns (the statistics buffer it holds
+        // is the driver's to resend, not a request) and offers no inflight log: the queue alone
+        // will do.
+        let queue = &mut **ring;
         let notify = match model.queue_kind(index) {
             Some(QueueKind::Inflate) => model.process_inflate(queue)?,
             Some(QueueKind::Deflate) => model.process_deflate(queue)?,

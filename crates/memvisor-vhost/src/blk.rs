@@ -13,13 +13,21 @@
 //! needs, which the virtio specification allows; such a transfer is copied through an aligned
 //! buffer of ours (counted in [`BlkStats::bounced`]).
 //!
-//! **Many in flight.** The reads and writes a driver made available together are taken off the
-//! ring, translated and pinned, then handed to the kernel as one batch (up to
-//! [`crate::disk::IN_FLIGHT`]; io_uring, [`crate::disk::Disk::transfer_all`]): a slow disk
-//! serves them side by side. Each ends as its transfer does — unpinned, its status written, its
-//! chain returned — and every batch ends before the queue is left, so no transfer outlives the
-//! message handling that may unmap its memory next (an IOTLB invalidation, a new memory table).
+//! **Many in flight.** The reads and writes a driver made available are taken off the ring,
+//! translated, pinned and handed to the kernel without waiting (io_uring, [`Disk::start`]), up
+//! to [`IN_FLIGHT`] at once; the device goes back to the ring while they run, and each ends when
+//! the kernel says so ([`Device::complete`], in the order they finish): unpinned, its status
+//! written, its chain returned. A lone request with nothing else out is done at once with
+//! `preadv` / `pwritev`, the cheapest way for a driver at queue depth 1. The back end waits for
+//! every transfer to end before it handles a message ([`crate::backend`]), so none outlives
+//! the message handling that may unmap its memory next (an IOTLB invalidation, a new memory
+//! table).
 //! Headers, the status byte and `GET_ID`'s string go through `dma_read` / `dma_write`.
+//!
+//! **Restart.** Requests complete in the order the kernel finishes them, so the device offers
+//! the inflight log (`INFLIGHT_SHMFD`, [`crate::ring`]): each chain is marked in flight when
+//! taken and cleared when returned, and a back end started after a crash redoes the chains its
+//! predecessor left, oldest first, before reading the available ring.
 //!
 //! **Pins.** Before the system call the request's guest pages are pinned with
 //! [`DmaSpace::pin_pages`] and unpinned after it — the `vfio_pin_pages` pattern of the kernel
@@ -46,13 +54,14 @@ use std::os::unix::fs::FileExt;
 
 use memvisor::dma::PIN_PAGES_MAX;
 use memvisor::{Access, DmaSpace, Iova, Prot};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::backend::{Device, VIRTIO_RING_F_EVENT_IDX};
-use crate::disk::{AlignedBuf, Disk, IN_FLIGHT, Transfer};
+use crate::disk::{AlignedBuf, Disk, IN_FLIGHT, advance};
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
+use crate::ring::{Desc as Buf, Ring};
 
 /// virtio device id of a block device.
 pub const DEVICE_ID: u32 = 2;
@@ -103,6 +112,9 @@ pub struct BlkOptions {
     /// Offer `VIRTIO_F_IOMMU_PLATFORM`: the device can sit behind a vIOMMU (then without
     /// indirect descriptors, whose tables virtio-queue reads at guest physical addresses).
     pub iommu: bool,
+    /// Microseconds the serving loop polls the rings after the last request before it sleeps
+    /// until a kick ([`Device::poll`]); 0: no polling.
+    pub poll_us: u32,
 }
 
 impl Default for BlkOptions {
@@ -112,6 +124,7 @@ impl Default for BlkOptions {
             serial: "memvisor".into(),
             read_only: false,
             iommu: false,
+            poll_us: 0,
         }
     }
 }
@@ -145,8 +158,11 @@ pub struct BlkStats {
     pub discards: u64,
     /// Write-zeroes requests carried out.
     pub write_zeroes: u64,
-    /// Batches of reads and writes handed to the kernel together.
+    /// Batches of reads and writes handed to the kernel together (one io_uring submission
+    /// each).
     pub batches: u64,
+    /// The most reads and writes the kernel had from this device at once.
+    pub most_in_flight: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     pub npage_histogram: Vec<u64>,
@@ -159,8 +175,22 @@ pub struct Blk {
     options: BlkOptions,
     acked: u64,
     fail_misses: bool,
+    /// Reads and writes the kernel is carrying out, by the key their transfer went with.
+    out: Vec<Option<Out>>,
+    /// Keys free for the next transfer.
+    free: Vec<usize>,
     /// What it has done so far.
     pub stats: BlkStats,
+}
+
+/// A read or write handed to the kernel: where its chain goes back, and what it holds.
+struct Out {
+    ring: u16,
+    head: u16,
+    status_at: u64,
+    ready: Ready,
+    /// Bytes moved by earlier, short, completions.
+    done: u64,
 }
 
 impl Blk {
@@ -182,6 +212,8 @@ impl Blk {
             options,
             acked: 0,
             fail_misses: false,
+            out: (0..IN_FLIGHT).map(|_| None).collect(),
+            free: (0..IN_FLIGHT).rev().collect(),
             stats: BlkStats::default(),
         })
     }
@@ -272,9 +304,9 @@ impl Blk {
         }
     }
 
-    /// Finishes a read or write the kernel has carried out (`moved`: its bytes, or why not):
+    /// Ends a read or write the kernel has carried out (`moved`: its bytes, or why not):
     /// unpins its pages, counts it and ends the request.
-    fn complete(
+    fn end_transfer(
         &mut self,
         dma: &DmaSpace,
         status_at: u64,
@@ -580,7 +612,7 @@ impl Blk {
     fn take(
         &mut self,
         index: u16,
-        queue: &mut Queue,
+        queue: &mut Ring,
         memory: &FrontendMemory,
         batch: &mut Vec<(u16, u64, Ready)>,
         any: &mut bool,
@@ -595,42 +627,65 @@ impl Blk {
             write: m.access == Access::Write,
         };
         loop {
-            let chain = match queue.iter(&mem) {
-                Ok(mut avail) => avail.next(),
-                Err(e) => {
-                    if let (true, Some(m)) = (ask, mem.take_miss()) {
-                        return Err(miss(m));
+            // Heads a back end before this one left in flight come first (the driver kicked
+            // for them long ago), then the available ring.
+            let redo = queue.resubmit();
+            let (head, bufs, indirect, cut) = match redo {
+                Some(head) => match queue.chain(&mem, head) {
+                    Ok((bufs, indirect)) => (head, bufs, indirect, mem.take_miss()),
+                    Err(e) => {
+                        if let (true, Some(m)) = (ask, mem.take_miss()) {
+                            queue.resubmit_later(head);
+                            return Err(miss(m));
+                        }
+                        self.stats.failed += 1;
+                        log::warn!("blk: queue {index}: request {head} left in flight: {e}");
+                        if let Err(e) = queue.add_used(&mem, head, 0) {
+                            log::warn!("blk: queue {index}: cannot return head {head}: {e}");
+                        }
+                        *any = true;
+                        continue;
                     }
-                    return Err(Error::BadRing(format!(
-                        "queue {index}: available ring unusable: {e}"
-                    )));
+                },
+                None => {
+                    let chain = match queue.iter(&mem) {
+                        Ok(mut avail) => avail.next(),
+                        Err(e) => {
+                            if let (true, Some(m)) = (ask, mem.take_miss()) {
+                                return Err(miss(m));
+                            }
+                            return Err(Error::BadRing(format!(
+                                "queue {index}: available ring unusable: {e}"
+                            )));
+                        }
+                    };
+                    let Some(chain) = chain else {
+                        if let (true, Some(m)) = (ask, mem.take_miss()) {
+                            return Err(miss(m));
+                        }
+                        // With event indexes, re-arm and look once more for a late arrival.
+                        if queue.enable_notification(&mem).unwrap_or(false) {
+                            continue;
+                        }
+                        break;
+                    };
+                    let head = chain.head_index();
+                    let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
+                    let indirect = mem
+                        .read_obj::<u16>(GuestAddress(flags_at))
+                        .is_ok_and(|f| f & VRING_DESC_F_INDIRECT != 0);
+                    let bufs: Vec<Buf> = chain
+                        .map(|d| Buf {
+                            addr: d.addr().0,
+                            len: d.len(),
+                            write: d.is_write_only(),
+                        })
+                        .collect();
+                    // virtio-queue ends a chain at a descriptor it cannot read: a miss in the
+                    // table (or an indirect table) cut it short.
+                    (head, bufs, indirect, mem.take_miss())
                 }
             };
-            let Some(chain) = chain else {
-                if let (true, Some(m)) = (ask, mem.take_miss()) {
-                    return Err(miss(m));
-                }
-                // With event indexes, re-arm and look once more for a late arrival.
-                if queue.enable_notification(&mem).unwrap_or(false) {
-                    continue;
-                }
-                break;
-            };
-            let head = chain.head_index();
-            let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
-            let indirect = mem
-                .read_obj::<u16>(GuestAddress(flags_at))
-                .is_ok_and(|f| f & VRING_DESC_F_INDIRECT != 0);
-            let bufs: Vec<Buf> = chain
-                .map(|d| Buf {
-                    addr: d.addr().0,
-                    len: d.len(),
-                    write: d.is_write_only(),
-                })
-                .collect();
-            // virtio-queue ends a chain at a descriptor it cannot read: a miss in the table
-            // (or an indirect table) cut it short.
-            let cut = mem.take_miss();
             // Behind a vIOMMU every buffer must be translatable before anything is done; else
             // (and for a chain cut short) put the chain back and let the back end ask.
             let missing = || {
@@ -642,9 +697,15 @@ impl Blk {
             };
             if ask {
                 if let Some(m) = cut.or_else(missing) {
-                    queue.go_to_previous_position();
+                    match redo {
+                        Some(head) => queue.resubmit_later(head),
+                        None => queue.go_to_previous_position(),
+                    }
                     return Err(miss(m));
                 }
+            }
+            if redo.is_none() {
+                queue.taken(head);
             }
             self.stats.indirect += u64::from(indirect);
             let written = match cut {
@@ -661,8 +722,13 @@ impl Blk {
                     Started::Done(written) => written,
                     Started::Ready(status_at, ready) => {
                         batch.push((head, status_at, ready));
-                        if batch.len() >= IN_FLIGHT {
-                            self.run_batch(index, queue, &dma, batch, any);
+                        if batch.len() + self.disk.in_flight() >= IN_FLIGHT {
+                            self.launch(index, queue, &dma, batch, any);
+                            if self.free.is_empty() {
+                                // As many out as the device keeps: the rest of the ring waits
+                                // for completions, after which the back end comes back.
+                                break;
+                            }
                         }
                         continue;
                     }
@@ -676,12 +742,13 @@ impl Blk {
         Ok(())
     }
 
-    /// Carries out the reads and writes of `batch` together (through io_uring where there is
-    /// more than one; [`Disk::transfer_all`]), then ends each request and returns its chain.
-    fn run_batch(
+    /// Hands the reads and writes of `batch` (taken from ring `index`) to the kernel; those
+    /// that cannot go through io_uring, or a lone one with nothing else out, are carried out at
+    /// once and their chains returned.
+    fn launch(
         &mut self,
         index: u16,
-        queue: &mut Queue,
+        queue: &mut Ring,
         dma: &DmaSpace,
         batch: &mut Vec<(u16, u64, Ready)>,
         any: &mut bool,
@@ -689,28 +756,48 @@ impl Blk {
         if batch.is_empty() {
             return;
         }
-        let mut jobs: Vec<Transfer> = batch
-            .iter_mut()
-            .map(|(_, _, r)| Transfer {
-                offset: r.sector * SECTOR,
-                read: r.to_guest,
-                iov: &mut r.iov,
-            })
-            .collect();
-        // SAFETY: every iovec of the batch names guest memory its request translated and
-        // pinned (`transfer`); the pins are let go only in `complete` below, after the kernel
-        // is done with every transfer; no Rust reference covers that memory.
-        let moved = unsafe { self.disk.transfer_all(&mut jobs) };
-        drop(jobs);
-        self.stats.batches += 1;
+        let alone = batch.len() == 1 && self.disk.in_flight() == 0;
         let mem = dma.memory();
-        for ((head, status_at, ready), moved) in batch.drain(..).zip(moved) {
-            let (_, written) = self.complete(dma, status_at, ready, moved);
+        for (head, status_at, mut ready) in batch.drain(..) {
+            let offset = ready.sector * SECTOR;
+            if !alone {
+                if let Some(key) = self.free.pop() {
+                    // SAFETY: the iovecs name guest memory this request translated and pinned
+                    // (`transfer`); the pins are let go only when the transfer comes back from
+                    // the kernel (`Device::complete`), and the back end waits for that before
+                    // any message may unmap the memory; the iovecs stay in `Out` meanwhile; no
+                    // Rust reference covers that memory.
+                    if unsafe {
+                        self.disk
+                            .start(&ready.iov, offset, ready.to_guest, key as u64)
+                    } {
+                        self.out[key] = Some(Out {
+                            ring: index,
+                            head,
+                            status_at,
+                            ready,
+                            done: 0,
+                        });
+                        continue;
+                    }
+                    self.free.push(key);
+                }
+            }
+            // SAFETY: as above, for the length of this call.
+            let moved = unsafe {
+                self.disk
+                    .rw_vectored(&mut ready.iov, offset, ready.to_guest)
+            };
+            let (_, written) = self.end_transfer(dma, status_at, ready, moved);
             if let Err(e) = queue.add_used(&mem, head, written) {
                 log::warn!("blk: queue {index}: cannot return head {head}: {e}");
             }
             *any = true;
         }
+        if self.disk.submit() > 0 {
+            self.stats.batches += 1;
+        }
+        self.stats.most_in_flight = self.stats.most_in_flight.max(self.disk.in_flight() as u64);
     }
 
     /// Moves a transfer whose buffers `O_DIRECT` cannot take as they are through an aligned
@@ -773,6 +860,18 @@ impl Blk {
     }
 }
 
+impl Drop for Blk {
+    fn drop(&mut self) {
+        // The back end waits for every transfer before it lets memory go; a device dropped
+        // with some still out (a caller that never let the back end finish) waits here, so the
+        // kernel never writes into memory after it was unmapped.
+        while self.disk.in_flight() > 0 {
+            let n = self.disk.finished(true).len();
+            log::error!("blk: dropped with transfers out; {n} ended now, their pins kept");
+        }
+    }
+}
+
 /// A read or write whose pages are pinned and whose iovecs point at them: ready for the
 /// kernel, which carries it out at once or in a batch through io_uring ([`Blk::process`]).
 struct Ready {
@@ -784,6 +883,12 @@ struct Ready {
     to_guest: bool,
     total: u64,
 }
+
+// SAFETY: a Ready's iovecs are host addresses of guest memory mapped in this process, not
+// references: which thread holds them changes nothing about what they name, which stays
+// mapped and pinned until the request ends (the back end lets no memory go while transfers are
+// out).
+unsafe impl Send for Ready {}
 
 /// What [`Blk::prepare`] made of a transfer: iovecs for the kernel, done already (bounced, or
 /// dropped by a test hook) with the bytes moved, or failed (its pages still to be unpinned).
@@ -857,14 +962,6 @@ fn record(h: &mut Vec<u64>, pages: usize) {
     h[bucket] += 1;
 }
 
-/// One descriptor of a chain.
-#[derive(Clone, Copy, Debug)]
-struct Buf {
-    addr: u64,
-    len: u32,
-    write: bool,
-}
-
 impl Device for Blk {
     fn name(&self) -> &'static str {
         "vhost-user-blk"
@@ -892,7 +989,9 @@ impl Device for Blk {
     }
 
     fn protocol_features(&self) -> u64 {
-        crate::proto::protocol::CONFIG
+        // Completions come in the order the kernel finishes them: a frontend restarting the
+        // back end needs the inflight log to know which requests to hand it again.
+        crate::proto::protocol::CONFIG | crate::proto::protocol::INFLIGHT_SHMFD
     }
 
     fn supports_dirty_log(&self) -> bool {
@@ -917,14 +1016,14 @@ impl Device for Blk {
         }
     }
 
-    fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool> {
+    fn process(&mut self, index: u16, queue: &mut Ring, memory: &FrontendMemory) -> Result<bool> {
         let dma = memory.dma().clone();
         let mut batch = Vec::new();
         let mut any = false;
         let taken = self.take(index, queue, memory, &mut batch, &mut any);
         // Whatever stopped the taking (the ring empty, a miss to ask about, a broken ring),
-        // every transfer handed out ends, and its chain goes back, before the queue is left.
-        self.run_batch(index, queue, &dma, &mut batch, &mut any);
+        // what it prepared goes to the kernel.
+        self.launch(index, queue, &dma, &mut batch, &mut any);
         taken?;
         Ok(any && queue.needs_notification(&dma.memory()).unwrap_or(true))
     }
@@ -935,6 +1034,112 @@ impl Device for Blk {
 
     fn set_fail_misses(&mut self, fail: bool) {
         self.fail_misses = fail;
+    }
+
+    fn completion_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.disk.completion_fd()
+    }
+
+    fn complete(
+        &mut self,
+        rings: &mut [Option<&mut Ring>],
+        memory: &FrontendMemory,
+        wait: bool,
+    ) -> Result<Vec<(u16, bool)>> {
+        let dma = memory.dma().clone();
+        let mem = dma.memory();
+        let mut touched = Vec::new();
+        loop {
+            #[allow(unused_mut)]
+            let mut ended = self.disk.finished(wait);
+            #[cfg(feature = "test-hooks")]
+            let reorder = crate::hooks::reorder_completions();
+            #[cfg(feature = "test-hooks")]
+            if reorder {
+                ended.reverse();
+            }
+            for (i, (key, result)) in ended.into_iter().enumerate() {
+                #[cfg(feature = "test-hooks")]
+                if reorder && i > 0 {
+                    std::thread::sleep(crate::hooks::REORDER_GAP);
+                }
+                let _ = i;
+                let slot = key as usize;
+                let Some(mut o) = self.out.get_mut(slot).and_then(Option::take) else {
+                    log::error!("blk: a transfer ended under key {key}, which names none");
+                    continue;
+                };
+                let (offset, read) = (o.ready.sector * SECTOR, o.ready.to_guest);
+                let moved = match result {
+                    Ok(n) if n > 0 && o.done + n < o.ready.total => {
+                        // Short: go on from where it stopped.
+                        o.done += n;
+                        advance(&mut o.ready.iov, n as usize);
+                        // SAFETY: as in `launch`: the same pinned memory, the rest of it.
+                        if unsafe { self.disk.start(&o.ready.iov, offset + o.done, read, key) } {
+                            self.out[slot] = Some(o);
+                            continue;
+                        }
+                        // SAFETY: as above, for the length of this call.
+                        unsafe {
+                            self.disk
+                                .rw_vectored(&mut o.ready.iov, offset + o.done, read)
+                        }
+                        .map(|m| o.done + m)
+                    }
+                    Ok(0) if o.done < o.ready.total => Err(Error::Os {
+                        op: if read { "read" } else { "write" },
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            format!(
+                                "the image ended at byte {} during a transfer",
+                                offset + o.done
+                            ),
+                        ),
+                    }),
+                    Ok(n) => Ok(o.done + n),
+                    Err(e) => Err(e),
+                };
+                self.free.push(slot);
+                let (_, written) = self.end_transfer(&dma, o.status_at, o.ready, moved);
+                match rings
+                    .get_mut(usize::from(o.ring))
+                    .and_then(|r| r.as_deref_mut())
+                {
+                    Some(ring) => {
+                        if let Err(e) = ring.add_used(&mem, o.head, written) {
+                            log::warn!("blk: queue {}: cannot return head {}: {e}", o.ring, o.head);
+                        }
+                        touched.push(o.ring);
+                    }
+                    None => log::warn!(
+                        "blk: queue {} stopped before its request {} ended",
+                        o.ring,
+                        o.head
+                    ),
+                }
+            }
+            self.disk.submit();
+            if !wait || self.disk.in_flight() == 0 {
+                break;
+            }
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        Ok(touched
+            .into_iter()
+            .map(|i| {
+                let notify = rings[usize::from(i)]
+                    .as_deref_mut()
+                    .is_none_or(|r| r.needs_notification(&mem).unwrap_or(true));
+                (i, notify)
+            })
+            .collect())
+    }
+
+    fn poll(&self) -> Option<std::time::Duration> {
+        (self.options.poll_us > 0)
+            .then(|| std::time::Duration::from_micros(u64::from(self.options.poll_us)))
     }
 }
 

@@ -89,6 +89,25 @@ impl Client {
         Ok(p)
     }
 
+    /// A request that answers with data and descriptors (`GET_INFLIGHT_FD`).
+    pub fn get_with_fds(
+        &self,
+        request: u32,
+        payload: &[u8],
+    ) -> Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> {
+        self.send(request, 0, payload, &[])?;
+        let m = crate::wire::recv(&self.sock)?;
+        if m.header.request != request {
+            return Err(protocol_error::<Header>(format!(
+                "reply to {} answers request {}",
+                proto::req::name(request),
+                m.header.request
+            ))
+            .into());
+        }
+        Ok((m.payload, m.fds))
+    }
+
     /// A `u64` answer.
     pub fn get_u64(&self, request: u32) -> Result<u64> {
         let p = self.get(request, &[])?;

@@ -7,10 +7,9 @@
 //! and the space's vm-memory view for the queue — so what it writes is tracked for migration
 //! and what the guest took back is out of its reach.
 
-use virtio_queue::Queue;
-
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
+use crate::ring::Ring;
 
 /// A virtio device served over vhost-user.
 pub trait Device: Send {
@@ -64,12 +63,39 @@ pub trait Device: Send {
     fn due(&mut self) -> Option<u16> {
         None
     }
-    /// Processes what the driver made available on queue `index`; returns whether the driver
-    /// should be notified. An error means the queue is broken (the driver needs a reset); a bad
+    /// Processes what the driver made available on queue `index` — first the heads
+    /// [`Ring::resubmit`] gives, left in flight by a back end before this one — taking chains
+    /// with [`Ring::taken`] and returning them with [`Ring::add_used`] (which keep the inflight
+    /// log); returns whether the driver should be notified. An error means the queue is broken (the driver needs a reset); a bad
     /// request is answered on the ring, not with an error.
-    fn process(&mut self, index: u16, queue: &mut Queue, memory: &FrontendMemory) -> Result<bool>;
+    fn process(&mut self, index: u16, ring: &mut Ring, memory: &FrontendMemory) -> Result<bool>;
+    /// A descriptor that becomes readable when work `process` handed to the kernel has ended
+    /// (an io_uring's eventfd): the back end then calls [`Device::complete`]. `None`: the
+    /// device finishes everything within `process`.
+    fn completion_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+    /// Ends the work that has ended, returning each chain to its ring in `rings` (by queue
+    /// index; `None` for a ring not running); with `wait`, until nothing is left out — the back
+    /// end asks so before every message, which may take memory away. Returns the rings that
+    /// got chains back, each with whether its driver should be notified.
+    fn complete(
+        &mut self,
+        rings: &mut [Option<&mut Ring>],
+        memory: &FrontendMemory,
+        wait: bool,
+    ) -> Result<Vec<(u16, bool)>> {
+        let _ = (rings, memory, wait);
+        Ok(Vec::new())
+    }
     /// Back to the state before feature negotiation.
     fn reset(&mut self);
+    /// How long the serving loop keeps looking at the started rings for new requests after
+    /// the last one it found, before it sleeps until a kick: a request that arrives meanwhile
+    /// is served without the kick's wake-up, at the price of a busy core. `None`: never.
+    fn poll(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// Whether an IOTLB miss fails the request (after the wait for the frontend's update gave
     /// up) instead of being returned as [`Error::IotlbMiss`] with the chain put back.
     fn set_fail_misses(&mut self, fail: bool) {

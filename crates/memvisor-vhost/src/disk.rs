@@ -7,11 +7,13 @@
 //! ours in between.
 //!
 //! **Many at once.** A driver keeps many requests in flight (Linux: up to the queue's depth);
-//! [`Disk::transfer_all`] hands a batch of them to the kernel together through io_uring
-//! (`IORING_OP_READV` / `WRITEV`, the `io-uring` crate) and waits for all, so a slow disk
-//! serves them side by side instead of one after another. A batch of one, a transfer of more
-//! iovecs than one call takes, or a process where io_uring cannot be set up (a seccomp profile
-//! forbidding it) goes through `preadv` / `pwritev` as before.
+//! [`Disk::start`] hands each to the kernel through io_uring (`IORING_OP_READV` / `WRITEV`, the
+//! `io-uring` crate) without waiting, [`Disk::submit`] passes all started together in one system
+//! call, and [`Disk::finished`] returns those that have ended, in the order they end — so a slow
+//! disk serves them side by side, and the device takes new requests while older ones are out.
+//! The io_uring signals an eventfd ([`Disk::completion_fd`]) for the serving loop to wait on.
+//! A transfer of more iovecs than one call takes, or a process where io_uring cannot be set up
+//! (a seccomp profile forbidding it), goes through `preadv` / `pwritev` at once.
 //!
 //! **`O_DIRECT` asks for alignment.** Each buffer's address and length must be a multiple of
 //! the file's memory alignment, the file offset and length a multiple of its offset alignment
@@ -24,6 +26,7 @@
 
 use std::alloc::Layout;
 use std::fs::File;
+use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
@@ -42,8 +45,13 @@ pub struct Align {
 pub struct Disk {
     file: File,
     direct: Option<Align>,
-    /// The io_uring batches go through, made on first use; `None` after it could not be.
+    /// The io_uring transfers go through, made on first use; `None` after it could not be.
     ring: Option<Option<io_uring::IoUring>>,
+    /// The eventfd the io_uring signals when a transfer has ended.
+    done_fd: Option<File>,
+    /// Transfers started and not reaped; of them, queued and not yet submitted.
+    in_flight: usize,
+    queued: usize,
 }
 
 impl std::fmt::Debug for Disk {
@@ -56,15 +64,7 @@ impl std::fmt::Debug for Disk {
 }
 
 /// Reads and writes in flight at once: the size of the io_uring, and of a batch.
-pub const IN_FLIGHT: usize = 64;
-
-/// One transfer of a batch: iovecs naming its memory, the file offset, and whether it reads
-/// the file (into the memory) or writes it.
-pub struct Transfer<'a> {
-    pub iov: &'a mut Vec<libc::iovec>,
-    pub offset: u64,
-    pub read: bool,
-}
+pub const IN_FLIGHT: usize = 128;
 
 /// iovecs per system call (the kernel's UIO_MAXIOV).
 const IOV_MAX: usize = 1024;
@@ -86,6 +86,9 @@ impl Disk {
             file,
             direct,
             ring: None,
+            done_fd: None,
+            in_flight: 0,
+            queued: 0,
         })
     }
 
@@ -195,68 +198,146 @@ impl Disk {
         Ok(done)
     }
 
-    /// Carries out every transfer of `jobs` (at most [`IN_FLIGHT`]) and returns, in the same
-    /// order, the bytes each moved (all of them) or why it failed. With more than one, they go
-    /// to the kernel together through io_uring and this waits for every completion before it
-    /// returns; a short transfer is finished with `preadv` / `pwritev`.
+    /// Hands a transfer to the kernel and returns at once (io_uring `IORING_OP_READV` /
+    /// `WRITEV`, queued until [`Disk::submit`]); its end comes back from [`Disk::finished`]
+    /// with `key`. `false` when it cannot go this way — io_uring unavailable, more than
+    /// `IOV_MAX` buffers, [`IN_FLIGHT`] already out — and the caller does it at once with
+    /// [`Disk::rw_vectored`].
     ///
     /// # Safety
-    /// As [`Disk::rw_vectored`], for every transfer, until this returns.
-    pub unsafe fn transfer_all(&mut self, jobs: &mut [Transfer]) -> Vec<Result<u64>> {
-        let mut moved: Vec<Option<Result<u64>>> = (0..jobs.len()).map(|_| None).collect();
-        if jobs.len() > 1 {
-            let fd = io_uring::types::Fd(self.file.as_raw_fd());
-            if let Some(ring) = self.ring() {
-                let mut queued = 0;
-                for (i, j) in jobs.iter().enumerate().take(IN_FLIGHT) {
-                    if j.iov.len() > IOV_MAX {
-                        continue;
-                    }
-                    let n = j.iov.len() as u32;
-                    let entry = if j.read {
-                        io_uring::opcode::Readv::new(fd, j.iov.as_ptr(), n)
-                            .offset(j.offset)
-                            .build()
-                    } else {
-                        io_uring::opcode::Writev::new(fd, j.iov.as_ptr(), n)
-                            .offset(j.offset)
-                            .build()
-                    };
-                    // SAFETY: the entry names iovecs that live in `jobs` until this function
-                    // returns, which is after every completion was reaped below; the memory
-                    // they name is the caller's promise.
-                    if unsafe { ring.submission().push(&entry.user_data(i as u64)) }.is_err() {
-                        break;
-                    }
-                    queued += 1;
+    /// As [`Disk::rw_vectored`], until the transfer comes back from [`Disk::finished`]; and
+    /// `iov`'s entries themselves must stay where they are (the kernel reads them when it
+    /// starts the transfer).
+    pub unsafe fn start(&mut self, iov: &[libc::iovec], offset: u64, read: bool, key: u64) -> bool {
+        if iov.len() > IOV_MAX || iov.is_empty() || self.in_flight >= IN_FLIGHT {
+            return false;
+        }
+        let fd = io_uring::types::Fd(self.file.as_raw_fd());
+        let Some(ring) = self.ring() else {
+            return false;
+        };
+        let n = iov.len() as u32;
+        let entry = if read {
+            io_uring::opcode::Readv::new(fd, iov.as_ptr(), n)
+                .offset(offset)
+                .build()
+        } else {
+            io_uring::opcode::Writev::new(fd, iov.as_ptr(), n)
+                .offset(offset)
+                .build()
+        }
+        .user_data(key);
+        // SAFETY: the caller keeps the iovecs and the memory they name until the completion is
+        // reaped.
+        let ok = unsafe { ring.submission().push(&entry) }.is_ok();
+        self.in_flight += usize::from(ok);
+        self.queued += usize::from(ok);
+        ok
+    }
+
+    /// Passes the transfers [`Disk::start`] queued to the kernel (one system call for all);
+    /// returns how many went.
+    pub fn submit(&mut self) -> usize {
+        let queued = std::mem::take(&mut self.queued);
+        if queued == 0 {
+            return 0;
+        }
+        if let Some(Some(ring)) = self.ring.as_mut() {
+            while let Err(e) = ring.submit() {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    // EBUSY (completions to reap first) or worse: the entries stay queued and
+                    // go with the next submit, which `finished` makes.
+                    log::debug!("blk: io_uring submit: {e}");
+                    self.queued = queued;
+                    return 0;
                 }
-                reap(ring, queued, &mut moved, jobs);
             }
         }
-        let mut out = Vec::with_capacity(jobs.len());
-        for (j, m) in jobs.iter_mut().zip(moved) {
-            let want: u64 = j.iov.iter().map(|v| v.iov_len as u64).sum();
-            let result = match m {
-                // Not taken by io_uring: at once.
-                // SAFETY: the caller's promise for this transfer's memory.
-                None => unsafe { self.rw_vectored(j.iov, j.offset, j.read) },
-                Some(Ok(n)) if n < want => {
-                    advance(j.iov, n as usize);
-                    // SAFETY: as above, for the rest of the same memory.
-                    unsafe { self.rw_vectored(j.iov, j.offset + n, j.read) }.map(|m| n + m)
-                }
-                Some(r) => r,
-            };
-            out.push(result);
+        queued
+    }
+
+    /// Transfers started and not yet come back.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// The descriptor that becomes readable when a transfer has ended (an eventfd registered
+    /// with the io_uring); `None` before the first transfer, or without io_uring.
+    pub fn completion_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.ring.as_ref()?.as_ref()?;
+        self.done_fd.as_ref().map(|f| f.as_raw_fd())
+    }
+
+    /// Transfers that have ended, with their keys: the bytes each moved (a short count is for
+    /// the caller to go on from) or why it failed. With `wait`, blocks until at least one has
+    /// ended if any is out. The kernel owns a transfer's memory until it comes back here, so a
+    /// wait does not give up: an error of the wait itself (EINTR is the one expected) is
+    /// logged and the wait tried again.
+    pub fn finished(&mut self, wait: bool) -> Vec<(u64, Result<u64>)> {
+        let mut out = Vec::new();
+        if let Some(f) = self.done_fd.as_ref() {
+            let mut b = [0u8; 8];
+            // Cleared before the completions are read: one that lands after it signals again.
+            let _ = (&*f).read(&mut b);
         }
+        let queued = std::mem::take(&mut self.queued);
+        let in_flight = self.in_flight;
+        let Some(Some(ring)) = self.ring.as_mut() else {
+            return out;
+        };
+        loop {
+            let want = usize::from(wait && out.is_empty() && in_flight > 0);
+            if queued > 0 || want > 0 {
+                if let Err(e) = ring.submit_and_wait(want) {
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        log::error!("blk: waiting for io_uring completions: {e}; waiting again");
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    continue;
+                }
+            }
+            for cqe in ring.completion() {
+                let r = cqe.result();
+                out.push((
+                    cqe.user_data(),
+                    if r < 0 {
+                        Err(Error::Os {
+                            op: "read or write (io_uring)",
+                            source: std::io::Error::from_raw_os_error(-r),
+                        })
+                    } else {
+                        Ok(r as u64)
+                    },
+                ));
+            }
+            if !(wait && out.is_empty() && in_flight > 0) {
+                break;
+            }
+        }
+        self.in_flight -= out.len();
         out
     }
 
-    /// The io_uring, made on first use; `None` (said once in the log) where it cannot be.
+    /// The io_uring, made on first use with an eventfd for its completions; `None` (said once
+    /// in the log) where it cannot be.
     fn ring(&mut self) -> Option<&mut io_uring::IoUring> {
-        self.ring
-            .get_or_insert_with(|| match io_uring::IoUring::new(IN_FLIGHT as u32) {
-                Ok(r) => Some(r),
+        if self.ring.is_none() {
+            let made = io_uring::IoUring::new(IN_FLIGHT as u32).and_then(|r| {
+                // SAFETY: eventfd takes no pointers; the result is checked.
+                let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // SAFETY: a descriptor eventfd just returned, owned by nothing else.
+                let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+                r.submitter().register_eventfd(f.as_raw_fd())?;
+                Ok((r, f))
+            });
+            self.ring = Some(match made {
+                Ok((r, f)) => {
+                    self.done_fd = Some(f);
+                    Some(r)
+                }
                 Err(e) => {
                     log::warn!(
                         "blk: io_uring cannot be set up ({e}): requests are carried out one \
@@ -264,8 +345,9 @@ impl Disk {
                     );
                     None
                 }
-            })
-            .as_mut()
+            });
+        }
+        self.ring.as_mut()?.as_mut()
     }
 
     /// Reads `buf.len()` bytes at `offset` into memory of our own (a bounce buffer).
@@ -369,46 +451,8 @@ impl Disk {
     }
 }
 
-/// Waits for `queued` completions on `ring` and records each in `moved` at its job's index.
-/// The kernel owns the jobs' memory until then, so this does not give up: an error of the wait
-/// itself (never seen; EINTR is the one expected) is logged and the wait tried again.
-fn reap(
-    ring: &mut io_uring::IoUring,
-    queued: usize,
-    moved: &mut [Option<Result<u64>>],
-    jobs: &[Transfer],
-) {
-    let mut reaped = 0;
-    while reaped < queued {
-        if let Err(e) = ring.submit_and_wait(queued - reaped) {
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                log::error!("blk: waiting for io_uring completions: {e}; waiting again");
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            continue;
-        }
-        for cqe in ring.completion() {
-            let i = cqe.user_data() as usize;
-            let r = cqe.result();
-            moved[i] = Some(if r < 0 {
-                Err(Error::Os {
-                    op: if jobs[i].read {
-                        "preadv (io_uring)"
-                    } else {
-                        "pwritev (io_uring)"
-                    },
-                    source: std::io::Error::from_raw_os_error(-r),
-                })
-            } else {
-                Ok(r as u64)
-            });
-            reaped += 1;
-        }
-    }
-}
-
 /// Steps `iov` past `n` bytes: whole entries go, then part of one.
-fn advance(iov: &mut Vec<libc::iovec>, mut n: usize) {
+pub fn advance(iov: &mut Vec<libc::iovec>, mut n: usize) {
     let whole = iov
         .iter()
         .take_while(|v| {

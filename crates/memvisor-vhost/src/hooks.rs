@@ -43,6 +43,39 @@ pub(crate) fn leak_on_hangup(
     }
 }
 
+/// With `MEMVISOR_TEST_NO_INFLIGHT` set, the back end withholds
+/// `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD`: a frontend restarting it after a crash then restarts
+/// each ring at its used index. The crash trial's negative control (with
+/// [`reorder_completions`]) must lose or redo requests.
+pub(crate) fn no_inflight() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let on = std::env::var_os("MEMVISOR_TEST_NO_INFLIGHT").is_some();
+        if on {
+            log::warn!("TEST ONLY: INFLIGHT_SHMFD is not offered");
+        }
+        on
+    })
+}
+
+/// The pause between two completions of a batch under [`reorder_completions`].
+pub(crate) const REORDER_GAP: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// With `MEMVISOR_TEST_REORDER` set, the blk device completes each batch of reads and writes
+/// last first, [`REORDER_GAP`] apart: out of order, as a device may, and slowly enough that a
+/// back end killed at a random moment is likely caught with part of a batch returned, when the
+/// used index does not say which requests completed.
+pub(crate) fn reorder_completions() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let on = std::env::var_os("MEMVISOR_TEST_REORDER").is_some();
+        if on {
+            log::warn!("TEST ONLY: batches complete last first");
+        }
+        on
+    })
+}
+
 /// With `MEMVISOR_TEST_BALLOON_STATS_FROZEN` set, the balloon keeps the driver's statistics
 /// buffer and never asks for a fresh one, so only the figures the driver primed the queue with
 /// arrive; the real-guest statistics trial must then FAIL.

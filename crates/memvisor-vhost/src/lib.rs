@@ -18,6 +18,9 @@
 //! * [`blk`] is virtio-blk over a raw image with `preadv`/`pwritev` straight into guest memory,
 //!   pages pinned through memvisor for the duration of each request; [`disk`] is the image
 //!   file, through the page cache or `O_DIRECT`.
+//! * [`ring`] is a started virtqueue as a device sees it: the split queue and, when the
+//!   frontend keeps one, the inflight log that lets a restarted back end redo what was in
+//!   flight.
 //! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
 //! * `hooks` (feature `test-hooks` only) holds the switches that break the back end on purpose
@@ -43,6 +46,7 @@ mod hooks;
 pub mod memory;
 pub mod proto;
 pub mod record;
+pub mod ring;
 pub mod wire;
 
 pub use backend::{Backend, BackendStats};
@@ -52,3 +56,4 @@ pub use device::Device;
 pub use error::{Error, Result};
 pub use memory::FrontendMemory;
 pub use memvisor_wire::WireError;
+pub use ring::Ring;

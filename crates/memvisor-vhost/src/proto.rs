@@ -35,6 +35,8 @@ pub mod req {
     pub const IOTLB_MSG: u32 = 22;
     pub const GET_CONFIG: u32 = 24;
     pub const SET_CONFIG: u32 = 25;
+    pub const GET_INFLIGHT_FD: u32 = 31;
+    pub const SET_INFLIGHT_FD: u32 = 32;
     pub const RESET_DEVICE: u32 = 34;
     pub const GET_MAX_MEM_SLOTS: u32 = 36;
     pub const ADD_MEM_REG: u32 = 37;
@@ -67,6 +69,8 @@ pub mod req {
             IOTLB_MSG => "IOTLB_MSG",
             GET_CONFIG => "GET_CONFIG",
             SET_CONFIG => "SET_CONFIG",
+            GET_INFLIGHT_FD => "GET_INFLIGHT_FD",
+            SET_INFLIGHT_FD => "SET_INFLIGHT_FD",
             RESET_DEVICE => "RESET_DEVICE",
             GET_MAX_MEM_SLOTS => "GET_MAX_MEM_SLOTS",
             ADD_MEM_REG => "ADD_MEM_REG",
@@ -114,6 +118,7 @@ pub mod protocol {
     pub const REPLY_ACK: u64 = 1 << 3;
     pub const BACKEND_REQ: u64 = 1 << 5;
     pub const CONFIG: u64 = 1 << 9;
+    pub const INFLIGHT_SHMFD: u64 = 1 << 12;
     pub const RESET_DEVICE: u64 = 1 << 13;
     pub const CONFIGURE_MEM_SLOTS: u64 = 1 << 15;
     pub const STATUS: u64 = 1 << 16;
@@ -243,6 +248,53 @@ pub fn vring_state(request: u32, payload: &[u8]) -> Result<(u32, u32)> {
 pub fn log_base(payload: &[u8]) -> Result<(u64, u64)> {
     exact(req::SET_LOG_BASE, payload, 16)?;
     Ok((u64_at(payload, 0), u64_at(payload, 8)))
+}
+
+/// `GET_INFLIGHT_FD` / `SET_INFLIGHT_FD`: the inflight log's description.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Inflight {
+    /// Bytes of the log (0 in a `GET_INFLIGHT_FD` request).
+    pub mmap_size: u64,
+    /// Where it starts in the memfd.
+    pub mmap_offset: u64,
+    /// Queues it covers.
+    pub num_queues: u16,
+    /// Heads per queue.
+    pub queue_size: u16,
+}
+
+impl Inflight {
+    /// Bytes on the wire: two u64 and two u16, padded to 8 as QEMU's struct is.
+    pub const SIZE: usize = 24;
+
+    /// Parses the payload of `request`; the padding may be left out (20 bytes).
+    pub fn parse(request: u32, payload: &[u8]) -> Result<Inflight> {
+        if payload.len() != Self::SIZE && payload.len() != 20 {
+            return Err(Error::Invalid(format!(
+                "{}: payload of {} bytes, expected {} (an inflight description)",
+                req::name(request),
+                payload.len(),
+                Self::SIZE
+            )));
+        }
+        Ok(Inflight {
+            mmap_size: u64_at(payload, 0),
+            mmap_offset: u64_at(payload, 8),
+            num_queues: u16::from_le_bytes([payload[16], payload[17]]),
+            queue_size: u16::from_le_bytes([payload[18], payload[19]]),
+        })
+    }
+
+    /// The payload's bytes.
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::SIZE);
+        b.extend_from_slice(&self.mmap_size.to_le_bytes());
+        b.extend_from_slice(&self.mmap_offset.to_le_bytes());
+        b.extend_from_slice(&self.num_queues.to_le_bytes());
+        b.extend_from_slice(&self.queue_size.to_le_bytes());
+        b.resize(Self::SIZE, 0);
+        b
+    }
 }
 
 /// `IOTLB_MSG` (both directions): the IOTLB entry or request.

@@ -101,6 +101,13 @@ pub fn reply(sock: &UnixStream, request: u32, payload: &[u8]) -> Result<()> {
     Ok(memvisor_wire::send(sock, &b, &[])?)
 }
 
+/// Sends a reply to `request` with `payload` and descriptors.
+pub fn reply_with_fds(sock: &UnixStream, request: u32, payload: &[u8], fds: &[i32]) -> Result<()> {
+    let mut b = Header::reply(request, payload.len()).to_vec();
+    b.extend_from_slice(payload);
+    Ok(memvisor_wire::send(sock, &b, fds)?)
+}
+
 /// Sends `data` with descriptors (tests and the bad-frontend client use it).
 pub fn send_with_fds(sock: &UnixStream, data: &[u8], fds: &[i32]) -> Result<()> {
     Ok(memvisor_wire::send(sock, data, fds)?)

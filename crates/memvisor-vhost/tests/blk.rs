@@ -637,3 +637,322 @@ fn requests_available_together_are_carried_out_as_one_batch() {
         "each kick's five requests went to the kernel as one batch"
     );
 }
+
+/// Reads a chain of three descriptors at `ids`: header (IN, `sector`), 4 KiB into `data`,
+/// status at `status`.
+fn read_chain(g: &mut Guest, ids: [u16; 3], sector: u64, data: u64, status: u64) -> u16 {
+    use memvisor::balloon::guest::{Desc, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    let hdr = HDR + u64::from(ids[0]) * 16;
+    let mut h = [0u8; 16];
+    h[8..16].copy_from_slice(&sector.to_le_bytes());
+    g.mem.write(Gpa(hdr), &h).unwrap();
+    g.mem.write(Gpa(status), &[0xff]).unwrap();
+    let descs = [
+        Desc {
+            addr: hdr,
+            len: 16,
+            flags: VRING_DESC_F_NEXT,
+            next: ids[1],
+        },
+        Desc {
+            addr: data,
+            len: 4096,
+            flags: VRING_DESC_F_NEXT | VRING_DESC_F_WRITE,
+            next: ids[2],
+        },
+        Desc {
+            addr: status,
+            len: 1,
+            flags: VRING_DESC_F_WRITE,
+            next: 0,
+        },
+    ];
+    let head = g.ring.add_raw(&ids, &descs).unwrap();
+    g.ring.publish(head).unwrap();
+    head
+}
+
+#[test]
+fn a_restarted_back_end_redoes_the_requests_left_in_flight_oldest_first() {
+    use memvisor::{Backing, BackingKind};
+    use memvisor_vhost::proto::{Inflight, protocol, req};
+    use memvisor_vhost::ring::queue_bytes;
+    use std::os::fd::AsRawFd;
+
+    let disk = image(4 * MIB);
+    let block = |s: u64| -> Vec<u8> { (0..4096u32).map(|i| (i as u64 * 7 + s) as u8).collect() };
+    for s in 0..8u64 {
+        disk.write_all_at(&block(s), s * 8 * 512).unwrap();
+    }
+    let mut g = Guest::new(4 * MIB);
+    let entry = |h: u16| 16 + 16 * u64::from(h);
+
+    // The first back end hands out a log and serves two reads.
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    negotiate(&c, &g);
+    let ask = Inflight {
+        mmap_size: 0,
+        mmap_offset: 0,
+        num_queues: 1,
+        queue_size: RING_SIZE,
+    };
+    let (reply, fds) = c.get_with_fds(req::GET_INFLIGHT_FD, &ask.bytes()).unwrap();
+    let got = Inflight::parse(req::GET_INFLIGHT_FD, &reply).unwrap();
+    assert_eq!(fds.len(), 1, "the log's memfd comes with the reply");
+    assert!(got.mmap_size >= queue_bytes(RING_SIZE));
+    let log_fd = fds.into_iter().next().unwrap();
+    let log = Backing::from_fd(log_fd.try_clone().unwrap(), 0, got.mmap_size).unwrap();
+    assert!(matches!(log.kind(), BackingKind::Received { .. }));
+    let set = |c: &memvisor_vhost::client::Client| {
+        c.ack(req::SET_INFLIGHT_FD, &got.bytes(), &[log_fd.as_raw_fd()])
+            .unwrap()
+    };
+    assert_eq!(set(&c), 0);
+    start_ring(&c, &g);
+    for k in 0..2u16 {
+        let at = DATA + u64::from(k) * 0x1000;
+        read_chain(
+            &mut g,
+            [3 * k, 3 * k + 1, 3 * k + 2],
+            u64::from(k) * 8,
+            at,
+            STATUS,
+        );
+        use std::io::Write;
+        g.kick.write_all(&1u64.to_le_bytes()).unwrap();
+        g.wait_used();
+    }
+    let u16_at = |at: u64| {
+        let mut b = [0u8; 2];
+        log.read(at, &mut b).unwrap();
+        u16::from_le_bytes(b)
+    };
+    assert_eq!(u16_at(8), 1, "version written by the first back end");
+    assert_eq!(u16_at(14), 2, "used_idx follows the used ring");
+    let mut e = [0u8; 16];
+    log.read(entry(0), &mut e).unwrap();
+    assert_eq!(e[0], 0, "a completed head is not in flight");
+    drop(c);
+    let _ = t.join().unwrap();
+
+    // What the first back end would have left had it died: four more chains taken; head 9
+    // completed out of order; head 12 completed with its entry not yet cleared (death between
+    // the used index and the log); heads 6 and 15 in flight, 15 taken before 6.
+    let v = g.vring_addr();
+    let used_gpa = v.used - USER;
+    let (h6, h9, h12, h15) = (6u16, 9u16, 12u16, 15u16);
+    let data_of = |h: u16| DATA + 0x10000 + u64::from(h) * 0x1000;
+    let status_of = |h: u16| STATUS + 0x100 + u64::from(h);
+    let sector_of = |h: u16| u64::from(h % 8) * 8;
+    for h in [h6, h9, h12, h15] {
+        let ids = if h == 15 {
+            [15, 0, 1]
+        } else {
+            [h, h + 1, h + 2]
+        };
+        read_chain(&mut g, ids, sector_of(h), data_of(h), status_of(h));
+    }
+    for (i, h) in [h9, h12].into_iter().enumerate() {
+        let slot = used_gpa + 4 + 8 * (2 + i as u64);
+        let mut el = [0u8; 8];
+        el[0..4].copy_from_slice(&u32::from(h).to_le_bytes());
+        g.mem.write(Gpa(slot), &el).unwrap();
+    }
+    g.mem.write(Gpa(used_gpa + 2), &4u16.to_le_bytes()).unwrap();
+    let mark = |h: u16, counter: u64, inflight: u8| {
+        log.write(entry(h) + 8, &counter.to_le_bytes()).unwrap();
+        log.write(entry(h), &[inflight]).unwrap();
+    };
+    mark(h15, 10, 1);
+    mark(h6, 11, 1);
+    mark(h9, 12, 0);
+    mark(h12, 13, 1);
+    log.write(12, &h12.to_le_bytes()).unwrap();
+    log.write(14, &3u16.to_le_bytes()).unwrap();
+    // The driver sees the two completions the dead back end published.
+    let mut early: Vec<u16> = (0..2).map(|_| g.wait_used().0).collect();
+    early.sort_unstable();
+    assert_eq!(early, vec![h9, h12]);
+
+    // A new back end on the frontend's log: 15 then 6 are redone, with no kick, and nothing
+    // else; then the ring goes on from the right index.
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    negotiate(&c, &g);
+    assert_eq!(set(&c), 0);
+    let st = |n: u32| memvisor_vhost::proto::vring_state_bytes(0, n);
+    for (request, payload, fds) in [
+        (req::SET_VRING_NUM, st(u32::from(RING_SIZE)), vec![]),
+        (req::SET_VRING_ADDR, v.bytes(), vec![]),
+        (req::SET_VRING_BASE, st(4), vec![]),
+        (
+            req::SET_VRING_CALL,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.call.as_raw_fd()],
+        ),
+        (
+            req::SET_VRING_KICK,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.kick.as_raw_fd()],
+        ),
+        (req::SET_VRING_ENABLE, st(1), vec![]),
+    ] {
+        assert_eq!(
+            c.ack(request, &payload, &fds).unwrap(),
+            0,
+            "{}",
+            req::name(request)
+        );
+    }
+    let redone: Vec<u16> = (0..2).map(|_| g.wait_used().0).collect();
+    assert_eq!(redone, vec![h15, h6], "in flight, oldest first");
+    for h in [h15, h6] {
+        let mut got = vec![0u8; 4096];
+        g.mem.read(Gpa(data_of(h)), &mut got).unwrap();
+        assert!(got == block(sector_of(h) / 8), "head {h} read its block");
+        let mut s = [0xffu8];
+        g.mem.read(Gpa(status_of(h)), &mut s).unwrap();
+        assert_eq!(s[0], 0, "head {h} status");
+    }
+    assert_eq!(u16_at(14), 6, "the log's used_idx caught up");
+    for h in [h6, h12, h15] {
+        log.read(entry(h), &mut e).unwrap();
+        assert_eq!(e[0], 0, "head {h} no longer in flight");
+    }
+    // A new request after them: taken at available index 6, counted after every head that was
+    // still in flight (6's counter, 11, plus one).
+    read_chain(&mut g, [3, 4, 5], 0, DATA, STATUS);
+    {
+        use std::io::Write;
+        g.kick.write_all(&1u64.to_le_bytes()).unwrap();
+    }
+    assert_eq!(g.wait_used().0, 3);
+    assert_eq!(status(&g), 0);
+    log.read(entry(3), &mut e).unwrap();
+    assert_eq!(u64::from_le_bytes(e[8..16].try_into().unwrap()), 12);
+    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
+    assert_ne!(pf & protocol::INFLIGHT_SHMFD, 0);
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats.failed, 0);
+}
+
+#[test]
+fn bad_inflight_requests_are_refused_and_change_nothing() {
+    use memvisor_vhost::proto::{Inflight, req};
+    use std::os::fd::AsRawFd;
+    let g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(image(MIB), BlkOptions::default()).unwrap());
+    // Not negotiated yet: refused (the frontend waits for data, so the connection ends).
+    let ask = Inflight {
+        mmap_size: 0,
+        mmap_offset: 0,
+        num_queues: 1,
+        queue_size: RING_SIZE,
+    };
+    assert!(c.get_with_fds(req::GET_INFLIGHT_FD, &ask.bytes()).is_err());
+    drop(c);
+    let _ = t.join().unwrap();
+
+    let (c, t) = serve(Blk::new(image(MIB), BlkOptions::default()).unwrap());
+    negotiate(&c, &g);
+    let small = memfd(64);
+    for (d, why) in [
+        (
+            Inflight {
+                mmap_size: 64,
+                ..ask
+            },
+            "too small for its queues",
+        ),
+        (
+            Inflight {
+                mmap_size: 4096,
+                num_queues: 0,
+                ..ask
+            },
+            "no queue",
+        ),
+        (
+            Inflight {
+                mmap_size: 4096,
+                queue_size: 0,
+                ..ask
+            },
+            "queues of no heads",
+        ),
+    ] {
+        let r = c
+            .ack(req::SET_INFLIGHT_FD, &d.bytes(), &[small.as_raw_fd()])
+            .unwrap();
+        assert_eq!(r, libc::EINVAL as u64, "a log {why} is refused with EINVAL");
+    }
+    // No descriptor at all.
+    let r = c.ack(req::SET_INFLIGHT_FD, &ask.bytes(), &[]).unwrap();
+    assert_eq!(r, libc::EINVAL as u64);
+    // More queues than the device has: refused, and the back end still answers.
+    let many = Inflight {
+        num_queues: 2,
+        ..ask
+    };
+    assert!(c.get_with_fds(req::GET_INFLIGHT_FD, &many.bytes()).is_err());
+    drop(c);
+    let _ = t.join().unwrap();
+    // The device still serves a frontend that does it right.
+    let (c, t) = serve(Blk::new(image(MIB), BlkOptions::default()).unwrap());
+    negotiate(&c, &g);
+    let (reply, fds) = c.get_with_fds(req::GET_INFLIGHT_FD, &ask.bytes()).unwrap();
+    assert_eq!((reply.len(), fds.len()), (Inflight::SIZE, 1));
+    drop(c);
+    let _ = t.join().unwrap();
+}
+
+#[test]
+fn a_polling_device_serves_requests_made_available_without_a_kick() {
+    // After a kicked request, the driver publishes a read and does not kick (as it may when the
+    // device asked not to be notified). With polling the device finds it; without, it waits
+    // for the kick.
+    for poll_us in [500_000u32, 0] {
+        let disk = image(MIB);
+        disk.write_all_at(&[0x5a; 4096], 0).unwrap();
+        let mut g = Guest::new(4 * MIB);
+        let options = BlkOptions {
+            poll_us,
+            ..BlkOptions::default()
+        };
+        let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), options).unwrap());
+        setup(&c, &g);
+        read_chain(&mut g, [0, 1, 2], 0, DATA, STATUS);
+        {
+            use std::io::Write;
+            g.kick.write_all(&1u64.to_le_bytes()).unwrap();
+        }
+        g.wait_used();
+        g.mem.write(Gpa(DATA), &[0u8; 4096]).unwrap();
+        read_chain(&mut g, [0, 1, 2], 0, DATA, STATUS);
+        let mut served = false;
+        for _ in 0..100 {
+            if g.ring.get_used().unwrap().is_some() {
+                served = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(
+            served,
+            poll_us > 0,
+            "poll-us {poll_us}: served with no kick"
+        );
+        if !served {
+            use std::io::Write;
+            g.kick.write_all(&1u64.to_le_bytes()).unwrap();
+            g.wait_used();
+        }
+        assert_eq!(status(&g), 0);
+        let mut got = [0u8; 4096];
+        g.mem.read(Gpa(DATA), &mut got).unwrap();
+        assert!(got.iter().all(|&b| b == 0x5a));
+        drop(c);
+        let (backend, _) = t.join().unwrap();
+        assert_eq!(backend.stats.poll_hits > 0, poll_us > 0);
+    }
+}

@@ -52,7 +52,13 @@ pub use error::{Error, Result};
 pub use pin::{LockLimit, PinRegistry};
 pub use slots::{GpaTranslation, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot};
 
-/// The README's API tour, compiled and run as a doctest so it cannot go stale.
+/// The README's library example, compiled and run as a doctest so it cannot go stale.
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
-struct ReadmeTour;
+struct ReadmeExample;
+
+/// The Rust blocks of the pages under docs/, compiled and run the same way. Every page there
+/// with a Rust block must be included here: `tests/docs_compiled.rs` checks it.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/api.md")]
+struct DocsApi;

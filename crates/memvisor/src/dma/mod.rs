@@ -17,8 +17,8 @@
 //!   [`DmaConfig::vaddr_wait`], Linux 5.12–6.2) or every copy and pin fails at once with EBUSY
 //!   (Linux 6.3 on).
 //!
-//! The README's "Type1 fidelity" table lists every errno with the kernel function it follows,
-//! and the few places memvisor chooses otherwise.
+//! The repository's docs/type1.md lists every errno with the kernel function it follows, and
+//! the few places memvisor chooses otherwise.
 //!
 //! Pinning hangs off mappings: in [`PinMode::Eager`] every mapping is pinned whole when it is
 //! made (replayed over existing mappings when the mode switches), in [`PinMode::Lazy`] only what

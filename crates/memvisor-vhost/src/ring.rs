@@ -1,0 +1,436 @@
+//! A started virtqueue as a device sees it: virtio-queue's split [`Queue`], and — when the
+//! frontend shared one (`VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD`) — the queue's part of the
+//! inflight log, with which a back end started again after a crash redoes what its predecessor
+//! took off the ring and never completed.
+//!
+//! **Why a log.** A device completes requests in the order they finish, not the order it took
+//! them. The used ring's index says how many completed, not which: a frontend that restarted a
+//! ring at the used index after a crash would redo some completed requests and drop some that
+//! never were. The inflight log is a memfd the back end allocates ([`InflightRegion::create`],
+//! `GET_INFLIGHT_FD`) and the frontend keeps and hands to the next back end
+//! ([`InflightRegion::map`], `SET_INFLIGHT_FD`). Per queue it holds a header and one entry per
+//! descriptor head: whether the head is in flight, and a submission counter.
+//!
+//! **The steps (vhost-user, "Inflight I/O tracking", split rings).**
+//! - Taking head `h` ([`Ring::taken`]): `desc[h].counter = counter++`, then `desc[h].inflight = 1`.
+//! - Completing head `h` ([`Ring::add_used`]): `last_batch_head = h`; the used element and the
+//!   used index are written; `desc[h].inflight = 0`; `used_idx =` the used index.
+//! - Starting ([`Ring::new`]): a log whose `used_idx` differs from the ring's used index belongs
+//!   to a back end that died between writing the used index and clearing the entry, so
+//!   `desc[last_batch_head].inflight = 0` and `used_idx` catches up. Every head still in flight is
+//!   then redone, oldest counter first, before anything new ([`Ring::resubmit`]); the next
+//!   available index is the used index plus their number.
+//!
+//! Each store is ordered after the one before it by a fence, so a back end killed between any
+//! two of them leaves a log the next one reads right. The log is the frontend's memory as much
+//! as ours: it is read through bounds-checked copies, and a head it names is just a request to
+//! read from the ring, checked like any other.
+//!
+//! **Chains by head.** virtio-queue builds a descriptor chain only from the available ring; a
+//! head to redo is not there any more, so [`Ring::chain`] walks the descriptor table itself
+//! (direct and indirect descriptors, with the same limits).
+
+use std::collections::VecDeque;
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use std::sync::atomic::{Ordering, fence};
+
+use memvisor::{Backing, BackingKind};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemory};
+
+use crate::error::{Error, Result};
+
+/// Bytes of a queue's log header (features, version, desc_num, last_batch_head, used_idx).
+const HEADER: u64 = 16;
+/// Bytes of one head's entry (inflight, padding, next, counter).
+const ENTRY: u64 = 16;
+/// Each queue's part starts on a 64-byte boundary.
+const QUEUE_ALIGN: u64 = 64;
+/// The log's format version, written by the first back end to use a queue's part.
+const VERSION: u16 = 1;
+/// The largest log accepted from a frontend.
+const MAX_LOG: u64 = 64 << 20;
+/// The largest split queue (virtio: 32768 entries).
+const MAX_QUEUE: u16 = 32768;
+
+const VRING_DESC_F_NEXT: u16 = 1;
+const VRING_DESC_F_WRITE: u16 = 2;
+const VRING_DESC_F_INDIRECT: u16 = 4;
+
+/// Bytes of one queue's part of a log for queues of `queue_size` heads.
+pub fn queue_bytes(queue_size: u16) -> u64 {
+    (HEADER + ENTRY * u64::from(queue_size)).next_multiple_of(QUEUE_ALIGN)
+}
+
+/// The inflight log shared with the frontend: `queues` parts of [`queue_bytes`] each.
+#[derive(Debug)]
+pub struct InflightRegion {
+    memory: Arc<Backing>,
+    queues: u16,
+    queue_size: u16,
+}
+
+impl InflightRegion {
+    /// A new, zeroed log for `queues` queues of `queue_size` heads (`GET_INFLIGHT_FD`).
+    pub fn create(queues: u16, queue_size: u16) -> Result<InflightRegion> {
+        let size = Self::check(queues, queue_size)?;
+        let memory = Backing::new(BackingKind::Memfd, size.next_multiple_of(4096))?;
+        Ok(InflightRegion {
+            memory: Arc::new(memory),
+            queues,
+            queue_size,
+        })
+    }
+
+    /// The log the frontend kept from an earlier back end (`SET_INFLIGHT_FD`): `size` bytes of
+    /// `fd` at `offset`, laid out for `queues` queues of `queue_size` heads.
+    pub fn map(
+        fd: std::os::fd::OwnedFd,
+        offset: u64,
+        size: u64,
+        queues: u16,
+        queue_size: u16,
+    ) -> Result<InflightRegion> {
+        let need = Self::check(queues, queue_size)?;
+        if size < need || size > MAX_LOG {
+            return Err(Error::BadRegion(format!(
+                "inflight log of {size:#x} bytes for {queues} queues of {queue_size}: it needs \
+                 {need:#x} bytes, and at most {MAX_LOG:#x} are accepted"
+            )));
+        }
+        // Whole pages are mapped; a log's last page may lie partly past its end.
+        let memory = Backing::from_fd(fd, offset, size.next_multiple_of(4096)).map_err(|e| {
+            Error::BadRegion(format!(
+                "inflight log of {size:#x} bytes at offset {offset:#x}: {e}"
+            ))
+        })?;
+        Ok(InflightRegion {
+            memory: Arc::new(memory),
+            queues,
+            queue_size,
+        })
+    }
+
+    /// Checks the shape of a log; returns its size in bytes.
+    fn check(queues: u16, queue_size: u16) -> Result<u64> {
+        if queues == 0 || queue_size == 0 || queue_size > MAX_QUEUE {
+            return Err(Error::Invalid(format!(
+                "inflight log for {queues} queues of {queue_size} heads: at least one queue, \
+                 of 1 to {MAX_QUEUE} heads"
+            )));
+        }
+        Ok(u64::from(queues) * queue_bytes(queue_size))
+    }
+
+    /// The memfd to hand to the frontend.
+    pub fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.memory.fd()
+    }
+
+    /// Bytes of the log as mapped (all queues, in whole pages): what the frontend maps.
+    pub fn size(&self) -> u64 {
+        self.memory.size()
+    }
+
+    /// Number of queues it covers.
+    pub fn queues(&self) -> u16 {
+        self.queues
+    }
+
+    /// Heads per queue.
+    pub fn queue_size(&self) -> u16 {
+        self.queue_size
+    }
+}
+
+/// One queue's part of the log, and the back end's counter.
+#[derive(Debug)]
+struct InflightQueue {
+    memory: Arc<Backing>,
+    /// Where the queue's part starts in the log.
+    base: u64,
+    /// Heads covered (the ring's size: no head of the ring lies past it).
+    heads: u16,
+    counter: u64,
+}
+
+impl InflightQueue {
+    fn read<const N: usize>(&self, at: u64) -> [u8; N] {
+        let mut b = [0u8; N];
+        // Inside the part: `base + at` < the log's size was checked when the part was made.
+        if let Err(e) = self.memory.read(self.base + at, &mut b) {
+            log::error!("inflight log read at {at:#x}: {e}");
+        }
+        b
+    }
+
+    fn write(&self, at: u64, bytes: &[u8]) {
+        if let Err(e) = self.memory.write(self.base + at, bytes) {
+            log::error!("inflight log write at {at:#x}: {e}");
+        }
+        // The next store must not be seen before this one, even by a successor reading the
+        // log after this process died between the two.
+        fence(Ordering::Release);
+    }
+
+    fn entry(head: u16) -> u64 {
+        HEADER + ENTRY * u64::from(head)
+    }
+
+    fn taken(&mut self, head: u16) {
+        if head >= self.heads {
+            return;
+        }
+        let c = self.counter;
+        self.counter += 1;
+        self.write(Self::entry(head) + 8, &c.to_le_bytes());
+        self.write(Self::entry(head), &[1]);
+    }
+
+    fn before_used(&self, head: u16) {
+        self.write(12, &head.to_le_bytes());
+    }
+
+    fn after_used(&self, head: u16, used_idx: u16) {
+        if head < self.heads {
+            self.write(Self::entry(head), &[0]);
+        }
+        self.write(14, &used_idx.to_le_bytes());
+    }
+}
+
+/// A started virtqueue: the split queue, and its part of the inflight log if there is one.
+/// Dereferences to the [`Queue`] for everything else (notifications, addresses, indexes).
+#[derive(Debug)]
+pub struct Ring {
+    queue: Queue,
+    inflight: Option<InflightQueue>,
+    /// Heads a predecessor left in flight, oldest first: redone before anything new.
+    resubmit: VecDeque<u16>,
+}
+
+impl Ring {
+    /// A ring over `queue` whose indexes are set. With `log` (the inflight log, and this
+    /// ring's queue index in it), the log is read as the module comment says: heads left in
+    /// flight are queued for [`Ring::resubmit`], and the queue's next available index becomes
+    /// the used index plus their number.
+    pub fn new<M: GuestMemory>(
+        mut queue: Queue,
+        log: Option<(&InflightRegion, u16)>,
+        mem: &M,
+    ) -> Result<Ring> {
+        let Some((region, index)) = log.filter(|(r, i)| *i < r.queues) else {
+            return Ok(Ring {
+                queue,
+                inflight: None,
+                resubmit: VecDeque::new(),
+            });
+        };
+        if queue.size() > region.queue_size {
+            return Err(Error::BadRing(format!(
+                "ring {index} of {} entries: the inflight log covers {} heads per queue",
+                queue.size(),
+                region.queue_size
+            )));
+        }
+        let mut q = InflightQueue {
+            memory: region.memory.clone(),
+            base: u64::from(index) * queue_bytes(region.queue_size),
+            heads: queue.size(),
+            counter: 0,
+        };
+        let version = u16::from_le_bytes(q.read(8));
+        if version == 0 {
+            // A fresh log: nothing was ever in flight.
+            q.write(10, &region.queue_size.to_le_bytes());
+            q.write(8, &VERSION.to_le_bytes());
+            return Ok(Ring {
+                queue,
+                inflight: Some(q),
+                resubmit: VecDeque::new(),
+            });
+        }
+        let used = queue
+            .used_idx(mem, Ordering::Acquire)
+            .map_err(|e| Error::BadRing(format!("ring {index}: used index unreadable: {e}")))?
+            .0;
+        if u16::from_le_bytes(q.read(14)) != used {
+            // Died after publishing the last completion and before clearing its entry.
+            let last = u16::from_le_bytes(q.read(12));
+            if last < q.heads {
+                q.write(InflightQueue::entry(last), &[0]);
+            }
+            q.write(14, &used.to_le_bytes());
+        }
+        let mut left: Vec<(u64, u16)> = (0..q.heads)
+            .filter_map(|h| {
+                let e: [u8; 16] = q.read(InflightQueue::entry(h));
+                (e[0] == 1).then(|| (u64::from_le_bytes(e[8..16].try_into().expect("8")), h))
+            })
+            .collect();
+        left.sort_unstable();
+        q.counter = left.last().map_or(0, |&(c, _)| c.wrapping_add(1));
+        let next = used.wrapping_add(left.len() as u16);
+        queue.set_next_avail(next);
+        queue.set_next_used(used);
+        if !left.is_empty() {
+            log::info!(
+                "ring {index}: {} requests were in flight when the last back end stopped; \
+                 redoing them (used index {used}, next available {next})",
+                left.len()
+            );
+        }
+        Ok(Ring {
+            queue,
+            inflight: Some(q),
+            resubmit: left.into_iter().map(|(_, h)| h).collect(),
+        })
+    }
+
+    /// A ring with no inflight log (tests, fuzzing, devices that need none).
+    pub fn plain(queue: Queue) -> Ring {
+        Ring {
+            queue,
+            inflight: None,
+            resubmit: VecDeque::new(),
+        }
+    }
+
+    /// The next head a predecessor left in flight, to be redone before the available ring is
+    /// read; it stays in flight in the log until completed.
+    pub fn resubmit(&mut self) -> Option<u16> {
+        self.resubmit.pop_front()
+    }
+
+    /// Puts a head from [`Ring::resubmit`] back at the front (its chain could not be read yet).
+    pub fn resubmit_later(&mut self, head: u16) {
+        self.resubmit.push_front(head);
+    }
+
+    /// Heads still to be redone.
+    pub fn pending_resubmits(&self) -> usize {
+        self.resubmit.len()
+    }
+
+    /// Whether the ring has an inflight log.
+    pub fn has_inflight_log(&self) -> bool {
+        self.inflight.is_some()
+    }
+
+    /// Records in the log that `head`, just taken from the available ring, is in flight.
+    pub fn taken(&mut self, head: u16) {
+        if let Some(q) = self.inflight.as_mut() {
+            q.taken(head);
+        }
+    }
+
+    /// Returns `head` to the driver with `len` bytes written, and records its completion in the
+    /// log around the used ring's update.
+    pub fn add_used<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        head: u16,
+        len: u32,
+    ) -> std::result::Result<(), virtio_queue::Error> {
+        if let Some(q) = self.inflight.as_ref() {
+            q.before_used(head);
+        }
+        self.queue.add_used(mem, head, len)?;
+        if let Some(q) = self.inflight.as_ref() {
+            q.after_used(head, self.queue.next_used());
+        }
+        Ok(())
+    }
+
+    /// The descriptors of the chain at `head`, read from the descriptor table (and an indirect
+    /// table it names) through `mem`; whether it was indirect.
+    pub fn chain<M: GuestMemory>(&self, mem: &M, head: u16) -> Result<(Vec<Desc>, bool)> {
+        let size = self.queue.size();
+        if head >= size {
+            return Err(Error::BadChain(format!(
+                "head {head} past the ring's {size} descriptors"
+            )));
+        }
+        let read = |table: u64, i: u16| -> Result<(u64, u32, u16, u16)> {
+            let at = table
+                .checked_add(16 * u64::from(i))
+                .ok_or_else(|| Error::BadChain(format!("descriptor {i} past the address space")))?;
+            let d: [u8; 16] = mem.read_obj(GuestAddress(at)).map_err(|e| {
+                Error::BadChain(format!("descriptor {i} at {at:#x} unreadable: {e}"))
+            })?;
+            Ok((
+                u64::from_le_bytes(d[0..8].try_into().expect("8")),
+                u32::from_le_bytes(d[8..12].try_into().expect("4")),
+                u16::from_le_bytes(d[12..14].try_into().expect("2")),
+                u16::from_le_bytes(d[14..16].try_into().expect("2")),
+            ))
+        };
+        let (addr, len, flags, _) = read(self.queue.desc_table(), head)?;
+        let (table, count, mut i) = if flags & VRING_DESC_F_INDIRECT != 0 {
+            if len == 0 || len % 16 != 0 || len / 16 > u32::from(MAX_QUEUE) {
+                return Err(Error::BadChain(format!(
+                    "indirect table of {len} bytes at head {head}"
+                )));
+            }
+            (addr, (len / 16) as u16, 0)
+        } else {
+            (self.queue.desc_table(), size, head)
+        };
+        let indirect = table != self.queue.desc_table();
+        let mut out = Vec::new();
+        loop {
+            if out.len() >= usize::from(count) {
+                return Err(Error::BadChain(format!(
+                    "chain at head {head} longer than its table's {count} descriptors (a loop)"
+                )));
+            }
+            let (addr, len, flags, next) = read(table, i)?;
+            if indirect && flags & VRING_DESC_F_INDIRECT != 0 {
+                return Err(Error::BadChain(format!(
+                    "indirect descriptor inside the indirect table of head {head}"
+                )));
+            }
+            out.push(Desc {
+                addr,
+                len,
+                write: flags & VRING_DESC_F_WRITE != 0,
+            });
+            if flags & VRING_DESC_F_NEXT == 0 {
+                return Ok((out, indirect));
+            }
+            if next >= count {
+                return Err(Error::BadChain(format!(
+                    "descriptor {i} of head {head} names next {next}, past {count}"
+                )));
+            }
+            i = next;
+        }
+    }
+
+    /// The queue, to be given up (`GET_VRING_BASE`).
+    pub fn into_queue(self) -> Queue {
+        self.queue
+    }
+}
+
+impl Deref for Ring {
+    type Target = Queue;
+    fn deref(&self) -> &Queue {
+        &self.queue
+    }
+}
+
+impl DerefMut for Ring {
+    fn deref_mut(&mut self) -> &mut Queue {
+        &mut self.queue
+    }
+}
+
+/// One descriptor of a chain: a guest buffer and whether the device writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Desc {
+    pub addr: u64,
+    pub len: u32,
+    pub write: bool,
+}
