@@ -17,8 +17,10 @@ cp kroot/boot/vmlinuz-* vmlinuz
 rm -rf initrd && mkdir -p initrd/{bin,lib/modules,proc,sys,dev,mnt,tmp}
 cp bb/bin/busybox initrd/bin/busybox
 # vfio*: the hostile-guest trial drives a device from user space through the guest IOMMU.
+# virtio-rng: the rng trial (memvisor-vhost's example device).
 mods="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk virtio_balloon
-  irqbypass vfio vfio_iommu_type1 vfio_virqfd vfio-pci-core vfio-pci"
+  irqbypass vfio vfio_iommu_type1 vfio_virqfd vfio-pci-core vfio-pci
+  virtio-rng"
 for m in $mods; do
   f=$(find kroot/lib/modules -name "$m.ko*" | head -1)
   [ -n "$f" ] || { echo "mkguest: module $m not in the kernel package" >&2; exit 1; }

@@ -3,7 +3,7 @@
 # vhost-user back end. Needs root (mount namespaces, chroot, mmdebstrap); builds the QEMU root
 # and the guest on first use under target/guest/.
 #
-# usage: guest/trial.sh blk [--negative] [--peer] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
+# usage: guest/trial.sh blk [--negative] [--peer] [--queues=N] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
 #                      | balloon --stats [--negative]
 #                      | blk --disk-fault [--negative] | blk --memlock [--negative]
 #                      | mig [--negative] [--iommu=M] | hostile [--negative]
@@ -11,12 +11,16 @@
 #                                  [--client-dies [--negative]]
 #                      | blkio [--negative]
 #                      | blk --frontend-dies [--negative] | mig --frontend-dies [--negative]
+#                      | blk --crash [--negative | --reorder]
+#                      | rng [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
 #   --negative  negative control: the host changes the image while the guest waits between
 #               writing and reading; the trial must then FAIL (exit 0 only if it does).
 #   --peer      the same trial against qemu-storage-daemon's vhost-user-blk export.
+#   --queues=N  N queues and N vCPUs (QEMU num-queues=N, -smp N): the guest submits on the
+#               queue of its CPU, and rings past the first must be served by worker threads.
 #   --iommu=strict|lazy  the device behind QEMU's intel-iommu (device-iotlb), the guest with
 #               intel_iommu=on and iommu.strict=1 or 0: every address goes through the IOTLB.
 #   --after-fuzz first attack the back end for 15 s with memvisor's hostile frontend
@@ -134,15 +138,39 @@
 #               frontend leaves and at exit.
 #   blk --memlock --negative: a refused lock stays charged (MEMVISOR_TEST_COUNT_REFUSED_LOCKS;
 #               needs a test-hooks build): the registry check must FAIL.
+#   blk --crash: the back end is SIGKILLed three times under load and started again at once on the
+#               same socket; QEMU (reconnect-ms=100) reconnects. guest/progs/genio.c keeps 4
+#               processes x 4 threads of O_DIRECT reads and writes of generation-stamped 4 KiB
+#               blocks in flight for CRASH_SECS (45) s and must see no I/O error, no stale or
+#               corrupt block, and no request left unanswered for CRASH_STALL (20) s; the host
+#               checks every block of the image and genio's final generations, 3 kills, 4
+#               frontend connections and that INFLIGHT_SHMFD was in use (the back end made the
+#               inflight log), and stops a guest not done CRASH_SECS + 60 s after genio began.
+#   blk --crash --negative: the back end withholds INFLIGHT_SHMFD and completes each batch of
+#               requests in reverse order (MEMVISOR_TEST_NO_INFLIGHT, MEMVISOR_TEST_REORDER; needs
+#               MEMVISOR= a test-hooks build); the trial must FAIL (lost requests: a hang the
+#               watchdog reports, errors, or stale data).
+#   blk --crash --reorder: the positive trial with each batch completed in reverse order
+#               (MEMVISOR_TEST_REORDER alone; needs MEMVISOR= a test-hooks build) and
+#               INFLIGHT_SHMFD on: out-of-order completion, which the used index cannot describe,
+#               must still lose nothing.
+#   rng         memvisor-vhost's example device (crates/memvisor-vhost/examples/rng.rs, built with
+#               `cargo build --release -p memvisor-vhost --example rng`) under QEMU's generic
+#               vhost-user-test-device-pci (virtio-id=4): it must be the guest kernel's hardware
+#               RNG, and 1 MiB the guest reads from /dev/hwrng must not compress (gzip >= 99%)
+#               nor repeat. Env RNG: the example's binary (default target/release/examples/rng).
+#   rng --negative: the device writes zeros (MEMVISOR_TEST_RNG_ZEROS; RNG= a build with
+#               --features test-hooks); the guest's check must then FAIL.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
-balloon_stats=0; negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0; client_dies=0
+balloon_stats=0; queues=1; negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0; client_dies=0
+crash=0; reorder=0
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
-for a in "$@"; do case $a in --stats) balloon_stats=1;; --negative) negative=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
+for a in "$@"; do case $a in --stats) balloon_stats=1;; --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 # With --frontend-dies, --negative is the leak switch (MEMVISOR_TEST_LEAK_ON_HANGUP, a test-hooks
 # build), not the trial's own negative control.
 leak=0; if [ $frontend_dies = 1 ] && [ $negative = 1 ]; then negative=0; leak=1; export MEMVISOR_TEST_LEAK_ON_HANGUP=1; fi
@@ -157,10 +185,11 @@ guest/mkroot.sh "$work/root" >/dev/null
 fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/initrd.cpio.gz" -nt "$f" ] || fresh=0; done
 [ $fresh = 1 ] || guest/mkguest.sh "$work/vm" >/dev/null
 cd "$work"
-name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $unmap_busy = 0 ] || name=$name-unmap-busy; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term
+name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $unmap_busy = 0 ] || name=$name-unmap-busy; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term; [ $queues = 1 ] || name=$name-queues$queues
 [ $frontend_dies = 0 ] || name=$name-frontend-dies; [ $leak = 0 ] || name=$name-negative; [ $client_dies = 0 ] || name=$name-client-dies
 [ $balloon_stats = 0 ] || name=${name/balloon/balloon-stats}
 [ $disk_fault = 0 ] || name=${name/blk/blk-disk-fault}; [ $memlock = 0 ] || name=${name/blk/blk-memlock}
+[ $crash = 0 ] || name=${name/blk/blk-crash}; [ $reorder = 0 ] || name=$name-reorder
 # The disk-fault trial's mounts (tmpfs, FUSE) from a run that died before its cleanup.
 for m in "$work/run/$name/fault/fuse" "$work/run/$name/fault/tmpfs"; do
   mountpoint -q "$m" 2>/dev/null && umount -l "$m"
@@ -188,7 +217,7 @@ ram="memory-backend-memfd,id=mem,size=1G,share=on"; [ $private = 0 ] || ram="mem
 qemu() {
   timeout "${TIMEOUT:-300}" "$top/guest/qemu.sh" root \
     -machine q35,memory-backend=mem -object "$ram" -m 1G \
-    -smp 1 -nographic -no-reboot -kernel vm/vmlinuz -initrd vm/initrd.cpio.gz \
+    -smp $queues -nographic -no-reboot -kernel vm/vmlinuz -initrd vm/initrd.cpio.gz \
     -append "console=ttyS0 panic=-1 quiet $1" "${@:2}" > "$log" 2>&1 &
   qpid=$!; pids+=("$qpid")
 }
@@ -465,6 +494,162 @@ if not s["pins_at_disconnect"]: bad.append("no check when the frontend left")
 print(("FAIL " + "; ".join(bad) if bad else "PASS") + " (" + ", ".join(shown) + ")")
 PY
 }
+# --- crash (blk --crash) ------------------------------------------------------------------------
+# The back end SIGKILLed under load and started again on the same socket, three times; QEMU
+# (reconnect-ms=100) reconnects each time and the restarted back end must take up what was in
+# flight (INFLIGHT_SHMFD). guest/progs/genio.c keeps 4 processes x 4 threads of O_DIRECT reads
+# and writes of generation-stamped blocks going and must end with no I/O error, stale or corrupt
+# block and nothing stuck (its watchdog says "requests lost" after CRASH_STALL s without a
+# completion; virtio-blk has no timeout of its own). The host checks every block of the image
+# against its header and genio's digest of the final generations, counts the kills and the
+# frontend connections, checks the first back end made the inflight log (INFLIGHT_SHMFD in use),
+# reports how many requests each restarted back end redid, and ends the run if genio is not done
+# CRASH_SECS + 60 s after it started.
+# --negative: the back end withholds INFLIGHT_SHMFD and completes each batch in reverse order
+# (MEMVISOR_TEST_NO_INFLIGHT, MEMVISOR_TEST_REORDER; a test-hooks build): the trial must FAIL.
+# --reorder: the reverse-order completions alone, INFLIGHT_SHMFD on: the trial must PASS.
+if [ $crash = 1 ]; then
+  secs=${CRASH_SECS:-45}; stall=${CRASH_STALL:-20}; kills=3
+  sock=$run/blk.sock
+  truncate -s 0 "$run/disk.img"; truncate -s 64M "$run/disk.img"
+  hooks_env=(); [ $negative = 0 ] || hooks_env=(MEMVISOR_TEST_NO_INFLIGHT=1 MEMVISOR_TEST_REORDER=1)
+  [ $reorder = 0 ] || hooks_env=(MEMVISOR_TEST_REORDER=1)
+  # Back end number $1 (0 the first), its log in backend-$1.log.
+  crash_backend() {
+    env "${hooks_env[@]}" MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$sock" \
+      --disk "$run/disk.img" --stats "$run/stats-$1.json" > "$run/backend-$1.log" 2>&1 &
+    bpid=$!; pids+=("$bpid")
+  }
+  connected() { cat "$run"/backend-*.log 2>/dev/null | grep -c 'frontend connected' || true; }
+  crash_backend 0
+  wait_socket "$sock"
+  start=$(date +%s.%N)
+  qemu "t=crash genio_secs=$secs genio_stall=$stall" \
+    -chardev socket,id=c0,path=$sock,reconnect-ms=100 -device vhost-user-blk-pci,chardev=c0,num-queues=1
+  for _ in $(seq 1800); do grep -a -q "GENIO started" "$log" 2>/dev/null && break; kill -0 "$qpid" 2>/dev/null || break; sleep 0.1; done
+  grep -a -q "GENIO started" "$log" || { echo "$name: genio never started"; tail -20 "$log"; exit 1; }
+  t_started=$SECONDS
+  echo "  guest: $(grep -a 'GENIO started' "$log" | tr -d '\r')"
+  # Kill k (1..3) at about 5 + 9(k-1) s into genio's run: while a back end thread is in an I/O
+  # system call or in a pause between two completions (the reorder hook's), if one is seen
+  # within 3 s (the image's page cache kept cold so that requests wait on the disk), else
+  # anyway; then a new back end at once on the same socket.
+  done_kills=0
+  for k in $(seq $kills); do
+    while [ $((SECONDS - t_started)) -lt $((5 + 9 * (k - 1))) ]; do sleep 0.2; done
+    kill -0 "$qpid" 2>/dev/null || break
+    before=$(connected)
+    what=$(python3 - "$bpid" "$run/disk.img" 3 <<'PY'
+import os, signal, sys, time
+b, secs = int(sys.argv[1]), float(sys.argv[3])
+names = {17: "pread64", 18: "pwrite64", 19: "readv", 20: "writev", 295: "preadv", 296: "pwritev",
+         327: "preadv2", 328: "pwritev2", 426: "io_uring_enter", 74: "fsync", 75: "fdatasync",
+         35: "a pause between completions (nanosleep)", 230: "a pause between completions (clock_nanosleep)"}
+image = os.open(sys.argv[2], os.O_RDONLY)
+end, cooled, caught = time.monotonic() + secs, 0.0, None
+while caught is None and time.monotonic() < end:
+    if time.monotonic() - cooled > 0.02:
+        os.fdatasync(image); os.posix_fadvise(image, 0, 0, os.POSIX_FADV_DONTNEED); cooled = time.monotonic()
+    for t in os.listdir(f"/proc/{b}/task"):
+        try:
+            c = open(f"/proc/{b}/task/{t}/syscall").read().split()
+        except OSError:
+            continue
+        if c and c[0].isdigit() and int(c[0]) in names:
+            os.kill(b, signal.SIGKILL); caught = f"in {names[int(c[0])]}"; break
+if caught is None:
+    os.kill(b, signal.SIGKILL); caught = f"in no I/O call within {secs:.0f} s (killed anyway)"
+print(caught)
+PY
+) || { echo "$name: the kill went wrong: $what"; exit 1; }
+    wait "$bpid" 2>/dev/null || true
+    t_kill=$((SECONDS - t_started))
+    rm -f "$sock"
+    crash_backend "$k"
+    wait_socket "$sock" || { echo "$name: the restarted back end did not listen"; exit 1; }
+    back=""
+    for _ in $(seq 100); do [ "$(connected)" -gt "$before" ] && { back=1; break; }; sleep 0.1; done
+    done_kills=$k
+    echo "  kill $k at ${t_kill} s: SIGKILL $what; new back end $bpid; QEMU $([ -n "$back" ] && echo reconnected || echo "did NOT reconnect within 10 s")"
+    echo "  guest: $(grep -a '^GENIO' "$log" | tail -1 | tr -d '\r')"
+  done
+  # genio's end: its own verdict (or its watchdog's) and the guest's poweroff.
+  limit=$((secs + 60)); finished=""
+  while [ $((SECONDS - t_started)) -lt $limit ]; do kill -0 "$qpid" 2>/dev/null || { finished=1; break; }; sleep 0.5; done
+  end=$(date +%s.%N)
+  if [ -z "$finished" ]; then
+    echo "  genio did not finish in $limit s: requests lost (QEMU stopped)"
+    # QEMU may itself be waiting on a back end that does not answer: SIGKILL after 10 s.
+    q=$(qemu_pid_under "$qpid" || true)
+    kill -TERM "$qpid" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$qpid" 2>/dev/null || break; sleep 0.2; done
+    [ -z "$q" ] || kill -KILL "$q" 2>/dev/null || true
+  fi
+  wait "$qpid" 2>/dev/null || true
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  { grep -a -E '^(GUEST|GENIO|genio:)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
+  { grep -a -i -E 'vhost|virtio|not a head|blk_update|I/O error|hung|blocked for' "$log" | grep -v -E '^(GUEST|GENIO|genio:)' || true; } \
+    | tr -d '\r' | sort | uniq -c | sort -rn | head -8 | sed 's/^/  console: /'
+  result=$(grep -a '^RESULT crash' "$log" | tail -1 | tr -d '\r' || true)
+  digest=$(grep -a -o 'GENIO digest=[0-9a-f]* blocks=[0-9]*' "$log" | tail -1 || true)
+  host="FAIL no digest from genio"
+  if [ -n "$digest" ]; then
+    host=$(python3 - "$run/disk.img" $(sed 's/GENIO digest=\([0-9a-f]*\) blocks=\([0-9]*\)/\1 \2/' <<< "$digest") <<'PY'
+# Every block must be a whole genio block (header and body of one generation) and the
+# generations must be the ones genio ended with (its digest).
+import struct, sys
+M = (1 << 64) - 1
+MAGIC = 0x47454e494f626c6b
+def mix(x):
+    x = (x + 0x9e3779b97f4a7c15) & M
+    x = ((x ^ (x >> 30)) * 0xbf58476d1ce4e5b9) & M
+    x = ((x ^ (x >> 27)) * 0x94d049bb133111eb) & M
+    return x ^ (x >> 31)
+def block(b, g):
+    w = [MAGIC, b, g, mix(MAGIC ^ mix(b) ^ ((g << 1) & M))]
+    x = mix(((b << 32) ^ g) & M) | 1
+    for _ in range(508):
+        x ^= (x << 13) & M; x ^= x >> 7; x ^= (x << 17) & M
+        w.append(x)
+    return struct.pack("<512Q", *w)
+img, want, n = open(sys.argv[1], "rb").read(), int(sys.argv[2], 16), int(sys.argv[3])
+bad, digest, gens = [], 0, 0
+for b in range(n):
+    g = struct.unpack_from("<Q", img, b * 4096 + 16)[0]
+    if img[b * 4096:(b + 1) * 4096] != block(b, g): bad.append(b)
+    digest = (digest + mix(((b << 32) ^ g) & M)) & M; gens += g
+if bad: print(f"FAIL {len(bad)} of {n} blocks are not whole genio blocks, first {bad[:4]}")
+elif digest != want: print(f"FAIL the image's generations (digest {digest:016x}) are not genio's ({want:016x})")
+else: print(f"PASS {n} blocks whole, generations as genio ended (digest {digest:016x}, {gens} writes in all)")
+PY
+)
+  fi
+  conns=$(connected)
+  tested=$(cat "$run"/backend-*.log | grep -a 'TEST ONLY' | sort | uniq -c | sed 's/^ *//' | head -3 | tr '\n' ';' || true)
+  echo "  host image check: $host"
+  echo "  kills: $done_kills of $kills; frontend connections seen by the back ends: $conns (want $((kills + 1)))"
+  # INFLIGHT_SHMFD in use: the first back end made the log QEMU keeps; restarted ones say what
+  # they redid.
+  logs=$(cat "$run"/backend-*.log | grep -a -c 'inflight log of' || true)
+  redone=$({ cat "$run"/backend-*.log | grep -a -o '[0-9]* requests were in flight when the last back end stopped' || true; } | awk '{n += $1; r = r " " $1} END {printf "%d (per restart:%s)", n, r ? r : " none"}')
+  echo "  inflight logs made: $logs; requests redone by restarted back ends: $redone$([ -z "$tested" ] || echo "; test hooks: $tested")"
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
+  echo "$name: ${result:-RESULT crash FAIL no verdict from genio (see $work/$log)}"
+  ok=0
+  case "$result/$host" in *PASS*/PASS*) [ -n "$finished" ] && [ "$done_kills" = $kills ] && [ "$conns" = $((kills + 1)) ] && ok=1;; esac
+  [ $negative = 1 ] || [ "$logs" -ge 1 ] || { echo "  no inflight log was made: INFLIGHT_SHMFD not in use"; ok=0; }
+  if [ $negative = 1 ] || [ $reorder = 1 ]; then
+    [ -n "$tested" ] || { echo "$name: the back end logged no test hook: run it with MEMVISOR= a test-hooks build"; exit 1; }
+  fi
+  if [ $negative = 1 ]; then
+    [ "$logs" = 0 ] || { echo "$name: an inflight log was made: INFLIGHT_SHMFD was not withheld"; exit 1; }
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: requests completed out of order survived the kills without INFLIGHT_SHMFD"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  exit 0
+fi
+# --- end of crash -------------------------------------------------------------------------------
 if [ $disk_fault = 1 ]; then
   fdir=$run/fault; mkdir -p "$fdir/tmpfs" "$fdir/fuse"
   faultfs=${FAULTFS:-$(dirname "$bin")/memvisor-faultfs}
@@ -605,7 +790,7 @@ blk)
       --blockdev driver=raw,node-name=disk,file=file \
       --export type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path=$sock,writable=on > "$run/backend.log" 2>&1 &
   else
-    MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
+    MEMVISOR_LOG=${MEMVISOR_LOG:-info} "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" --queues "$queues" \
       $([ -n "$iommu" ] && echo --iommu --record-iotlb "$run/iotlb.rec") $([ $long_term = 1 ] && echo --long-term-pins) > "$run/backend.log" 2>&1 &
   fi
   bpid=$!; pids+=("$bpid")
@@ -624,7 +809,7 @@ blk)
       -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1,iommu_platform=on,ats=on,disable-legacy=on
   else
     qemu "t=blk blk_mib=$mib blk_wait=$wait_s blk_random=300 blk_serial=$serial" \
-      -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
+      -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=$queues
   fi
   if [ $negative = 1 ]; then
     # Wait for the guest to finish writing, then change three 4 KiB blocks of the image.
@@ -652,6 +837,13 @@ blk)
     [ "${ind:-0}" -gt 0 ] || { echo "$name: no indirect descriptor chain was served"; ok=0; }
   fi
   [ $long_term = 0 ] || check_long_term
+  if [ $queues -gt 1 ] && [ $ok = 1 ]; then
+    # The guest's vCPUs submit on their own queues: rings past the first are served by worker
+    # threads of their own.
+    wk=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["worker_kicks"])' "$run/stats.json" 2>/dev/null || true)
+    echo "  kicks served on worker threads (rings past the first): ${wk:-none}"
+    [ "${wk:-0}" -gt 0 ] || { echo "$name: no ring was served by a worker thread"; ok=0; }
+  fi
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: the corrupted image went unnoticed"; exit 1
@@ -1068,6 +1260,30 @@ PY
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: DMA into unmapped memory went unnoticed"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  ;;
+rng)
+  # A device of one's own (issue 36): the example served to QEMU's generic vhost-user device.
+  rng=${RNG:-$top/target/release/examples/rng}
+  [ -x "$rng" ] || { echo "no rng example at $rng: cargo build --release -p memvisor-vhost --example rng" >&2; exit 1; }
+  sock=$run/rng.sock
+  if [ $negative = 1 ]; then export MEMVISOR_TEST_RNG_ZEROS=1; fi
+  "$rng" "$sock" > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$sock"
+  qemu "t=rng" -chardev socket,id=c0,path=$sock -device vhost-user-test-device-pci,chardev=c0,virtio-id=4,num_vqs=1
+  wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
+  alive=yes; kill -0 "$bpid" 2>/dev/null || alive=no
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  grep -a '^GUEST' "$log" | sed 's/^/  /'
+  res=$(grep -a '^RESULT rng' "$log" | tail -1 | tr -d '\r' || true)
+  echo "  back end alive to the end: $alive"
+  echo "$name: ${res:-RESULT rng FAIL no verdict (see $work/$log)}"
+  ok=0; case "$res/$alive" in *PASS*/yes) ok=1;; esac
+  if [ $negative = 1 ]; then
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: a device writing zeros passed"; exit 1
   fi
   [ $ok = 1 ] || exit 1
   ;;

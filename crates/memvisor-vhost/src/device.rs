@@ -88,6 +88,24 @@ pub trait Device: Send {
         let _ = (rings, memory, wait);
         Ok(Vec::new())
     }
+    /// For a device whose queues are independent: a device of the same kind, sharing what
+    /// this one shares (an image) and counting on its own, to serve one queue on a thread of
+    /// its own ([`crate::backend`] lends it a ring between messages). `None` (the default):
+    /// every queue is served on the back end's thread.
+    fn queue_worker(&self) -> Option<Self>
+    where
+        Self: Sized,
+    {
+        None
+    }
+    /// Takes back a device [`Device::queue_worker`] made, after its thread stopped (its counts
+    /// are added to this device's).
+    fn join_worker(&mut self, worker: Self)
+    where
+        Self: Sized,
+    {
+        let _ = worker;
+    }
     /// Back to the state before feature negotiation.
     fn reset(&mut self);
     /// How long the serving loop keeps looking at the started rings for new requests after

@@ -28,7 +28,7 @@ pub(crate) fn ignored_invalidation() -> Option<u64> {
 pub(crate) fn leak_on_hangup(
     stash: &mut Vec<Box<dyn std::any::Any + Send>>,
     memory: &FrontendMemory,
-    log: Option<SharedLog>,
+    log: Option<std::sync::Arc<SharedLog>>,
 ) {
     static LEAK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *LEAK.get_or_init(|| {

@@ -21,6 +21,8 @@
 //! * [`ring`] is a started virtqueue as a device sees it: the split queue and, when the
 //!   frontend keeps one, the inflight log that lets a restarted back end redo what was in
 //!   flight.
+//! * `worker` lends each running ring past the first to a thread of its own between messages,
+//!   so a device with several queues uses several cores.
 //! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
 //! * `hooks` (feature `test-hooks` only) holds the switches that break the back end on purpose
@@ -48,6 +50,7 @@ pub mod proto;
 pub mod record;
 pub mod ring;
 pub mod wire;
+mod worker;
 
 pub use backend::{Backend, BackendStats};
 pub use balloon::{BalloonDevice, BalloonLive, BalloonStatus, BalloonTarget};

@@ -208,6 +208,16 @@ fn every_queue_of_a_multiqueue_device_serves_requests() {
     let mut d = [0u8; 512];
     g.mem.read(Gpa(DATA), &mut d).unwrap();
     assert_eq!(d, [0x3c; 512]);
+    // Queue 3 is served by a thread of its own.
+    let threads: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect();
+    assert!(
+        threads.iter().any(|t| t == "memvisor-q3"),
+        "a worker thread for queue 3 among {threads:?}"
+    );
     // num_queues in the config space.
     let cfg = c
         .get(
@@ -218,7 +228,12 @@ fn every_queue_of_a_multiqueue_device_serves_requests() {
     assert_eq!(&cfg[12..], &4u16.to_le_bytes());
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(backend.device().stats.reads, 1);
+    assert_eq!(
+        backend.device().stats.reads,
+        1,
+        "the worker's counts came back with its ring"
+    );
+    assert!(backend.stats.lent >= 1 && backend.stats.kicks >= 1);
 }
 
 #[test]

@@ -63,6 +63,12 @@ use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 use crate::ring::{Desc as Buf, Ring};
 
+mod device;
+mod stats;
+
+pub use stats::BlkStats;
+use stats::record;
+
 /// virtio device id of a block device.
 pub const DEVICE_ID: u32 = 2;
 
@@ -127,45 +133,6 @@ impl Default for BlkOptions {
             poll_us: 0,
         }
     }
-}
-
-/// What the device has done.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct BlkStats {
-    /// Read requests completed.
-    pub reads: u64,
-    /// Write requests completed.
-    pub writes: u64,
-    /// Flushes.
-    pub flushes: u64,
-    /// Bytes read from the image into guest memory.
-    pub bytes_read: u64,
-    /// Bytes written from guest memory to the image.
-    pub bytes_written: u64,
-    /// Requests answered IOERR or UNSUPP.
-    pub failed: u64,
-    /// Of those, reads and writes whose system call on the image failed (EIO, ENOSPC).
-    pub io_errors: u64,
-    /// Of those, reads and writes whose guest pages could not be pinned (ENOMEM: the
-    /// locked-memory limit).
-    pub pin_errors: u64,
-    /// Chains whose head named an indirect descriptor table.
-    pub indirect: u64,
-    /// Transfers copied through an aligned buffer: the image is `O_DIRECT` and the guest's
-    /// buffers were not aligned as it needs.
-    pub bounced: u64,
-    /// Discard requests carried out.
-    pub discards: u64,
-    /// Write-zeroes requests carried out.
-    pub write_zeroes: u64,
-    /// Batches of reads and writes handed to the kernel together (one io_uring submission
-    /// each).
-    pub batches: u64,
-    /// The most reads and writes the kernel had from this device at once.
-    pub most_in_flight: u64,
-    /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
-    /// 2^i` pages (entry 0: one page).
-    pub npage_histogram: Vec<u64>,
 }
 
 /// A virtio-blk device over a raw image.
@@ -952,195 +919,6 @@ impl From<Error> for Failure {
 fn hide_io_errors() -> bool {
     static HIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HIDE.get_or_init(|| std::env::var_os("MEMVISOR_TEST_HIDE_IO_ERRORS").is_some())
-}
-
-fn record(h: &mut Vec<u64>, pages: usize) {
-    let bucket = pages.max(1).next_power_of_two().trailing_zeros() as usize;
-    if h.len() <= bucket {
-        h.resize(bucket + 1, 0);
-    }
-    h[bucket] += 1;
-}
-
-impl Device for Blk {
-    fn name(&self) -> &'static str {
-        "vhost-user-blk"
-    }
-
-    fn features(&self) -> u64 {
-        let mut f = 1u64 << F_VERSION_1
-            | 1 << F_SEG_MAX
-            | 1 << F_BLK_SIZE
-            | 1 << F_FLUSH
-            | 1 << F_RING_INDIRECT
-            | 1 << VIRTIO_RING_F_EVENT_IDX;
-        if self.options.queues > 1 {
-            f |= 1 << F_MQ;
-        }
-        if self.options.read_only {
-            f |= 1 << 5; // VIRTIO_BLK_F_RO
-        } else {
-            f |= 1 << F_DISCARD | 1 << F_WRITE_ZEROES;
-        }
-        if self.options.iommu {
-            f |= crate::proto::F_IOMMU_PLATFORM;
-        }
-        f
-    }
-
-    fn protocol_features(&self) -> u64 {
-        // Completions come in the order the kernel finishes them: a frontend restarting the
-        // back end needs the inflight log to know which requests to hand it again.
-        crate::proto::protocol::CONFIG | crate::proto::protocol::INFLIGHT_SHMFD
-    }
-
-    fn supports_dirty_log(&self) -> bool {
-        // Every write goes through the frontend memory's device space (preadv into translated,
-        // pinned pages; dma_write for status and ID) or its slots (the rings).
-        true
-    }
-
-    fn queues(&self) -> u16 {
-        self.options.queues
-    }
-
-    fn set_features(&mut self, features: u64) -> Result<()> {
-        self.acked = features;
-        Ok(())
-    }
-
-    fn read_config(&self, offset: u32, data: &mut [u8]) {
-        let c = self.config();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = c.get(offset as usize + i).copied().unwrap_or(0);
-        }
-    }
-
-    fn process(&mut self, index: u16, queue: &mut Ring, memory: &FrontendMemory) -> Result<bool> {
-        let dma = memory.dma().clone();
-        let mut batch = Vec::new();
-        let mut any = false;
-        let taken = self.take(index, queue, memory, &mut batch, &mut any);
-        // Whatever stopped the taking (the ring empty, a miss to ask about, a broken ring),
-        // what it prepared goes to the kernel.
-        self.launch(index, queue, &dma, &mut batch, &mut any);
-        taken?;
-        Ok(any && queue.needs_notification(&dma.memory()).unwrap_or(true))
-    }
-
-    fn reset(&mut self) {
-        self.acked = 0;
-    }
-
-    fn set_fail_misses(&mut self, fail: bool) {
-        self.fail_misses = fail;
-    }
-
-    fn completion_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.disk.completion_fd()
-    }
-
-    fn complete(
-        &mut self,
-        rings: &mut [Option<&mut Ring>],
-        memory: &FrontendMemory,
-        wait: bool,
-    ) -> Result<Vec<(u16, bool)>> {
-        let dma = memory.dma().clone();
-        let mem = dma.memory();
-        let mut touched = Vec::new();
-        loop {
-            #[allow(unused_mut)]
-            let mut ended = self.disk.finished(wait);
-            #[cfg(feature = "test-hooks")]
-            let reorder = crate::hooks::reorder_completions();
-            #[cfg(feature = "test-hooks")]
-            if reorder {
-                ended.reverse();
-            }
-            for (i, (key, result)) in ended.into_iter().enumerate() {
-                #[cfg(feature = "test-hooks")]
-                if reorder && i > 0 {
-                    std::thread::sleep(crate::hooks::REORDER_GAP);
-                }
-                let _ = i;
-                let slot = key as usize;
-                let Some(mut o) = self.out.get_mut(slot).and_then(Option::take) else {
-                    log::error!("blk: a transfer ended under key {key}, which names none");
-                    continue;
-                };
-                let (offset, read) = (o.ready.sector * SECTOR, o.ready.to_guest);
-                let moved = match result {
-                    Ok(n) if n > 0 && o.done + n < o.ready.total => {
-                        // Short: go on from where it stopped.
-                        o.done += n;
-                        advance(&mut o.ready.iov, n as usize);
-                        // SAFETY: as in `launch`: the same pinned memory, the rest of it.
-                        if unsafe { self.disk.start(&o.ready.iov, offset + o.done, read, key) } {
-                            self.out[slot] = Some(o);
-                            continue;
-                        }
-                        // SAFETY: as above, for the length of this call.
-                        unsafe {
-                            self.disk
-                                .rw_vectored(&mut o.ready.iov, offset + o.done, read)
-                        }
-                        .map(|m| o.done + m)
-                    }
-                    Ok(0) if o.done < o.ready.total => Err(Error::Os {
-                        op: if read { "read" } else { "write" },
-                        source: std::io::Error::new(
-                            std::io::ErrorKind::UnexpectedEof,
-                            format!(
-                                "the image ended at byte {} during a transfer",
-                                offset + o.done
-                            ),
-                        ),
-                    }),
-                    Ok(n) => Ok(o.done + n),
-                    Err(e) => Err(e),
-                };
-                self.free.push(slot);
-                let (_, written) = self.end_transfer(&dma, o.status_at, o.ready, moved);
-                match rings
-                    .get_mut(usize::from(o.ring))
-                    .and_then(|r| r.as_deref_mut())
-                {
-                    Some(ring) => {
-                        if let Err(e) = ring.add_used(&mem, o.head, written) {
-                            log::warn!("blk: queue {}: cannot return head {}: {e}", o.ring, o.head);
-                        }
-                        touched.push(o.ring);
-                    }
-                    None => log::warn!(
-                        "blk: queue {} stopped before its request {} ended",
-                        o.ring,
-                        o.head
-                    ),
-                }
-            }
-            self.disk.submit();
-            if !wait || self.disk.in_flight() == 0 {
-                break;
-            }
-        }
-        touched.sort_unstable();
-        touched.dedup();
-        Ok(touched
-            .into_iter()
-            .map(|i| {
-                let notify = rings[usize::from(i)]
-                    .as_deref_mut()
-                    .is_none_or(|r| r.needs_notification(&mem).unwrap_or(true));
-                (i, notify)
-            })
-            .collect())
-    }
-
-    fn poll(&self) -> Option<std::time::Duration> {
-        (self.options.poll_us > 0)
-            .then(|| std::time::Duration::from_micros(u64::from(self.options.poll_us)))
-    }
 }
 
 /// Pins `pages` (sorted, distinct IOVA pages) for one request, in calls of at most
