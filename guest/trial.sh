@@ -4,6 +4,7 @@
 # and the guest on first use under target/guest/.
 #
 # usage: guest/trial.sh blk [--negative] [--peer] [--queues=N] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
+#                      | balloon --stats [--negative]
 #                      | blk --disk-fault [--negative] | blk --memlock [--negative]
 #                      | mig [--negative] [--iommu=M] | hostile [--negative]
 #                      | vfio-user [--negative] [--unmap-busy] [--private] [--long-term] [--after-fuzz]
@@ -75,6 +76,17 @@
 #   blk --long-term: the back end holds the pages of requests in flight with long-term pins
 #               (io_uring, FOLL_LONGTERM) instead of mlock; the host also checks that pins went
 #               that way and that none is left at the end.
+#   balloon --stats: the balloon alone, with its statistics queue polled every second and
+#               deflate on OOM offered (QEMU num_vqs=4). The guest says its MemFree while idle and
+#               while it holds 192 MiB; the host checks the statistics the back end received
+#               (its debug log) show both within 16 MiB, at least 5 updates, and total_memory equal
+#               to the guest's MemTotal. Then the host inflates the balloon until 64 MiB are free
+#               and the guest allocates 256 MiB in one process: it must succeed with no OOM kill,
+#               and the back end must have seen the guest take at least 64 MiB back below the
+#               target (--stats JSON deflated_below_target_pages).
+#   balloon --stats --negative: the back end never asks for fresh statistics
+#               (MEMVISOR_TEST_BALLOON_STATS_FROZEN; needs MEMVISOR= a test-hooks build) and does
+#               not offer deflate on OOM; both the statistics and the OOM check must then FAIL.
 #   balloon --long-term: the blk device's pins are long-term pins (io_uring, FOLL_LONGTERM), which
 #               MADV_DONTNEED does not refuse: only the pin registry keeps the balloon's discards
 #               off pages in flight; the host checks that pins went that way.
@@ -157,11 +169,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 top=$PWD
 trial=${1:?usage: trial.sh blk [--negative] [--peer]}; shift
-queues=1; negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0; client_dies=0
+balloon_stats=0; queues=1; negative=0; peer=0; fuzz=0; iommu=""; private=0; long_term=0; unmap_busy=0; disk_fault=0; memlock=0; client_dies=0
 crash=0; reorder=0
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
-for a in "$@"; do case $a in --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
+for a in "$@"; do case $a in --stats) balloon_stats=1;; --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 # With --frontend-dies, --negative is the leak switch (MEMVISOR_TEST_LEAK_ON_HANGUP, a test-hooks
 # build), not the trial's own negative control.
 leak=0; if [ $frontend_dies = 1 ] && [ $negative = 1 ]; then negative=0; leak=1; export MEMVISOR_TEST_LEAK_ON_HANGUP=1; fi
@@ -186,6 +198,7 @@ fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/in
 cd "$work"
 name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $unmap_busy = 0 ] || name=$name-unmap-busy; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term; [ $queues = 1 ] || name=$name-queues$queues
 [ $frontend_dies = 0 ] || name=$name-frontend-dies; [ $leak = 0 ] || name=$name-negative; [ $client_dies = 0 ] || name=$name-client-dies
+[ $balloon_stats = 0 ] || name=${name/balloon/balloon-stats}
 [ $disk_fault = 0 ] || name=${name/blk/blk-disk-fault}; [ $memlock = 0 ] || name=${name/blk/blk-memlock}
 [ $crash = 0 ] || name=${name/blk/blk-crash}; [ $reorder = 0 ] || name=$name-reorder
 # The disk-fault trial's mounts (tmpfs, FUSE) from a run that died before its cleanup.
@@ -218,6 +231,80 @@ qemu() {
     -smp $queues -nographic -no-reboot -kernel vm/vmlinuz -initrd vm/initrd.cpio.gz \
     -append "console=ttyS0 panic=-1 quiet $1" "${@:2}" > "$log" 2>&1 &
   qpid=$!; pids+=("$qpid")
+}
+
+# --- balloon --stats ----------------------------------------------------------------------------
+# The balloon's statistics queue (polled every second) and deflate on OOM, in one guest
+# (guest/init: balloon-stats); see the usage at the top. With --negative the back end never asks
+# for fresh statistics (test-hooks build) and does not offer deflate on OOM: both checks must fail.
+balloon_stats_trial() {
+  local oom_flag=--balloon-deflate-on-oom answered="" sres
+  if [ $negative = 1 ]; then oom_flag=""; export MEMVISOR_TEST_BALLOON_STATS_FROZEN=1; fi
+  # The statistics go to the debug log.
+  MEMVISOR_LOG=debug RUST_LOG=debug "$bin" serve --balloon "$run/balloon.sock" --control "$run/control.sock" \
+    --stats "$run/stats.json" --balloon-stats-interval 1 $oom_flag > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$run/balloon.sock"; wait_socket "$run/control.sock"
+  qemu "t=balloon-stats" \
+    -chardev socket,id=c1,path=$run/balloon.sock -device vhost-user-test-device-pci,chardev=c1,virtio-id=5,num_vqs=4,config_size=16
+  while kill -0 "$qpid" 2>/dev/null; do
+    if [ -z "$answered" ]; then
+      want=$(grep -a -o 'OOM INFLATE [0-9]* MiB please' "$log" 2>/dev/null | awk '{ print $3 }' || true)
+      if [ -n "$want" ]; then
+        echo "  control: $("$bin" balloon-target --control "$run/control.sock" "$want")"; answered=1
+      fi
+    fi
+    sleep 0.2
+  done
+  wait "$qpid" || true
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  grep -a '^GUEST' "$log" | tr -d '\r' | sed 's/^/  /'
+  sres=$(grep -a '^RESULT balloon-stats' "$log" | tail -1 | tr -d '\r' || true)
+  # The figures: the guest's MemFree/MemTotal against the statistics the back end logged, and
+  # what the back end counted below the target.
+  python3 - "$log" "$run/backend.log" "$run/stats.json" "${sres:-RESULT balloon-stats FAIL no verdict}" > "$run/verdict" <<'PY'
+import json, re, sys
+console, backend, stats_path, sres = sys.argv[1:5]
+text = open(console, errors="replace").read()
+def kb(pattern):
+    m = re.search(pattern, text)
+    return int(m.group(1)) * 1024 if m else None
+idle, total, held = kb(r"STATS idle MemFree (\d+) kB"), kb(r"MemTotal (\d+) kB"), kb(r"STATS held MemFree (\d+) kB")
+updates = []
+for line in open(backend, errors="replace"):
+    m = re.search(r"guest statistics #(\d+): (.*)", line)
+    if m:
+        updates.append({k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))})
+free = [u["free_memory"] for u in updates if "free_memory" in u]
+tol = 16 << 20
+near = lambda want: want is not None and any(abs(f - want) <= tol for f in free)
+mib = lambda b: "?" if b is None else f"{b / 2**20:.0f}"
+closest = lambda want: mib(min(free, key=lambda f: abs(f - want))) if free and want is not None else "none"
+stats_ok = (len(updates) >= 5 and idle is not None and held is not None and idle - held >= 150 << 20
+            and near(idle) and near(held) and any(u.get("total_memory") == total for u in updates))
+print(f"  statistics: {len(updates)} updates; guest MemFree idle {mib(idle)} MiB (closest update {closest(idle)} MiB), "
+      f"holding 192 MiB {mib(held)} MiB (closest update {closest(held)} MiB); total_memory = MemTotal "
+      f"{mib(total)} MiB in {sum(u.get('total_memory') == total for u in updates)} updates")
+try:
+    b = json.load(open(stats_path))["balloon"][0]
+except Exception as e:
+    b = {}
+below = b.get("deflated_below_target_pages", 0)
+print(f"  back end: target {b.get('target_pages', '?')} pages, deflated below the target on OOM {below} pages "
+      f"({below // 256} MiB), statistics buffers {b.get('stats_buffers', '?')} ({b.get('refused_stats', '?')} refused), "
+      f"last statistics {json.dumps(b.get('guest_stats'))}")
+oom_ok = "PASS" in sres and below >= 64 * 256
+print(f"  guest: {sres}")
+print(f"STATS {'PASS' if stats_ok else 'FAIL'} OOM {'PASS' if oom_ok else 'FAIL'}")
+PY
+  grep -v '^STATS ' "$run/verdict"
+  local v; v=$(grep '^STATS ' "$run/verdict" || echo "STATS FAIL OOM FAIL")
+  echo "$name: statistics ${v#STATS }" | sed 's/ OOM /; deflate on OOM /'
+  if [ $negative = 1 ]; then
+    [ "$v" = "STATS FAIL OOM FAIL" ] && { echo "$name: both checks failed as they must"; return 0; }
+    echo "$name: a check passed although the back end was broken for it ($v; is MEMVISOR a test-hooks build?)"; return 1
+  fi
+  [ "$v" = "STATS PASS OOM PASS" ]
 }
 
 # --- frontend-dies (blk --frontend-dies, mig --frontend-dies) ---------------------------------
@@ -775,6 +862,7 @@ blk)
   [ $ok = 1 ] || exit 1
   ;;
 balloon)
+  if [ $balloon_stats = 1 ]; then balloon_stats_trial; exit $?; fi
   truncate -s 64M "$run/disk.img"
   "$bin" serve --blk "$run/blk.sock=$run/disk.img" --balloon "$run/balloon.sock" --control "$run/control.sock" \
     --stats "$run/stats.json" $([ $negative = 1 ] && echo --no-reporting) $([ $long_term = 1 ] && echo --long-term-pins) \

@@ -19,6 +19,7 @@ use std::io::{self, IsTerminal, Write};
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -65,7 +66,8 @@ struct ServeArgs {
     /// memvisor), direct=on (open the image O_DIRECT; default: the host page cache)
     #[arg(long, value_name = "SOCKET=DISK[,OPTION=VALUE...]")]
     blk: Vec<serve::BlkSpec>,
-    /// A virtio-balloon device on SOCKET (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,num_vqs=3,config_size=16)
+    /// A virtio-balloon device on SOCKET (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,num_vqs=3,config_size=16;
+    /// num_vqs=4 with --balloon-stats-interval, one less with --no-reporting)
     #[arg(long, value_name = "SOCKET")]
     balloon: Vec<PathBuf>,
     /// The balloon's initial target in MiB (how much memory to ask the guest for)
@@ -77,6 +79,14 @@ struct ServeArgs {
     /// Do not offer free page reporting on balloons (inflate/deflate only)
     #[arg(long)]
     no_reporting: bool,
+    /// Offer the balloons' statistics queue and ask the guest for fresh memory statistics every
+    /// SECS seconds (0, the default: not offered). They go to the debug log and --stats
+    #[arg(long, value_name = "SECS", default_value_t = 0)]
+    balloon_stats_interval: u32,
+    /// Offer deflate-on-OOM on balloons (default off, as in QEMU): a guest out of memory takes
+    /// pages back from the balloon instead of killing a process
+    #[arg(long)]
+    balloon_deflate_on_oom: bool,
     /// Offer VIRTIO_F_IOMMU_PLATFORM on the blk devices: they may sit behind a vIOMMU
     #[arg(long)]
     iommu: bool,
@@ -330,6 +340,8 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
         balloon_target_mib: args.balloon_target,
         control: args.control.clone(),
         reporting: !args.no_reporting,
+        balloon_stats_interval: Duration::from_secs(args.balloon_stats_interval.into()),
+        balloon_deflate_on_oom: args.balloon_deflate_on_oom,
         iommu: args.iommu,
     };
     let report = serve::serve(&devices)?;

@@ -29,6 +29,7 @@ use anyhow::{Context, Result};
 
 use crate::listener::{self, SocketSpec};
 use memvisor::dma::PinRegistry;
+use memvisor_vhost::balloon::GuestStatsStatus;
 use memvisor_vhost::{
     Backend, BackendStats, BalloonDevice, BalloonTarget, Blk, BlkOptions, BlkStats,
 };
@@ -244,8 +245,18 @@ pub struct BalloonReport {
     pub deflated_pages: u64,
     /// Target at exit, pages.
     pub target_pages: u32,
-    /// What the driver said it held at exit, pages.
+    /// What the driver said it held at exit, pages (0 once a frontend left: the device was
+    /// reset).
     pub actual_pages: u32,
+    /// Pages the guest took back below the target by itself (deflate on OOM), summed.
+    pub deflated_below_target_pages: u64,
+    /// The statistics polling interval (0: the statistics queue was not offered).
+    pub stats_interval_secs: u64,
+    /// Statistics buffers taken, and those refused.
+    pub stats_buffers: u64,
+    pub refused_stats: u64,
+    /// The guest's latest memory statistics, with their time.
+    pub guest_stats: Option<GuestStatsStatus>,
 }
 
 /// Everything one `memvisor serve` process did.
@@ -339,6 +350,10 @@ pub struct Devices {
     pub control: Option<PathBuf>,
     /// Offer free page reporting on balloons.
     pub reporting: bool,
+    /// Offer the balloons' statistics queue, polled at this interval (zero: not offered).
+    pub balloon_stats_interval: Duration,
+    /// Offer deflate-on-OOM on balloons.
+    pub balloon_deflate_on_oom: bool,
     /// Offer `VIRTIO_F_IOMMU_PLATFORM` on the blk devices.
     pub iommu: bool,
 }
@@ -497,10 +512,13 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
     }
     let mut balloon_threads = Vec::new();
     for listener in balloon_sockets {
-        let mut device = BalloonDevice::new(target.clone());
+        let mut device = BalloonDevice::new(target.clone())
+            .with_stats_interval(devices.balloon_stats_interval)
+            .with_deflate_on_oom(devices.balloon_deflate_on_oom);
         if !devices.reporting {
             device = device.without_reporting();
         }
+        let live = device.live();
         let mut backend = Backend::new(device)?;
         log::info!("vhost-user-balloon: serving on {}", listener.origin);
         balloon_threads.push(std::thread::spawn(move || -> Result<BalloonReport> {
@@ -508,6 +526,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
             listener.remove();
             let d = backend.device();
             let s = d.stats();
+            let status = live.status();
             Ok(BalloonReport {
                 socket: listener.name(),
                 connections: backend.stats.connections,
@@ -522,6 +541,11 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
                 deflated_pages: s.deflated_pages,
                 target_pages: 0,
                 actual_pages: d.actual_pages(),
+                deflated_below_target_pages: status.deflated_below_target_pages,
+                stats_interval_secs: status.stats_interval_secs,
+                stats_buffers: s.stats_buffers,
+                refused_stats: s.refused_stats,
+                guest_stats: status.guest_stats,
             })
         }));
     }

@@ -57,6 +57,12 @@ pub trait Device: Send {
     fn config_changed(&mut self) -> bool {
         false
     }
+    /// A queue the device wants processed now although no kick came (a timer of its own: the
+    /// balloon asking for fresh statistics); the back end then processes it as if kicked.
+    /// Polled between messages, at least every 200 ms.
+    fn due(&mut self) -> Option<u16> {
+        None
+    }
     /// Processes what the driver made available on queue `index` — first the heads
     /// [`Ring::resubmit`] gives, left in flight by a back end before this one — taking chains
     /// with [`Ring::taken`] and returning them with [`Ring::add_used`] (which keep the inflight

@@ -75,3 +75,17 @@ pub(crate) fn reorder_completions() -> bool {
         on
     })
 }
+
+/// With `MEMVISOR_TEST_BALLOON_STATS_FROZEN` set, the balloon keeps the driver's statistics
+/// buffer and never asks for a fresh one, so only the figures the driver primed the queue with
+/// arrive; the real-guest statistics trial must then FAIL.
+pub(crate) fn balloon_stats_frozen() -> bool {
+    static FROZEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FROZEN.get_or_init(|| {
+        let on = std::env::var_os("MEMVISOR_TEST_BALLOON_STATS_FROZEN").is_some();
+        if on {
+            log::warn!("TEST ONLY: the balloon never asks for fresh statistics");
+        }
+        on
+    })
+}

@@ -13,8 +13,8 @@
 //!   [`memvisor::DmaSpace`] — the one memory model; the front end adds none of its own.
 //! * [`backend`] is the protocol state machine and the serving loop; a [`device::Device`] only
 //!   knows its features, config space and queues.
-//! * [`balloon`] is virtio-balloon (free page reporting, inflate, deflate) through memvisor's
-//!   balloon model and pin-aware discard.
+//! * [`balloon`] is virtio-balloon (free page reporting, inflate, deflate, the statistics queue,
+//!   deflate on OOM) through memvisor's balloon model and pin-aware discard.
 //! * [`blk`] is virtio-blk over a raw image with `preadv`/`pwritev` straight into guest memory,
 //!   pages pinned through memvisor for the duration of each request; [`disk`] is the image
 //!   file, through the page cache or `O_DIRECT`.
@@ -53,7 +53,7 @@ pub mod wire;
 mod worker;
 
 pub use backend::{Backend, BackendStats};
-pub use balloon::{BalloonDevice, BalloonTarget};
+pub use balloon::{BalloonDevice, BalloonLive, BalloonStatus, BalloonTarget};
 pub use blk::{Blk, BlkOptions, BlkStats};
 pub use device::Device;
 pub use error::{Error, Result};

@@ -296,6 +296,12 @@ impl<D: Device + 'static> Backend<D> {
             if self.device.config_changed() {
                 self.notify_config_change()?;
             }
+            // A queue the device's own timer wants processed (the balloon's statistics).
+            if let Some(i) = self.device.due().map(usize::from) {
+                if i < self.vrings.len() {
+                    self.process(i)?;
+                }
+            }
             // Rings whose miss went unanswered: fail the request that missed, go on.
             let now = std::time::Instant::now();
             for i in 0..self.vrings.len() {

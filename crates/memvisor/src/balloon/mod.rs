@@ -39,9 +39,22 @@
 //! A frame list is checked like a report chain (driver-readable, whole 4-byte entries, inside
 //! guest memory, at most [`MAX_PFNS_PER_CHAIN`] frames) and refused whole otherwise.
 //!
-//! **What this models.** Feature negotiation, the 16-byte config space, and the inflate, deflate
-//! and reporting queues. The statistics and free page hinting queues are not offered; so the
-//! reporting queue is virtqueue number 2 ([`REPORTING_QUEUE_INDEX`]). The transport (PCI, MMIO,
+//! **Statistics.** With `VIRTIO_BALLOON_F_STATS_VQ` (bit 1) the driver keeps one buffer of
+//! memory statistics on the statistics queue ([`stats`]): [`Balloon::process_stats`] takes it,
+//! parses it and holds it; [`Balloon::request_stats`] returns it when the device wants fresh
+//! figures (a timer of the transport's), and the driver answers with a new buffer.
+//!
+//! **Deflate on OOM.** `VIRTIO_BALLOON_F_DEFLATE_ON_OOM` (bit 2) lets the driver take pages back
+//! from the balloon by itself when the guest runs out of memory; the device sees them on the
+//! deflate queue and in `actual`, as for any deflation. Offering it or not is the transport's
+//! choice (it masks the bit out of [`Balloon::device_features`]).
+//!
+//! **What this models.** Feature negotiation, the 16-byte config space, and the inflate, deflate,
+//! statistics and reporting queues; not free page hinting. A queue that does not exist takes no
+//! number (as Linux's driver and QEMU lay them out): inflate 0, deflate 1, then statistics if
+//! negotiated, then reporting if negotiated — so reporting is 2 without statistics
+//! ([`REPORTING_QUEUE_INDEX`]) and 3 with them; [`Balloon::queue_kind`] says which is which. The
+//! transport (PCI, MMIO,
 //! vhost-user) stays with the VMM or back end: it configures the queues (size, ring addresses,
 //! ready) through [`virtio_queue::QueueT`], forwards config accesses and feature words, calls
 //! [`Balloon::process_reports`] / [`Balloon::process_inflate`] / [`Balloon::process_deflate`]
@@ -58,6 +71,9 @@ use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryBackend};
 pub use virtio_queue;
 
 pub mod guest;
+pub mod stats;
+
+use self::stats::GuestStats;
 
 // virtio-balloon's page (VIRTIO_BALLOON_PFN_SHIFT 12): reported buffers are whole pages of it.
 use crate::addr::{Gpa, PAGE_4K as PAGE};
@@ -67,6 +83,10 @@ use crate::vm_memory::{SlotMemory, SlotSpace};
 
 /// virtio device type of a memory balloon.
 pub const DEVICE_TYPE: u32 = 5;
+/// Feature bit: the statistics queue.
+pub const VIRTIO_BALLOON_F_STATS_VQ: u32 = 1;
+/// Feature bit: the driver may deflate the balloon by itself when the guest is out of memory.
+pub const VIRTIO_BALLOON_F_DEFLATE_ON_OOM: u32 = 2;
 /// Feature bit: the driver fills free pages with `poison_val`.
 pub const VIRTIO_BALLOON_F_PAGE_POISON: u32 = 4;
 /// Feature bit: free page reporting through the reporting queue.
@@ -76,8 +96,11 @@ pub const VIRTIO_F_VERSION_1: u32 = 32;
 /// Feature bit: used and available ring event indexes (notification suppression).
 pub const VIRTIO_RING_F_EVENT_IDX: u32 = 29;
 /// The reporting queue's number when neither the statistics nor the free page hinting queue was
-/// negotiated (the only configuration this model offers): after inflate (0) and deflate (1).
+/// negotiated: after inflate (0) and deflate (1). With statistics it is 3
+/// ([`Balloon::queue_kind`]).
 pub const REPORTING_QUEUE_INDEX: u16 = 2;
+/// The statistics queue's number, when negotiated: after inflate and deflate.
+pub const STATS_QUEUE_INDEX: u16 = 2;
 /// Bytes of the config space: `num_pages`, `actual`, `free_page_hint_cmd_id`, `poison_val`, each a
 /// little-endian u32.
 pub const CONFIG_SIZE: u64 = 16;
@@ -130,6 +153,19 @@ pub enum ChainError {
     BrokenLink { index: u32, next: u16 },
 }
 
+/// What a virtqueue of the balloon is for, by its number and the negotiated features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueKind {
+    /// Page frames the driver gives up.
+    Inflate,
+    /// Page frames the driver takes back.
+    Deflate,
+    /// The driver's memory statistics.
+    Stats,
+    /// Free page reports.
+    Reporting,
+}
+
 /// What became of one descriptor chain.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChainReport {
@@ -166,6 +202,21 @@ pub struct ReportingStats {
     pub inflated_pages: u64,
     /// Pages the driver took back on the deflate queue.
     pub deflated_pages: u64,
+    /// Statistics buffers taken, and those refused (bad layout or chain; the figures from before
+    /// stay).
+    pub stats_buffers: u64,
+    pub refused_stats: u64,
+}
+
+/// The driver's latest statistics and when they came.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StatsUpdate {
+    /// The figures.
+    pub stats: GuestStats,
+    /// When the device took them.
+    pub at: std::time::SystemTime,
+    /// Statistics buffers accepted so far (this one included).
+    pub count: u64,
 }
 
 /// The virtio-balloon device's free page reporting: features, config space and the reporting
@@ -180,6 +231,9 @@ pub struct Balloon {
     poison_val: u32,
     stats: ReportingStats,
     broken: Option<String>,
+    /// The statistics buffer the device holds (its head) and since when.
+    stats_held: Option<(u16, std::time::Instant)>,
+    guest_stats: Option<StatsUpdate>,
 }
 
 impl fmt::Debug for Balloon {
@@ -213,17 +267,22 @@ impl Balloon {
             poison_val: 0,
             stats: ReportingStats::default(),
             broken: None,
+            stats_held: None,
+            guest_stats: None,
         })
     }
 
-    /// The features this device offers: virtio 1.0, free page reporting, page poisoning and
-    /// event indexes.
+    /// The features this device can offer: virtio 1.0, event indexes, free page reporting, page
+    /// poisoning, the statistics queue and deflate on OOM. A transport that does not want one
+    /// (statistics without a timer to ask for them, say) masks it out of what it offers.
     pub fn device_features(&self) -> u64 {
         [
             VIRTIO_F_VERSION_1,
             VIRTIO_RING_F_EVENT_IDX,
             VIRTIO_BALLOON_F_REPORTING,
             VIRTIO_BALLOON_F_PAGE_POISON,
+            VIRTIO_BALLOON_F_STATS_VQ,
+            VIRTIO_BALLOON_F_DEFLATE_ON_OOM,
         ]
         .iter()
         .fold(0, |f, bit| f | 1 << bit)
@@ -259,6 +318,19 @@ impl Balloon {
 
     fn has(&self, bit: u32) -> bool {
         self.acked & 1 << bit != 0
+    }
+
+    /// What virtqueue `index` is with the features the driver acked; `None` for a number no
+    /// queue has (a queue that does not exist takes no number).
+    pub fn queue_kind(&self, index: u16) -> Option<QueueKind> {
+        let mut kinds = vec![QueueKind::Inflate, QueueKind::Deflate];
+        if self.has(VIRTIO_BALLOON_F_STATS_VQ) {
+            kinds.push(QueueKind::Stats);
+        }
+        if self.has(VIRTIO_BALLOON_F_REPORTING) {
+            kinds.push(QueueKind::Reporting);
+        }
+        kinds.get(usize::from(index)).copied()
     }
 
     fn config(&self) -> [u8; CONFIG_SIZE as usize] {
@@ -346,14 +418,112 @@ impl Balloon {
     }
 
     /// Back to the state after [`Balloon::new`] (virtio device reset): features, config and
-    /// queue cleared, a broken ring forgotten. Totals are kept.
+    /// queue cleared, a broken ring forgotten, a held statistics buffer dropped. Totals and the
+    /// last statistics are kept.
     pub fn reset(&mut self) {
         self.queue.reset();
         self.acked = 0;
         self.actual = 0;
         self.poison_val = 0;
         self.broken = None;
+        self.stats_held = None;
         self.apply_poison();
+    }
+
+    /// The driver's latest statistics, if any came.
+    pub fn guest_stats(&self) -> Option<&StatsUpdate> {
+        self.guest_stats.as_ref()
+    }
+
+    /// Since when the device holds a statistics buffer it can return to ask for fresh figures
+    /// ([`Balloon::request_stats`]); `None` when it holds none.
+    pub fn stats_held_since(&self) -> Option<std::time::Instant> {
+        self.stats_held.map(|(_, t)| t)
+    }
+
+    /// Handles the statistics queue: each buffer the driver made available is read and parsed
+    /// (the figures kept with the time), then held for [`Balloon::request_stats`]; a buffer
+    /// held from before is returned first, so the driver always has one with the device.
+    /// A buffer that is not driver-readable, not in guest memory, or not whole entries is
+    /// logged and counted, held all the same, and leaves the figures from before. Returns
+    /// whether to notify. EINVAL when the statistics queue was not negotiated or its available
+    /// ring is corrupt.
+    pub fn process_stats(&mut self, queue: &mut Queue) -> Result<bool> {
+        if !self.has(VIRTIO_BALLOON_F_STATS_VQ) {
+            return Err(Error::Protocol(
+                "balloon: VIRTIO_BALLOON_F_STATS_VQ was not negotiated; the statistics queue does \
+                 not exist"
+                    .into(),
+            ));
+        }
+        let memory = self.memory.memory();
+        let mem: &SlotMemory = &memory;
+        let mut notify = false;
+        loop {
+            let chain = match queue.iter(mem) {
+                Ok(mut avail) => avail.next(),
+                Err(e) => {
+                    return Err(Error::Protocol(format!(
+                        "balloon statistics queue: available ring unusable: {e}; reset the device"
+                    )));
+                }
+            };
+            let Some(chain) = chain else {
+                if queue.enable_notification(mem).unwrap_or(false) {
+                    continue;
+                }
+                break;
+            };
+            let head = chain.head_index();
+            self.stats.stats_buffers += 1;
+            match stats_bytes(mem, chain, queue.size())
+                .and_then(|b| GuestStats::parse(&b).map_err(|e| e.to_string()))
+            {
+                Ok(s) => {
+                    let count = self.guest_stats.as_ref().map_or(0, |u| u.count) + 1;
+                    log::debug!(
+                        "balloon: guest statistics #{count}: {}",
+                        s.named()
+                            .map(|(n, v)| format!("{n}={v}"))
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    );
+                    self.guest_stats = Some(StatsUpdate {
+                        stats: s,
+                        at: std::time::SystemTime::now(),
+                        count,
+                    });
+                }
+                Err(e) => {
+                    self.stats.refused_stats += 1;
+                    log::warn!("balloon: refused statistics buffer at head {head}: {e}");
+                }
+            }
+            // One buffer stays with the device; an older one goes back.
+            if let Some((old, _)) = self.stats_held.replace((head, std::time::Instant::now())) {
+                if let Err(e) = queue.add_used(mem, old, 0) {
+                    log::warn!("balloon: cannot return statistics buffer {old}: {e}");
+                }
+                notify = true;
+            }
+        }
+        Ok(notify && queue.needs_notification(mem).unwrap_or(true))
+    }
+
+    /// Asks the driver for fresh statistics: returns the buffer the device holds (used, length
+    /// 0). Returns whether to notify; `false` and nothing done when no buffer is held.
+    pub fn request_stats(&mut self, queue: &mut Queue) -> Result<bool> {
+        let Some((head, _)) = self.stats_held.take() else {
+            return Ok(false);
+        };
+        let memory = self.memory.memory();
+        let mem: &SlotMemory = &memory;
+        queue.add_used(mem, head, 0).map_err(|e| {
+            Error::Protocol(format!(
+                "balloon: cannot return statistics buffer {head}: {e}"
+            ))
+        })?;
+        Ok(queue.needs_notification(mem).unwrap_or(true))
     }
 
     /// Handles every chain the driver made available: checks it, discards what it reports and
@@ -557,6 +727,43 @@ fn frame_ranges(
         }
     }
     Ok((ranges, pages))
+}
+
+/// The bytes of a statistics chain's driver-readable buffers, in order; refused (with why) if a
+/// buffer is device-writable or outside guest memory, the chain loops, or it holds more than a
+/// statistics buffer may (checked before anything is read).
+fn stats_bytes(
+    mem: &SlotMemory,
+    chain: DescriptorChain<&SlotMemory>,
+    queue_size: u16,
+) -> std::result::Result<Vec<u8>, String> {
+    let limit = stats::MAX_STATS_ENTRIES * stats::ENTRY_SIZE;
+    let mut out = Vec::new();
+    let mut count = 0u32;
+    for desc in chain.take(usize::from(queue_size) + 1) {
+        let index = count;
+        count += 1;
+        if count > u32::from(queue_size) {
+            return Err(ChainError::TooLong { queue_size }.to_string());
+        }
+        let (addr, len) = (desc.addr().0, desc.len());
+        if desc.is_write_only() {
+            return Err(format!(
+                "descriptor {index} ({addr:#x}+{len:#x}) is device-writable; statistics are \
+                 driver-readable"
+            ));
+        }
+        let total = out.len() + len as usize;
+        if total > limit {
+            return Err(stats::StatsError::TooLong { len: total }.to_string());
+        }
+        let mut raw = vec![0u8; len as usize];
+        if mem.snapshot().read(Gpa(addr), &mut raw).is_err() {
+            return Err(ChainError::OutsideGuestMemory { index, addr, len }.to_string());
+        }
+        out.extend_from_slice(&raw);
+    }
+    Ok(out)
 }
 
 /// The ranges a chain reports, if every one of its buffers is acceptable.

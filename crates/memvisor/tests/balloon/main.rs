@@ -571,9 +571,10 @@ fn queue_sizes_and_features_are_checked() {
     let mut dev = Balloon::new(space, DiscardOptions::default(), QUEUE).unwrap();
     let offered = dev.device_features();
     assert_ne!(offered & 1 << VIRTIO_BALLOON_F_REPORTING, 0);
-    let e = dev.ack_features(FEATURES | 1 << 1).unwrap_err();
+    // Free page hinting (bit 3) is not offered.
+    let e = dev.ack_features(FEATURES | 1 << 3).unwrap_err();
     assert_eq!(e.errno(), libc::EINVAL);
-    assert!(e.to_string().contains("0x2"), "{e}");
+    assert!(e.to_string().contains("0x8"), "{e}");
     let e = dev
         .ack_features(1 << VIRTIO_BALLOON_F_REPORTING)
         .unwrap_err();
@@ -902,4 +903,132 @@ fn inflate_discards_the_frames_given_and_deflate_takes_them_back() {
     assert_eq!(dev.stats().deflated_pages, 8);
     assert_eq!(g.resident(), resident);
     dma.unpin_pages(&[10]).unwrap();
+}
+
+/// The statistics queue: the queue numbers follow the negotiated features; the driver's primed
+/// buffer is parsed and held; `request_stats` returns it; the next buffer's figures replace the
+/// old ones. Buffers that are device-writable, outside guest memory, cut short or of an odd
+/// length are refused (counted, the figures from before kept) and still held, so the exchange
+/// goes on; unknown tags are skipped.
+#[test]
+fn statistics_are_parsed_held_and_asked_for_again() {
+    use memvisor::balloon::stats::{FREE_MEMORY, TOTAL_MEMORY};
+    use memvisor::balloon::virtio_queue::QueueT;
+    use memvisor::balloon::{QueueKind, VIRTIO_BALLOON_F_STATS_VQ};
+    let _s = serial();
+    let g = Guest::new(BackingKind::PrivateAnon, 2 * MIB);
+    let (dev, _) = g.device(FEATURES);
+    assert_eq!(dev.queue_kind(2), Some(QueueKind::Reporting));
+    assert_eq!(dev.queue_kind(3), None);
+    let mut q = memvisor::balloon::virtio_queue::Queue::new(QUEUE).unwrap();
+    let mut ring = GuestRing::new(&g.table, Gpa(RING + 16 * 1024), QUEUE).unwrap();
+    ring.configure(&mut q);
+    let mut no_stats = dev;
+    let e = no_stats.process_stats(&mut q).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+
+    let (mut dev, _) = g.device(FEATURES | 1 << VIRTIO_BALLOON_F_STATS_VQ);
+    assert_eq!(dev.queue_kind(0), Some(QueueKind::Inflate));
+    assert_eq!(dev.queue_kind(1), Some(QueueKind::Deflate));
+    assert_eq!(dev.queue_kind(2), Some(QueueKind::Stats));
+    assert_eq!(dev.queue_kind(3), Some(QueueKind::Reporting));
+    assert_eq!(dev.queue_kind(4), None);
+    let buf = RING + 48 * 1024;
+    let write_stats = |entries: &[(u16, u64)]| {
+        let bytes: Vec<u8> = entries
+            .iter()
+            .flat_map(|&(t, v)| [t.to_le_bytes().to_vec(), v.to_le_bytes().to_vec()].concat())
+            .collect();
+        g.table.write(Gpa(buf), &bytes).unwrap();
+        bytes.len() as u32
+    };
+    let mut next_id = 0u16;
+    let mut send = |ring: &mut GuestRing, len: u32, flags: u16, addr: u64| {
+        let id = next_id;
+        next_id = (next_id + 1) % QUEUE;
+        let head = ring
+            .add_raw(
+                &[id],
+                &[Desc {
+                    addr,
+                    len,
+                    flags,
+                    next: 0,
+                }],
+            )
+            .unwrap();
+        ring.publish(head).unwrap();
+        head
+    };
+
+    // The primed buffer: parsed and held, nothing returned yet.
+    let len = write_stats(&[(FREE_MEMORY, 100 * MIB), (TOTAL_MEMORY, 1 << 30), (99, 1)]);
+    let first = send(&mut ring, len, 0, buf);
+    assert!(!dev.process_stats(&mut q).unwrap(), "nothing to return yet");
+    assert_eq!(
+        ring.get_used().unwrap(),
+        None,
+        "the device holds the buffer"
+    );
+    let u = dev.guest_stats().unwrap();
+    assert_eq!(
+        (u.stats.get(FREE_MEMORY), u.stats.get(TOTAL_MEMORY), u.count),
+        (Some(100 * MIB), Some(1 << 30), 1)
+    );
+    assert_eq!(u.stats.unknown_tags, 1);
+    assert!(dev.stats_held_since().is_some());
+
+    // Asking for fresh figures returns it; with none held there is nothing to do.
+    assert!(dev.request_stats(&mut q).unwrap());
+    assert_eq!(ring.get_used().unwrap(), Some((first, 0)));
+    assert!(dev.stats_held_since().is_none());
+    assert!(!dev.request_stats(&mut q).unwrap());
+
+    // The driver's answer replaces the figures.
+    let len = write_stats(&[(FREE_MEMORY, 60 * MIB), (TOTAL_MEMORY, 1 << 30)]);
+    let mut held = send(&mut ring, len, 0, buf);
+    dev.process_stats(&mut q).unwrap();
+    let u = dev.guest_stats().unwrap();
+    assert_eq!((u.stats.get(FREE_MEMORY), u.count), (Some(60 * MIB), 2));
+
+    // Bad buffers: refused, held (the one before goes back), the figures stay.
+    let bad = [
+        (len - 3, 0, buf),              // the last entry cut short
+        (7, 0, buf),                    // shorter than one entry
+        (0, 0, buf),                    // empty
+        (len, VRING_DESC_F_WRITE, buf), // device-writable
+        (len, 0, 64 * 1024 * MIB),      // outside guest memory
+        (10 * 257, 0, buf),             // more entries than a driver sends
+    ];
+    for (i, &(len, flags, addr)) in bad.iter().enumerate() {
+        let head = send(&mut ring, len, flags, addr);
+        assert!(
+            dev.process_stats(&mut q).unwrap(),
+            "{i}: the older buffer goes back"
+        );
+        assert_eq!(ring.get_used().unwrap(), Some((held, 0)), "{i}");
+        held = head;
+        assert_eq!(dev.stats().refused_stats, i as u64 + 1);
+        let u = dev.guest_stats().unwrap();
+        assert_eq!(
+            (u.stats.get(FREE_MEMORY), u.count),
+            (Some(60 * MIB), 2),
+            "{i}"
+        );
+    }
+    assert!(dev.request_stats(&mut q).unwrap());
+    assert_eq!(ring.get_used().unwrap(), Some((held, 0)));
+    assert_eq!(dev.stats().stats_buffers, 2 + bad.len() as u64);
+
+    // A reset drops the held buffer and keeps the last figures.
+    let len = write_stats(&[(FREE_MEMORY, 50 * MIB)]);
+    send(&mut ring, len, 0, buf);
+    dev.process_stats(&mut q).unwrap();
+    dev.reset();
+    assert!(dev.stats_held_since().is_none());
+    assert_eq!(
+        dev.guest_stats().unwrap().stats.get(FREE_MEMORY),
+        Some(50 * MIB)
+    );
+    let _ = q.size();
 }
