@@ -328,6 +328,12 @@ struct Sample {
     unpin_ns: f64,
 }
 
+/// A figure of the JSON rows: metric name, unit, and how to read it from a sample.
+type Metric = (&'static str, &'static str, fn(&Sample) -> f64);
+
+/// One mode's samples: `[server][case]`, one per round.
+type PerServer = Vec<Vec<Vec<Sample>>>;
+
 /// Starts `server`, runs `case` against it, stops it; returns the row's figures.
 fn run_row(
     top: &Path,
@@ -461,7 +467,7 @@ impl Experiment for BlkBench {
             Mode::Full => 1,
         };
         // samples[mode][server][case]: one per round
-        let mut samples: Vec<Vec<Vec<Vec<Sample>>>> =
+        let mut samples: Vec<PerServer> =
             vec![vec![vec![Vec::new(); CASES.len()]; SERVERS.len()]; 2];
         let runs_per_round: usize = SERVERS
             .iter()
@@ -502,7 +508,7 @@ impl Experiment for BlkBench {
                     .collect();
                 (!v.is_empty()).then(|| Stats::from_samples(&v))
             };
-            let metrics: [(&str, &str, fn(&Sample) -> f64); 4] = [
+            let metrics: [Metric; 4] = [
                 ("ops/s", "ops/s", |x| x.ops),
                 ("cpu per request", "ns", |x| x.cpu_ns),
                 ("pin per request", "ns", |x| x.pin_ns),
@@ -562,13 +568,28 @@ impl Experiment for BlkBench {
                     .into_iter()
                     .chain(ops(QSD_IO_URING))
                     .reduce(f64::max);
-                let ratio = ops(MEMVISOR).zip(best_qsd).map(|(a, b)| a / b);
+                // The ratio is the median of each round's own ratio (the back ends of a round
+                // ran the row one after another), so a slow spell of the machine that hit one
+                // round weighs once; without complete rounds, the ratio of the medians.
+                let mv: Vec<f64> = samples[m][MEMVISOR][c].iter().map(|x| x.ops).collect();
+                let best: Vec<f64> = samples[m][QSD_THREADS][c]
+                    .iter()
+                    .zip(&samples[m][QSD_IO_URING][c])
+                    .map(|(t, u)| t.ops.max(u.ops))
+                    .collect();
+                let ratio = if mv.len() == rounds as usize && best.len() == mv.len() {
+                    Some(super::ratio_cell(&super::ratio(&mv, &best)))
+                } else {
+                    ops(MEMVISOR)
+                        .zip(best_qsd)
+                        .map(|(a, b)| format!("{:.2}x", a / b))
+                };
                 t.push(vec![
                     case.name.into(),
                     cell(ops(MEMVISOR), 0),
                     cell(ops(QSD_THREADS), 0),
                     cell(ops(QSD_IO_URING), 0),
-                    ratio.map_or("-".into(), |r| format!("{r:.2}x")),
+                    ratio.unwrap_or_else(|| "-".into()),
                     cell(cpu(MEMVISOR), 1),
                     cell(cpu(QSD_THREADS), 1),
                     cell(cpu(QSD_IO_URING), 1),
@@ -590,7 +611,9 @@ impl Experiment for BlkBench {
             t.note = Some(
                 "Sequential rows: qemu-img bench through libblkio (one queue). Random and \
                  two-queue rows: blkio-bench (libblkio, a thread per queue). Each row on a \
-                 freshly started back end; the target is 1.2x the best qsd on every row."
+                 freshly started back end. The ratio is the median over rounds of memvisor / the \
+                 better qsd of that round (lowest–highest in brackets); the target is 1.2x on \
+                 every row."
                     .into(),
             );
             pins.note = Some(
