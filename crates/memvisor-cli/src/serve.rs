@@ -139,7 +139,7 @@ pub struct BlkServeReport {
     pub pin_cost: PinCostReport,
 }
 
-/// The blk data path's pin cost ([`memvisor_vhost::blk::PIN_COST`]), for `--stats`: requests
+/// The blk data path's pin cost ([`memvisor_vhost::pin_cost::PIN_COST`]), for `--stats`: requests
 /// pinned and unpinned and the wall time spent in `DmaSpace::pin_pages` / `unpin_pages` for
 /// them, over the whole process.
 #[derive(Serialize, Default, Clone, Copy, Debug)]
@@ -154,7 +154,7 @@ impl PinCostReport {
     /// The counters now.
     pub fn now() -> PinCostReport {
         use std::sync::atomic::Ordering::Relaxed;
-        let c = &memvisor_vhost::blk::PIN_COST;
+        let c = &memvisor_vhost::pin_cost::PIN_COST;
         PinCostReport {
             pins: c.pins.load(Relaxed),
             pin_ns: c.pin_ns.load(Relaxed),

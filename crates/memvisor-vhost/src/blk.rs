@@ -43,7 +43,6 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use memvisor::dma::PIN_PAGES_MAX;
 use memvisor::{Access, DmaSpace, Iova, Prot};
@@ -951,7 +950,7 @@ fn pin_all(dma: &DmaSpace, pages: &[u64], prot: Prot) -> Result<()> {
             return Err(e.into());
         }
     }
-    PIN_COST.add(&PIN_COST.pins, &PIN_COST.pin_ns, start);
+    crate::pin_cost::PIN_COST.pinned(start);
     Ok(())
 }
 
@@ -963,39 +962,8 @@ fn unpin_all(dma: &DmaSpace, pages: &[u64]) {
             log::error!("blk: unpinning {} pages: {e}", batch.len());
         }
     }
-    PIN_COST.add(&PIN_COST.unpins, &PIN_COST.unpin_ns, start);
+    crate::pin_cost::PIN_COST.unpinned(start);
 }
-
-/// What pinning costs the data path: requests pinned and unpinned by [`pin_all`] /
-/// [`unpin_all`] and the wall time spent in them, over every device of the process (all
-/// queues, all workers). Read by `memvisor bench blk` (through `--stats`) to report the pin
-/// cost per request.
-pub struct PinCost {
-    /// Requests whose pages were pinned.
-    pub pins: AtomicU64,
-    /// Nanoseconds spent pinning them.
-    pub pin_ns: AtomicU64,
-    /// Requests whose pages were unpinned.
-    pub unpins: AtomicU64,
-    /// Nanoseconds spent unpinning them.
-    pub unpin_ns: AtomicU64,
-}
-
-impl PinCost {
-    fn add(&self, count: &AtomicU64, ns: &AtomicU64, start: std::time::Instant) {
-        let spent = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        count.fetch_add(1, Ordering::Relaxed);
-        ns.fetch_add(spent, Ordering::Relaxed);
-    }
-}
-
-/// The process's [`PinCost`].
-pub static PIN_COST: PinCost = PinCost {
-    pins: AtomicU64::new(0),
-    pin_ns: AtomicU64::new(0),
-    unpins: AtomicU64::new(0),
-    unpin_ns: AtomicU64::new(0),
-};
 
 /// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_DROP_WRITES` set, writes are answered
 /// OK and never reach the image: the libblkio trial's negative control, which its read-back and

@@ -643,7 +643,7 @@ fn the_pin_cost_counters_count_each_request_pinned_and_unpinned() {
     // PIN_COST is process-wide and other tests run beside this one, so it checks growth by at
     // least this test's own requests: two reads and two writes, each pinned and unpinned once.
     use std::sync::atomic::Ordering::Relaxed;
-    let cost = &memvisor_vhost::blk::PIN_COST;
+    let cost = &memvisor_vhost::pin_cost::PIN_COST;
     let before = (cost.pins.load(Relaxed), cost.unpins.load(Relaxed));
     let ns_before = (cost.pin_ns.load(Relaxed), cost.unpin_ns.load(Relaxed));
     let disk = image(MIB);
