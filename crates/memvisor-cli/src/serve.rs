@@ -142,6 +142,33 @@ pub struct BlkServeReport {
     /// The registry and the kernel's count each time a frontend had left, before its memory
     /// was unmapped: one entry per connection.
     pub pins_at_disconnect: Vec<PinCheck>,
+    /// What pinning and unpinning requests' pages cost the data path.
+    pub pin_cost: PinCostReport,
+}
+
+/// The blk data path's pin cost ([`memvisor_vhost::pin_cost::PIN_COST`]), for `--stats`: requests
+/// pinned and unpinned and the wall time spent in `DmaSpace::pin_pages` / `unpin_pages` for
+/// them, over the whole process.
+#[derive(Serialize, Default, Clone, Copy, Debug)]
+pub struct PinCostReport {
+    pub pins: u64,
+    pub pin_ns: u64,
+    pub unpins: u64,
+    pub unpin_ns: u64,
+}
+
+impl PinCostReport {
+    /// The counters now.
+    pub fn now() -> PinCostReport {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &memvisor_vhost::pin_cost::PIN_COST;
+        PinCostReport {
+            pins: c.pins.load(Relaxed),
+            pin_ns: c.pin_ns.load(Relaxed),
+            unpins: c.unpins.load(Relaxed),
+            unpin_ns: c.unpin_ns.load(Relaxed),
+        }
+    }
 }
 
 /// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report.
@@ -193,6 +220,7 @@ pub fn blk(
         device,
         pins: PinReport::now(),
         pins_at_disconnect,
+        pin_cost: PinCostReport::now(),
     })
 }
 

@@ -46,6 +46,7 @@ pub mod fuzz;
 #[cfg(feature = "test-hooks")]
 mod hooks;
 pub mod memory;
+pub mod pin_cost;
 pub mod proto;
 pub mod record;
 pub mod ring;

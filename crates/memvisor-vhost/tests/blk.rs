@@ -971,3 +971,33 @@ fn a_polling_device_serves_requests_made_available_without_a_kick() {
         assert_eq!(backend.stats.poll_hits > 0, poll_us > 0);
     }
 }
+
+#[test]
+fn the_pin_cost_counters_count_each_request_pinned_and_unpinned() {
+    // PIN_COST is process-wide and other tests run beside this one, so it checks growth by at
+    // least this test's own requests: two reads and two writes, each pinned and unpinned once.
+    use std::sync::atomic::Ordering::Relaxed;
+    let cost = &memvisor_vhost::pin_cost::PIN_COST;
+    let before = (cost.pins.load(Relaxed), cost.unpins.load(Relaxed));
+    let ns_before = (cost.pin_ns.load(Relaxed), cost.unpin_ns.load(Relaxed));
+    let disk = image(MIB);
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    for sector in [0, 8] {
+        assert_eq!(request(&mut g, 1, sector, &[(DATA, 4096, false)]).0, 0);
+        assert_eq!(request(&mut g, 0, sector, &[(DATA, 4096, true)]).0, 0);
+    }
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats.failed, 0);
+    let after = (cost.pins.load(Relaxed), cost.unpins.load(Relaxed));
+    assert!(
+        after.0 >= before.0 + 4 && after.1 >= before.1 + 4,
+        "4 requests pinned and unpinned, counters went from {before:?} to {after:?}"
+    );
+    assert!(
+        cost.pin_ns.load(Relaxed) > ns_before.0 && cost.unpin_ns.load(Relaxed) > ns_before.1,
+        "pinning took no time"
+    );
+}

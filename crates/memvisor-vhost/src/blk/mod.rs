@@ -926,22 +926,26 @@ fn hide_io_errors() -> bool {
 /// one `pin_pages` call takes at most type1's 512 entries. A refused call unpins what the calls
 /// before it pinned, so a failed request leaves nothing pinned.
 fn pin_all(dma: &DmaSpace, pages: &[u64], prot: Prot) -> Result<()> {
+    let start = std::time::Instant::now();
     for (i, batch) in pages.chunks(PIN_PAGES_MAX).enumerate() {
         if let Err(e) = dma.pin_pages(batch, prot) {
             unpin_all(dma, &pages[..i * PIN_PAGES_MAX]);
             return Err(e.into());
         }
     }
+    crate::pin_cost::PIN_COST.pinned(start);
     Ok(())
 }
 
 /// Unpins what [`pin_all`] pinned, in the same batches.
 fn unpin_all(dma: &DmaSpace, pages: &[u64]) {
+    let start = std::time::Instant::now();
     for batch in pages.chunks(PIN_PAGES_MAX) {
         if let Err(e) = dma.unpin_pages(batch) {
             log::error!("blk: unpinning {} pages: {e}", batch.len());
         }
     }
+    crate::pin_cost::PIN_COST.unpinned(start);
 }
 
 /// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_DROP_WRITES` set, writes are answered
