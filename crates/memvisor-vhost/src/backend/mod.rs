@@ -229,6 +229,14 @@ impl<D: Device + 'static> Backend<D> {
         Ok(())
     }
 
+    /// [`Backend::drain_log`] after requests ended, where a failure can only be reported: the
+    /// requests are done either way.
+    fn log_requests(&mut self) {
+        if let Err(e) = self.drain_log() {
+            log::error!("{}: dirty log: {e}", self.device.name());
+        }
+    }
+
     /// The device.
     pub fn device(&self) -> &D {
         &self.device
@@ -429,15 +437,7 @@ impl<D: Device + 'static> Backend<D> {
             return;
         }
         // Logged before the guest is told, as in `process`.
-        if let (Some(log), false) = (&self.log, self.log_disabled) {
-            let t0 = std::time::Instant::now();
-            match self.memory.drain_dirty(log) {
-                Ok(pages) => self.stats.logged_pages += pages,
-                Err(e) => log::error!("{}: dirty log: {e}", self.device.name()),
-            }
-            self.stats.log_ns += t0.elapsed().as_nanos() as u64;
-            self.stats.log_drains += 1;
-        }
+        self.log_requests();
         for (i, notify) in ended {
             if let (true, Some(c)) = (notify, self.vrings.get_mut(usize::from(i))) {
                 if let Some(c) = &mut c.call {
@@ -789,18 +789,10 @@ impl<D: Device + 'static> Backend<D> {
         self.stats.process_ns += t0.elapsed().as_nanos() as u64;
         // Transfers the kernel finished at once (the page cache) end now, not a poll later.
         self.reap(false);
-        let v = &mut self.vrings[i];
         // Completed requests are logged before the guest is told (and before the frontend can
         // stop the ring and read the log for the last time).
-        if let (Some(log), false) = (&self.log, self.log_disabled) {
-            let t0 = std::time::Instant::now();
-            match self.memory.drain_dirty(log) {
-                Ok(pages) => self.stats.logged_pages += pages,
-                Err(e) => log::error!("{}: dirty log: {e}", self.device.name()),
-            }
-            self.stats.log_ns += t0.elapsed().as_nanos() as u64;
-            self.stats.log_drains += 1;
-        }
+        self.log_requests();
+        let v = &mut self.vrings[i];
         log::debug!(
             "{}: ring {i} processed: {r:?}, call fd {}",
             self.device.name(),
