@@ -1,7 +1,8 @@
 //! virtio-blk's request parser over a fuzzed descriptor table: the input is a control byte
 //! (features, start index), then the descriptor table and avail ring of a 16-entry queue in a
 //! 64 KiB guest memory, then the bytes of that memory's data area (headers, buffers). One
-//! process pass of the blk device over a 64 KiB memfd image follows. Whatever the chains say,
+//! process pass of the blk device over a 64 KiB memfd image follows, then the end of every
+//! transfer it handed to the kernel. Whatever the chains say,
 //! the device answers on the ring or returns an error for a broken queue; it never panics.
 #![no_main]
 
@@ -27,6 +28,9 @@ fuzz_target!(|data: &[u8]| {
     blk.set_features(blk.features()).expect("features");
     let mut queue = memvisor_vhost::Ring::plain(ring.queue(base, event_idx));
     let _ = blk.process(0, &mut queue, &ring.memory);
+    // Transfers handed to the kernel end here, as the back end ends them before any message:
+    // unpinned, their status written, their chains returned.
+    let _ = blk.complete(&mut [Some(&mut queue)], &ring.memory, true);
     drop(blk);
     drop(ring);
     memvisor_fuzz::check_leaks();
