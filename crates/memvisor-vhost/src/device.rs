@@ -66,8 +66,8 @@ pub trait Device: Send {
     /// Processes what the driver made available on queue `index` — first the heads
     /// [`Ring::resubmit`] gives, left in flight by a back end before this one — taking chains
     /// with [`Ring::taken`] and returning them with [`Ring::add_used`] (which keep the inflight
-    /// log); returns whether the driver should be notified. An error means the queue is broken (the driver needs a reset); a bad
-    /// request is answered on the ring, not with an error.
+    /// log); returns whether the driver should be notified. An error means the queue is broken
+    /// (the driver needs a reset); a bad request is answered on the ring, not with an error.
     fn process(&mut self, index: u16, ring: &mut Ring, memory: &FrontendMemory) -> Result<bool>;
     /// A descriptor that becomes readable when work `process` handed to the kernel has ended
     /// (an io_uring's eventfd): the back end then calls [`Device::complete`]. `None`: the
