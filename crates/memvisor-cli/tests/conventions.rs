@@ -61,11 +61,20 @@ impl Notify {
             .unwrap();
         Notify { sock, path }
     }
-    /// The next message, or None after 30 s.
+    /// The next message, or None after 30 s (or another error of the socket, printed). A
+    /// signal arriving during the wait (EINTR) does not end it.
     fn try_next(&self) -> Option<String> {
         let mut buf = [0u8; 256];
-        let n = self.sock.recv(&mut buf).ok()?;
-        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+        loop {
+            match self.sock.recv(&mut buf) {
+                Ok(n) => return Some(String::from_utf8_lossy(&buf[..n]).into_owned()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    eprintln!("NOTIFY_SOCKET stand-in {}: {e}", self.path.display());
+                    return None;
+                }
+            }
+        }
     }
     /// The next message, or panics after 30 s.
     fn next(&self) -> String {
