@@ -154,8 +154,9 @@ impl BalloonDevice {
         }
     }
 
-    /// The same device without free page reporting offered (inflate and deflate only): what a
-    /// balloon without it gives back, for comparison and negative controls.
+    /// The same device without free page reporting offered (inflate and deflate only; the
+    /// reporting ring's slot stays, unused): what a balloon without it gives back, for
+    /// comparison and negative controls.
     pub fn without_reporting(mut self) -> Self {
         self.reporting = false;
         self
@@ -255,7 +256,11 @@ impl Device for BalloonDevice {
 
     /// Inflate and deflate, then the statistics queue if offered, then reporting if offered.
     fn queues(&self) -> u16 {
-        2 + u16::from(self.stats_offered()) + u16::from(self.reporting)
+        // The reporting queue's slot is there even when reporting is not offered: QEMU's
+        // generic device sets up the fixed number of rings its command line names (`num_vqs`),
+        // so the same command line serves the device with and without reporting; a driver
+        // without the feature never uses the last ring.
+        3 + u16::from(self.stats_offered())
     }
 
     fn queue_max(&self) -> u16 {
