@@ -193,11 +193,13 @@ fn process<D: Device>(w: &mut Lent<D>, stats: &mut BackendStats) -> Result<()> {
     let t0 = Instant::now();
     let r = w.device.process(w.index, &mut w.ring, &w.memory);
     stats.process_ns += t0.elapsed().as_nanos() as u64;
-    reap(w, false, stats);
+    // Transfers the kernel finished at once end now; one drain of the log for them and for
+    // what `process` ended itself, before the driver is told.
+    let (_, tell) = ended(w, false);
     drain_log(w, stats);
     match r {
         Ok(notify) => {
-            if notify {
+            if notify || tell {
                 signal(&mut w.call);
             }
             Ok(())
@@ -213,25 +215,30 @@ fn process<D: Device>(w: &mut Lent<D>, stats: &mut BackendStats) -> Result<()> {
 
 /// Ends the device's transfers that have ended (with `wait`, all of them).
 fn reap<D: Device>(w: &mut Lent<D>, wait: bool, stats: &mut BackendStats) {
+    let (any, tell) = ended(w, wait);
+    if any {
+        drain_log(w, stats);
+    }
+    if tell {
+        signal(&mut w.call);
+    }
+}
+
+/// Ends what has ended (chains back on the ring); returns whether anything ended, and whether
+/// its driver should be told.
+fn ended<D: Device>(w: &mut Lent<D>, wait: bool) -> (bool, bool) {
     let mut rings: Vec<Option<&mut Ring>> = (0..=w.index).map(|_| None).collect();
     rings[usize::from(w.index)] = Some(&mut w.ring);
-    let ended = match w.device.complete(&mut rings, &w.memory, wait) {
-        Ok(e) => e,
+    match w.device.complete(&mut rings, &w.memory, wait) {
+        Ok(e) => (!e.is_empty(), e.iter().any(|&(_, notify)| notify)),
         Err(e) => {
             log::error!(
                 "{}: ring {}: ending requests: {e}",
                 w.device.name(),
                 w.index
             );
-            return;
+            (false, false)
         }
-    };
-    if ended.is_empty() {
-        return;
-    }
-    drain_log(w, stats);
-    if ended.iter().any(|&(_, notify)| notify) {
-        signal(&mut w.call);
     }
 }
 

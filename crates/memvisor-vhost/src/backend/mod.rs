@@ -424,23 +424,34 @@ impl<D: Device + 'static> Backend<D> {
     /// Ends the device's work that has ended (with `wait`, all of it): chains go back to their
     /// rings, what they wrote into the frontend's dirty log, and their drivers are notified.
     fn reap(&mut self, wait: bool) {
-        let mut rings: Vec<Option<&mut Ring>> =
-            self.vrings.iter_mut().map(|v| v.queue.as_mut()).collect();
-        let ended = match self.device.complete(&mut rings, &self.memory, wait) {
-            Ok(e) => e,
-            Err(e) => {
-                log::error!("{}: ending requests: {e}", self.device.name());
-                return;
-            }
-        };
+        let ended = self.collect_ended(wait);
         if ended.is_empty() {
             return;
         }
         // Logged before the guest is told, as in `process`.
         self.log_requests();
-        for (i, notify) in ended {
-            if let (true, Some(c)) = (notify, self.vrings.get_mut(usize::from(i))) {
-                if let Some(c) = &mut c.call {
+        self.tell_ended(&ended);
+    }
+
+    /// The device's transfers that have ended (with `wait`, all of them), their chains back on
+    /// their rings: the rings, each with whether its driver should be told.
+    fn collect_ended(&mut self, wait: bool) -> Vec<(u16, bool)> {
+        let mut rings: Vec<Option<&mut Ring>> =
+            self.vrings.iter_mut().map(|v| v.queue.as_mut()).collect();
+        match self.device.complete(&mut rings, &self.memory, wait) {
+            Ok(e) => e,
+            Err(e) => {
+                log::error!("{}: ending requests: {e}", self.device.name());
+                Vec::new()
+            }
+        }
+    }
+
+    /// Interrupts the drivers of the rings `collect_ended` said to tell (after the log).
+    fn tell_ended(&mut self, ended: &[(u16, bool)]) {
+        for &(i, notify) in ended {
+            if let (true, Some(v)) = (notify, self.vrings.get_mut(usize::from(i))) {
+                if let Some(c) = &mut v.call {
                     let _ = c.write(&1u64.to_le_bytes());
                 }
             }
@@ -788,10 +799,12 @@ impl<D: Device + 'static> Backend<D> {
         let r = self.device.process(i as u16, q, &self.memory);
         self.stats.process_ns += t0.elapsed().as_nanos() as u64;
         // Transfers the kernel finished at once (the page cache) end now, not a poll later.
-        self.reap(false);
-        // Completed requests are logged before the guest is told (and before the frontend can
-        // stop the ring and read the log for the last time).
+        let ended = self.collect_ended(false);
+        // Completed requests — these and those `process` ended itself — are logged, in one
+        // drain, before the guest is told (and before the frontend can stop the ring and read
+        // the log for the last time).
         self.log_requests();
+        self.tell_ended(&ended);
         let v = &mut self.vrings[i];
         log::debug!(
             "{}: ring {i} processed: {r:?}, call fd {}",
