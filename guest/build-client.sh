@@ -28,7 +28,7 @@ chroot "$m" sh -euc '
   if [ ! -e /usr/include/blkio.h ] || ! command -v gcc >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get -o Acquire::Check-Valid-Until=false update -qq
-    apt-get install -y -qq --no-install-recommends gcc libc6-dev libblkio-dev >/dev/null
+    apt-get install -y -qq -o Acquire::Retries=3 --no-install-recommends gcc libc6-dev libblkio-dev >/dev/null
   fi
   gcc -O2 -Wall -Wextra -Werror -o /build/blkio-bench /build/blkio-bench.c -lblkio -lpthread
 '

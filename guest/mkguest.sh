@@ -9,7 +9,7 @@ mkdir -p "$dir" && cd "$dir"
 if [ ! -d kroot ]; then
   kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
   if [ -z "$kpkg" ]; then apt-get update -qq; kpkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}'); fi
-  rm -rf dl && mkdir dl && (cd dl && apt-get download -qq "$kpkg" busybox-static)
+  rm -rf dl && mkdir dl && (cd dl && apt-get download -qq -o Acquire::Retries=3 "$kpkg" busybox-static)
   dpkg-deb -x dl/linux-image-*.deb kroot.tmp && dpkg-deb -x dl/busybox-static_*.deb bb
   mv kroot.tmp kroot
 fi

@@ -20,9 +20,19 @@ command -v mmdebstrap >/dev/null || { apt-get update -qq && apt-get install -y -
 mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
 mirror=${mirror:-http://deb.debian.org/debian}
 mkdir -p "$(dirname "$dest")"; rm -rf "$dest.tmp"
-mmdebstrap --mode=root --variant=apt --quiet \
-  --aptopt='Acquire::Check-Valid-Until "false"' --aptopt='APT::Default-Release "trixie-backports"' \
-  --include=qemu-system-x86/$bp,qemu-system-common/$bp,qemu-system-data/$bp,qemu-utils/$bp,qemu-block-extra/$bp,seabios/$bp \
-  trixie "$dest.tmp" "deb $mirror trixie main" "deb $mirror $bp main"
+# A mirror can fail one download (a CI run once lost a package mid-sync): try three times, and
+# show the end of each failed attempt's log so the cause is on record.
+for attempt in 1 2 3; do
+  rm -rf "$dest.tmp"
+  mmdebstrap --mode=root --variant=apt \
+    --aptopt='Acquire::Check-Valid-Until "false"' --aptopt='APT::Default-Release "trixie-backports"' \
+    --aptopt='Acquire::Retries "3"' \
+    --include=qemu-system-x86/$bp,qemu-system-common/$bp,qemu-system-data/$bp,qemu-utils/$bp,qemu-block-extra/$bp,seabios/$bp \
+    trixie "$dest.tmp" "deb $mirror trixie main" "deb $mirror $bp main" > "$dest.log" 2>&1 && break
+  echo "mkroot.sh: mmdebstrap attempt $attempt failed; the end of its log ($dest.log):" >&2
+  tail -n 25 "$dest.log" >&2
+  [ "$attempt" = 3 ] && exit 1
+  sleep $((attempt * 15))
+done
 mv "$dest.tmp" "$dest"
 "$(dirname "$0")/qemu.sh" "$dest" -version | head -1
