@@ -94,6 +94,9 @@ pub struct BalloonStatus {
     pub deflated_below_target_pages: u64,
     /// The latest statistics, if any came.
     pub guest_stats: Option<GuestStatsStatus>,
+    /// What the balloon model counted: chains, bytes discarded or kept, pages inflated and
+    /// deflated, statistics buffers (running totals over every frontend).
+    pub counts: ReportingStats,
 }
 
 /// A balloon's live status, shared between the thread serving it and any other (a control
@@ -218,6 +221,46 @@ impl BalloonDevice {
             unknown_tags: u.stats.unknown_tags,
         };
         self.live.update(|s| s.guest_stats = Some(g));
+    }
+
+    /// [`Device::process`] itself.
+    fn process_queue(
+        &mut self,
+        index: u16,
+        ring: &mut Ring,
+        _memory: &FrontendMemory,
+    ) -> Result<bool> {
+        let interval = self.stats_interval;
+        let model = self.model()?;
+        // The balloon completes every chain before it returns (the statistics buffer it holds
+        // is the driver's to resend, not a request) and offers no inflight log: the queue alone
+        // will do.
+        let queue = &mut **ring;
+        let notify = match model.queue_kind(index) {
+            Some(QueueKind::Inflate) => model.process_inflate(queue)?,
+            Some(QueueKind::Deflate) => model.process_deflate(queue)?,
+            Some(QueueKind::Stats) => {
+                // The buffer goes back once the interval is over (a kick may come before).
+                let due = !interval.is_zero()
+                    && model
+                        .stats_held_since()
+                        .is_some_and(|t| t.elapsed() >= interval);
+                #[cfg(feature = "test-hooks")]
+                let due = due && !crate::hooks::balloon_stats_frozen();
+                let asked = due && model.request_stats(queue)?;
+                let returned = model.process_stats(queue)?;
+                self.publish_stats();
+                asked || returned
+            }
+            Some(QueueKind::Reporting) => model.process_reports(queue)?.notify,
+            None => {
+                return Err(Error::BadRing(format!(
+                    "balloon: queue {index} is not in use with features {:#x}",
+                    model.acked_features()
+                )));
+            }
+        };
+        Ok(notify)
     }
 }
 
@@ -356,38 +399,11 @@ impl Device for BalloonDevice {
         Some(STATS_QUEUE_INDEX)
     }
 
-    fn process(&mut self, index: u16, ring: &mut Ring, _memory: &FrontendMemory) -> Result<bool> {
-        let interval = self.stats_interval;
-        let model = self.model()?;
-        // The balloon completes every chain before it returns (the statistics buffer it holds
-        // is the driver's to resend, not a request) and offers no inflight log: the queue alone
-        // will do.
-        let queue = &mut **ring;
-        let notify = match model.queue_kind(index) {
-            Some(QueueKind::Inflate) => model.process_inflate(queue)?,
-            Some(QueueKind::Deflate) => model.process_deflate(queue)?,
-            Some(QueueKind::Stats) => {
-                // The buffer goes back once the interval is over (a kick may come before).
-                let due = !interval.is_zero()
-                    && model
-                        .stats_held_since()
-                        .is_some_and(|t| t.elapsed() >= interval);
-                #[cfg(feature = "test-hooks")]
-                let due = due && !crate::hooks::balloon_stats_frozen();
-                let asked = due && model.request_stats(queue)?;
-                let returned = model.process_stats(queue)?;
-                self.publish_stats();
-                asked || returned
-            }
-            Some(QueueKind::Reporting) => model.process_reports(queue)?.notify,
-            None => {
-                return Err(Error::BadRing(format!(
-                    "balloon: queue {index} is not in use with features {:#x}",
-                    model.acked_features()
-                )));
-            }
-        };
-        Ok(notify)
+    fn process(&mut self, index: u16, ring: &mut Ring, memory: &FrontendMemory) -> Result<bool> {
+        let r = self.process_queue(index, ring, memory);
+        let counts = self.stats();
+        self.live.update(|s| s.counts = counts);
+        r
     }
 
     fn reset(&mut self) {

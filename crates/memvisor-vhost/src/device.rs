@@ -89,8 +89,7 @@ pub trait Device: Send {
         Ok(Vec::new())
     }
     /// For a device whose queues are independent: a device of the same kind, sharing what
-    /// this one shares (an image) and counting on its own, to serve one queue on a thread of
-    /// its own ([`crate::backend`] lends it a ring between messages). `None` (the default):
+    /// this one shares (an image, its live counters), to serve one queue on a thread of its own ([`crate::backend`] lends it a ring between messages). `None` (the default):
     /// every queue is served on the back end's thread.
     fn queue_worker(&self) -> Option<Self>
     where
@@ -98,8 +97,7 @@ pub trait Device: Send {
     {
         None
     }
-    /// Takes back a device [`Device::queue_worker`] made, after its thread stopped (its counts
-    /// are added to this device's).
+    /// Takes back a device [`Device::queue_worker`] made, after its thread stopped.
     fn join_worker(&mut self, worker: Self)
     where
         Self: Sized,

@@ -25,6 +25,8 @@
 //!   so a device with several queues uses several cores.
 //! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
+//! * [`live`] holds the counters of a back end, its rings and its device, which other threads
+//!   read while it serves (a control socket's live statistics).
 //! * `hooks` (feature `test-hooks` only) holds the switches that break the back end on purpose
 //!   for the real-guest trials' negative controls.
 //!
@@ -45,6 +47,7 @@ pub mod error;
 pub mod fuzz;
 #[cfg(feature = "test-hooks")]
 mod hooks;
+pub mod live;
 pub mod memory;
 pub mod pin_cost;
 pub mod proto;
@@ -53,11 +56,12 @@ pub mod ring;
 pub mod wire;
 mod worker;
 
-pub use backend::{Backend, BackendStats};
+pub use backend::Backend;
 pub use balloon::{BalloonDevice, BalloonLive, BalloonStatus, BalloonTarget};
-pub use blk::{Blk, BlkOptions, BlkStats};
+pub use blk::{Blk, BlkLive, BlkOptions, BlkStats};
 pub use device::Device;
 pub use error::{Error, Result};
+pub use live::{BackendLive, BackendStats, QueueStats};
 pub use memory::FrontendMemory;
 pub use memvisor_wire::WireError;
 pub use ring::Ring;

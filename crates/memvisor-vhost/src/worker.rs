@@ -7,8 +7,8 @@
 //! and dirty log; ring 0 stays on the back end's thread. The worker serves its ring as the back
 //! end would — kicks, completions, the dirty log, the driver's interrupt — until told to stop.
 //! Before the next message the back end stops every worker ([`Worker::stop`]): the worker ends
-//! every transfer it has out and hands back its ring, its device copy (whose counts the device
-//! adds up, [`Device::join_worker`]) and its own counts. So a message is still handled with no
+//! every transfer it has out and hands back its ring, its device copy ([`Device::join_worker`]). What it
+//! counts goes straight into its ring's row of the back end's live counters ([`crate::live`]). So a message is still handled with no
 //! request in flight and no other thread holding the memory: the memory is shared through an
 //! `Arc` the back end can change only when it holds the sole reference again.
 //!
@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 use memvisor::SharedLog;
 use virtio_queue::QueueT;
 
-use crate::backend::BackendStats;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::live::{BackendLive, RingCounters};
 use crate::memory::FrontendMemory;
 use crate::ring::Ring;
 
@@ -39,6 +39,8 @@ pub(crate) struct Lent<D> {
     pub device: D,
     pub memory: Arc<FrontendMemory>,
     pub log: Option<Arc<SharedLog>>,
+    /// The back end's counters: the worker writes its ring's row.
+    pub live: BackendLive,
     pub kick: File,
     pub call: Option<File>,
     pub err: Option<File>,
@@ -49,7 +51,6 @@ pub(crate) struct Returned<D> {
     pub index: u16,
     pub ring: Ring,
     pub device: D,
-    pub stats: BackendStats,
     /// The ring broke (the driver needs a reset); the error descriptor was written.
     pub broken: bool,
 }
@@ -105,13 +106,14 @@ impl<D: Device + 'static> Worker<D> {
 
 /// The worker's loop.
 fn serve<D: Device>(mut w: Lent<D>, stop: File) -> Returned<D> {
-    let mut stats = BackendStats::default();
+    let live = w.live.clone();
+    let stats = live.ring(usize::from(w.index));
     let mut broken = false;
     let poll_budget = w.device.poll();
     let mut spin_after_kick = false;
     loop {
         if let (Some(budget), true) = (poll_budget, std::mem::take(&mut spin_after_kick)) {
-            if spin(&mut w, &stop, budget, &mut stats).is_err() {
+            if spin(&mut w, &stop, budget, stats).is_err() {
                 broken = true;
                 break;
             }
@@ -132,25 +134,25 @@ fn serve<D: Device>(mut w: Lent<D>, stop: File) -> Returned<D> {
             break;
         }
         if fds[2].revents & libc::POLLIN != 0 {
-            reap(&mut w, false, &mut stats);
+            reap(&mut w, false, stats);
         }
         if fds[1].revents & libc::POLLIN != 0 {
             let mut b = [0u8; 8];
             let _ = w.kick.read(&mut b);
-            stats.kicks += 1;
+            stats.kicks.add(1);
+            stats.worker_kicks.add(1);
             spin_after_kick = true;
-            if process(&mut w, &mut stats).is_err() {
+            if process(&mut w, stats).is_err() {
                 broken = true;
                 break;
             }
         }
     }
-    reap(&mut w, true, &mut stats);
+    reap(&mut w, true, stats);
     Returned {
         index: w.index,
         ring: w.ring,
         device: w.device,
-        stats,
         broken,
     }
 }
@@ -160,7 +162,7 @@ fn spin<D: Device>(
     w: &mut Lent<D>,
     stop: &File,
     budget: Duration,
-    stats: &mut BackendStats,
+    stats: &RingCounters,
 ) -> Result<()> {
     let mut until = Instant::now() + budget;
     loop {
@@ -171,7 +173,7 @@ fn spin<D: Device>(
                 .avail_idx(&mem, Ordering::Acquire)
                 .is_ok_and(|a| a.0 != w.ring.next_avail());
         if more {
-            stats.poll_hits += 1;
+            stats.poll_hits.add(1);
             process(w, stats)?;
             until = Instant::now() + budget;
         }
@@ -189,10 +191,10 @@ fn spin<D: Device>(
 }
 
 /// Serves what the driver made available; an error means the ring broke (told on `err`).
-fn process<D: Device>(w: &mut Lent<D>, stats: &mut BackendStats) -> Result<()> {
+fn process<D: Device>(w: &mut Lent<D>, stats: &RingCounters) -> Result<()> {
     let t0 = Instant::now();
     let r = w.device.process(w.index, &mut w.ring, &w.memory);
-    stats.process_ns += t0.elapsed().as_nanos() as u64;
+    stats.process_ns.add(t0.elapsed().as_nanos() as u64);
     // Transfers the kernel finished at once end now; one drain of the log for them and for
     // what `process` ended itself, before the driver is told.
     let (_, tell) = ended(w, false);
@@ -214,7 +216,7 @@ fn process<D: Device>(w: &mut Lent<D>, stats: &mut BackendStats) -> Result<()> {
 }
 
 /// Ends the device's transfers that have ended (with `wait`, all of them).
-fn reap<D: Device>(w: &mut Lent<D>, wait: bool, stats: &mut BackendStats) {
+fn reap<D: Device>(w: &mut Lent<D>, wait: bool, stats: &RingCounters) {
     let (any, tell) = ended(w, wait);
     if any {
         drain_log(w, stats);
@@ -243,15 +245,15 @@ fn ended<D: Device>(w: &mut Lent<D>, wait: bool) -> (bool, bool) {
 }
 
 /// What the ring's requests wrote goes into the frontend's log before the driver hears.
-fn drain_log<D>(w: &Lent<D>, stats: &mut BackendStats) {
+fn drain_log<D>(w: &Lent<D>, stats: &RingCounters) {
     if let Some(log) = &w.log {
         let t0 = Instant::now();
         match w.memory.drain_dirty(log) {
-            Ok(pages) => stats.logged_pages += pages,
+            Ok(pages) => stats.logged_pages.add(pages),
             Err(e) => log::error!("ring {}: dirty log: {e}", w.index),
         }
-        stats.log_ns += t0.elapsed().as_nanos() as u64;
-        stats.log_drains += 1;
+        stats.log_ns.add(t0.elapsed().as_nanos() as u64);
+        stats.log_drains.add(1);
     }
 }
 

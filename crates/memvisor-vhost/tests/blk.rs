@@ -87,7 +87,7 @@ fn writes_and_reads_move_between_guest_memory_and_the_image() {
 
     drop(c);
     let (backend, _) = t.join().unwrap();
-    let s = &backend.device().stats;
+    let s = backend.device().stats();
     assert_eq!((s.reads, s.writes, s.flushes, s.failed), (1, 1, 1, 0));
     assert_eq!((s.bytes_read, s.bytes_written), (12800, 12800));
     // The write touched 4 pages (unaligned 12.5 KiB), the read 4: both in the 4-page bucket.
@@ -135,7 +135,7 @@ fn bad_requests_are_answered_ioerr_and_the_queue_keeps_working() {
 
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(backend.device().stats.failed, 9);
+    assert_eq!(backend.device().stats().failed, 9);
     assert_eq!(
         backend.memory().dma().device_pinned_pages(),
         0,
@@ -167,7 +167,7 @@ fn a_status_descriptor_past_the_top_of_the_address_space_is_not_written() {
     assert_eq!(request(&mut g, 0, 0, &[(DATA, 512, true)]), (0, 513));
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(backend.device().stats.failed, 1);
+    assert_eq!(backend.device().stats().failed, 1);
 }
 
 /// The same wrap for a data buffer: the pages to pin were computed from `addr + len - 1` with a
@@ -183,7 +183,7 @@ fn a_data_buffer_past_the_top_of_the_address_space_is_refused() {
     assert_eq!(request(&mut g, 0, 0, &[(DATA, 512, true)]), (0, 513));
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(backend.device().stats.failed, 1);
+    assert_eq!(backend.device().stats().failed, 1);
 }
 
 #[test]
@@ -195,7 +195,9 @@ fn every_queue_of_a_multiqueue_device_serves_requests() {
         queues: 4,
         ..BlkOptions::default()
     };
-    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), options).unwrap());
+    let blk = Blk::new(disk.try_clone().unwrap(), options).unwrap();
+    let counts = blk.live();
+    let (c, t, live) = serve_live(blk);
     assert_eq!(
         c.get_u64(memvisor_vhost::proto::req::GET_QUEUE_NUM)
             .unwrap(),
@@ -218,6 +220,16 @@ fn every_queue_of_a_multiqueue_device_serves_requests() {
         threads.iter().any(|t| t == "memvisor-q3"),
         "a worker thread for queue 3 among {threads:?}"
     );
+    // Live, while the worker still holds the ring: the read is on queue 3's counters, the
+    // kick on ring 3's row, served on its worker.
+    let per_queue: Vec<u64> = counts.queues().iter().map(|q| q.reads).collect();
+    assert_eq!(per_queue, vec![0, 0, 0, 1]);
+    assert_eq!(counts.total().pinned_pages, 0, "nothing pinned once idle");
+    let rows = live.queues();
+    assert!(rows[3].on_worker && rows[3].running && rows[3].worker_kicks >= 1);
+    assert_eq!(rows[3].kicks, rows[3].worker_kicks);
+    assert!(rows[..3].iter().all(|r| r.kicks == 0 && !r.running));
+    assert!(live.connected());
     // num_queues in the config space.
     let cfg = c
         .get(
@@ -228,12 +240,13 @@ fn every_queue_of_a_multiqueue_device_serves_requests() {
     assert_eq!(&cfg[12..], &4u16.to_le_bytes());
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(
-        backend.device().stats.reads,
-        1,
-        "the worker's counts came back with its ring"
+    assert_eq!(backend.device().stats().reads, 1);
+    assert!(backend.stats().lent >= 1 && backend.stats().kicks >= 1);
+    assert!(!live.connected());
+    assert!(
+        !live.queues()[3].on_worker,
+        "the ring came back from its worker"
     );
-    assert!(backend.stats.lent >= 1 && backend.stats.kicks >= 1);
 }
 
 #[test]
@@ -405,7 +418,7 @@ fn a_request_of_more_than_512_pages_in_one_segment_is_served() {
     assert!(back == pattern, "the 5 MiB read back");
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(backend.device().stats.failed, 0);
+    assert_eq!(backend.device().stats().failed, 0);
 }
 
 /// An image opened O_DIRECT in the temporary directory, or why it cannot be.
@@ -469,7 +482,7 @@ fn an_o_direct_image_serves_aligned_buffers_directly_and_copies_unaligned_ones()
     assert!(back == a, "the aligned read landed");
     drop(c);
     let (backend, _) = t.join().unwrap();
-    let s = &backend.device().stats;
+    let s = backend.device().stats();
     assert_eq!(
         (s.bounced, s.failed),
         (2, 0),
@@ -523,7 +536,7 @@ fn discard_and_write_zeroes_clear_their_ranges_and_refuse_bad_segments() {
     assert!(again == img, "refused requests changed the image");
     drop(c);
     let (backend, _) = t.join().unwrap();
-    let s = &backend.device().stats;
+    let s = backend.device().stats();
     assert_eq!((s.discards, s.write_zeroes, s.failed), (1, 2, 5));
 }
 
@@ -551,7 +564,7 @@ fn a_failing_disk_fails_that_request_alone() {
 
     drop(c);
     let (backend, _) = t.join().unwrap();
-    let s = &backend.device().stats;
+    let s = backend.device().stats();
     assert_eq!((s.failed, s.io_errors, s.pin_errors), (1, 1, 0));
     assert_eq!((s.reads, s.writes), (1, 0));
     assert_eq!(
@@ -645,7 +658,7 @@ fn requests_available_together_are_carried_out_as_one_batch() {
     }
     drop(c);
     let (backend, _) = t.join().unwrap();
-    let s = &backend.device().stats;
+    let s = backend.device().stats();
     assert_eq!((s.reads, s.writes, s.failed), (5, 5, 0));
     assert_eq!(
         s.batches, 2,
@@ -848,7 +861,7 @@ fn a_restarted_back_end_redoes_the_requests_left_in_flight_oldest_first() {
     assert_ne!(pf & protocol::INFLIGHT_SHMFD, 0);
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(backend.device().stats.failed, 0);
+    assert_eq!(backend.device().stats().failed, 0);
 }
 
 #[test]
@@ -968,7 +981,7 @@ fn a_polling_device_serves_requests_made_available_without_a_kick() {
         assert!(got.iter().all(|&b| b == 0x5a));
         drop(c);
         let (backend, _) = t.join().unwrap();
-        assert_eq!(backend.stats.poll_hits > 0, poll_us > 0);
+        assert_eq!(backend.stats().poll_hits > 0, poll_us > 0);
     }
 }
 
@@ -990,7 +1003,7 @@ fn the_pin_cost_counters_count_each_request_pinned_and_unpinned() {
     }
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(backend.device().stats.failed, 0);
+    assert_eq!(backend.device().stats().failed, 0);
     let after = (cost.pins.load(Relaxed), cost.unpins.load(Relaxed));
     assert!(
         after.0 >= before.0 + 4 && after.1 >= before.1 + 4,

@@ -130,7 +130,7 @@ fn a_frontend_that_dies_mid_migration_leaves_no_mapping_of_its_memory_or_log() {
 
     stop.store(true, Ordering::Relaxed);
     let b = t.join().unwrap();
-    assert_eq!(b.stats.connections, 2);
+    assert_eq!(b.stats().connections, 2);
     assert!(b.memory().is_empty(), "the last frontend's memory is held");
     assert!(
         !b.memory().is_logging(),

@@ -254,7 +254,7 @@ fn hostile_messages_are_refused_and_change_nothing() {
     let (backend, end) = t.join().unwrap();
     assert!(matches!(end, Err(Error::Invalid(_))), "{end:?}");
     assert_eq!(backend.memory().len(), regions_before, "memory changed");
-    assert_eq!(backend.stats.refused as usize, cases.len() + 1);
+    assert_eq!(backend.stats().refused as usize, cases.len() + 1);
     assert_eq!(backend.memory().dma().device_pinned_pages(), 0);
 }
 
@@ -362,7 +362,7 @@ fn a_frontend_that_leaves_and_comes_back_gets_a_clean_device() {
 
     stop.store(true, Ordering::Relaxed);
     let b = t.join().unwrap();
-    assert_eq!(b.stats.connections, 2);
+    assert_eq!(b.stats().connections, 2);
     assert!(
         b.memory().is_empty(),
         "the last frontend's memory is still mapped"
@@ -409,5 +409,5 @@ fn a_running_ring_may_be_told_its_own_addresses_again() {
     assert_eq!(read_one(&mut g), 0);
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(backend.stats.refused, 0);
+    assert_eq!(backend.stats().refused, 0);
 }

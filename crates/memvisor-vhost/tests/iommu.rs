@@ -227,8 +227,8 @@ fn rings_and_buffers_go_through_the_iotlb() {
     let (backend, _) = t.join().unwrap();
     // The ring, the never-mapped IOVA and the invalidated one; not the read-only mapping (a
     // translation without the access is no miss).
-    assert_eq!(backend.stats.iotlb_misses, 3);
-    assert_eq!(backend.stats.iotlb_invalidates, 2);
+    assert_eq!(backend.stats().iotlb_misses, 3);
+    assert_eq!(backend.stats().iotlb_invalidates, 2);
     assert!(backend.memory().dma().is_empty());
 }
 
@@ -433,6 +433,6 @@ fn indirect_tables_are_read_through_the_iotlb() {
     );
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert_eq!(backend.stats.iotlb_misses, 1);
-    assert_eq!(backend.device().stats.indirect, 1);
+    assert_eq!(backend.stats().iotlb_misses, 1);
+    assert_eq!(backend.device().stats().indirect, 1);
 }

@@ -89,7 +89,7 @@ fn read_with_log(disable: bool) -> (Vec<u64>, u64) {
     let pages = logged(&log, 1024);
     drop(c);
     let (backend, _) = t.join().unwrap();
-    (pages, backend.stats.logged_pages)
+    (pages, backend.stats().logged_pages)
 }
 
 #[test]

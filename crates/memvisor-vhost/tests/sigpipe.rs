@@ -65,5 +65,5 @@ fn an_iotlb_miss_on_a_closed_back_end_channel_does_not_raise_sigpipe() {
     );
     drop(c);
     let (backend, _) = t.join().unwrap();
-    assert!(backend.stats.iotlb_misses >= 1, "no MISS was sent");
+    assert!(backend.stats().iotlb_misses >= 1, "no MISS was sent");
 }

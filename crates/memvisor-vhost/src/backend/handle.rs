@@ -40,7 +40,7 @@ impl<D: Device + 'static> Backend<D> {
                     log::info!(
                         "{}: dirty logging off ({} pages logged)",
                         self.device.name(),
-                        self.stats.logged_pages
+                        self.live.stats().logged_pages
                     );
                 }
                 self.acked = f;
@@ -159,11 +159,14 @@ impl<D: Device + 'static> Backend<D> {
                         let t0 = std::time::Instant::now();
                         self.memory_mut()
                             .iotlb_update(m.iova, m.size, m.uaddr, prot)?;
-                        self.stats.iotlb_ns += t0.elapsed().as_nanos() as u64;
+                        self.live
+                            .protocol()
+                            .iotlb_ns
+                            .add(t0.elapsed().as_nanos() as u64);
                         if let Some(r) = self.record.as_mut() {
                             r.update(m.iova, m.size, m.uaddr, m.perm);
                         }
-                        self.stats.iotlb_updates += 1;
+                        self.live.protocol().iotlb_updates.add(1);
                         self.retry_pending_rings()?;
                         for i in 0..self.vrings.len() {
                             if self.vrings[i].miss_deadline.take().is_some() {
@@ -184,11 +187,14 @@ impl<D: Device + 'static> Backend<D> {
                             return Ok(None);
                         }
                         self.memory_mut().iotlb_invalidate(m.iova, m.size)?;
-                        self.stats.iotlb_ns += t0.elapsed().as_nanos() as u64;
+                        self.live
+                            .protocol()
+                            .iotlb_ns
+                            .add(t0.elapsed().as_nanos() as u64);
                         if let Some(r) = self.record.as_mut() {
                             r.invalidate(m.iova, m.size);
                         }
-                        self.stats.iotlb_invalidates += 1;
+                        self.live.protocol().iotlb_invalidates.add(1);
                     }
                     other => {
                         return Err(Error::BadIotlb(format!(

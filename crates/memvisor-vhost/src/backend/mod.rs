@@ -39,6 +39,7 @@ use virtio_queue::{Queue, QueueT};
 
 pub use crate::device::Device;
 use crate::error::{Error, Result};
+pub use crate::live::{BackendLive, BackendStats};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
 use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
 use crate::record::Recorder;
@@ -105,62 +106,19 @@ pub struct Backend<D: Device> {
     log_disabled: bool,
     /// Where IOTLB traffic is written down, if asked ([`Backend::record_iotlb`]).
     record: Option<Recorder>,
-    /// Called when a frontend has left, before its memory is dropped ([`Backend::on_disconnect`]).
-    on_disconnect: Option<Box<dyn FnMut() + Send>>,
+    /// Called when a frontend has left, before its memory is dropped
+    /// ([`Backend::on_disconnect`]).
+    on_disconnect: Vec<Box<dyn FnMut() + Send>>,
+    /// Called when a frontend has connected, and when it has left and everything it had is
+    /// released ([`Backend::on_connection`]).
+    on_connection: Vec<Box<dyn FnMut(bool) + Send>>,
     /// A kick was served since the loop last slept: poll before sleeping ([`Device::poll`]).
     kicked_since_sleep: bool,
-    /// Requests handled and refused over this back end's life (for the logs and tests).
-    pub stats: BackendStats,
+    /// What it counted, readable from other threads ([`Backend::live`]).
+    live: BackendLive,
     /// Test-only (`MEMVISOR_TEST_LEAK_ON_HANGUP`): what departed frontends left, kept.
     #[cfg(feature = "test-hooks")]
     leaked: Vec<Box<dyn std::any::Any + Send>>,
-}
-
-/// Counts of what a back end saw (serialized as they are named here, e.g. in `--stats`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct BackendStats {
-    /// Connections served.
-    pub connections: u64,
-    /// Messages handled.
-    pub messages: u64,
-    /// Messages refused (state left as it was).
-    pub refused: u64,
-    /// Kicks processed.
-    pub kicks: u64,
-    /// Pages written to the frontend's dirty log.
-    pub logged_pages: u64,
-    /// IOTLB updates applied.
-    pub iotlb_updates: u64,
-    /// IOTLB invalidations applied.
-    pub iotlb_invalidates: u64,
-    /// IOTLB misses sent.
-    pub iotlb_misses: u64,
-    /// Times a ring was lent to a worker thread of its own, and the kicks served on
-    /// those threads (counted in `kicks` too).
-    pub lent: u64,
-    pub worker_kicks: u64,
-    /// Times polling found a ring with new requests, served with no kick ([`Device::poll`]).
-    pub poll_hits: u64,
-    /// Nanoseconds spent in the device's queue processing (requests, including their I/O).
-    pub process_ns: u64,
-    /// Nanoseconds spent moving dirty pages into the frontend's log, and how many times.
-    pub log_ns: u64,
-    pub log_drains: u64,
-    /// Nanoseconds spent applying IOTLB updates and invalidations (not the requests they let
-    /// go on).
-    pub iotlb_ns: u64,
-}
-
-impl BackendStats {
-    /// Adds a ring worker's counts (what it can count: kicks, processing, the log).
-    pub(crate) fn add(&mut self, w: &BackendStats) {
-        self.kicks += w.kicks;
-        self.poll_hits += w.poll_hits;
-        self.process_ns += w.process_ns;
-        self.logged_pages += w.logged_pages;
-        self.log_ns += w.log_ns;
-        self.log_drains += w.log_drains;
-    }
 }
 
 impl<D: Device + 'static> Backend<D> {
@@ -182,9 +140,10 @@ impl<D: Device + 'static> Backend<D> {
             inflight: None,
             log_disabled: false,
             record: None,
-            on_disconnect: None,
+            on_disconnect: Vec::new(),
+            on_connection: Vec::new(),
             kicked_since_sleep: false,
-            stats: BackendStats::default(),
+            live: BackendLive::new(n),
             #[cfg(feature = "test-hooks")]
             leaked: Vec::new(),
         })
@@ -198,10 +157,27 @@ impl<D: Device + 'static> Backend<D> {
         self.log_disabled = true;
     }
 
+    /// Calls `f(true)` each time a frontend has connected, before its first message is read,
+    /// and `f(false)` when it has left and everything it had is released (the live counters
+    /// already say so).
+    pub fn on_connection(&mut self, f: Box<dyn FnMut(bool) + Send>) {
+        self.on_connection.push(f);
+    }
+
     /// Calls `f` each time a frontend has left, before its memory is unmapped: the moment to
     /// see what the process holds for it, idle (the memlock trial compares registry and VmLck).
     pub fn on_disconnect(&mut self, f: Box<dyn FnMut() + Send>) {
-        self.on_disconnect = Some(f);
+        self.on_disconnect.push(f);
+    }
+
+    /// The back end's counters, to read from any thread while it serves ([`crate::live`]).
+    pub fn live(&self) -> BackendLive {
+        self.live.clone()
+    }
+
+    /// The back end's totals now.
+    pub fn stats(&self) -> BackendStats {
+        self.live.stats()
     }
 
     /// Writes the memory tables and IOTLB traffic (updates, invalidates, misses) to `out` in
@@ -222,9 +198,10 @@ impl<D: Device + 'static> Backend<D> {
         if let (Some(log), false) = (&self.log, self.log_disabled) {
             let t0 = std::time::Instant::now();
             let pages = self.memory.drain_dirty(log)?;
-            self.stats.logged_pages += pages;
-            self.stats.log_ns += t0.elapsed().as_nanos() as u64;
-            self.stats.log_drains += 1;
+            let p = self.live.protocol();
+            p.logged_pages.add(pages);
+            p.log_ns.add(t0.elapsed().as_nanos() as u64);
+            p.log_drains.add(1);
         }
         Ok(())
     }
@@ -260,8 +237,9 @@ impl<D: Device + 'static> Backend<D> {
                         op: "set socket blocking",
                         source,
                     })?;
-                    self.stats.connections += 1;
+                    self.live.protocol().connections.add(1);
                     log::info!("{}: frontend connected", self.device.name());
+                    self.on_connection.iter_mut().for_each(|f| f(true));
                     match self.run(&sock, stop) {
                         Ok(()) | Err(Error::Wire(WireError::Disconnected)) => {
                             log::info!("{}: frontend disconnected", self.device.name())
@@ -270,6 +248,8 @@ impl<D: Device + 'static> Backend<D> {
                     }
                     self.on_disconnect.iter_mut().for_each(|f| f());
                     self.disconnect();
+                    self.publish_rings();
+                    self.on_connection.iter_mut().for_each(|f| f(false));
                     if let Some(r) = self.record.as_mut() {
                         r.flush();
                     }
@@ -292,10 +272,12 @@ impl<D: Device + 'static> Backend<D> {
     /// Serves one connected frontend until it leaves, the stream breaks, or `stop` is set;
     /// returns after every transfer the device had out has ended.
     pub fn run(&mut self, sock: &UnixStream, stop: &AtomicBool) -> Result<()> {
+        self.live.set_connected(true);
         self.start_workers();
         let r = self.serve_connection(sock, stop);
         self.stop_workers();
         self.reap(true);
+        self.live.set_connected(false);
         r
     }
 
@@ -341,6 +323,7 @@ impl<D: Device + 'static> Backend<D> {
                     revents: 0,
                 });
             }
+            self.publish_rings();
             let first_ring = fds.len();
             let mut rings = Vec::new();
             for (i, v) in self.vrings.iter().enumerate() {
@@ -397,7 +380,7 @@ impl<D: Device + 'static> Backend<D> {
             self.reap(false);
             for i in 0..self.vrings.len() {
                 if self.has_requests(i) {
-                    self.stats.poll_hits += 1;
+                    self.live.ring(i).poll_hits.add(1);
                     self.process(i)?;
                     until = std::time::Instant::now() + budget;
                 }
@@ -406,6 +389,14 @@ impl<D: Device + 'static> Backend<D> {
                 return Ok(());
             }
             std::hint::spin_loop();
+        }
+    }
+
+    /// Tells the live counters which rings run (for readers on other threads).
+    fn publish_rings(&self) {
+        for (i, v) in self.vrings.iter().enumerate() {
+            let running = v.started && v.enabled;
+            self.live.ring(i).running.store(running, Ordering::Relaxed);
         }
     }
 
@@ -470,13 +461,13 @@ impl<D: Device + 'static> Backend<D> {
             let Some(r) = w.stop() else {
                 continue;
             };
-            let v = &mut self.vrings[usize::from(r.index)];
+            let i = usize::from(r.index);
+            let v = &mut self.vrings[i];
             v.queue = Some(r.ring);
             if r.broken {
                 v.started = false;
             }
-            self.stats.add(&r.stats);
-            self.stats.worker_kicks += r.stats.kicks;
+            self.live.ring(i).on_worker.store(false, Ordering::Relaxed);
             self.device.join_worker(r.device);
         }
     }
@@ -510,13 +501,16 @@ impl<D: Device + 'static> Backend<D> {
                 device,
                 memory: self.memory.clone(),
                 log,
+                live: self.live.clone(),
                 kick,
                 call,
                 err,
             };
             match Worker::start(lent) {
                 Ok(w) => {
-                    self.stats.lent += 1;
+                    let r = self.live.ring(i);
+                    r.lent.add(1);
+                    r.on_worker.store(true, Ordering::Relaxed);
                     self.workers.push(w);
                 }
                 Err(e) => {
@@ -540,7 +534,7 @@ impl<D: Device + 'static> Backend<D> {
     }
 
     fn handle_message(&mut self, sock: &UnixStream, msg: Message) -> Result<()> {
-        self.stats.messages += 1;
+        self.live.protocol().messages.add(1);
         let request = msg.header.request;
         let ack = msg.needs_reply() && self.protocol_acked & protocol::REPLY_ACK != 0;
         match self.handle(msg) {
@@ -554,7 +548,7 @@ impl<D: Device + 'static> Backend<D> {
             Ok(None) if ack => wire::reply(sock, request, &0u64.to_le_bytes()),
             Ok(None) => Ok(()),
             Err(e) => {
-                self.stats.refused += 1;
+                self.live.protocol().refused.add(1);
                 log::warn!(
                     "{}: {} refused: {e}",
                     self.device.name(),
@@ -632,7 +626,7 @@ impl<D: Device + 'static> Backend<D> {
         } else {
             proto::iotlb::ACCESS_RO
         };
-        self.stats.iotlb_misses += 1;
+        self.live.protocol().iotlb_misses.add(1);
         if let Some(r) = self.record.as_mut() {
             r.miss(iova, perm);
         }
@@ -768,7 +762,7 @@ impl<D: Device + 'static> Backend<D> {
             // An eventfd read of 8 bytes clears it; EAGAIN cannot happen after POLLIN.
             let _ = k.read(&mut b);
         }
-        self.stats.kicks += 1;
+        self.live.ring(i).kicks.add(1);
         self.kicked_since_sleep = true;
         self.process(i)
     }
@@ -797,7 +791,10 @@ impl<D: Device + 'static> Backend<D> {
         };
         let t0 = std::time::Instant::now();
         let r = self.device.process(i as u16, q, &self.memory);
-        self.stats.process_ns += t0.elapsed().as_nanos() as u64;
+        self.live
+            .ring(i)
+            .process_ns
+            .add(t0.elapsed().as_nanos() as u64);
         // Transfers the kernel finished at once (the page cache) end now, not a poll later.
         let ended = self.collect_ended(false);
         // Completed requests — these and those `process` ended itself — are logged, in one

@@ -144,7 +144,7 @@ impl Device for Blk {
                     Err(e) => Err(e),
                 };
                 self.free.push(slot);
-                let (_, written) = self.end_transfer(&dma, o.status_at, o.ready, moved);
+                let (_, written) = self.end_transfer(o.ring, &dma, o.status_at, o.ready, moved);
                 match rings
                     .get_mut(usize::from(o.ring))
                     .and_then(|r| r.as_deref_mut())
@@ -182,15 +182,13 @@ impl Device for Blk {
 
     fn queue_worker(&self) -> Option<Blk> {
         // The same image through a second descriptor (one open file: the same flags,
-        // O_DIRECT included), with an io_uring and counts of its own.
+        // O_DIRECT included), with an io_uring of its own; it counts in the same live
+        // counters, on its queue's block.
         let file = self.disk.file().try_clone().ok()?;
         let mut b = Blk::new(file, self.options.clone()).ok()?;
         b.acked = self.acked;
+        b.live = self.live.clone();
         Some(b)
-    }
-
-    fn join_worker(&mut self, worker: Blk) {
-        self.stats.add(&worker.stats);
     }
 
     fn poll(&self) -> Option<std::time::Duration> {

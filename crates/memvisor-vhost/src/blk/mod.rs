@@ -66,8 +66,8 @@ use crate::ring::{Desc as Buf, Ring};
 mod device;
 mod stats;
 
-pub use stats::BlkStats;
-use stats::record;
+use stats::BlkCounters;
+pub use stats::{BlkLive, BlkStats};
 
 /// virtio device id of a block device.
 pub const DEVICE_ID: u32 = 2;
@@ -146,8 +146,8 @@ pub struct Blk {
     out: Vec<Option<Out>>,
     /// Keys free for the next transfer.
     free: Vec<usize>,
-    /// What it has done so far.
-    pub stats: BlkStats,
+    /// What it has done so far, per queue, shared with its queue workers ([`Blk::live`]).
+    live: BlkLive,
 }
 
 /// A read or write handed to the kernel: where its chain goes back, and what it holds.
@@ -173,6 +173,7 @@ impl Blk {
                 "a block device needs at least one queue".into(),
             ));
         }
+        let live = BlkLive::new(options.queues);
         Ok(Blk {
             disk,
             sectors: len / SECTOR,
@@ -181,7 +182,7 @@ impl Blk {
             fail_misses: false,
             out: (0..IN_FLIGHT).map(|_| None).collect(),
             free: (0..IN_FLIGHT).rev().collect(),
-            stats: BlkStats::default(),
+            live,
         })
     }
 
@@ -207,7 +208,7 @@ impl Blk {
     /// Starts one request chain: done at once (the status and the bytes written into the
     /// chain; the status byte is written whatever happened, if the chain has a place for it), or
     /// a read or write ready for the kernel, finished by [`Blk::complete`].
-    fn request(&mut self, dma: &DmaSpace, bufs: &[Buf]) -> Started {
+    fn request(&mut self, q: u16, dma: &DmaSpace, bufs: &[Buf]) -> Started {
         // The status byte is the last byte of the last descriptor; a descriptor that runs past
         // the top of the address space has none (its end would wrap to a low address the chain
         // never named).
@@ -216,25 +217,26 @@ impl Blk {
             .filter(|b| b.write && b.len >= 1 && bufs.len() >= 2)
             .and_then(|b| b.addr.checked_add(u64::from(b.len) - 1))
         else {
-            self.stats.failed += 1;
+            self.count(q).failed.add(1);
             log::warn!(
                 "blk: chain of {} descriptors has no writable status byte inside the address space",
                 bufs.len()
             );
             return Started::Done(0);
         };
-        let result = match self.serve(dma, &bufs[0], &bufs[1..bufs.len() - 1]) {
+        let result = match self.serve(q, dma, &bufs[0], &bufs[1..bufs.len() - 1]) {
             Ok(Served::Ready(ready)) => return Started::Ready(status_at, ready),
             Ok(Served::Done(code, written)) => Ok((code, written)),
             Err(f) => Err(f),
         };
-        Started::Done(self.finish(dma, status_at, result).1)
+        Started::Done(self.finish(q, dma, status_at, result).1)
     }
 
     /// Ends a request: counts a failure, writes the status byte at `status_at`; returns the
     /// status and the bytes written into the chain.
     fn finish(
         &mut self,
+        q: u16,
         dma: &DmaSpace,
         status_at: u64,
         result: std::result::Result<(u8, u32), Failure>,
@@ -247,14 +249,15 @@ impl Blk {
                 (S_OK, 0)
             }
             Err(f) => {
-                self.stats.failed += 1;
+                let c = self.count(q);
+                c.failed.add(1);
                 match f {
                     Failure::Io(e) => {
-                        self.stats.io_errors += 1;
+                        c.io_errors.add(1);
                         log::warn!("blk: request failed on the disk: {e}");
                     }
                     Failure::Pin(e) => {
-                        self.stats.pin_errors += 1;
+                        c.pin_errors.add(1);
                         log::warn!("blk: request failed, its pages could not be pinned: {e}");
                     }
                     Failure::Other(e) => log::warn!("blk: request failed: {e}"),
@@ -275,35 +278,54 @@ impl Blk {
     /// unpins its pages, counts it and ends the request.
     fn end_transfer(
         &mut self,
+        q: u16,
         dma: &DmaSpace,
         status_at: u64,
         ready: Ready,
         moved: Result<u64>,
     ) -> (u8, u32) {
         unpin_all(dma, &ready.pages);
+        self.count(q).pinned_pages.sub(ready.pages.len() as u64);
         let result = moved.map_err(|e| io_failure(e, &ready)).map(|n| {
             debug_assert_eq!(n, ready.total);
-            self.account(ready.pages.len(), ready.to_guest, n);
+            self.account(q, ready.pages.len(), ready.to_guest, n);
             (S_OK, if ready.to_guest { n as u32 } else { 0 })
         });
-        self.finish(dma, status_at, result)
+        self.finish(q, dma, status_at, result)
     }
 
     /// Counts a read or write that moved `n` bytes over `pages` pinned pages.
-    fn account(&mut self, pages: usize, to_guest: bool, n: u64) {
-        record(&mut self.stats.npage_histogram, pages);
+    fn account(&self, q: u16, pages: usize, to_guest: bool, n: u64) {
+        let c = self.count(q);
+        c.record_pages(pages);
         if to_guest {
-            self.stats.reads += 1;
-            self.stats.bytes_read += n;
+            c.reads.add(1);
+            c.bytes_read.add(n);
         } else {
-            self.stats.writes += 1;
-            self.stats.bytes_written += n;
+            c.writes.add(1);
+            c.bytes_written.add(n);
         }
+    }
+
+    /// Queue `q`'s counters.
+    fn count(&self, q: u16) -> &BlkCounters {
+        self.live.queue(q)
+    }
+
+    /// The device's counters, per queue, to read from any thread while it serves.
+    pub fn live(&self) -> BlkLive {
+        self.live.clone()
+    }
+
+    /// What the device has done so far, all queues together.
+    pub fn stats(&self) -> BlkStats {
+        self.live.total()
     }
 
     /// Carries out the request of header descriptor `hdr_buf` with `data` buffers.
     fn serve(
         &mut self,
+        q: u16,
         dma: &DmaSpace,
         hdr_buf: &Buf,
         data: &[Buf],
@@ -331,18 +353,18 @@ impl Blk {
                 if !to_guest && self.options.read_only {
                     return Err(Error::BadChain("write to a read-only disk".into()).into());
                 }
-                match self.transfer(dma, data, sector, to_guest)? {
+                match self.transfer(q, dma, data, sector, to_guest)? {
                     Transferred::Ready(ready) => return Ok(Served::Ready(ready)),
                     Transferred::Done(n) => (S_OK, if to_guest { n } else { 0 }),
                 }
             }
             T_FLUSH => {
                 self.disk.sync_data().map_err(Failure::Io)?;
-                self.stats.flushes += 1;
+                self.count(q).flushes.add(1);
                 (S_OK, 0)
             }
             T_DISCARD | T_WRITE_ZEROES if !self.options.read_only => self
-                .ranges(dma, data, kind == T_WRITE_ZEROES)
+                .ranges(q, dma, data, kind == T_WRITE_ZEROES)
                 .map_err(|e| match e {
                     Error::Os { .. } => Failure::Io(e),
                     other => Failure::Other(other),
@@ -362,7 +384,7 @@ impl Blk {
             }
             other => {
                 log::debug!("blk: request type {other} not supported");
-                self.stats.failed += 1;
+                self.count(q).failed.add(1);
                 (S_UNSUPP, 0)
             }
         };
@@ -375,7 +397,7 @@ impl Blk {
     /// segment is checked before any is carried out; an unknown flag, or `unmap` on a discard,
     /// is `UNSUPP` as the specification asks. A file system that cannot punch holes ignores a
     /// discard (a hint) and has zeros written instead.
-    fn ranges(&mut self, dma: &DmaSpace, data: &[Buf], zeroes: bool) -> Result<(u8, u32)> {
+    fn ranges(&mut self, q: u16, dma: &DmaSpace, data: &[Buf], zeroes: bool) -> Result<(u8, u32)> {
         let what = if zeroes { "write-zeroes" } else { "discard" };
         let mut bytes = Vec::new();
         for b in data {
@@ -412,7 +434,7 @@ impl Blk {
             let allowed = if zeroes { WZ_UNMAP } else { 0 };
             if flags & !allowed != 0 {
                 log::debug!("blk: {what} segment flags {flags:#x} not supported");
-                self.stats.failed += 1;
+                self.count(q).failed.add(1);
                 return Ok((S_UNSUPP, 0));
             }
             if n > MAX_RANGE_SECTORS
@@ -445,9 +467,9 @@ impl Blk {
             }
         }
         if zeroes {
-            self.stats.write_zeroes += 1;
+            self.count(q).write_zeroes.add(1);
         } else {
-            self.stats.discards += 1;
+            self.count(q).discards.add(1);
         }
         Ok((S_OK, 0))
     }
@@ -456,6 +478,7 @@ impl Blk {
     /// image at `sector`; returns the bytes moved.
     fn transfer(
         &mut self,
+        q: u16,
         dma: &DmaSpace,
         data: &[Buf],
         sector: u64,
@@ -514,6 +537,7 @@ impl Blk {
         pages.dedup();
         let prot = if to_guest { Prot::WRITE } else { Prot::READ };
         pin_all(dma, &pages, prot).map_err(Failure::Pin)?;
+        self.count(q).pinned_pages.add(pages.len() as u64);
         let ready = Ready {
             pages,
             iov: Vec::new(),
@@ -521,21 +545,22 @@ impl Blk {
             to_guest,
             total,
         };
-        let (ready, result) = match self.prepare(dma, data, ready) {
+        let (ready, result) = match self.prepare(q, dma, data, ready) {
             Prepared::Iov(ready) => return Ok(Transferred::Ready(ready)),
             Prepared::Done(ready, n) => (ready, Ok(n)),
             Prepared::Failed(ready, e) => (ready, Err(e)),
         };
         unpin_all(dma, &ready.pages);
+        self.count(q).pinned_pages.sub(ready.pages.len() as u64);
         let n = result.map_err(|e| io_failure(e, &ready))?;
-        self.account(ready.pages.len(), to_guest, n);
+        self.account(q, ready.pages.len(), to_guest, n);
         Ok(Transferred::Done(n as u32))
     }
 
     /// Turns a pinned transfer's buffers into host iovecs for the kernel; a transfer `O_DIRECT`
     /// cannot take as it is goes through [`Blk::bounce`] here and now. A failed one comes back
     /// with the error, for its pages to be unpinned.
-    fn prepare(&mut self, dma: &DmaSpace, data: &[Buf], mut ready: Ready) -> Prepared {
+    fn prepare(&mut self, q: u16, dma: &DmaSpace, data: &[Buf], mut ready: Ready) -> Prepared {
         let (to_guest, total) = (ready.to_guest, ready.total);
         #[cfg(feature = "test-hooks")]
         if !to_guest && drop_writes() {
@@ -564,7 +589,7 @@ impl Blk {
         }
         let offset = ready.sector * SECTOR;
         if !self.disk.fits(&iov, offset, total) {
-            return match self.bounce(dma, data, offset, to_guest, total) {
+            return match self.bounce(q, dma, data, offset, to_guest, total) {
                 Ok(n) => Prepared::Done(ready, n),
                 Err(e) => Prepared::Failed(ready, e),
             };
@@ -605,7 +630,7 @@ impl Blk {
                             queue.resubmit_later(head);
                             return Err(miss(m));
                         }
-                        self.stats.failed += 1;
+                        self.count(index).failed.add(1);
                         log::warn!("blk: queue {index}: request {head} left in flight: {e}");
                         if let Err(e) = queue.add_used(&mem, head, 0) {
                             log::warn!("blk: queue {index}: cannot return head {head}: {e}");
@@ -674,18 +699,18 @@ impl Blk {
             if redo.is_none() {
                 queue.taken(head);
             }
-            self.stats.indirect += u64::from(indirect);
+            self.count(index).indirect.add(u64::from(indirect));
             let written = match cut {
                 Some(m) => {
                     // Cut short, with no one to ask: there is no status byte to write.
-                    self.stats.failed += 1;
+                    self.count(index).failed.add(1);
                     log::warn!(
                         "blk: queue {index}: descriptor chain {head} unreadable at iova {:#x}",
                         m.iova.0
                     );
                     0
                 }
-                None => match self.request(&dma, &bufs) {
+                None => match self.request(index, &dma, &bufs) {
                     Started::Done(written) => written,
                     Started::Ready(status_at, ready) => {
                         batch.push((head, status_at, ready));
@@ -755,16 +780,17 @@ impl Blk {
                 self.disk
                     .rw_vectored(&mut ready.iov, offset, ready.to_guest)
             };
-            let (_, written) = self.end_transfer(dma, status_at, ready, moved);
+            let (_, written) = self.end_transfer(index, dma, status_at, ready, moved);
             if let Err(e) = queue.add_used(&mem, head, written) {
                 log::warn!("blk: queue {index}: cannot return head {head}: {e}");
             }
             *any = true;
         }
+        let c = self.live.queue(index);
         if self.disk.submit() > 0 {
-            self.stats.batches += 1;
+            c.batches.add(1);
         }
-        self.stats.most_in_flight = self.stats.most_in_flight.max(self.disk.in_flight() as u64);
+        c.most_in_flight.raise(self.disk.in_flight() as u64);
     }
 
     /// Moves a transfer whose buffers `O_DIRECT` cannot take as they are through an aligned
@@ -772,6 +798,7 @@ impl Blk {
     /// pinned meanwhile), the file is read or written whole from the buffer.
     fn bounce(
         &mut self,
+        q: u16,
         dma: &DmaSpace,
         data: &[Buf],
         offset: u64,
@@ -812,7 +839,7 @@ impl Blk {
         if !to_guest {
             self.disk.write_at(bytes, offset)?;
         }
-        self.stats.bounced += 1;
+        self.count(q).bounced.add(1);
         Ok(total)
     }
 

@@ -1,9 +1,21 @@
 //! What a blk device counts: requests by kind, bytes, failures by cause, batches, and the
 //! pinned-page histogram of its reads and writes (the distribution a real guest produces).
-//! A ring worker counts on its own; its counts are added to the device's when it stops.
+//!
+//! The counts are kept per queue, live ([`crate::live`]): a [`BlkLive`] holds one block of
+//! counters per queue, shared by the device and the copies of it that serve a queue on a worker
+//! thread; the thread serving a queue is the only one adding to its block. [`BlkStats`] is what
+//! a block, or the sum of all of them, says at one moment.
 
-/// What the device has done.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+use std::sync::Arc;
+
+use crate::live::Counter;
+
+/// Buckets of the pinned-page histogram: up to 2^23 pages (32 GiB) in one request.
+const BUCKETS: usize = 24;
+
+/// What the device has done (serialized under these names; the histogram as
+/// `[[pages up to, requests], ...]` for the buckets with requests).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct BlkStats {
     /// Read requests completed.
     pub reads: u64,
@@ -36,13 +48,16 @@ pub struct BlkStats {
     pub batches: u64,
     /// The most reads and writes the kernel had from this device at once.
     pub most_in_flight: u64,
+    /// Guest pages pinned now for reads and writes in flight (0 whenever the device is idle).
+    pub pinned_pages: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
+    #[serde(serialize_with = "histogram_pairs")]
     pub npage_histogram: Vec<u64>,
 }
 
 impl BlkStats {
-    /// Adds another device's counts (a ring worker's, [`crate::Device::join_worker`]).
+    /// Adds another queue's counts.
     pub fn add(&mut self, o: &BlkStats) {
         // Every field named: a new one does not compile until it is added up here too.
         let BlkStats {
@@ -60,6 +75,7 @@ impl BlkStats {
             write_zeroes,
             batches,
             most_in_flight,
+            pinned_pages,
             npage_histogram,
         } = o;
         self.reads += reads;
@@ -76,6 +92,7 @@ impl BlkStats {
         self.write_zeroes += write_zeroes;
         self.batches += batches;
         self.most_in_flight = self.most_in_flight.max(*most_in_flight);
+        self.pinned_pages += pinned_pages;
         if self.npage_histogram.len() < npage_histogram.len() {
             self.npage_histogram.resize(npage_histogram.len(), 0);
         }
@@ -85,10 +102,122 @@ impl BlkStats {
     }
 }
 
-pub(super) fn record(h: &mut Vec<u64>, pages: usize) {
-    let bucket = pages.max(1).next_power_of_two().trailing_zeros() as usize;
-    if h.len() <= bucket {
-        h.resize(bucket + 1, 0);
+fn histogram_pairs<S: serde::Serializer>(h: &[u64], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeSeq;
+    let mut seq = s.serialize_seq(None)?;
+    for (i, n) in h.iter().enumerate().filter(|(_, n)| **n > 0) {
+        seq.serialize_element(&(1u64 << i, *n))?;
     }
-    h[bucket] += 1;
+    seq.end()
+}
+
+/// One queue's counters.
+#[derive(Debug, Default)]
+pub(super) struct BlkCounters {
+    pub reads: Counter,
+    pub writes: Counter,
+    pub flushes: Counter,
+    pub bytes_read: Counter,
+    pub bytes_written: Counter,
+    pub failed: Counter,
+    pub io_errors: Counter,
+    pub pin_errors: Counter,
+    pub indirect: Counter,
+    pub bounced: Counter,
+    pub discards: Counter,
+    pub write_zeroes: Counter,
+    pub batches: Counter,
+    pub most_in_flight: Counter,
+    pub pinned_pages: Counter,
+    npage_histogram: [Counter; BUCKETS],
+}
+
+impl BlkCounters {
+    /// Counts a read or write over `pages` pinned pages in the histogram.
+    pub fn record_pages(&self, pages: usize) {
+        let bucket = pages.max(1).next_power_of_two().trailing_zeros() as usize;
+        self.npage_histogram[bucket.min(BUCKETS - 1)].add(1);
+    }
+
+    fn snapshot(&self) -> BlkStats {
+        let mut npage_histogram: Vec<u64> = self.npage_histogram.iter().map(|c| c.get()).collect();
+        while npage_histogram.last() == Some(&0) {
+            npage_histogram.pop();
+        }
+        BlkStats {
+            reads: self.reads.get(),
+            writes: self.writes.get(),
+            flushes: self.flushes.get(),
+            bytes_read: self.bytes_read.get(),
+            bytes_written: self.bytes_written.get(),
+            failed: self.failed.get(),
+            io_errors: self.io_errors.get(),
+            pin_errors: self.pin_errors.get(),
+            indirect: self.indirect.get(),
+            bounced: self.bounced.get(),
+            discards: self.discards.get(),
+            write_zeroes: self.write_zeroes.get(),
+            batches: self.batches.get(),
+            most_in_flight: self.most_in_flight.get(),
+            pinned_pages: self.pinned_pages.get(),
+            npage_histogram,
+        }
+    }
+}
+
+/// A blk device's counters, one block per queue, to read from any thread while it serves
+/// ([`crate::Blk::live`]). Cloning shares them.
+#[derive(Clone, Debug)]
+pub struct BlkLive(Arc<[BlkCounters]>);
+
+impl BlkLive {
+    pub(super) fn new(queues: u16) -> BlkLive {
+        BlkLive((0..queues.max(1)).map(|_| BlkCounters::default()).collect())
+    }
+
+    /// Queue `q`'s block (the last queue's for an index past the end: the back end hands the
+    /// device only indexes below its queue count).
+    pub(super) fn queue(&self, q: u16) -> &BlkCounters {
+        &self.0[usize::from(q).min(self.0.len() - 1)]
+    }
+
+    /// Each queue's counts now.
+    pub fn queues(&self) -> Vec<BlkStats> {
+        self.0.iter().map(BlkCounters::snapshot).collect()
+    }
+
+    /// The device's counts now: the sum of its queues'.
+    pub fn total(&self) -> BlkStats {
+        let mut t = BlkStats::default();
+        for q in self.queues() {
+            t.add(&q);
+        }
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_total_sums_the_queues_and_keeps_the_highest_mark() {
+        let live = BlkLive::new(2);
+        live.queue(0).reads.add(3);
+        live.queue(1).reads.add(4);
+        live.queue(0).most_in_flight.raise(9);
+        live.queue(1).most_in_flight.raise(5);
+        live.queue(1).record_pages(1);
+        live.queue(1).record_pages(3);
+        live.queue(0).record_pages(1 << 30);
+        let t = live.total();
+        assert_eq!((t.reads, t.most_in_flight), (7, 9));
+        // 1 page: bucket 0; 3 pages: bucket 2 (up to 4); a huge request: the last bucket.
+        assert_eq!(t.npage_histogram[0..3], [1, 0, 1]);
+        assert_eq!(t.npage_histogram.len(), BUCKETS);
+        assert_eq!(live.queues()[1].npage_histogram, vec![1, 0, 1]);
+        // A queue index past the end counts on the last queue, never out of bounds.
+        live.queue(7).flushes.add(1);
+        assert_eq!(live.queues()[1].flushes, 1);
+    }
 }

@@ -160,14 +160,23 @@ pub type Served<D> = (Backend<D>, memvisor_vhost::Result<()>);
 /// A back end for `device` on one end of a socket pair, in its own thread; the thread returns
 /// the back end and how its loop ended when the client side closes.
 pub fn serve<D: Device + 'static>(device: D) -> (Client, JoinHandle<Served<D>>) {
+    let (c, t, _) = serve_live(device);
+    (c, t)
+}
+
+/// [`serve`], with the back end's live counters to read while it serves.
+pub fn serve_live<D: Device + 'static>(
+    device: D,
+) -> (Client, JoinHandle<Served<D>>, memvisor_vhost::BackendLive) {
     let (a, b) = UnixStream::pair().unwrap();
     let mut backend = Backend::new(device).unwrap();
+    let live = backend.live();
     let t = std::thread::spawn(move || {
         let stop = AtomicBool::new(false);
         let r = backend.run(&b, &stop);
         (backend, r)
     });
-    (Client::from_stream(a), t)
+    (Client::from_stream(a), t, live)
 }
 
 /// Negotiates features and protocol features, sends the memory table and starts ring 0.

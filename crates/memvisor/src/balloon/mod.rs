@@ -186,6 +186,7 @@ pub struct Processed {
 
 /// Running totals since the device was created.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct ReportingStats {
     /// Chains taken off the queue.
     pub chains: u64,
