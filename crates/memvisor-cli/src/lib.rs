@@ -5,11 +5,16 @@
 //! The servers (`serve`) follow the vhost-user specification's back end conventions: where
 //! their socket comes from (`listener`: a path, `--fd`, systemd socket activation), readiness
 //! (`notify`: sd_notify), `--print-capabilities` (`capabilities`) and the log (`logging`:
-//! `RUST_LOG`).
+//! `RUST_LOG`). What `serve` serves is read by `devices` (command line or configuration file);
+//! a running server answers on its control socket (`control`) from its live counters
+//! (`status`).
 
 pub mod bench;
 pub mod capabilities;
+pub mod control;
+pub mod devices;
 pub mod listener;
 pub mod logging;
 pub mod notify;
 pub mod serve;
+pub mod status;

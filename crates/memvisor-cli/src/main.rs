@@ -42,9 +42,9 @@ enum Command {
     VhostUserBlk(BlkArgs),
     /// Serve several vhost-user devices from one process, sharing one memvisor state
     Serve(ServeArgs),
-    /// Set the balloon target of a running `memvisor serve` (through its --control socket)
-    #[command(name = "balloon-target")]
-    BalloonTarget(TargetArgs),
+    /// Ask a running server through its --control socket: query-devices, query-stats,
+    /// balloon-set-target target-mib=N; or wait for an event
+    Ctl(CtlArgs),
     /// Serve the mvdma reference DMA device to vfio-user clients (QEMU's vfio-user-pci), one
     /// after another, until SIGINT/SIGTERM; each client's memory and pins are released when it
     /// goes
@@ -61,32 +61,29 @@ enum Command {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// A virtio-blk device (repeatable): SOCKET=DISK, then options separated by commas:
-    /// queues=N (1-64, default 1), read-only=on, serial=TEXT (GET_ID, at most 20 bytes; default
-    /// memvisor), direct=on (open the image O_DIRECT; default: the host page cache)
-    #[arg(long, value_name = "SOCKET=DISK[,OPTION=VALUE...]")]
-    blk: Vec<serve::BlkSpec>,
-    /// A virtio-balloon device on SOCKET (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,num_vqs=3,config_size=16;
-    /// num_vqs=4 with --balloon-stats-interval, one less with --no-reporting)
-    #[arg(long, value_name = "SOCKET")]
-    balloon: Vec<PathBuf>,
-    /// The balloon's initial target in MiB (how much memory to ask the guest for)
-    #[arg(long, value_name = "MiB", default_value_t = 0)]
-    balloon_target: u32,
-    /// Control socket: write `target <MiB>` lines to change the balloon target at run time
+    /// A virtio-blk device (repeatable): options separated by commas, the socket's name may be
+    /// left out: socket=PATH, disk=FILE (raw image), id=NAME (for the control socket; default
+    /// blk0, blk1, ...), queues=N (1-64, default 1), read-only=on, serial=TEXT (GET_ID, at most
+    /// 20 bytes; default memvisor), direct=on (open the image O_DIRECT; default: the host page
+    /// cache), poll-us=N (poll the rings N µs before sleeping; default 0)
+    #[arg(long, value_name = "socket=PATH,disk=FILE[,OPTION=VALUE...]")]
+    blk: Vec<memvisor_cli::devices::BlkSpec>,
+    /// A virtio-balloon device (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,
+    /// num_vqs=3,config_size=16, num_vqs=4 with stats-interval): socket=PATH, id=NAME (default
+    /// balloon0, ...), target-mib=N (initial target, default 0), reporting=off (no free page
+    /// reporting), stats-interval=SECS (offer the statistics queue, polled every SECS; default
+    /// 0: not offered), deflate-on-oom=on (default off, as in QEMU)
+    #[arg(long, value_name = "socket=PATH[,OPTION=VALUE...]")]
+    balloon: Vec<memvisor_cli::devices::BalloonSpec>,
+    /// Read devices and settings from a JSON file (the same names: {"blk": [{"socket": ...,
+    /// "disk": ...}], "balloon": [...], "control": PATH, "iommu": true, "long-term-pins": true,
+    /// "stats": FILE}); devices given on the command line are added
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Control socket: JSON commands, one per line (query-devices, query-stats,
+    /// balloon-set-target) and events; `memvisor ctl` is its client
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
-    /// Do not offer free page reporting on balloons (inflate/deflate only)
-    #[arg(long)]
-    no_reporting: bool,
-    /// Offer the balloons' statistics queue and ask the guest for fresh memory statistics every
-    /// SECS seconds (0, the default: not offered). They go to the debug log and --stats
-    #[arg(long, value_name = "SECS", default_value_t = 0)]
-    balloon_stats_interval: u32,
-    /// Offer deflate-on-OOM on balloons (default off, as in QEMU): a guest out of memory takes
-    /// pages back from the balloon instead of killing a process
-    #[arg(long)]
-    balloon_deflate_on_oom: bool,
     /// Offer VIRTIO_F_IOMMU_PLATFORM on the blk devices: they may sit behind a vIOMMU
     #[arg(long)]
     iommu: bool,
@@ -96,7 +93,7 @@ struct ServeArgs {
     /// in VmPin
     #[arg(long)]
     long_term_pins: bool,
-    /// Write what the devices did as JSON on exit
+    /// Write what the devices did as JSON on exit, and whenever SIGUSR1 comes
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
     /// Print the device types this server hosts as JSON (a list of the vhost-user
@@ -149,13 +146,24 @@ struct VfioUserArgs {
 }
 
 #[derive(Args)]
-struct TargetArgs {
-    /// The control socket given to `memvisor serve --control`
+struct CtlArgs {
+    /// The server's control socket (its --control PATH)
     #[arg(long, value_name = "PATH")]
     control: PathBuf,
-    /// Memory to ask the guest for, in MiB (0 gives it all back)
-    #[arg(value_name = "MiB")]
-    mib: u32,
+    /// The command: query-devices, query-stats, balloon-set-target, query-commands
+    #[arg(value_name = "COMMAND", required_unless_present = "wait_event")]
+    command: Option<String>,
+    /// Its arguments, NAME=VALUE (a value that reads as JSON is taken as such: numbers,
+    /// true, false), e.g. target-mib=256 or device=blk0
+    #[arg(value_name = "NAME=VALUE", requires = "command")]
+    arguments: Vec<String>,
+    /// Instead of a command, wait for the next event named NAME (e.g. FRONTEND_CONNECTED) and
+    /// print it
+    #[arg(long, value_name = "NAME", conflicts_with = "command")]
+    wait_event: Option<String>,
+    /// How long --wait-event waits
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    timeout: u64,
 }
 
 #[derive(Args)]
@@ -215,9 +223,14 @@ struct BlkArgs {
     /// in VmPin
     #[arg(long)]
     long_term_pins: bool,
-    /// Write what the device did (requests, bytes, pinned-page histogram, pins) as JSON on exit
+    /// Write what the device did (requests, bytes, pinned-page histogram, pins) as JSON on
+    /// exit, and whenever SIGUSR1 comes
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
+    /// Control socket: JSON commands, one per line (query-devices, query-stats) and events;
+    /// `memvisor ctl` is its client. The device is blk0
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
     /// Write the IOTLB traffic (memory tables, updates, invalidates, misses) to FILE, for
     /// `memvisor bench iotlb --replay FILE`
     #[arg(long, value_name = "FILE")]
@@ -261,7 +274,7 @@ fn main() -> ExitCode {
         Command::VfioUserFuzz(args) => run_vfio_user_fuzz(&args),
         Command::Serve(args) => run_serve(&args),
         Command::VfioUser(args) => run_vfio_user(&args),
-        Command::BalloonTarget(args) => run_target(&args),
+        Command::Ctl(args) => run_ctl(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -304,19 +317,26 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
             args.serial.len()
         );
     }
-    let options = memvisor_vhost::BlkOptions {
-        queues: args.queues,
-        serial: args.serial.clone(),
-        read_only: args.read_only,
-        iommu: args.iommu,
-        poll_us: args.poll_us,
+    let spec = memvisor_cli::devices::BlkSpec {
+        id: None,
+        socket: args.socket.socket_path.clone().unwrap_or_default(),
+        disk: disk.clone(),
+        options: memvisor_vhost::BlkOptions {
+            queues: args.queues,
+            serial: args.serial.clone(),
+            read_only: args.read_only,
+            iommu: false,
+            poll_us: args.poll_us,
+        },
+        direct: args.direct,
     };
     let report = serve::blk(
         &args.socket.spec(),
-        disk,
-        options,
-        args.direct,
+        spec,
+        args.iommu,
         args.record_iotlb.as_deref(),
+        args.control.as_deref(),
+        args.stats.as_deref(),
     )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
@@ -326,27 +346,33 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
     if args.print_capabilities {
         return print_capabilities(capabilities::serve());
     }
-    start_server()?;
-    let blk = args.blk.clone();
-    if blk.is_empty() && args.balloon.is_empty() {
-        bail!("nothing to serve: give --blk SOCKET=DISK and/or --balloon SOCKET");
+    let mut config = match &args.config {
+        Some(path) => memvisor_cli::devices::Config::read(path)?,
+        None => Default::default(),
+    };
+    config.blk.extend(args.blk.iter().cloned());
+    config.balloon.extend(args.balloon.iter().cloned());
+    if config.blk.is_empty() && config.balloon.is_empty() {
+        bail!(
+            "nothing to serve: give --blk socket=PATH,disk=FILE and/or --balloon socket=PATH \
+             (or a --config file that names devices)"
+        );
     }
-    if args.long_term_pins {
+    start_server()?;
+    if args.long_term_pins || config.long_term_pins {
         serve::use_long_term_pins()?;
     }
+    let stats = args.stats.clone().or(config.stats);
     let devices = serve::Devices {
-        blk,
-        balloon: args.balloon.clone(),
-        balloon_target_mib: args.balloon_target,
-        control: args.control.clone(),
-        reporting: !args.no_reporting,
-        balloon_stats_interval: Duration::from_secs(args.balloon_stats_interval.into()),
-        balloon_deflate_on_oom: args.balloon_deflate_on_oom,
-        iommu: args.iommu,
+        blk: config.blk,
+        balloon: config.balloon,
+        control: args.control.clone().or(config.control),
+        iommu: args.iommu || config.iommu,
+        stats: stats.clone(),
     };
     let report = serve::serve(&devices)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
-    serve::write_json(args.stats.as_ref(), &report)
+    serve::write_json(stats.as_ref(), &report)
 }
 
 fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
@@ -363,23 +389,38 @@ fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
     serve::write_json(args.stats.as_ref(), &report)
 }
 
-fn run_target(args: &TargetArgs) -> Result<()> {
-    use std::io::{BufRead, BufReader};
-    let mut sock = std::os::unix::net::UnixStream::connect(&args.control).with_context(|| {
-        format!(
-            "cannot connect to {}: is `memvisor serve --control` running?",
-            args.control.display()
-        )
-    })?;
-    writeln!(sock, "target {}", args.mib)?;
-    let mut answer = String::new();
-    BufReader::new(sock).read_line(&mut answer)?;
-    let answer = answer.trim();
-    if answer.starts_with("ok") {
-        println!("{answer}");
-        Ok(())
-    } else {
-        bail!("the back end said: {answer}")
+fn run_ctl(args: &CtlArgs) -> Result<()> {
+    use memvisor_cli::control::Client;
+    let mut client = Client::connect(&args.control)?;
+    if let Some(name) = &args.wait_event {
+        let deadline = std::time::Instant::now() + Duration::from_secs(args.timeout);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let event = client
+                .next_event(left)
+                .with_context(|| format!("waiting for the event {name}"))?;
+            if event["event"] == name.as_str() {
+                println!("{event}");
+                return Ok(());
+            }
+        }
+    }
+    let command = args.command.as_deref().unwrap_or_default();
+    let mut arguments = serde_json::Map::new();
+    for a in &args.arguments {
+        let Some((name, value)) = a.split_once('=') else {
+            bail!("argument {a:?}: write NAME=VALUE, e.g. target-mib=256");
+        };
+        let value = serde_json::from_str(value)
+            .unwrap_or_else(|_| serde_json::Value::String(value.to_string()));
+        arguments.insert(name.to_string(), value);
+    }
+    let answer = client.execute(command, serde_json::Value::Object(arguments))?;
+    let text = serde_json::to_string_pretty(&answer)? + "\n";
+    match io::stdout().write_all(text.as_bytes()) {
+        // A reader that stopped early (`| head`) is not an error.
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
     }
 }
 

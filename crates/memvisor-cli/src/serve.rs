@@ -1,9 +1,14 @@
-//! `memvisor vhost-user-blk` (and the devices that follow): serve a device on a vhost-user
-//! socket until SIGINT or SIGTERM, then print (and optionally write) what it did.
+//! `memvisor vhost-user-blk`, `memvisor serve` and `memvisor vfio-user`: serve devices on
+//! their sockets until SIGINT or SIGTERM, then print (and optionally write) what they did.
 //!
 //! Several `--blk` / `--balloon` devices given to one process share memvisor's process-wide
 //! state — one mapping per range of guest memory and one pin registry — so a balloon discard
-//! never frees a page the block device has pinned for I/O in flight.
+//! never frees a page the block device has pinned for I/O in flight. Each device is served by
+//! its own thread; the main thread waits for them and, on SIGUSR1, writes the `--stats` report
+//! as it stands (to the `--stats` file, or to stderr), without stopping anything. With
+//! `--control PATH` a control socket answers `query-devices`, `query-stats` and
+//! `balloon-set-target` and sends an event when a frontend connects or disconnects
+//! ([`crate::control`], [`crate::status`]).
 //!
 //! `memvisor vfio-user` serves one vfio-user client at a time, one after another, as a
 //! deployed device server must (QEMU reconnects after a restart or a migration): every
@@ -18,36 +23,51 @@
 //! read from `MEMVISOR_TEST_*` environment variables, and exist in no other build.
 
 use std::fs::OpenOptions;
-use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 
+use crate::devices::{BalloonSpec, BlkSpec};
 use crate::listener::{self, SocketSpec};
-use memvisor::dma::PinRegistry;
-use memvisor_vhost::balloon::GuestStatsStatus;
-use memvisor_vhost::{
-    Backend, BackendStats, BalloonDevice, BalloonTarget, Blk, BlkOptions, BlkStats,
+use crate::status::{
+    BlkServeReport, Device, Kind, PinCheck, PinChecks, Registry, ServeReport, connection_events,
 };
+use memvisor::dma::PinRegistry;
+use memvisor_vhost::{Backend, BalloonDevice, BalloonTarget, Blk, BlkOptions, Device as _};
 use serde::Serialize;
 
 /// Set by SIGINT / SIGTERM.
 static STOP: AtomicBool = AtomicBool::new(false);
+/// Set by SIGUSR1: write the report now.
+static REPORT: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::Relaxed);
 }
 
-/// Installs the SIGINT/SIGTERM handler that stops the serving loops.
+extern "C" fn on_report_signal(_: libc::c_int) {
+    REPORT.store(true, Ordering::Relaxed);
+}
+
+/// Installs the handlers: SIGINT/SIGTERM stop the serving loops, SIGUSR1 asks for the report.
 pub fn stop_on_signals() {
     for sig in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
         unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
     }
+    // SAFETY: as above.
+    unsafe {
+        libc::signal(
+            libc::SIGUSR1,
+            on_report_signal as *const () as libc::sighandler_t,
+        )
+    };
 }
 
 /// Tells a service manager the server is up: every socket listens.
@@ -60,129 +80,82 @@ fn stopping() {
     crate::notify::notify("STOPPING=1");
 }
 
-/// What a block back end did, for `--stats`.
-#[derive(Serialize)]
-pub struct BlkReport {
-    /// Socket served.
-    pub socket: String,
-    /// What the protocol layer saw and the time it spent (connections, messages, IOTLB,
-    /// dirty log), under the same names as [`BackendStats`].
-    #[serde(flatten)]
-    pub backend: BackendStats,
-    /// Reads, writes, flushes.
-    pub reads: u64,
-    /// Writes.
-    pub writes: u64,
-    /// Flushes.
-    pub flushes: u64,
-    /// Bytes read into guest memory.
-    pub bytes_read: u64,
-    /// Bytes written from guest memory.
-    pub bytes_written: u64,
-    /// Failed requests.
-    pub failed: u64,
-    /// Of those, reads and writes the disk refused (EIO, ENOSPC).
-    pub io_errors: u64,
-    /// Of those, reads and writes whose pages could not be pinned (the locked-memory limit).
-    pub pin_errors: u64,
-    /// Requests whose chain was an indirect descriptor table.
-    pub indirect: u64,
-    /// Transfers copied through an aligned buffer (an O_DIRECT image, unaligned guest buffers).
-    pub bounced: u64,
-    /// Discard requests carried out.
-    pub discards: u64,
-    /// Write-zeroes requests carried out.
-    pub write_zeroes: u64,
-    /// Batches of reads and writes handed to the kernel together.
-    pub batches: u64,
-    /// The most reads and writes out with the kernel at once.
-    pub most_in_flight: u64,
-    /// Requests by pinned 4 KiB pages, as `[pages up to, requests]`.
-    pub npage_histogram: Vec<(u64, u64)>,
+/// Waits for the device threads; meanwhile, each SIGUSR1 calls `report`.
+fn supervise<T>(threads: Vec<JoinHandle<Result<T>>>, report: impl Fn()) -> Vec<Result<T>> {
+    while threads.iter().any(|t| !t.is_finished()) {
+        if REPORT.swap(false, Ordering::Relaxed) {
+            report();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    threads
+        .into_iter()
+        .map(|t| {
+            t.join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("a device thread panicked")))
+        })
+        .collect()
 }
 
-impl BlkReport {
-    fn new(socket: String, b: &BackendStats, s: &BlkStats) -> Self {
-        BlkReport {
-            socket,
-            backend: *b,
-            reads: s.reads,
-            writes: s.writes,
-            flushes: s.flushes,
-            bytes_read: s.bytes_read,
-            bytes_written: s.bytes_written,
-            failed: s.failed,
-            io_errors: s.io_errors,
-            pin_errors: s.pin_errors,
-            indirect: s.indirect,
-            bounced: s.bounced,
-            discards: s.discards,
-            write_zeroes: s.write_zeroes,
-            batches: s.batches,
-            most_in_flight: s.most_in_flight,
-            npage_histogram: s
-                .npage_histogram
-                .iter()
-                .enumerate()
-                .filter(|(_, n)| **n > 0)
-                .map(|(i, n)| (1u64 << i, *n))
-                .collect(),
+/// Writes `value` to `path` whole (a reader never sees half a report), or to stderr if no
+/// path was given: what SIGUSR1 asks for.
+fn report_now<T: Serialize>(path: Option<&Path>, value: &T) {
+    let r = match path {
+        Some(p) => {
+            let tmp = p.with_extension("tmp");
+            serde_json::to_string_pretty(value)
+                .map_err(anyhow::Error::from)
+                .and_then(|text| Ok(std::fs::write(&tmp, text)?))
+                .and_then(|()| Ok(std::fs::rename(&tmp, p)?))
+                .map(|()| log::info!("SIGUSR1: statistics written to {}", p.display()))
         }
+        None => serde_json::to_string_pretty(value)
+            .map(|text| eprintln!("{text}"))
+            .map_err(anyhow::Error::from),
+    };
+    if let Err(e) = r {
+        log::error!("SIGUSR1: cannot write the statistics: {e:#}");
     }
 }
 
-/// What `memvisor vhost-user-blk` did: the device, and the process's pin registry after it.
-#[derive(Serialize)]
-pub struct BlkServeReport {
-    /// The device.
-    #[serde(flatten)]
-    pub device: BlkReport,
-    /// The process's pin registry when the device had stopped.
-    pub pins: PinReport,
-    /// The registry and the kernel's count each time a frontend had left, before its memory
-    /// was unmapped: one entry per connection.
-    pub pins_at_disconnect: Vec<PinCheck>,
-    /// What pinning and unpinning requests' pages cost the data path.
-    pub pin_cost: PinCostReport,
-}
-
-/// The blk data path's pin cost ([`memvisor_vhost::pin_cost::PIN_COST`]), for `--stats`: requests
-/// pinned and unpinned and the wall time spent in `DmaSpace::pin_pages` / `unpin_pages` for
-/// them, over the whole process.
-#[derive(Serialize, Default, Clone, Copy, Debug)]
-pub struct PinCostReport {
-    pub pins: u64,
-    pub pin_ns: u64,
-    pub unpins: u64,
-    pub unpin_ns: u64,
-}
-
-impl PinCostReport {
-    /// The counters now.
-    pub fn now() -> PinCostReport {
-        use std::sync::atomic::Ordering::Relaxed;
-        let c = &memvisor_vhost::pin_cost::PIN_COST;
-        PinCostReport {
-            pins: c.pins.load(Relaxed),
-            pin_ns: c.pin_ns.load(Relaxed),
-            unpins: c.unpins.load(Relaxed),
-            unpin_ns: c.unpin_ns.load(Relaxed),
+/// Starts the control socket's thread, if there is one.
+fn start_control(
+    listener: Option<listener::Listener>,
+    registry: &Arc<Registry>,
+) -> Option<JoinHandle<()>> {
+    let listener = listener?;
+    let registry = registry.clone();
+    log::info!("control socket on {}", listener.origin);
+    Some(std::thread::spawn(move || {
+        let events = registry.events.clone();
+        if let Err(e) = crate::control::serve(&listener.socket, registry, events, &STOP) {
+            log::error!("control socket: {e:#}");
         }
-    }
+        listener.remove();
+    }))
 }
 
-/// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report.
+/// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report. With
+/// `control`, a control socket answers for it as `blk0`; SIGUSR1 writes the report to `stats`.
 pub fn blk(
     socket: &SocketSpec,
-    disk: &Path,
-    options: BlkOptions,
-    direct: bool,
+    spec: BlkSpec,
+    iommu: bool,
     record_iotlb: Option<&Path>,
+    control: Option<&Path>,
+    stats: Option<&Path>,
 ) -> Result<BlkServeReport> {
-    let file = open_disk(disk, options.read_only, direct)?;
+    let file = open_disk(&spec.disk, spec.options.read_only, spec.direct)?;
     let listener = listener::open(socket)?;
+    let control_socket = control.map(listener::at).transpose()?;
     listener::check_all_claimed()?;
-    let mut backend = Backend::new(Blk::new(file, options)?)?;
+    let options = BlkOptions {
+        iommu,
+        ..spec.options.clone()
+    };
+    let device = Blk::new(file, options)?;
+    let live = device.live();
+    let mut backend = Backend::new(device)?;
     #[cfg(feature = "test-hooks")]
     if std::env::var_os("MEMVISOR_TEST_NO_DIRTY_LOG").is_some() {
         log::warn!("TEST ONLY: the migration dirty log stays empty; migrations lose device writes");
@@ -193,35 +166,48 @@ pub fn blk(
             .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;
         backend.record_iotlb(Box::new(std::io::BufWriter::new(f)));
     }
-    let at_disconnect = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let at_disconnect = PinChecks::default();
     let seen = at_disconnect.clone();
     backend.on_disconnect(Box::new(move || {
         let check = PinCheck::now();
         log::info!("vhost-user-blk: frontend gone, pins {check:?}");
         seen.lock().unwrap_or_else(|e| e.into_inner()).push(check);
     }));
+    let id = spec.id.clone().unwrap_or_else(|| "blk0".into());
+    let mut registry = Registry::default();
+    backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
+    registry.devices.push(Device {
+        id,
+        socket: listener.name(),
+        backend: backend.live(),
+        kind: Kind::Blk { spec, iommu, live },
+    });
+    let registry = Arc::new(registry);
     log::info!(
         "vhost-user-blk: serving {} on {}",
-        disk.display(),
+        registry.devices[0].info()["disk"],
         listener.origin
     );
+    let control = start_control(control_socket, &registry);
     ready();
-    let served = backend.serve(&listener.socket, &STOP);
+    let thread = std::thread::spawn(move || -> Result<()> {
+        let served = backend.serve(&listener.socket, &STOP);
+        listener.remove();
+        drop(backend);
+        Ok(served?)
+    });
+    let ends = supervise(vec![thread], || {
+        if let Some(r) = BlkServeReport::now(&registry, &at_disconnect) {
+            report_now(stats, &r);
+        }
+    });
     stopping();
-    served?;
-    listener.remove();
-    let device = BlkReport::new(listener.name(), &backend.stats, &backend.device().stats);
-    drop(backend);
-    let pins_at_disconnect = at_disconnect
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone();
-    Ok(BlkServeReport {
-        device,
-        pins: PinReport::now(),
-        pins_at_disconnect,
-        pin_cost: PinCostReport::now(),
-    })
+    STOP.store(true, Ordering::Relaxed);
+    if let Some(t) = control {
+        let _ = t.join();
+    }
+    ends.into_iter().collect::<Result<Vec<()>>>()?;
+    BlkServeReport::now(&registry, &at_disconnect).context("no device")
 }
 
 /// Opens a disk image for a blk device: read-only or read-write, through the page cache or
@@ -237,123 +223,13 @@ pub fn open_disk(disk: &Path, read_only: bool, direct: bool) -> Result<std::fs::
         if direct && e.raw_os_error() == Some(libc::EINVAL) {
             anyhow::anyhow!(
                 "cannot open disk image {} with O_DIRECT: its file system does not support it; \
-                 leave out --direct to go through the page cache",
+                 leave out direct=on (--direct) to go through the page cache",
                 disk.display()
             )
         } else {
             anyhow::Error::new(e).context(format!("cannot open disk image {}", disk.display()))
         }
     })
-}
-
-/// What a balloon back end did, for `--stats`.
-#[derive(Serialize)]
-pub struct BalloonReport {
-    /// Socket served.
-    pub socket: String,
-    /// Connections served.
-    pub connections: u64,
-    /// Messages handled.
-    pub messages: u64,
-    /// Messages refused.
-    pub refused: u64,
-    /// Report chains taken.
-    pub report_chains: u64,
-    /// Chains refused whole.
-    pub refused_chains: u64,
-    /// Bytes given back to the host (reports and inflation).
-    pub discarded: u64,
-    /// Bytes kept because a pin held them.
-    pub skipped_pinned: u64,
-    /// Bytes refused by the discard rules.
-    pub rejected: u64,
-    /// Pages inflated.
-    pub inflated_pages: u64,
-    /// Pages deflated.
-    pub deflated_pages: u64,
-    /// Target at exit, pages.
-    pub target_pages: u32,
-    /// What the driver said it held at exit, pages (0 once a frontend left: the device was
-    /// reset).
-    pub actual_pages: u32,
-    /// Pages the guest took back below the target by itself (deflate on OOM), summed.
-    pub deflated_below_target_pages: u64,
-    /// The statistics polling interval (0: the statistics queue was not offered).
-    pub stats_interval_secs: u64,
-    /// Statistics buffers taken, and those refused.
-    pub stats_buffers: u64,
-    pub refused_stats: u64,
-    /// The guest's latest memory statistics, with their time.
-    pub guest_stats: Option<GuestStatsStatus>,
-}
-
-/// Everything one `memvisor serve` process did.
-#[derive(Serialize, Default)]
-pub struct ServeReport {
-    /// Block devices.
-    pub blk: Vec<BlkReport>,
-    /// Balloons.
-    pub balloon: Vec<BalloonReport>,
-    /// The process's pin registry when the devices had stopped.
-    pub pins: PinReport,
-}
-
-/// What the process's pin registry ([`PinRegistry::global`]) says, for `--stats`.
-#[derive(Serialize, Default)]
-pub struct PinReport {
-    /// Whether pins are held with long-term pins (`--long-term-pins`).
-    pub long_term: bool,
-    /// Runs of pages held long-term, and runs the kernel refused that were mlocked instead.
-    pub long_term_pins: u64,
-    pub long_term_fallbacks: u64,
-    /// Bytes pins still charged, and bytes still pinned long-term (the cache's included).
-    pub locked_bytes: u64,
-    pub long_term_bytes: u64,
-    /// The registry's held bytes beside the kernel's `VmLck` and `VmPin`, read at one moment.
-    pub check: PinCheck,
-}
-
-/// [`PinRegistry::kernel_check`] of the process's registry, for `--stats`: what the registry
-/// holds (held = charged + cached) and what `/proc/self/status` says at the same moment.
-#[derive(Serialize, Default, Clone, Copy, Debug)]
-pub struct PinCheck {
-    pub held_bytes: u64,
-    pub charged_bytes: u64,
-    pub cached_bytes: u64,
-    pub long_term_bytes: u64,
-    pub vm_lck: Option<u64>,
-    pub vm_pin: Option<u64>,
-}
-
-impl PinCheck {
-    /// The global registry and the kernel now.
-    pub fn now() -> PinCheck {
-        let k = PinRegistry::global().kernel_check();
-        PinCheck {
-            held_bytes: k.held_bytes,
-            charged_bytes: k.charged_bytes,
-            cached_bytes: k.cached_bytes,
-            long_term_bytes: k.long_term_bytes,
-            vm_lck: k.vm_lck,
-            vm_pin: k.vm_pin,
-        }
-    }
-}
-
-impl PinReport {
-    /// The global registry now.
-    pub fn now() -> PinReport {
-        let registry = PinRegistry::global();
-        let counts = registry.long_term_counts();
-        PinReport {
-            long_term: registry.long_term_pins(),
-            long_term_pins: counts.pinned,
-            long_term_fallbacks: counts.fallbacks,
-            locked_bytes: registry.locked_bytes(),
-            long_term_bytes: registry.long_term_bytes(),
-            check: PinCheck::now(),
-        }
-    }
 }
 
 /// Turns long-term pins on for the process's registry, which every device here pins through
@@ -366,139 +242,71 @@ pub fn use_long_term_pins() -> Result<()> {
     Ok(())
 }
 
-/// Devices for [`serve`].
+/// What [`serve`] serves.
+#[derive(Default)]
 pub struct Devices {
     /// Block devices.
     pub blk: Vec<BlkSpec>,
-    /// Balloon sockets.
-    pub balloon: Vec<PathBuf>,
-    /// Initial balloon target in MiB.
-    pub balloon_target_mib: u32,
-    /// Control socket: lines `target <MiB>` set the balloon target.
+    /// Balloons.
+    pub balloon: Vec<BalloonSpec>,
+    /// The control socket.
     pub control: Option<PathBuf>,
-    /// Offer free page reporting on balloons.
-    pub reporting: bool,
-    /// Offer the balloons' statistics queue, polled at this interval (zero: not offered).
-    pub balloon_stats_interval: Duration,
-    /// Offer deflate-on-OOM on balloons.
-    pub balloon_deflate_on_oom: bool,
     /// Offer `VIRTIO_F_IOMMU_PLATFORM` on the blk devices.
     pub iommu: bool,
+    /// Where SIGUSR1 writes the report (stderr if not given).
+    pub stats: Option<PathBuf>,
 }
 
-/// One block device of `serve --blk`: `SOCKET=DISK[,queues=N][,read-only=on|off]
-/// [,serial=TEXT][,direct=on|off][,poll-us=N]`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BlkSpec {
-    /// vhost-user socket.
-    pub socket: PathBuf,
-    /// Raw image.
-    pub disk: PathBuf,
-    /// Queues, read-only and serial (the IOMMU choice is the whole server's).
-    pub options: BlkOptions,
-    /// Open the image `O_DIRECT`.
-    pub direct: bool,
-}
-
-impl std::str::FromStr for BlkSpec {
-    type Err = anyhow::Error;
-
-    fn from_str(arg: &str) -> Result<BlkSpec> {
-        let example = "e.g. --blk run/blk.sock=disk.img,queues=2,serial=disk0,direct=on";
-        let mut parts = arg.split(',');
-        let first = parts.next().unwrap_or_default();
-        let Some((socket, disk)) = first.split_once('=') else {
-            anyhow::bail!("--blk {arg:?}: write SOCKET=DISK[,OPTION=VALUE...], {example}");
-        };
-        if socket.is_empty() || disk.is_empty() {
-            anyhow::bail!("--blk {arg:?}: the socket and the disk must both be named, {example}");
-        }
-        let mut spec = BlkSpec {
-            socket: PathBuf::from(socket),
-            disk: PathBuf::from(disk),
-            options: BlkOptions::default(),
-            direct: false,
-        };
-        let on_off = |key: &str, v: &str| match v {
-            "on" | "true" | "yes" => Ok(true),
-            "off" | "false" | "no" => Ok(false),
-            _ => Err(anyhow::anyhow!(
-                "--blk {arg:?}: {key}={v:?}: write on or off"
-            )),
-        };
-        for opt in parts {
-            let Some((key, value)) = opt.split_once('=') else {
-                anyhow::bail!("--blk {arg:?}: option {opt:?} has no value, {example}");
-            };
-            match key {
-                "queues" => {
-                    spec.options.queues = value
-                        .parse()
-                        .ok()
-                        .filter(|q| (1..=64).contains(q))
-                        .ok_or_else(|| {
-                            anyhow::anyhow!("--blk {arg:?}: queues={value:?}: a number 1 to 64")
-                        })?
-                }
-                "read-only" => spec.options.read_only = on_off(key, value)?,
-                "poll-us" => {
-                    spec.options.poll_us = value
-                        .parse()
-                        .ok()
-                        .filter(|n| *n <= 1_000_000)
-                        .ok_or_else(|| {
-                            anyhow::anyhow!(
-                                "--blk {arg:?}: poll-us={value:?}: microseconds, 0 to 1000000"
-                            )
-                        })?
-                }
-                "direct" => spec.direct = on_off(key, value)?,
-                "serial" => {
-                    if value.len() > 20 {
-                        anyhow::bail!(
-                            "--blk {arg:?}: serial {value:?} is {} bytes; virtio-blk's GET_ID \
-                             holds 20",
-                            value.len()
-                        );
-                    }
-                    spec.options.serial = value.to_string();
-                }
-                _ => anyhow::bail!(
-                    "--blk {arg:?}: unknown option {key:?}; known: queues, read-only, serial, direct, \
-                     poll-us"
-                ),
+impl Devices {
+    /// Each device's id: its spec's, or its type and number.
+    fn ids(&self) -> Result<(Vec<String>, Vec<String>)> {
+        let blk: Vec<String> = self
+            .blk
+            .iter()
+            .enumerate()
+            .map(|(i, b)| b.id.clone().unwrap_or_else(|| format!("blk{i}")))
+            .collect();
+        let balloon: Vec<String> = self
+            .balloon
+            .iter()
+            .enumerate()
+            .map(|(i, b)| b.id.clone().unwrap_or_else(|| format!("balloon{i}")))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        for id in blk.iter().chain(&balloon) {
+            if id.is_empty() || !seen.insert(id) {
+                bail!("device id {id:?} is empty or named twice: every device needs its own");
             }
         }
-        Ok(spec)
+        Ok((blk, balloon))
     }
-}
 
-/// Refuses a socket path named twice (two devices, or a device and the control socket).
-fn check_distinct_sockets(devices: &Devices) -> Result<()> {
-    let mut seen = std::collections::HashSet::new();
-    let paths = devices
-        .blk
-        .iter()
-        .map(|b| &b.socket)
-        .chain(&devices.balloon)
-        .chain(&devices.control);
-    for p in paths {
-        let key = std::path::absolute(p).unwrap_or_else(|_| p.clone());
-        if !seen.insert(key) {
-            anyhow::bail!(
-                "socket {} is named twice: every device and the control socket need their own",
-                p.display()
-            );
+    /// Refuses a socket path named twice (two devices, or a device and the control socket).
+    fn check_distinct_sockets(&self) -> Result<()> {
+        let mut seen = std::collections::HashSet::new();
+        let paths = self
+            .blk
+            .iter()
+            .map(|b| &b.socket)
+            .chain(self.balloon.iter().map(|b| &b.socket))
+            .chain(&self.control);
+        for p in paths {
+            let key = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+            if !seen.insert(key) {
+                bail!(
+                    "socket {} is named twice: every device and the control socket need their own",
+                    p.display()
+                );
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Serves every device in its own thread, all on one memvisor state, until a signal.
 pub fn serve(devices: &Devices) -> Result<ServeReport> {
-    check_distinct_sockets(devices)?;
-    let target = BalloonTarget::default();
-    target.set_pages(devices.balloon_target_mib.saturating_mul(256));
+    devices.check_distinct_sockets()?;
+    let (blk_ids, balloon_ids) = devices.ids()?;
     // Every socket first (inherited ones claimed by path), then the threads: a start that
     // fails leaves no device half served.
     let mut blk_sockets = Vec::new();
@@ -507,147 +315,90 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
         blk_sockets.push((spec, file, listener::at(&spec.socket)?));
     }
     let mut balloon_sockets = Vec::new();
-    for socket in &devices.balloon {
-        balloon_sockets.push(listener::at(socket)?);
+    for spec in &devices.balloon {
+        balloon_sockets.push((spec, listener::at(&spec.socket)?));
     }
-    let control_socket = match &devices.control {
-        Some(path) => Some(listener::at(path)?),
-        None => None,
-    };
+    let control_socket = devices.control.as_deref().map(listener::at).transpose()?;
     listener::check_all_claimed()?;
-    let mut blk_threads = Vec::new();
-    for (spec, file, listener) in blk_sockets {
-        let disk = &spec.disk;
+    let mut registry = Registry::default();
+    let mut starts: Vec<Box<dyn FnOnce() -> Result<()> + Send>> = Vec::new();
+    for ((spec, file, listener), id) in blk_sockets.into_iter().zip(blk_ids) {
         let options = BlkOptions {
             iommu: devices.iommu,
             ..spec.options.clone()
         };
-        let mut backend = Backend::new(Blk::new(file, options)?)?;
+        let device = Blk::new(file, options)?;
+        let live = device.live();
+        let mut backend = Backend::new(device)?;
+        backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
         log::info!(
-            "vhost-user-blk: serving {} on {}",
-            disk.display(),
+            "vhost-user-blk {id}: serving {} on {}",
+            spec.disk.display(),
             listener.origin
         );
-        blk_threads.push(std::thread::spawn(move || -> Result<BlkReport> {
-            backend.serve(&listener.socket, &STOP)?;
+        registry.devices.push(Device {
+            id,
+            socket: listener.name(),
+            backend: backend.live(),
+            kind: Kind::Blk {
+                spec: spec.clone(),
+                iommu: devices.iommu,
+                live,
+            },
+        });
+        starts.push(Box::new(move || {
+            let served = backend.serve(&listener.socket, &STOP);
             listener.remove();
-            Ok(BlkReport::new(
-                listener.name(),
-                &backend.stats,
-                &backend.device().stats,
-            ))
+            Ok(served?)
         }));
     }
-    let mut balloon_threads = Vec::new();
-    for listener in balloon_sockets {
+    for ((spec, listener), id) in balloon_sockets.into_iter().zip(balloon_ids) {
+        let target = BalloonTarget::default();
+        target.set_pages(spec.target_mib * 256);
         let mut device = BalloonDevice::new(target.clone())
-            .with_stats_interval(devices.balloon_stats_interval)
-            .with_deflate_on_oom(devices.balloon_deflate_on_oom);
-        if !devices.reporting {
+            .with_stats_interval(Duration::from_secs(spec.stats_interval_secs.into()))
+            .with_deflate_on_oom(spec.deflate_on_oom);
+        if !spec.reporting {
             device = device.without_reporting();
         }
         let live = device.live();
+        let queues = device.queues();
         let mut backend = Backend::new(device)?;
-        log::info!("vhost-user-balloon: serving on {}", listener.origin);
-        balloon_threads.push(std::thread::spawn(move || -> Result<BalloonReport> {
-            backend.serve(&listener.socket, &STOP)?;
+        backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
+        log::info!(
+            "vhost-user-balloon {id}: serving on {} ({queues} rings)",
+            listener.origin
+        );
+        registry.devices.push(Device {
+            id,
+            socket: listener.name(),
+            backend: backend.live(),
+            kind: Kind::Balloon {
+                spec: spec.clone(),
+                live,
+                target,
+            },
+        });
+        starts.push(Box::new(move || {
+            let served = backend.serve(&listener.socket, &STOP);
             listener.remove();
-            let d = backend.device();
-            let s = d.stats();
-            let status = live.status();
-            Ok(BalloonReport {
-                socket: listener.name(),
-                connections: backend.stats.connections,
-                messages: backend.stats.messages,
-                refused: backend.stats.refused,
-                report_chains: s.chains,
-                refused_chains: s.refused_chains,
-                discarded: s.discarded,
-                skipped_pinned: s.skipped_pinned,
-                rejected: s.rejected,
-                inflated_pages: s.inflated_pages,
-                deflated_pages: s.deflated_pages,
-                target_pages: 0,
-                actual_pages: d.actual_pages(),
-                deflated_below_target_pages: status.deflated_below_target_pages,
-                stats_interval_secs: status.stats_interval_secs,
-                stats_buffers: s.stats_buffers,
-                refused_stats: s.refused_stats,
-                guest_stats: status.guest_stats,
-            })
+            Ok(served?)
         }));
     }
-    let control = match control_socket {
-        Some(listener) => Some(control_thread(listener, target.clone())?),
-        None => None,
-    };
+    let registry = Arc::new(registry);
+    let control = start_control(control_socket, &registry);
+    let threads = starts.into_iter().map(std::thread::spawn).collect();
     ready();
-    let blk_ends: Vec<_> = blk_threads
-        .into_iter()
-        .map(|t| t.join().expect("blk thread panicked"))
-        .collect();
-    let balloon_ends: Vec<_> = balloon_threads
-        .into_iter()
-        .map(|t| t.join().expect("balloon thread panicked"))
-        .collect();
+    let ends = supervise(threads, || {
+        report_now(devices.stats.as_deref(), &registry.report())
+    });
     stopping();
-    let mut report = ServeReport::default();
-    for r in blk_ends {
-        report.blk.push(r?);
-    }
-    for r in balloon_ends {
-        let mut r = r?;
-        r.target_pages = target.pages();
-        report.balloon.push(r);
-    }
+    STOP.store(true, Ordering::Relaxed);
     if let Some(t) = control {
         let _ = t.join();
     }
-    report.pins = PinReport::now();
-    Ok(report)
-}
-
-/// Accepts control connections until a signal: each line `target <MiB>` sets the balloon target
-/// and is answered `ok <pages>`; anything else `error: ...`.
-fn control_thread(
-    listener: listener::Listener,
-    target: BalloonTarget,
-) -> Result<std::thread::JoinHandle<()>> {
-    listener.socket.set_nonblocking(true)?;
-    Ok(std::thread::spawn(move || {
-        while !STOP.load(Ordering::Relaxed) {
-            match listener.socket.accept() {
-                Ok((sock, _)) => control_connection(sock, &target),
-                Err(_) => std::thread::sleep(Duration::from_millis(100)),
-            }
-        }
-        listener.remove();
-    }))
-}
-
-fn control_connection(sock: UnixStream, target: &BalloonTarget) {
-    let _ = sock.set_nonblocking(false);
-    let _ = sock.set_read_timeout(Some(Duration::from_secs(5)));
-    let mut out = match sock.try_clone() {
-        Ok(s) => s,
-        Err(_) => return,
-    };
-    for line in BufReader::new(sock).lines().map_while(|l| l.ok()) {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let answer = match words.as_slice() {
-            ["target", mib] => match mib.parse::<u32>() {
-                Ok(m) if m <= u32::MAX / 256 => {
-                    target.set_pages(m * 256);
-                    format!("ok {}", m * 256)
-                }
-                _ => format!("error: target {mib:?} is not a size in MiB"),
-            },
-            _ => format!("error: unknown command {line:?}; say `target <MiB>`"),
-        };
-        if writeln!(out, "{answer}").is_err() {
-            return;
-        }
-    }
+    ends.into_iter().collect::<Result<Vec<()>>>()?;
+    Ok(registry.report())
 }
 
 /// Writes `value` as JSON to `path`, if given.
@@ -898,36 +649,4 @@ fn serve_one(
         server.record_to(Box::new(std::io::BufWriter::new(f)));
     }
     Ok(server.serve())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::BlkSpec;
-
-    #[test]
-    fn a_blk_spec_takes_per_disk_options_and_names_what_it_refuses() {
-        let s: BlkSpec = "run/a.sock=disk.img,queues=2,serial=disk0,direct=on,read-only=on"
-            .parse()
-            .unwrap();
-        assert_eq!(s.socket.to_str(), Some("run/a.sock"));
-        assert_eq!(s.disk.to_str(), Some("disk.img"));
-        assert_eq!((s.options.queues, s.options.serial.as_str()), (2, "disk0"));
-        assert!(s.direct && s.options.read_only);
-        let plain: BlkSpec = "a.sock=d.img".parse().unwrap();
-        assert_eq!(plain.options, memvisor_vhost::BlkOptions::default());
-        assert!(!plain.direct);
-        for (bad, says) in [
-            ("a.sock", "SOCKET=DISK"),
-            ("=d.img", "must both be named"),
-            ("a=d,queues=0", "queues=\"0\""),
-            ("a=d,queues=65", "queues=\"65\""),
-            ("a=d,direct=maybe", "on or off"),
-            ("a=d,serial=123456789012345678901", "21 bytes"),
-            ("a=d,cache=none", "unknown option \"cache\""),
-            ("a=d,queues", "has no value"),
-        ] {
-            let e = bad.parse::<BlkSpec>().unwrap_err().to_string();
-            assert!(e.contains(says), "{bad}: {e}");
-        }
-    }
 }

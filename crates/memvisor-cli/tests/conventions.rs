@@ -352,8 +352,8 @@ fn socket_activation_serves_the_socket_systemd_passed() {
     // command line name the same path); the other device binds its own.
     let (sock2, own) = (dir.join("serve-a.sock"), dir.join("serve-b.sock"));
     let listener2 = UnixListener::bind(&sock2).unwrap();
-    let a = format!("{}={}", sock2.display(), disk.display());
-    let b = format!("{}={},read-only=on", own.display(), disk.display());
+    let a = format!("{},disk={}", sock2.display(), disk.display());
+    let b = format!("{},disk={},read-only=on", own.display(), disk.display());
     let cmd = activated(&listener2, &["serve", "--blk", &a, "--blk", &b]);
     let server = Server::start(cmd, &dir, &notify);
     assert_ne!(answers_vhost_user(&sock2), 0);
@@ -368,7 +368,7 @@ fn socket_activation_serves_the_socket_systemd_passed() {
 
     // A passed socket no device names is a unit file and a command line that disagree.
     let stray = UnixListener::bind(dir.join("stray.sock")).unwrap();
-    let c = format!("{}={}", dir.join("c.sock").display(), disk.display());
+    let c = format!("{},disk={}", dir.join("c.sock").display(), disk.display());
     let out = run(activated(&stray, &["serve", "--blk", &c]));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
@@ -428,13 +428,13 @@ fn a_live_socket_is_refused_and_its_server_unharmed() {
         );
     }
     // serve refuses the same way, for a device's socket and for its control socket.
-    let spec = format!("{}={}", sock.display(), disk.display());
+    let spec = format!("{},disk={}", sock.display(), disk.display());
     let out = run(memvisor(&["serve", "--blk", &spec]));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("is in use"),
         "{out:?}"
     );
-    let other = format!("{}={}", dir.join("other.sock").display(), disk.display());
+    let other = format!("{},disk={}", dir.join("other.sock").display(), disk.display());
     let mut cmd = memvisor(&["serve", "--blk", &other, "--control"]);
     cmd.arg(&sock);
     let out = run(cmd);

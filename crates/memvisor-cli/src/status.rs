@@ -1,0 +1,478 @@
+//! What a running server says about itself: its devices, their live counters and the process's
+//! pins — as answers on the control socket ([`crate::control`]: `query-devices`, `query-stats`,
+//! `balloon-set-target`) and as the `--stats` report, written at exit and on SIGUSR1.
+//!
+//! **Model.** Every served device is a [`Device`] in the server's [`Registry`]: its id, socket
+//! and options, and handles on the counters its threads keep ([`memvisor_vhost::live`]):
+//! the back end's ([`BackendLive`]) and the device's own ([`BlkLive`], [`BalloonLive`]). Reading
+//! them never stops or slows a device; every answer and every report is built from them, so the
+//! control socket, SIGUSR1 and the report at exit say the same thing under the same names.
+
+use std::sync::{Arc, Mutex};
+
+use memvisor::dma::PinRegistry;
+use memvisor_vhost::balloon::GuestStatsStatus;
+use memvisor_vhost::{BackendLive, BackendStats, BalloonLive, BalloonTarget, BlkLive, BlkStats};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::control::{CommandError, Events, Handler, unknown_command};
+use crate::devices::{BalloonSpec, BlkSpec};
+
+/// A served device.
+pub struct Device {
+    /// The name commands use (`blk0`, `balloon0`, or the spec's `id`).
+    pub id: String,
+    /// Its socket, as shown.
+    pub socket: String,
+    /// The back end's counters.
+    pub backend: BackendLive,
+    /// What kind of device, with its own options and counters.
+    pub kind: Kind,
+}
+
+/// A device's kind, options and own counters.
+pub enum Kind {
+    /// virtio-blk.
+    Blk {
+        spec: BlkSpec,
+        iommu: bool,
+        live: BlkLive,
+    },
+    /// virtio-balloon.
+    Balloon {
+        spec: BalloonSpec,
+        live: BalloonLive,
+        target: BalloonTarget,
+    },
+}
+
+impl Device {
+    fn type_name(&self) -> &'static str {
+        match self.kind {
+            Kind::Blk { .. } => "vhost-user-blk",
+            Kind::Balloon { .. } => "vhost-user-balloon",
+        }
+    }
+
+    /// Its `query-devices` entry: what it is and how it was set up.
+    pub fn info(&self) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "type": self.type_name(),
+            "socket": self.socket,
+            "connected": self.backend.connected(),
+        });
+        match &self.kind {
+            Kind::Blk { spec, iommu, .. } => {
+                let o = &spec.options;
+                v["disk"] = json!(spec.disk.display().to_string());
+                v["queues"] = json!(o.queues);
+                v["read-only"] = json!(o.read_only);
+                v["serial"] = json!(o.serial);
+                v["direct"] = json!(spec.direct);
+                v["poll-us"] = json!(o.poll_us);
+                v["iommu"] = json!(iommu);
+            }
+            Kind::Balloon { spec, .. } => {
+                v["reporting"] = json!(spec.reporting);
+                v["stats-interval"] = json!(spec.stats_interval_secs);
+                v["deflate-on-oom"] = json!(spec.deflate_on_oom);
+            }
+        }
+        v
+    }
+
+    /// Its `query-stats` entry: the back end's totals, the device's own counts, and one row
+    /// per queue.
+    pub fn stats(&self) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "type": self.type_name(),
+            "connected": self.backend.connected(),
+            "backend": self.backend.stats(),
+        });
+        let mut queues: Vec<Value> = self
+            .backend
+            .queues()
+            .into_iter()
+            .map(|q| json!(q))
+            .collect();
+        match &self.kind {
+            Kind::Blk { live, .. } => {
+                v["blk"] = json!(live.total());
+                for (row, blk) in queues.iter_mut().zip(live.queues()) {
+                    row["blk"] = json!(blk);
+                }
+            }
+            Kind::Balloon { live, .. } => v["balloon"] = json!(live.status()),
+        }
+        v["queues"] = Value::Array(queues);
+        v
+    }
+}
+
+/// The devices one server process serves, and where its events go.
+#[derive(Default)]
+pub struct Registry {
+    pub devices: Vec<Device>,
+    pub events: Events,
+}
+
+impl Registry {
+    /// The device `id`, or an error naming the ids there are.
+    fn device(&self, id: &str) -> Result<&Device, CommandError> {
+        self.devices.iter().find(|d| d.id == id).ok_or_else(|| {
+            let ids: Vec<&str> = self.devices.iter().map(|d| d.id.as_str()).collect();
+            CommandError::no_device(format!(
+                "no device {id:?}; the devices are: {}",
+                ids.join(", ")
+            ))
+        })
+    }
+
+    /// The optional `device` argument: that device, or every one.
+    fn selected(&self, args: &Value) -> Result<Vec<&Device>, CommandError> {
+        match args.get("device") {
+            None => Ok(self.devices.iter().collect()),
+            Some(Value::String(id)) => Ok(vec![self.device(id)?]),
+            Some(other) => Err(CommandError::generic(format!(
+                "\"device\" is {other}; it must be a device id string"
+            ))),
+        }
+    }
+
+    /// `query-stats`: every device's (or one's) counters, and the process's pins.
+    pub fn query_stats(&self, args: &Value) -> Result<Value, CommandError> {
+        let devices: Vec<Value> = self.selected(args)?.iter().map(|d| d.stats()).collect();
+        Ok(json!({
+            "devices": devices,
+            "process": {"pins": PinReport::now(), "pin_cost": PinCostReport::now()},
+        }))
+    }
+
+    /// `balloon-set-target`: `target-mib` for one balloon (`device`) or every one.
+    fn set_target(&self, args: &Value) -> Result<Value, CommandError> {
+        let mib = match args.get("target-mib") {
+            Some(Value::Number(n)) => n.as_u64(),
+            Some(_) => None,
+            None => {
+                return Err(CommandError::generic(
+                    "balloon-set-target needs \"target-mib\": the MiB the guest should give up",
+                ));
+            }
+        };
+        let pages = mib
+            .filter(|m| *m <= u64::from(u32::MAX / 256))
+            .map(|m| m as u32 * 256)
+            .ok_or_else(|| {
+                CommandError::generic(format!(
+                    "\"target-mib\" is {}; a whole number of MiB, 0 to {}",
+                    args["target-mib"],
+                    u32::MAX / 256
+                ))
+            })?;
+        let balloons: Vec<(&Device, &BalloonTarget)> = self
+            .selected(args)?
+            .into_iter()
+            .filter_map(|d| match &d.kind {
+                Kind::Balloon { target, .. } => Some((d, target)),
+                Kind::Blk { .. } => None,
+            })
+            .collect();
+        if balloons.is_empty() {
+            return Err(match args.get("device") {
+                Some(id) => CommandError::generic(format!("device {id} is not a balloon")),
+                None => CommandError::no_device("this server has no balloon"),
+            });
+        }
+        for (d, target) in &balloons {
+            target.set_pages(pages);
+            log::info!(
+                "control: balloon {} target {pages} pages ({} MiB)",
+                d.id,
+                pages / 256
+            );
+        }
+        let ids: Vec<&str> = balloons.iter().map(|(d, _)| d.id.as_str()).collect();
+        Ok(json!({"devices": ids, "target_pages": pages}))
+    }
+
+    /// The `--stats` report of a `serve` process, now.
+    pub fn report(&self) -> ServeReport {
+        let mut r = ServeReport::default();
+        for d in &self.devices {
+            match &d.kind {
+                Kind::Blk { live, .. } => r.blk.push(BlkReport {
+                    socket: d.socket.clone(),
+                    backend: d.backend.stats(),
+                    blk: live.total(),
+                }),
+                Kind::Balloon { live, target, .. } => r.balloon.push(BalloonReport::new(
+                    d.socket.clone(),
+                    &d.backend,
+                    live,
+                    target,
+                )),
+            }
+        }
+        r.pins = PinReport::now();
+        r
+    }
+}
+
+impl Handler for Registry {
+    fn commands(&self) -> Vec<&'static str> {
+        vec![
+            "query-commands",
+            "query-devices",
+            "query-stats",
+            "balloon-set-target",
+        ]
+    }
+
+    fn execute(&self, command: &str, args: &Value) -> Result<Value, CommandError> {
+        match command {
+            "query-commands" => Ok(json!(self.commands())),
+            "query-devices" => Ok(json!(
+                self.selected(args)?
+                    .iter()
+                    .map(|d| d.info())
+                    .collect::<Vec<_>>()
+            )),
+            "query-stats" => self.query_stats(args),
+            "balloon-set-target" => self.set_target(args),
+            other => Err(unknown_command(other, &self.commands())),
+        }
+    }
+}
+
+/// The callback that turns a back end's connections into events: `FRONTEND_CONNECTED` and,
+/// once everything the frontend had is released, `FRONTEND_DISCONNECTED`.
+pub fn connection_events(events: &Events, id: &str, socket: &str) -> Box<dyn FnMut(bool) + Send> {
+    let data = json!({"device": id, "socket": socket});
+    let events = events.clone();
+    Box::new(move |connected| {
+        let name = if connected {
+            "FRONTEND_CONNECTED"
+        } else {
+            "FRONTEND_DISCONNECTED"
+        };
+        events.emit(name, data.clone());
+    })
+}
+
+/// What a block back end did, for `--stats`: the protocol's counts and the device's, flat.
+#[derive(Serialize)]
+pub struct BlkReport {
+    /// Socket served.
+    pub socket: String,
+    /// Connections, messages, IOTLB, dirty log ([`BackendStats`]).
+    #[serde(flatten)]
+    pub backend: BackendStats,
+    /// Requests, bytes, failures, batches, the pinned-page histogram ([`BlkStats`]).
+    #[serde(flatten)]
+    pub blk: BlkStats,
+}
+
+/// What `memvisor vhost-user-blk` did: the device, and the process's pin registry after it.
+#[derive(Serialize)]
+pub struct BlkServeReport {
+    /// The device.
+    #[serde(flatten)]
+    pub device: BlkReport,
+    /// The process's pin registry when the device had stopped.
+    pub pins: PinReport,
+    /// The registry and the kernel's count each time a frontend had left, before its memory
+    /// was unmapped: one entry per connection.
+    pub pins_at_disconnect: Vec<PinCheck>,
+    /// What pinning and unpinning requests' pages cost the data path.
+    pub pin_cost: PinCostReport,
+}
+
+impl BlkServeReport {
+    /// The report of the one device in `registry`, now.
+    pub fn now(registry: &Registry, at_disconnect: &Mutex<Vec<PinCheck>>) -> Option<Self> {
+        let device = registry.report().blk.into_iter().next()?;
+        Some(BlkServeReport {
+            device,
+            pins: PinReport::now(),
+            pins_at_disconnect: at_disconnect
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            pin_cost: PinCostReport::now(),
+        })
+    }
+}
+
+/// What a balloon back end did, for `--stats`.
+#[derive(Serialize)]
+pub struct BalloonReport {
+    /// Socket served.
+    pub socket: String,
+    /// Connections served.
+    pub connections: u64,
+    /// Messages handled.
+    pub messages: u64,
+    /// Messages refused.
+    pub refused: u64,
+    /// Report chains taken.
+    pub report_chains: u64,
+    /// Chains refused whole.
+    pub refused_chains: u64,
+    /// Bytes given back to the host (reports and inflation).
+    pub discarded: u64,
+    /// Bytes kept because a pin held them.
+    pub skipped_pinned: u64,
+    /// Bytes refused by the discard rules.
+    pub rejected: u64,
+    /// Pages inflated.
+    pub inflated_pages: u64,
+    /// Pages deflated.
+    pub deflated_pages: u64,
+    /// The target now, pages.
+    pub target_pages: u32,
+    /// What the driver says it holds, pages (0 once a frontend left: the device was reset).
+    pub actual_pages: u32,
+    /// Pages the guest took back below the target by itself (deflate on OOM), summed.
+    pub deflated_below_target_pages: u64,
+    /// The statistics polling interval (0: the statistics queue was not offered).
+    pub stats_interval_secs: u64,
+    /// Statistics buffers taken, and those refused.
+    pub stats_buffers: u64,
+    pub refused_stats: u64,
+    /// The guest's latest memory statistics, with their time.
+    pub guest_stats: Option<GuestStatsStatus>,
+}
+
+impl BalloonReport {
+    fn new(
+        socket: String,
+        backend: &BackendLive,
+        live: &BalloonLive,
+        target: &BalloonTarget,
+    ) -> BalloonReport {
+        let b = backend.stats();
+        let s = live.status();
+        let c = s.counts;
+        BalloonReport {
+            socket,
+            connections: b.connections,
+            messages: b.messages,
+            refused: b.refused,
+            report_chains: c.chains,
+            refused_chains: c.refused_chains,
+            discarded: c.discarded,
+            skipped_pinned: c.skipped_pinned,
+            rejected: c.rejected,
+            inflated_pages: c.inflated_pages,
+            deflated_pages: c.deflated_pages,
+            target_pages: target.pages(),
+            actual_pages: s.actual_pages,
+            deflated_below_target_pages: s.deflated_below_target_pages,
+            stats_interval_secs: s.stats_interval_secs,
+            stats_buffers: c.stats_buffers,
+            refused_stats: c.refused_stats,
+            guest_stats: s.guest_stats,
+        }
+    }
+}
+
+/// Everything one `memvisor serve` process did.
+#[derive(Serialize, Default)]
+pub struct ServeReport {
+    /// Block devices.
+    pub blk: Vec<BlkReport>,
+    /// Balloons.
+    pub balloon: Vec<BalloonReport>,
+    /// The process's pin registry now.
+    pub pins: PinReport,
+}
+
+/// The blk data path's pin cost ([`memvisor_vhost::pin_cost::PIN_COST`]), for `--stats`: requests
+/// pinned and unpinned and the wall time spent in `DmaSpace::pin_pages` / `unpin_pages` for
+/// them, over the whole process.
+#[derive(Serialize, Default, Clone, Copy, Debug)]
+pub struct PinCostReport {
+    pub pins: u64,
+    pub pin_ns: u64,
+    pub unpins: u64,
+    pub unpin_ns: u64,
+}
+
+impl PinCostReport {
+    /// The counters now.
+    pub fn now() -> PinCostReport {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &memvisor_vhost::pin_cost::PIN_COST;
+        PinCostReport {
+            pins: c.pins.load(Relaxed),
+            pin_ns: c.pin_ns.load(Relaxed),
+            unpins: c.unpins.load(Relaxed),
+            unpin_ns: c.unpin_ns.load(Relaxed),
+        }
+    }
+}
+
+/// What the process's pin registry ([`PinRegistry::global`]) says, for `--stats`.
+#[derive(Serialize, Default)]
+pub struct PinReport {
+    /// Whether pins are held with long-term pins (`--long-term-pins`).
+    pub long_term: bool,
+    /// Runs of pages held long-term, and runs the kernel refused that were mlocked instead.
+    pub long_term_pins: u64,
+    pub long_term_fallbacks: u64,
+    /// Bytes pins still charged, and bytes still pinned long-term (the cache's included).
+    pub locked_bytes: u64,
+    pub long_term_bytes: u64,
+    /// The registry's held bytes beside the kernel's `VmLck` and `VmPin`, read at one moment.
+    pub check: PinCheck,
+}
+
+/// [`PinRegistry::kernel_check`] of the process's registry, for `--stats`: what the registry
+/// holds (held = charged + cached: the lock cache keeps recently unpinned pages locked) and
+/// what `/proc/self/status` says at the same moment.
+#[derive(Serialize, Default, Clone, Copy, Debug)]
+pub struct PinCheck {
+    pub held_bytes: u64,
+    pub charged_bytes: u64,
+    pub cached_bytes: u64,
+    pub long_term_bytes: u64,
+    pub vm_lck: Option<u64>,
+    pub vm_pin: Option<u64>,
+}
+
+impl PinCheck {
+    /// The global registry and the kernel now.
+    pub fn now() -> PinCheck {
+        let k = PinRegistry::global().kernel_check();
+        PinCheck {
+            held_bytes: k.held_bytes,
+            charged_bytes: k.charged_bytes,
+            cached_bytes: k.cached_bytes,
+            long_term_bytes: k.long_term_bytes,
+            vm_lck: k.vm_lck,
+            vm_pin: k.vm_pin,
+        }
+    }
+}
+
+impl PinReport {
+    /// The global registry now.
+    pub fn now() -> PinReport {
+        let registry = PinRegistry::global();
+        let counts = registry.long_term_counts();
+        PinReport {
+            long_term: registry.long_term_pins(),
+            long_term_pins: counts.pinned,
+            long_term_fallbacks: counts.fallbacks,
+            locked_bytes: registry.locked_bytes(),
+            long_term_bytes: registry.long_term_bytes(),
+            check: PinCheck::now(),
+        }
+    }
+}
+
+/// A shared list of [`PinCheck`]s taken at each disconnect.
+pub type PinChecks = Arc<Mutex<Vec<PinCheck>>>;

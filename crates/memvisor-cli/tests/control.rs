@@ -1,0 +1,505 @@
+//! The control socket of a running `memvisor serve`, end to end: a test frontend drives the
+//! blk device through vhost-user while a control client asks the server what it is doing.
+//! Needs no privilege (a few pages are pinned, well inside the default locked-memory limit).
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use memvisor::balloon::guest::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use memvisor::{Backing, Gpa, SlotSpec, SlotTable};
+use memvisor_cli::control::Client as Control;
+use memvisor_vhost::client::Client;
+use memvisor_vhost::proto::{self, Region, VringAddr, req};
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_memvisor");
+const MEM: u64 = 1 << 20;
+const USER: u64 = 0x7f00_0000_0000;
+const RING_AT: u64 = 0x1000;
+const RING_SIZE: u16 = 16;
+const HDR: u64 = 0x10000;
+const DATA: u64 = 0x20000;
+const STATUS: u64 = 0x80000;
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(name: &str) -> Dir {
+        let d = std::env::temp_dir().join(format!("memvisor-ctl-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Dir(d)
+    }
+    fn join(&self, p: &str) -> PathBuf {
+        self.0.join(p)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The server, killed if a test fails before it stops it.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for(path: &Path) {
+    let t0 = Instant::now();
+    while !path.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{path:?} never appeared"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn eventfd() -> File {
+    // SAFETY: plain flags; the descriptor is owned by the File.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh descriptor, owned by nothing else.
+    unsafe { File::from_raw_fd(fd) }
+}
+
+/// The guest side: 1 MiB of memory in a memfd and one ring in it.
+struct Guest {
+    file: File,
+    mem: SlotTable,
+    ring: GuestRing,
+    kick: File,
+    call: File,
+}
+
+impl Guest {
+    fn new() -> Guest {
+        // SAFETY: a constant C string; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"ctl-guest".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor, owned by nothing else.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(MEM).unwrap();
+        let backing =
+            Arc::new(Backing::from_fd(OwnedFd::from(file.try_clone().unwrap()), 0, MEM).unwrap());
+        let mem = SlotTable::new();
+        mem.insert(SlotSpec::new(0, Gpa(0), backing)).unwrap();
+        let ring = GuestRing::new(&mem, Gpa(RING_AT), RING_SIZE).unwrap();
+        Guest {
+            file,
+            mem,
+            ring,
+            kick: eventfd(),
+            call: eventfd(),
+        }
+    }
+
+    /// Features, memory table, ring 0: what QEMU sends before the driver runs.
+    fn connect(&self, c: &Client) {
+        let f = c.get_u64(req::GET_FEATURES).unwrap();
+        c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
+        let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
+        c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
+            .unwrap();
+        let region = Region {
+            gpa: 0,
+            size: MEM,
+            user_addr: USER,
+            mmap_offset: 0,
+        };
+        let table = proto::mem_table_bytes(&[region]);
+        assert_eq!(
+            c.ack(req::SET_MEM_TABLE, &table, &[self.file.as_raw_fd()])
+                .unwrap(),
+            0
+        );
+        let n = u64::from(RING_SIZE);
+        let avail = RING_AT + 16 * n;
+        let addr = VringAddr {
+            index: 0,
+            flags: 0,
+            desc: USER + RING_AT,
+            avail: USER + avail,
+            used: USER + avail + (6 + 2 * n).next_multiple_of(4),
+            log: 0,
+        };
+        let st = |v: u32| proto::vring_state_bytes(0, v);
+        for (r, p, fds) in [
+            (
+                req::SET_VRING_NUM,
+                st(u32::from(RING_SIZE)).to_vec(),
+                vec![],
+            ),
+            (req::SET_VRING_ADDR, addr.bytes().to_vec(), vec![]),
+            (req::SET_VRING_BASE, st(0).to_vec(), vec![]),
+            (
+                req::SET_VRING_CALL,
+                0u64.to_le_bytes().to_vec(),
+                vec![self.call.as_raw_fd()],
+            ),
+            (
+                req::SET_VRING_KICK,
+                0u64.to_le_bytes().to_vec(),
+                vec![self.kick.as_raw_fd()],
+            ),
+            (req::SET_VRING_ENABLE, st(1).to_vec(), vec![]),
+        ] {
+            assert_eq!(c.ack(r, &p, &fds).unwrap(), 0, "{}", req::name(r));
+        }
+    }
+
+    /// One request of `kind` at `sector` over `len` bytes at DATA; returns its status.
+    fn request(&mut self, kind: u32, sector: u64, len: u32) -> u8 {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        self.mem.write(Gpa(HDR), &h).unwrap();
+        self.mem.write(Gpa(STATUS), &[0xff]).unwrap();
+        let to_guest = kind == 0;
+        let bufs = [(HDR, 16, false), (DATA, len, to_guest), (STATUS, 1, true)];
+        let descs: Vec<Desc> = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, &(addr, len, w))| Desc {
+                addr,
+                len,
+                flags: if w { VRING_DESC_F_WRITE } else { 0 }
+                    | if i < 2 { VRING_DESC_F_NEXT } else { 0 },
+                next: i as u16 + 1,
+            })
+            .collect();
+        let head = self.ring.add_raw(&[0, 1, 2], &descs).unwrap();
+        self.ring.publish(head).unwrap();
+        self.kick.write_all(&1u64.to_le_bytes()).unwrap();
+        let t0 = Instant::now();
+        while self.ring.get_used().unwrap().is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no completion");
+            let mut b = [0u8; 8];
+            let mut p = libc::pollfd {
+                fd: self.call.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one live pollfd.
+            if unsafe { libc::poll(&mut p, 1, 10) } > 0 {
+                let _ = self.call.read(&mut b);
+            }
+        }
+        let mut s = [0u8];
+        self.mem.read(Gpa(STATUS), &mut s).unwrap();
+        s[0]
+    }
+}
+
+fn device<'a>(stats: &'a Value, id: &str) -> &'a Value {
+    stats["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["id"] == id)
+        .unwrap_or_else(|| panic!("no {id} in {stats}"))
+}
+
+#[test]
+fn a_running_server_reports_its_devices_live_and_takes_commands() {
+    let dir = Dir::new("live");
+    let (blk, balloon, ctl, stats) = (
+        dir.join("blk.sock"),
+        dir.join("balloon.sock"),
+        dir.join("ctl.sock"),
+        dir.join("stats.json"),
+    );
+    let disk = dir.join("disk.img");
+    let image = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&disk)
+        .unwrap();
+    image.set_len(4 << 20).unwrap();
+    image.write_all_at(&[0x5a; 4096], 8 * 512).unwrap();
+    let server = Server(
+        Command::new(BIN)
+            .arg("serve")
+            .arg("--blk")
+            .arg(format!(
+                "socket={},disk={},serial=d0,id=root",
+                blk.display(),
+                disk.display()
+            ))
+            .arg("--balloon")
+            .arg(format!("{},stats-interval=1", balloon.display()))
+            .arg("--control")
+            .arg(&ctl)
+            .arg("--stats")
+            .arg(&stats)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&ctl);
+    let mut control = Control::connect(&ctl).unwrap();
+    let commands = &control.greeting["commands"];
+    assert!(
+        commands.as_array().unwrap().contains(&json!("query-stats")),
+        "{commands}"
+    );
+
+    // What the server serves, as it was set up.
+    let devices = control.execute("query-devices", json!({})).unwrap();
+    assert_eq!(devices[0]["id"], "root");
+    assert_eq!(devices[0]["type"], "vhost-user-blk");
+    assert_eq!(
+        (&devices[0]["serial"], &devices[0]["queues"]),
+        (&json!("d0"), &json!(1))
+    );
+    assert_eq!(devices[1]["id"], "balloon0");
+    assert_eq!(devices[1]["stats-interval"], 1);
+    assert_eq!(devices[0]["connected"], false);
+
+    // A frontend connects: an event, then requests the counters show while it is still there.
+    let mut g = Guest::new();
+    let frontend = Client::connect(&blk).unwrap();
+    let event = control.next_event(Duration::from_secs(10)).unwrap();
+    assert_eq!(event["event"], "FRONTEND_CONNECTED");
+    assert_eq!(event["data"]["device"], "root");
+    g.connect(&frontend);
+    assert_eq!(g.request(0, 8, 4096), 0, "read");
+    let mut got = [0u8; 4096];
+    g.mem.read(Gpa(DATA), &mut got).unwrap();
+    assert_eq!(got, [0x5a; 4096]);
+    g.mem.write(Gpa(DATA), &[0xa5; 4096]).unwrap();
+    assert_eq!(g.request(1, 64, 4096), 0, "write");
+    assert_eq!(g.request(1, 1 << 40, 4096), 1, "a write past the end fails");
+
+    let s = control
+        .execute("query-stats", json!({"device": "root"}))
+        .unwrap();
+    assert_eq!(
+        s["devices"].as_array().unwrap().len(),
+        1,
+        "one device asked for"
+    );
+    let root = device(&s, "root");
+    assert_eq!(root["connected"], true);
+    let b = &root["blk"];
+    assert_eq!(
+        (&b["reads"], &b["writes"], &b["failed"]),
+        (&json!(1), &json!(1), &json!(1))
+    );
+    assert_eq!(
+        (&b["bytes_read"], &b["bytes_written"]),
+        (&json!(4096), &json!(4096))
+    );
+    assert_eq!(b["pinned_pages"], 0, "nothing pinned between requests");
+    assert_eq!(root["queues"][0]["blk"]["reads"], 1, "per queue");
+    assert_eq!(root["queues"][0]["running"], true);
+    assert!(root["queues"][0]["kicks"].as_u64().unwrap() >= 3);
+    assert!(root["backend"]["messages"].as_u64().unwrap() >= 10);
+    assert!(s["process"]["pins"]["check"]["held_bytes"].is_u64());
+    let mut on_disk = [0u8; 4096];
+    image.read_exact_at(&mut on_disk, 64 * 512).unwrap();
+    assert_eq!(on_disk, [0xa5; 4096]);
+
+    // SIGUSR1: the --stats report, written now, the server going on.
+    // SAFETY: a signal to the child this test started.
+    assert_eq!(
+        unsafe { libc::kill(server.0.id() as i32, libc::SIGUSR1) },
+        0
+    );
+    wait_for(&stats);
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(
+        (&report["blk"][0]["reads"], &report["blk"][0]["writes"]),
+        (&json!(1), &json!(1))
+    );
+    assert_eq!(report["balloon"][0]["stats_interval_secs"], 1);
+
+    // The balloon's target, set by command, seen in its live status; bad arguments refused.
+    let set = control
+        .execute("balloon-set-target", json!({"target-mib": 64}))
+        .unwrap();
+    assert_eq!(set, json!({"devices": ["balloon0"], "target_pages": 16384}));
+    let r = control
+        .execute("query-stats", json!({"device": "balloon0"}))
+        .unwrap();
+    assert_eq!(device(&r, "balloon0")["type"], "vhost-user-balloon");
+    let report: Value = {
+        // SAFETY: as above.
+        unsafe { libc::kill(server.0.id() as i32, libc::SIGUSR1) };
+        let t0 = Instant::now();
+        loop {
+            let text = std::fs::read_to_string(&stats).unwrap_or_default();
+            let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+            if v["balloon"][0]["target_pages"] == 16384 {
+                break v;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "target not in the report: {v}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    assert_eq!(report["balloon"][0]["target_pages"], 16384);
+    for (command, args, says) in [
+        (
+            "balloon-set-target",
+            json!({"target-mib": -1}),
+            "\"target-mib\" is -1",
+        ),
+        (
+            "balloon-set-target",
+            json!({"target-mib": 1 << 24}),
+            "0 to 16777215",
+        ),
+        ("balloon-set-target", json!({}), "needs \"target-mib\""),
+        (
+            "balloon-set-target",
+            json!({"target-mib": 1, "device": "root"}),
+            "not a balloon",
+        ),
+        (
+            "query-stats",
+            json!({"device": "nope"}),
+            "DeviceNotFound: no device \"nope\"",
+        ),
+        (
+            "query-stats",
+            json!({"device": 3}),
+            "must be a device id string",
+        ),
+        ("reboot", json!({}), "CommandNotFound"),
+    ] {
+        let e = control.execute(command, args).unwrap_err().to_string();
+        assert!(e.contains(says), "{command}: {e}");
+    }
+
+    // The frontend leaves: an event, and the device shows it.
+    drop(frontend);
+    let event = control.next_event(Duration::from_secs(10)).unwrap();
+    assert_eq!(event["event"], "FRONTEND_DISCONNECTED");
+    assert_eq!(event["data"]["device"], "root");
+    let s = control.execute("query-stats", json!({})).unwrap();
+    assert_eq!(device(&s, "root")["connected"], false);
+    assert_eq!(device(&s, "root")["queues"][0]["running"], false);
+
+    // `memvisor ctl`, the command-line client, runs a command and waits for an event.
+    let out = Command::new(BIN)
+        .args(["ctl", "--control"])
+        .arg(&ctl)
+        .args(["query-stats", "device=root"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(device(&v, "root")["blk"]["writes"], 1);
+    let mut waiter = Command::new(BIN)
+        .args(["ctl", "--control"])
+        .arg(&ctl)
+        .args(["--wait-event", "FRONTEND_CONNECTED", "--timeout", "20"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Frontends come and go until the waiter, once connected, has seen one arrive.
+    let t0 = Instant::now();
+    let status = loop {
+        drop(Client::connect(&blk).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+        if let Some(status) = waiter.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "ctl --wait-event saw nothing"
+        );
+    };
+    assert!(status.success());
+    let mut line = String::new();
+    waiter
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut line)
+        .unwrap();
+    let e: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(e["event"], "FRONTEND_CONNECTED");
+    let out = Command::new(BIN)
+        .args(["ctl", "--control"])
+        .arg(&ctl)
+        .args(["balloon-set-target", "target-mib=lots"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("\"target-mib\" is \"lots\""));
+}
+
+#[test]
+fn a_config_file_serves_what_the_command_line_would() {
+    let dir = Dir::new("config");
+    let disk = dir.join("disk.img");
+    File::create(&disk).unwrap().set_len(1 << 20).unwrap();
+    let (blk, ctl) = (dir.join("blk.sock"), dir.join("ctl.sock"));
+    let config = dir.join("memvisor.json");
+    std::fs::write(
+        &config,
+        json!({
+            "blk": [{"socket": blk, "disk": disk, "queues": 2, "read-only": true}],
+            "control": ctl,
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let _server = Server(
+        Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&ctl);
+    let devices = memvisor_cli::control::request(&ctl, "query-devices", json!({})).unwrap();
+    assert_eq!(devices[0]["id"], "blk0");
+    assert_eq!(
+        (&devices[0]["queues"], &devices[0]["read-only"]),
+        (&json!(2), &json!(true))
+    );
+
+    // A bad configuration is refused before anything is served, naming what is wrong.
+    std::fs::write(
+        &config,
+        r#"{"blk": [{"socket": "x.sock", "disk": "d", "queues": 0}]}"#,
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("blk[0]: queues=\"0\""), "{err}");
+}
