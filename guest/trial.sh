@@ -238,11 +238,12 @@ qemu() {
 # (guest/init: balloon-stats); see the usage at the top. With --negative the back end never asks
 # for fresh statistics (test-hooks build) and does not offer deflate on OOM: both checks must fail.
 balloon_stats_trial() {
-  local oom_flag=--balloon-deflate-on-oom answered="" sres
-  if [ $negative = 1 ]; then oom_flag=""; export MEMVISOR_TEST_BALLOON_STATS_FROZEN=1; fi
-  # The statistics go to the debug log.
-  MEMVISOR_LOG=debug RUST_LOG=debug "$bin" serve --balloon "$run/balloon.sock" --control "$run/control.sock" \
-    --stats "$run/stats.json" --balloon-stats-interval 1 $oom_flag > "$run/backend.log" 2>&1 &
+  local oom=on answered="" sres
+  if [ $negative = 1 ]; then oom=off; export MEMVISOR_TEST_BALLOON_STATS_FROZEN=1; fi
+  # The statistics go to the debug log; the control socket shows them live (query-stats,
+  # sampled every second into live.json while the guest runs).
+  RUST_LOG=debug "$bin" serve --balloon "$run/balloon.sock,stats-interval=1,deflate-on-oom=$oom" \
+    --control "$run/control.sock" --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/balloon.sock"; wait_socket "$run/control.sock"
   qemu "t=balloon-stats" \
@@ -251,8 +252,12 @@ balloon_stats_trial() {
     if [ -z "$answered" ]; then
       want=$(grep -a -o 'OOM INFLATE [0-9]* MiB please' "$log" 2>/dev/null | awk '{ print $3 }' || true)
       if [ -n "$want" ]; then
-        echo "  control: $("$bin" balloon-target --control "$run/control.sock" "$want")"; answered=1
+        echo "  control: $("$bin" ctl --control "$run/control.sock" balloon-set-target target-mib="$want" | tr -d ' \n')"; answered=1
       fi
+    fi
+    if [ "$((SECONDS % 2))" = 0 ]; then
+      "$bin" ctl --control "$run/control.sock" query-stats device=balloon0 > "$run/live.tmp" 2>/dev/null \
+        && mv "$run/live.tmp" "$run/live.json" || true
     fi
     sleep 0.2
   done
@@ -262,9 +267,9 @@ balloon_stats_trial() {
   sres=$(grep -a '^RESULT balloon-stats' "$log" | tail -1 | tr -d '\r' || true)
   # The figures: the guest's MemFree/MemTotal against the statistics the back end logged, and
   # what the back end counted below the target.
-  python3 - "$log" "$run/backend.log" "$run/stats.json" "${sres:-RESULT balloon-stats FAIL no verdict}" > "$run/verdict" <<'PY'
+  python3 - "$log" "$run/backend.log" "$run/stats.json" "${sres:-RESULT balloon-stats FAIL no verdict}" "$run/live.json" > "$run/verdict" <<'PY'
 import json, re, sys
-console, backend, stats_path, sres = sys.argv[1:5]
+console, backend, stats_path, sres, live_path = sys.argv[1:6]
 text = open(console, errors="replace").read()
 def kb(pattern):
     m = re.search(pattern, text)
@@ -294,6 +299,18 @@ print(f"  back end: target {b.get('target_pages', '?')} pages, deflated below th
       f"({below // 256} MiB), statistics buffers {b.get('stats_buffers', '?')} ({b.get('refused_stats', '?')} refused), "
       f"last statistics {json.dumps(b.get('guest_stats'))}")
 oom_ok = "PASS" in sres and below >= 64 * 256
+# The live view (control socket, query-stats) while the guest ran: statistics had arrived and the
+# target set through the socket was in force.
+try:
+    lb = json.load(open(live_path))["devices"][0]["balloon"]
+except Exception as e:
+    lb = {}
+lg = lb.get("guest_stats") or {}
+live_ok = lg.get("updates", 0) >= 1 and "free_memory" in lg.get("values", {}) and lb.get("target_pages", 0) > 0
+print(f"  live (query-stats while the guest ran): target {lb.get('target_pages', '?')} pages, actual "
+      f"{lb.get('actual_pages', '?')}, {lg.get('updates', 0)} statistics updates, free_memory "
+      f"{mib(lg.get('values', {}).get('free_memory'))} MiB: {'PASS' if live_ok else 'FAIL'}")
+stats_ok = stats_ok and live_ok
 print(f"  guest: {sres}")
 print(f"STATS {'PASS' if stats_ok else 'FAIL'} OOM {'PASS' if oom_ok else 'FAIL'}")
 PY
@@ -864,12 +881,12 @@ blk)
 balloon)
   if [ $balloon_stats = 1 ]; then balloon_stats_trial; exit $?; fi
   truncate -s 64M "$run/disk.img"
-  "$bin" serve --blk "$run/blk.sock=$run/disk.img" --balloon "$run/balloon.sock" --control "$run/control.sock" \
-    --stats "$run/stats.json" $([ $negative = 1 ] && echo --no-reporting) $([ $long_term = 1 ] && echo --long-term-pins) \
+  "$bin" serve --blk "socket=$run/blk.sock,disk=$run/disk.img" --balloon "$run/balloon.sock,reporting=$([ $negative = 1 ] && echo off || echo on)" \
+    --control "$run/control.sock" --stats "$run/stats.json" $([ $long_term = 1 ] && echo --long-term-pins) \
     > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/blk.sock"; wait_socket "$run/balloon.sock"; wait_socket "$run/control.sock"
-  control() { "$bin" balloon-target --control "$run/control.sock" "$1"; }
+  control() { "$bin" ctl --control "$run/control.sock" balloon-set-target target-mib="$1" | tr -d ' \n'; }
   qemu "t=balloon,blk bal_mib=512 bal_wait=15 bal_target=256 blk_mib=16 blk_random=50 blk_serial=memvisor" \
     -chardev socket,id=c0,path=$run/blk.sock -device vhost-user-blk-pci,chardev=c0,num-queues=1 \
     -chardev socket,id=c1,path=$run/balloon.sock -device vhost-user-test-device-pci,chardev=c1,virtio-id=5,num_vqs=3,config_size=16
@@ -1012,7 +1029,7 @@ hostile)
   # --negative: the back end acknowledges IOTLB invalidations and ignores them (a binary built
   # with the test-hooks feature); the race phase must see the device write an unmapped buffer.
   ignore_env=(); [ $negative = 0 ] || ignore_env=(MEMVISOR_TEST_IGNORE_INVALIDATE=0x30000000)  # vioraw's RACE_IOVA
-  env "${ignore_env[@]}" "$bin" serve --iommu --blk "$run/blk.sock=$run/disk.img" --blk "$run/raw.sock=$run/raw.img" \
+  env "${ignore_env[@]}" "$bin" serve --iommu --blk "socket=$run/blk.sock,disk=$run/disk.img" --blk "socket=$run/raw.sock,disk=$run/raw.img" \
     --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/blk.sock"; wait_socket "$run/raw.sock"
