@@ -434,7 +434,11 @@ fn a_live_socket_is_refused_and_its_server_unharmed() {
         String::from_utf8_lossy(&out.stderr).contains("is in use"),
         "{out:?}"
     );
-    let other = format!("{},disk={}", dir.join("other.sock").display(), disk.display());
+    let other = format!(
+        "{},disk={}",
+        dir.join("other.sock").display(),
+        disk.display()
+    );
     let mut cmd = memvisor(&["serve", "--blk", &other, "--control"]);
     cmd.arg(&sock);
     let out = run(cmd);
