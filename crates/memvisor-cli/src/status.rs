@@ -11,8 +11,9 @@
 use std::sync::{Arc, Mutex};
 
 use memvisor::dma::PinRegistry;
-use memvisor_vhost::balloon::GuestStatsStatus;
-use memvisor_vhost::{BackendLive, BackendStats, BalloonLive, BalloonTarget, BlkLive, BlkStats};
+use memvisor_vhost::{
+    BackendLive, BackendStats, BalloonLive, BalloonStatus, BalloonTarget, BlkLive, BlkStats,
+};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -208,12 +209,11 @@ impl Registry {
                     backend: d.backend.stats(),
                     blk: live.total(),
                 }),
-                Kind::Balloon { live, target, .. } => r.balloon.push(BalloonReport::new(
-                    d.socket.clone(),
-                    &d.backend,
-                    live,
-                    target,
-                )),
+                Kind::Balloon { live, .. } => r.balloon.push(BalloonReport {
+                    socket: d.socket.clone(),
+                    backend: d.backend.stats(),
+                    status: live.status(),
+                }),
             }
         }
         r.pins = PinReport::now();
@@ -306,77 +306,19 @@ impl BlkServeReport {
     }
 }
 
-/// What a balloon back end did, for `--stats`.
+/// What a balloon back end did, for `--stats`: the protocol's counts and the balloon's status
+/// (target, actual, statistics, what the model counted), flat.
 #[derive(Serialize)]
 pub struct BalloonReport {
     /// Socket served.
     pub socket: String,
-    /// Connections served.
-    pub connections: u64,
-    /// Messages handled.
-    pub messages: u64,
-    /// Messages refused.
-    pub refused: u64,
-    /// Report chains taken.
-    pub report_chains: u64,
-    /// Chains refused whole.
-    pub refused_chains: u64,
-    /// Bytes given back to the host (reports and inflation).
-    pub discarded: u64,
-    /// Bytes kept because a pin held them.
-    pub skipped_pinned: u64,
-    /// Bytes refused by the discard rules.
-    pub rejected: u64,
-    /// Pages inflated.
-    pub inflated_pages: u64,
-    /// Pages deflated.
-    pub deflated_pages: u64,
-    /// The target now, pages.
-    pub target_pages: u32,
-    /// What the driver says it holds, pages (0 once a frontend left: the device was reset).
-    pub actual_pages: u32,
-    /// Pages the guest took back below the target by itself (deflate on OOM), summed.
-    pub deflated_below_target_pages: u64,
-    /// The statistics polling interval (0: the statistics queue was not offered).
-    pub stats_interval_secs: u64,
-    /// Statistics buffers taken, and those refused.
-    pub stats_buffers: u64,
-    pub refused_stats: u64,
-    /// The guest's latest memory statistics, with their time.
-    pub guest_stats: Option<GuestStatsStatus>,
-}
-
-impl BalloonReport {
-    fn new(
-        socket: String,
-        backend: &BackendLive,
-        live: &BalloonLive,
-        target: &BalloonTarget,
-    ) -> BalloonReport {
-        let b = backend.stats();
-        let s = live.status();
-        let c = s.counts;
-        BalloonReport {
-            socket,
-            connections: b.connections,
-            messages: b.messages,
-            refused: b.refused,
-            report_chains: c.chains,
-            refused_chains: c.refused_chains,
-            discarded: c.discarded,
-            skipped_pinned: c.skipped_pinned,
-            rejected: c.rejected,
-            inflated_pages: c.inflated_pages,
-            deflated_pages: c.deflated_pages,
-            target_pages: target.pages(),
-            actual_pages: s.actual_pages,
-            deflated_below_target_pages: s.deflated_below_target_pages,
-            stats_interval_secs: s.stats_interval_secs,
-            stats_buffers: c.stats_buffers,
-            refused_stats: c.refused_stats,
-            guest_stats: s.guest_stats,
-        }
-    }
+    /// Connections, messages, refusals ([`BackendStats`]).
+    #[serde(flatten)]
+    pub backend: BackendStats,
+    /// The balloon now ([`BalloonStatus`]; `actual_pages` is 0 once a frontend left: the
+    /// device was reset).
+    #[serde(flatten)]
+    pub status: BalloonStatus,
 }
 
 /// Everything one `memvisor serve` process did.

@@ -79,7 +79,8 @@ pub struct GuestStatsStatus {
 /// What a balloon is doing now: a snapshot of [`BalloonLive`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct BalloonStatus {
-    /// Pages asked of the guest (`num_pages`).
+    /// Pages asked of the guest: the target as set now (the driver hears of it while a
+    /// frontend is connected).
     pub target_pages: u32,
     /// Pages the driver says it holds (`actual`).
     pub actual_pages: u32,
@@ -95,31 +96,42 @@ pub struct BalloonStatus {
     /// The latest statistics, if any came.
     pub guest_stats: Option<GuestStatsStatus>,
     /// What the balloon model counted: chains, bytes discarded or kept, pages inflated and
-    /// deflated, statistics buffers (running totals over every frontend).
+    /// deflated, statistics buffers (running totals over every frontend; serialized beside the
+    /// fields above).
+    #[serde(flatten)]
     pub counts: ReportingStats,
 }
 
 /// A balloon's live status, shared between the thread serving it and any other (a control
 /// socket, the report at exit). Cloning shares it.
 #[derive(Clone, Debug, Default)]
-pub struct BalloonLive(Arc<Mutex<BalloonStatus>>);
+pub struct BalloonLive {
+    status: Arc<Mutex<BalloonStatus>>,
+    target: BalloonTarget,
+}
 
 impl BalloonLive {
     /// A copy of the status now.
     pub fn status(&self) -> BalloonStatus {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        let mut s = self
+            .status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        s.target_pages = self.target.pages();
+        s
     }
 
     /// `actual` now, in pages.
     pub fn actual_pages(&self) -> u32 {
-        self.0
+        self.status
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .actual_pages
     }
 
     fn update(&self, f: impl FnOnce(&mut BalloonStatus)) {
-        f(&mut self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        f(&mut self.status.lock().unwrap_or_else(|e| e.into_inner()));
     }
 }
 
@@ -146,12 +158,15 @@ impl BalloonDevice {
     pub fn new(target: BalloonTarget) -> Self {
         BalloonDevice {
             model: None,
-            target,
             queue_max: 256,
             reporting: true,
             stats_interval: Duration::ZERO,
             deflate_on_oom: false,
-            live: BalloonLive::default(),
+            live: BalloonLive {
+                status: Arc::default(),
+                target: target.clone(),
+            },
+            target,
             oom_logged: None,
             oom_unlogged: 0,
         }
@@ -380,7 +395,6 @@ impl Device for BalloonDevice {
             Some(m) if m.target_pages() != want => {
                 m.set_target_pages(want);
                 log::info!("balloon: target {want} pages ({} MiB)", want / 256);
-                self.live.update(|s| s.target_pages = want);
                 true
             }
             _ => false,

@@ -268,7 +268,7 @@ impl Experiment for Guest {
                         format!(
                             "{} report chains, {} MiB discarded, {} MiB skipped (pinned), {} pages \
                              inflated, {} deflated",
-                            b["report_chains"],
+                            b["chains"],
                             b["discarded"].as_u64().unwrap_or(0) >> 20,
                             b["skipped_pinned"].as_u64().unwrap_or(0) >> 20,
                             b["inflated_pages"],
