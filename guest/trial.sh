@@ -83,7 +83,9 @@
 #               to the guest's MemTotal. Then the host inflates the balloon until 64 MiB are free
 #               and the guest allocates 256 MiB in one process: it must succeed with no OOM kill,
 #               and the back end must have seen the guest take at least 64 MiB back below the
-#               target (--stats JSON deflated_below_target_pages).
+#               target (--stats JSON deflated_below_target_pages). The control socket's
+#               query-stats, sampled while the guest runs, must have shown at least 5 statistics
+#               updates, free_memory and the target set through the socket (memvisor ctl).
 #   balloon --stats --negative: the back end never asks for fresh statistics
 #               (MEMVISOR_TEST_BALLOON_STATS_FROZEN; needs MEMVISOR= a test-hooks build) and does
 #               not offer deflate on OOM; both the statistics and the OOM check must then FAIL.
