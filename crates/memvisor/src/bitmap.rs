@@ -59,6 +59,15 @@ pub struct DirtyBitmap {
     pages: u64,
 }
 
+/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_NO_DIRTY_SUMMARY` set, marks set the
+/// page bits and no summary bit, so drains miss them — the negative control of the migration
+/// trial (`guest/trial.sh mig --no-summary`), which must then find stale memory.
+#[cfg(feature = "test-hooks")]
+fn summary_off_for_tests() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var_os("MEMVISOR_TEST_NO_DIRTY_SUMMARY").is_some())
+}
+
 /// The number of words of each level for `pages` pages: page words first, then summaries up to
 /// a level of one word.
 fn level_sizes(pages: u64) -> Vec<u64> {
@@ -125,9 +134,17 @@ impl DirtyBitmap {
         if first >= end {
             return;
         }
+        #[cfg(feature = "test-hooks")]
+        let levels = if summary_off_for_tests() {
+            1
+        } else {
+            self.levels.len()
+        };
+        #[cfg(not(feature = "test-hooks"))]
+        let levels = self.levels.len();
         // Bits `lo .. hi` of the current level.
         let (mut lo, mut hi) = (first, end);
-        for (k, level) in self.levels.iter().enumerate() {
+        for (k, level) in self.levels[..levels].iter().enumerate() {
             let mut bit = lo;
             while bit < hi {
                 let word = &level[(bit / 64) as usize];
@@ -387,7 +404,16 @@ mod tests {
     #[test]
     fn a_drain_reports_every_marked_page_once_in_order_and_clears_the_summaries() {
         let b = DirtyBitmap::new(64 * 64 * 64 * 3);
-        let pages = [0, 63, 64, 4095, 4096, 262_143, 262_144, 64 * 64 * 64 * 3 - 1];
+        let pages = [
+            0,
+            63,
+            64,
+            4095,
+            4096,
+            262_143,
+            262_144,
+            64 * 64 * 64 * 3 - 1,
+        ];
         for &p in pages.iter().rev() {
             b.mark(p, 1);
         }
@@ -399,7 +425,11 @@ mod tests {
         assert_eq!(got, want);
         assert!(marked(&b).is_empty());
         // Every summary word is clear again: the next drain reads only the top word.
-        assert!(b.levels.iter().all(|l| l.iter().all(|w| w.load(Ordering::Relaxed) == 0)));
+        assert!(
+            b.levels
+                .iter()
+                .all(|l| l.iter().all(|w| w.load(Ordering::Relaxed) == 0))
+        );
         assert_eq!(drained(&b), (vec![], 1));
         b.mark_all();
         assert_eq!(drained(&b).0, (0..b.pages()).collect::<Vec<_>>());
@@ -412,7 +442,11 @@ mod tests {
         assert_eq!(b.levels.len(), 4);
         assert_eq!(drained(&b).1, 1, "a clean bitmap costs its top word");
         b.mark(12_345_678, 1);
-        assert_eq!(drained(&b), (vec![12_345_678], 4), "one page: one word per level");
+        assert_eq!(
+            drained(&b),
+            (vec![12_345_678], 4),
+            "one page: one word per level"
+        );
         // Two pages in one page word share the whole path; two far apart share only the top.
         b.mark(64 * 1000, 1);
         b.mark(64 * 1000 + 5, 1);
@@ -457,7 +491,11 @@ mod tests {
         let b = DirtyBitmap::new(pages);
         let each = pages / WRITERS;
         let order: Vec<Vec<u64>> = (0..WRITERS)
-            .map(|w| (0..each).map(|i| (i * 40_503 % each) * WRITERS + w).collect())
+            .map(|w| {
+                (0..each)
+                    .map(|i| (i * 40_503 % each) * WRITERS + w)
+                    .collect()
+            })
             .collect();
         let published: Vec<AtomicUsize> = (0..WRITERS).map(|_| AtomicUsize::new(0)).collect();
         let mut seen = vec![0u8; pages as usize];
@@ -473,8 +511,10 @@ mod tests {
                 });
             }
             loop {
-                let before: Vec<usize> =
-                    published.iter().map(|p| p.load(Ordering::Acquire)).collect();
+                let before: Vec<usize> = published
+                    .iter()
+                    .map(|p| p.load(Ordering::Acquire))
+                    .collect();
                 let (got, _) = drained(&b);
                 for p in got {
                     seen[p as usize] += 1;
@@ -504,6 +544,9 @@ mod tests {
             rounds += race(64 * 64 * 4);
         }
         rounds += race(64 * 64 * 64 * 2);
-        assert!(rounds > 600, "the drains ran beside the writers ({rounds} rounds)");
+        assert!(
+            rounds > 600,
+            "the drains ran beside the writers ({rounds} rounds)"
+        );
     }
 }

@@ -333,12 +333,18 @@ fn drain_dirty_reports_what_get_and_clear_dirty_does_writes_pins_and_all_mapped(
             .unwrap();
     }
     // Arguments and tracking are checked before any call.
-    let e = d.drain_dirty(Iova(0), 1024 * PAGE, PAGE, |_, _| {}).unwrap_err();
+    let e = d
+        .drain_dirty(Iova(0), 1024 * PAGE, PAGE, |_, _| {})
+        .unwrap_err();
     assert_eq!(e.errno(), libc::EINVAL, "tracking off: {e}");
     d.start_dirty_tracking().unwrap();
-    let e = d.drain_dirty(Iova(0), 4 * PAGE, PAGE, |_, _| {}).unwrap_err();
+    let e = d
+        .drain_dirty(Iova(0), 4 * PAGE, PAGE, |_, _| {})
+        .unwrap_err();
     assert_eq!(e.errno(), libc::EINVAL, "cuts a mapping: {e}");
-    let e = d.drain_dirty(Iova(0), 1024 * PAGE, 2 * MIB, |_, _| {}).unwrap_err();
+    let e = d
+        .drain_dirty(Iova(0), 1024 * PAGE, 2 * MIB, |_, _| {})
+        .unwrap_err();
     assert_eq!(e.errno(), libc::EINVAL, "page size: {e}");
     d.pin_pages(&[100], Prot::READ).unwrap();
     let write = |pages: &[u64]| {

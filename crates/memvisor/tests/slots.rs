@@ -465,6 +465,10 @@ fn drain_dirty_log_hands_over_the_dirty_words_of_a_large_slot_and_clears_them() 
     );
     assert_eq!(drain(), vec![], "the drain clears");
     t.write(Gpa((1 << 32) + 5 * PAGE), &[1]).unwrap();
-    assert_eq!(t.take_dirty_log(0).unwrap()[0], 1 << 5, "take sees the same bits");
+    assert_eq!(
+        t.take_dirty_log(0).unwrap()[0],
+        1 << 5,
+        "take sees the same bits"
+    );
     assert_eq!(drain(), vec![]);
 }
