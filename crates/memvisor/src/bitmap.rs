@@ -34,8 +34,11 @@
 //!
 //! The result, for a page marked by a `mark` that returned before a drain began: that drain
 //! reports it, or a drain running at the same time does. A page marked during a drain is
-//! reported by this drain or the next one — never lost. A page is reported once per mark: the
-//! swap that returns its bit clears it.
+//! reported by this drain or, at the latest, by the first drain that begins after the `mark`
+//! returned — never lost. (Unlike the single OR of a bitmap without summaries, a mark is not
+//! instantaneous: while a thread is between its page bit and its summary bits, drains may not
+//! see the page yet. Migration's last drain comes after the devices stopped, so after every
+//! mark returned.) A page is reported once per mark: the swap that returns its bit clears it.
 //!
 //! A [`SharedLog`] is the other end: a dirty log that lives in memory another process reads and
 //! clears — vhost-user's `SET_LOG_BASE` area, one bit per 4 KiB guest physical page, bit

@@ -20,18 +20,28 @@
 //!   found through the summaries, but the returned vector costs O(guest size) to allocate and
 //!   fill — the reason the drains above use callbacks.
 //!
+//! A second table gives the writer's side: what marking one page costs, at each size, with the
+//! summary levels (`DirtyBitmap::mark`: the page word's OR plus a load per summary level) beside
+//! the old mark's body (one atomic OR on a word array of the same size), for the same page over
+//! and over (a device writing one buffer) and for pages spread over the whole guest (cache
+//! misses on every level).
+//!
 //! Pages are marked before each drain and not timed. A drain with one dirty page is timed
 //! [`REPS`] times per run (the run's median counts), a 1% drain once per run; the table gives the
 //! median over runs, and the words each drain read. The goal: the one-page drain at 1024 GiB
 //! within 2x of the same drain at 1 GiB.
 
+use std::hint::black_box;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use memvisor::bitmap::DirtyBitmap;
 use memvisor::{Access, Backing, BackingKind, DmaConfig, DmaSpace, Iova, PAGE_4K, Prot, SharedLog};
 
-use super::{Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table};
+use super::{
+    Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, ns_per_op,
+};
 
 pub struct Scale;
 
@@ -196,6 +206,27 @@ impl Guest {
     }
 }
 
+/// Pages for the mark table: the same page, or [`MARK_SPREAD`] pages spread over the guest.
+const MARK_SPREAD: usize = 1 << 16;
+
+/// ns per mark of `pages` (cycled), with the summary levels or as the old mark did.
+fn time_marks(guest: &Guest, words: &[AtomicU64], pages: &[u64], summary: bool, runs: u32) -> f64 {
+    let mask = pages.len() - 1;
+    ns_per_op(runs, |iters| {
+        let start = Instant::now();
+        for i in 0..iters as usize {
+            let p = black_box(pages[i & mask]);
+            if summary {
+                guest.bitmap.mark(p, 1);
+            } else {
+                words[(p / 64) as usize].fetch_or(1 << (p % 64), Ordering::Relaxed);
+            }
+        }
+        start.elapsed().as_nanos() as f64 / iters as f64
+    })
+    .median
+}
+
 impl Experiment for Scale {
     fn name(&self) -> &'static str {
         "scale"
@@ -245,6 +276,16 @@ impl Experiment for Scale {
                 "words read: summary",
             ],
         );
+        let mut marks = Table::new(
+            &format!("Marking one page dirty (ns per mark, median of {runs} runs)"),
+            &[
+                "guest",
+                "same page: old mark",
+                "same page: with summaries",
+                "spread pages: old mark",
+                "spread pages: with summaries",
+            ],
+        );
         let mut one_page_space = Vec::new();
         let mut groups: Vec<ChartGroup> = Vec::new();
         for &gib in &SIZES_GIB {
@@ -256,6 +297,24 @@ impl Experiment for Scale {
                     continue;
                 }
             };
+            {
+                // The old mark's word array, as large as the bitmap's page words.
+                let words: Vec<AtomicU64> =
+                    (0..guest.pages / 64).map(|_| AtomicU64::new(0)).collect();
+                let same = vec![guest.pages / 2];
+                let spread: Vec<u64> = (0..MARK_SPREAD as u64)
+                    .map(|i| (i * 2_654_435_761) % guest.pages)
+                    .collect();
+                let mut cells = vec![format!("{gib} GiB")];
+                for pages in [&same, &spread] {
+                    for summary in [false, true] {
+                        let ns = time_marks(&guest, &words, pages, summary, runs);
+                        cells.push(format!("{ns:.1}"));
+                    }
+                }
+                marks.push(cells);
+                guest.bitmap.drain(|_, _| {});
+            }
             for &dirty in &cases {
                 let mut medians = Vec::new();
                 let mut words = Vec::new();
@@ -312,6 +371,14 @@ impl Experiment for Scale {
                 .into(),
         );
         out.tables.push(table);
+        marks.note = Some(
+            "old mark = one relaxed atomic OR on the page's word (the mark before the summary \
+             levels); with summaries = DirtyBitmap::mark: the same OR, then one load per \
+             summary level and an OR where a summary bit was clear. Spread: 65,536 pages \
+             scattered over the guest, cycled."
+                .into(),
+        );
+        out.tables.push(marks);
         if let (Some(&(g0, small)), Some(&(g1, large))) =
             (one_page_space.first(), one_page_space.last())
         {
