@@ -6,7 +6,7 @@
 # usage: guest/trial.sh blk [--negative] [--peer] [--queues=N] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
 #                      | balloon --stats [--negative]
 #                      | blk --disk-fault [--negative] | blk --memlock [--negative]
-#                      | mig [--negative] [--iommu=M] | hostile [--negative]
+#                      | mig [--negative | --no-summary] [--iommu=M] | hostile [--negative]
 #                      | vfio-user [--negative] [--unmap-busy] [--private] [--long-term] [--after-fuzz]
 #                                  [--client-dies [--negative]]
 #                      | blkio [--negative]
@@ -39,6 +39,10 @@
 #               MEMVISOR= a test-hooks build); the guest must then find stale chunks on the
 #               destination. Exit 3 if the destination gives no
 #               verdict at all (inconclusive; CI runs it once more).
+#   mig --no-summary: negative control of the dirty bitmaps' summary levels: marks set no
+#               summary bit (MEMVISOR_TEST_NO_DIRTY_SUMMARY; needs MEMVISOR= a test-hooks build),
+#               so the O(dirty) drains find nothing; the destination must then find stale chunks,
+#               judged as mig --negative.
 #   mig --iommu=strict|lazy: the same behind the vIOMMU; the back end logs the guest pages behind
 #               the IOVAs it wrote.
 #   hostile     two vIOMMU blk devices in one back end: the kernel runs the blk trial on one, a
@@ -175,7 +179,7 @@ balloon_stats=0; queues=1; negative=0; peer=0; fuzz=0; iommu=""; private=0; long
 crash=0; reorder=0
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
-for a in "$@"; do case $a in --stats) balloon_stats=1;; --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
+for a in "$@"; do case $a in --stats) balloon_stats=1;; --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --no-summary) no_summary=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 # With --frontend-dies, --negative is the leak switch (MEMVISOR_TEST_LEAK_ON_HANGUP, a test-hooks
 # build), not the trial's own negative control.
 leak=0; if [ $frontend_dies = 1 ] && [ $negative = 1 ]; then negative=0; leak=1; export MEMVISOR_TEST_LEAK_ON_HANGUP=1; fi
@@ -943,6 +947,8 @@ mig)
   truncate -s 0 "$run/disk.img"; truncate -s 256M "$run/disk.img"
   sock=$run/blk.sock
   nolog_env=(); [ $negative = 0 ] || { need_hooks MEMVISOR_TEST_NO_DIRTY_LOG; nolog_env=(MEMVISOR_TEST_NO_DIRTY_LOG=1); }
+  # --no-summary: the log is on, but marks never reach the summary levels the drains read.
+  [ "${no_summary:-0}" = 0 ] || { need_hooks MEMVISOR_TEST_NO_DIRTY_SUMMARY; nolog_env=(MEMVISOR_TEST_NO_DIRTY_SUMMARY=1); }
   env "${nolog_env[@]}" "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
     $([ -n "$iommu" ] && echo --iommu --record-iotlb "$run/iotlb.rec") > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")

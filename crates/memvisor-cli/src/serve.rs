@@ -161,6 +161,10 @@ pub fn blk(
         log::warn!("TEST ONLY: the migration dirty log stays empty; migrations lose device writes");
         backend.disable_dirty_log_for_tests();
     }
+    #[cfg(feature = "test-hooks")]
+    if std::env::var_os("MEMVISOR_TEST_NO_DIRTY_SUMMARY").is_some() {
+        log::warn!("TEST ONLY: dirty marks skip the summary levels; drains miss them");
+    }
     if let Some(path) = record_iotlb {
         let f = std::fs::File::create(path)
             .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;

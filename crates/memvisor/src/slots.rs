@@ -749,6 +749,29 @@ impl SlotTable {
             }),
         }
     }
+
+    /// Reads and clears the slot's dirty bitmap like [`SlotTable::take_dirty_log`], handing
+    /// each non-zero word to `f(page, bits)` (bit `b` is the slot's page `page + b`; `page` is
+    /// a multiple of 64) in increasing order. Costs O(dirty words), not O(slot size): no
+    /// bitmap of the slot's size is built. ENOENT as for [`SlotTable::take_dirty_log`], before
+    /// any call of `f`.
+    pub fn drain_dirty_log(&self, id: SlotId, f: impl FnMut(u64, u64)) -> Result<()> {
+        let snapshot = self.shared.current.load();
+        let slot = snapshot.slot(id).ok_or(Error::NotFound {
+            what: "slot",
+            id: id.into(),
+        })?;
+        match &slot.dirty {
+            Some(bitmap) => {
+                bitmap.drain(f);
+                Ok(())
+            }
+            None => Err(Error::NotFound {
+                what: "dirty log of slot",
+                id: id.into(),
+            }),
+        }
+    }
 }
 
 /// A batch of changes being prepared by [`SlotTable::update`].

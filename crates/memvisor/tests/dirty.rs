@@ -306,3 +306,75 @@ fn map_guest_pieces_inside_huge_pages_pin_and_log_in_the_right_units() {
     d.unpin_pages(&[0, 509]).unwrap();
     assert_eq!(registry.locked_bytes(), 0);
 }
+
+/// The pages `drain_dirty` hands over for `[iova, iova + pages)`, sorted, each once.
+fn drained(d: &DmaSpace, iova: u64, pages: u64) -> Vec<u64> {
+    let mut out = std::collections::BTreeSet::new();
+    d.drain_dirty(Iova(iova * PAGE), pages * PAGE, PAGE, |first, mut bits| {
+        while bits != 0 {
+            let p = first + u64::from(bits.trailing_zeros());
+            assert!(p < pages, "page {p} is past the range");
+            out.insert(p);
+            bits &= bits - 1;
+        }
+    })
+    .unwrap();
+    out.into_iter().collect()
+}
+
+#[test]
+fn drain_dirty_reports_what_get_and_clear_dirty_does_writes_pins_and_all_mapped() {
+    let _s = serial();
+    // Mappings at page offsets that are not multiples of 64, with holes between them.
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 1024 * PAGE).unwrap());
+    let d = space();
+    for (at, len) in [(3, 5), (70, 200), (300, 700)] {
+        d.map_backing(Iova(at * PAGE), &b, at * PAGE, len * PAGE, Prot::RW)
+            .unwrap();
+    }
+    // Arguments and tracking are checked before any call.
+    let e = d
+        .drain_dirty(Iova(0), 1024 * PAGE, PAGE, |_, _| {})
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "tracking off: {e}");
+    d.start_dirty_tracking().unwrap();
+    let e = d
+        .drain_dirty(Iova(0), 4 * PAGE, PAGE, |_, _| {})
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "cuts a mapping: {e}");
+    let e = d
+        .drain_dirty(Iova(0), 1024 * PAGE, 2 * MIB, |_, _| {})
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "page size: {e}");
+    d.pin_pages(&[100], Prot::READ).unwrap();
+    let write = |pages: &[u64]| {
+        for &p in pages {
+            d.dma_write(Iova(p * PAGE + 8), &[7; 8]).unwrap();
+        }
+    };
+    let writes = [3, 7, 70, 133, 134, 269, 300, 363, 364, 999];
+    let mut want: Vec<u64> = writes.iter().chain(&[100]).copied().collect();
+    want.sort();
+    write(&writes);
+    let dense = read(&d, 1000);
+    assert_eq!(dense, want);
+    write(&writes);
+    assert_eq!(drained(&d, 0, 1000), dense);
+    // The pinned page stays dirty; the writes were cleared.
+    assert_eq!(drained(&d, 0, 1000), vec![100]);
+    assert_eq!(read(&d, 1000), vec![100]);
+    // A range that starts inside the space: pages count from its start.
+    write(&[333]);
+    assert_eq!(drained(&d, 300, 700), vec![33]);
+    d.unpin_pages(&[100]).unwrap();
+    assert_eq!(drained(&d, 0, 1000), vec![100]);
+    assert_eq!(drained(&d, 0, 1000), Vec::<u64>::new());
+    // All-mapped scope: every mapped page, by either read.
+    let all: Vec<u64> = (3..8).chain(70..270).chain(300..1000).collect();
+    let dev = d.attach_unlogged_device();
+    assert_eq!(drained(&d, 0, 1000), all);
+    assert_eq!(read(&d, 1000), all);
+    drop(dev);
+    assert_eq!(drained(&d, 0, 1000), all);
+    assert_eq!(drained(&d, 0, 1000), Vec::<u64>::new());
+}

@@ -435,3 +435,40 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn drain_dirty_log_hands_over_the_dirty_words_of_a_large_slot_and_clears_them() {
+    // 4 GiB of address space (a memfd: the pages are never touched but the written ones).
+    let b = Arc::new(Backing::new(BackingKind::Memfd, 4 << 30).unwrap());
+    let t = SlotTable::new();
+    assert_eq!(errno(t.drain_dirty_log(0, |_, _| {})), libc::ENOENT);
+    t.insert(SlotSpec::new(0, Gpa(1 << 32), b).flags(SlotFlags::LOG_DIRTY))
+        .unwrap();
+    let pages = [0u64, 65, 66, 300_000, (1 << 20) - 1];
+    for p in pages {
+        t.write(Gpa((1 << 32) + p * PAGE + 10), &[1, 2]).unwrap();
+    }
+    let drain = || {
+        let mut words = Vec::new();
+        t.drain_dirty_log(0, |first, bits| words.push((first, bits)))
+            .unwrap();
+        words
+    };
+    assert_eq!(
+        drain(),
+        vec![
+            (0, 1),
+            (64, 0b110),
+            (300_000 / 64 * 64, 1 << (300_000 % 64)),
+            ((1 << 20) - 64, 1 << 63)
+        ]
+    );
+    assert_eq!(drain(), vec![], "the drain clears");
+    t.write(Gpa((1 << 32) + 5 * PAGE), &[1]).unwrap();
+    assert_eq!(
+        t.take_dirty_log(0).unwrap()[0],
+        1 << 5,
+        "take sees the same bits"
+    );
+    assert_eq!(drain(), vec![]);
+}

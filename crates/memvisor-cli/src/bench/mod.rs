@@ -20,6 +20,8 @@ mod pin;
 mod pin_pages;
 pub mod report;
 mod rw;
+// Issue 38's scale table: on request (`memvisor bench scale`).
+mod scale;
 pub mod seeds;
 mod translate;
 mod vfio_user;
@@ -29,9 +31,13 @@ use serde::Serialize;
 use std::time::{Duration, Instant};
 
 /// Experiments run only when named: they need root and minutes (`memvisor bench guest`,
-/// `memvisor bench blk`).
+/// `memvisor bench blk`), or terabytes of address space (`memvisor bench scale`).
 pub fn on_request() -> Vec<Box<dyn Experiment>> {
-    vec![Box::new(guest::Guest), Box::new(blk::BlkBench)]
+    vec![
+        Box::new(guest::Guest),
+        Box::new(blk::BlkBench),
+        Box::new(scale::Scale),
+    ]
 }
 
 /// ns one `Instant::now()` + `elapsed()` pair costs (median of many).

@@ -30,7 +30,10 @@
 //! [`DmaSpace::get_and_clear_dirty`] reads and clears the bits of any range made of whole
 //! mappings, holes allowed, in the `KVM_GET_DIRTY_LOG` / VFIO layout (bit `i` of word `i / 64`
 //! is page `i`); [`DmaSpace::get_and_clear_dirty_into`] writes them into the caller's buffer,
-//! so no read allocates. A range of more than [`DIRTY_BITMAP_PAGES_MAX`] pages is EINVAL, as in
+//! so no read allocates, and [`DmaSpace::drain_dirty`] hands the non-zero words to a callback,
+//! so a read costs O(dirty words + mappings in the range): each mapping's bitmap is drained
+//! through its summary levels (see [`crate::bitmap`]), and no buffer of the range's size is
+//! written. A range of more than [`DIRTY_BITMAP_PAGES_MAX`] pages is EINVAL, as in
 //! the kernel. [`DmaSpace::unmap_get_dirty`] unmaps and returns the removed range's bits
 //! (`VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP`) in one step, so nothing written before the unmap is
 //! lost: the unmap returns only after every copy and pin in the range ended (`retire`), so no
@@ -173,6 +176,37 @@ impl DmaSpace {
     ) -> Result<()> {
         let pages = self.check_bitmap(iova, size, page_size)?;
         check_out(pages, out)?;
+        self.drain_mappings(iova, size, &mut Dense(out), |out| {
+            out.0[..pages.div_ceil(64) as usize].fill(0)
+        })
+    }
+
+    /// Reads and clears the dirty bits of `[iova, iova + size)` like
+    /// [`DmaSpace::get_and_clear_dirty`], handing them to `f(page, bits)` instead of a bitmap:
+    /// bit `b` of `bits` is page `page + b` of the range (counted from `iova` in `page_size`
+    /// pages; `page` need not be a multiple of 64). Only non-zero words are handed over; a page
+    /// may come in more than one call. Costs O(dirty words + mappings in the range), not
+    /// O(size). Same errors as [`DmaSpace::get_and_clear_dirty`], before any call of `f`.
+    pub fn drain_dirty(
+        &self,
+        iova: Iova,
+        size: u64,
+        page_size: u64,
+        f: impl FnMut(u64, u64),
+    ) -> Result<()> {
+        self.check_bitmap(iova, size, page_size)?;
+        self.drain_mappings(iova, size, &mut Sparse(f), |_| {})
+    }
+
+    /// The common part of the reads: checks tracking and that the range cuts no mapping,
+    /// `prepare`s the sink, then drains each mapping into it.
+    fn drain_mappings<S: Sink>(
+        &self,
+        iova: Iova,
+        size: u64,
+        sink: &mut S,
+        prepare: impl FnOnce(&mut S),
+    ) -> Result<()> {
         let writer = self.writer();
         if !writer.tracking {
             return Err(Error::TrackingOff {
@@ -182,9 +216,9 @@ impl DmaSpace {
         let snap = self.shared.current.load();
         let last = iova.0 + (size - 1);
         let mappings = whole_mappings(&snap.map, iova.0, last)?;
-        out[..pages.div_ceil(64) as usize].fill(0);
+        prepare(sink);
         for (start, m) in &mappings {
-            self.take_dirty(&writer, m, *start - iova.0, out);
+            self.take_dirty(&writer, m, *start - iova.0, sink);
         }
         Ok(())
     }
@@ -213,7 +247,7 @@ impl DmaSpace {
             },
             |writer, hit| {
                 for (start, m) in hit {
-                    self.take_dirty(writer, m, *start - iova.0, &mut out);
+                    self.take_dirty(writer, m, *start - iova.0, &mut Dense(&mut out));
                 }
             },
         )?;
@@ -240,17 +274,18 @@ impl DmaSpace {
     }
 
     /// Moves `m`'s dirty bits into `out` at bit offset `byte_offset / page`: the logged bits,
-    /// cleared as they are taken, the pages devices hold pinned (marked again in the bitmap, so
-    /// the next read reports them too), or, in the all-mapped scope, every page.
-    fn take_dirty(&self, writer: &Writer, m: &Mapping, byte_offset: u64, out: &mut [u64]) {
+    /// cleared as they are taken (through the bitmap's summaries: O(dirty words)), the pages
+    /// devices hold pinned (marked again in the bitmap, so the next read reports them too), or,
+    /// in the all-mapped scope, every page.
+    fn take_dirty(&self, writer: &Writer, m: &Mapping, byte_offset: u64, out: &mut impl Sink) {
         let Some(bitmap) = &m.dirty else { return };
         let page = self.shared.min_page;
         let first = byte_offset / page;
-        let taken = bitmap.take();
         if writer.scope() == DirtyScope::AllMapped {
-            set_bits(out, first, bitmap.pages());
+            bitmap.drain(|_, _| {});
+            out.run(first, bitmap.pages());
         } else {
-            or_words(out, first, &taken);
+            bitmap.drain(|p, bits| out.word(first + p, bits));
         }
         let (start, last) = (m.iova.start().0, m.iova.last().0);
         let base = start / page;
@@ -260,7 +295,7 @@ impl DmaSpace {
             let to = ((e - 1) * PAGE + (PAGE - 1)).min(last);
             let (b0, b1) = (from / page - base, to / page - base + 1);
             bitmap.mark(b0, b1 - b0);
-            set_bits(out, first + b0, b1 - b0);
+            out.run(first + b0, b1 - b0);
         }
     }
 
@@ -318,6 +353,46 @@ fn check_out(pages: u64, out: &[u64]) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Where a read of the log puts its bits: a bitmap of the whole range, or a callback.
+trait Sink {
+    /// ORs `bits` in at page `first` (bit `b` is page `first + b`).
+    fn word(&mut self, first: u64, bits: u64);
+    /// Marks pages `first .. first + count`.
+    fn run(&mut self, first: u64, count: u64);
+}
+
+/// The caller's bitmap of the whole range (bit `i` of word `i / 64` is page `i`).
+struct Dense<'a>(&'a mut [u64]);
+
+impl Sink for Dense<'_> {
+    fn word(&mut self, first: u64, bits: u64) {
+        or_words(self.0, first, &[bits]);
+    }
+
+    fn run(&mut self, first: u64, count: u64) {
+        set_bits(self.0, first, count);
+    }
+}
+
+/// A callback `f(page, bits)`; runs come as words of up to 64 pages each.
+struct Sparse<F>(F);
+
+impl<F: FnMut(u64, u64)> Sink for Sparse<F> {
+    fn word(&mut self, first: u64, bits: u64) {
+        (self.0)(first, bits);
+    }
+
+    fn run(&mut self, first: u64, count: u64) {
+        let end = first + count;
+        let mut page = first;
+        while page < end {
+            let n = (end - page).min(64);
+            (self.0)(page, if n == 64 { u64::MAX } else { (1 << n) - 1 });
+            page += n;
+        }
+    }
 }
 
 /// ORs `words` (bit 0 = page 0) into `out` starting at bit `first`.
