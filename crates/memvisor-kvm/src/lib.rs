@@ -22,3 +22,9 @@ pub mod vcpu;
 pub use error::{Error, Result};
 pub use memslots::{KvmCaps, KvmSlots, Options, SlotLog, SyncReport};
 pub use vcpu::{Control, ExitHandler, Stop, Vcpu};
+
+/// docs/kvm.md's Rust blocks, compiled as doctests so they cannot go stale (the core crate's
+/// `tests/docs_compiled.rs` checks every page with a compiled block is included somewhere).
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/kvm.md")]
+struct DocsKvm;

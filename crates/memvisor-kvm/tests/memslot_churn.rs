@@ -6,6 +6,7 @@
 //!   table's memory; the vCPU's cursor, asked on the exit path, agrees;
 //! - `KVM_GET_DIRTY_LOG` succeeds for exactly the KVM slot numbers of the table's logging slots
 //!   and fails with ENOENT for every other number in use so far (removed slots included).
+//!
 //! Also: KVM's refusal of a memslot comes back typed, with its errno and the refused region.
 //! Skips (printing "skipped: ... no /dev/kvm") without /dev/kvm.
 

@@ -33,14 +33,12 @@ pub const PROBE_PROGRAM: [u8; 18] = [
 pub fn kvm_or_skip(test: &str) -> Option<Kvm> {
     if !std::path::Path::new("/dev/kvm").exists() {
         println!("skipped: {test}: no /dev/kvm");
-        eprintln!("skipped: {test}: no /dev/kvm");
         return None;
     }
     match Kvm::new() {
         Ok(kvm) => Some(kvm),
         Err(e) => {
             println!("skipped: {test}: /dev/kvm cannot be opened: {e}");
-            eprintln!("skipped: {test}: /dev/kvm cannot be opened: {e}");
             None
         }
     }
