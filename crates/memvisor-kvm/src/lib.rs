@@ -6,6 +6,8 @@
 //! memslots  KvmSlots: the table mirrored into KVM's memslots (sync on call, KVM's rules and
 //!           errors, KVM slot numbers within KVM_CAP_NR_MEMSLOTS), and one dirty log per slot:
 //!           KVM's bitmap (manual protect, cleared in chunks) merged with memvisor's own
+//! ring      per-vCPU dirty rings (KVM_CAP_DIRTY_LOG_RING_ACQ_REL): the vCPUs' pages from
+//!           rings instead of the bitmap, behind the same dirty-log call
 //! vcpu      Vcpu: a vCPU with its thread's SlotCursor, handed to the MMIO / port I/O handler
 //! error     KVM's refusals with errno and the refused values; memvisor's errors passed on
 //! ```
@@ -17,10 +19,12 @@
 
 pub mod error;
 pub mod memslots;
+pub mod ring;
 pub mod vcpu;
 
 pub use error::{Error, Result};
 pub use memslots::{KvmCaps, KvmSlots, Options, SlotLog, SyncReport};
+pub use ring::Rings;
 pub use vcpu::{Control, ExitHandler, Stop, Vcpu};
 
 /// docs/kvm.md's Rust blocks, compiled as doctests so they cannot go stale (the core crate's

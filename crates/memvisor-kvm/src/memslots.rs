@@ -48,19 +48,24 @@
 //!    the page (the page was reported) or, to a page that read clean, sets a bit the clear does
 //!    not touch (reported next round). Nothing is cleared that was not read;
 //! 3. memvisor's own log of the slot, read-and-cleared word by word (`SlotTable::take_dirty_log`);
-//! 4. bits carried over from KVM slots deleted to be re-created (read just before the delete).
+//! 4. every page of a slot KVM deleted and re-created since the last call (a move, resize or
+//!    read-only change of a logging slot): KVM's bitmap of the old memslot goes with it, and a
+//!    vCPU may write between a last read and the delete, so the new slot reports all its pages
+//!    once rather than risk missing one.
 //!
 //! Without the capability, step 1 reads and clears at once (KVM's classic behaviour) and step 2
-//! is skipped. Either way the caller copies the reported pages after the call returns.
+//! is skipped. With [`Options::dirty_ring`] the vCPUs' pages come from KVM's per-vCPU dirty
+//! rings instead of the bitmap (the `ring` module: harvest, then `KVM_RESET_DIRTY_RINGS`) behind
+//! the same call. Either way the caller copies the reported pages after the call returns.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_bindings::{
-    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE,
-    KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY, kvm_clear_dirty_log, kvm_enable_cap,
-    kvm_userspace_memory_region, kvm_userspace_memory_region2,
+    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
+    kvm_clear_dirty_log, kvm_enable_cap, kvm_userspace_memory_region, kvm_userspace_memory_region2,
 };
 use kvm_ioctls::{Cap, VmFd};
 use memvisor::slots::{Slot, SlotEdit};
@@ -68,6 +73,7 @@ use memvisor::{Gpa, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable};
 use vmm_sys_util::ioctl::ioctl_with_ref;
 
 use crate::error::{Error, Result};
+use crate::ring::Rings;
 
 const KVMIO: u32 = 0xAE;
 vmm_sys_util::ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
@@ -85,6 +91,8 @@ pub struct KvmCaps {
     pub manual_protect: bool,
     /// `KVM_CAP_READONLY_MEM`: read-only slots.
     pub readonly: bool,
+    /// `KVM_CAP_DIRTY_LOG_RING_ACQ_REL`: the largest dirty ring, in bytes (0: none).
+    pub dirty_ring_bytes: u32,
 }
 
 impl KvmCaps {
@@ -95,6 +103,9 @@ impl KvmCaps {
             region2: vm.check_extension(Cap::UserMemory2),
             manual_protect: vm.check_extension_raw(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into()) > 0,
             readonly: vm.check_extension(Cap::ReadonlyMem),
+            dirty_ring_bytes: vm
+                .check_extension_raw(KVM_CAP_DIRTY_LOG_RING_ACQ_REL.into())
+                .max(0) as u32,
         }
     }
 }
@@ -110,6 +121,10 @@ pub struct Options {
     /// Pages per `KVM_CLEAR_DIRTY_LOG` call, a multiple of 64 (rounded down, at least 64): each
     /// call holds KVM's MMU lock for its pages only.
     pub clear_chunk_pages: u64,
+    /// Take the vCPUs' dirty pages from per-vCPU dirty rings of this many entries (a power of
+    /// two; `KVM_CAP_DIRTY_LOG_RING_ACQ_REL`) instead of KVM's bitmaps. Must be set before the
+    /// VM has vCPUs: bind first, then create them with [`Vcpu::new`](crate::Vcpu::new).
+    pub dirty_ring: Option<u32>,
 }
 
 impl Default for Options {
@@ -119,6 +134,7 @@ impl Default for Options {
             manual_protect: true,
             // 256 MiB of 4 KiB pages per call.
             clear_chunk_pages: 1 << 16,
+            dirty_ring: None,
         }
     }
 }
@@ -173,6 +189,8 @@ pub struct KvmSlots {
     options: Options,
     /// Whether manual protect is on for this VM.
     manual: bool,
+    /// The vCPUs' dirty rings, when they replace KVM's bitmaps.
+    rings: Option<Arc<Rings>>,
     state: Mutex<State>,
 }
 
@@ -237,7 +255,12 @@ impl KvmSlots {
     /// when asked and offered (KVM takes it only before the VM has memslots with dirty logging).
     pub fn with_options(vm: Arc<VmFd>, table: SlotTable, options: Options) -> Result<KvmSlots> {
         let caps = KvmCaps::probe(&vm);
-        let manual = options.manual_protect && caps.manual_protect;
+        let rings = match options.dirty_ring {
+            None => None,
+            Some(entries) => Some(Arc::new(enable_rings(&vm, &caps, entries)?)),
+        };
+        // With rings KVM keeps no bitmap: there is nothing to protect by hand.
+        let manual = options.manual_protect && caps.manual_protect && rings.is_none();
         if manual {
             let cap = kvm_enable_cap {
                 cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
@@ -262,6 +285,7 @@ impl KvmSlots {
             caps,
             options,
             manual,
+            rings,
             state: Mutex::new(State::default()),
         };
         slots.sync()?;
@@ -287,6 +311,11 @@ impl KvmSlots {
     /// Whether the dirty log is read and cleared apart (manual protect is on).
     pub fn manual_protect(&self) -> bool {
         self.manual
+    }
+
+    /// The vCPUs' dirty rings, when [`Options::dirty_ring`] turned them on.
+    pub fn rings(&self) -> Option<&Arc<Rings>> {
+        self.rings.as_ref()
     }
 
     /// Whether memslots go through `KVM_SET_USER_MEMORY_REGION2`.
@@ -367,12 +396,12 @@ impl KvmSlots {
         let current: BTreeMap<SlotId, &Arc<Slot>> = snapshot.slots().map(|s| (s.id(), s)).collect();
         // The plan: what to delete (and whether to keep its KVM dirty bits, and how), what to
         // update in place, what to create.
-        let mut delete: Vec<(SlotId, Carry)> = Vec::new();
+        let mut delete: Vec<(SlotId, bool)> = Vec::new();
         let mut flags_only: Vec<Arc<Slot>> = Vec::new();
         let mut create: Vec<Arc<Slot>> = Vec::new();
         for (id, old) in &state.installed {
             let Some(&new) = current.get(id) else {
-                delete.push((*id, Carry::Nothing));
+                delete.push((*id, false));
                 continue;
             };
             if Arc::ptr_eq(new, &old.slot) {
@@ -385,13 +414,9 @@ impl KvmSlots {
                 flags_only.push(new.clone());
             } else {
                 // A moved, resized, re-backed or read-only-toggled slot: delete, re-create.
-                let carry = match (logs, same_place(&old.slot, new)) {
-                    (false, _) => Carry::Nothing,
-                    (true, true) => Carry::KvmBits,
-                    // Other memory under the same id: every page of it is news to a migration.
-                    (true, false) => Carry::AllDirty(pages_of(new)),
-                };
-                delete.push((*id, carry));
+                // When it logs before and after, all its pages are reported once (module
+                // documentation, step 4).
+                delete.push((*id, logs));
                 create.push(new.clone());
             }
         }
@@ -401,28 +426,17 @@ impl KvmSlots {
             }
         }
 
-        for (id, carry) in delete {
+        for (id, all_pages) in delete {
             let old = &state.installed[&id];
-            match carry {
-                Carry::Nothing => {}
-                Carry::KvmBits => {
-                    let words = self
-                        .vm
-                        .get_dirty_log(old.kvm_slot, old.slot.range().len() as usize)
-                        .map_err(|e| {
-                            Error::kvm(
-                                "KVM_GET_DIRTY_LOG",
-                                format!("slot {id} (KVM {}) before re-creating it", old.kvm_slot),
-                                e,
-                            )
-                        })?;
-                    or_into(state.carried.entry(id).or_default(), &words);
-                }
-                Carry::AllDirty(pages) => {
-                    or_into(state.carried.entry(id).or_default(), &all_dirty(pages));
-                }
+            if let (Some(rings), true) = (&self.rings, old.flags & KVM_MEM_LOG_DIRTY_PAGES != 0) {
+                // Entries for this KVM number must not outlive the memslot.
+                rings.harvest()?;
+                rings.take(old.kvm_slot);
             }
-            if matches!(carry, Carry::Nothing) {
+            if all_pages {
+                let new_pages = pages_of(current[&id]);
+                state.carried.insert(id, all_dirty(new_pages));
+            } else {
                 // A slot that no longer logs (or is gone) has nothing left to report.
                 state.carried.remove(&id);
             }
@@ -600,16 +614,22 @@ impl KvmSlots {
         }
         let kvm_slot = installed.kvm_slot;
         let pages = pages_of(&installed.slot);
-        let mut words = self
-            .vm
-            .get_dirty_log(kvm_slot, installed.slot.range().len() as usize)
-            .map_err(|e| {
-                Error::kvm(
-                    "KVM_GET_DIRTY_LOG",
-                    format!("slot {id} (KVM {kvm_slot})"),
-                    e,
-                )
-            })?;
+        let mut words = match &self.rings {
+            Some(rings) => {
+                rings.harvest()?;
+                rings.take(kvm_slot)
+            }
+            None => self
+                .vm
+                .get_dirty_log(kvm_slot, installed.slot.range().len() as usize)
+                .map_err(|e| {
+                    Error::kvm(
+                        "KVM_GET_DIRTY_LOG",
+                        format!("slot {id} (KVM {kvm_slot})"),
+                        e,
+                    )
+                })?,
+        };
         between();
         // From here on the bits read are ours to report: if a later step fails they are kept
         // for the next call rather than lost.
@@ -679,17 +699,6 @@ impl KvmSlots {
     }
 }
 
-/// What a re-created slot's KVM dirty bits become.
-#[derive(Clone, Copy)]
-enum Carry {
-    /// Nothing: the slot is gone or does not log.
-    Nothing,
-    /// Read before the delete and reported with the re-created slot's next log.
-    KvmBits,
-    /// Every page of the new slot (of this many pages) reported dirty once.
-    AllDirty(u64),
-}
-
 impl Drop for KvmSlots {
     /// Deletes the binding's memslots, so no KVM memslot outlives the memory under it; a slot KVM
     /// refuses to delete keeps its backing mapped forever (leaked) rather than unmapped under
@@ -705,4 +714,38 @@ impl Drop for KvmSlots {
             }
         }
     }
+}
+
+/// Turns on KVM's dirty rings of `entries` entries per vCPU.
+fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32) -> Result<Rings> {
+    let bytes = u64::from(entries) * size_of::<kvm_bindings::kvm_dirty_gfn>() as u64;
+    if caps.dirty_ring_bytes == 0 {
+        return Err(memvisor::Error::Unsupported {
+            what: "per-vCPU dirty rings",
+            why: "KVM does not offer KVM_CAP_DIRTY_LOG_RING_ACQ_REL here; use the bitmap".into(),
+        }
+        .into());
+    }
+    if !entries.is_power_of_two() || bytes > u64::from(caps.dirty_ring_bytes) || bytes < 4096 {
+        return Err(memvisor::Error::Invalid(format!(
+            "dirty ring of {entries} entries ({bytes} bytes): KVM takes a power of two from 4096 \
+             to {} bytes (256 to {} entries)",
+            caps.dirty_ring_bytes,
+            caps.dirty_ring_bytes / 16
+        ))
+        .into());
+    }
+    let cap = kvm_enable_cap {
+        cap: KVM_CAP_DIRTY_LOG_RING_ACQ_REL,
+        args: [bytes, 0, 0, 0],
+        ..Default::default()
+    };
+    vm.enable_cap(&cap).map_err(|e| {
+        Error::kvm(
+            "KVM_ENABLE_CAP",
+            format!("KVM_CAP_DIRTY_LOG_RING_ACQ_REL of {bytes} bytes (before any vCPU exists)"),
+            e,
+        )
+    })?;
+    Ok(Rings::new(vm.clone(), entries))
 }

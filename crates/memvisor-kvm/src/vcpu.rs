@@ -10,14 +10,23 @@
 //! (a changed generation makes it reload), so slots inserted or removed while the vCPU runs
 //! are seen at the next exit.
 //!
+//! With dirty rings on ([`Options::dirty_ring`](crate::Options::dirty_ring)) the vCPU maps its
+//! ring when it is created, and a `KVM_EXIT_DIRTY_RING_FULL` exit is handled inside
+//! [`Vcpu::run`]: it harvests every ring (the pages wait for the next dirty-log call) and enters
+//! the guest again.
+//!
 //! Exits the handler does not take (or that need a decision: HLT, shutdown, anything else) end
 //! [`Vcpu::run`] with a [`Stop`] saying why; the caller decides whether to run again.
 
+use std::sync::Arc;
+
+use kvm_bindings::KVM_EXIT_DIRTY_RING_FULL;
 use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
 use memvisor::SlotCursor;
 
 use crate::error::{Error, Result};
 use crate::memslots::KvmSlots;
+use crate::ring::Rings;
 
 /// What the handler wants after an exit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +81,8 @@ pub trait ExitHandler {
 pub struct Vcpu {
     fd: VcpuFd,
     cursor: SlotCursor,
+    rings: Option<Arc<Rings>>,
+    ring_full_exits: u64,
 }
 
 impl std::fmt::Debug for Vcpu {
@@ -88,9 +99,15 @@ impl Vcpu {
         let fd = vm
             .create_vcpu(id)
             .map_err(|e| Error::kvm("KVM_CREATE_VCPU", format!("vCPU {id}"), e))?;
+        let rings = slots.rings().cloned();
+        if let Some(rings) = &rings {
+            rings.add(&fd)?;
+        }
         Ok(Vcpu {
             fd,
             cursor: slots.cursor(),
+            rings,
+            ring_full_exits: 0,
         })
     }
 
@@ -102,6 +119,11 @@ impl Vcpu {
     /// The vCPU fd, mutably.
     pub fn fd_mut(&mut self) -> &mut VcpuFd {
         &mut self.fd
+    }
+
+    /// How many times this vCPU's dirty ring filled up (each time [`Vcpu::run`] harvested).
+    pub fn ring_full_exits(&self) -> u64 {
+        self.ring_full_exits
     }
 
     /// This vCPU thread's cursor.
@@ -154,6 +176,13 @@ impl Vcpu {
                 Ok(VcpuExit::IoOut(port, data)) => handler.pio_out(cursor, port, data),
                 Ok(VcpuExit::Hlt) => return Ok(Stop::Hlt),
                 Ok(VcpuExit::Shutdown) => return Ok(Stop::Shutdown),
+                Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) if self.rings.is_some() => {
+                    self.ring_full_exits += 1;
+                    if let Some(rings) = &self.rings {
+                        rings.harvest()?;
+                    }
+                    Control::Continue
+                }
                 Ok(other) => return Ok(Stop::Other(format!("{other:?}"))),
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                     return Ok(Stop::Interrupted);

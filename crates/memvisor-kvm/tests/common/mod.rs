@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use kvm_ioctls::{Kvm, VmFd};
 use memvisor::{Backing, BackingKind, Gpa, SlotCursor, SlotSpec, SlotTable};
-use memvisor_kvm::{Control, ExitHandler, KvmSlots, Options, Stop, Vcpu};
+use memvisor_kvm::{Control, Error, ExitHandler, KvmSlots, Options, Stop, Vcpu};
 
 /// Where the probe program runs (in slot 0, guest 0..64 KiB).
 pub const CODE: u16 = 0x1000;
@@ -54,21 +54,26 @@ pub struct Guest {
 }
 
 pub fn guest(kvm: &Kvm, options: Options, memory_bytes: u64) -> Guest {
+    try_guest(kvm, options, memory_bytes).expect("bind the table, create the vCPU")
+}
+
+/// [`guest`], with the binding's or the vCPU's refusal returned.
+pub fn try_guest(kvm: &Kvm, options: Options, memory_bytes: u64) -> Result<Guest, Error> {
     let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
     let table = SlotTable::new();
     let code = Arc::new(Backing::new(BackingKind::Memfd, 0x10000).unwrap());
     code.write(CODE.into(), &PROBE_PROGRAM).unwrap();
     table.insert(SlotSpec::new(0, Gpa(0), code)).unwrap();
-    let slots = KvmSlots::with_options(vm.clone(), table, options).expect("bind the table");
-    let vcpu = Vcpu::new(&vm, 0, &slots).expect("vCPU");
-    vcpu.set_real_mode(CODE).unwrap();
+    let slots = KvmSlots::with_options(vm.clone(), table, options)?;
+    let vcpu = Vcpu::new(&vm, 0, &slots)?;
+    vcpu.set_real_mode(CODE)?;
     let memory = Arc::new(Backing::new(BackingKind::Memfd, memory_bytes).unwrap());
-    Guest {
+    Ok(Guest {
         vm,
         slots,
         vcpu,
         memory,
-    }
+    })
 }
 
 /// What one turn of the probe program saw.
