@@ -11,6 +11,7 @@ pub mod charts;
 mod guest;
 mod hugepages;
 mod iotlb;
+mod kvm;
 pub mod limits;
 mod lookup;
 pub mod machine;
@@ -29,9 +30,13 @@ use serde::Serialize;
 use std::time::{Duration, Instant};
 
 /// Experiments run only when named: they need root and minutes (`memvisor bench guest`,
-/// `memvisor bench blk`).
+/// `memvisor bench blk`), or /dev/kvm (`memvisor bench kvm`).
 pub fn on_request() -> Vec<Box<dyn Experiment>> {
-    vec![Box::new(guest::Guest), Box::new(blk::BlkBench)]
+    vec![
+        Box::new(guest::Guest),
+        Box::new(blk::BlkBench),
+        Box::new(kvm::KvmMemslots),
+    ]
 }
 
 /// ns one `Instant::now()` + `elapsed()` pair costs (median of many).
