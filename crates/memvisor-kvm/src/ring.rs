@@ -22,6 +22,11 @@
 //! thread before it enters the guest again. Entries of a deleted memslot that a running vCPU
 //! pushed after the last harvest may land on a later slot with the same number: that can only
 //! report pages dirty that were not, never miss one.
+//!
+//! Known limit: on this machine's kernel a `KVM_RESET_DIRTY_RINGS` issued while a vCPU sits in
+//! `KVM_RUN` running a guest that does not exit did not return (a migration test hung); harvest
+//! with the vCPUs outside `KVM_RUN` until the binding can kick them out for the reset. The reset
+//! runs without this module's lock, so a vCPU whose ring fills can still harvest meanwhile.
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -177,6 +182,9 @@ impl Rings {
                 collected += 1;
             }
         }
+        // The reset runs without the lock: KVM may wait in it for a running vCPU, and that vCPU,
+        // its ring full, harvests too.
+        drop(inner);
         if collected > 0 {
             // SAFETY: KVM_RESET_DIRTY_RINGS takes no argument; the fd is this VM's.
             let ret = unsafe { ioctl(self.vm.as_ref(), KVM_RESET_DIRTY_RINGS()) };
