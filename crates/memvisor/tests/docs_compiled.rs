@@ -79,7 +79,15 @@ fn the_classifier_reads_fences_as_rustdoc_does() {
 #[test]
 fn every_page_with_compiled_rust_is_a_doctest() {
     let root = workspace();
-    let lib = fs::read_to_string(root.join("crates/memvisor/src/lib.rs")).unwrap();
+    // The core crate includes the pages of its own API; a page about another crate (docs/kvm.md:
+    // memvisor-kvm) is included by that crate, which the core crate cannot depend on.
+    let lib = [
+        "crates/memvisor/src/lib.rs",
+        "crates/memvisor-kvm/src/lib.rs",
+    ]
+    .iter()
+    .map(|f| fs::read_to_string(root.join(f)).unwrap())
+    .collect::<String>();
     let mut pages = vec![PathBuf::from("README.md")];
     let docs = fs::read_dir(root.join("docs")).expect("docs/ exists");
     for entry in docs {
@@ -101,6 +109,6 @@ fn every_page_with_compiled_rust_is_a_doctest() {
     }
     assert!(
         missing.is_empty(),
-        "pages with compiled Rust blocks that src/lib.rs does not include as doctests: {missing:?}"
+        "pages with compiled Rust blocks that no crate's src/lib.rs includes as doctests: {missing:?}"
     );
 }

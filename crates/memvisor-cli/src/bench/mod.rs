@@ -11,6 +11,7 @@ pub mod charts;
 mod guest;
 mod hugepages;
 mod iotlb;
+mod kvm;
 pub mod limits;
 mod lookup;
 pub mod machine;
@@ -31,12 +32,14 @@ use serde::Serialize;
 use std::time::{Duration, Instant};
 
 /// Experiments run only when named: they need root and minutes (`memvisor bench guest`,
-/// `memvisor bench blk`), or terabytes of address space (`memvisor bench scale`).
+/// `memvisor bench blk`), terabytes of address space (`memvisor bench scale`), or /dev/kvm
+/// (`memvisor bench kvm`).
 pub fn on_request() -> Vec<Box<dyn Experiment>> {
     vec![
         Box::new(guest::Guest),
         Box::new(blk::BlkBench),
         Box::new(scale::Scale),
+        Box::new(kvm::KvmMemslots),
     ]
 }
 

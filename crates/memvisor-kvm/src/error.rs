@@ -1,0 +1,88 @@
+//! Errors of the KVM binding: KVM's own refusals with the values that were refused, and memvisor's.
+//!
+//! A memslot ioctl that fails is reported as [`Error::Memslot`] with the errno KVM gave and the
+//! whole region it was asked to install (slot numbers, guest address, size, flags), so a caller
+//! sees exactly which value KVM did not take. Other VM and vCPU ioctls are [`Error::Kvm`], with
+//! the ioctl's name and what it was for. What the binding itself refuses — no free KVM memslot
+//! number, a slot that KVM does not hold — has its own case and the errno KVM would give for the
+//! same thing. memvisor's errors pass through unchanged ([`Error::Memvisor`]).
+
+use memvisor::SlotId;
+
+/// What went wrong, with the numbers that were wrong.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// `KVM_SET_USER_MEMORY_REGION(2)` refused a region.
+    #[error(
+        "{op} refused memvisor slot {slot} as KVM slot {kvm_slot} (gpa {gpa:#x}, size {size:#x}, \
+         hva {hva:#x}, flags {flags:#x}): {}",
+        strerror(*errno)
+    )]
+    Memslot {
+        op: &'static str,
+        slot: SlotId,
+        kvm_slot: u32,
+        gpa: u64,
+        size: u64,
+        hva: u64,
+        flags: u32,
+        errno: i32,
+    },
+
+    /// Any other KVM ioctl failed.
+    #[error("{op} ({what}) failed: {}", strerror(*errno))]
+    Kvm {
+        op: &'static str,
+        what: String,
+        errno: i32,
+    },
+
+    /// Every KVM memslot number is taken (ENOSPC).
+    #[error(
+        "no free KVM memslot for memvisor slot {slot}: {used} of {limit} in use \
+         (KVM_CAP_NR_MEMSLOTS); remove a slot first"
+    )]
+    NoMemslot { slot: SlotId, used: u32, limit: u32 },
+
+    /// A slot the table has and KVM does not hold (the last sync failed on it): ENOENT, as
+    /// `KVM_GET_DIRTY_LOG` answers for an absent slot.
+    #[error("memvisor slot {slot} is not installed in KVM (a sync failed on it); call sync again")]
+    NotInKvm { slot: SlotId },
+
+    /// memvisor refused the change or the access.
+    #[error(transparent)]
+    Memvisor(#[from] memvisor::Error),
+}
+
+impl Error {
+    /// The errno of the refusal, as KVM (or memvisor, which follows KVM) gives it.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Error::Memslot { errno, .. } | Error::Kvm { errno, .. } => *errno,
+            Error::NoMemslot { .. } => libc::ENOSPC,
+            Error::NotInKvm { .. } => libc::ENOENT,
+            Error::Memvisor(e) => e.errno(),
+        }
+    }
+
+    pub(crate) fn kvm(
+        op: &'static str,
+        what: impl Into<String>,
+        e: vmm_sys_util::errno::Error,
+    ) -> Self {
+        Error::Kvm {
+            op,
+            what: what.into(),
+            errno: e.errno(),
+        }
+    }
+}
+
+fn strerror(errno: i32) -> String {
+    // "Invalid argument (os error 22)": the name and the number.
+    std::io::Error::from_raw_os_error(errno).to_string()
+}
+
+/// The binding's result type.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,751 @@
+//! A memvisor [`SlotTable`] mirrored into a KVM VM's memslots, and one dirty log per slot.
+//!
+//! [`KvmSlots`] owns the binding between one table and one VM fd. The table stays the source of
+//! truth (device threads, cursors and `SlotTable::write` read it); KVM's memslots are a copy the
+//! binding keeps equal to it.
+//!
+//! **Sync on call, not an observer.** The binding changes the table through its own
+//! [`KvmSlots::insert`] / [`remove`](KvmSlots::remove) / [`set_flags`](KvmSlots::set_flags) /
+//! [`update`](KvmSlots::update), each of which publishes the table change and then brings KVM
+//! level with the table before it returns; [`KvmSlots::sync`] does the same for changes made
+//! through another handle of the table. An observer pushed from inside `SlotTable::update` would
+//! have made the core crate call out (into KVM, with KVM's errors) while it holds the table's
+//! writer lock, and a KVM refusal could not be returned to the caller who made the change; it
+//! would also have put a hook for this crate into the core crate. Syncing on call keeps the data
+//! flowing one way (this crate reads the table's snapshots, the table knows nothing of KVM),
+//! returns KVM's errors to the caller who made the change, and turns a batch of table changes
+//! into one pass over KVM.
+//!
+//! **What KVM holds is known exactly.** The binding records, per memvisor slot, what it last
+//! installed in KVM (KVM slot number, flags, and the `Slot` itself). A sync compares that with
+//! the table's current snapshot and applies the difference in KVM's rules: a slot cannot be
+//! resized, moved to another host address or have `KVM_MEM_READONLY` changed in place, so such a
+//! slot is deleted first and created again (deletions all come before creations, so a slot may
+//! take a guest range another one just left); a change of dirty logging alone is a flags-only
+//! update of the same KVM slot. Each ioctl that succeeds is recorded at once, so when KVM refuses
+//! one the record is still KVM's state: the error names the refused region and errno, and the
+//! next sync picks up from there.
+//!
+//! **Memory KVM maps stays mapped.** The record holds an `Arc` of every slot KVM has, so the
+//! backing under a KVM memslot is not unmapped before KVM lets go of it, even when the table
+//! dropped the slot long ago; dropping the binding deletes its memslots first (and leaks a
+//! backing KVM would not delete rather than unmap it under the guest).
+//!
+//! **KVM slot numbers** are the binding's, not the table's ids: any memvisor id maps to a KVM
+//! number below `KVM_CAP_NR_MEMSLOTS` (lowest freed first), and a batch that would hold more
+//! slots than KVM takes is refused before it is published (ENOSPC).
+//!
+//! **Dirty log: one read-and-clear per slot.** [`KvmSlots::take_dirty_log`] returns one bitmap
+//! (bit `i` of word `i / 64` is the slot's page `i`) that is the union of what the vCPUs wrote
+//! (KVM's bitmap) and what was written through the table (the slot's own memvisor log), in this
+//! order:
+//! 1. `KVM_GET_DIRTY_LOG`: with `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` this reads without clearing
+//!    or write-protecting anything;
+//! 2. `KVM_CLEAR_DIRTY_LOG` of exactly the bits read, in chunks of at most
+//!    [`Options::clear_chunk_pages`], skipping clean stretches: KVM write-protects those pages
+//!    again, so a guest write after the clear dirties them again and is in the next round; a
+//!    write between the read and the clear is either already in memory before the caller copies
+//!    the page (the page was reported) or, to a page that read clean, sets a bit the clear does
+//!    not touch (reported next round). Nothing is cleared that was not read;
+//! 3. memvisor's own log of the slot, read-and-cleared word by word (`SlotTable::take_dirty_log`);
+//! 4. every page of a slot KVM deleted and re-created since the last call (a move, resize or
+//!    read-only change of a logging slot): KVM's bitmap of the old memslot goes with it, and a
+//!    vCPU may write between a last read and the delete, so the new slot reports all its pages
+//!    once rather than risk missing one.
+//!
+//! Without the capability, step 1 reads and clears at once (KVM's classic behaviour) and step 2
+//! is skipped. With [`Options::dirty_ring`] the vCPUs' pages come from KVM's per-vCPU dirty
+//! rings instead of the bitmap (the `ring` module: harvest, then `KVM_RESET_DIRTY_RINGS`) behind
+//! the same call. Either way the caller copies the reported pages after the call returns.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvm_bindings::{
+    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
+    kvm_clear_dirty_log, kvm_enable_cap, kvm_userspace_memory_region, kvm_userspace_memory_region2,
+};
+use kvm_ioctls::{Cap, VmFd};
+use memvisor::slots::{Slot, SlotEdit};
+use memvisor::{Gpa, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable};
+use vmm_sys_util::ioctl::ioctl_with_ref;
+
+use crate::error::{Error, Result};
+use crate::ring::Rings;
+
+const KVMIO: u32 = 0xAE;
+vmm_sys_util::ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
+
+const PAGE_SHIFT: u32 = 12;
+
+/// What the VM's KVM offers, as probed when the binding is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvmCaps {
+    /// `KVM_CAP_NR_MEMSLOTS`: KVM slot numbers are `0..nr_memslots`.
+    pub nr_memslots: u32,
+    /// `KVM_CAP_USER_MEMORY2`: `KVM_SET_USER_MEMORY_REGION2` is there.
+    pub region2: bool,
+    /// `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`: the dirty log can be read and cleared apart.
+    pub manual_protect: bool,
+    /// `KVM_CAP_READONLY_MEM`: read-only slots.
+    pub readonly: bool,
+    /// `KVM_CAP_DIRTY_LOG_RING_ACQ_REL`: the largest dirty ring, in bytes (0: none).
+    pub dirty_ring_bytes: u32,
+}
+
+impl KvmCaps {
+    /// Probes `vm`.
+    pub fn probe(vm: &VmFd) -> KvmCaps {
+        KvmCaps {
+            nr_memslots: vm.check_extension_int(Cap::NrMemslots).max(0) as u32,
+            region2: vm.check_extension(Cap::UserMemory2),
+            manual_protect: vm.check_extension_raw(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into()) > 0,
+            readonly: vm.check_extension(Cap::ReadonlyMem),
+            dirty_ring_bytes: vm
+                .check_extension_raw(KVM_CAP_DIRTY_LOG_RING_ACQ_REL.into())
+                .max(0) as u32,
+        }
+    }
+}
+
+/// How the binding uses KVM.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Use `KVM_SET_USER_MEMORY_REGION2` where KVM offers it (`false`: always v1).
+    pub region2: bool,
+    /// Turn on `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` where KVM offers it (`false`: the classic
+    /// `KVM_GET_DIRTY_LOG` that clears as it reads).
+    pub manual_protect: bool,
+    /// Pages per `KVM_CLEAR_DIRTY_LOG` call, a multiple of 64 (rounded down, at least 64): each
+    /// call holds KVM's MMU lock for its pages only.
+    pub clear_chunk_pages: u64,
+    /// Take the vCPUs' dirty pages from per-vCPU dirty rings of this many entries (a power of
+    /// two; `KVM_CAP_DIRTY_LOG_RING_ACQ_REL`) instead of KVM's bitmaps. Must be set before the
+    /// VM has vCPUs: bind first, then create them with [`Vcpu::new`](crate::Vcpu::new).
+    pub dirty_ring: Option<u32>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            region2: true,
+            manual_protect: true,
+            // 256 MiB of 4 KiB pages per call.
+            clear_chunk_pages: 1 << 16,
+            dirty_ring: None,
+        }
+    }
+}
+
+/// What a sync changed in KVM.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    /// Memslots created (new slots, and the second half of a re-creation).
+    pub created: u32,
+    /// Memslots deleted (removed slots, and the first half of a re-creation).
+    pub deleted: u32,
+    /// Flags-only updates (dirty logging turned on or off).
+    pub flags_changed: u32,
+}
+
+/// One slot's merged dirty log, from [`KvmSlots::take_dirty_logs`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotLog {
+    /// The memvisor slot.
+    pub slot: SlotId,
+    /// Its first guest address: bit `i` is the page at `gpa + i * 4096`.
+    pub gpa: Gpa,
+    /// Bit `i` of word `i / 64` set: page `i` was written.
+    pub words: Vec<u64>,
+}
+
+/// A memslot KVM holds, as the binding installed it.
+struct Installed {
+    kvm_slot: u32,
+    flags: u32,
+    /// Keeps the backing mapped while KVM maps it.
+    slot: Arc<Slot>,
+}
+
+#[derive(Default)]
+struct State {
+    installed: BTreeMap<SlotId, Installed>,
+    /// KVM numbers below `next` not in use; `next` and up were never used.
+    freed: BTreeSet<u32>,
+    next: u32,
+    /// Dirty bits of KVM slots deleted to be re-created, not yet reported.
+    carried: BTreeMap<SlotId, Vec<u64>>,
+    /// The table generation KVM last equalled in full.
+    synced: Option<u64>,
+}
+
+/// A [`SlotTable`] bound to a KVM VM: see the module documentation.
+pub struct KvmSlots {
+    vm: Arc<VmFd>,
+    table: SlotTable,
+    caps: KvmCaps,
+    options: Options,
+    /// Whether manual protect is on for this VM.
+    manual: bool,
+    /// The vCPUs' dirty rings, when they replace KVM's bitmaps.
+    rings: Option<Arc<Rings>>,
+    state: Mutex<State>,
+}
+
+impl fmt::Debug for KvmSlots {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KvmSlots")
+            .field("caps", &self.caps)
+            .field("manual_protect", &self.manual)
+            .field("installed", &self.lock().installed.len())
+            .finish()
+    }
+}
+
+fn kvm_flags(slot: &Slot) -> u32 {
+    let mut flags = 0;
+    if slot.flags().contains(SlotFlags::LOG_DIRTY) {
+        flags |= KVM_MEM_LOG_DIRTY_PAGES;
+    }
+    if slot.flags().contains(SlotFlags::READ_ONLY) {
+        flags |= KVM_MEM_READONLY;
+    }
+    flags
+}
+
+/// Whether KVM sees both slots at the same guest range and host memory.
+fn same_place(a: &Slot, b: &Slot) -> bool {
+    a.range() == b.range() && a.hva() == b.hva() && Arc::ptr_eq(a.backing(), b.backing())
+}
+
+fn pages_of(slot: &Slot) -> u64 {
+    slot.range().len() >> PAGE_SHIFT
+}
+
+/// ORs `src` into `dst`, growing `dst` if it is shorter.
+fn or_into(dst: &mut Vec<u64>, src: &[u64]) {
+    if dst.len() < src.len() {
+        dst.resize(src.len(), 0);
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d |= s;
+    }
+}
+
+/// Every page of a slot of `pages` pages marked.
+fn all_dirty(pages: u64) -> Vec<u64> {
+    let mut words = vec![u64::MAX; pages.div_ceil(64) as usize];
+    if pages % 64 != 0 {
+        if let Some(last) = words.last_mut() {
+            *last = (1u64 << (pages % 64)) - 1;
+        }
+    }
+    words
+}
+
+impl KvmSlots {
+    /// Binds `table` to `vm` with the default [`Options`] and installs its slots.
+    pub fn new(vm: Arc<VmFd>, table: SlotTable) -> Result<KvmSlots> {
+        Self::with_options(vm, table, Options::default())
+    }
+
+    /// Binds `table` to `vm` and installs its slots. Turns on manual dirty-log protection first
+    /// when asked and offered (KVM takes it only before the VM has memslots with dirty logging).
+    pub fn with_options(vm: Arc<VmFd>, table: SlotTable, options: Options) -> Result<KvmSlots> {
+        let caps = KvmCaps::probe(&vm);
+        let rings = match options.dirty_ring {
+            None => None,
+            Some(entries) => Some(Arc::new(enable_rings(&vm, &caps, entries)?)),
+        };
+        // With rings KVM keeps no bitmap: there is nothing to protect by hand.
+        let manual = options.manual_protect && caps.manual_protect && rings.is_none();
+        if manual {
+            let cap = kvm_enable_cap {
+                cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+                args: [KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE.into(), 0, 0, 0],
+                ..Default::default()
+            };
+            vm.enable_cap(&cap).map_err(|e| {
+                Error::kvm(
+                    "KVM_ENABLE_CAP",
+                    "KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 with MANUAL_PROTECT_ENABLE",
+                    e,
+                )
+            })?;
+        }
+        let options = Options {
+            clear_chunk_pages: (options.clear_chunk_pages / 64).max(1) * 64,
+            ..options
+        };
+        let slots = KvmSlots {
+            vm,
+            table,
+            caps,
+            options,
+            manual,
+            rings,
+            state: Mutex::new(State::default()),
+        };
+        slots.sync()?;
+        Ok(slots)
+    }
+
+    /// The table (clone it for device threads; changes through it reach KVM at the next
+    /// [`KvmSlots::sync`] or change through the binding).
+    pub fn table(&self) -> &SlotTable {
+        &self.table
+    }
+
+    /// The VM fd.
+    pub fn vm(&self) -> &Arc<VmFd> {
+        &self.vm
+    }
+
+    /// What KVM offers.
+    pub fn caps(&self) -> KvmCaps {
+        self.caps
+    }
+
+    /// Whether the dirty log is read and cleared apart (manual protect is on).
+    pub fn manual_protect(&self) -> bool {
+        self.manual
+    }
+
+    /// The vCPUs' dirty rings, when [`Options::dirty_ring`] turned them on.
+    pub fn rings(&self) -> Option<&Arc<Rings>> {
+        self.rings.as_ref()
+    }
+
+    /// Whether memslots go through `KVM_SET_USER_MEMORY_REGION2`.
+    pub fn uses_region2(&self) -> bool {
+        self.options.region2 && self.caps.region2
+    }
+
+    /// A cursor over the table for one vCPU or device thread.
+    pub fn cursor(&self) -> SlotCursor {
+        self.table.cursor()
+    }
+
+    /// The KVM slot number memvisor slot `id` is installed as, if KVM holds it.
+    pub fn kvm_slot(&self, id: SlotId) -> Option<u32> {
+        self.lock().installed.get(&id).map(|i| i.kvm_slot)
+    }
+
+    /// Number of memslots KVM holds for this table.
+    pub fn installed(&self) -> usize {
+        self.lock().installed.len()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is consistent after every ioctl, so a panic elsewhere does not spoil it.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies a batch of table changes (see `SlotTable::update`) and installs them in KVM. A
+    /// batch that would leave more slots than KVM has memslots is refused (ENOSPC) before
+    /// anything is published; a KVM refusal after publishing is returned as KVM gave it, with
+    /// KVM left as the error says (call [`KvmSlots::sync`] to retry).
+    pub fn update<T>(&self, edit: impl FnOnce(&mut SlotEdit) -> memvisor::Result<T>) -> Result<T> {
+        let mut state = self.lock();
+        let limit = self.caps.nr_memslots;
+        let value = self.table.update(|e| {
+            let value = edit(e)?;
+            if e.len() as u64 > u64::from(limit) {
+                return Err(memvisor::Error::NoSpace {
+                    what: "KVM memslots",
+                    count: e.len() as u64,
+                    limit: limit.into(),
+                    hint: "KVM_CAP_NR_MEMSLOTS bounds the slots of one VM; remove slots first",
+                });
+            }
+            Ok(value)
+        })?;
+        self.sync_locked(&mut state)?;
+        Ok(value)
+    }
+
+    /// Inserts a slot into the table and KVM.
+    pub fn insert(&self, spec: SlotSpec) -> Result<()> {
+        self.update(|e| e.insert(spec))
+    }
+
+    /// Removes a slot from the table and KVM.
+    pub fn remove(&self, id: SlotId) -> Result<()> {
+        self.update(|e| e.remove(id).map(drop))
+    }
+
+    /// Changes a slot's flags in the table and KVM.
+    pub fn set_flags(&self, id: SlotId, flags: SlotFlags) -> Result<()> {
+        self.update(|e| e.set_flags(id, flags))
+    }
+
+    /// Brings KVM level with the table's current snapshot.
+    pub fn sync(&self) -> Result<SyncReport> {
+        let mut state = self.lock();
+        self.sync_locked(&mut state)
+    }
+
+    fn sync_locked(&self, state: &mut State) -> Result<SyncReport> {
+        let snapshot = self.table.snapshot();
+        let mut report = SyncReport::default();
+        if state.synced == Some(snapshot.generation()) {
+            return Ok(report);
+        }
+        let current: BTreeMap<SlotId, &Arc<Slot>> = snapshot.slots().map(|s| (s.id(), s)).collect();
+        // The plan: what to delete (and whether to keep its KVM dirty bits, and how), what to
+        // update in place, what to create.
+        let mut delete: Vec<(SlotId, bool)> = Vec::new();
+        let mut flags_only: Vec<Arc<Slot>> = Vec::new();
+        let mut create: Vec<Arc<Slot>> = Vec::new();
+        for (id, old) in &state.installed {
+            let Some(&new) = current.get(id) else {
+                delete.push((*id, false));
+                continue;
+            };
+            if Arc::ptr_eq(new, &old.slot) {
+                continue;
+            }
+            let new_flags = kvm_flags(new);
+            let logs = new_flags & old.flags & KVM_MEM_LOG_DIRTY_PAGES != 0;
+            if same_place(&old.slot, new) && (new_flags ^ old.flags) & KVM_MEM_READONLY == 0 {
+                // Same memory, same read-only-ness: at most dirty logging changed.
+                flags_only.push(new.clone());
+            } else {
+                // A moved, resized, re-backed or read-only-toggled slot: delete, re-create.
+                // When it logs before and after, all its pages are reported once (module
+                // documentation, step 4).
+                delete.push((*id, logs));
+                create.push(new.clone());
+            }
+        }
+        for (id, slot) in &current {
+            if !state.installed.contains_key(id) {
+                create.push((*slot).clone());
+            }
+        }
+
+        for (id, all_pages) in delete {
+            let old = &state.installed[&id];
+            if let (Some(rings), true) = (&self.rings, old.flags & KVM_MEM_LOG_DIRTY_PAGES != 0) {
+                // Entries for this KVM number must not outlive the memslot.
+                rings.harvest()?;
+                rings.take(old.kvm_slot);
+            }
+            if all_pages {
+                let new_pages = pages_of(current[&id]);
+                state.carried.insert(id, all_dirty(new_pages));
+            } else {
+                // A slot that no longer logs (or is gone) has nothing left to report.
+                state.carried.remove(&id);
+            }
+            self.set_region(id, old.kvm_slot, &old.slot, 0, 0)?;
+            let old = state.installed.remove(&id).expect("planned from installed");
+            if old.kvm_slot + 1 == state.next {
+                state.next -= 1;
+            } else {
+                state.freed.insert(old.kvm_slot);
+            }
+            report.deleted += 1;
+            // `old.slot` drops here, after KVM let go of its memory.
+        }
+        for new in flags_only {
+            let id = new.id();
+            let flags = kvm_flags(&new);
+            let old = state
+                .installed
+                .get_mut(&id)
+                .expect("planned from installed");
+            if flags != old.flags {
+                if flags & KVM_MEM_LOG_DIRTY_PAGES == 0 {
+                    state.carried.remove(&id);
+                }
+                self.set_region(id, old.kvm_slot, &new, new.range().len(), flags)?;
+                report.flags_changed += 1;
+            }
+            old.flags = flags;
+            old.slot = new;
+        }
+        for new in create {
+            let id = new.id();
+            let kvm_slot = match state.freed.pop_first() {
+                Some(n) => n,
+                None if state.next < self.caps.nr_memslots => {
+                    state.next += 1;
+                    state.next - 1
+                }
+                None => {
+                    return Err(Error::NoMemslot {
+                        slot: id,
+                        used: state.installed.len() as u32,
+                        limit: self.caps.nr_memslots,
+                    });
+                }
+            };
+            let flags = kvm_flags(&new);
+            if let Err(e) = self.set_region(id, kvm_slot, &new, new.range().len(), flags) {
+                state.freed.insert(kvm_slot);
+                return Err(e);
+            }
+            state.installed.insert(
+                id,
+                Installed {
+                    kvm_slot,
+                    flags,
+                    slot: new,
+                },
+            );
+            report.created += 1;
+        }
+        state.synced = Some(snapshot.generation());
+        Ok(report)
+    }
+
+    /// One `KVM_SET_USER_MEMORY_REGION(2)`: `size` 0 deletes.
+    fn set_region(
+        &self,
+        id: SlotId,
+        kvm_slot: u32,
+        slot: &Slot,
+        size: u64,
+        flags: u32,
+    ) -> Result<()> {
+        let (gpa, hva) = (slot.range().start().0, slot.hva().0);
+        let (op, result) = if self.uses_region2() {
+            let region = kvm_userspace_memory_region2 {
+                slot: kvm_slot,
+                flags,
+                guest_phys_addr: gpa,
+                memory_size: size,
+                userspace_addr: hva,
+                ..Default::default()
+            };
+            // SAFETY: `hva..hva + size` is the slot's window of its backing, mapped for as long
+            // as the `Arc<Slot>` the binding records for this KVM slot lives; the record is
+            // dropped only after KVM deleted the slot (or, when it would not, leaked). Slots of
+            // one table never overlap, and the KVM slot numbers are the binding's own.
+            ("KVM_SET_USER_MEMORY_REGION2", unsafe {
+                self.vm.set_user_memory_region2(region)
+            })
+        } else {
+            let region = kvm_userspace_memory_region {
+                slot: kvm_slot,
+                flags,
+                guest_phys_addr: gpa,
+                memory_size: size,
+                userspace_addr: hva,
+            };
+            // SAFETY: as above.
+            ("KVM_SET_USER_MEMORY_REGION", unsafe {
+                self.vm.set_user_memory_region(region)
+            })
+        };
+        result.map_err(|e| Error::Memslot {
+            op,
+            slot: id,
+            kvm_slot,
+            gpa,
+            size,
+            hva,
+            flags,
+            errno: e.errno(),
+        })
+    }
+
+    /// Slot `id`'s merged dirty log, read and cleared: see the module documentation. ENOENT if
+    /// the slot does not log dirty pages (or is not there).
+    pub fn take_dirty_log(&self, id: SlotId) -> Result<Vec<u64>> {
+        self.take_dirty_log_with(id, || {})
+    }
+
+    /// [`KvmSlots::take_dirty_log`], running `between` after KVM's bitmap was read and before
+    /// it is cleared: for tests that write in that window (such a write must be reported by
+    /// this call or the next).
+    #[doc(hidden)]
+    pub fn take_dirty_log_with(&self, id: SlotId, between: impl FnOnce()) -> Result<Vec<u64>> {
+        let mut state = self.lock();
+        self.sync_locked(&mut state)?;
+        self.take_locked(&mut state, id, between)
+    }
+
+    /// Every logging slot's merged dirty log, one read-and-clear each, in slot-id order.
+    pub fn take_dirty_logs(&self) -> Result<Vec<SlotLog>> {
+        let mut state = self.lock();
+        self.sync_locked(&mut state)?;
+        let logging: Vec<(SlotId, Gpa)> = state
+            .installed
+            .iter()
+            .filter(|(_, i)| i.flags & KVM_MEM_LOG_DIRTY_PAGES != 0)
+            .map(|(id, i)| (*id, i.slot.range().start()))
+            .collect();
+        logging
+            .into_iter()
+            .map(|(slot, gpa)| {
+                let words = self.take_locked(&mut state, slot, || {})?;
+                Ok(SlotLog { slot, gpa, words })
+            })
+            .collect()
+    }
+
+    fn take_locked(
+        &self,
+        state: &mut State,
+        id: SlotId,
+        between: impl FnOnce(),
+    ) -> Result<Vec<u64>> {
+        let Some(installed) = state.installed.get(&id) else {
+            return Err(if self.table.snapshot().slot(id).is_some() {
+                Error::NotInKvm { slot: id }
+            } else {
+                memvisor::Error::NotFound {
+                    what: "slot",
+                    id: id.into(),
+                }
+                .into()
+            });
+        };
+        if installed.flags & KVM_MEM_LOG_DIRTY_PAGES == 0 {
+            return Err(memvisor::Error::NotFound {
+                what: "dirty log of slot",
+                id: id.into(),
+            }
+            .into());
+        }
+        let kvm_slot = installed.kvm_slot;
+        let pages = pages_of(&installed.slot);
+        let mut words = match &self.rings {
+            Some(rings) => {
+                rings.harvest()?;
+                rings.take(kvm_slot)
+            }
+            None => self
+                .vm
+                .get_dirty_log(kvm_slot, installed.slot.range().len() as usize)
+                .map_err(|e| {
+                    Error::kvm(
+                        "KVM_GET_DIRTY_LOG",
+                        format!("slot {id} (KVM {kvm_slot})"),
+                        e,
+                    )
+                })?,
+        };
+        between();
+        // From here on the bits read are ours to report: if a later step fails they are kept
+        // for the next call rather than lost.
+        let rest = (|| {
+            if self.manual {
+                self.clear(id, kvm_slot, pages, &words)?;
+            }
+            self.table.take_dirty_log(id).map_err(Error::from)
+        })();
+        match rest {
+            Ok(own) => {
+                or_into(&mut words, &own);
+                if let Some(carried) = state.carried.remove(&id) {
+                    or_into(&mut words, &carried);
+                }
+                words.truncate(pages.div_ceil(64) as usize);
+                Ok(words)
+            }
+            Err(e) => {
+                or_into(state.carried.entry(id).or_default(), &words);
+                Err(e)
+            }
+        }
+    }
+
+    /// `KVM_CLEAR_DIRTY_LOG` of exactly the bits in `words`, a chunk at a time, skipping clean
+    /// stretches. KVM wants `first_page` a multiple of 64 and `num_pages` one too unless the
+    /// chunk ends at the slot's end.
+    fn clear(&self, id: SlotId, kvm_slot: u32, pages: u64, words: &[u64]) -> Result<()> {
+        let per_chunk = (self.options.clear_chunk_pages / 64) as usize;
+        let mut i = 0;
+        while i < words.len() {
+            if words[i] == 0 {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            let mut end = (start + per_chunk).min(words.len());
+            while words[end - 1] == 0 {
+                end -= 1;
+            }
+            let first_page = start as u64 * 64;
+            let num_pages = (end as u64 * 64).min(pages) - first_page;
+            let clear = kvm_clear_dirty_log {
+                slot: kvm_slot,
+                num_pages: num_pages as u32,
+                first_page,
+                __bindgen_anon_1: kvm_bindings::kvm_clear_dirty_log__bindgen_ty_1 {
+                    dirty_bitmap: words[start..].as_ptr() as *mut libc::c_void,
+                },
+            };
+            // SAFETY: the bitmap pointer covers `end - start` words of `words`, at least the
+            // `num_pages` bits KVM reads; KVM only reads it. The struct is KVM's layout.
+            let ret = unsafe { ioctl_with_ref(self.vm.as_ref(), KVM_CLEAR_DIRTY_LOG(), &clear) };
+            if ret != 0 {
+                return Err(Error::kvm(
+                    "KVM_CLEAR_DIRTY_LOG",
+                    format!(
+                        "slot {id} (KVM {kvm_slot}), pages {first_page:#x}+{num_pages:#x} of {pages:#x}"
+                    ),
+                    vmm_sys_util::errno::Error::last(),
+                ));
+            }
+            i = end;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for KvmSlots {
+    /// Deletes the binding's memslots, so no KVM memslot outlives the memory under it; a slot KVM
+    /// refuses to delete keeps its backing mapped forever (leaked) rather than unmapped under
+    /// the guest.
+    fn drop(&mut self) {
+        let state = std::mem::take(&mut *self.lock());
+        for (id, installed) in state.installed {
+            if self
+                .set_region(id, installed.kvm_slot, &installed.slot, 0, 0)
+                .is_err()
+            {
+                std::mem::forget(installed.slot);
+            }
+        }
+    }
+}
+
+/// Turns on KVM's dirty rings of `entries` entries per vCPU.
+fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32) -> Result<Rings> {
+    let bytes = u64::from(entries) * size_of::<kvm_bindings::kvm_dirty_gfn>() as u64;
+    if caps.dirty_ring_bytes == 0 {
+        return Err(memvisor::Error::Unsupported {
+            what: "per-vCPU dirty rings",
+            why: "KVM does not offer KVM_CAP_DIRTY_LOG_RING_ACQ_REL here; use the bitmap".into(),
+        }
+        .into());
+    }
+    if !entries.is_power_of_two() || bytes > u64::from(caps.dirty_ring_bytes) || bytes < 4096 {
+        return Err(memvisor::Error::Invalid(format!(
+            "dirty ring of {entries} entries ({bytes} bytes): KVM takes a power of two from 4096 \
+             to {} bytes (256 to {} entries)",
+            caps.dirty_ring_bytes,
+            caps.dirty_ring_bytes / 16
+        ))
+        .into());
+    }
+    let cap = kvm_enable_cap {
+        cap: KVM_CAP_DIRTY_LOG_RING_ACQ_REL,
+        args: [bytes, 0, 0, 0],
+        ..Default::default()
+    };
+    vm.enable_cap(&cap).map_err(|e| {
+        Error::kvm(
+            "KVM_ENABLE_CAP",
+            format!("KVM_CAP_DIRTY_LOG_RING_ACQ_REL of {bytes} bytes (before any vCPU exists)"),
+            e,
+        )
+    })?;
+    Ok(Rings::new(vm.clone(), entries))
+}

@@ -1,0 +1,206 @@
+//! KVM's per-vCPU dirty rings: the second source of the vCPUs' dirty pages.
+//!
+//! With `KVM_CAP_DIRTY_LOG_RING_ACQ_REL` on, KVM does not keep a dirty bitmap per memslot;
+//! each vCPU pushes one entry per page it dirties into its own ring, a page of the vCPU fd that
+//! userspace maps (at `KVM_DIRTY_LOG_PAGE_OFFSET`). An entry is `{flags, slot, offset}`: the KVM
+//! slot number and the page's index in it. [`Rings`] keeps every vCPU's mapping and harvests
+//! them all at once, under one lock:
+//!
+//! 1. from each ring's fetch index on, an entry whose flags read (acquire) `DIRTY` is collected
+//!    into a pending bitmap for its KVM slot and marked `RESET` (release); the first entry not
+//!    `DIRTY` ends that ring;
+//! 2. `KVM_RESET_DIRTY_RINGS` then makes KVM write-protect the collected pages again and free
+//!    their entries.
+//!
+//! A page written after step 2 dirties again: it is in the next harvest. A page written between
+//! 1 and 2 was still writable (no new entry) and its data is in memory before the caller copies
+//! the pages this harvest reported. So the order never under-reports, as with the bitmap.
+//!
+//! The binding ([`KvmSlots`](crate::KvmSlots)) harvests before it reads a slot's log and before
+//! it deletes a memslot (dropping that slot's pending bits: a re-created slot reports all its
+//! pages instead); a vCPU whose ring is full (`KVM_EXIT_DIRTY_RING_FULL`) harvests on its own
+//! thread before it enters the guest again. Entries of a deleted memslot that a running vCPU
+//! pushed after the last harvest may land on a later slot with the same number: that can only
+//! report pages dirty that were not, never miss one.
+//!
+//! Known limit: on this machine's kernel a `KVM_RESET_DIRTY_RINGS` issued while a vCPU sits in
+//! `KVM_RUN` running a guest that does not exit did not return (a migration test hung); harvest
+//! with the vCPUs outside `KVM_RUN` until the binding can kick them out for the reset. The reset
+//! runs without this module's lock, so a vCPU whose ring fills can still harvest meanwhile.
+
+use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvm_bindings::{KVM_DIRTY_LOG_PAGE_OFFSET, kvm_dirty_gfn};
+use kvm_ioctls::{VcpuFd, VmFd};
+use vmm_sys_util::ioctl::ioctl;
+
+use crate::error::{Error, Result};
+
+const KVMIO: u32 = 0xAE;
+vmm_sys_util::ioctl_io_nr!(KVM_RESET_DIRTY_RINGS, KVMIO, 0xc7);
+
+/// The entry holds a dirty page (KVM sets it).
+const GFN_DIRTY: u32 = 1;
+/// The entry was collected (userspace sets it; KVM frees it at the reset).
+const GFN_RESET: u32 = 2;
+
+/// One vCPU's ring, mapped from its fd.
+struct Ring {
+    entries: NonNull<kvm_dirty_gfn>,
+    count: u32,
+    /// The next entry to look at (free-running; the slot is `fetch % count`).
+    fetch: u32,
+}
+
+// SAFETY: the mapping is shared memory that KVM and this process access with atomics (flags)
+// and plain loads after an acquire (slot, offset); it is valid from any thread, and only the
+// holder of `Rings::inner`'s lock reads or writes it.
+unsafe impl Send for Ring {}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made by `Rings::add` with this length and is not used again.
+        unsafe {
+            libc::munmap(
+                self.entries.as_ptr().cast(),
+                self.count as usize * size_of::<kvm_dirty_gfn>(),
+            )
+        };
+    }
+}
+
+struct Inner {
+    rings: Vec<Ring>,
+    /// Harvested, not yet reported: KVM slot number -> bitmap (bit `i` of word `i / 64` is the
+    /// slot's page `i`).
+    pending: BTreeMap<u32, Vec<u64>>,
+}
+
+/// Every vCPU's dirty ring of one VM, and the pages harvested from them.
+pub struct Rings {
+    vm: Arc<VmFd>,
+    /// Entries per ring (a power of two).
+    count: u32,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for Rings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rings")
+            .field("entries", &self.count)
+            .field("rings", &self.lock().rings.len())
+            .finish()
+    }
+}
+
+impl Rings {
+    pub(crate) fn new(vm: Arc<VmFd>, count: u32) -> Rings {
+        Rings {
+            vm,
+            count,
+            inner: Mutex::new(Inner {
+                rings: Vec::new(),
+                pending: BTreeMap::new(),
+            }),
+        }
+    }
+
+    /// Entries per vCPU ring.
+    pub fn entries(&self) -> u32 {
+        self.count
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Maps `vcpu`'s ring and adds it to the harvest.
+    pub(crate) fn add(&self, vcpu: &VcpuFd) -> Result<()> {
+        let len = self.count as usize * size_of::<kvm_dirty_gfn>();
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as libc::off_t;
+        // SAFETY: a new shared mapping of the vCPU fd's ring pages, at the offset and length
+        // KVM documents for a ring of `count` entries; nothing else is at the address returned.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                vcpu.as_raw_fd(),
+                KVM_DIRTY_LOG_PAGE_OFFSET as libc::off_t * page,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::kvm(
+                "mmap",
+                format!("the vCPU's dirty ring ({} entries)", self.count),
+                vmm_sys_util::errno::Error::last(),
+            ));
+        }
+        let entries = NonNull::new(ptr.cast()).expect("mmap returned a non-null address");
+        self.lock().rings.push(Ring {
+            entries,
+            count: self.count,
+            fetch: 0,
+        });
+        Ok(())
+    }
+
+    /// Collects every ring's dirty entries into the pending bitmaps and resets the rings (see
+    /// the module documentation); returns the entries collected.
+    pub fn harvest(&self) -> Result<u64> {
+        let mut inner = self.lock();
+        let Inner { rings, pending } = &mut *inner;
+        let mut collected = 0u64;
+        for ring in rings.iter_mut() {
+            loop {
+                let i = (ring.fetch % ring.count) as usize;
+                // SAFETY: i < count, inside the mapping this ring owns.
+                let entry = unsafe { ring.entries.as_ptr().add(i) };
+                // SAFETY: `flags` is a u32 in the mapping, accessed by KVM and us atomically
+                // (the ACQ_REL ring's protocol); AtomicU32 has u32's layout.
+                let flags = unsafe { AtomicU32::from_ptr(&raw mut (*entry).flags) };
+                if flags.load(Ordering::Acquire) & GFN_DIRTY == 0 {
+                    break;
+                }
+                // SAFETY: KVM wrote slot and offset before it set DIRTY with release; the
+                // acquire above orders these reads after them. Plain reads of plain fields.
+                let (slot, offset) = unsafe { ((*entry).slot, (*entry).offset) };
+                let words = pending.entry(slot).or_default();
+                let word = (offset / 64) as usize;
+                if words.len() <= word {
+                    words.resize(word + 1, 0);
+                }
+                words[word] |= 1 << (offset % 64);
+                flags.store(GFN_RESET, Ordering::Release);
+                ring.fetch = ring.fetch.wrapping_add(1);
+                collected += 1;
+            }
+        }
+        // The reset runs without the lock: KVM may wait in it for a running vCPU, and that vCPU,
+        // its ring full, harvests too.
+        drop(inner);
+        if collected > 0 {
+            // SAFETY: KVM_RESET_DIRTY_RINGS takes no argument; the fd is this VM's.
+            let ret = unsafe { ioctl(self.vm.as_ref(), KVM_RESET_DIRTY_RINGS()) };
+            if ret < 0 {
+                return Err(Error::kvm(
+                    "KVM_RESET_DIRTY_RINGS",
+                    format!("after collecting {collected} entries"),
+                    vmm_sys_util::errno::Error::last(),
+                ));
+            }
+        }
+        Ok(collected)
+    }
+
+    /// Takes KVM slot `kvm_slot`'s pending bits (after a harvest).
+    pub(crate) fn take(&self, kvm_slot: u32) -> Vec<u64> {
+        self.lock().pending.remove(&kvm_slot).unwrap_or_default()
+    }
+}
