@@ -444,7 +444,7 @@ PY
   done
   echo "  $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s after the kill: $line"
   if [ $ok_rel = 1 ]; then
-    echo "  still mapped:"; awk -v inos=" $inodes " '$6 ~ /^\/memfd:/ && index(inos, " " $5 " ")' "/proc/$bpid/maps" 2>/dev/null | head -5 | sed 's/^/    /'
+    echo "  still mapped:"; awk -v inos=" $inodes " '$6 ~ /^\/memfd:/ && index(inos, " " $5 " ")' "/proc/$bpid/maps" 2>/dev/null | head -5 | sed 's/^/    /' || true
     echo "$name: RELEASE FAIL"
   else
     echo "$name: RELEASE PASS"
@@ -623,7 +623,7 @@ PY
   kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
   { grep -a -E '^(GUEST|GENIO|genio:)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
   { grep -a -i -E 'vhost|virtio|not a head|blk_update|I/O error|hung|blocked for' "$log" | grep -v -E '^(GUEST|GENIO|genio:)' || true; } \
-    | tr -d '\r' | sort | uniq -c | sort -rn | head -8 | sed 's/^/  console: /'
+    | tr -d '\r' | sort | uniq -c | sort -rn | head -8 | sed 's/^/  console: /' || true  # head closes the pipe early: SIGPIPE upstream
   result=$(grep -a '^RESULT crash' "$log" | tail -1 | tr -d '\r' || true)
   digest=$(grep -a -o 'GENIO digest=[0-9a-f]* blocks=[0-9]*' "$log" | tail -1 || true)
   host="FAIL no digest from genio"
