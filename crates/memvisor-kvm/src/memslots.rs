@@ -69,7 +69,7 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Cap, VmFd};
 use memvisor::slots::{Slot, SlotEdit};
-use memvisor::{Gpa, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable};
+use memvisor::{DmaSpace, Gpa, Iova, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable};
 use vmm_sys_util::ioctl::ioctl_with_ref;
 
 use crate::error::{Error, Result};
@@ -179,6 +179,8 @@ struct State {
     carried: BTreeMap<SlotId, Vec<u64>>,
     /// The table generation KVM last equalled in full.
     synced: Option<u64>,
+    /// Device spaces (IOVA = guest physical) whose dirty tracking joins every slot's log.
+    devices: Vec<DmaSpace>,
 }
 
 /// A [`SlotTable`] bound to a KVM VM: see the module documentation.
@@ -231,6 +233,20 @@ fn or_into(dst: &mut Vec<u64>, src: &[u64]) {
     }
     for (d, s) in dst.iter_mut().zip(src) {
         *d |= s;
+    }
+}
+
+/// ORs `bits` (bit `b` is page `page + b`; `page` need not be a multiple of 64) into `dst`,
+/// dropping pages past its end.
+fn or_bits(dst: &mut [u64], page: u64, bits: u64) {
+    let (word, shift) = ((page / 64) as usize, page % 64);
+    if let Some(d) = dst.get_mut(word) {
+        *d |= bits << shift;
+    }
+    if shift != 0 {
+        if let Some(d) = dst.get_mut(word + 1) {
+            *d |= bits >> (64 - shift);
+        }
     }
 }
 
@@ -331,6 +347,18 @@ impl KvmSlots {
     /// The KVM slot number memvisor slot `id` is installed as, if KVM holds it.
     pub fn kvm_slot(&self, id: SlotId) -> Option<u32> {
         self.lock().installed.get(&id).map(|i| i.kvm_slot)
+    }
+
+    /// Adds a device space to the dirty log: a [`DmaSpace`] whose IOVAs are guest physical
+    /// addresses (no vIOMMU; e.g. mapped with `DmaSpace::map_guest` over this table, one
+    /// mapping per slot) through which in-process device models `dma_write` into guest memory.
+    /// From now on every dirty-log call also drains the space's dirty bits over the slot's
+    /// guest range (`DmaSpace::drain_dirty`, after KVM's log is cleared), so one call reports
+    /// the vCPUs', the table's and the devices' writes. Start the space's dirty tracking
+    /// first; a drain error (tracking off, a mapping that crosses a slot's edge) is returned
+    /// by the dirty-log call, with KVM's bits kept for the next one.
+    pub fn log_device_space(&self, space: DmaSpace) {
+        self.lock().devices.push(space);
     }
 
     /// Number of memslots KVM holds for this table.
@@ -616,6 +644,7 @@ impl KvmSlots {
         let pages = pages_of(&installed.slot);
         let mut words = match &self.rings {
             Some(rings) => {
+                rings.check()?;
                 rings.harvest()?;
                 rings.take(kvm_slot)
             }
@@ -633,15 +662,32 @@ impl KvmSlots {
         between();
         // From here on the bits read are ours to report: if a later step fails they are kept
         // for the next call rather than lost.
+        words.resize(pages.div_ceil(64) as usize, 0);
+        let gpa = installed.slot.range().start();
+        // memvisor's own log and the device spaces', drained sparsely (O(dirty words)); what
+        // was drained before an error is kept with KVM's bits.
+        let mut own = Vec::new();
         let rest = (|| {
             if self.manual {
                 self.clear(id, kvm_slot, pages, &words)?;
             }
-            self.table.take_dirty_log(id).map_err(Error::from)
+            self.table
+                .drain_dirty_log(id, |page, bits| own.push((page, bits)))?;
+            for space in state.devices.iter() {
+                space.drain_dirty(
+                    Iova(gpa.0),
+                    pages << PAGE_SHIFT,
+                    1 << PAGE_SHIFT,
+                    |page, bits| own.push((page, bits)),
+                )?;
+            }
+            Ok::<_, Error>(())
         })();
+        for (page, bits) in own {
+            or_bits(&mut words, page, bits);
+        }
         match rest {
-            Ok(own) => {
-                or_into(&mut words, &own);
+            Ok(()) => {
                 if let Some(carried) = state.carried.remove(&id) {
                     or_into(&mut words, &carried);
                 }
