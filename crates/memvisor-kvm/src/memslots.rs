@@ -37,8 +37,8 @@
 //!
 //! **Dirty log: one read-and-clear per slot.** [`KvmSlots::take_dirty_log`] returns one bitmap
 //! (bit `i` of word `i / 64` is the slot's page `i`) that is the union of what the vCPUs wrote
-//! (KVM's bitmap) and what was written through the table (the slot's own memvisor log), in this
-//! order:
+//! (KVM's bitmap), what was written through the table (the slot's own memvisor log) and what
+//! device models wrote through device spaces, in this order:
 //! 1. `KVM_GET_DIRTY_LOG`: with `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` this reads without clearing
 //!    or write-protecting anything;
 //! 2. `KVM_CLEAR_DIRTY_LOG` of exactly the bits read, in chunks of at most
@@ -47,7 +47,11 @@
 //!    write between the read and the clear is either already in memory before the caller copies
 //!    the page (the page was reported) or, to a page that read clean, sets a bit the clear does
 //!    not touch (reported next round). Nothing is cleared that was not read;
-//! 3. memvisor's own log of the slot, read-and-cleared word by word (`SlotTable::take_dirty_log`);
+//! 3. memvisor's own log of the slot, drained through its summary levels
+//!    (`SlotTable::drain_dirty_log`: O(dirty words), no copy of the slot's whole bitmap), then
+//!    the dirty bits of every device space added with [`KvmSlots::log_device_space`] over the
+//!    slot's guest range (`DmaSpace::drain_dirty`: in-process device models' `dma_write`s);
+//!    bits drained before a failing step are kept for the next call with KVM's;
 //! 4. every page of a slot KVM deleted and re-created since the last call (a move, resize or
 //!    read-only change of a logging slot): KVM's bitmap of the old memslot goes with it, and a
 //!    vCPU may write between a last read and the delete, so the new slot reports all its pages
