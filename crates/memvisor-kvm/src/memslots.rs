@@ -799,3 +799,20 @@ fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32) -> Result<Rings> {
     })?;
     Ok(Rings::new(vm.clone(), entries))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::or_bits;
+
+    #[test]
+    fn or_bits_places_unaligned_words_across_two_words() {
+        let mut words = vec![0u64; 3];
+        // Bits 0 and 63 of a word handed over from page 70: pages 70 and 133.
+        or_bits(&mut words, 70, 1 | 1 << 63);
+        assert_eq!(words, vec![0, 1 << 6, 1 << 5]);
+        // Aligned: one word; past the end: dropped.
+        or_bits(&mut words, 0, 0b101);
+        or_bits(&mut words, 192, u64::MAX);
+        assert_eq!(words, vec![0b101, 1 << 6, 1 << 5]);
+    }
+}
