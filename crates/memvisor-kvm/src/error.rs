@@ -50,6 +50,14 @@ pub enum Error {
     #[error("memvisor slot {slot} is not installed in KVM (a sync failed on it); call sync again")]
     NotInKvm { slot: SlotId },
 
+    /// KVM pushed more entries into a vCPU's dirty ring than it holds (entries, and the writes
+    /// they named, are lost): EOVERFLOW. See the `ring` module; use the bitmap on this host.
+    #[error(
+        "KVM overran a {entries}-entry dirty ring (it reports the ring full while no entry is \
+         dirty): dirty pages were lost; restart the migration with the dirty bitmap"
+    )]
+    RingOverrun { entries: u32 },
+
     /// memvisor refused the change or the access.
     #[error(transparent)]
     Memvisor(#[from] memvisor::Error),
@@ -62,6 +70,7 @@ impl Error {
             Error::Memslot { errno, .. } | Error::Kvm { errno, .. } => *errno,
             Error::NoMemslot { .. } => libc::ENOSPC,
             Error::NotInKvm { .. } => libc::ENOENT,
+            Error::RingOverrun { .. } => libc::EOVERFLOW,
             Error::Memvisor(e) => e.errno(),
         }
     }

@@ -5,9 +5,11 @@
 //! ```text
 //! memslots  KvmSlots: the table mirrored into KVM's memslots (sync on call, KVM's rules and
 //!           errors, KVM slot numbers within KVM_CAP_NR_MEMSLOTS), and one dirty log per slot:
-//!           KVM's bitmap (manual protect, cleared in chunks) merged with memvisor's own
+//!           KVM's bitmap (manual protect, cleared in chunks) merged with memvisor's own and
+//!           with device spaces' (DmaSpace dirty tracking)
 //! ring      per-vCPU dirty rings (KVM_CAP_DIRTY_LOG_RING_ACQ_REL): the vCPUs' pages from
-//!           rings instead of the bitmap, behind the same dirty-log call
+//!           rings instead of the bitmap, behind the same dirty-log call; a ring KVM
+//!           overran is reported (EOVERFLOW), not waited on
 //! vcpu      Vcpu: a vCPU with its thread's SlotCursor, handed to the MMIO / port I/O handler
 //! error     KVM's refusals with errno and the refused values; memvisor's errors passed on
 //! ```

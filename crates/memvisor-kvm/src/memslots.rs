@@ -37,8 +37,8 @@
 //!
 //! **Dirty log: one read-and-clear per slot.** [`KvmSlots::take_dirty_log`] returns one bitmap
 //! (bit `i` of word `i / 64` is the slot's page `i`) that is the union of what the vCPUs wrote
-//! (KVM's bitmap) and what was written through the table (the slot's own memvisor log), in this
-//! order:
+//! (KVM's bitmap), what was written through the table (the slot's own memvisor log) and what
+//! device models wrote through device spaces, in this order:
 //! 1. `KVM_GET_DIRTY_LOG`: with `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` this reads without clearing
 //!    or write-protecting anything;
 //! 2. `KVM_CLEAR_DIRTY_LOG` of exactly the bits read, in chunks of at most
@@ -47,7 +47,11 @@
 //!    write between the read and the clear is either already in memory before the caller copies
 //!    the page (the page was reported) or, to a page that read clean, sets a bit the clear does
 //!    not touch (reported next round). Nothing is cleared that was not read;
-//! 3. memvisor's own log of the slot, read-and-cleared word by word (`SlotTable::take_dirty_log`);
+//! 3. memvisor's own log of the slot, drained through its summary levels
+//!    (`SlotTable::drain_dirty_log`: O(dirty words), no copy of the slot's whole bitmap), then
+//!    the dirty bits of every device space added with [`KvmSlots::log_device_space`] over the
+//!    slot's guest range (`DmaSpace::drain_dirty`: in-process device models' `dma_write`s);
+//!    bits drained before a failing step are kept for the next call with KVM's;
 //! 4. every page of a slot KVM deleted and re-created since the last call (a move, resize or
 //!    read-only change of a logging slot): KVM's bitmap of the old memslot goes with it, and a
 //!    vCPU may write between a last read and the delete, so the new slot reports all its pages
@@ -69,7 +73,7 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Cap, VmFd};
 use memvisor::slots::{Slot, SlotEdit};
-use memvisor::{Gpa, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable};
+use memvisor::{DmaSpace, Gpa, Iova, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable};
 use vmm_sys_util::ioctl::ioctl_with_ref;
 
 use crate::error::{Error, Result};
@@ -179,6 +183,8 @@ struct State {
     carried: BTreeMap<SlotId, Vec<u64>>,
     /// The table generation KVM last equalled in full.
     synced: Option<u64>,
+    /// Device spaces (IOVA = guest physical) whose dirty tracking joins every slot's log.
+    devices: Vec<DmaSpace>,
 }
 
 /// A [`SlotTable`] bound to a KVM VM: see the module documentation.
@@ -231,6 +237,20 @@ fn or_into(dst: &mut Vec<u64>, src: &[u64]) {
     }
     for (d, s) in dst.iter_mut().zip(src) {
         *d |= s;
+    }
+}
+
+/// ORs `bits` (bit `b` is page `page + b`; `page` need not be a multiple of 64) into `dst`,
+/// dropping pages past its end.
+fn or_bits(dst: &mut [u64], page: u64, bits: u64) {
+    let (word, shift) = ((page / 64) as usize, page % 64);
+    if let Some(d) = dst.get_mut(word) {
+        *d |= bits << shift;
+    }
+    if shift != 0 {
+        if let Some(d) = dst.get_mut(word + 1) {
+            *d |= bits >> (64 - shift);
+        }
     }
 }
 
@@ -333,6 +353,18 @@ impl KvmSlots {
         self.lock().installed.get(&id).map(|i| i.kvm_slot)
     }
 
+    /// Adds a device space to the dirty log: a [`DmaSpace`] whose IOVAs are guest physical
+    /// addresses (no vIOMMU; e.g. mapped with `DmaSpace::map_guest` over this table, one
+    /// mapping per slot) through which in-process device models `dma_write` into guest memory.
+    /// From now on every dirty-log call also drains the space's dirty bits over the slot's
+    /// guest range (`DmaSpace::drain_dirty`, after KVM's log is cleared), so one call reports
+    /// the vCPUs', the table's and the devices' writes. Start the space's dirty tracking
+    /// first; a drain error (tracking off, a mapping that crosses a slot's edge) is returned
+    /// by the dirty-log call, with KVM's bits kept for the next one.
+    pub fn log_device_space(&self, space: DmaSpace) {
+        self.lock().devices.push(space);
+    }
+
     /// Number of memslots KVM holds for this table.
     pub fn installed(&self) -> usize {
         self.lock().installed.len()
@@ -388,8 +420,13 @@ impl KvmSlots {
     }
 
     fn sync_locked(&self, state: &mut State) -> Result<SyncReport> {
-        let snapshot = self.table.snapshot();
         let mut report = SyncReport::default();
+        // Nothing changed since the last full sync: one atomic load, O(1) whatever the slot
+        // count (every dirty-log call syncs first).
+        if state.synced == Some(self.table.generation()) {
+            return Ok(report);
+        }
+        let snapshot = self.table.snapshot();
         if state.synced == Some(snapshot.generation()) {
             return Ok(report);
         }
@@ -616,6 +653,7 @@ impl KvmSlots {
         let pages = pages_of(&installed.slot);
         let mut words = match &self.rings {
             Some(rings) => {
+                rings.check()?;
                 rings.harvest()?;
                 rings.take(kvm_slot)
             }
@@ -633,15 +671,32 @@ impl KvmSlots {
         between();
         // From here on the bits read are ours to report: if a later step fails they are kept
         // for the next call rather than lost.
+        words.resize(pages.div_ceil(64) as usize, 0);
+        let gpa = installed.slot.range().start();
+        // memvisor's own log and the device spaces', drained sparsely (O(dirty words)); what
+        // was drained before an error is kept with KVM's bits.
+        let mut own = Vec::new();
         let rest = (|| {
             if self.manual {
                 self.clear(id, kvm_slot, pages, &words)?;
             }
-            self.table.take_dirty_log(id).map_err(Error::from)
+            self.table
+                .drain_dirty_log(id, |page, bits| own.push((page, bits)))?;
+            for space in state.devices.iter() {
+                space.drain_dirty(
+                    Iova(gpa.0),
+                    pages << PAGE_SHIFT,
+                    1 << PAGE_SHIFT,
+                    |page, bits| own.push((page, bits)),
+                )?;
+            }
+            Ok::<_, Error>(())
         })();
+        for (page, bits) in own {
+            or_bits(&mut words, page, bits);
+        }
         match rest {
-            Ok(own) => {
-                or_into(&mut words, &own);
+            Ok(()) => {
                 if let Some(carried) = state.carried.remove(&id) {
                     or_into(&mut words, &carried);
                 }
@@ -748,4 +803,21 @@ fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32) -> Result<Rings> {
         )
     })?;
     Ok(Rings::new(vm.clone(), entries))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::or_bits;
+
+    #[test]
+    fn or_bits_places_unaligned_words_across_two_words() {
+        let mut words = vec![0u64; 3];
+        // Bits 0 and 63 of a word handed over from page 70: pages 70 and 133.
+        or_bits(&mut words, 70, 1 | 1 << 63);
+        assert_eq!(words, vec![0, 1 << 6, 1 << 5]);
+        // Aligned: one word; past the end: dropped.
+        or_bits(&mut words, 0, 0b101);
+        or_bits(&mut words, 192, u64::MAX);
+        assert_eq!(words, vec![0b101, 1 << 6, 1 << 5]);
+    }
 }

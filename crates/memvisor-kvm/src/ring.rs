@@ -23,15 +23,37 @@
 //! pushed after the last harvest may land on a later slot with the same number: that can only
 //! report pages dirty that were not, never miss one.
 //!
-//! Known limit: on this machine's kernel a `KVM_RESET_DIRTY_RINGS` issued while a vCPU sits in
-//! `KVM_RUN` running a guest that does not exit did not return (a migration test hung); harvest
-//! with the vCPUs outside `KVM_RUN` until the binding can kick them out for the reset. The reset
-//! runs without this module's lock, so a vCPU whose ring fills can still harvest meanwhile.
+//! **Harvesting while vCPUs run needs no kick.** `KVM_RESET_DIRTY_RINGS` (kvm_main.c,
+//! `kvm_vm_ioctl_reset_dirty_pages`) takes only `kvm->slots_lock`, walks each vCPU's ring from
+//! its reset index while entries read `RESET`, re-protects those pages under the MMU lock and
+//! flushes TLBs with a request that kicks running vCPUs itself; it never takes a vCPU's mutex
+//! (the one `KVM_RUN` holds). So the migration thread harvests while the vCPUs stay in the
+//! guest. Concurrent harvests are safe: the collect step holds this module's lock, the resets
+//! are serialized by KVM, and a reset frees every entry marked `RESET` by anyone, so a
+//! harvest that collected nothing may still have to reset (a vCPU's full-ring harvest always
+//! does: the entries it finds marked may be another thread's, not yet reset).
+//!
+//! **A ring KVM overran is detected, not waited on.** KVM promises to stop a vCPU at the soft
+//! limit (ring size minus 64 reserved entries) before its ring is full. The KVM on this
+//! project's test machine breaks that promise: it is PVM (`kvm-pvm`), which emulates real-mode
+//! guests in batches of up to 1024 instructions and pushes an entry for every emulated write
+//! (not once per page), checking the soft limit only between batches; a guest that writes in a
+//! loop without exiting overruns the ring (the kernel warns at `dirty_ring.c`, "It should never
+//! get full"). Entries are then overwritten and KVM's indexes no longer match the ring: it
+//! reports the ring full forever while no entry reads `DIRTY`. That, not a blocked reset, was
+//! the migration hang seen before (the vCPU spun on `KVM_EXIT_DIRTY_RING_FULL` with nothing to
+//! harvest; the migration thread waited for it to halt). Writes were lost with those entries,
+//! so the binding cannot repair the log: a vCPU that is told the ring is full twice with no
+//! entry collected by anyone in between (it cannot have pushed one without a harvest seeing
+//! it) returns [`Error::RingOverrun`](crate::Error::RingOverrun) (EOVERFLOW), and every later
+//! dirty-log call of the VM fails the same way, so a migration restarts or falls back to the
+//! bitmap instead of copying an incomplete log. Guests that exit now and then (I/O, MMIO)
+//! stay within the reserve: a batch ends at the exit.
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_bindings::{KVM_DIRTY_LOG_PAGE_OFFSET, kvm_dirty_gfn};
@@ -86,6 +108,8 @@ pub struct Rings {
     /// Entries per ring (a power of two).
     count: u32,
     inner: Mutex<Inner>,
+    /// A vCPU found its ring overrun (module documentation): the log is incomplete.
+    overrun: AtomicBool,
 }
 
 impl std::fmt::Debug for Rings {
@@ -106,6 +130,7 @@ impl Rings {
                 rings: Vec::new(),
                 pending: BTreeMap::new(),
             }),
+            overrun: AtomicBool::new(false),
         }
     }
 
@@ -118,8 +143,33 @@ impl Rings {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Maps `vcpu`'s ring and adds it to the harvest.
-    pub(crate) fn add(&self, vcpu: &VcpuFd) -> Result<()> {
+    /// Whether a vCPU found its ring overrun by KVM (entries lost; see the module
+    /// documentation). Every dirty-log call fails from then on.
+    pub fn overrun(&self) -> bool {
+        self.overrun.load(Ordering::Acquire)
+    }
+
+    /// EOVERFLOW if a ring was overrun.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.overrun() {
+            return Err(Error::RingOverrun {
+                entries: self.count,
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn mark_overrun(&self) {
+        self.overrun.store(true, Ordering::Release);
+    }
+
+    /// Ring `index`'s fetch index: how many entries were collected from it so far.
+    pub(crate) fn fetched(&self, index: usize) -> u32 {
+        self.lock().rings.get(index).map_or(0, |r| r.fetch)
+    }
+
+    /// Maps `vcpu`'s ring and adds it to the harvest; returns its index.
+    pub(crate) fn add(&self, vcpu: &VcpuFd) -> Result<usize> {
         let len = self.count as usize * size_of::<kvm_dirty_gfn>();
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as libc::off_t;
@@ -143,17 +193,24 @@ impl Rings {
             ));
         }
         let entries = NonNull::new(ptr.cast()).expect("mmap returned a non-null address");
-        self.lock().rings.push(Ring {
+        let mut inner = self.lock();
+        inner.rings.push(Ring {
             entries,
             count: self.count,
             fetch: 0,
         });
-        Ok(())
+        Ok(inner.rings.len() - 1)
     }
 
     /// Collects every ring's dirty entries into the pending bitmaps and resets the rings (see
     /// the module documentation); returns the entries collected.
     pub fn harvest(&self) -> Result<u64> {
+        self.harvest_inner(false)
+    }
+
+    /// [`Rings::harvest`]; with `always_reset`, `KVM_RESET_DIRTY_RINGS` runs even when this
+    /// call collected nothing (entries another thread marked may not be reset yet).
+    pub(crate) fn harvest_inner(&self, always_reset: bool) -> Result<u64> {
         let mut inner = self.lock();
         let Inner { rings, pending } = &mut *inner;
         let mut collected = 0u64;
@@ -185,7 +242,7 @@ impl Rings {
         // The reset runs without the lock: KVM may wait in it for a running vCPU, and that vCPU,
         // its ring full, harvests too.
         drop(inner);
-        if collected > 0 {
+        if collected > 0 || always_reset {
             // SAFETY: KVM_RESET_DIRTY_RINGS takes no argument; the fd is this VM's.
             let ret = unsafe { ioctl(self.vm.as_ref(), KVM_RESET_DIRTY_RINGS()) };
             if ret < 0 {

@@ -12,8 +12,10 @@
 //!
 //! With dirty rings on ([`Options::dirty_ring`](crate::Options::dirty_ring)) the vCPU maps its
 //! ring when it is created, and a `KVM_EXIT_DIRTY_RING_FULL` exit is handled inside
-//! [`Vcpu::run`]: it harvests every ring (the pages wait for the next dirty-log call) and enters
-//! the guest again.
+//! [`Vcpu::run`]: it harvests every ring and resets them (the pages wait for the next
+//! dirty-log call) and enters the guest again. A second full-ring exit with nothing collected
+//! from this vCPU's ring since the first means KVM overran the ring (see the `ring` module):
+//! [`Vcpu::run`] returns [`Error::RingOverrun`] rather than spin.
 //!
 //! Exits the handler does not take (or that need a decision: HLT, shutdown, anything else) end
 //! [`Vcpu::run`] with a [`Stop`] saying why; the caller decides whether to run again.
@@ -82,6 +84,10 @@ pub struct Vcpu {
     fd: VcpuFd,
     cursor: SlotCursor,
     rings: Option<Arc<Rings>>,
+    /// This vCPU's ring in `rings`.
+    ring: usize,
+    /// The ring's fetch index after the last full-ring harvest.
+    fetched_at_full: Option<u32>,
     ring_full_exits: u64,
 }
 
@@ -100,13 +106,16 @@ impl Vcpu {
             .create_vcpu(id)
             .map_err(|e| Error::kvm("KVM_CREATE_VCPU", format!("vCPU {id}"), e))?;
         let rings = slots.rings().cloned();
-        if let Some(rings) = &rings {
-            rings.add(&fd)?;
-        }
+        let ring = match &rings {
+            Some(rings) => rings.add(&fd)?,
+            None => 0,
+        };
         Ok(Vcpu {
             fd,
             cursor: slots.cursor(),
             rings,
+            ring,
+            fetched_at_full: None,
             ring_full_exits: 0,
         })
     }
@@ -179,7 +188,17 @@ impl Vcpu {
                 Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) if self.rings.is_some() => {
                     self.ring_full_exits += 1;
                     if let Some(rings) = &self.rings {
-                        rings.harvest()?;
+                        rings.harvest_inner(true)?;
+                        let fetched = rings.fetched(self.ring);
+                        if self.fetched_at_full == Some(fetched) {
+                            // Full again, and no entry of ours collected by anyone since the
+                            // last full exit: KVM's indexes no longer match the ring.
+                            rings.mark_overrun();
+                            return Err(Error::RingOverrun {
+                                entries: rings.entries(),
+                            });
+                        }
+                        self.fetched_at_full = Some(fetched);
                     }
                     Control::Continue
                 }

@@ -12,6 +12,7 @@ mod guest;
 mod hugepages;
 mod iotlb;
 mod kvm;
+mod kvm_exits;
 pub mod limits;
 mod lookup;
 pub mod machine;
