@@ -201,7 +201,10 @@ mod tests {
         let mut out = Vec::new();
         misses_in(&mem, 0, 1 << 40, Access::Read, &mut out);
         assert_eq!(out.len(), MAX_MISSES);
-        assert_eq!(out.last().unwrap().iova.0, (MAX_MISSES as u64 - 1) * PAGE_4K);
+        assert_eq!(
+            out.last().unwrap().iova.0,
+            (MAX_MISSES as u64 - 1) * PAGE_4K
+        );
     }
 
     #[test]
@@ -217,7 +220,10 @@ mod tests {
         // An update of 0x1800..0x3001 covers pages 0x1000 (partly), 0x2000 and 0x3000.
         asked.covered(0x1800, 0x1801);
         assert_eq!(asked.len(), 1);
-        assert!(asked.ask(&miss(0x1000, Access::Read)), "answered: may ask again");
+        assert!(
+            asked.ask(&miss(0x1000, Access::Read)),
+            "answered: may ask again"
+        );
         // A size of 0 covers nothing; a range to the top of the space covers to the top.
         asked.covered(0x5000, 0);
         assert_eq!(asked.len(), 2);

@@ -459,7 +459,8 @@ fn wide_blk_behind_iommu(
         ..BlkOptions::default()
     };
     let (a, b) = UnixStream::pair().unwrap();
-    let mut backend = memvisor_vhost::backend::Backend::new(Blk::new(disk, options).unwrap()).unwrap();
+    let mut backend =
+        memvisor_vhost::backend::Backend::new(Blk::new(disk, options).unwrap()).unwrap();
     backend.set_miss_batch(batch);
     let t = std::thread::spawn(move || {
         let stop = std::sync::atomic::AtomicBool::new(false);
@@ -521,7 +522,10 @@ fn read_misses(ours: &UnixStream, wait: std::time::Duration) -> Vec<IotlbMsg> {
 fn a_chain_missing_on_many_pages_asks_for_all_of_them_at_once() {
     let (c, t, mut g, ours) = wide_blk_behind_iommu(memvisor_vhost::miss::MAX_MISSES);
     // Pages 10 and 11 of the buffer are mapped already; the other 62 are not.
-    assert_eq!(update(&c, IO + DATA + 10 * 4096, DATA + 10 * 4096, 8192, 3), 0);
+    assert_eq!(
+        update(&c, IO + DATA + 10 * 4096, DATA + 10 * 4096, 8192, 3),
+        0
+    );
     post_wide_read(&mut g);
     let misses = read_misses(&ours, std::time::Duration::from_millis(500));
     let want: Vec<u64> = (0..64)

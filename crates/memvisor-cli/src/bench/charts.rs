@@ -438,7 +438,11 @@ fn draw_lines(
                 points.clone(),
                 colour.stroke_width(2),
             )))?;
-            plot.draw_series(points.into_iter().map(|p| Circle::new(p, 3, colour.filled())))?;
+            plot.draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, colour.filled())),
+            )?;
         }
     }
     Ok(())
@@ -485,7 +489,12 @@ fn draw_legend(root: &Area, variants: &[&str], top: i32) -> Result<i32, DrawErro
     let mut bottom = top;
     for (i, (variant, (x, y))) in variants.iter().zip(legend_layout(variants)).enumerate() {
         let (x, y) = (x, top + y);
-        let colour = COLOURS[i % COLOURS.len()];
+        // The ideal slopes of a line chart are grey, whatever their slot.
+        let colour = if variant.starts_with("ideal") {
+            GREY
+        } else {
+            COLOURS[i % COLOURS.len()]
+        };
         root.draw(&Rectangle::new(
             [(x, y - 6), (x + 12, y + 6)],
             colour.filled(),
@@ -731,6 +740,52 @@ mod tests {
             legend_rows.last().unwrap().1 > legend_rows[0].1,
             "{legend_rows:?}"
         );
+    }
+
+    /// With sizes, a log-log line chart: one line per measured variant (a path and a dot per
+    /// point), the ideal slopes dashed grey, sizes labelled on the x axis, nothing unescaped.
+    #[test]
+    fn sizes_draw_log_log_lines_with_dashed_ideals() {
+        let mut c = chart(
+            Better::Lower,
+            true,
+            &[
+                (
+                    "1000",
+                    &[("translate", 20.0), ("ideal (log n) for translate", 20.0)],
+                ),
+                (
+                    "100000",
+                    &[("translate", 30.0), ("ideal (log n) for translate", 33.3)],
+                ),
+                (
+                    "1000000",
+                    &[("translate", 0.0), ("ideal (log n) for translate", 40.0)],
+                ),
+            ],
+        );
+        c.sizes = Some(vec![1e3, 1e5, 1e6]);
+        let svg = render(&c).unwrap();
+        assert_well_formed(&svg);
+        // The measured line: one path through its two drawable points, a dot at each.
+        assert_eq!(svg.matches("<circle").count(), 2, "{svg}");
+        // One solid path in the variant's colour, and five grey dashes per segment of the
+        // ideal line.
+        let lines = |stroke: &str| {
+            svg.lines()
+                .filter(|l| l.starts_with("<polyline") && l.contains(stroke))
+                .count()
+        };
+        assert_eq!(lines("stroke=\"#0072B2\" stroke-width=\"2\""), 1, "{svg}");
+        assert_eq!(
+            lines("stroke=\"#555555\" stroke-width=\"1\""),
+            2 * 5,
+            "{svg}"
+        );
+        let texts = texts(&svg);
+        for tick in ["1000", "10k", "100k", "1M"] {
+            assert!(texts.contains(&tick), "{tick}: {texts:?}");
+        }
     }
 
     /// The ranges leave room above the tallest bar and span whole decades on a log scale; the

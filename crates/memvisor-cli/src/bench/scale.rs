@@ -30,6 +30,12 @@
 //! [`REPS`] times per run (the run's median counts), a 1% drain once per run; the table gives the
 //! median over runs, and the words each drain read. The goal: the one-page drain at 1024 GiB
 //! within 2x of the same drain at 1 GiB.
+//!
+//! **The other rows** (the end of this file): translate and map+unmap at 1e3, 1e5 and 1e6 live
+//! 4 KiB mappings, IOTLB update and invalidate at 1e2 and 1e5 live entries, pin+unpin of 1, 512
+//! and 262,144 pages — each at every size in the same run, its growth from the smallest size
+//! set beside its structure's bound (log n for lookups and index updates, linear in the pages
+//! touched), in a table and a log-log chart with the bound's ideal slope dashed.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -233,7 +239,7 @@ impl Experiment for Scale {
     }
 
     fn title(&self) -> &'static str {
-        "dirty log drain against guest size: full scan vs summary levels"
+        "cost against size: dirty log drains, translate, map+unmap, IOTLB, pin+unpin"
     }
 
     fn about(&self) -> &'static str {
@@ -242,7 +248,9 @@ impl Experiment for Scale {
          old full scan of the bitmap, the summary drain of the same bitmap, and the drain end to \
          end through a DmaSpace (DmaSpace::drain_dirty), and the dense read \
          (get_and_clear_dirty, a bitmap of the whole range). Medians over runs; one-page drains are \
-         the median of 201 per run."
+         the median of 201 per run. Then translate and map+unmap at 1e3, 1e5 and 1e6 live \
+         mappings, IOTLB update and invalidate at 1e2 and 1e5 live entries, pin+unpin of 1, 512 \
+         and 262,144 pages, each against its structure's bound (log n, linear in pages)."
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {
@@ -474,7 +482,13 @@ fn many_mappings(n: u64) -> anyhow::Result<(DmaSpace, Arc<Backing>)> {
     })?;
     let memory = Arc::new(Backing::new(BackingKind::Memfd, n * PAGE_4K)?);
     for i in 0..n {
-        space.map_backing(Iova(2 * i * PAGE_4K), &memory, i * PAGE_4K, PAGE_4K, Prot::RW)?;
+        space.map_backing(
+            Iova(2 * i * PAGE_4K),
+            &memory,
+            i * PAGE_4K,
+            PAGE_4K,
+            Prot::RW,
+        )?;
     }
     Ok((space, memory))
 }
@@ -526,7 +540,11 @@ fn lookup_points(n: u64, runs: u32) -> anyhow::Result<[Stats; 2]> {
     if let Some(e) = failed {
         anyhow::bail!("map+unmap at {n} mappings: {e}");
     }
-    anyhow::ensure!(space.len() as u64 == n, "map+unmap left {} mappings", space.len());
+    anyhow::ensure!(
+        space.len() as u64 == n,
+        "map+unmap left {} mappings",
+        space.len()
+    );
     Ok([translate, map_unmap])
 }
 
@@ -553,7 +571,13 @@ fn iotlb_points(n: u64, runs: u32) -> anyhow::Result<[Stats; 2]> {
             }
             let start = Instant::now();
             for &i in &batch {
-                space.map_backing(Iova((2 * i + 1) * PAGE_4K), &memory, i * PAGE_4K, PAGE_4K, Prot::RW)?;
+                space.map_backing(
+                    Iova((2 * i + 1) * PAGE_4K),
+                    &memory,
+                    i * PAGE_4K,
+                    PAGE_4K,
+                    Prot::RW,
+                )?;
             }
             let mid = Instant::now();
             for &i in &batch {
@@ -566,8 +590,15 @@ fn iotlb_points(n: u64, runs: u32) -> anyhow::Result<[Stats; 2]> {
         update.push(t_up / ops as f64);
         invalidate.push(t_inv / ops as f64);
     }
-    anyhow::ensure!(space.len() as u64 == n, "the IOTLB rows left {} entries", space.len());
-    Ok([Stats::from_samples(&update), Stats::from_samples(&invalidate)])
+    anyhow::ensure!(
+        space.len() as u64 == n,
+        "the IOTLB rows left {} entries",
+        space.len()
+    );
+    Ok([
+        Stats::from_samples(&update),
+        Stats::from_samples(&invalidate),
+    ])
 }
 
 /// ns per pin and unpin of `pages` consecutive 4 KiB pages (`pin_pages` / `unpin_pages`, in
@@ -622,7 +653,14 @@ fn pin_point(pages: u64, runs: u32) -> anyhow::Result<Stats> {
 fn size_rows(runs: u32, mut progress: impl FnMut(), out: &mut Outcome) {
     let mut points: Vec<Point> = Vec::new();
     let mut push = |points: &mut Vec<Point>, op, bound, size, stats: Stats| {
-        out.rows.push(Row::new("scale", &format!("{size}"), op, "cost", "ns", &stats));
+        out.rows.push(Row::new(
+            "scale",
+            &format!("{size}"),
+            op,
+            "cost",
+            "ns",
+            &stats,
+        ));
         points.push(Point {
             op,
             bound,
@@ -636,7 +674,9 @@ fn size_rows(runs: u32, mut progress: impl FnMut(), out: &mut Outcome) {
                 push(&mut points, "translate", Bound::Log, n, t);
                 push(&mut points, "map+unmap", Bound::Log, n, m);
             }
-            Err(why) => out.skipped.push(format!("translate, map+unmap at {n} mappings: {why}")),
+            Err(why) => out
+                .skipped
+                .push(format!("translate, map+unmap at {n} mappings: {why}")),
         }
         progress();
     }
@@ -671,12 +711,33 @@ fn size_rows(runs: u32, mut progress: impl FnMut(), out: &mut Outcome) {
         ],
     );
     let groups: [(&str, &str, &str, &[&str]); 3] = [
-        ("scale-lookup", "Translate and map+unmap against live mappings", "live 4 KiB mappings", &["translate", "map+unmap"]),
-        ("scale-iotlb", "IOTLB update and invalidate against live entries", "live IOTLB entries", &["IOTLB update", "IOTLB invalidate"]),
-        ("scale-pin", "Pin+unpin against pages", "pages pinned and unpinned", &["pin+unpin"]),
+        (
+            "scale-lookup",
+            "Translate and map+unmap against live mappings",
+            "live 4 KiB mappings",
+            &["translate", "map+unmap"],
+        ),
+        (
+            "scale-iotlb",
+            "IOTLB update and invalidate against live entries",
+            "live IOTLB entries",
+            &["IOTLB update", "IOTLB invalidate"],
+        ),
+        (
+            "scale-pin",
+            "Pin+unpin against pages",
+            "pages pinned and unpinned",
+            &["pin+unpin"],
+        ),
     ];
     for (id, title, x_title, ops) in groups {
-        let mut chart = Chart::new(title, x_title, "ns per operation (median)", Better::Lower, true);
+        let mut chart = Chart::new(
+            title,
+            x_title,
+            "ns per operation (median)",
+            Better::Lower,
+            true,
+        );
         let mut sizes: Vec<u64> = points
             .iter()
             .filter(|p| ops.contains(&p.op))
@@ -715,7 +776,9 @@ fn size_rows(runs: u32, mut progress: impl FnMut(), out: &mut Outcome) {
                     },
                 ]);
                 let g = sizes.iter().position(|&s| s == p.size).unwrap_or(0);
-                chart.groups[g].bars.push((p.op.to_string(), p.stats.median));
+                chart.groups[g]
+                    .bars
+                    .push((p.op.to_string(), p.stats.median));
                 chart.groups[g].bars.push((
                     format!("ideal ({}) for {}", p.bound.name(), p.op),
                     first.stats.median * bound,

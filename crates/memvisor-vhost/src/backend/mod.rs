@@ -706,8 +706,7 @@ impl<D: Device + 'static> Backend<D> {
         }
         self.retry_pending_rings()?;
         for i in 0..self.vrings.len() {
-            if self.vrings[i].awaiting.is_empty() && self.vrings[i].miss_deadline.take().is_some()
-            {
+            if self.vrings[i].awaiting.is_empty() && self.vrings[i].miss_deadline.take().is_some() {
                 self.process(i)?;
             }
         }
