@@ -63,11 +63,8 @@ pub fn one_per_page(misses: &[Miss], limit: usize) -> Vec<Miss> {
     for m in misses {
         let page = page_of(m.iova.0);
         match out.iter().position(|o| page_of(o.iova.0) == page) {
-            Some(k) => {
-                if m.access == Access::Write {
-                    out[k].access = Access::Write;
-                }
-            }
+            Some(k) if m.access == Access::Write => out[k].access = Access::Write,
+            Some(_) => {}
             None if out.len() < limit => out.push(*m),
             None => {}
         }
@@ -267,6 +264,6 @@ mod tests {
         assert!(covers(0x1fff, 1, 0x1000), "a byte of the page covers it");
         assert!(!covers(0x1000, 0, 0x1000));
         assert!(!covers(0x3000, 0x1000, 0x2000));
-        assert!(covers(0, u64::MAX, u64::MAX & !0xfff));
+        assert!(covers(0, u64::MAX, !0xfff));
     }
 }
