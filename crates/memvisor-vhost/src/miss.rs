@@ -60,12 +60,17 @@ pub fn misses_in(mem: &DmaMemory, iova: u64, len: u64, access: Access, out: &mut
 /// first miss of the page, made a write if any miss of the page is one.
 pub fn one_per_page(misses: &[Miss], limit: usize) -> Vec<Miss> {
     let mut out: Vec<Miss> = Vec::new();
+    // Page -> its place in `out` (up to MAX_MISSES pages: a map, not a scan of `out`).
+    let mut at: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
     for m in misses {
         let page = page_of(m.iova.0);
-        match out.iter().position(|o| page_of(o.iova.0) == page) {
-            Some(k) if m.access == Access::Write => out[k].access = Access::Write,
+        match at.get(&page) {
+            Some(&k) if m.access == Access::Write => out[k].access = Access::Write,
             Some(_) => {}
-            None if out.len() < limit => out.push(*m),
+            None if out.len() < limit => {
+                at.insert(page, out.len());
+                out.push(*m);
+            }
             None => {}
         }
     }
