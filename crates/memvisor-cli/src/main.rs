@@ -242,9 +242,9 @@ struct BenchArgs {
     /// Experiments to run, in this order: lookup, translate, rw, pin, map-unmap, pin-pages,
     /// report, iotlb, vfio-user (the default: all of these); and, only when named, guest
     /// (real-guest trials) and blk (the blk back end beside qemu-storage-daemon under libblkio),
-    /// both need root and minutes; scale (dirty log drains at guest sizes up to 1 TiB of sparse
-    /// memory); and kvm (memslot updates, MMIO exits and dirty harvests through memvisor-kvm):
-    /// needs /dev/kvm
+    /// both need root and minutes; scale (cost against size: dirty log drains at guest sizes up
+    /// to 1 TiB of sparse memory, translate, map+unmap, IOTLB and pin rows); and kvm (memslot
+    /// updates, MMIO exits and dirty harvests through memvisor-kvm): needs /dev/kvm
     #[arg(value_name = "EXPERIMENT")]
     experiments: Vec<String>,
     /// Small sizes: the whole suite in minutes (the default; the README gives its time)

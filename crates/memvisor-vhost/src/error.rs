@@ -62,14 +62,14 @@ pub enum Error {
         /// The OS error.
         source: std::io::Error,
     },
-    /// A device address the IOTLB has no translation for yet: the back end sends a MISS and
-    /// retries when the frontend's update arrives (EFAULT if it never does).
-    #[error("IOTLB miss at iova {iova:#x} ({})", if *write { "write" } else { "read" })]
+    /// Device addresses the IOTLB has no translation for yet, one per unmapped page a request
+    /// needs ([`crate::miss`]): the back end sends a MISS for each it has not asked for already
+    /// and retries when the frontend's updates have covered them (EFAULT if they never do).
+    #[error("IOTLB miss at {}", describe_misses(misses))]
     IotlbMiss {
-        /// The address.
-        iova: u64,
-        /// Whether the device writes it.
-        write: bool,
+        /// The first unmapped address of each page, in the order the request needs them
+        /// (never empty).
+        misses: Vec<memvisor::dma::Miss>,
     },
 }
 
@@ -91,10 +91,29 @@ impl Error {
         }
     }
 
+    /// One miss as an error.
+    pub(crate) fn miss(m: memvisor::dma::Miss) -> Error {
+        Error::IotlbMiss { misses: vec![m] }
+    }
+
     pub(crate) fn last_os(op: &'static str) -> Error {
         Error::Os {
             op,
             source: std::io::Error::last_os_error(),
         }
+    }
+}
+
+fn describe_misses(misses: &[memvisor::dma::Miss]) -> String {
+    let Some(m) = misses.first() else {
+        return "no page".into();
+    };
+    let access = match m.access {
+        memvisor::Access::Write => "write",
+        memvisor::Access::Read => "read",
+    };
+    match misses.len() {
+        1 => format!("iova {:#x} ({access})", m.iova.0),
+        n => format!("iova {:#x} ({access}) and {} more pages", m.iova.0, n - 1),
     }
 }

@@ -23,6 +23,8 @@
 //!   flight.
 //! * `worker` lends each running ring past the first to a thread of its own between messages,
 //!   so a device with several queues uses several cores.
+//! * [`miss`] collects the unmapped pages of a request behind a vIOMMU, so the back end asks
+//!   for them together, and remembers what it asked for.
 //! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
 //! * [`live`] holds the counters of a back end, its rings and its device, which other threads
@@ -49,6 +51,7 @@ pub mod fuzz;
 mod hooks;
 pub mod live;
 pub mod memory;
+pub mod miss;
 pub mod pin_cost;
 pub mod proto;
 pub mod record;

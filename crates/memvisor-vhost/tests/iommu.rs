@@ -436,3 +436,220 @@ fn indirect_tables_are_read_through_the_iotlb() {
     assert_eq!(backend.stats().iotlb_misses, 1);
     assert_eq!(backend.device().stats().indirect, 1);
 }
+
+/// 256 KiB of data (64 pages of 4 KiB) for the pipelined-miss tests.
+const WIDE: u64 = 0x40000;
+
+/// A blk device behind an IOMMU whose image starts with [`WIDE`] bytes of a pattern (byte `k`
+/// is `k / 4096 + 1`), served with at most `batch` misses asked at once, connected; ring,
+/// header and status mapped and the ring started.
+fn wide_blk_behind_iommu(
+    batch: usize,
+) -> (
+    memvisor_vhost::client::Client,
+    std::thread::JoinHandle<Served<Blk>>,
+    Guest,
+    UnixStream,
+) {
+    let disk = memfd(MIB);
+    std::os::unix::fs::FileExt::write_all_at(&disk, &wide_pattern(), 0).unwrap();
+    let g = Guest::new(4 * MIB);
+    let options = BlkOptions {
+        iommu: true,
+        ..BlkOptions::default()
+    };
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut backend =
+        memvisor_vhost::backend::Backend::new(Blk::new(disk, options).unwrap()).unwrap();
+    backend.set_miss_batch(batch);
+    let t = std::thread::spawn(move || {
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let r = backend.run(&b, &stop);
+        (backend, r)
+    });
+    let c = memvisor_vhost::client::Client::from_stream(a);
+    let ours = connect_behind_iommu(&c, &g);
+    for (iova, gpa, perm) in [
+        (IO + RING_AT, RING_AT, 3),
+        (IO + HDR, HDR, 1),
+        (IO + STATUS, STATUS, 3),
+    ] {
+        assert_eq!(update(&c, iova, gpa, 4096, perm), 0);
+    }
+    start_ring_behind_iommu(&c, &g);
+    (c, t, g, ours)
+}
+
+fn wide_pattern() -> Vec<u8> {
+    (0..WIDE).map(|k| (k / 4096 + 1) as u8).collect()
+}
+
+/// Posts a read of [`WIDE`] bytes from sector 0 into IOVA `IO + DATA` (the data buffer and
+/// status cleared first).
+fn post_wide_read(g: &mut Guest) {
+    g.mem.write(Gpa(HDR), &[0u8; 16]).unwrap(); // IN, sector 0
+    g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
+    g.mem.write(Gpa(DATA), &vec![0u8; WIDE as usize]).unwrap();
+    g.post(&[
+        (IO + HDR, 16, false),
+        (IO + DATA, WIDE as u32, true),
+        (IO + STATUS, 1, true),
+    ]);
+}
+
+/// The MISS messages that arrive on the back-end channel within `wait` of each other.
+fn read_misses(ours: &UnixStream, wait: std::time::Duration) -> Vec<IotlbMsg> {
+    ours.set_read_timeout(Some(wait)).unwrap();
+    let mut out = Vec::new();
+    let mut msg = [0u8; 12 + 32];
+    while (&*ours).read_exact(&mut msg).is_ok() {
+        assert_eq!(
+            u32::from_le_bytes(msg[..4].try_into().unwrap()),
+            proto::backend_req::IOTLB_MSG
+        );
+        let m = IotlbMsg::parse(&msg[12..]).unwrap();
+        assert_eq!(m.kind, iotlb::MISS, "{m:?}");
+        out.push(m);
+    }
+    out
+}
+
+/// A chain whose 256 KiB buffer misses on 62 of its 64 pages: the back end asks for all 62 in
+/// one go (in order, each once, for writing), asks nothing more while the updates trickle in,
+/// and the request completes once they all arrived. A second request missing on two
+/// invalidated pages asks for exactly those two.
+#[test]
+fn a_chain_missing_on_many_pages_asks_for_all_of_them_at_once() {
+    let (c, t, mut g, ours) = wide_blk_behind_iommu(memvisor_vhost::miss::MAX_MISSES);
+    // Pages 10 and 11 of the buffer are mapped already; the other 62 are not.
+    assert_eq!(
+        update(&c, IO + DATA + 10 * 4096, DATA + 10 * 4096, 8192, 3),
+        0
+    );
+    post_wide_read(&mut g);
+    let misses = read_misses(&ours, std::time::Duration::from_millis(500));
+    let want: Vec<u64> = (0..64)
+        .filter(|p| !(10..12).contains(p))
+        .map(|p| IO + DATA + p * 4096)
+        .collect();
+    let got: Vec<u64> = misses.iter().map(|m| m.iova).collect();
+    assert_eq!(got, want, "every unmapped page, in order, each once");
+    assert!(misses.iter().all(|m| m.perm == iotlb::ACCESS_RW));
+    assert_eq!(read_status(&g), 0xff, "nothing done before the updates");
+
+    // The answers arrive one by one, last page first: no MISS is sent again meanwhile, and the
+    // request waits for the last of them.
+    for (k, &iova) in want.iter().rev().enumerate() {
+        assert_eq!(update(&c, iova, iova - IO, 4096, 3), 0);
+        if k == want.len() / 2 {
+            assert!(
+                read_misses(&ours, std::time::Duration::from_millis(100)).is_empty(),
+                "asked again for a page already asked for"
+            );
+            assert_eq!(read_status(&g), 0xff);
+        }
+    }
+    let (_, written) = g.wait_used();
+    assert_eq!(written, WIDE as u32 + 1);
+    assert_eq!(read_status(&g), 0);
+    let mut d = vec![0u8; WIDE as usize];
+    g.mem.read(Gpa(DATA), &mut d).unwrap();
+    assert!(d == wide_pattern(), "the data landed behind every IOVA");
+    assert!(read_misses(&ours, std::time::Duration::from_millis(100)).is_empty());
+
+    // Two pages invalidated (a strict guest unmapping): the next request asks for those two.
+    for p in [3u64, 40] {
+        let inv = IotlbMsg {
+            iova: IO + DATA + p * 4096,
+            size: 4096,
+            uaddr: 0,
+            perm: 0,
+            kind: iotlb::INVALIDATE,
+        };
+        assert_eq!(c.ack(req::IOTLB_MSG, &inv.bytes(), &[]).unwrap(), 0);
+    }
+    post_wide_read(&mut g);
+    let misses = read_misses(&ours, std::time::Duration::from_millis(500));
+    let got: Vec<u64> = misses.iter().map(|m| m.iova).collect();
+    assert_eq!(got, [IO + DATA + 3 * 4096, IO + DATA + 40 * 4096]);
+    for iova in got {
+        assert_eq!(update(&c, iova, iova - IO, 4096, 3), 0);
+    }
+    g.wait_used();
+    assert_eq!(read_status(&g), 0);
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.stats().iotlb_misses, 64);
+}
+
+/// One request of [`WIDE`] bytes whose every data page misses, answered as a frontend does:
+/// each MISS read off the back-end channel is answered with an UPDATE (acknowledged) on the
+/// front channel. Returns (µs from the kick to the used entry, MISS messages).
+fn wide_request_behind_strict_guest(
+    c: &memvisor_vhost::client::Client,
+    g: &mut Guest,
+    ours: &UnixStream,
+) -> (f64, usize) {
+    let inv = IotlbMsg {
+        iova: IO + DATA,
+        size: WIDE,
+        uaddr: 0,
+        perm: 0,
+        kind: iotlb::INVALIDATE,
+    };
+    assert_eq!(c.ack(req::IOTLB_MSG, &inv.bytes(), &[]).unwrap(), 0);
+    ours.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let start = std::time::Instant::now();
+    post_wide_read(g);
+    let mut misses = 0;
+    let mut msg = [0u8; 12 + 32];
+    while misses < 64 {
+        (&*ours).read_exact(&mut msg).expect("a MISS within 5 s");
+        let m = IotlbMsg::parse(&msg[12..]).unwrap();
+        assert_eq!(update(c, m.iova, m.iova - IO, 4096, 3), 0);
+        misses += 1;
+    }
+    g.wait_used();
+    let us = start.elapsed().as_secs_f64() * 1e6;
+    assert_eq!(read_status(g), 0);
+    (us, misses)
+}
+
+/// Measurement, not a check (run with `--ignored --nocapture`, release): a 256 KiB read whose
+/// 64 data pages all miss behind a strict guest, the frontend answering each MISS at once over
+/// the socket. Misses asked one at a time (as before) against all together, requests
+/// alternating between the two back ends; medians.
+#[test]
+#[ignore]
+fn measure_miss_latency_one_at_a_time_against_together() {
+    let rounds: usize = std::env::var("ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(201);
+    let mut one = wide_blk_behind_iommu(1);
+    let mut all = wide_blk_behind_iommu(memvisor_vhost::miss::MAX_MISSES);
+    let (mut t_one, mut t_all) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let (us, n) = wide_request_behind_strict_guest(&one.0, &mut one.2, &one.3);
+        assert_eq!(n, 64);
+        t_one.push(us);
+        let (us, n) = wide_request_behind_strict_guest(&all.0, &mut all.2, &all.3);
+        assert_eq!(n, 64);
+        t_all.push(us);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (m1, ma) = (median(&mut t_one), median(&mut t_all));
+    println!(
+        "256 KiB read, 64 pages missing, {rounds} requests each: one miss at a time {m1:.0} µs, \
+         all misses together {ma:.0} µs (median; {:.1}x)",
+        m1 / ma
+    );
+    for (c, t, ..) in [one, all] {
+        drop(c);
+        t.join().unwrap().1.ok();
+    }
+}

@@ -11,6 +11,11 @@
 //! the range, plotters the ticks (round numbers, or the powers of ten), labelled with the
 //! values. A value that cannot be drawn (not finite, or ≤ 0 on a log scale) is left out, marked
 //! "n/a" in its slot and counted in the footnote.
+//!
+//! **Cost against size** ([`Chart::sizes`] set): the same model drawn as a log-log line chart,
+//! each group a size at its numeric x, each variant a line through its values with a dot at each;
+//! a variant whose name starts with "ideal" is drawn dashed in grey — the slope a row should not
+//! exceed (log n, linear), anchored at the row's first value.
 
 use super::short_num;
 use anyhow::anyhow;
@@ -50,6 +55,9 @@ pub struct Chart {
     pub better: Better,
     pub log_scale: bool,
     pub groups: Vec<ChartGroup>,
+    /// When set, the numeric size of each group (same order): the chart is drawn as lines on
+    /// log-log axes instead of bars (see the module docs).
+    pub sizes: Option<Vec<f64>>,
 }
 
 impl Chart {
@@ -68,6 +76,7 @@ impl Chart {
             better,
             log_scale,
             groups: Vec::new(),
+            sizes: None,
         }
     }
 }
@@ -172,6 +181,9 @@ fn draw(root: &Area, chart: &Chart) -> Result<(), DrawError> {
     let lines = labels.iter().map(Vec::len).max().unwrap_or(1) as u32;
     let x_label_h = 14 * lines + 26;
 
+    if let Some(sizes) = &chart.sizes {
+        return draw_lines(&body, chart, sizes, &variants, legend_bottom as u32 + 8);
+    }
     let y = YAxis::new(&shown, chart.log_scale);
     let plot = Plot {
         root,
@@ -347,6 +359,95 @@ impl Plot<'_, '_> {
     }
 }
 
+/// The log-log line chart of cost against size: x over the sizes' decades, y over the values'
+/// (both via [`YAxis`]); one line per variant, "ideal" variants dashed grey.
+fn draw_lines(
+    body: &Area,
+    chart: &Chart,
+    sizes: &[f64],
+    variants: &[&str],
+    top: u32,
+) -> Result<(), DrawError> {
+    let point = |g: usize, v: f64| {
+        let x = sizes.get(g).copied().unwrap_or(f64::NAN);
+        (x.is_finite() && x > 0.0 && v.is_finite() && v > 0.0).then_some((x, v))
+    };
+    let mut xs = Vec::new();
+    let mut ys = Vec::new();
+    for (g, group) in chart.groups.iter().enumerate() {
+        for &(_, v) in &group.bars {
+            if let Some((x, y)) = point(g, v) {
+                xs.push(x);
+                ys.push(y);
+            }
+        }
+    }
+    let (x, y) = (YAxis::new(&xs, true), YAxis::new(&ys, true));
+    let (xlo, xhi) = (x.lo * (1.0 - 1e-9), x.hi * (1.0 + 1e-9));
+    let (ylo, yhi) = (y.lo * (1.0 - 1e-9), y.hi * (1.0 + 1e-9));
+    let mut plot = ChartBuilder::on(body)
+        .margin_top(top)
+        .margin_left(MARGIN as u32)
+        .margin_right(MARGIN as u32 + 4)
+        .x_label_area_size(40)
+        .y_label_area_size(Y_LABELS_W)
+        .build_cartesian_2d((xlo..xhi).log_scale(), (ylo..yhi).log_scale())?;
+    plot.configure_mesh()
+        .x_labels(Y_TICKS)
+        .y_labels(Y_TICKS)
+        .max_light_lines(0)
+        .x_label_formatter(&|v: &f64| short_num(*v))
+        .y_label_formatter(&|v: &f64| short_num(*v))
+        .x_label_style(font(11.0))
+        .y_label_style(font(11.0))
+        .axis_desc_style(font(13.0))
+        .x_desc(chart.x_title.clone())
+        .y_desc(chart.y_title.clone())
+        .bold_line_style(RGBColor(0xDD, 0xDD, 0xDD))
+        .axis_style(BLACK)
+        .draw()?;
+    for (slot, variant) in variants.iter().enumerate() {
+        let points: Vec<(f64, f64)> = chart
+            .groups
+            .iter()
+            .enumerate()
+            .flat_map(|(g, group)| {
+                group
+                    .bars
+                    .iter()
+                    .filter(|(v, _)| v == variant)
+                    .filter_map(move |&(_, value)| point(g, value))
+            })
+            .collect();
+        let colour = COLOURS[slot % COLOURS.len()];
+        if variant.starts_with("ideal") {
+            // Dashed: every other tenth of each segment, in log space (straight there).
+            let dashes = points.windows(2).flat_map(|w| {
+                let (a, b) = (w[0], w[1]);
+                let at = move |t: f64| {
+                    let lerp = |p: f64, q: f64| (p.ln() + (q.ln() - p.ln()) * t).exp();
+                    (lerp(a.0, b.0), lerp(a.1, b.1))
+                };
+                (0..10)
+                    .step_by(2)
+                    .map(move |k| vec![at(k as f64 / 10.0), at((k + 1) as f64 / 10.0)])
+            });
+            plot.draw_series(dashes.map(|d| PathElement::new(d, GREY.stroke_width(1))))?;
+        } else {
+            plot.draw_series(std::iter::once(PathElement::new(
+                points.clone(),
+                colour.stroke_width(2),
+            )))?;
+            plot.draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, colour.filled())),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Whether `chart` can show `v` as a bar: finite, and positive on a log scale.
 fn drawable(chart: &Chart, v: f64) -> bool {
     v.is_finite() && (!chart.log_scale || v > 0.0)
@@ -388,7 +489,12 @@ fn draw_legend(root: &Area, variants: &[&str], top: i32) -> Result<i32, DrawErro
     let mut bottom = top;
     for (i, (variant, (x, y))) in variants.iter().zip(legend_layout(variants)).enumerate() {
         let (x, y) = (x, top + y);
-        let colour = COLOURS[i % COLOURS.len()];
+        // The ideal slopes of a line chart are grey, whatever their slot.
+        let colour = if variant.starts_with("ideal") {
+            GREY
+        } else {
+            COLOURS[i % COLOURS.len()]
+        };
         root.draw(&Rectangle::new(
             [(x, y - 6), (x + 12, y + 6)],
             colour.filled(),
@@ -634,6 +740,52 @@ mod tests {
             legend_rows.last().unwrap().1 > legend_rows[0].1,
             "{legend_rows:?}"
         );
+    }
+
+    /// With sizes, a log-log line chart: one line per measured variant (a path and a dot per
+    /// point), the ideal slopes dashed grey, sizes labelled on the x axis, nothing unescaped.
+    #[test]
+    fn sizes_draw_log_log_lines_with_dashed_ideals() {
+        let mut c = chart(
+            Better::Lower,
+            true,
+            &[
+                (
+                    "1000",
+                    &[("translate", 20.0), ("ideal (log n) for translate", 20.0)],
+                ),
+                (
+                    "100000",
+                    &[("translate", 30.0), ("ideal (log n) for translate", 33.3)],
+                ),
+                (
+                    "1000000",
+                    &[("translate", 0.0), ("ideal (log n) for translate", 40.0)],
+                ),
+            ],
+        );
+        c.sizes = Some(vec![1e3, 1e5, 1e6]);
+        let svg = render(&c).unwrap();
+        assert_well_formed(&svg);
+        // The measured line: one path through its two drawable points, a dot at each.
+        assert_eq!(svg.matches("<circle").count(), 2, "{svg}");
+        // One solid path in the variant's colour, and five grey dashes per segment of the
+        // ideal line.
+        let lines = |stroke: &str| {
+            svg.lines()
+                .filter(|l| l.starts_with("<polyline") && l.contains(stroke))
+                .count()
+        };
+        assert_eq!(lines("stroke=\"#0072B2\" stroke-width=\"2\""), 1, "{svg}");
+        assert_eq!(
+            lines("stroke=\"#555555\" stroke-width=\"1\""),
+            2 * 5,
+            "{svg}"
+        );
+        let texts = texts(&svg);
+        for tick in ["1000", "10k", "100k", "1M"] {
+            assert!(texts.contains(&tick), "{tick}: {texts:?}");
+        }
     }
 
     /// The ranges leave room above the tallest bar and span whole decades on a log scale; the

@@ -134,10 +134,11 @@ impl<D: Device + 'static> Backend<D> {
                 }
                 v.addr = Some(addrs);
                 v.pending = None;
-                if let Some(miss) = self.ring_miss(a.index as usize) {
+                let misses = self.ring_misses(a.index as usize);
+                if !misses.is_empty() {
                     // Not translatable yet: ask, and start the ring on the update.
                     self.vrings[a.index as usize].pending = Some(a);
-                    self.send_miss(miss.iova.0, miss.access == Access::Write);
+                    self.send_misses(None, &misses);
                 }
                 Ok(None)
             }
@@ -167,12 +168,7 @@ impl<D: Device + 'static> Backend<D> {
                             r.update(m.iova, m.size, m.uaddr, m.perm);
                         }
                         self.live.protocol().iotlb_updates.add(1);
-                        self.retry_pending_rings()?;
-                        for i in 0..self.vrings.len() {
-                            if self.vrings[i].miss_deadline.take().is_some() {
-                                self.process(i)?;
-                            }
-                        }
+                        self.iotlb_answered(m.iova, m.size)?;
                     }
                     proto::iotlb::INVALIDATE => {
                         if !self.memory.is_iotlb() {

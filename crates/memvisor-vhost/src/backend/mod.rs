@@ -48,7 +48,7 @@ use crate::wire::{self, Message};
 use crate::worker::{Lent, Worker};
 
 mod handle;
-use memvisor::{Access, Iova, Prot};
+use memvisor::{Access, Prot};
 use memvisor::{Backing, SharedLog};
 use std::sync::Arc;
 
@@ -72,8 +72,11 @@ struct Vring {
     /// kick that came meanwhile: the ring starts when an UPDATE covers them.
     pending: Option<proto::VringAddr>,
     pending_kick: Option<File>,
-    /// A request missed in the IOTLB: the ring waits for an update until this deadline.
+    /// A request missed in the IOTLB: the ring waits for updates until this deadline.
     miss_deadline: Option<std::time::Instant>,
+    /// The pages the waiting request needs and no update has covered yet: the ring retries
+    /// when this is empty ([`crate::miss`]).
+    awaiting: Vec<u64>,
     base: u16,
     kick: Option<File>,
     call: Option<File>,
@@ -95,6 +98,10 @@ pub struct Backend<D: Device> {
     acked: u64,
     protocol_acked: u64,
     backend_req: Option<UnixStream>,
+    /// IOTLB pages asked for with a MISS that no update has covered yet ([`crate::miss`]).
+    asked: crate::miss::Asked,
+    /// At most this many pages of one request asked for at once ([`Backend::set_miss_batch`]).
+    miss_batch: usize,
     /// Set by the frontend's `SET_STATUS`.
     status: u8,
     /// The frontend's dirty log (`SET_LOG_BASE`).
@@ -135,6 +142,8 @@ impl<D: Device + 'static> Backend<D> {
             acked: 0,
             protocol_acked: 0,
             backend_req: None,
+            asked: crate::miss::Asked::default(),
+            miss_batch: crate::miss::MAX_MISSES,
             status: 0,
             log: None,
             inflight: None,
@@ -155,6 +164,14 @@ impl<D: Device + 'static> Backend<D> {
     #[cfg(feature = "test-hooks")]
     pub fn disable_dirty_log_for_tests(&mut self) {
         self.log_disabled = true;
+    }
+
+    /// How many unmapped pages of one request (or ring) the back end asks for at once behind a
+    /// vIOMMU, between 1 and [`crate::miss::MAX_MISSES`] (the default; other values are
+    /// clamped). 1 asks for one page per round trip to the frontend, as the back end did before
+    /// misses were pipelined: kept to measure the difference side by side.
+    pub fn set_miss_batch(&mut self, pages: usize) {
+        self.miss_batch = pages.clamp(1, crate::miss::MAX_MISSES);
     }
 
     /// Calls `f(true)` each time a frontend has connected, before its first message is read,
@@ -297,6 +314,8 @@ impl<D: Device + 'static> Backend<D> {
             for i in 0..self.vrings.len() {
                 if self.vrings[i].miss_deadline.is_some_and(|d| d <= now) {
                     self.vrings[i].miss_deadline = None;
+                    let unanswered = std::mem::take(&mut self.vrings[i].awaiting);
+                    self.asked.forget(&unanswered);
                     log::warn!("{}: ring {i}: IOTLB miss unanswered", self.device.name());
                     self.device.set_fail_misses(true);
                     let r = self.process(i);
@@ -580,23 +599,24 @@ impl<D: Device + 'static> Backend<D> {
         ))
     }
 
-    /// The first part of ring `i` the device space cannot reach yet (an IOTLB miss to ask
-    /// for), if any: the descriptor table and available ring for reading, the used ring for
+    /// The pages of ring `i` the device space cannot reach yet (IOTLB misses to ask for; empty
+    /// if none): the descriptor table and available ring for reading, the used ring for
     /// writing.
-    fn ring_miss(&self, i: usize) -> Option<memvisor::dma::Miss> {
-        let (desc, avail, used) = self.vrings[i].addr?;
+    fn ring_misses(&self, i: usize) -> Vec<memvisor::dma::Miss> {
+        let mut misses = Vec::new();
+        let Some((desc, avail, used)) = self.vrings[i].addr else {
+            return misses;
+        };
         let [d, a, u] = ring_parts(self.vrings[i].size);
         let view = self.memory.dma().memory();
-        [
+        for (addr, len, access) in [
             (desc, d, Access::Read),
             (avail, a, Access::Read),
             (used, u, Access::Write),
-        ]
-        .into_iter()
-        .find_map(|(addr, len, access)| {
-            view.check(Iova(addr), len, access).err()?;
-            view.take_miss()
-        })
+        ] {
+            crate::miss::misses_in(&view, addr, len, access, &mut misses);
+        }
+        misses
     }
 
     /// After an IOTLB update: rings waiting for a translation try again.
@@ -605,31 +625,65 @@ impl<D: Device + 'static> Backend<D> {
             if self.vrings[i].pending.is_none() {
                 continue;
             }
-            match self.ring_miss(i) {
-                None => {
-                    self.vrings[i].pending = None;
-                    if let Some(kick) = self.vrings[i].pending_kick.take() {
-                        self.start_ring(i, kick)?;
-                    }
+            let misses = self.ring_misses(i);
+            if misses.is_empty() {
+                self.vrings[i].pending = None;
+                if let Some(kick) = self.vrings[i].pending_kick.take() {
+                    self.start_ring(i, kick)?;
                 }
-                Some(miss) => self.send_miss(miss.iova.0, miss.access == Access::Write),
+            } else {
+                self.send_misses(None, &misses);
             }
         }
         Ok(())
     }
 
-    /// An IOTLB `MISS` for `iova` on the back-end channel, asking for read access, or read
-    /// and write access for a `write`.
-    fn send_miss(&mut self, iova: u64, write: bool) {
-        let perm = if write {
-            proto::iotlb::ACCESS_RW
-        } else {
-            proto::iotlb::ACCESS_RO
-        };
-        self.live.protocol().iotlb_misses.add(1);
-        if let Some(r) = self.record.as_mut() {
-            r.miss(iova, perm);
+    /// IOTLB `MISS` messages on the back-end channel for `misses` (read access, or read and
+    /// write for a write), all in one write: one per page (a page needed for reading and
+    /// writing is asked for once, for writing), for the first [`Backend::set_miss_batch`]
+    /// pages, each not asked for already ([`crate::miss::Asked`]). With `ring`, that ring waits for updates covering every one
+    /// of these pages, asked now or before, before it retries.
+    fn send_misses(&mut self, ring: Option<usize>, misses: &[memvisor::dma::Miss]) {
+        let mut b = Vec::new();
+        let mut first = None;
+        for m in &crate::miss::one_per_page(misses, self.miss_batch) {
+            if let Some(i) = ring {
+                let page = crate::miss::page_of(m.iova.0);
+                let awaiting = &mut self.vrings[i].awaiting;
+                if !awaiting.contains(&page) {
+                    awaiting.push(page);
+                }
+            }
+            if !self.asked.ask(m) {
+                continue;
+            }
+            let iova = m.iova.0;
+            first.get_or_insert(iova);
+            let perm = if m.access == Access::Write {
+                proto::iotlb::ACCESS_RW
+            } else {
+                proto::iotlb::ACCESS_RO
+            };
+            self.live.protocol().iotlb_misses.add(1);
+            if let Some(r) = self.record.as_mut() {
+                r.miss(iova, perm);
+            }
+            let msg = proto::IotlbMsg {
+                iova,
+                size: 0,
+                uaddr: 0,
+                perm,
+                kind: proto::iotlb::MISS,
+            }
+            .bytes();
+            b.extend_from_slice(&proto::backend_req::IOTLB_MSG.to_le_bytes());
+            b.extend_from_slice(&proto::flags::VERSION.to_le_bytes());
+            b.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+            b.extend_from_slice(&msg);
         }
+        let Some(iova) = first else {
+            return;
+        };
         let Some(ch) = self.backend_req.as_ref() else {
             log::warn!(
                 "{}: IOTLB miss at iova {iova:#x} but no back-end channel to ask on",
@@ -637,21 +691,26 @@ impl<D: Device + 'static> Backend<D> {
             );
             return;
         };
-        let msg = proto::IotlbMsg {
-            iova,
-            size: 0,
-            uaddr: 0,
-            perm,
-            kind: proto::iotlb::MISS,
-        }
-        .bytes();
-        let mut b = proto::backend_req::IOTLB_MSG.to_le_bytes().to_vec();
-        b.extend_from_slice(&proto::flags::VERSION.to_le_bytes());
-        b.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-        b.extend_from_slice(&msg);
         if let Err(e) = (&*ch).write_all(&b) {
             log::warn!("{}: IOTLB miss message: {e}", self.device.name());
         }
+    }
+
+    /// An IOTLB update of `[iova, iova + size)` arrived: the pages it covers are answered;
+    /// rings whose every page is answered retry.
+    fn iotlb_answered(&mut self, iova: u64, size: u64) -> Result<()> {
+        self.asked.covered(iova, size);
+        for v in &mut self.vrings {
+            v.awaiting
+                .retain(|&page| !crate::miss::covers(iova, size, page));
+        }
+        self.retry_pending_rings()?;
+        for i in 0..self.vrings.len() {
+            if self.vrings[i].awaiting.is_empty() && self.vrings[i].miss_deadline.take().is_some() {
+                self.process(i)?;
+            }
+        }
+        Ok(())
     }
 
     /// `CONFIG_CHANGE_MSG` on the back-end channel, if the frontend opened one.
@@ -778,10 +837,11 @@ impl<D: Device + 'static> Backend<D> {
         // Behind a vIOMMU the ring itself may have lost its translation (an invalidation):
         // ask for it before the queue reads a byte, as for a buffer.
         if self.memory.is_iotlb() {
-            if let Some(miss) = self.ring_miss(i) {
+            let misses = self.ring_misses(i);
+            if !misses.is_empty() {
                 let v = &mut self.vrings[i];
                 v.miss_deadline = Some(std::time::Instant::now() + MISS_WAIT);
-                self.send_miss(miss.iova.0, miss.access == Access::Write);
+                self.send_misses(Some(i), &misses);
                 return Ok(());
             }
         }
@@ -809,15 +869,15 @@ impl<D: Device + 'static> Backend<D> {
             v.call.is_some()
         );
         match r {
-            Err(Error::IotlbMiss { iova, write }) => {
-                // The chain was put back; ask for the translation and wait for it. Chains
-                // completed before it may be waiting for their interrupt: send it (a spurious
-                // one costs the driver a look at the used ring).
+            Err(Error::IotlbMiss { misses }) => {
+                // The chain was put back; ask for the translations (all its pages at once) and
+                // wait for them. Chains completed before it may be waiting for their interrupt:
+                // send it (a spurious one costs the driver a look at the used ring).
                 v.miss_deadline = Some(std::time::Instant::now() + MISS_WAIT);
                 if let Some(c) = &mut v.call {
                     let _ = c.write(&1u64.to_le_bytes());
                 }
-                self.send_miss(iova, write);
+                self.send_misses(Some(i), &misses);
             }
             Ok(true) => {
                 if let Some(c) = &mut v.call {
@@ -857,6 +917,7 @@ impl<D: Device + 'static> Backend<D> {
         for v in &mut self.vrings {
             *v = Vring::default();
         }
+        self.asked.clear();
         self.device.reset();
         self.acked = 0;
         self.status = 0;

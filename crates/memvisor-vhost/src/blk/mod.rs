@@ -614,10 +614,7 @@ impl Blk {
         let dma = memory.dma().clone();
         let mem = dma.memory();
         let ask = memory.is_iotlb() && !self.fail_misses;
-        let miss = |m: memvisor::dma::Miss| Error::IotlbMiss {
-            iova: m.iova.0,
-            write: m.access == Access::Write,
-        };
+        let miss = Error::miss;
         loop {
             // Heads a back end before this one left in flight come first (the driver kicked
             // for them long ago), then the available ring.
@@ -679,21 +676,21 @@ impl Blk {
                 }
             };
             // Behind a vIOMMU every buffer must be translatable before anything is done; else
-            // (and for a chain cut short) put the chain back and let the back end ask.
-            let missing = || {
-                bufs.iter().find_map(|b| {
-                    let access = if b.write { Access::Write } else { Access::Read };
-                    mem.check(Iova(b.addr), u64::from(b.len), access).err()?;
-                    mem.take_miss()
-                })
-            };
+            // (and for a chain cut short) put the chain back and let the back end ask — for
+            // every unmapped page of the chain's buffers at once, not one round trip per page
+            // ([`crate::miss`]).
             if ask {
-                if let Some(m) = cut.or_else(missing) {
+                let mut misses: Vec<memvisor::dma::Miss> = cut.into_iter().collect();
+                for b in &bufs {
+                    let access = if b.write { Access::Write } else { Access::Read };
+                    crate::miss::misses_in(&mem, b.addr, u64::from(b.len), access, &mut misses);
+                }
+                if !misses.is_empty() {
                     match redo {
                         Some(head) => queue.resubmit_later(head),
                         None => queue.go_to_previous_position(),
                     }
-                    return Err(miss(m));
+                    return Err(Error::IotlbMiss { misses });
                 }
             }
             if redo.is_none() {
