@@ -34,7 +34,13 @@
 //! frontend's user address ([`DmaSpace::map_guest`], after removing whatever it overlapped),
 //! [`FrontendMemory::iotlb_invalidate`] removes any range ([`DmaSpace::invalidate_range`], which
 //! cuts entries at its edges — IOTLB semantics, not type1's whole-mapping unmap). A new memory
-//! table empties the IOTLB: entries are a cache the frontend refills on a miss.
+//! table empties the IOTLB: entries are a cache the frontend refills on a miss. For the same
+//! reason a full IOTLB never refuses an update: the device space holds at most
+//! `DmaConfig::max_mappings` entries (VFIO's 65,535), and an update that finds it full first
+//! retires the oldest updates still held — invalidations like the guest's own, so in-flight
+//! copies and pins are waited for and dirty bits kept — as Linux's vhost retires its oldest
+//! entry at `max_iotlb_entries`. A frontend whose guest maps more than that at once gets
+//! misses for the retired ranges again, never an error.
 //!
 //! **Regions are byte-granular** in the specification (libblkio hands over its rings as a
 //! region of 0x3b10 bytes in a memfd of exactly that size); memvisor maps, slots and translates
@@ -50,6 +56,7 @@
 //! (not a regular file, a page wholly past the file's end). A `SET_MEM_TABLE` is applied whole
 //! or not at all.
 
+use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
@@ -82,7 +89,16 @@ pub struct FrontendMemory {
     dma: Arc<DmaSpace>,
     logging: bool,
     iotlb: bool,
+    /// IOTLB updates in the order they came, oldest first: what a full IOTLB retires first
+    /// (see the module documentation). Entries the guest invalidated since stay until retired
+    /// (retiring them removes nothing) or the list passes [`RETIRE_LIST_MAX`].
+    updates: VecDeque<(u64, u64)>,
 }
+
+/// The most IOTLB updates remembered for retiring: four times the space's entries. Past it
+/// the oldest are forgotten; if a full IOTLB then finds nothing of its own to retire, it
+/// empties itself (the frontend refills it on misses).
+const RETIRE_LIST_MAX: usize = 4 * 65_535;
 
 impl std::fmt::Debug for FrontendMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -103,6 +119,7 @@ impl FrontendMemory {
             dma: Arc::new(DmaSpace::new(DmaConfig::default())?),
             logging: false,
             iotlb: false,
+            updates: VecDeque::new(),
         })
     }
 
@@ -120,6 +137,7 @@ impl FrontendMemory {
         let dma = self.fresh_space(on)?;
         self.iotlb = on;
         self.dma = dma;
+        self.updates.clear();
         Ok(())
     }
 
@@ -156,8 +174,36 @@ impl FrontendMemory {
         let gpa = self.user_to_gpa(uaddr, size, "IOTLB update")?;
         self.dma.invalidate_range(Iova(iova), size)?;
         let snap = self.slots.snapshot();
-        self.dma
-            .map_guest(Iova(iova), &snap, Gpa(gpa), size, prot)?;
+        loop {
+            match self.dma.map_guest(Iova(iova), &snap, Gpa(gpa), size, prot) {
+                Ok(()) => break,
+                Err(memvisor::Error::NoSpace { .. }) => self.retire_oldest()?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.updates.push_back((iova, size));
+        if self.updates.len() > RETIRE_LIST_MAX {
+            self.updates.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Makes room in a full IOTLB: invalidates the oldest remembered update that still removes
+    /// something, or, with none left, every entry.
+    fn retire_oldest(&mut self) -> Result<()> {
+        while let Some((iova, size)) = self.updates.pop_front() {
+            if self.dma.invalidate_range(Iova(iova), size)? > 0 {
+                return Ok(());
+            }
+        }
+        if self.dma.is_empty() {
+            // Nothing to retire: the update alone needs more entries than the space has.
+            return Err(Error::BadIotlb(format!(
+                "IOTLB update needs more than the {} entries an IOTLB holds",
+                DmaConfig::default().max_mappings
+            )));
+        }
+        self.iotlb_invalidate(0, u64::MAX)?;
         Ok(())
     }
 
@@ -370,6 +416,7 @@ impl FrontendMemory {
             }
         };
         self.dma = dma;
+        self.updates.clear();
         self.forget_old_views();
         Ok(())
     }
@@ -595,4 +642,70 @@ fn map_all(regions: &[Region], fds: Vec<OwnedFd>) -> Result<Vec<Arc<Backing>>> {
                 })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use memvisor::{Access, BackingKind};
+
+    use super::*;
+
+    const UADDR: u64 = 0x7f00_0000_0000;
+
+    fn iotlb() -> FrontendMemory {
+        let mut mem = FrontendMemory::new().unwrap();
+        let backing = Backing::new(BackingKind::Memfd, 1 << 20).unwrap();
+        let fd = backing.fd().unwrap().try_clone_to_owned().unwrap();
+        let region = Region {
+            gpa: 0,
+            size: 1 << 20,
+            user_addr: UADDR,
+            mmap_offset: 0,
+        };
+        mem.set_table(&[region], vec![fd]).unwrap();
+        mem.set_iotlb(true).unwrap();
+        mem
+    }
+
+    fn mapped(mem: &FrontendMemory, page: u64) -> bool {
+        mem.dma().translate(Iova(page * PAGE), 8, Access::Read).is_ok()
+    }
+
+    #[test]
+    fn a_full_iotlb_retires_its_oldest_update_instead_of_refusing_one() {
+        let mut mem = iotlb();
+        let limit = u64::from(DmaConfig::default().max_mappings);
+        // Every IOVA page reaches the same guest page: entries cost no memory.
+        for page in 0..limit {
+            mem.iotlb_update(page * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+        }
+        assert_eq!(mem.dma().len() as u64, limit);
+        // Full: the next update retires page 0, the oldest.
+        mem.iotlb_update(limit * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+        assert_eq!(mem.dma().len() as u64, limit);
+        assert!(!mapped(&mem, 0), "the oldest entry was not retired");
+        assert!(mapped(&mem, 1) && mapped(&mem, limit));
+        // The guest invalidates page 1 itself: the next update needs no retiring.
+        assert_eq!(mem.iotlb_invalidate(PAGE, PAGE).unwrap(), PAGE);
+        mem.iotlb_update((limit + 1) * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+        assert!(mapped(&mem, 2), "an entry was retired while there was room");
+        // Full again: page 1's update removes nothing when retired, so page 2 goes.
+        mem.iotlb_update((limit + 2) * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+        assert_eq!(mem.dma().len() as u64, limit);
+        assert!(!mapped(&mem, 2) && mapped(&mem, 3) && mapped(&mem, limit + 2));
+    }
+
+    #[test]
+    fn a_full_iotlb_with_nothing_remembered_empties_itself_and_takes_the_update() {
+        let mut mem = iotlb();
+        let limit = u64::from(DmaConfig::default().max_mappings);
+        for page in 0..limit {
+            mem.iotlb_update(page * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+        }
+        mem.updates.clear();
+        mem.iotlb_update(limit * PAGE, PAGE, UADDR, Prot::READ)
+            .unwrap();
+        assert_eq!(mem.dma().len(), 1);
+        assert!(mapped(&mem, limit) && !mapped(&mem, 0));
+    }
 }
