@@ -45,7 +45,7 @@
 //! harvest; the migration thread waited for it to halt). Writes were lost with those entries,
 //! so the binding cannot repair the log: a vCPU that is told the ring is full twice with no
 //! entry collected by anyone in between (it cannot have pushed one without a harvest seeing
-//! it) returns [`Error::RingOverrun`](crate::Error::RingOverrun) (EOVERFLOW), and every later
+//! it) returns [`Error::RingOverrun`] (EOVERFLOW), and every later
 //! dirty-log call of the VM fails the same way, so a migration restarts or falls back to the
 //! bitmap instead of copying an incomplete log. Guests that exit now and then (I/O, MMIO)
 //! stay within the reserve: a batch ends at the exit.

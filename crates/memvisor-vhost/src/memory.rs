@@ -668,7 +668,9 @@ mod tests {
     }
 
     fn mapped(mem: &FrontendMemory, page: u64) -> bool {
-        mem.dma().translate(Iova(page * PAGE), 8, Access::Read).is_ok()
+        mem.dma()
+            .translate(Iova(page * PAGE), 8, Access::Read)
+            .is_ok()
     }
 
     #[test]
@@ -677,20 +679,24 @@ mod tests {
         let limit = u64::from(DmaConfig::default().max_mappings);
         // Every IOVA page reaches the same guest page: entries cost no memory.
         for page in 0..limit {
-            mem.iotlb_update(page * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+            mem.iotlb_update(page * PAGE, PAGE, UADDR, Prot::RW)
+                .unwrap();
         }
         assert_eq!(mem.dma().len() as u64, limit);
         // Full: the next update retires page 0, the oldest.
-        mem.iotlb_update(limit * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+        mem.iotlb_update(limit * PAGE, PAGE, UADDR, Prot::RW)
+            .unwrap();
         assert_eq!(mem.dma().len() as u64, limit);
         assert!(!mapped(&mem, 0), "the oldest entry was not retired");
         assert!(mapped(&mem, 1) && mapped(&mem, limit));
         // The guest invalidates page 1 itself: the next update needs no retiring.
         assert_eq!(mem.iotlb_invalidate(PAGE, PAGE).unwrap(), PAGE);
-        mem.iotlb_update((limit + 1) * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+        mem.iotlb_update((limit + 1) * PAGE, PAGE, UADDR, Prot::RW)
+            .unwrap();
         assert!(mapped(&mem, 2), "an entry was retired while there was room");
         // Full again: page 1's update removes nothing when retired, so page 2 goes.
-        mem.iotlb_update((limit + 2) * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+        mem.iotlb_update((limit + 2) * PAGE, PAGE, UADDR, Prot::RW)
+            .unwrap();
         assert_eq!(mem.dma().len() as u64, limit);
         assert!(!mapped(&mem, 2) && mapped(&mem, 3) && mapped(&mem, limit + 2));
     }
@@ -700,7 +706,8 @@ mod tests {
         let mut mem = iotlb();
         let limit = u64::from(DmaConfig::default().max_mappings);
         for page in 0..limit {
-            mem.iotlb_update(page * PAGE, PAGE, UADDR, Prot::RW).unwrap();
+            mem.iotlb_update(page * PAGE, PAGE, UADDR, Prot::RW)
+                .unwrap();
         }
         mem.updates.clear();
         mem.iotlb_update(limit * PAGE, PAGE, UADDR, Prot::READ)
