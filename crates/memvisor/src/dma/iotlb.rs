@@ -36,6 +36,7 @@ impl DmaSpace {
         let (first, last) = (range.start().0, range.last().0);
         let page = self.shared.min_page;
         let (bytes, ()) = self.retire(
+            |map| touched(map, first, last).is_some(),
             |map, writer| {
                 let Some((lo, hi)) = touched(map, first, last) else {
                     return Ok(Plan::default());
