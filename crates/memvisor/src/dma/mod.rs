@@ -30,9 +30,11 @@
 //!
 //! Readers never lock. The mappings live in an immutable snapshot (`index`) — a persistent
 //! two-level range map, so one change copies O(n / 256) pointers, not the whole table —
-//! swapped in atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
-//! the memory it maps, so memory a reader can still reach through an old snapshot stays mapped
-//! (a plain copy on its thread's last hit holds none: a change waits for those instead, `grace`).
+//! swapped in atomically after every change; writers serialize among themselves, and edit in
+//! place the snapshot they last replaced once no reader holds it (`publish`). A mapping holds
+//! an `Arc` to the memory it maps, so memory a reader can still reach through an old snapshot
+//! stays mapped (a plain copy on its thread's last hit holds none: a change waits for those
+//! instead, `grace`).
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
 //! (`dma_read` / `dma_write`, as Linux's `vfio_dma_rw`) and dirty tracking are in the submodules.
 

@@ -37,6 +37,10 @@
 //!   snapshot as before.
 //! * An edit that fails may have changed its working copy part way: the copy is dropped. An
 //!   undo (`retire`) publishes a snapshot of its own, with no log: the spare is dropped.
+//! * A change of more than `index::REPLAY_MAX` entries, or one that empties the index (an
+//!   unmap of many mappings, a whole-space IOTLB flush), is not made twice: the spare is let go, as the old snapshot
+//!   was before, and the next change copies the current one. Made twice, such a change cost
+//!   a fifth more than a copy of what it touches.
 //!
 //! The cost: up to twice the index's memory where the two copies stopped sharing (for an
 //! IOTLB of a few hundred pages, two chunks and two leaves), and each change made twice, in
@@ -141,7 +145,7 @@ impl DmaSpace {
         // memory only it still maps) can go, wait for those that may be on it.
         grace::wait_for_copies(self.shared.head.0.id);
         writer.spare = None;
-        if !recycle {
+        if !recycle || ops.len() > index::REPLAY_MAX || ops.iter().any(index::Op::is_clear) {
             return;
         }
         // `swap` has waited for the readers that loaded `old` without counting it, so the
@@ -176,9 +180,12 @@ mod tests {
     use crate::dma::{Access, Prot};
     use std::sync::atomic::{AtomicBool, AtomicU64};
 
-    /// What a snapshot holds, entry by entry (start, last, hot word, record), with the page
-    /// table's word for each entry's first page.
-    fn contents(snap: &DmaSnapshot) -> Vec<(u64, u64, u64, usize, u64)> {
+    /// One entry as [`contents`] lists it: start, last, hot word, record address, page-table
+    /// word of its first page.
+    type Entry = (u64, u64, u64, usize, u64);
+
+    /// What a snapshot holds, entry by entry.
+    fn contents(snap: &DmaSnapshot) -> Vec<Entry> {
         snap.map
             .iter()
             .map(|(s, l, h, m)| {
@@ -193,7 +200,7 @@ mod tests {
             .collect()
     }
 
-    fn spare_state(d: &DmaSpace) -> Option<(Vec<(u64, u64, u64, usize, u64)>, usize)> {
+    fn spare_state(d: &DmaSpace) -> Option<(Vec<Entry>, usize)> {
         let w = d.writer();
         w.spare
             .as_ref()

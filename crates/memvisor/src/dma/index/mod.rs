@@ -132,10 +132,14 @@ impl Hot {
 /// The page table is kept only while the space holds many small mappings: from
 /// [`DmaConfig::page_table_from`] of them on (it starts filled with all of them that its window
 /// and budget allow) until they fall below a quarter of that (it is dropped whole). The table
-/// is persistent, so every change to a kept one copies a 4 KiB leaf: that made an update in a
-/// small table that churns (a vIOMMU in strict mode, mapping and unmapping a buffer's pages
-/// around each request) dearer, for most of the cost of each cursor miss saved (figures:
-/// `docs/measurements.md`, "DMA page table"). Kept or not, every word the table holds is current.
+/// is persistent, so a change to a kept one copies a 4 KiB leaf unless the writer edits its
+/// spare copy in place (`publish`): that made an update in a small table that churns (a vIOMMU
+/// in strict mode, mapping and unmapping a buffer's pages around each request) dearer, for
+/// most of the cost of each cursor miss saved (figures: `docs/measurements.md`, "DMA page
+/// table"). Kept or not, every word the table holds is current.
+///
+/// Every change goes through a method that logs it ([`Op`]), so that the writer can make it
+/// again on its spare copy ([`Index::replay`]); a published index's log is empty.
 #[derive(Clone, Default)]
 pub(super) struct Index {
     ranges: RangeMap<Hot, Arc<Mapping>>,
@@ -165,11 +169,22 @@ pub(super) enum Op {
     Clear,
 }
 
+/// The most changes a log may hold for the writer to make them again on its spare
+/// (`publish`); a longer change (an unmap of many mappings, a whole-space IOTLB flush) costs
+/// as much as a copy of the nodes it touches, so the spare is let go instead, and the next
+/// change copies the current snapshot.
+pub(super) const REPLAY_MAX: usize = 16;
+
 impl Op {
     /// Whether the change drops no mapping: a copy that has not made it yet holds no mapping
     /// the copy that has made it does not.
     pub(super) fn drops_nothing(&self) -> bool {
         matches!(self, Op::Insert(_))
+    }
+
+    /// Whether the change empties the index.
+    pub(super) fn is_clear(&self) -> bool {
+        matches!(self, Op::Clear)
     }
 }
 
@@ -307,10 +322,13 @@ impl Index {
     }
 
     /// Removes the mappings `hit` (as (start, mapping), in address order, each in the index):
-    /// all at once if they are all there is, else from the last down, so that no removal
-    /// shifts the entries the next ones take out.
+    /// all at once if they are all there is and more than [`REPLAY_MAX`], else from the last
+    /// down, so that no removal shifts the entries the next ones take out. A few are removed
+    /// one by one even when they are all: the copy keeps its chunk (and the writer's spare,
+    /// which makes the same removals, its own) for the next insert, where starting again from
+    /// nothing allocates both anew — what an IOTLB in strict mode does after each request.
     pub(super) fn remove_all(&mut self, hit: &[(u64, Arc<Mapping>)]) {
-        if hit.len() == self.len() {
+        if hit.len() == self.len() && hit.len() > REPLAY_MAX {
             self.clear();
             return;
         }
