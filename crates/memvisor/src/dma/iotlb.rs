@@ -36,6 +36,10 @@ impl DmaSpace {
         let (first, last) = (range.start().0, range.last().0);
         let page = self.shared.min_page;
         let (bytes, ()) = self.retire(
+            |map| {
+                map.first_ending_at_or_after(first)
+                    .is_some_and(|p| map.bounds(p).0 <= last)
+            },
             |map, writer| {
                 let Some((lo, hi)) = touched(map, first, last) else {
                     return Ok(Plan::default());

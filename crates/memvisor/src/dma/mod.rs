@@ -30,9 +30,11 @@
 //!
 //! Readers never lock. The mappings live in an immutable snapshot (`index`) — a persistent
 //! two-level range map, so one change copies O(n / 256) pointers, not the whole table —
-//! swapped in atomically after every change; writers serialize among themselves. A mapping holds an `Arc` to
-//! the memory it maps, so memory a reader can still reach through an old snapshot stays mapped
-//! (a plain copy on its thread's last hit holds none: a change waits for those instead, `grace`).
+//! swapped in atomically after every change; writers serialize among themselves, and edit in
+//! place the snapshot they last replaced once no reader holds it (`publish`). A mapping holds
+//! an `Arc` to the memory it maps, so memory a reader can still reach through an old snapshot
+//! stays mapped (a plain copy on its thread's last hit holds none: a change waits for those
+//! instead, `grace`).
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
 //! (`dma_read` / `dma_write`, as Linux's `vfio_dma_rw`) and dirty tracking are in the submodules.
 
@@ -43,6 +45,7 @@ mod grace;
 mod index;
 mod iotlb;
 mod mode;
+mod publish;
 mod retire;
 mod rw;
 mod translate;
@@ -67,6 +70,7 @@ use crate::slots::{SlotFlags, Snapshot};
 use crate::sync::lock;
 use device_pins::Notifiers;
 use index::{DmaSnapshot, Index};
+use publish::working_map;
 
 pub use config::{DmaConfig, DmaInfo, VaddrRule};
 pub use device_pins::{Grouping, NotifierId, PIN_PAGES_MAX, read_pinned, write_pinned};
@@ -269,6 +273,9 @@ struct Writer {
     /// A change taking memory back from devices, waiting for their pins (`retire`); no other
     /// change starts until it ends.
     retiring: Option<retire::Retiring>,
+    /// The snapshot the last change replaced, kept to be edited in place by the next one
+    /// (see [`DmaSpace::publish`]).
+    spare: Option<publish::Spare>,
 }
 
 /// What every translation reads first, on a cache line of its own: the generation (bumped
@@ -364,6 +371,7 @@ impl DmaSpace {
                     eager: HashMap::new(),
                     device_pins: RunCounts::default(),
                     retiring: None,
+                    spare: None,
                 }),
                 updated: (Mutex::new(()), Condvar::new()),
                 settled: Condvar::new(),
@@ -530,6 +538,7 @@ impl DmaSpace {
         let range = self.check_range(iova, size)?;
         let (first, last) = (range.start().0, range.last().0);
         let (bytes, ()) = self.retire(
+            |_| true,
             |map, writer| {
                 let hit = whole_mappings(map, first, last)?;
                 for (start, m) in &hit {
@@ -835,46 +844,6 @@ impl DmaSpace {
 
     fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {
         lock(&self.shared.writer)
-    }
-
-    /// Runs `edit` on a copy of the current mappings and publishes it if `edit` says it changed
-    /// something; on error nothing is published. Writers are serialized, and none starts while
-    /// a change waits for devices to let go of memory it takes back (`retire`).
-    fn change<T>(
-        &self,
-        edit: impl FnOnce(&mut Index, &mut Writer) -> Result<(T, bool)>,
-    ) -> Result<T> {
-        let mut writer = self.settled_writer()?;
-        let mut map = self.shared.current.load().map.clone();
-        let (value, changed) = edit(&mut map, &mut writer)?;
-        if changed {
-            self.publish(&writer, map);
-        }
-        Ok(value)
-    }
-
-    /// Publishes `map` as the next generation and waits until no copy can still be on the
-    /// one it replaces.
-    fn publish(&self, writer: &Writer, mut map: Index) {
-        map.reindex();
-        let generation = self.shared.head.0.generation.load(Ordering::Relaxed) + 1;
-        // Kept until the end: it may be the last holder of memory the change gave back, which
-        // copies announced before the change may still be using.
-        let _old = self.shared.current.swap(Arc::new(DmaSnapshot {
-            generation,
-            map,
-            invalid: writer.invalid,
-        }));
-        // After the snapshot: a reader that sees this generation loads this snapshot or a
-        // later one, so what it caches under a generation is that generation's.
-        self.shared
-            .head
-            .0
-            .generation
-            .store(generation, Ordering::Release);
-        // Copies announce themselves and hold no lock: before the old snapshot (and the
-        // memory only it still maps) can go, wait for those that may be on it.
-        grace::wait_for_copies(self.shared.head.0.id);
     }
 }
 

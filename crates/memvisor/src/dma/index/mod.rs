@@ -70,6 +70,12 @@ impl Hot {
         Hot(delta | u64::from(mapping.prot.0) | valid | dirty)
     }
 
+    /// The word itself, for tests that compare copies.
+    #[cfg(test)]
+    pub(super) fn bits(self) -> u64 {
+        self.0
+    }
+
     /// hva - iova, wrapping; meaningless unless `valid`.
     #[inline]
     pub(super) fn delta(self) -> u64 {
@@ -126,13 +132,20 @@ impl Hot {
 /// The page table is kept only while the space holds many small mappings: from
 /// [`DmaConfig::page_table_from`] of them on (it starts filled with all of them that its window
 /// and budget allow) until they fall below a quarter of that (it is dropped whole). The table
-/// is persistent, so every change to a kept one copies a 4 KiB leaf: that made an update in a
-/// small table that churns (a vIOMMU in strict mode, mapping and unmapping a buffer's pages
-/// around each request) dearer, for most of the cost of each cursor miss saved (figures:
-/// `docs/measurements.md`, "DMA page table"). Kept or not, every word the table holds is current.
+/// is persistent, so a change to a kept one copies a 4 KiB leaf unless the writer edits its
+/// spare copy in place (`publish`): that made an update in a small table that churns (a vIOMMU
+/// in strict mode, mapping and unmapping a buffer's pages around each request) dearer, for
+/// most of the cost of each cursor miss saved (figures: `docs/measurements.md`, "DMA page
+/// table"). Kept or not, every word the table holds is current.
+///
+/// Every change goes through a method that logs it ([`Op`]), so that the writer can make it
+/// again on its spare copy ([`Index::replay`]); a published index's log is empty.
 #[derive(Clone, Default)]
 pub(super) struct Index {
     ranges: RangeMap<Hot, Arc<Mapping>>,
+    /// The changes made to this copy since [`Index::take_log`], for the writer to make the
+    /// same changes to its spare copy ([`Index::replay`]); empty in a published snapshot.
+    log: Vec<Op>,
     /// Read directly by the cursor (`translate`), which keeps a [`Region`] of it; changed only
     /// here.
     pub(super) pages: PageTable,
@@ -143,6 +156,36 @@ pub(super) struct Index {
     paged: bool,
     /// [`DmaConfig::page_table_from`].
     table_from: u64,
+}
+
+/// One change to an [`Index`], as its log keeps it: by start address, not position, so that it
+/// can be made again on another copy holding the same mappings.
+#[derive(Clone)]
+pub(super) enum Op {
+    Insert(Arc<Mapping>),
+    /// Replace the record of the mapping starting there (same range).
+    Set(u64, Arc<Mapping>),
+    Remove(u64),
+    Clear,
+}
+
+/// The most changes a log may hold for the writer to make them again on its spare
+/// (`publish`); a longer change (an unmap of many mappings, a whole-space IOTLB flush) costs
+/// as much as a copy of the nodes it touches, so the spare is let go instead, and the next
+/// change copies the current snapshot.
+pub(super) const REPLAY_MAX: usize = 16;
+
+impl Op {
+    /// Whether the change drops no mapping: a copy that has not made it yet holds no mapping
+    /// the copy that has made it does not.
+    pub(super) fn drops_nothing(&self) -> bool {
+        matches!(self, Op::Insert(_))
+    }
+
+    /// Whether the change empties the index.
+    pub(super) fn is_clear(&self) -> bool {
+        matches!(self, Op::Clear)
+    }
 }
 
 impl std::ops::Deref for Index {
@@ -164,14 +207,61 @@ impl Index {
 
     /// Drops every mapping.
     pub(super) fn clear(&mut self) {
+        self.apply_clear();
+        self.log.push(Op::Clear);
+    }
+
+    fn apply_clear(&mut self) {
+        let log = std::mem::take(&mut self.log);
         *self = Index::new(self.table_from);
+        self.log = log;
+    }
+
+    /// The changes made since the last call, in order; the log is left empty.
+    pub(super) fn take_log(&mut self) -> Vec<Op> {
+        std::mem::take(&mut self.log)
+    }
+
+    /// Makes `ops`, the log of a copy that held the same mappings as this one, here too (not
+    /// logged), then keeps the emptied vector as this copy's log, for its capacity.
+    pub(super) fn replay(&mut self, mut ops: Vec<Op>) {
+        for op in ops.drain(..) {
+            match op {
+                Op::Insert(m) => self.apply_insert(m),
+                Op::Set(start, m) => {
+                    let pos = self
+                        .ranges
+                        .find(start)
+                        .expect("the same mappings as the log's");
+                    self.apply_set(pos, m);
+                }
+                Op::Remove(start) => {
+                    self.apply_remove(start)
+                        .expect("the same mappings as the log's");
+                }
+                Op::Clear => self.apply_clear(),
+            }
+        }
+        debug_assert!(
+            self.log.is_empty(),
+            "a copy replayed onto has no changes of its own"
+        );
+        if ops.capacity() > self.log.capacity() {
+            self.log = ops;
+        }
     }
 
     /// Puts `mapping` into the index.
     pub(super) fn insert(&mut self, mapping: Mapping) {
+        let mapping = Arc::new(mapping);
+        self.log.push(Op::Insert(mapping.clone()));
+        self.apply_insert(mapping);
+    }
+
+    fn apply_insert(&mut self, mapping: Arc<Mapping>) {
         let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
         let hot = Hot::of(&mapping);
-        self.ranges.insert(start, last, hot, Arc::new(mapping));
+        self.ranges.insert(start, last, hot, mapping);
         if table_pages(start, last).is_none() {
             return;
         }
@@ -189,16 +279,29 @@ impl Index {
 
     /// Replaces the mapping at `pos` with `mapping` (same range).
     pub(super) fn set(&mut self, pos: Pos, mapping: Mapping) {
+        let mapping = Arc::new(mapping);
+        self.log
+            .push(Op::Set(mapping.iova.start().0, mapping.clone()));
+        self.apply_set(pos, mapping);
+    }
+
+    fn apply_set(&mut self, pos: Pos, mapping: Arc<Mapping>) {
         let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
         let hot = Hot::of(&mapping);
         if self.paged {
             enter_pages(&mut self.pages, start, last, hot);
         }
-        self.ranges.set(pos, hot, Arc::new(mapping));
+        self.ranges.set(pos, hot, mapping);
     }
 
     /// Removes the mapping starting at `start`.
     pub(super) fn remove(&mut self, start: u64) -> Option<Arc<Mapping>> {
+        let removed = self.apply_remove(start)?;
+        self.log.push(Op::Remove(start));
+        Some(removed)
+    }
+
+    fn apply_remove(&mut self, start: u64) -> Option<Arc<Mapping>> {
         let pos = self.ranges.find(start)?;
         let (first, last, _) = self.ranges.bounds(pos);
         if first != start {
@@ -219,10 +322,13 @@ impl Index {
     }
 
     /// Removes the mappings `hit` (as (start, mapping), in address order, each in the index):
-    /// all at once if they are all there is, else from the last down, so that no removal
-    /// shifts the entries the next ones take out.
+    /// all at once if they are all there is and more than [`REPLAY_MAX`], else from the last
+    /// down, so that no removal shifts the entries the next ones take out. A few are removed
+    /// one by one even when they are all: the copy keeps its chunk (and the writer's spare,
+    /// which makes the same removals, its own) for the next insert, where starting again from
+    /// nothing allocates both anew — what an IOTLB in strict mode does after each request.
     pub(super) fn remove_all(&mut self, hit: &[(u64, Arc<Mapping>)]) {
-        if hit.len() == self.len() {
+        if hit.len() == self.len() && hit.len() > REPLAY_MAX {
             self.clear();
             return;
         }

@@ -177,3 +177,98 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+    /// Two copies taking turns as the writer's working copy and spare (`publish`): each change
+    /// is made to one copy, its log replayed on the other, and the two then hold the same
+    /// mappings (the same records), the same page-table words and the same counts; clones
+    /// taken on the way (the snapshots readers hold) are unchanged by the in-place edits.
+    #[test]
+    fn a_replayed_log_makes_the_spare_equal_to_the_copy_it_was_taken_from(
+        ops in proptest::collection::vec(op(), 1..60),
+        from in prop_oneof![Just(0u64), Just(4u64), Just(8u64)],
+        turns in proptest::collection::vec(any::<bool>(), 60),
+    ) {
+        let mut copies = [Index::new(from), Index::new(from)];
+        let mut id = 0;
+        let mut held = Vec::new();
+        for (k, op) in ops.into_iter().enumerate() {
+            // Which copy is edited this time: usually the other one (they take turns), and
+            // sometimes a clone of the current one (a reader held the spare).
+            let edit = k % 2;
+            if turns[k] {
+                copies[edit] = copies[1 - edit].clone();
+            }
+            let index = &mut copies[edit];
+            match op {
+                Op::Insert { slot, pages, high, kind, host } => {
+                    let start = slot_iova(slot, high);
+                    let last = start + pages * PAGE - 1;
+                    if index.first_ending_at_or_after(start).is_none_or(|p| index.get(p).0 > last) {
+                        id += 1;
+                        index.insert(mapping(id, start, pages, kind, host));
+                    }
+                }
+                Op::Set { slot, host } => {
+                    if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
+                        let (start, last, _, m) = index.get(p);
+                        let pages = (last - start) / PAGE + 1;
+                        let kind = if m.memory.host().is_some() { 0 } else { 2 };
+                        let m = mapping(m.id, start, pages, kind, host);
+                        index.set(p, m);
+                    }
+                }
+                Op::Remove { slot } => {
+                    if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
+                        let start = index.get(p).0;
+                        prop_assert!(index.remove(start).is_some());
+                    }
+                }
+                Op::RemoveRun { slot, n } => {
+                    let from_iova = slot_iova(slot, false);
+                    let hit: Vec<(u64, Arc<Mapping>)> = index
+                        .iter()
+                        .filter(|(s, ..)| *s >= from_iova)
+                        .take(n)
+                        .map(|(s, _, _, m)| (s, m.clone()))
+                        .collect();
+                    index.remove_all(&hit);
+                }
+                Op::Snapshot => {
+                    index.reindex();
+                    let seen = words(index);
+                    held.push((index.clone(), seen));
+                }
+            }
+            index.reindex();
+            let log = copies[edit].take_log();
+            copies[1 - edit].replay(log);
+            copies[1 - edit].reindex();
+            prop_assert!(copies[edit].log.is_empty() && copies[1 - edit].log.is_empty());
+            prop_assert_eq!(words(&copies[0]), words(&copies[1]), "after change {}", k);
+            prop_assert_eq!(
+                (copies[0].small, copies[0].paged),
+                (copies[1].small, copies[1].paged)
+            );
+            check(&copies[1 - edit], copies[edit].paged)?;
+        }
+        for (snap, seen) in &held {
+            prop_assert_eq!(&words(snap), seen, "a held copy changed");
+        }
+    }
+}
+
+/// Every entry of `index` (start, last, hot word, record address) with the page-table word of
+/// each of its pages.
+fn words(index: &Index) -> Vec<(u64, u64, u64, usize, Vec<u64>)> {
+    index
+        .ranges
+        .iter()
+        .map(|(s, l, h, m)| {
+            let pages = ((l - s) / PAGE + 1).min(TABLE_PAGES_MAX + 1);
+            let w = (0..pages).map(|k| index.pages.get(s + k * PAGE)).collect();
+            (s, l, h.0, Arc::as_ptr(m) as usize, w)
+        })
+        .collect()
+}
