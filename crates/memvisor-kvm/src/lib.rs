@@ -8,8 +8,8 @@
 //!           KVM's bitmap (manual protect, cleared in chunks) merged with memvisor's own and
 //!           with device spaces' (DmaSpace dirty tracking)
 //! ring      per-vCPU dirty rings (KVM_CAP_DIRTY_LOG_RING_ACQ_REL): the vCPUs' pages from
-//!           rings instead of the bitmap, behind the same dirty-log call; a ring KVM
-//!           overran is reported (EOVERFLOW), not waited on
+//!           rings instead of the bitmap, behind the same dirty-log call; refused on PVM
+//!           (it overruns them); elsewhere a ring KVM overran is reported, not waited on
 //! vcpu      Vcpu: a vCPU with its thread's SlotCursor, handed to the MMIO / port I/O handler
 //! error     KVM's refusals with errno and the refused values; memvisor's errors passed on
 //! ```

@@ -60,7 +60,7 @@
 //! Without the capability, step 1 reads and clears at once (KVM's classic behaviour) and step 2
 //! is skipped. With [`Options::dirty_ring`] the vCPUs' pages come from KVM's per-vCPU dirty
 //! rings instead of the bitmap (the `ring` module: harvest, then `KVM_RESET_DIRTY_RINGS`) behind
-//! the same call. Either way the caller copies the reported pages after the call returns.
+//! the same call; on PVM, which overruns rings, the binding refuses them (EOPNOTSUPP). Either way the caller copies the reported pages after the call returns.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -128,6 +128,8 @@ pub struct Options {
     /// Take the vCPUs' dirty pages from per-vCPU dirty rings of this many entries (a power of
     /// two; `KVM_CAP_DIRTY_LOG_RING_ACQ_REL`) instead of KVM's bitmaps. Must be set before the
     /// VM has vCPUs: bind first, then create them with [`Vcpu::new`](crate::Vcpu::new).
+    /// Refused with EOPNOTSUPP where KVM lacks the capability and on a KVM known to overrun
+    /// rings (PVM: see the `ring` module); use the bitmap (`None`) there.
     pub dirty_ring: Option<u32>,
 }
 
@@ -771,13 +773,40 @@ impl Drop for KvmSlots {
     }
 }
 
-/// Turns on KVM's dirty rings of `entries` entries per vCPU.
+/// Where this host's KVM is known to overrun dirty rings (the `ring` module), the proof of it:
+/// PVM's module, `/sys/module/kvm_pvm`. Erring on the safe side: with PVM loaded at all, rings
+/// are refused (the bitmap works on every KVM).
+fn overrunning_kvm() -> Option<&'static str> {
+    const PVM: &str = "/sys/module/kvm_pvm";
+    #[cfg(feature = "test-hooks")]
+    if std::env::var_os("MEMVISOR_TEST_RINGS_ON_PVM").is_some() {
+        // TEST ONLY: the negative control that shows the refusal matters, and the ring tests
+        // whose guests exit after every write (they cannot push past the ring's reserve).
+        return None;
+    }
+    std::path::Path::new(PVM).exists().then_some(PVM)
+}
+
+/// Turns on KVM's dirty rings of `entries` entries per vCPU: refused (EOPNOTSUPP) without the
+/// capability or on a KVM known to overrun them.
 fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32) -> Result<Rings> {
     let bytes = u64::from(entries) * size_of::<kvm_bindings::kvm_dirty_gfn>() as u64;
     if caps.dirty_ring_bytes == 0 {
         return Err(memvisor::Error::Unsupported {
             what: "per-vCPU dirty rings",
             why: "KVM does not offer KVM_CAP_DIRTY_LOG_RING_ACQ_REL here; use the bitmap".into(),
+        }
+        .into());
+    }
+    if let Some(module) = overrunning_kvm() {
+        return Err(memvisor::Error::Unsupported {
+            what: "per-vCPU dirty rings",
+            why: format!(
+                "this host's KVM is PVM ({module} exists), which overruns dirty rings: it checks \
+                 a ring's soft limit only between batches of emulated instructions, so a guest \
+                 that writes without exiting overwrites entries, and the lost writes cannot be \
+                 detected reliably; use the dirty bitmap"
+            ),
         }
         .into());
     }

@@ -33,22 +33,41 @@
 //! harvest that collected nothing may still have to reset (a vCPU's full-ring harvest always
 //! does: the entries it finds marked may be another thread's, not yet reset).
 //!
-//! **A ring KVM overran is detected, not waited on.** KVM promises to stop a vCPU at the soft
-//! limit (ring size minus 64 reserved entries) before its ring is full. The KVM on this
-//! project's test machine breaks that promise: it is PVM (`kvm-pvm`), which emulates real-mode
-//! guests in batches of up to 1024 instructions and pushes an entry for every emulated write
-//! (not once per page), checking the soft limit only between batches; a guest that writes in a
-//! loop without exiting overruns the ring (the kernel warns at `dirty_ring.c`, "It should never
-//! get full"). Entries are then overwritten and KVM's indexes no longer match the ring: it
-//! reports the ring full forever while no entry reads `DIRTY`. That, not a blocked reset, was
-//! the migration hang seen before (the vCPU spun on `KVM_EXIT_DIRTY_RING_FULL` with nothing to
-//! harvest; the migration thread waited for it to halt). Writes were lost with those entries,
-//! so the binding cannot repair the log: a vCPU that is told the ring is full twice with no
-//! entry collected by anyone in between (it cannot have pushed one without a harvest seeing
-//! it) returns [`Error::RingOverrun`] (EOVERFLOW), and every later
-//! dirty-log call of the VM fails the same way, so a migration restarts or falls back to the
-//! bitmap instead of copying an incomplete log. Guests that exit now and then (I/O, MMIO)
-//! stay within the reserve: a batch ends at the exit.
+//! **A KVM that overruns rings is refused; an overrun elsewhere is reported, not waited on.**
+//! KVM promises to stop a vCPU at the soft limit (ring size minus a reserve of at least 64
+//! entries) before its ring is full; `kvm_dirty_ring_push` (virt/kvm/dirty_ring.c) writes at
+//! `dirty_index` unconditionally, so a push into a full ring overwrites the oldest entry. The
+//! KVM on this project's test machine breaks the promise: it is PVM (`kvm_pvm`), which emulates
+//! real-mode guests in batches of up to 1024 instructions, pushes an entry for every emulated
+//! write (not once per page) and checks the soft limit only between batches. Instrumented, a
+//! guest that writes in a loop without exiting reaches its first full exit with 980-1024 of 1024
+//! entries dirty, and when it finds all 1024 dirty KVM had already pushed past them: the next
+//! exit shows KVM pushing at position 38 while the fetch index is at 0 (entries 0..37 were
+//! overwritten, their writes lost). From then on KVM's push position and the fetch index
+//! disagree: harvests collect nothing while the guest writes, until KVM comes round again.
+//!
+//! No detector from userspace can be shown to catch every such loss while a vCPU runs between
+//! harvests. An entry is `{flags, slot, offset}` with no sequence number, and KVM's
+//! `dirty_index` and `reset_index` are not visible, so an entry overwritten by a newer one at
+//! the place the harvest expects looks like an ordinary push. Counting helps only while the two
+//! indexes agree (a harvest that collects a whole ring at once); once they disagree, a loss can
+//! leave a contiguous run shorter than the ring. Worse, a push that overwrites an entry already
+//! collected but not yet reset (or the reset walk zeroing an entry pushed under it) stalls
+//! KVM's `reset_index`: the pages of entries collected later are never write-protected again,
+//! so the guest's next writes to them push nothing at all and leave no trace in the ring. The
+//! check the binding had (full twice with nothing collected) missed such a run once in CI: the
+//! migration "succeeded" with 5 pages lost.
+//!
+//! So the binding refuses rings (EOPNOTSUPP, "use the dirty bitmap") where `kvm_pvm` is loaded
+//! (`KvmSlots::with_options`; a test-hooks build lets them through with
+//! `MEMVISOR_TEST_RINGS_ON_PVM`, for the negative control and for tests whose guests exit after
+//! every write and so cannot outrun the reserve). Elsewhere the old check stays as a last line:
+//! a vCPU that is told the ring is full twice with no entry collected by anyone in between (it
+//! cannot have pushed one without a harvest seeing it) returns [`Error::RingOverrun`]
+//! (EOVERFLOW), and every later dirty-log call of the VM fails the same way, so a migration
+//! restarts or falls back to the bitmap instead of copying a log it knows is incomplete, and the
+//! vCPU does not spin on `KVM_EXIT_DIRTY_RING_FULL` with nothing to harvest (the hang this
+//! project first saw on PVM).
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;

@@ -15,7 +15,8 @@
 //! [`Vcpu::run`]: it harvests every ring and resets them (the pages wait for the next
 //! dirty-log call) and enters the guest again. A second full-ring exit with nothing collected
 //! from this vCPU's ring since the first means KVM overran the ring (see the `ring` module):
-//! [`Vcpu::run`] returns [`Error::RingOverrun`] rather than spin.
+//! [`Vcpu::run`] returns [`Error::RingOverrun`] rather than spin. That check catches some
+//! overruns, not all: on PVM, which overruns rings, the binding does not turn them on at all.
 //!
 //! Exits the handler does not take (or that need a decision: HLT, shutdown, anything else) end
 //! [`Vcpu::run`] with a [`Stop`] saying why; the caller decides whether to run again.

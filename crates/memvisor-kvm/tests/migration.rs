@@ -435,6 +435,11 @@ fn ring() -> Options {
 
 fn check(options: Options, name: &str) {
     let Some(kvm) = kvm_or_skip(name) else { return };
+    if let Some(entries) = options.dirty_ring {
+        if !rings_or_skip(&kvm, name, entries) {
+            return;
+        }
+    }
     let out = migrate(&kvm, options, Log::Merged, &WRITER);
     println!("migration ({name}): {}", out.line);
     assert!(out.error.is_none(), "{name}: {}", out.line);
@@ -474,6 +479,11 @@ fn migration_with_dirty_rings_copies_every_byte() {
 
 fn negatives(options: Options, name: &str) {
     let Some(kvm) = kvm_or_skip(name) else { return };
+    if let Some(entries) = options.dirty_ring {
+        if !rings_or_skip(&kvm, name, entries) {
+            return;
+        }
+    }
     for how in [Log::NoKvm, Log::NoDevice, Log::ClearFirst] {
         let out = migrate(&kvm, options, how, &WRITER);
         println!(
@@ -500,14 +510,62 @@ fn negative_controls_with_dirty_rings_each_leave_the_destination_different() {
 }
 
 #[test]
-fn a_guest_that_never_exits_with_dirty_rings_ends_typed_not_hung() {
-    let Some(kvm) = kvm_or_skip("dirty-ring overrun") else {
+fn dirty_rings_are_refused_on_pvm_and_the_bitmap_is_not() {
+    let Some(kvm) = kvm_or_skip("dirty rings refused on PVM") else {
         return;
     };
+    if !pvm() {
+        println!("skipped: dirty rings refused on PVM: this KVM is not PVM");
+        return;
+    }
+    if std::env::var_os("MEMVISOR_TEST_RINGS_ON_PVM").is_some() && cfg!(feature = "test-hooks") {
+        println!(
+            "skipped: dirty rings refused on PVM: MEMVISOR_TEST_RINGS_ON_PVM lets them through"
+        );
+        return;
+    }
+    let (src, _mem) = memory(&WRITER);
+    let vm = Arc::new(kvm.create_vm().unwrap());
+    let err = KvmSlots::with_options(vm, src.clone(), ring()).unwrap_err();
+    println!("dirty rings on PVM: refused: {err}");
+    assert_eq!(err.errno(), libc::EOPNOTSUPP, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("PVM") && text.contains("use the dirty bitmap"),
+        "{text}"
+    );
+    // Nothing was installed by the refused binding: the bitmap binds the same table.
+    let vm = Arc::new(kvm.create_vm().unwrap());
+    KvmSlots::new(vm, src).unwrap();
+}
+
+#[test]
+fn a_guest_that_never_exits_with_dirty_rings_ends_typed_not_hung() {
+    let name = "dirty-ring overrun";
+    let Some(kvm) = kvm_or_skip(name) else {
+        return;
+    };
+    // On PVM the binding refuses rings (the test above); a test-hooks build with
+    // MEMVISOR_TEST_RINGS_ON_PVM lets them through, and this is then the negative control.
+    if !rings_or_skip(&kvm, name, 1024) {
+        return;
+    }
     let out = migrate(&kvm, ring(), Log::Merged, &WRITER_NO_EXIT);
+    if pvm() {
+        println!(
+            "migration negative control, rings let through on PVM (must not migrate cleanly): {}",
+            out.line
+        );
+        assert!(
+            out.error.is_some() || out.differing > 0,
+            "PVM kept its ring reserve this time; the refusal was not shown to matter: {}",
+            out.line
+        );
+        return;
+    }
     println!("migration, guest without exits, dirty rings: {}", out.line);
     match &out.error {
-        // This host's KVM overran the ring: the vCPU and the log say so (EOVERFLOW).
+        // A KVM that overran the ring and was caught: the vCPU and the log say so (EOVERFLOW).
         Some(e) => assert_eq!(e.errno(), libc::EOVERFLOW, "{}", out.line),
         // A KVM that keeps its ring reserve: the migration is correct.
         None => assert_eq!(out.differing, 0, "{}", out.line),

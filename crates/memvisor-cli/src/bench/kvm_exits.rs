@@ -309,10 +309,17 @@ pub fn harvest(kvm: &Kvm, runs: u32, out: &mut Outcome) -> anyhow::Result<()> {
         "KVM bitmap (GET + CLEAR, manual protect)",
         by_d(&mut |d| kvm_harvest(kvm, runs, d, Options::default()))?,
     ));
-    sources.push((
-        "KVM dirty ring (harvest + RESET)",
-        by_d(&mut |d| kvm_harvest(kvm, runs, d, ring))?,
-    ));
+    // Refused (EOPNOTSUPP) where KVM lacks rings or overruns them (PVM): skipped, said why.
+    match by_d(&mut |d| kvm_harvest(kvm, runs, d, ring)) {
+        Ok(stats) => sources.push(("KVM dirty ring (harvest + RESET)", stats)),
+        Err(e)
+            if e.downcast_ref::<memvisor_kvm::Error>()
+                .is_some_and(|k| k.errno() == libc::EOPNOTSUPP) =>
+        {
+            out.skipped.push(format!("kvm: dirty-ring harvest: {e}"));
+        }
+        Err(e) => return Err(e),
+    }
     sources.push((
         "memvisor log, sparse drain",
         by_d(&mut |d| own_harvest(runs, d, true))?,

@@ -44,6 +44,35 @@ pub fn kvm_or_skip(test: &str) -> Option<Kvm> {
     }
 }
 
+/// Whether this host's KVM is PVM, which overruns dirty rings: the binding refuses them there
+/// (a test-hooks build lets them through with `MEMVISOR_TEST_RINGS_ON_PVM`).
+pub fn pvm() -> bool {
+    std::path::Path::new("/sys/module/kvm_pvm").exists()
+}
+
+/// Whether the binding takes dirty rings of `entries` entries here; `false` after printing why
+/// the test is skipped. On PVM the refusal must be EOPNOTSUPP and say to use the bitmap.
+pub fn rings_or_skip(kvm: &Kvm, test: &str, entries: u32) -> bool {
+    let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
+    let options = Options {
+        dirty_ring: Some(entries),
+        ..Options::default()
+    };
+    match KvmSlots::with_options(vm, SlotTable::new(), options) {
+        Ok(_) => true,
+        Err(e) if e.errno() == libc::EOPNOTSUPP && pvm() => {
+            assert!(e.to_string().contains("use the dirty bitmap"), "{e}");
+            println!("skipped: {test}: dirty rings unsound on this KVM (PVM overruns them): {e}");
+            false
+        }
+        Err(e) if e.errno() == libc::EOPNOTSUPP => {
+            println!("skipped: {test}: {e}");
+            false
+        }
+        Err(e) => panic!("{test}: {e}"),
+    }
+}
+
 /// A VM with a slot table whose slot 0 (guest 0..64 KiB) holds the probe program, a vCPU in real
 /// mode at its start, and `memory`: one memfd the tests cut further slots from.
 pub struct Guest {
