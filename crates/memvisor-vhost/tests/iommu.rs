@@ -106,16 +106,21 @@ fn blk_behind_iommu(
     Guest,
     UnixStream,
 ) {
-    let disk = memfd(MIB);
-    std::os::unix::fs::FileExt::write_all_at(&disk, &[fill; 4096], 0).unwrap();
     let g = Guest::new(4 * MIB);
+    let (c, t) = serve(iommu_blk(&[fill; 4096]));
+    let ours = connect_behind_iommu(&c, &g);
+    (c, t, g, ours)
+}
+
+/// A blk device that negotiates the IOMMU, over a 1 MiB image that starts with `data`.
+fn iommu_blk(data: &[u8]) -> Blk {
+    let disk = memfd(MIB);
+    std::os::unix::fs::FileExt::write_all_at(&disk, data, 0).unwrap();
     let options = BlkOptions {
         iommu: true,
         ..BlkOptions::default()
     };
-    let (c, t) = serve(Blk::new(disk, options).unwrap());
-    let ours = connect_behind_iommu(&c, &g);
-    (c, t, g, ours)
+    Blk::new(disk, options).unwrap()
 }
 
 #[test]
@@ -451,16 +456,9 @@ fn wide_blk_behind_iommu(
     Guest,
     UnixStream,
 ) {
-    let disk = memfd(MIB);
-    std::os::unix::fs::FileExt::write_all_at(&disk, &wide_pattern(), 0).unwrap();
     let g = Guest::new(4 * MIB);
-    let options = BlkOptions {
-        iommu: true,
-        ..BlkOptions::default()
-    };
     let (a, b) = UnixStream::pair().unwrap();
-    let mut backend =
-        memvisor_vhost::backend::Backend::new(Blk::new(disk, options).unwrap()).unwrap();
+    let mut backend = memvisor_vhost::backend::Backend::new(iommu_blk(&wide_pattern())).unwrap();
     backend.set_miss_batch(batch);
     let t = std::thread::spawn(move || {
         let stop = std::sync::atomic::AtomicBool::new(false);

@@ -76,6 +76,39 @@ fn mapping(id: u64, start: u64, pages: u64, kind: u8, host: u64) -> Mapping {
 /// mapping below the window while the table is kept, none otherwise. Checks that the
 /// table holds exactly these (each one, and no others: the count), that it is kept as
 /// the thresholds say, and that the small-mapping count is right.
+/// Applies a `Set`, `Remove` or `RemoveRun` (the ops both properties apply the same way).
+fn change(index: &mut Index, op: &Op) -> std::result::Result<(), TestCaseError> {
+    match *op {
+        Op::Set { slot, host } => {
+            if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
+                let (start, last, _, m) = index.get(p);
+                let pages = (last - start) / PAGE + 1;
+                let kind = if m.memory.host().is_some() { 0 } else { 2 };
+                let m = mapping(m.id, start, pages, kind, host);
+                index.set(p, m);
+            }
+        }
+        Op::Remove { slot } => {
+            if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
+                let start = index.get(p).0;
+                prop_assert!(index.remove(start).is_some());
+            }
+        }
+        Op::RemoveRun { slot, n } => {
+            let from_iova = slot_iova(slot, false);
+            let hit: Vec<(u64, Arc<Mapping>)> = index
+                .iter()
+                .filter(|(s, ..)| *s >= from_iova)
+                .take(n)
+                .map(|(s, _, _, m)| (s, m.clone()))
+                .collect();
+            index.remove_all(&hit);
+        }
+        Op::Insert { .. } | Op::Snapshot => {}
+    }
+    Ok(())
+}
+
 fn check(index: &Index, paged: bool) -> std::result::Result<(), TestCaseError> {
     prop_assert_eq!(index.paged, paged, "page table kept");
     let mut small = 0;
@@ -137,30 +170,8 @@ proptest! {
                         }
                     }
                 }
-                Op::Set { slot, host } => {
-                    if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
-                        let (start, last, _, m) = index.get(p);
-                        let pages = (last - start) / PAGE + 1;
-                        let kind = if m.memory.host().is_some() { 0 } else { 2 };
-                        let m = mapping(m.id, start, pages, kind, host);
-                        index.set(p, m);
-                    }
-                }
-                Op::Remove { slot } => {
-                    if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
-                        let start = index.get(p).0;
-                        prop_assert!(index.remove(start).is_some());
-                    }
-                }
-                Op::RemoveRun { slot, n } => {
-                    let from_iova = slot_iova(slot, false);
-                    let hit: Vec<(u64, Arc<Mapping>)> = index
-                        .iter()
-                        .filter(|(s, ..)| *s >= from_iova)
-                        .take(n)
-                        .map(|(s, _, _, m)| (s, m.clone()))
-                        .collect();
-                    index.remove_all(&hit);
+                Op::Set { .. } | Op::Remove { .. } | Op::RemoveRun { .. } => {
+                    change(&mut index, &op)?
                 }
                 Op::Snapshot => {
                     index.reindex();
@@ -210,30 +221,8 @@ proptest! {
                         index.insert(mapping(id, start, pages, kind, host));
                     }
                 }
-                Op::Set { slot, host } => {
-                    if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
-                        let (start, last, _, m) = index.get(p);
-                        let pages = (last - start) / PAGE + 1;
-                        let kind = if m.memory.host().is_some() { 0 } else { 2 };
-                        let m = mapping(m.id, start, pages, kind, host);
-                        index.set(p, m);
-                    }
-                }
-                Op::Remove { slot } => {
-                    if let Some(p) = index.first_ending_at_or_after(slot_iova(slot, false)) {
-                        let start = index.get(p).0;
-                        prop_assert!(index.remove(start).is_some());
-                    }
-                }
-                Op::RemoveRun { slot, n } => {
-                    let from_iova = slot_iova(slot, false);
-                    let hit: Vec<(u64, Arc<Mapping>)> = index
-                        .iter()
-                        .filter(|(s, ..)| *s >= from_iova)
-                        .take(n)
-                        .map(|(s, _, _, m)| (s, m.clone()))
-                        .collect();
-                    index.remove_all(&hit);
+                Op::Set { .. } | Op::Remove { .. } | Op::RemoveRun { .. } => {
+                    change(index, &op)?
                 }
                 Op::Snapshot => {
                     index.reindex();
