@@ -22,6 +22,14 @@
 //! The live check connects to the path: a memvisor server on it sees one connection that closes
 //! at once, which it takes as a frontend that left. A server that goes away between the check
 //! and the bind leaves the path to the next start; the check is not atomic, and cannot be.
+//!
+//! **A path appears only once it is listening.** `bind()` creates the path before `listen()`
+//! makes it connectable, and a launcher that waits for the path and then starts QEMU (or
+//! `memvisor ctl`) can land in between and get ECONNREFUSED. So memvisor binds and listens on
+//! a hidden name in the same directory (`.mv-PID-N`) and renames it to the path with
+//! `RENAME_NOREPLACE` (a path someone bound meanwhile is not replaced: EEXIST, as `bind()`
+//! would have said EADDRINUSE). A path too long for that name, or a file system without
+//! `RENAME_NOREPLACE`, is bound directly.
 
 use std::io;
 use std::os::fd::{FromRawFd, RawFd};
@@ -323,7 +331,7 @@ fn bind(path: &Path) -> Result<Listener> {
             ),
         },
     }
-    let socket = UnixListener::bind(path)
+    let socket = bind_listening(path)
         .with_context(|| format!("cannot listen on {shown}: is the directory writable?"))?;
     let m = std::fs::symlink_metadata(path)
         .with_context(|| format!("{shown} vanished right after it was bound"))?;
@@ -333,6 +341,47 @@ fn bind(path: &Path) -> Result<Listener> {
         bound_here: Some((m.dev(), m.ino())),
         origin: shown.to_string(),
     })
+}
+
+/// Binds and listens on a hidden name beside `path`, then renames it to `path` without
+/// replacing anything there, so that `path` never exists unconnectable (module documentation).
+fn bind_listening(path: &Path) -> io::Result<UnixListener> {
+    use std::os::unix::ffi::OsStrExt;
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let hidden = path.with_file_name(format!(".mv-{}-{n}", std::process::id()));
+    // sun_path holds 107 bytes and a NUL; a path near that limit is bound directly.
+    if hidden.as_os_str().len() > 107 {
+        return UnixListener::bind(path);
+    }
+    let _ = std::fs::remove_file(&hidden);
+    let socket = UnixListener::bind(&hidden)?;
+    let from = std::ffi::CString::new(hidden.as_os_str().as_bytes());
+    let to = std::ffi::CString::new(path.as_os_str().as_bytes());
+    let (Ok(from), Ok(to)) = (from, to) else {
+        let _ = std::fs::remove_file(&hidden);
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    };
+    // SAFETY: two NUL-terminated paths that live across the call; renameat2 only reads them.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r != 0 {
+        let e = io::Error::last_os_error();
+        let _ = std::fs::remove_file(&hidden);
+        // A file system without RENAME_NOREPLACE: bind the path directly, as before.
+        if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
+            return UnixListener::bind(path);
+        }
+        return Err(e);
+    }
+    Ok(socket)
 }
 
 /// Refuses to go on with sockets systemd passed that no device took: the unit file and the
@@ -361,4 +410,52 @@ pub fn check_all_claimed() -> Result<()> {
 /// later calls do nothing.
 pub fn take_from_environment() -> Result<()> {
     with_activated(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("memvisor-listener-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn leftovers(d: &Path) -> Vec<String> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".mv-"))
+            .collect()
+    }
+
+    #[test]
+    fn a_bound_path_is_listening_and_leaves_no_hidden_name() {
+        let d = dir().join("a");
+        std::fs::create_dir_all(&d).unwrap();
+        let path = d.join("s.sock");
+        let listener = at(&path).unwrap();
+        UnixStream::connect(&path).expect("the path exists, so it must be listening");
+        assert!(leftovers(&d).is_empty(), "{:?}", leftovers(&d));
+        drop(listener);
+        assert!(
+            !path.exists(),
+            "the socket memvisor bound is removed when dropped"
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn the_rename_never_replaces_what_appeared_at_the_path_meanwhile() {
+        let d = dir().join("b");
+        std::fs::create_dir_all(&d).unwrap();
+        let path = d.join("taken");
+        std::fs::write(&path, b"someone else's").unwrap();
+        let err = bind_listening(&path).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EEXIST), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"someone else's");
+        assert!(leftovers(&d).is_empty(), "{:?}", leftovers(&d));
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }
