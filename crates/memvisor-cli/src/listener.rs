@@ -6,8 +6,9 @@
 //! * A path. If systemd passed a listening socket already bound to that path (socket
 //!   activation), that one is used, so a unit file and the command line can name the same
 //!   path. Otherwise memvisor binds the path itself — but never takes a path from someone
-//!   else: a path where a listener answers (`connect()` succeeds) is refused with an error
-//!   naming it; a path that is not a socket is refused; only a stale socket (nothing listening:
+//!   else: a path where a listener answers (`connect()` succeeds, or its queue of connections
+//!   waiting to be accepted is full: `EAGAIN`, a busy server) is refused with an error naming
+//!   it; a path that is not a socket is refused; only a stale socket (nothing listening:
 //!   `ECONNREFUSED`) is replaced. A socket memvisor bound is removed when its [`Listener`] is
 //!   dropped (at exit, or when a later step of the start fails), if the path still names it.
 //! * `--fd N`: a listening Unix stream socket the parent left open as descriptor N. It is
@@ -19,9 +20,15 @@
 //! one device; [`check_all_claimed`] refuses a start that would leave one unused, which is a
 //! unit file and a command line that disagree.
 //!
-//! The live check connects to the path: a memvisor server on it sees one connection that closes
+//! The live check connects to the path without waiting (a non-blocking socket: a blocking
+//! `connect()` to a listener whose queue is full waits for room, forever if it never accepts,
+//! and is restarted after SIGTERM): a memvisor server on it sees one connection that closes
 //! at once, which it takes as a frontend that left. A server that goes away between the check
 //! and the bind leaves the path to the next start; the check is not atomic, and cannot be.
+//!
+//! A socket memvisor bound is also listed until its [`Listener`] removes it, so that a stop
+//! during start-up that cannot wait for the listeners to be dropped still removes their paths
+//! ([`remove_bound`]).
 //!
 //! **A path appears only once it is listening.** `bind()` creates the path before `listen()`
 //! makes it connectable, and a launcher that waits for the path and then starts QEMU (or
@@ -34,7 +41,7 @@
 use std::io;
 use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -89,11 +96,32 @@ impl Listener {
         let (Some(path), Some((dev, ino))) = (&self.path, self.bound_here) else {
             return;
         };
-        if let Ok(m) = std::fs::symlink_metadata(path) {
-            if m.dev() == dev && m.ino() == ino {
-                let _ = std::fs::remove_file(path);
-            }
+        lock_bound().retain(|(p, d, i)| !(p == path && *d == dev && *i == ino));
+        remove_if_same(path, dev, ino);
+    }
+}
+
+/// Removes `path` if it still names the socket file `dev`/`ino`.
+fn remove_if_same(path: &Path, dev: u64, ino: u64) {
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if m.dev() == dev && m.ino() == ino {
+            let _ = std::fs::remove_file(path);
         }
+    }
+}
+
+/// Sockets bound here and not yet removed: path, device, inode.
+static BOUND: Mutex<Vec<(PathBuf, u64, u64)>> = Mutex::new(Vec::new());
+
+fn lock_bound() -> std::sync::MutexGuard<'static, Vec<(PathBuf, u64, u64)>> {
+    BOUND.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Removes every socket memvisor bound that is still there (each only if its path still names
+/// it): for a process that ends without dropping its [`Listener`]s (a stop during start-up).
+pub fn remove_bound() {
+    for (path, dev, ino) in std::mem::take(&mut *lock_bound()) {
+        remove_if_same(&path, dev, ino);
     }
 }
 
@@ -315,10 +343,14 @@ fn bind(path: &Path) -> Result<Listener> {
             "{shown} exists and is not a socket; memvisor does not remove it: choose another \
              --socket-path or remove the file yourself"
         ),
-        Ok(_) => match UnixStream::connect(path) {
-            Ok(_) => bail!(
+        Ok(_) => match connect_without_waiting(path) {
+            Ok(()) => bail!(
                 "{shown} is in use: a server is listening on it (connect() succeeded); stop \
                  that server or choose another socket path"
+            ),
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => bail!(
+                "{shown} is in use: a server is listening on it (busy: its queue of connections \
+                 waiting to be accepted is full); stop that server or choose another socket path"
             ),
             Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
                 log::info!("{shown}: replacing a stale socket (nothing listens on it)");
@@ -335,12 +367,62 @@ fn bind(path: &Path) -> Result<Listener> {
         .with_context(|| format!("cannot listen on {shown}: is the directory writable?"))?;
     let m = std::fs::symlink_metadata(path)
         .with_context(|| format!("{shown} vanished right after it was bound"))?;
+    lock_bound().push((path.to_path_buf(), m.dev(), m.ino()));
     Ok(Listener {
         socket,
         path: Some(path.to_path_buf()),
         bound_here: Some((m.dev(), m.ino())),
         origin: shown.to_string(),
     })
+}
+
+/// Connects to the socket at `path` without waiting and closes the connection: `Ok` if a
+/// listener took it; `EAGAIN` if a listener is there whose queue is full (a blocking connect
+/// would wait for it to accept); `ECONNREFUSED` if nothing listens; another error otherwise.
+fn connect_without_waiting(path: &Path) -> io::Result<()> {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: sockaddr_un is plain data, for which all zeros is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    // sun_path ends with a NUL, and a path with a NUL in it names another file.
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "the path does not fit a Unix socket address (107 bytes at most, no NUL)",
+        ));
+    }
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    let flags = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+    // SAFETY: socket() takes no pointers.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, flags, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor that nothing else owns; it is closed on return.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    loop {
+        // SAFETY: addr is a sockaddr_un that lives across the call, passed with its size; the
+        // kernel only reads it.
+        let r = unsafe {
+            libc::connect(
+                socket.as_raw_fd(),
+                (&raw const addr).cast(),
+                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        // A non-blocking connect does not wait, so EINTR is at most a signal's moment.
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 /// Binds and listens on a hidden name beside `path`, then renames it to `path` without
@@ -415,6 +497,7 @@ pub fn take_from_environment() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::net::UnixStream;
 
     fn dir() -> PathBuf {
         let d = std::env::temp_dir().join(format!("memvisor-listener-{}", std::process::id()));

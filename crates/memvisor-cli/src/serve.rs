@@ -19,7 +19,18 @@
 //!
 //! Every server gets its sockets from [`crate::listener`] (a path, `--fd`, or systemd's socket
 //! activation; a live socket is never taken over) and tells a service manager it is ready
-//! ([`crate::notify`]) once all of them listen. Test-only switches (feature `test-hooks`) are
+//! ([`crate::notify`]) once all of them listen.
+//!
+//! **SIGINT/SIGTERM end start-up at any point.** No start-up step of memvisor's own waits (the
+//! socket probe connects without waiting; `READY=1` is not waited on once a stop was asked),
+//! and the serving loops end at once when the stop came before them; a stop during start-up is
+//! a stop like any other: exit status 0. A step that waits on something outside memvisor
+//! anyway (an image or recording path that is a FIFO nobody opens, a hung network file
+//! system) is covered by a watch: a start-up still going [`START_UP_GRACE`] after the signal
+//! ends the process there, exit status 0, after removing the sockets it bound; nothing was
+//! served, and no report is written.
+//!
+//! Test-only switches (feature `test-hooks`) are
 //! read from `MEMVISOR_TEST_*` environment variables, and exist in no other build.
 
 use std::fs::OpenOptions;
@@ -46,6 +57,11 @@ use serde::Serialize;
 static STOP: AtomicBool = AtomicBool::new(false);
 /// Set by SIGUSR1: write the report now.
 static REPORT: AtomicBool = AtomicBool::new(false);
+/// Set when start-up is over: every socket listens, and the serving loops watch `STOP`.
+static SERVING: AtomicBool = AtomicBool::new(false);
+
+/// How long start-up may go on after SIGINT/SIGTERM before the watch ends the process.
+pub const START_UP_GRACE: Duration = Duration::from_millis(300);
 
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::Relaxed);
@@ -68,16 +84,58 @@ pub fn stop_on_signals() {
             on_report_signal as *const () as libc::sighandler_t,
         )
     };
+    watch_start_up();
 }
 
-/// Tells a service manager the server is up: every socket listens.
+/// Ends the process if a stop was asked during start-up and start-up is still going
+/// [`START_UP_GRACE`] later (module documentation); stands down once start-up is over.
+fn watch_start_up() {
+    let watch = std::thread::Builder::new()
+        .name("start-up watch".into())
+        .spawn(|| {
+            while !STOP.load(Ordering::Relaxed) {
+                if SERVING.load(Ordering::Relaxed) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let asked = std::time::Instant::now();
+            while asked.elapsed() < START_UP_GRACE {
+                if SERVING.load(Ordering::Relaxed) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            log::warn!(
+                "stopped by a signal during start-up, while a start-up step was still waiting \
+                 ({START_UP_GRACE:?} after the signal); nothing was served"
+            );
+            listener::remove_bound();
+            std::process::exit(0);
+        });
+    if let Err(e) = watch {
+        log::warn!("cannot start the start-up watch ({e}); a stop during start-up may wait");
+    }
+}
+
+/// Tells a service manager the server is up: every socket listens. Start-up is over: the
+/// serving loops see a stop from here on. Not sent once a stop was asked (nor waited on
+/// then, if the manager's queue is full).
 fn ready() {
-    crate::notify::notify("READY=1");
+    SERVING.store(true, Ordering::Relaxed);
+    if STOP.load(Ordering::Relaxed) {
+        log::info!("stopped by a signal during start-up: not telling the service manager READY=1");
+        return;
+    }
+    crate::notify::notify_within("READY=1", crate::notify::WAIT, &|| {
+        STOP.load(Ordering::Relaxed)
+    });
 }
 
-/// Tells a service manager the server is stopping: its devices have stopped serving.
+/// Tells a service manager the server is stopping: its devices have stopped serving. Not
+/// waited on for long: the process is on its way out.
 fn stopping() {
-    crate::notify::notify("STOPPING=1");
+    crate::notify::notify_within("STOPPING=1", Duration::from_millis(100), &|| false);
 }
 
 /// Waits for the device threads; meanwhile, each SIGUSR1 calls `report`.

@@ -75,6 +75,16 @@ impl Error {
         }
     }
 
+    /// The memvisor slot the error is about, when it names one.
+    pub fn slot(&self) -> Option<SlotId> {
+        match self {
+            Error::Memslot { slot, .. }
+            | Error::NoMemslot { slot, .. }
+            | Error::NotInKvm { slot } => Some(*slot),
+            _ => None,
+        }
+    }
+
     pub(crate) fn kvm(
         op: &'static str,
         what: impl Into<String>,

@@ -26,6 +26,12 @@
 //! one the record is still KVM's state: the error names the refused region and errno, and the
 //! next sync picks up from there.
 //!
+//! **One refused slot stops nothing else.** A sync that meets a refusal still applies the rest
+//! of its plan, and the dirty-log calls read every slot KVM holds as the table has it: only
+//! the refused slot's `take_dirty_log` fails, with KVM's refusal naming it (and
+//! `take_dirty_logs`, which cannot give that slot's log, fails before reading any). Until a
+//! sync goes through, every sync and dirty-log call plans again and retries the refused ioctl.
+//!
 //! **Memory KVM maps stays mapped.** The record holds an `Arc` of every slot KVM has, so the
 //! backing under a KVM memslot is not unmapped before KVM lets go of it, even when the table
 //! dropped the slot long ago; dropping the binding deletes its memslots first (and leaks a
@@ -55,7 +61,10 @@
 //! 4. every page of a slot KVM deleted and re-created since the last call (a move, resize or
 //!    read-only change of a logging slot): KVM's bitmap of the old memslot goes with it, and a
 //!    vCPU may write between a last read and the delete, so the new slot reports all its pages
-//!    once rather than risk missing one.
+//!    once rather than risk missing one. Likewise every page of a logging slot replaced in
+//!    place (removed and inserted again, even with an identical spec: KVM's memslot stays, but
+//!    the table started the new slot a log of its own, and the old slot's table writes are in
+//!    no log the table still reaches).
 //!
 //! Without the capability, step 1 reads and clears at once (KVM's classic behaviour) and step 2
 //! is skipped. With [`Options::dirty_ring`] the vCPUs' pages come from KVM's per-vCPU dirty
@@ -72,6 +81,7 @@ use kvm_bindings::{
     kvm_clear_dirty_log, kvm_enable_cap, kvm_userspace_memory_region, kvm_userspace_memory_region2,
 };
 use kvm_ioctls::{Cap, VmFd};
+use memvisor::slots::Snapshot;
 use memvisor::slots::{Slot, SlotEdit};
 use memvisor::{DmaSpace, Gpa, Iova, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable};
 use vmm_sys_util::ioctl::ioctl_with_ref;
@@ -267,6 +277,35 @@ fn all_dirty(pages: u64) -> Vec<u64> {
     words
 }
 
+/// What one pass of a sync did: its report, KVM's refusals in the order met, and the table
+/// snapshot it brought KVM towards (`None` when nothing had changed).
+struct Synced {
+    report: SyncReport,
+    errors: Vec<Error>,
+    snapshot: Option<Arc<Snapshot>>,
+}
+
+/// Whether KVM holds slot `id` exactly as `snapshot` has it (or neither has it): its log can be
+/// read whatever KVM refused of other slots.
+fn in_step(state: &State, snapshot: Option<&Snapshot>, id: SlotId) -> bool {
+    let Some(snapshot) = snapshot else {
+        return true;
+    };
+    match (snapshot.slot(id), state.installed.get(&id)) {
+        (Some(now), Some(installed)) => Arc::ptr_eq(now, &installed.slot),
+        (None, None) => true,
+        _ => false,
+    }
+}
+
+/// The refusal among `errors` that names slot `id`, else [`Error::NotInKvm`].
+fn refusal_of(errors: Vec<Error>, id: SlotId) -> Error {
+    errors
+        .into_iter()
+        .find(|e| e.slot() == Some(id))
+        .unwrap_or(Error::NotInKvm { slot: id })
+}
+
 impl KvmSlots {
     /// Binds `table` to `vm` with the default [`Options`] and installs its slots.
     pub fn new(vm: Arc<VmFd>, table: SlotTable) -> Result<KvmSlots> {
@@ -421,22 +460,55 @@ impl KvmSlots {
         self.sync_locked(&mut state)
     }
 
+    /// [`KvmSlots::sync_all`], with its first refusal as the error.
     fn sync_locked(&self, state: &mut State) -> Result<SyncReport> {
+        let synced = self.sync_all(state);
+        match synced.errors.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(synced.report),
+        }
+    }
+
+    /// Syncs before reading slot `id`'s log: KVM's refusal of another slot does not stop it.
+    /// Fails only when KVM does not hold `id` as the table has it, with the refusal that names
+    /// `id` (or [`Error::NotInKvm`] if none does, e.g. the table changed meanwhile).
+    fn sync_for(&self, state: &mut State, id: SlotId) -> Result<()> {
+        let synced = self.sync_all(state);
+        if synced.errors.is_empty() || in_step(state, synced.snapshot.as_deref(), id) {
+            return Ok(());
+        }
+        Err(refusal_of(synced.errors, id))
+    }
+
+    /// Brings KVM level with the table's current snapshot as far as KVM lets it: a refused
+    /// ioctl is recorded and the rest of the plan still applied, so one slot KVM refuses does
+    /// not keep the others out (nor their logs: see `sync_for`). Until a sync has no refusal,
+    /// every call plans again (and retries what KVM refused).
+    fn sync_all(&self, state: &mut State) -> Synced {
         let mut report = SyncReport::default();
+        let mut errors = Vec::new();
         // Nothing changed since the last full sync: one atomic load, O(1) whatever the slot
         // count (every dirty-log call syncs first).
         if state.synced == Some(self.table.generation()) {
-            return Ok(report);
+            return Synced {
+                report,
+                errors,
+                snapshot: None,
+            };
         }
         let snapshot = self.table.snapshot();
         if state.synced == Some(snapshot.generation()) {
-            return Ok(report);
+            return Synced {
+                report,
+                errors,
+                snapshot: Some(snapshot),
+            };
         }
         let current: BTreeMap<SlotId, &Arc<Slot>> = snapshot.slots().map(|s| (s.id(), s)).collect();
         // The plan: what to delete (and whether to keep its KVM dirty bits, and how), what to
         // update in place, what to create.
         let mut delete: Vec<(SlotId, bool)> = Vec::new();
-        let mut flags_only: Vec<Arc<Slot>> = Vec::new();
+        let mut flags_only: Vec<(Arc<Slot>, bool)> = Vec::new();
         let mut create: Vec<Arc<Slot>> = Vec::new();
         for (id, old) in &state.installed {
             let Some(&new) = current.get(id) else {
@@ -449,8 +521,21 @@ impl KvmSlots {
             let new_flags = kvm_flags(new);
             let logs = new_flags & old.flags & KVM_MEM_LOG_DIRTY_PAGES != 0;
             if same_place(&old.slot, new) && (new_flags ^ old.flags) & KVM_MEM_READONLY == 0 {
-                // Same memory, same read-only-ness: at most dirty logging changed.
-                flags_only.push(new.clone());
+                // Same memory, same read-only-ness: at most dirty logging changed, and KVM's
+                // memslot (with its bitmap) stays. But a slot that logs before and after and
+                // does not share the old slot's memvisor log was replaced (removed and
+                // inserted again, maybe with an identical spec): the table started it a
+                // fresh log, and pages written through the table before the replacement are
+                // in the old slot's log, which the table no longer reaches. It is reported
+                // whole once, as a re-created slot is (module documentation, step 4), rather
+                // than by carrying a log over: a carried log is right only for the same
+                // memory, and a replacement is where a caller may have changed what is behind
+                // the slot (another backing with the same spec values takes the re-create
+                // path below, and is reported whole there); a writer holding an older
+                // snapshot may also still mark the old log after this sync. Reporting every
+                // page is right whatever the memory is; it costs one extra copy of the slot.
+                let replaced = logs && !old.slot.shares_dirty_log(new);
+                flags_only.push((new.clone(), replaced));
             } else {
                 // A moved, resized, re-backed or read-only-toggled slot: delete, re-create.
                 // When it logs before and after, all its pages are reported once (module
@@ -469,7 +554,10 @@ impl KvmSlots {
             let old = &state.installed[&id];
             if let (Some(rings), true) = (&self.rings, old.flags & KVM_MEM_LOG_DIRTY_PAGES != 0) {
                 // Entries for this KVM number must not outlive the memslot.
-                rings.harvest()?;
+                if let Err(e) = rings.harvest() {
+                    errors.push(e);
+                    continue;
+                }
                 rings.take(old.kvm_slot);
             }
             if all_pages {
@@ -479,7 +567,11 @@ impl KvmSlots {
                 // A slot that no longer logs (or is gone) has nothing left to report.
                 state.carried.remove(&id);
             }
-            self.set_region(id, old.kvm_slot, &old.slot, 0, 0)?;
+            if let Err(e) = self.set_region(id, old.kvm_slot, &old.slot, 0, 0) {
+                // Still installed: its re-creation below is skipped.
+                errors.push(e);
+                continue;
+            }
             let old = state.installed.remove(&id).expect("planned from installed");
             if old.kvm_slot + 1 == state.next {
                 state.next -= 1;
@@ -489,7 +581,7 @@ impl KvmSlots {
             report.deleted += 1;
             // `old.slot` drops here, after KVM let go of its memory.
         }
-        for new in flags_only {
+        for (new, replaced) in flags_only {
             let id = new.id();
             let flags = kvm_flags(&new);
             let old = state
@@ -497,17 +589,30 @@ impl KvmSlots {
                 .get_mut(&id)
                 .expect("planned from installed");
             if flags != old.flags {
+                if let Err(e) = self.set_region(id, old.kvm_slot, &new, new.range().len(), flags) {
+                    errors.push(e);
+                    continue;
+                }
                 if flags & KVM_MEM_LOG_DIRTY_PAGES == 0 {
                     state.carried.remove(&id);
                 }
-                self.set_region(id, old.kvm_slot, &new, new.range().len(), flags)?;
                 report.flags_changed += 1;
+            }
+            if replaced {
+                or_into(
+                    state.carried.entry(id).or_default(),
+                    &all_dirty(pages_of(&new)),
+                );
             }
             old.flags = flags;
             old.slot = new;
         }
         for new in create {
             let id = new.id();
+            if state.installed.contains_key(&id) {
+                // KVM refused to delete the old memslot (an error above): it is still there.
+                continue;
+            }
             let kvm_slot = match state.freed.pop_first() {
                 Some(n) => n,
                 None if state.next < self.caps.nr_memslots => {
@@ -515,17 +620,19 @@ impl KvmSlots {
                     state.next - 1
                 }
                 None => {
-                    return Err(Error::NoMemslot {
+                    errors.push(Error::NoMemslot {
                         slot: id,
                         used: state.installed.len() as u32,
                         limit: self.caps.nr_memslots,
                     });
+                    continue;
                 }
             };
             let flags = kvm_flags(&new);
             if let Err(e) = self.set_region(id, kvm_slot, &new, new.range().len(), flags) {
                 state.freed.insert(kvm_slot);
-                return Err(e);
+                errors.push(e);
+                continue;
             }
             state.installed.insert(
                 id,
@@ -537,8 +644,14 @@ impl KvmSlots {
             );
             report.created += 1;
         }
-        state.synced = Some(snapshot.generation());
-        Ok(report)
+        if errors.is_empty() {
+            state.synced = Some(snapshot.generation());
+        }
+        Synced {
+            report,
+            errors,
+            snapshot: Some(snapshot),
+        }
     }
 
     /// One `KVM_SET_USER_MEMORY_REGION(2)`: `size` 0 deletes.
@@ -604,27 +717,49 @@ impl KvmSlots {
     #[doc(hidden)]
     pub fn take_dirty_log_with(&self, id: SlotId, between: impl FnOnce()) -> Result<Vec<u64>> {
         let mut state = self.lock();
-        self.sync_locked(&mut state)?;
+        self.sync_for(&mut state, id)?;
         self.take_locked(&mut state, id, between)
     }
 
-    /// Every logging slot's merged dirty log, one read-and-clear each, in slot-id order.
+    /// Every logging slot's merged dirty log, one read-and-clear each, in slot-id order. Fails
+    /// if KVM refused a logging slot of the table (with that refusal, before any log is read:
+    /// its log cannot be given; [`KvmSlots::take_dirty_log`] still gives each other slot's),
+    /// or if reading one log fails (the logs read before it are kept for the next call).
     pub fn take_dirty_logs(&self) -> Result<Vec<SlotLog>> {
         let mut state = self.lock();
-        self.sync_locked(&mut state)?;
+        let synced = self.sync_all(&mut state);
+        let snapshot = synced.snapshot.as_deref();
+        if let (false, Some(snapshot)) = (synced.errors.is_empty(), snapshot) {
+            let refused = snapshot.slots().find(|s| {
+                s.flags().contains(SlotFlags::LOG_DIRTY) && !in_step(&state, Some(snapshot), s.id())
+            });
+            if let Some(slot) = refused {
+                return Err(refusal_of(synced.errors, slot.id()));
+            }
+        }
+        // KVM's logging slots, but for one the table dropped and KVM would not delete.
         let logging: Vec<(SlotId, Gpa)> = state
             .installed
             .iter()
-            .filter(|(_, i)| i.flags & KVM_MEM_LOG_DIRTY_PAGES != 0)
+            .filter(|(id, i)| {
+                i.flags & KVM_MEM_LOG_DIRTY_PAGES != 0 && in_step(&state, snapshot, **id)
+            })
             .map(|(id, i)| (*id, i.slot.range().start()))
             .collect();
-        logging
-            .into_iter()
-            .map(|(slot, gpa)| {
-                let words = self.take_locked(&mut state, slot, || {})?;
-                Ok(SlotLog { slot, gpa, words })
-            })
-            .collect()
+        let mut logs = Vec::with_capacity(logging.len());
+        for (slot, gpa) in logging {
+            match self.take_locked(&mut state, slot, || {}) {
+                Ok(words) => logs.push(SlotLog { slot, gpa, words }),
+                Err(e) => {
+                    // Read and cleared already: kept for the next call, not dropped.
+                    for log in logs {
+                        or_into(state.carried.entry(log.slot).or_default(), &log.words);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(logs)
     }
 
     fn take_locked(

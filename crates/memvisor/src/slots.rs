@@ -185,6 +185,17 @@ impl Slot {
     pub(crate) fn dirty_bitmap(&self) -> Option<&Arc<DirtyBitmap>> {
         self.dirty.as_ref()
     }
+    /// Whether both slots mark one and the same dirty log: true for the slots before and after
+    /// a flag change that keeps `LOG_DIRTY` (the log goes on), false for a slot inserted anew,
+    /// even with the same spec (it starts a log of its own, and the old one's marks stay with
+    /// the old slot), and false when either does not log. For a binding that copies the table
+    /// elsewhere (KVM's memslots) and must not lose the marks of a replaced slot.
+    pub fn shares_dirty_log(&self, other: &Slot) -> bool {
+        match (&self.dirty, &other.dirty) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
 }
 
 /// The answer to a slot lookup: where a guest physical address lives on the host (a device's

@@ -472,3 +472,29 @@ fn drain_dirty_log_hands_over_the_dirty_words_of_a_large_slot_and_clears_them() 
     );
     assert_eq!(drain(), vec![]);
 }
+
+#[test]
+fn a_flag_change_shares_the_dirty_log_and_a_slot_inserted_again_does_not() {
+    let t = SlotTable::new();
+    let b = anon(2 * PAGE);
+    let spec = SlotSpec::new(0, Gpa(0), b.clone()).flags(SlotFlags::LOG_DIRTY);
+    t.insert(spec.clone()).unwrap();
+    let first = t.snapshot().slot(0).unwrap().clone();
+    // The same flags again: the log goes on.
+    t.set_flags(0, SlotFlags::LOG_DIRTY).unwrap();
+    let flagged = t.snapshot().slot(0).unwrap().clone();
+    assert!(!Arc::ptr_eq(&first, &flagged));
+    assert!(first.shares_dirty_log(&flagged));
+    // Removed and inserted again with the same spec: a log of its own.
+    t.update(|e| {
+        e.remove(0)?;
+        e.insert(spec.clone())
+    })
+    .unwrap();
+    let again = t.snapshot().slot(0).unwrap().clone();
+    assert!(!flagged.shares_dirty_log(&again));
+    // No log on either side: nothing shared.
+    t.set_flags(0, SlotFlags::NONE).unwrap();
+    let off = t.snapshot().slot(0).unwrap().clone();
+    assert!(!off.shares_dirty_log(&off));
+}
