@@ -104,7 +104,6 @@ fn loop_or_skip(test: &str, bytes: u64, sector: Option<u32>) -> Option<Loop> {
         Ok(l) => Some(l),
         Err(why) => {
             println!("skipped: {test}: {why}");
-            eprintln!("skipped: {test}: {why}");
             None
         }
     }
