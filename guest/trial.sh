@@ -13,7 +13,7 @@
 #                      | blk --frontend-dies [--negative] | mig --frontend-dies [--negative]
 #                      | blk --crash [--negative | --reorder]
 #                      | rng [--negative]
-#                      | blk --loop [--negative]
+#                      | blk --loop[=4096] [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -177,6 +177,8 @@
 #               (BLKDISCARD; the back end sends it on with BLKDISCARD, the loop driver punches a
 #               hole) and reads back zeros. The host checks the image: the guest's pattern, and
 #               zeros and a hole where the guest discarded.
+#               --loop=4096: the loop device has 4096-byte logical sectors (losetup --sector-size),
+#               which the guest must see as its disk's logical block size (blk_size).
 #   blk --loop --negative: once the guest has discarded, the host writes random data into the
 #               discarded range through the loop device; the zero checks must then FAIL.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300), RUST_LOG
@@ -190,7 +192,7 @@ crash=0; reorder=0
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
 # --loop (blk; see blk_loop_trial below) likewise.
-loop=0; rest=(); for a in "$@"; do if [ "$a" = --loop ]; then loop=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
+loop=0; loop_sector=512; rest=(); for a in "$@"; do case $a in --loop) loop=1;; --loop=4096) loop=1; loop_sector=4096;; *) rest+=("$a");; esac; done; set -- ${rest[@]+"${rest[@]}"}
 for a in "$@"; do case $a in --stats) balloon_stats=1;; --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --no-summary) no_summary=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 # With --frontend-dies, --negative is the leak switch (MEMVISOR_TEST_LEAK_ON_HANGUP, a test-hooks
 # build), not the trial's own negative control.
@@ -219,7 +221,7 @@ name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-n
 [ $balloon_stats = 0 ] || name=${name/balloon/balloon-stats}
 [ $disk_fault = 0 ] || name=${name/blk/blk-disk-fault}; [ $memlock = 0 ] || name=${name/blk/blk-memlock}
 [ $crash = 0 ] || name=${name/blk/blk-crash}; [ $reorder = 0 ] || name=$name-reorder
-[ $loop = 0 ] || name=${name/blk/blk-loop}
+[ $loop = 0 ] || name=${name/blk/blk-loop}; [ $loop_sector = 512 ] || name=${name/blk-loop/blk-loop$loop_sector}
 # The disk-fault trial's mounts (tmpfs, FUSE) from a run that died before its cleanup.
 for m in "$work/run/$name/fault/fuse" "$work/run/$name/fault/tmpfs"; do
   mountpoint -q "$m" 2>/dev/null && umount -l "$m"
@@ -832,7 +834,7 @@ fi
 blk_loop_trial() {
   local bytes=$((64 << 20)) mib=32 off=$((48 << 20)) len=$((1 << 20)) wait_s=1 sock=$run/blk.sock
   truncate -s 0 "$run/disk.img"; truncate -s $bytes "$run/disk.img"
-  loopdev=$(losetup --find --show "$run/disk.img" 2> "$run/losetup.err") || {
+  loopdev=$(losetup --find --show --sector-size $loop_sector "$run/disk.img" 2> "$run/losetup.err") || {
     echo "SKIPPED real-guest trial $name: no loop device ($(cat "$run/losetup.err"))"; exit 0; }
   # Detached at the end whatever happens, after the back end is gone.
   trap 'cleanup; losetup -d "$loopdev" 2>/dev/null || true' EXIT
@@ -843,7 +845,7 @@ blk_loop_trial() {
   wait_socket "$sock"
   [ $negative = 0 ] || wait_s=4
   start=$(date +%s.%N)
-  qemu "t=blk,blkdisc blk_mib=$mib blk_wait=1 blk_random=300 blk_serial=memvisor blk_sectors=$((bytes / 512)) disc_off=$off disc_len=$len disc_wait=$wait_s" \
+  qemu "t=blk,blkdisc blk_mib=$mib blk_wait=1 blk_random=300 blk_serial=memvisor blk_sectors=$((bytes / 512)) blk_logical=$loop_sector disc_off=$off disc_len=$len disc_wait=$wait_s" \
     -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
   if [ $negative = 1 ]; then
     # Once the guest has discarded (and waits), write into the range under it.
