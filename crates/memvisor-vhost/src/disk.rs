@@ -4,10 +4,11 @@
 //!
 //! **A block device** (an LVM volume, an NVMe namespace, a partition, a loop device) is served
 //! like a file, with what [`crate::blockdev`] reads from the kernel: its size (`BLKGETSIZE64`;
-//! `fstat` says 0), its logical block size as the smallest unit of a request ([`Disk::block_size`]),
-//! its physical block size, alignment and I/O hints ([`Disk::topology`]), and what it can do
-//! with a range ([`Disk::discard_limits`], [`Disk::write_zeroes_max`]). A discard goes to the
-//! device with `BLKDISCARD` (a file's punches a hole); zeroing goes through `fallocate` for both.
+//! `fstat` says 0), its logical block size as the smallest unit of a request
+//! ([`Disk::block_size`]), its physical block size, alignment and I/O hints
+//! ([`Disk::topology`]), and what it can do with a range ([`Disk::discard_limits`],
+//! [`Disk::write_zeroes_max`]). A discard goes to the device with `BLKDISCARD` (a file's punches
+//! a hole); zeroing goes through `fallocate` for both.
 //!
 //! **Vectored I/O.** A request's buffers are guest memory the device has translated and pinned;
 //! [`Disk::rw_vectored`] hands their host addresses to `preadv` / `pwritev` and steps past
