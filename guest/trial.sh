@@ -13,6 +13,7 @@
 #                      | blk --frontend-dies [--negative] | mig --frontend-dies [--negative]
 #                      | blk --crash [--negative | --reorder]
 #                      | rng [--negative]
+#                      | blk --loop[=4096] [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -169,6 +170,17 @@
 #               nor repeat. Env RNG: the example's binary (default target/release/examples/rng).
 #   rng --negative: the device writes zeros (MEMVISOR_TEST_RNG_ZEROS; RNG= a build with
 #               --features test-hooks); the guest's check must then FAIL.
+#   blk --loop: the disk is a loop device over a 64 MiB image (a block device, not a file: its
+#               size comes from BLKGETSIZE64). The guest runs the blk trial on it, checks it sees
+#               the whole capacity (sectors = image bytes / 512) and that its last block reads;
+#               then guest/progs/blkdisc.c writes 1 MiB at 48 MiB, checks it, discards it
+#               (BLKDISCARD; the back end sends it on with BLKDISCARD, the loop driver punches a
+#               hole) and reads back zeros. The host checks the image: the guest's pattern, and
+#               zeros and a hole where the guest discarded.
+#               --loop=4096: the loop device has 4096-byte logical sectors (losetup --sector-size),
+#               which the guest must see as its disk's logical block size (blk_size).
+#   blk --loop --negative: once the guest has discarded, the host writes random data into the
+#               discarded range through the loop device; the zero checks must then FAIL.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300), RUST_LOG
 #   (the back ends' log filter, default info; warn for vfio-user).
 set -euo pipefail
@@ -179,6 +191,8 @@ balloon_stats=0; queues=1; negative=0; peer=0; fuzz=0; iommu=""; private=0; long
 crash=0; reorder=0
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
+# --loop (blk; see blk_loop_trial below) likewise.
+loop=0; loop_sector=512; rest=(); for a in "$@"; do case $a in --loop) loop=1;; --loop=4096) loop=1; loop_sector=4096;; *) rest+=("$a");; esac; done; set -- ${rest[@]+"${rest[@]}"}
 for a in "$@"; do case $a in --stats) balloon_stats=1;; --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --no-summary) no_summary=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
 # With --frontend-dies, --negative is the leak switch (MEMVISOR_TEST_LEAK_ON_HANGUP, a test-hooks
 # build), not the trial's own negative control.
@@ -207,6 +221,7 @@ name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-n
 [ $balloon_stats = 0 ] || name=${name/balloon/balloon-stats}
 [ $disk_fault = 0 ] || name=${name/blk/blk-disk-fault}; [ $memlock = 0 ] || name=${name/blk/blk-memlock}
 [ $crash = 0 ] || name=${name/blk/blk-crash}; [ $reorder = 0 ] || name=$name-reorder
+[ $loop = 0 ] || name=${name/blk/blk-loop}; [ $loop_sector = 512 ] || name=${name/blk-loop/blk-loop$loop_sector}
 # The disk-fault trial's mounts (tmpfs, FUSE) from a run that died before its cleanup.
 for m in "$work/run/$name/fault/fuse" "$work/run/$name/fault/tmpfs"; do
   mountpoint -q "$m" 2>/dev/null && umount -l "$m"
@@ -813,6 +828,75 @@ if [ $memlock = 1 ]; then
   [ $ok = 1 ] || exit 1
   exit 0
 fi
+
+# --- blk --loop ---------------------------------------------------------------------------------
+# A block device as the disk (issue 45): a loop device over an image; see the usage at the top.
+blk_loop_trial() {
+  local bytes=$((64 << 20)) mib=32 off=$((48 << 20)) len=$((1 << 20)) wait_s=1 sock=$run/blk.sock
+  truncate -s 0 "$run/disk.img"; truncate -s $bytes "$run/disk.img"
+  loopdev=$(losetup --find --show --sector-size $loop_sector "$run/disk.img" 2> "$run/losetup.err") || {
+    echo "SKIPPED real-guest trial $name: no loop device ($(cat "$run/losetup.err"))"; exit 0; }
+  # Detached at the end whatever happens, after the back end is gone.
+  trap 'cleanup; losetup -d "$loopdev" 2>/dev/null || true' EXIT
+  local q=/sys/block/${loopdev#/dev/}/queue
+  echo "  disk: $loopdev over $run/disk.img ($bytes bytes); the host's view: $(blockdev --getsize64 "$loopdev") bytes, logical block $(cat $q/logical_block_size), discard_max_bytes $(cat $q/discard_max_bytes), write_zeroes_max_bytes $(cat $q/write_zeroes_max_bytes)"
+  RUST_LOG=${RUST_LOG:-info} "$bin" vhost-user-blk --socket "$sock" --disk "$loopdev" --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$sock"
+  [ $negative = 0 ] || wait_s=4
+  start=$(date +%s.%N)
+  qemu "t=blk,blkdisc blk_mib=$mib blk_wait=1 blk_random=300 blk_serial=memvisor blk_sectors=$((bytes / 512)) blk_logical=$loop_sector disc_off=$off disc_len=$len disc_wait=$wait_s" \
+    -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
+  if [ $negative = 1 ]; then
+    # Once the guest has discarded (and waits), write into the range under it.
+    for _ in $(seq 3000); do grep -q -a 'BLKDISC discarded' "$log" 2>/dev/null && break; kill -0 "$qpid" 2>/dev/null || break; sleep 0.1; done
+    dd if=/dev/urandom of="$loopdev" bs=4k seek=$((off / 4096 + 16)) count=4 oflag=direct conv=notrunc status=none
+    echo "negative control: wrote 16 KiB of random data at byte $((off + 65536)), inside the range the guest discarded, through $loopdev"
+  fi
+  wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
+  end=$(date +%s.%N)
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  blockdev --flushbufs "$loopdev" 2>/dev/null || true
+  { grep -a -E '^(GUEST|BLKDISC)' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
+  local bres dres want have host disc
+  bres=$(grep -a '^RESULT blk ' "$log" | tail -1 | tr -d '\r' || true)
+  dres=$(grep -a '^RESULT blkdisc' "$log" | tail -1 | tr -d '\r' || true)
+  want=$(grep -a 'PATTERN sha256=' "$log" | sed 's/.*sha256=\([0-9a-f]*\).*/\1/' | tr -d '\r' || true)
+  have=$(head -c $((mib << 20)) "$run/disk.img" | sha256sum | cut -d' ' -f1)
+  host=FAIL; [ -z "$want" ] || [ "$want" != "$have" ] || host=PASS
+  echo "  host image check, pattern: $host (guest pattern ${want:-none}, image $have)"
+  # The discarded range: zeros in the image, and a hole (the loop driver punched it).
+  disc=$(python3 - "$run/disk.img" $off $len <<'PY'
+import os, sys
+path, off, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with open(path, "rb") as f:
+    f.seek(off); b = f.read(n)
+bad = sum(1 for x in b if x)
+fd = os.open(path, os.O_RDONLY)
+try:
+    data = os.lseek(fd, off, os.SEEK_DATA)
+except OSError:
+    data = os.fstat(fd).st_size
+hole = data >= off + n
+print(("PASS" if bad == 0 and hole else "FAIL") + f" {n - bad} of {n} bytes zero, " + ("a hole" if hole else f"data at byte {data}"))
+PY
+)
+  echo "  host image check, discarded range at $off: $disc"
+  # The guest's discard reached the back end as a DISCARD request, and nothing failed there.
+  local backend
+  backend=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(("PASS" if s["discards"] >= 1 and s["failed"] == 0 else "FAIL"), "reads=%(reads)d writes=%(writes)d bytes_read=%(bytes_read)d bytes_written=%(bytes_written)d discards=%(discards)d write_zeroes=%(write_zeroes)d failed=%(failed)d io_errors=%(io_errors)d" % s)' "$run/stats.json" 2>/dev/null || echo "FAIL no back end stats")
+  echo "  back end: $backend"
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
+  echo "$name: ${bres:-RESULT blk FAIL no verdict}; ${dres:-RESULT blkdisc FAIL no verdict (see $work/$log)}"
+  local ok=0; case "$bres/$dres/$host/$disc/$backend" in *PASS*/*PASS*/PASS/PASS*/PASS*) ok=1;; esac
+  if [ $negative = 1 ]; then
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: data written into the discarded range went unnoticed"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  exit 0
+}
+if [ "$trial" = blk ] && [ $loop = 1 ]; then blk_loop_trial; fi
 
 case $trial in
 blk)

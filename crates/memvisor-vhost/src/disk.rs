@@ -1,5 +1,14 @@
-//! The image a block device serves: a file, read and written through the host page cache or,
-//! opened `O_DIRECT`, straight between the storage and the request's memory.
+//! The image a block device serves: a file or a host block device, read and written through
+//! the host page cache or, opened `O_DIRECT`, straight between the storage and the request's
+//! memory.
+//!
+//! **A block device** (an LVM volume, an NVMe namespace, a partition, a loop device) is served
+//! like a file, with what [`crate::blockdev`] reads from the kernel: its size (`BLKGETSIZE64`;
+//! `fstat` says 0), its logical block size as the smallest unit of a request
+//! ([`Disk::block_size`]), its physical block size, alignment and I/O hints
+//! ([`Disk::topology`]), and what it can do with a range ([`Disk::discard_limits`],
+//! [`Disk::write_zeroes_max`]). A discard goes to the device with `BLKDISCARD` (a file's punches
+//! a hole); zeroing goes through `fallocate` for both.
 //!
 //! **Vectored I/O.** A request's buffers are guest memory the device has translated and pinned;
 //! [`Disk::rw_vectored`] hands their host addresses to `preadv` / `pwritev` and steps past
@@ -17,7 +26,8 @@
 //!
 //! **`O_DIRECT` asks for alignment.** Each buffer's address and length must be a multiple of
 //! the file's memory alignment, the file offset and length a multiple of its offset alignment
-//! (`statx` `STATX_DIOALIGN`; 512 bytes where the file system does not say). A Linux guest
+//! (`statx` `STATX_DIOALIGN`; where the kernel does not say — some report 0 for a block
+//! device — 512 bytes for a file and the logical block size for a block device). A Linux guest
 //! submits whole sectors from aligned pages, so its requests go straight through; the virtio
 //! specification lets a driver place buffers at any address, so a request whose buffers are not
 //! aligned is copied through an [`AlignedBuf`] instead (the caller's choice, after
@@ -30,7 +40,11 @@ use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
+use crate::blockdev::{self, BlockDev};
 use crate::error::{Error, Result};
+
+/// Bytes in a virtio-blk sector, the unit of offsets on the wire.
+const SECTOR: u64 = 512;
 
 /// What `O_DIRECT` needs of a transfer, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,9 +55,37 @@ pub struct Align {
     pub offset: u64,
 }
 
+/// A block device's layout as the guest should see it, in blocks of [`Disk::block_size`]
+/// (the virtio-blk topology fields).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Topology {
+    /// log2 of the blocks in one physical block.
+    pub physical_block_exp: u8,
+    /// The first block that starts a physical block.
+    pub alignment_offset: u8,
+    /// Smallest I/O the device prefers, in blocks (0: no hint).
+    pub min_io_size: u16,
+    /// Largest I/O the device prefers, in blocks (0: no hint).
+    pub opt_io_size: u32,
+}
+
+impl Topology {
+    /// The fields as they lie in the virtio-blk config space (bytes 24..32).
+    pub fn config(&self) -> [u8; 8] {
+        let mut c = [0u8; 8];
+        c[0] = self.physical_block_exp;
+        c[1] = self.alignment_offset;
+        c[2..4].copy_from_slice(&self.min_io_size.to_le_bytes());
+        c[4..8].copy_from_slice(&self.opt_io_size.to_le_bytes());
+        c
+    }
+}
+
 /// The image file and how it was opened.
 pub struct Disk {
     file: File,
+    /// What the kernel said about it when it is a block device.
+    block: Option<BlockDev>,
     direct: Option<Align>,
     /// The io_uring transfers go through, made on first use; `None` after it could not be.
     ring: Option<Option<io_uring::IoUring>>,
@@ -70,9 +112,10 @@ pub const IN_FLIGHT: usize = 128;
 const IOV_MAX: usize = 1024;
 
 impl Disk {
-    /// The image behind `file`; whether it bypasses the page cache is read from the file's own
-    /// flags (`O_DIRECT`), and its alignment from `statx`.
+    /// The image behind `file`, a regular file or a block device; whether it bypasses the page
+    /// cache is read from the file's own flags (`O_DIRECT`), and its alignment from `statx`.
     pub fn new(file: File) -> Result<Disk> {
+        let block = blockdev::probe(&file)?;
         // SAFETY: F_GETFL only reads the flags of a descriptor we own.
         let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
         if flags < 0 {
@@ -81,9 +124,11 @@ impl Disk {
                 source: std::io::Error::last_os_error(),
             });
         }
-        let direct = (flags & libc::O_DIRECT != 0).then(|| dio_align(&file));
+        let direct =
+            (flags & libc::O_DIRECT != 0).then(|| dio_align(&file, block.map(|b| b.logical)));
         Ok(Disk {
             file,
+            block,
             direct,
             ring: None,
             done_fd: None,
@@ -102,8 +147,63 @@ impl Disk {
         &self.file
     }
 
-    /// Bytes in the image.
+    /// What the kernel said about the block device, if the image is one.
+    pub fn block_device(&self) -> Option<&BlockDev> {
+        self.block.as_ref()
+    }
+
+    /// The smallest unit of a request's offset and length, in bytes: a block device's logical
+    /// block size, the `O_DIRECT` offset alignment, and never less than a 512-byte sector. The
+    /// device offers it as its `blk_size`.
+    pub fn block_size(&self) -> u64 {
+        let logical = self.block.map_or(SECTOR, |b| u64::from(b.logical));
+        let direct = self.direct.map_or(SECTOR, |a| a.offset);
+        logical.max(direct).max(SECTOR)
+    }
+
+    /// A block device's physical block size, alignment and I/O hints in blocks of
+    /// [`Disk::block_size`] (each clamped to its virtio field); `None` for a file.
+    pub fn topology(&self) -> Option<Topology> {
+        let b = self.block?;
+        let block = self.block_size();
+        let blocks = |bytes: u32| u64::from(bytes) / block;
+        let per_physical = blocks(b.physical).max(1);
+        Some(Topology {
+            physical_block_exp: per_physical.ilog2() as u8,
+            alignment_offset: blocks(b.alignment_offset).min(u64::from(u8::MAX)) as u8,
+            min_io_size: blocks(b.io_min).min(u64::from(u16::MAX)) as u16,
+            opt_io_size: blocks(b.io_opt).min(u64::from(u32::MAX)) as u32,
+        })
+    }
+
+    /// Whether a discard can do anything, and if so its limits: (most bytes in one, the unit
+    /// the storage discards in). A file may always be asked (a file system that cannot punch
+    /// holes ignores it); a block device only when the kernel says it discards.
+    pub fn discard_limits(&self) -> Option<(u64, u64)> {
+        match self.block {
+            None => Some((u64::MAX, self.block_size())),
+            Some(b) if b.discard_max > 0 => {
+                Some((b.discard_max, b.discard_granularity.max(self.block_size())))
+            }
+            Some(_) => None,
+        }
+    }
+
+    /// Most bytes one zeroing may cover: a block device's own limit where it has a zeroing
+    /// command; otherwise no limit of the storage's (the kernel, or [`Disk::zero`], writes
+    /// zeros).
+    pub fn write_zeroes_max(&self) -> u64 {
+        match self.block {
+            Some(b) if b.write_zeroes_max > 0 => b.write_zeroes_max,
+            _ => u64::MAX,
+        }
+    }
+
+    /// Bytes in the image: a file's length, a block device's size.
     pub fn len(&self) -> Result<u64> {
+        if self.block.is_some() {
+            return blockdev::size(&self.file);
+        }
         Ok(self
             .file
             .metadata()
@@ -370,39 +470,58 @@ impl Disk {
             })
     }
 
-    /// Punches a hole over `len` bytes at `offset` (`DISCARD`): the file system may free the
-    /// blocks, and the range reads as zeros. A file system that cannot punch holes ignores it:
-    /// a discard is a hint.
+    /// Discards `len` bytes at `offset` (`DISCARD`). In a file, a hole is punched: the file
+    /// system may free the blocks, and the range reads as zeros. A block device is told with
+    /// `BLKDISCARD`; what the range reads afterwards is the device's affair (a loop device over
+    /// a file punches a hole; an SSD may keep the old data). Storage that cannot discard
+    /// ignores it: a discard is a hint.
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        match self.fallocate(
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            offset,
-            len,
-        ) {
+        let (done, op) = if self.block.is_some() {
+            (
+                blockdev::discard(&self.file, offset, len),
+                "discard a range of the block device (BLKDISCARD)",
+            )
+        } else {
+            (
+                self.fallocate(
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset,
+                    len,
+                ),
+                "punch a hole in the disk image (discard)",
+            )
+        };
+        match done {
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(()),
-            r => r.map_err(|source| Error::Os {
-                op: "punch a hole in the disk image (discard)",
-                source,
-            }),
+            r => r.map_err(|source| Error::Os { op, source }),
         }
     }
 
-    /// Zeroes `len` bytes at `offset` (`WRITE_ZEROES`): a hole where `unmap` allows it, else
-    /// the file system's zero range; where neither is supported, zeros are written.
+    /// Zeroes `len` bytes at `offset` (`WRITE_ZEROES`), with `fallocate` for a file and a block
+    /// device alike: a hole where `unmap` allows it (on a block device: the device's zeroing
+    /// command, unmapping where it can), else a zero range (on a block device the kernel writes
+    /// zeros where the device has no command); where neither is supported, zeros are written.
     pub fn zero(&self, offset: u64, len: u64, unmap: bool) -> Result<()> {
-        let mode = if unmap {
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+        let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        let zero_range = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+        let modes: &[libc::c_int] = if unmap {
+            &[punch, zero_range]
         } else {
-            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+            &[zero_range]
         };
-        match self.fallocate(mode, offset, len) {
-            Ok(()) => Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => self.write_zeros(offset, len),
-            Err(source) => Err(Error::Os {
-                op: "zero a range of the disk image (write zeroes)",
-                source,
-            }),
+        for &mode in modes {
+            match self.fallocate(mode, offset, len) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => continue,
+                Err(source) => {
+                    return Err(Error::Os {
+                        op: "zero a range of the disk image (write zeroes)",
+                        source,
+                    });
+                }
+            }
         }
+        self.write_zeros(offset, len)
     }
 
     fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> std::io::Result<()> {
@@ -472,12 +591,15 @@ pub fn advance(iov: &mut Vec<libc::iovec>, mut n: usize) {
     }
 }
 
-/// The file's `O_DIRECT` alignment from `statx` (`STATX_DIOALIGN`, Linux 6.1), or 512 bytes
-/// for both where the kernel or file system does not report it.
-fn dio_align(file: &File) -> Align {
+/// The file's `O_DIRECT` alignment from `statx` (`STATX_DIOALIGN`, Linux 6.1), where the
+/// kernel or file system does not report it (some kernels report 0 for a block device) 512
+/// bytes of memory and, for offsets, 512 bytes or a block device's `logical` block size. An
+/// offset alignment is never below the logical block size.
+fn dio_align(file: &File, logical: Option<u32>) -> Align {
+    let logical = logical.map_or(SECTOR, u64::from);
     let fallback = Align {
         memory: 512,
-        offset: 512,
+        offset: logical,
     };
     // SAFETY: an all-zero statx is a valid value for the kernel to fill in.
     let mut st: libc::statx = unsafe { std::mem::zeroed() };
@@ -496,7 +618,7 @@ fn dio_align(file: &File) -> Align {
     }
     Align {
         memory: u64::from(st.stx_dio_mem_align).max(1),
-        offset: u64::from(st.stx_dio_offset_align),
+        offset: u64::from(st.stx_dio_offset_align).max(logical),
     }
 }
 

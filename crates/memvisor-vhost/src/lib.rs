@@ -17,7 +17,8 @@
 //!   deflate on OOM) through memvisor's balloon model and pin-aware discard.
 //! * [`blk`] is virtio-blk over a raw image with `preadv`/`pwritev` straight into guest memory,
 //!   pages pinned through memvisor for the duration of each request; [`disk`] is the image
-//!   file, through the page cache or `O_DIRECT`.
+//!   file or block device, through the page cache or `O_DIRECT`; [`blockdev`] reads what the
+//!   kernel says about a block device (size, block sizes, discard limits).
 //! * [`ring`] is a started virtqueue as a device sees it: the split queue and, when the
 //!   frontend keeps one, the inflight log that lets a restarted back end redo what was in
 //!   flight.
@@ -42,6 +43,7 @@
 pub mod backend;
 pub mod balloon;
 pub mod blk;
+pub mod blockdev;
 pub mod client;
 pub mod device;
 pub mod disk;

@@ -23,7 +23,14 @@ impl Device for Blk {
         if self.options.read_only {
             f |= 1 << 5; // VIRTIO_BLK_F_RO
         } else {
-            f |= 1 << F_DISCARD | 1 << F_WRITE_ZEROES;
+            f |= 1 << F_WRITE_ZEROES;
+            // A block device that cannot discard is not offered DISCARD.
+            if self.disk.discard_limits().is_some() {
+                f |= 1 << F_DISCARD;
+            }
+        }
+        if self.disk.topology().is_some() {
+            f |= 1 << virtio_bindings::virtio_blk::VIRTIO_BLK_F_TOPOLOGY;
         }
         if self.options.iommu {
             f |= crate::proto::F_IOMMU_PLATFORM;

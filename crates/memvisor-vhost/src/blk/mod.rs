@@ -1,9 +1,9 @@
-//! virtio-blk over a raw image file.
+//! virtio-blk over a raw image: a file or a host block device ([`crate::disk`]).
 //!
 //! A request is one descriptor chain: a 16-byte header the driver wrote (type, reserved,
 //! sector), data buffers, and a status byte the device writes last. Supported: `IN` (read),
-//! `OUT` (write), `FLUSH`, `GET_ID`, and on a writable disk `DISCARD` and `WRITE_ZEROES`
-//! (hole punch / zero range, limits in the config space); anything else is answered `UNSUPP`.
+//! `OUT` (write), `FLUSH`, `GET_ID`, and on a writable disk `WRITE_ZEROES` and (where the
+//! storage can) `DISCARD`, limits in the config space; anything else is answered `UNSUPP`.
 //!
 //! **Data path.** The data buffers are guest addresses; the device turns them into host
 //! addresses through memvisor's [`DmaSpace`] (`translate_sg`, which checks each buffer lies in
@@ -163,8 +163,8 @@ struct Out {
 impl Blk {
     /// A device over `disk` (its length, rounded down to whole sectors, is the capacity).
     /// Opened `O_DIRECT`, the image is read and written without the host page cache (see
-    /// [`crate::disk`]); the device then offers the file's `O_DIRECT` offset alignment as its
-    /// block size.
+    /// [`crate::disk`]); the device then offers the file's `O_DIRECT` offset alignment (or a
+    /// block device's logical block size, if larger) as its block size.
     pub fn new(disk: File, options: BlkOptions) -> Result<Blk> {
         let disk = Disk::new(disk)?;
         let len = disk.len()?;
@@ -190,15 +190,23 @@ impl Blk {
         let mut c = [0u8; 60];
         c[0..8].copy_from_slice(&self.sectors.to_le_bytes()); // capacity
         c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes()); // seg_max
-        let block = self.disk.direct().map_or(SECTOR, |a| a.offset.max(SECTOR));
+        let block = self.disk.block_size();
         c[20..24].copy_from_slice(&(block as u32).to_le_bytes()); // blk_size
+        if let Some(t) = self.disk.topology() {
+            c[24..32].copy_from_slice(&t.config()); // physical_block_exp .. opt_io_size
+        }
         c[34..36].copy_from_slice(&self.options.queues.to_le_bytes()); // num_queues
-        if !self.options.read_only {
-            let align = (block / SECTOR) as u32;
-            c[36..40].copy_from_slice(&MAX_RANGE_SECTORS.to_le_bytes()); // max_discard_sectors
+        // The storage's own limits, capped at ours; never below one block.
+        let sectors =
+            |bytes: u64| (bytes / SECTOR).clamp(block / SECTOR, MAX_RANGE_SECTORS.into()) as u32;
+        if let (false, Some((max, unit))) = (self.options.read_only, self.disk.discard_limits()) {
+            c[36..40].copy_from_slice(&sectors(max).to_le_bytes()); // max_discard_sectors
             c[40..44].copy_from_slice(&MAX_RANGE_SEGS.to_le_bytes()); // max_discard_seg
-            c[44..48].copy_from_slice(&align.to_le_bytes()); // discard_sector_alignment
-            c[48..52].copy_from_slice(&MAX_RANGE_SECTORS.to_le_bytes()); // max_write_zeroes_sectors
+            c[44..48].copy_from_slice(&sectors(unit).to_le_bytes()); // discard_sector_alignment
+        }
+        if !self.options.read_only {
+            let max = sectors(self.disk.write_zeroes_max());
+            c[48..52].copy_from_slice(&max.to_le_bytes()); // max_write_zeroes_sectors
             c[52..56].copy_from_slice(&MAX_RANGE_SEGS.to_le_bytes()); // max_write_zeroes_seg
             c[56] = 1; // write_zeroes_may_unmap
         }
@@ -391,14 +399,17 @@ impl Blk {
         Ok(Served::Done(code, written))
     }
 
-    /// `DISCARD` (punch a hole: the file system may free the blocks) or `WRITE_ZEROES` (zero
-    /// the range, or punch it when the driver allows unmapping: a hole reads as zeros). The
-    /// segments (sector, sectors, flags; 16 bytes each) are the data buffers' bytes. Every
-    /// segment is checked before any is carried out; an unknown flag, or `unmap` on a discard,
-    /// is `UNSUPP` as the specification asks. A file system that cannot punch holes ignores a
-    /// discard (a hint) and has zeros written instead.
+    /// `DISCARD` ([`Disk::discard`]: a hole, or `BLKDISCARD`; `UNSUPP` where not offered) or
+    /// `WRITE_ZEROES` ([`Disk::zero`]; with unmap allowed, a hole). The segments (sector,
+    /// sectors, flags; 16 bytes each) are the data buffers' bytes. Every segment is checked
+    /// before any is carried out; an unknown flag, or `unmap` on a discard, is `UNSUPP` as the
+    /// specification asks. Storage that cannot discard ignores a discard (a hint).
     fn ranges(&mut self, q: u16, dma: &DmaSpace, data: &[Buf], zeroes: bool) -> Result<(u8, u32)> {
         let what = if zeroes { "write-zeroes" } else { "discard" };
+        if !zeroes && self.disk.discard_limits().is_none() {
+            self.count(q).failed.add(1);
+            return Ok((S_UNSUPP, 0));
+        }
         let mut bytes = Vec::new();
         for b in data {
             if b.write {
@@ -422,10 +433,7 @@ impl Blk {
                 bytes.len()
             )));
         }
-        let align = self
-            .disk
-            .direct()
-            .map_or(1, |a| a.offset.max(SECTOR) / SECTOR);
+        let align = self.disk.block_size() / SECTOR;
         let mut segs = Vec::with_capacity(bytes.len() / 16);
         for seg in bytes.chunks_exact(16) {
             let sector = u64::from_le_bytes(seg[0..8].try_into().expect("8"));
