@@ -234,18 +234,40 @@ mod tests {
         bytes.resize(1 << 20, 0);
         let f = memfd_with(&bytes);
         let e = check(&f, Path::new("vm.qcow2"), FormatChoice::Probe).unwrap_err();
-        assert!(matches!(e, FormatError::Formatted { format: "qcow2", .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                FormatError::Formatted {
+                    format: "qcow2",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
         assert_eq!(e.errno(), libc::EINVAL);
         let text = e.to_string();
-        assert!(text.starts_with("vm.qcow2: the image is in qcow2 format"), "{text}");
+        assert!(
+            text.starts_with("vm.qcow2: the image is in qcow2 format"),
+            "{text}"
+        );
         assert!(text.contains("format=raw"), "{text}");
         check(&f, Path::new("vm.qcow2"), FormatChoice::Raw).unwrap();
     }
 
     #[test]
     fn a_zeroed_image_and_a_short_one_pass() {
-        check(&memfd_with(&[0u8; 8192]), Path::new("z"), FormatChoice::Probe).unwrap();
-        check(&memfd_with(&[7u8; 100]), Path::new("s"), FormatChoice::Probe).unwrap();
+        check(
+            &memfd_with(&[0u8; 8192]),
+            Path::new("z"),
+            FormatChoice::Probe,
+        )
+        .unwrap();
+        check(
+            &memfd_with(&[7u8; 100]),
+            Path::new("s"),
+            FormatChoice::Probe,
+        )
+        .unwrap();
         check(&memfd_with(&[]), Path::new("e"), FormatChoice::Probe).unwrap();
     }
 

@@ -424,7 +424,10 @@ mod tests {
     fn bytes_are_qemus() {
         // A writable QEMU -drive shows 100-101 and 201 in /proc/locks; a read-only one 100
         // and 201.
-        assert_eq!(Access::disk(false).bytes().collect::<Vec<_>>(), [100, 101, 201]);
+        assert_eq!(
+            Access::disk(false).bytes().collect::<Vec<_>>(),
+            [100, 101, 201]
+        );
         assert_eq!(Access::disk(true).bytes().collect::<Vec<_>>(), [100, 201]);
         assert_eq!(Permission::Resize.unshared_byte(), 203);
         assert_eq!(Permission::WriteUnchanged.held_byte(), 102);
@@ -506,7 +509,10 @@ mod tests {
             ),
             "{e:?}"
         );
-        assert!(e.to_string().contains("cannot take the shared \"write\" lock"));
+        assert!(
+            e.to_string()
+                .contains("cannot take the shared \"write\" lock")
+        );
         assert!(e.to_string().contains("open for writing"));
     }
 
