@@ -219,13 +219,29 @@ pub fn blk(
     BlkServeReport::now(&registry, &at_disconnect).context("no device")
 }
 
+/// How long a conflicting lock may take to go before the image is refused: a holder that was
+/// just killed (a back end restarted at once after a crash) keeps its locks until the kernel
+/// has closed its files, which for a file with io_uring requests in flight happens after the
+/// process is gone, once they end.
+const LOCK_GRACE: Duration = Duration::from_secs(1);
+
 /// Claims a blk device's image before it is served, on the file that will serve it: QEMU's
-/// image locks (`locking=`; held until the file is closed), then a look at its first bytes for
-/// another format's header (unless `format=raw`). A refusal names the image and what to do.
+/// image locks (`locking=`; held until the file is closed; a conflict is retried for
+/// [`LOCK_GRACE`]), then a look at its first bytes for another format's header (unless
+/// `format=raw`). A refusal names the image and what to do.
 pub fn claim_image(file: &std::fs::File, spec: &BlkSpec) -> Result<()> {
-    use memvisor_vhost::image_lock::{self, Access, Locked};
+    use memvisor_vhost::image_lock::{self, Access, LockError, Locked};
     let access = Access::disk(spec.options.read_only);
-    match image_lock::lock(file, &spec.disk, access, spec.locking)? {
+    let since = std::time::Instant::now();
+    let locked = loop {
+        match image_lock::lock(file, &spec.disk, access, spec.locking) {
+            Err(LockError::Conflict { .. }) if since.elapsed() < LOCK_GRACE => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            other => break other?,
+        }
+    };
+    match locked {
         Locked::Held => log::debug!(
             "{}: image locks held (QEMU's bytes {:?})",
             spec.disk.display(),
