@@ -227,7 +227,7 @@ const LOCK_GRACE: Duration = Duration::from_secs(1);
 
 /// Claims a blk device's image before it is served, on the file that will serve it: QEMU's
 /// image locks (`locking=`; held until the file is closed; a conflict is retried for
-/// [`LOCK_GRACE`]), then a look at its first bytes for another format's header (unless
+/// one second, `LOCK_GRACE`), then a look at its first bytes for another format's header (unless
 /// `format=raw`). A refusal names the image and what to do.
 pub fn claim_image(file: &std::fs::File, spec: &BlkSpec) -> Result<()> {
     use memvisor_vhost::image_lock::{self, Access, LockError, Locked};
