@@ -241,6 +241,13 @@ pub fn claim_image(file: &std::fs::File, spec: &BlkSpec) -> Result<()> {
             other => break other?,
         }
     };
+    if since.elapsed() >= Duration::from_millis(50) {
+        log::info!(
+            "{}: a conflicting image lock went after {} ms (its holder was closing the image)",
+            spec.disk.display(),
+            since.elapsed().as_millis()
+        );
+    }
     match locked {
         Locked::Held => log::debug!(
             "{}: image locks held (QEMU's bytes {:?})",
