@@ -14,6 +14,7 @@
 #                      | blk --crash [--negative | --reorder]
 #                      | rng [--negative]
 #                      | blk --loop[=4096] [--negative]
+#                      | locks [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -181,6 +182,17 @@
 #               which the guest must see as its disk's logical block size (blk_size).
 #   blk --loop --negative: once the guest has discarded, the host writes random data into the
 #               discarded range through the loop device; the zero checks must then FAIL.
+#   locks       no guest: QEMU's image locks and format probe against real peers from the QEMU
+#               root. A paused QEMU VM (-S, virtio-blk -drive) holds the image: memvisor must
+#               refuse it naming the image and the "write" lock; memvisor serves it: that VM
+#               must fail to start (QEMU: Failed to get "write" lock); the same both ways with
+#               qemu-storage-daemon's writable vhost-user-blk export; read-only memvisor beside
+#               a read-only VM (both orders) must start; a qemu-img create -f qcow2 image must
+#               be refused naming qcow2 and, with --format raw, served: qemu-io (libblkio)
+#               reads the qcow2 header through memvisor and the image is qcow2 afterwards;
+#               --locking off must start beside the paused VM. About 30 s.
+#   locks --negative: memvisor runs with locking off (and format raw) wherever a refusal is
+#               expected; the trial must then FAIL.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300), RUST_LOG
 #   (the back ends' log filter, default info; warn for vfio-user).
 set -euo pipefail
@@ -977,7 +989,7 @@ balloon)
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/blk.sock"; wait_socket "$run/balloon.sock"; wait_socket "$run/control.sock"
   control() { "$bin" ctl --control "$run/control.sock" balloon-set-target target-mib="$1" | tr -d ' \n'; }
-  qemu "t=balloon,blk bal_mib=512 bal_wait=15 bal_target=256 blk_mib=16 blk_random=50 blk_serial=memvisor" \
+  qemu "t=balloon,blk bal_mib=512 bal_wait=15 bal_target=256 blk_mib=16 blk_random=50 blk_serial=blk0" \
     -chardev socket,id=c0,path=$run/blk.sock -device vhost-user-blk-pci,chardev=c0,num-queues=1 \
     -chardev socket,id=c1,path=$run/balloon.sock -device vhost-user-test-device-pci,chardev=c1,virtio-id=5,num_vqs=3,config_size=16
   # Sample the guest memory's allocated bytes: QEMU's memfd, through /proc; the phase column
@@ -1126,7 +1138,7 @@ hostile)
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/blk.sock"; wait_socket "$run/raw.sock"
   dev="iommu_platform=on,ats=on,disable-legacy=on,num-queues=1"
-  qemu "t=hostile,blk blk_mib=16 blk_wait=1 blk_random=100 blk_serial=memvisor hostile_dev=0000:00:05.0 intel_iommu=on iommu.strict=1" \
+  qemu "t=hostile,blk blk_mib=16 blk_wait=1 blk_random=100 blk_serial=blk0 hostile_dev=0000:00:05.0 intel_iommu=on iommu.strict=1" \
     -device intel-iommu,intremap=on,device-iotlb=on \
     -chardev socket,id=c0,path=$run/blk.sock -device vhost-user-blk-pci,chardev=c0,$dev,addr=04.0 \
     -chardev socket,id=c1,path=$run/raw.sock -device vhost-user-blk-pci,chardev=c1,$dev,addr=05.0
@@ -1408,6 +1420,133 @@ rng)
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: a device writing zeros passed"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  ;;
+locks)
+  # No guest: QEMU (paused), qemu-storage-daemon and qemu-img from the QEMU root against
+  # memvisor on one image; see the usage at the top. Each case prints what the peer said.
+  img=$run/disk.img; truncate -s 64M "$img"; ino=$(stat -c %i "$img")
+  # --negative: every memvisor that must be refused runs with the locks (and the probe) off.
+  off=(); offsub=""; [ $negative = 0 ] || { off=(--locking off --format raw); offsub=",locking=off,format=raw"; }
+  pass=0; fail=0
+  verdict() { if [ "$1" = 1 ]; then pass=$((pass + 1)); echo "  ($2) PASS"; else fail=$((fail + 1)); echo "  ($2) FAIL"; fi; }
+  # How many open files hold a lock on byte $1 of the image (/proc/locks).
+  lk_count() { awk -v i=":$ino" -v b="$1" '$2 == "OFDLCK" && substr($6, length($6) - length(i) + 1) == i && $7 <= b && $8 >= b { n++ } END { print n + 0 }' /proc/locks; }
+  # Waits until at least $2 open files hold a lock on byte $1 (10 s at most).
+  lk_held() { local i; for i in $(seq 100); do [ "$(lk_count "$1")" -ge "$2" ] && return 0; sleep 0.1; done; return 1; }
+  lk_stop() { kill -TERM "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+  # A program that must be refused: runs "$@" in the background (output to $out) until it
+  # exits (then 0 if it failed) or has run 8 s / made socket $sock (then stops it; 1).
+  lk_refused() {
+    local p i; rm -f "$sock"
+    timeout 60 "$@" > "$out" 2>&1 & p=$!
+    for i in $(seq 80); do
+      kill -0 "$p" 2>/dev/null || { wait "$p" && return 1; return 0; }
+      if [ -n "$sock" ] && [ -S "$sock" ]; then break; fi
+      sleep 0.1
+    done
+    lk_stop "$p"; return 1
+  }
+  # A program that must start: in the background; $lkpid; 0 once socket $sock exists (or,
+  # with no socket, once one more open file locks byte 100) and it is still alive 1 s later.
+  lk_started() {
+    local before; before=$(lk_count 100)
+    rm -f "$sock"; timeout 120 "$@" > "$out" 2>&1 & lkpid=$!; pids+=("$lkpid")
+    if [ -n "$sock" ]; then wait_socket "$sock" 2>/dev/null || return 1; else lk_held 100 $((before + 1)) || return 1; fi
+    sleep 1; kill -0 "$lkpid" 2>/dev/null
+  }
+  said() { grep -a -v '^\[' "$out" | grep -a -i -m3 'lock\|format\|error\|fail\|process' | sed "s/^/      $1: /" || true; }
+  # The peers' command lines (arrays: lk_refused and lk_started run them under timeout).
+  vm=("$top/guest/qemu.sh" root -S -nographic -display none -machine q35 -device virtio-blk-pci,drive=d0 -drive)
+  qsd=(env BIN=qemu-storage-daemon "$top/guest/qemu.sh" root --blockdev "driver=file,node-name=f0,filename=$img"
+       --export "type=vhost-user-blk,id=e0,node-name=f0,addr.type=unix,addr.path=$run/qsd.sock,writable=on")
+  mvs=(env RUST_LOG=warn "$bin" vhost-user-blk --socket "$run/mv.sock" --disk)
+  start=$(date +%s.%N)
+  echo "  (a) a paused QEMU VM holds $img (writable virtio-blk): memvisor must refuse it"
+  out=$run/a-vm.log; sock=""
+  if lk_started "${vm[@]}" "file=$img,if=none,id=d0,format=raw"; then
+    vmpid=$lkpid
+    echo "      /proc/locks: $(grep ":$ino " /proc/locks | awk '{print $(NF-1) "-" $NF}' | tr '\n' ' ')"
+    ok=1
+    for ro in "" --read-only; do
+      out=$run/a-mv$ro.log; sock=$run/mv.sock
+      if lk_refused "${mvs[@]}" "$img" $ro ${off[@]+"${off[@]}"}; then said "memvisor${ro:+ $ro}"; grep -q 'cannot take the .*"write" lock' "$out" || ok=0
+      else echo "      memvisor${ro:+ $ro} served the image the VM holds"; ok=0; fi
+    done
+    echo "  (f) memvisor --locking off beside the same VM: must start"
+    out=$run/f-mv.log; sock=$run/mv.sock
+    if lk_started "${mvs[@]}" "$img" --locking off; then lk_stop "$lkpid"; verdict 1 f; else said memvisor; verdict 0 f; fi
+    lk_stop "$vmpid"
+  else
+    echo "      the VM did not start:"; sed 's/^/      /' "$out" | head -5; ok=0
+  fi
+  verdict $ok a
+  echo "  (b) memvisor serves $img: a QEMU VM on it must fail to start"
+  out=$run/b-mv.log; sock=$run/mv.sock; ok=0
+  if lk_started "${mvs[@]}" "$img" ${off[@]+"${off[@]}"}; then
+    mvpid=$lkpid; out=$run/b-vm.log; sock=""
+    if lk_refused "${vm[@]}" "file=$img,if=none,id=d0,format=raw"; then said QEMU; grep -q 'Failed to get .*lock' "$out" && ok=1; else echo "      the VM started beside memvisor"; fi
+    lk_stop "$mvpid"
+  else said memvisor; fi
+  verdict $ok b
+  echo "  (c) qemu-storage-daemon exports $img (vhost-user-blk, writable=on): memvisor must refuse it"
+  out=$run/c-qsd.log; sock=$run/qsd.sock; ok=0
+  if lk_started "${qsd[@]}"; then
+    qpid2=$lkpid; out=$run/c-mv.log; sock=$run/mv.sock
+    if lk_refused env RUST_LOG=warn "$bin" serve --blk "socket=$run/mv.sock,disk=$img$offsub"; then said memvisor; grep -q 'cannot take the .*"write" lock' "$out" && ok=1
+    else echo "      memvisor served the image qemu-storage-daemon exports"; fi
+    lk_stop "$qpid2"
+  else said qemu-storage-daemon; fi
+  echo "      and memvisor serves it: qemu-storage-daemon must fail to start"
+  out=$run/c-mv2.log; sock=$run/mv.sock
+  if lk_started "${mvs[@]}" "$img" ${off[@]+"${off[@]}"}; then
+    mvpid=$lkpid; out=$run/c-qsd2.log; sock=$run/qsd.sock
+    if lk_refused "${qsd[@]}"; then said qemu-storage-daemon; grep -q 'Failed to get .*lock' "$out" || ok=0; else echo "      qemu-storage-daemon exported the image memvisor serves"; ok=0; fi
+    lk_stop "$mvpid"
+  else said memvisor; ok=0; fi
+  verdict $ok c
+  echo "  (d) read-only: memvisor --read-only beside a read-only VM, in both orders, must start"
+  ok=1; out=$run/d-vm.log; sock=""
+  if lk_started "${vm[@]}" "file=$img,if=none,id=d0,format=raw,readonly=on"; then
+    vmpid=$lkpid; out=$run/d-mv.log; sock=$run/mv.sock
+    if lk_started "${mvs[@]}" "$img" --read-only; then lk_stop "$lkpid"; else said memvisor; ok=0; fi
+    lk_stop "$vmpid"
+  else said QEMU; ok=0; fi
+  out=$run/d-mv2.log; sock=$run/mv.sock
+  if lk_started "${mvs[@]}" "$img" --read-only; then
+    mvpid=$lkpid; out=$run/d-vm2.log; sock=""
+    if lk_started "${vm[@]}" "file=$img,if=none,id=d0,format=raw,readonly=on"; then lk_stop "$lkpid"; else said QEMU; ok=0; fi
+    lk_stop "$mvpid"
+  else said memvisor; ok=0; fi
+  verdict $ok d
+  echo "  (e) qemu-img create -f qcow2: memvisor must refuse it naming qcow2, and serve it with --format raw"
+  q=$run/vm.qcow2; ok=0
+  BIN=qemu-img "$top/guest/qemu.sh" root create -q -f qcow2 "$q" 64M
+  out=$run/e-mv.log; sock=$run/mv.sock
+  if lk_refused "${mvs[@]}" "$q" ${off[@]+"${off[@]}"}; then said memvisor; grep -q 'is in qcow2 format' "$out" && ok=1
+  else echo "      memvisor served the qcow2 image as raw"; fi
+  out=$run/e-mv2.log
+  if lk_started "${mvs[@]}" "$q" --format raw; then
+    mvpid=$lkpid
+    # The client reads sector 0 through memvisor: the qcow2 magic, as the file holds it.
+    BIN=qemu-io "$top/guest/qemu.sh" root --image-opts "driver=virtio-blk-vhost-user,path=$run/mv.sock,cache.direct=on" \
+      -c "read -v 0 16" > "$run/e-io.log" 2>&1 || true
+    lk_stop "$mvpid"
+    echo "      qemu-io through memvisor: $(grep -a -m1 '^00000000:' "$run/e-io.log" || echo "no data: $(head -2 "$run/e-io.log")")"
+    grep -a -q '^00000000:  51 46 49 fb' "$run/e-io.log" || ok=0
+    fmt=$(BIN=qemu-img "$top/guest/qemu.sh" root info "$q" 2>&1 | awk '/^file format:/{print $3}')
+    echo "      qemu-img info afterwards: file format ${fmt:-?}"
+    [ "$fmt" = qcow2 ] || ok=0
+  else said memvisor; ok=0; fi
+  verdict $ok e
+  end=$(date +%s.%N)
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s; $pass passed, $fail failed"
+  ok=0; [ $fail = 0 ] && [ $pass = 6 ] && ok=1
+  if [ $ok = 1 ]; then echo "$name: RESULT locks PASS"; else echo "$name: RESULT locks FAIL"; fi
+  if [ $negative = 1 ]; then
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: memvisor without locks went unnoticed"; exit 1
   fi
   [ $ok = 1 ] || exit 1
   ;;

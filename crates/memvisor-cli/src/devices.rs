@@ -24,6 +24,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 use memvisor_vhost::BlkOptions;
+use memvisor_vhost::image_format::FormatChoice;
+use memvisor_vhost::image_lock::Locking;
 
 /// One device's options, in order, as `(name, value)`: from one command-line argument or one
 /// configuration-file object.
@@ -134,7 +136,7 @@ impl Options {
 }
 
 /// One block device: `socket=PATH,disk=FILE[,id=NAME][,queues=N][,read-only=on|off]
-/// [,serial=TEXT][,direct=on|off][,poll-us=N]`.
+/// [,serial=TEXT][,direct=on|off][,poll-us=N][,locking=on|off|auto][,format=raw]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlkSpec {
     /// The name the control socket knows it by (default `blk0`, `blk1`, ... in order).
@@ -143,14 +145,20 @@ pub struct BlkSpec {
     pub socket: PathBuf,
     /// Raw image.
     pub disk: PathBuf,
-    /// Queues, read-only, serial, polling (the IOMMU choice is the whole server's).
+    /// Queues, read-only, serial, polling (the IOMMU choice is the whole server's). An empty
+    /// serial means the default: the device's id ([`default_serial`]).
     pub options: BlkOptions,
     /// Open the image `O_DIRECT`.
     pub direct: bool,
+    /// QEMU's image locks (`locking=`; [`memvisor_vhost::image_lock`]).
+    pub locking: Locking,
+    /// `format=raw`, or look for another format's header ([`memvisor_vhost::image_format`]).
+    pub format: FormatChoice,
 }
 
 impl BlkSpec {
-    const KNOWN: &'static str = "socket, disk, id, queues, read-only, serial, direct, poll-us";
+    const KNOWN: &'static str =
+        "socket, disk, id, queues, read-only, serial, direct, poll-us, locking, format";
     const EXAMPLE: &'static str =
         "e.g. --blk socket=run/blk.sock,disk=disk.img,queues=2,serial=disk0,direct=on";
 
@@ -158,7 +166,10 @@ impl BlkSpec {
     pub fn from_options(mut o: Options) -> Result<BlkSpec> {
         let socket = PathBuf::from(o.required("socket", Self::EXAMPLE)?);
         let disk = PathBuf::from(o.required("disk", Self::EXAMPLE)?);
-        let mut options = BlkOptions::default();
+        let mut options = BlkOptions {
+            serial: String::new(),
+            ..BlkOptions::default()
+        };
         if let Some(q) = o.number("queues", 1..=64u16, "a number of queues")? {
             options.queues = q;
         }
@@ -179,6 +190,14 @@ impl BlkSpec {
             options.serial = s;
         }
         let direct = o.on_off("direct")?.unwrap_or(false);
+        let locking = match o.take("locking")? {
+            Some(v) => v.parse().map_err(|e| anyhow!("{}: {e}", o.origin))?,
+            None => Locking::default(),
+        };
+        let format = match o.take("format")? {
+            Some(v) => v.parse().map_err(|e| anyhow!("{}: {e}", o.origin))?,
+            None => FormatChoice::default(),
+        };
         let id = o.take("id")?;
         o.finish(Self::KNOWN)?;
         Ok(BlkSpec {
@@ -187,8 +206,24 @@ impl BlkSpec {
             disk,
             options,
             direct,
+            locking,
+            format,
         })
     }
+}
+
+/// The serial a blk device answers `GET_ID` with when none is given: its id (`blk0`, `blk1`,
+/// ... or `id=`), which no other device of the process has; an id longer than virtio-blk's 20
+/// bytes becomes `mv-` and 16 hex digits of a hash of it (FNV-1a, stable across runs and
+/// builds).
+pub fn default_serial(id: &str) -> String {
+    if id.len() <= 20 {
+        return id.to_string();
+    }
+    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("mv-{hash:016x}")
 }
 
 impl std::str::FromStr for BlkSpec {
@@ -343,8 +378,23 @@ mod tests {
         // The socket's name may be left out, as QEMU's first option.
         let plain: BlkSpec = "a.sock,disk=d.img".parse().unwrap();
         assert_eq!(plain.socket.to_str(), Some("a.sock"));
-        assert_eq!(plain.options, memvisor_vhost::BlkOptions::default());
+        // No serial given: empty, which serving turns into the device's id.
+        assert_eq!(
+            plain.options,
+            memvisor_vhost::BlkOptions {
+                serial: String::new(),
+                ..Default::default()
+            }
+        );
         assert!(!plain.direct && plain.id.is_none());
+        assert_eq!(
+            (plain.locking, plain.format),
+            (Locking::Auto, FormatChoice::Probe)
+        );
+        let l: BlkSpec = "a.sock,disk=d.img,locking=off,format=raw".parse().unwrap();
+        assert_eq!((l.locking, l.format), (Locking::Off, FormatChoice::Raw));
+        let l: BlkSpec = "a.sock,disk=d.img,locking=on".parse().unwrap();
+        assert_eq!(l.locking, Locking::On);
         for (bad, says) in [
             ("a.sock", "disk=… is missing"),
             ("a.sock=d.img", "socket=… is missing"),
@@ -355,10 +405,33 @@ mod tests {
             ("socket=a,disk=d,cache=none", "unknown option \"cache\""),
             ("socket=a,disk=d,queues", "has no value"),
             ("socket=a,disk=d,disk=e", "given twice"),
+            (
+                "socket=a,disk=d,locking=maybe",
+                "locking=\"maybe\": write on, off or auto",
+            ),
+            (
+                "socket=a,disk=d,format=qcow2",
+                "format=\"qcow2\": memvisor serves raw",
+            ),
         ] {
             let e = bad.parse::<BlkSpec>().unwrap_err().to_string();
             assert!(e.contains(says), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn default_serials_are_the_ids_and_fit_get_id() {
+        assert_eq!(default_serial("blk0"), "blk0");
+        assert_eq!(default_serial("blk1"), "blk1");
+        assert_eq!(
+            default_serial("12345678901234567890"),
+            "12345678901234567890"
+        );
+        let long = "a-device-id-longer-than-twenty";
+        let a = default_serial(long);
+        assert_eq!((a.len(), &a[..3]), (19, "mv-"));
+        assert_eq!(a, default_serial(long), "stable");
+        assert_ne!(a, default_serial("a-device-id-longer-than-twentY"));
     }
 
     #[test]
@@ -404,14 +477,15 @@ mod tests {
         let c = Config::parse(
             "c.json",
             r#"{"blk": [{"socket": "a.sock", "disk": "a.img", "queues": 2, "direct": true,
-                         "id": "root"}],
+                         "id": "root", "locking": false, "format": "raw"}],
                 "balloon": [{"socket": "b.sock", "stats-interval": 1, "deflate-on-oom": true}],
                 "control": "ctl.sock", "iommu": true}"#,
         )
         .unwrap();
-        let blk: BlkSpec = "socket=a.sock,disk=a.img,queues=2,direct=on,id=root"
-            .parse()
-            .unwrap();
+        let blk: BlkSpec =
+            "socket=a.sock,disk=a.img,queues=2,direct=on,id=root,locking=off,format=raw"
+                .parse()
+                .unwrap();
         let balloon: BalloonSpec = "b.sock,stats-interval=1,deflate-on-oom=on".parse().unwrap();
         assert_eq!(c.blk, vec![blk]);
         assert_eq!(c.balloon, vec![balloon]);

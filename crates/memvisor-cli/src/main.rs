@@ -64,8 +64,10 @@ struct ServeArgs {
     /// A virtio-blk device (repeatable): options separated by commas, the socket's name may be
     /// left out: socket=PATH, disk=FILE (raw image), id=NAME (for the control socket; default
     /// blk0, blk1, ...), queues=N (1-64, default 1), read-only=on, serial=TEXT (GET_ID, at most
-    /// 20 bytes; default memvisor), direct=on (open the image O_DIRECT; default: the host page
-    /// cache), poll-us=N (poll the rings N µs before sleeping; default 0)
+    /// 20 bytes; default: the device's id), direct=on (open the image O_DIRECT; default: the
+    /// host page cache), poll-us=N (poll the rings N µs before sleeping; default 0),
+    /// locking=on|off|auto (QEMU's image locks, as its file.locking; default auto),
+    /// format=raw (serve an image whose first bytes look like qcow2, VMDK, LUKS, ...)
     #[arg(long, value_name = "socket=PATH,disk=FILE[,OPTION=VALUE...]")]
     blk: Vec<memvisor_cli::devices::BlkSpec>,
     /// A virtio-balloon device (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,
@@ -201,6 +203,15 @@ struct BlkArgs {
     /// Serve the image read-only
     #[arg(long)]
     read_only: bool,
+    /// QEMU's image locks (as its file.locking): on takes them and fails where the file system
+    /// cannot, auto (the default) goes on without them there, off takes none. They keep QEMU,
+    /// qemu-storage-daemon and memvisor from opening one image for writing twice
+    #[arg(long, value_name = "on|off|auto", default_value = "auto")]
+    locking: memvisor_vhost::image_lock::Locking,
+    /// raw: serve the image even if its first bytes look like another format's header (qcow2,
+    /// VMDK, LUKS, ...), which is refused otherwise. raw is the only format
+    #[arg(long, value_name = "raw")]
+    format: Option<memvisor_vhost::image_format::FormatChoice>,
     /// Open the image O_DIRECT: no host page cache, what a real disk under a VM wants (QEMU's
     /// cache.direct=on). The device then offers the file's O_DIRECT block size; guest buffers
     /// that are not aligned for it are copied through an aligned buffer. Default: the host page
@@ -331,6 +342,8 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
             poll_us: args.poll_us,
         },
         direct: args.direct,
+        locking: args.locking,
+        format: args.format.unwrap_or_default(),
     };
     let report = serve::blk(
         &args.socket.spec(),

@@ -204,9 +204,15 @@ pub fn blk(
     stats: Option<&Path>,
 ) -> Result<BlkServeReport> {
     let file = open_disk(&spec.disk, spec.options.read_only, spec.direct)?;
+    claim_image(&file, &spec)?;
     let listener = listener::open(socket)?;
     let control_socket = control.map(listener::at).transpose()?;
     listener::check_all_claimed()?;
+    let mut spec = spec;
+    let id = spec.id.clone().unwrap_or_else(|| "blk0".into());
+    if spec.options.serial.is_empty() {
+        spec.options.serial = crate::devices::default_serial(&id);
+    }
     let options = BlkOptions {
         iommu,
         ..spec.options.clone()
@@ -235,7 +241,6 @@ pub fn blk(
         log::info!("vhost-user-blk: frontend gone, pins {check:?}");
         seen.lock().unwrap_or_else(|e| e.into_inner()).push(check);
     }));
-    let id = spec.id.clone().unwrap_or_else(|| "blk0".into());
     let mut registry = Registry::default();
     backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
     registry.devices.push(Device {
@@ -270,6 +275,51 @@ pub fn blk(
     }
     ends.into_iter().collect::<Result<Vec<()>>>()?;
     BlkServeReport::now(&registry, &at_disconnect).context("no device")
+}
+
+/// How long a conflicting lock may take to go before the image is refused: a holder that was
+/// just killed (a back end restarted at once after a crash) keeps its locks until the kernel
+/// has closed its files, which for a file with io_uring requests in flight happens after the
+/// process is gone, once they end.
+const LOCK_GRACE: Duration = Duration::from_secs(1);
+
+/// Claims a blk device's image before it is served, on the file that will serve it: QEMU's
+/// image locks (`locking=`; held until the file is closed; a conflict is retried for
+/// one second, `LOCK_GRACE`), then a look at its first bytes for another format's header (unless
+/// `format=raw`). A refusal names the image and what to do.
+pub fn claim_image(file: &std::fs::File, spec: &BlkSpec) -> Result<()> {
+    use memvisor_vhost::image_lock::{self, Access, LockError, Locked};
+    let access = Access::disk(spec.options.read_only);
+    let since = std::time::Instant::now();
+    let locked = loop {
+        match image_lock::lock(file, &spec.disk, access, spec.locking) {
+            Err(LockError::Conflict { .. }) if since.elapsed() < LOCK_GRACE => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            other => break other?,
+        }
+    };
+    if since.elapsed() >= Duration::from_millis(50) {
+        log::info!(
+            "{}: a conflicting image lock went after {} ms (its holder was closing the image)",
+            spec.disk.display(),
+            since.elapsed().as_millis()
+        );
+    }
+    match locked {
+        Locked::Held => log::debug!(
+            "{}: image locks held (QEMU's bytes {:?})",
+            spec.disk.display(),
+            access.bytes().collect::<Vec<_>>()
+        ),
+        Locked::Off => log::info!(
+            "{}: locking=off: no image locks; nothing stops another program writing it",
+            spec.disk.display()
+        ),
+        Locked::Unsupported => {}
+    }
+    memvisor_vhost::image_format::check(file, &spec.disk, spec.format)?;
+    Ok(())
 }
 
 /// Opens a disk image for a blk device: read-only or read-write, through the page cache or
@@ -365,6 +415,31 @@ impl Devices {
     }
 }
 
+/// Each blk device's serial: the one given, or its id ([`crate::devices::default_serial`]),
+/// which no other device of the process has. Two the same (given so) get a warning: the
+/// guest's /dev/disk/by-id names would collide.
+fn serials(blk: &[BlkSpec], ids: &[String]) -> Vec<String> {
+    let serials: Vec<String> = blk
+        .iter()
+        .zip(ids)
+        .map(|(b, id)| match b.options.serial.as_str() {
+            "" => crate::devices::default_serial(id),
+            s => s.to_string(),
+        })
+        .collect();
+    for (i, s) in serials.iter().enumerate() {
+        if let Some(j) = serials[..i].iter().position(|t| t == s) {
+            log::warn!(
+                "blk devices {} and {} both have serial {s:?}: the guest's /dev/disk/by-id \
+                 names collide; give each its own serial=",
+                ids[j],
+                ids[i]
+            );
+        }
+    }
+    serials
+}
+
 /// Serves every device in its own thread, all on one memvisor state, until a signal.
 pub fn serve(devices: &Devices) -> Result<ServeReport> {
     devices.check_distinct_sockets()?;
@@ -374,6 +449,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
     let mut blk_sockets = Vec::new();
     for spec in &devices.blk {
         let file = open_disk(&spec.disk, spec.options.read_only, spec.direct)?;
+        claim_image(&file, spec)?;
         blk_sockets.push((spec, file, listener::at(&spec.socket)?));
     }
     let mut balloon_sockets = Vec::new();
@@ -384,7 +460,12 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
     listener::check_all_claimed()?;
     let mut registry = Registry::default();
     let mut starts: Vec<Box<dyn FnOnce() -> Result<()> + Send>> = Vec::new();
-    for ((spec, file, listener), id) in blk_sockets.into_iter().zip(blk_ids) {
+    let serials = serials(&devices.blk, &blk_ids);
+    for (((spec, file, listener), id), serial) in blk_sockets.into_iter().zip(blk_ids).zip(serials)
+    {
+        let mut spec = spec.clone();
+        spec.options.serial = serial;
+        let spec = &spec;
         let options = BlkOptions {
             iommu: devices.iommu,
             ..spec.options.clone()

@@ -74,6 +74,10 @@ impl Device {
                 v["direct"] = json!(spec.direct);
                 v["poll-us"] = json!(o.poll_us);
                 v["iommu"] = json!(iommu);
+                v["locking"] = json!(spec.locking.to_string());
+                if spec.format == memvisor_vhost::image_format::FormatChoice::Raw {
+                    v["format"] = json!("raw");
+                }
             }
             Kind::Balloon { spec, .. } => {
                 v["reporting"] = json!(spec.reporting);

@@ -168,7 +168,8 @@ impl Guest {
         h[8..16].copy_from_slice(&sector.to_le_bytes());
         self.mem.write(Gpa(HDR), &h).unwrap();
         self.mem.write(Gpa(STATUS), &[0xff]).unwrap();
-        let to_guest = kind == 0;
+        // IN (0) and GET_ID (8): the device writes the data buffer.
+        let to_guest = kind == 0 || kind == 8;
         let bufs = [(HDR, 16, false), (DATA, len, to_guest), (STATUS, 1, true)];
         let descs: Vec<Desc> = bufs
             .iter()
@@ -502,4 +503,156 @@ fn a_config_file_serves_what_the_command_line_would() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("blk[0]: queues=\"0\""), "{err}");
+}
+
+/// What the device answers GET_ID with (its serial), read from the guest's buffer.
+fn get_id(g: &mut Guest) -> String {
+    assert_eq!(g.request(8, 0, 20), 0, "GET_ID status");
+    let mut id = [0u8; 20];
+    g.mem.read(Gpa(DATA), &mut id).unwrap();
+    String::from_utf8_lossy(&id)
+        .trim_end_matches('\0')
+        .to_string()
+}
+
+#[test]
+fn disks_without_a_serial_answer_get_id_with_their_own_ids() {
+    let dir = Dir::new("serials");
+    let (a, b) = (dir.join("a.img"), dir.join("b.img"));
+    for d in [&a, &b] {
+        File::create(d).unwrap().set_len(1 << 20).unwrap();
+    }
+    let (sa, sb, ctl) = (dir.join("a.sock"), dir.join("b.sock"), dir.join("ctl.sock"));
+    let _server = Server(
+        Command::new(BIN)
+            .arg("serve")
+            .arg("--blk")
+            .arg(format!("socket={},disk={}", sa.display(), a.display()))
+            .arg("--blk")
+            .arg(format!(
+                "socket={},disk={},id=data",
+                sb.display(),
+                b.display()
+            ))
+            .arg("--control")
+            .arg(&ctl)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&ctl);
+    let mut ids = Vec::new();
+    for sock in [&sa, &sb] {
+        let mut g = Guest::new();
+        let c = Client::connect(sock).unwrap();
+        g.connect(&c);
+        ids.push(get_id(&mut g));
+    }
+    assert_eq!(ids, ["blk0", "data"]);
+    let devices = memvisor_cli::control::request(&ctl, "query-devices", json!({})).unwrap();
+    assert_eq!(
+        (&devices[0]["serial"], &devices[1]["serial"]),
+        (&json!("blk0"), &json!("data"))
+    );
+}
+
+/// Runs `serve` until it fails or its socket appears (then kills it, leaving the socket file
+/// behind: use a socket once after it served); returns its stderr if it failed.
+fn serve_fails(args: &[String], sock: &Path) -> Option<String> {
+    let mut child = Command::new(BIN)
+        .arg("serve")
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        if let Some(_status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return Some(err);
+        }
+        if sock.exists() {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "serve neither failed nor listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_held_image_and_a_qcow2_image_are_refused_by_name() {
+    let dir = Dir::new("images");
+    let img = dir.join("disk.img");
+    File::create(&img).unwrap().set_len(1 << 20).unwrap();
+    let first = dir.join("first.sock");
+    let _server = Server(
+        Command::new(BIN)
+            .arg("serve")
+            .arg("--blk")
+            .arg(format!("socket={},disk={}", first.display(), img.display()))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&first);
+    let second = dir.join("second.sock");
+    let blk = |extra: &str| {
+        vec![
+            "--blk".to_string(),
+            format!("socket={},disk={}{extra}", second.display(), img.display()),
+        ]
+    };
+    // A second writer, and a reader, are refused while the first serves the image.
+    for extra in ["", ",read-only=on", ",locking=on"] {
+        let err = serve_fails(&blk(extra), &second).expect("a second server started");
+        assert!(
+            err.contains(&format!("{}: cannot take the", img.display()))
+                && err.contains("\"write\" lock")
+                && err.contains("locking=off"),
+            "{extra}: {err}"
+        );
+        assert!(!second.exists(), "a refused server left its socket");
+    }
+    // locking=off goes beside it.
+    assert!(serve_fails(&blk(",locking=off"), &second).is_none());
+
+    // A qcow2 header (what qemu-img create -f qcow2 writes first) is refused, naming the
+    // format; format=raw serves it.
+    let q = dir.join("vm.qcow2");
+    let mut h = vec![0u8; 1 << 20];
+    h[0..4].copy_from_slice(b"QFI\xfb");
+    h[4..8].copy_from_slice(&3u32.to_be_bytes());
+    std::fs::write(&q, &h).unwrap();
+    let third = dir.join("third.sock");
+    let blk = |extra: &str| {
+        vec![
+            "--blk".to_string(),
+            format!("socket={},disk={}{extra}", third.display(), q.display()),
+        ]
+    };
+    let err = serve_fails(&blk(""), &third).expect("a qcow2 image was served");
+    assert!(
+        err.contains(&format!("{}: the image is in qcow2 format", q.display())),
+        "{err}"
+    );
+    let err = serve_fails(&blk(",format=qcow2"), &third).expect("format=qcow2 taken");
+    assert!(err.contains("format=\"qcow2\""), "{err}");
+    assert!(serve_fails(&blk(",format=raw"), &third).is_none());
 }

@@ -353,7 +353,13 @@ fn socket_activation_serves_the_socket_systemd_passed() {
     let (sock2, own) = (dir.join("serve-a.sock"), dir.join("serve-b.sock"));
     let listener2 = UnixListener::bind(&sock2).unwrap();
     let a = format!("{},disk={}", sock2.display(), disk.display());
-    let b = format!("{},disk={},read-only=on", own.display(), disk.display());
+    // Its own image: one image served writable and read-only at once is refused (locks).
+    let disk_b = dir.join("b.img");
+    std::fs::File::create(&disk_b)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let b = format!("{},disk={},read-only=on", own.display(), disk_b.display());
     let cmd = activated(&listener2, &["serve", "--blk", &a, "--blk", &b]);
     let server = Server::start(cmd, &dir, &notify);
     assert_ne!(answers_vhost_user(&sock2), 0);
@@ -411,6 +417,13 @@ fn a_live_socket_is_refused_and_its_server_unharmed() {
     let mut cmd = memvisor(&["vhost-user-blk", "--socket"]);
     cmd.arg(&sock).arg("--disk").arg(&disk);
     let first = Server::start(cmd, &dir, &notify);
+    // The servers refused below get an image of their own: the first holds disk.img's image
+    // locks, which would refuse them before their socket is looked at.
+    let disk = dir.join("other.img");
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
     for server in ["vhost-user-blk", "vfio-user"] {
         let mut cmd = memvisor(&[server, "--socket-path"]);
         cmd.arg(&sock).args(["--disk", disk.to_str().unwrap()]);

@@ -19,6 +19,9 @@
 //!   pages pinned through memvisor for the duration of each request; [`disk`] is the image
 //!   file or block device, through the page cache or `O_DIRECT`; [`blockdev`] reads what the
 //!   kernel says about a block device (size, block sizes, discard limits).
+//! * [`image_lock`] takes QEMU's image locks on a disk image, so memvisor, QEMU and
+//!   qemu-storage-daemon never open one image for writing twice; [`image_format`] refuses an
+//!   image whose first bytes are another format's header (qcow2, VMDK, LUKS, ...).
 //! * [`ring`] is a started virtqueue as a device sees it: the split queue and, when the
 //!   frontend keeps one, the inflight log that lets a restarted back end redo what was in
 //!   flight.
@@ -51,6 +54,8 @@ pub mod error;
 pub mod fuzz;
 #[cfg(feature = "test-hooks")]
 mod hooks;
+pub mod image_format;
+pub mod image_lock;
 pub mod live;
 pub mod memory;
 pub mod miss;
