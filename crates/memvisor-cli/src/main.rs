@@ -37,7 +37,8 @@ enum Command {
     /// Reproduce the kernel patches' measurements (the seeds, listed in the report) side by side
     /// and write report.md, results.json and SVG charts
     Bench(BenchArgs),
-    /// Serve a virtio-blk device over a raw image on a vhost-user socket (until SIGINT/SIGTERM)
+    /// Serve a virtio-blk device over a raw image or a block device on a vhost-user socket (until
+    /// SIGINT/SIGTERM)
     #[command(name = "vhost-user-blk")]
     VhostUserBlk(BlkArgs),
     /// Serve several vhost-user devices from one process, sharing one memvisor state
@@ -62,7 +63,7 @@ enum Command {
 #[derive(Args)]
 struct ServeArgs {
     /// A virtio-blk device (repeatable): options separated by commas, the socket's name may be
-    /// left out: socket=PATH, disk=FILE (raw image), id=NAME (for the control socket; default
+    /// left out: socket=PATH, disk=FILE (raw image or block device), id=NAME (for the control socket; default
     /// blk0, blk1, ...), queues=N (1-64, default 1), read-only=on, serial=TEXT (GET_ID, at most
     /// 20 bytes; default: the device's id), direct=on (open the image O_DIRECT; default: the
     /// host page cache), poll-us=N (poll the rings N µs before sleeping; default 0),
@@ -186,7 +187,8 @@ struct BlkArgs {
     /// The socket (QEMU: -chardev socket,path=PATH)
     #[command(flatten)]
     socket: SocketArgs,
-    /// Raw disk image to serve
+    /// The disk to serve: a raw image file or a block device (an LVM volume, an NVMe
+    /// namespace, a partition, a loop device)
     #[arg(
         long,
         visible_alias = "blk-file",
