@@ -291,15 +291,17 @@ pub fn claim_image(file: &std::fs::File, spec: &BlkSpec) -> Result<()> {
     use memvisor_vhost::image_lock::{self, Access, LockError, Locked};
     let access = Access::disk(spec.options.read_only);
     let since = std::time::Instant::now();
+    let mut waited = false;
     let locked = loop {
         match image_lock::lock(file, &spec.disk, access, spec.locking) {
             Err(LockError::Conflict { .. }) if since.elapsed() < LOCK_GRACE => {
+                waited = true;
                 std::thread::sleep(Duration::from_millis(50));
             }
             other => break other?,
         }
     };
-    if since.elapsed() >= Duration::from_millis(50) {
+    if waited {
         log::info!(
             "{}: a conflicting image lock went after {} ms (its holder was closing the image)",
             spec.disk.display(),

@@ -7,9 +7,10 @@
 //! the image. QEMU guards the same way: with no format given it probes, and an image it probed
 //! as raw may not be written so that it would probe as something else.
 //!
-//! **What is looked for**: the fixed signatures of the formats QEMU's block drivers recognise,
-//! at the offsets their `probe` functions read (facts from QEMU's block/*.c and the formats'
-//! specifications):
+//! **What is looked for**: the fixed signatures of these formats, at the offsets QEMU's `probe`
+//! functions read them (facts from QEMU's block/*.c and the formats' specifications). QEMU's
+//! VMDK probe also takes a text descriptor whose first line is not the usual comment; that one
+//! is not looked for here.
 //!
 //! | format    | signature                                                         |
 //! |-----------|-------------------------------------------------------------------|
@@ -21,6 +22,8 @@
 //! | luks      | `LUKS\xba\xbe` at 0                                               |
 //! | vpc       | `conectix` at 0                                                   |
 //! | parallels | `WithoutFreeSpace` or `WithouFreSpacExt` at 0                     |
+//! | bochs     | `Bochs Virtual HD Image` at 0                                     |
+//! | cloop     | the `#!/bin/sh` / `#V2.0 Format` / `modprobe cloop` script at 0   |
 //!
 //! A raw image may begin with any bytes, so a raw image that happens to begin with one of
 //! these is refused too; the user then says `format=raw`. The one format value taken is
@@ -112,7 +115,7 @@ pub fn probe(head: &[u8]) -> Option<&'static str> {
     if at(0x40, &0xbeda_107f_u32.to_le_bytes()) {
         return Some("vdi");
     }
-    let signatures: [(&[u8], &'static str); 9] = [
+    let signatures: [(&[u8], &'static str); 11] = [
         (b"QED\0", "qed"),
         (b"KDMV", "vmdk"),
         (b"COWD", "vmdk"),
@@ -122,6 +125,8 @@ pub fn probe(head: &[u8]) -> Option<&'static str> {
         (b"conectix", "vpc"),
         (b"WithoutFreeSpace", "parallels"),
         (b"WithouFreSpacExt", "parallels"),
+        (b"Bochs Virtual HD Image", "bochs"),
+        (b"#!/bin/sh\n#V2.0 Format\nmodprobe cloop file=$0", "cloop"),
     ];
     signatures
         .iter()
@@ -198,6 +203,11 @@ mod tests {
             (b"# Disk DescriptorFile\nversion=1\n", "vmdk"),
             (b"vhdxfile\0\0\0\0", "vhdx"),
             (b"LUKS\xba\xbe\x00\x02", "luks"),
+            (b"Bochs Virtual HD Image\0\0Redolog\0", "bochs"),
+            (
+                b"#!/bin/sh\n#V2.0 Format\nmodprobe cloop file=$0 && mount -r -t iso9660",
+                "cloop",
+            ),
             (b"conectix\0\0\0\x02", "vpc"),
             (b"WithoutFreeSpace\x02\0\0\0", "parallels"),
         ] {

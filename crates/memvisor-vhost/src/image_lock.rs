@@ -310,7 +310,15 @@ pub fn lock(
     };
     let result = (|| {
         for byte in access.bytes() {
-            set(fd, byte, libc::F_RDLCK as i16).map_err(|e| os("take a lock byte", e))?;
+            match set(fd, byte, libc::F_RDLCK as i16) {
+                Ok(()) => {}
+                // Another open file holds an exclusive lock on the byte (QEMU takes only
+                // shared ones, but any program may): that permission is not to be had.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => {
+                    return Err(conflict_on(image, byte));
+                }
+                Err(e) => return Err(os("take a lock byte", e)),
+            }
         }
         for &p in access.held {
             if taken_by_other(fd, p.unshared_byte()).map_err(|e| os("test a lock byte", e))? {
@@ -338,9 +346,10 @@ pub fn lock(
             unlock(file, access);
             match e {
                 LockError::Unsupported { image, source } if locking == Locking::Auto => {
-                    log::info!(
-                        "{}: image locks off: the file system does not support OFD locks \
-                         ({source})",
+                    log::warn!(
+                        "{}: served without image locks (locking=auto): the file system does \
+                         not support OFD locks ({source}); QEMU or another server could open \
+                         it for writing too",
                         image.display()
                     );
                     Ok(Locked::Unsupported)
@@ -348,6 +357,28 @@ pub fn lock(
                 e => Err(e),
             }
         }
+    }
+}
+
+/// The conflict a refused lock on `byte` means: someone else holds or refuses to share the
+/// byte's permission.
+fn conflict_on(image: &Path, byte: i64) -> LockError {
+    let (permission, conflict) = Permission::ALL
+        .iter()
+        .find_map(|&p| {
+            if p.held_byte() == byte {
+                Some((p, Conflict::Held))
+            } else if p.unshared_byte() == byte {
+                Some((p, Conflict::NotShared))
+            } else {
+                None
+            }
+        })
+        .unwrap_or((Permission::Write, Conflict::Held));
+    LockError::Conflict {
+        image: image.to_path_buf(),
+        permission,
+        conflict,
     }
 }
 
@@ -390,8 +421,9 @@ fn taken_by_other(fd: i32, byte: i64) -> std::io::Result<bool> {
     Ok(l.l_type != libc::F_UNLCK as i16)
 }
 
-/// Whether an open file other than `file` holds a lock on `byte` (tests and diagnostics).
-pub fn byte_taken_by_other(file: &File, byte: i64) -> std::io::Result<bool> {
+/// Whether an open file other than `file` holds a lock on `byte` (for this module's tests).
+#[cfg(test)]
+fn byte_taken_by_other(file: &File, byte: i64) -> std::io::Result<bool> {
     taken_by_other(file.as_raw_fd(), byte)
 }
 

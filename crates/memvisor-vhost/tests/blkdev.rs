@@ -103,7 +103,7 @@ fn loop_or_skip(test: &str, bytes: u64, sector: Option<u32>) -> Option<Loop> {
     match Loop::new(test, bytes, sector) {
         Ok(l) => Some(l),
         Err(why) => {
-            println!("skipped: {test}: {why}");
+            skipped(&format!("{test}: {why}"));
             None
         }
     }
@@ -407,4 +407,12 @@ fn a_4096_byte_sector_loop_device_has_blk_size_4096() {
     assert!(back[1024..] == a[1024..4096], "the sectors after");
     drop(c);
     let _ = t.join().unwrap();
+}
+
+/// Says "skipped: <what>" where the test runner shows it: on the process's real stderr (libtest
+/// captures `println!` and `eprintln!` of passing tests, not a write to `io::stderr()`), in one
+/// write so that tests running beside this one do not cut the line.
+fn skipped(what: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("skipped: {what}\n").as_bytes());
 }
