@@ -89,3 +89,18 @@ pub(crate) fn balloon_stats_frozen() -> bool {
         on
     })
 }
+
+/// With `MEMVISOR_TEST_LOCKED_BLK_PINS` set, the blk device pins its requests' pages as it did
+/// before issue 45: locked (`pin_pages`, mlock or a long-term pin) and charged to
+/// `RLIMIT_MEMLOCK`, a pin the limit refuses answered `IOERR`. The real-guest memlock trial's
+/// negative control must then see I/O errors in the guest.
+pub(crate) fn locked_blk_pins() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let on = std::env::var_os("MEMVISOR_TEST_LOCKED_BLK_PINS").is_some();
+        if on {
+            log::warn!("TEST ONLY: blk pins are locked and charged; a refused one is IOERR");
+        }
+        on
+    })
+}
