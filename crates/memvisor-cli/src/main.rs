@@ -87,10 +87,9 @@ struct ServeArgs {
     /// Offer VIRTIO_F_IOMMU_PLATFORM on the blk devices: they may sit behind a vIOMMU
     #[arg(long)]
     iommu: bool,
-    /// No effect on block devices, whose requests lock nothing (they hold guest pages in the
-    /// pin registry only; see docs/limits.md); accepted so existing command lines keep working.
-    /// Otherwise: hold pinned pages with the kernel's long-term pin (FOLL_LONGTERM, through
-    /// io_uring) instead of mlock. Needs io_uring
+    /// No effect: the block devices' requests hold guest pages in the pin registry without
+    /// locking them (see docs/limits.md), and the balloon pins nothing, so there is nothing to
+    /// pin long-term; accepted so existing command lines and config files keep working
     #[arg(long)]
     long_term_pins: bool,
     /// Write what the devices did as JSON on exit, and whenever SIGUSR1 comes

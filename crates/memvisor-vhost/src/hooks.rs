@@ -90,17 +90,27 @@ pub(crate) fn balloon_stats_frozen() -> bool {
     })
 }
 
-/// With `MEMVISOR_TEST_LOCKED_BLK_PINS` set, the blk device pins its requests' pages as it did
+/// The blk device's hold of `pages` for a request ([`memvisor::DmaSpace::hold_pages`]); with
+/// `MEMVISOR_TEST_LOCKED_BLK_PINS` set, the blk device pins its requests' pages as it did
 /// before issue 45: locked (`pin_pages`, mlock or a long-term pin) and charged to
 /// `RLIMIT_MEMLOCK`, a pin the limit refuses answered `IOERR`. The real-guest memlock trial's
 /// negative control must then see I/O errors in the guest.
-pub(crate) fn locked_blk_pins() -> bool {
+pub(crate) fn blk_hold(
+    dma: &memvisor::DmaSpace,
+    pages: &[u64],
+    prot: memvisor::Prot,
+) -> memvisor::Result<Vec<memvisor::Hva>> {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
+    let locked = *ON.get_or_init(|| {
         let on = std::env::var_os("MEMVISOR_TEST_LOCKED_BLK_PINS").is_some();
         if on {
             log::warn!("TEST ONLY: blk pins are locked and charged; a refused one is IOERR");
         }
         on
-    })
+    });
+    if locked {
+        dma.pin_pages(pages, prot)
+    } else {
+        dma.hold_pages(pages, prot)
+    }
 }

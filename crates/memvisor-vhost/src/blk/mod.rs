@@ -30,20 +30,16 @@
 //! predecessor left, oldest first, before reading the available ring.
 //!
 //! **Pins are holds; nothing is locked.** Before the system call the request's guest pages are
-//! held with [`DmaSpace::hold_pages`] and released after it — the `vfio_pin_pages` pattern of
-//! the kernel patch "vfio iommu type1: Improve vfio_iommu_type1_pin_pages performance" — so a
-//! balloon discard in the same process (another socket, another thread) skips them instead of
-//! freeing memory the kernel is copying into, and an unmap of their memory waits for the
-//! request. A hold is a pin that locks nothing: the pages are counted in the process's pin
-//! registry, which is what discards look at, and are neither locked nor charged to
-//! `RLIMIT_MEMLOCK`. Nothing more is needed: the transfer goes through this process's own
-//! mapping of guest memory, where the kernel faults pages in as it copies and, for `O_DIRECT`,
-//! pins them itself for the length of the I/O. An `mlock` (or a long-term pin) would add only a
-//! charge to the limit — under systemd's default 8 MiB, 2,048 pages, against one queue's 128
-//! requests of up to 254 segments, a refused pin and so a guest I/O error (issue 45). So no
-//! limit on locked memory ever reaches the guest: there is no refused pin to wait for or to
-//! fail. The page counts of the holds are recorded as a histogram
-//! ([`BlkStats::npage_histogram`]): the distribution a real guest produces.
+//! held with [`DmaSpace::hold_pages`] and released after it (the `vfio_pin_pages` pattern of the
+//! kernel patch "vfio iommu type1: Improve vfio_iommu_type1_pin_pages performance"), so a
+//! balloon discard in the same process skips them instead of freeing memory the kernel is
+//! copying into, and an unmap waits for the request. A hold counts the pages in the pin
+//! registry, which is what discards look at, and locks and charges nothing: the transfer goes
+//! through this process's own mapping, where the kernel faults pages in as it copies and pins
+//! them itself for `O_DIRECT`. An `mlock` would add only a charge to `RLIMIT_MEMLOCK` and, past
+//! it, a guest I/O error (issue 45: systemd's default 8 MiB is 2,048 pages, one queue 128
+//! requests of up to 254 segments). So no locked-memory limit reaches the guest: there is no
+//! refused pin to wait for. The holds' page counts go into [`BlkStats::npage_histogram`].
 //!
 //! **Bad requests** (a chain without a header or status byte, a buffer outside guest memory or
 //! with the wrong direction, a read past the end of the disk, a length that is not whole
@@ -965,11 +961,7 @@ fn pin_all(dma: &DmaSpace, pages: &[u64], prot: Prot) -> Result<()> {
     let start = std::time::Instant::now();
     for (i, batch) in pages.chunks(PIN_PAGES_MAX).enumerate() {
         #[cfg(feature = "test-hooks")]
-        let held = if crate::hooks::locked_blk_pins() {
-            dma.pin_pages(batch, prot)
-        } else {
-            dma.hold_pages(batch, prot)
-        };
+        let held = crate::hooks::blk_hold(dma, batch, prot);
         #[cfg(not(feature = "test-hooks"))]
         let held = dma.hold_pages(batch, prot);
         if let Err(e) = held {
