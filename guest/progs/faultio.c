@@ -1,5 +1,5 @@
 /*
- * faultio: guest side of memvisor's fault trials (guest/trial.sh blk --disk-fault, blk --memlock).
+ * faultio: guest side of memvisor's disk-fault trial (guest/trial.sh blk --disk-fault).
  *
  * Every request is one O_DIRECT pread/pwrite of CHUNK bytes (one virtio-blk request) into or from
  * a buffer with a canary page on each side; a separate region the disk never touches is filled
@@ -19,12 +19,7 @@
  *       overlapping it must fail, the others succeed. want=all: the host makes every request
  *       fail (polled with reads of chunk 0); want=none: healed (polled with writes of the first
  *       bad chunk); then every chunk is written and read back.
- *   memlock DEV
- *     Writes and reads CHUNK-sized requests from 96 different buffers (so the back end's lock
- *     cache never holds them) and says "FAULTIO memlock load"; the host lowers the back end's
- *     RLIMIT_MEMLOCK; once 8 requests have failed, want=memlock: the host restores it; after 32
- *     requests in a row succeed, every chunk is written and read back.
- * One "RESULT disk-fault|memlock PASS|FAIL ..." line; "FAULTIO failed_requests=N" counts the
+ * One "RESULT disk-fault PASS|FAIL ..." line; "FAULTIO failed_requests=N" counts the
  * requests that failed (the host compares it with the back end's stats).
  */
 #define _GNU_SOURCE
@@ -40,7 +35,7 @@
 
 #define PAGE 4096
 #define CHUNK (256 * 1024)
-#define SLOTS 96		/* buffers of the memlock load */
+#define SLOTS 96		/* buffers */
 #define UNTOUCHED (4 << 20)
 
 static unsigned char *mem;	/* [canary][slot 0][canary][slot 1]...[canary] */
@@ -292,82 +287,10 @@ static void eio(const char *dev, unsigned long long bad_start, unsigned long lon
 	close(fd);
 }
 
-/* Large requests from many buffers while the host lowers, then restores, the back end's
- * RLIMIT_MEMLOCK. */
-static void memlock(const char *dev)
-{
-	int fd = open_dev(dev);
-	unsigned n = chunks_of(fd);
-	if (n > 64)
-		n = 64;
-	unsigned *gen = calloc(n, sizeof(*gen));
-	unsigned long ok = 0, failed = 0, wrong = 0, ops = 0, streak = 0, i = 0;
-	int asked = 0;
-	double t0 = now(), first_fail = 0;
-	printf("FAULTIO memlock load: %u chunks of %u KiB through %u buffers\n", n, CHUNK >> 10, SLOTS);
-	fflush(stdout);
-	while (now() - t0 < 150) {
-		unsigned c = i % n, s = i % SLOTS;
-		i++;
-		int w = wr(fd, c, gen[c] + 1, s);
-		ops++;
-		if (w == 0) {
-			gen[c]++;
-			int r = rd(fd, c, gen[c], (s + SLOTS / 2) % SLOTS);
-			ops++;
-			if (r > 0)
-				wrong++;
-			if (r == 0) {
-				ok++;
-				streak++;
-			} else {
-				failed++;
-				streak = 0;
-			}
-		} else {
-			/* A refused write wrote nothing: the chunk keeps its generation. */
-			failed++;
-			streak = 0;
-			if (!first_fail)
-				first_fail = now() - t0;
-		}
-		if (!asked && failed >= 8) {
-			printf("FAULTIO memlock: %lu requests failed; ok=%lu\n", failed, ok);
-			want("memlock");
-			asked = 1;
-		}
-		if (asked && streak >= 32)
-			break;
-	}
-	printf("FAULTIO memlock: %lu write+read rounds ok, %lu failed (first after %.1f s), %lu read wrong, %lu ops\n",
-	       ok, failed, first_fail, wrong, ops);
-	if (!failed)
-		note("memlock-no-failure");
-	if (!asked || streak < 32)
-		note("memlock-not-recovered");
-	if (wrong)
-		note("memlock-data");
-	/* Every chunk once more through every buffer: all must succeed now. */
-	unsigned after = 0;
-	for (unsigned c = 0; c < n; c++) {
-		if (wr(fd, c, gen[c] + 1, c % SLOTS) != 0) {
-			after++;
-			continue;
-		}
-		gen[c]++;
-		if (rd(fd, c, gen[c], (c + 7) % SLOTS) != 0)
-			after++;
-	}
-	if (after)
-		note("memlock-after-restore");
-	printf("FAULTIO memlock: after the restore %u of %u chunks failed or read wrong\n", after, n);
-	close(fd);
-}
-
 int main(int argc, char **argv)
 {
 	if (argc < 3) {
-		fprintf(stderr, "usage: faultio fault NOSPC_DEV EIO_DEV BAD_START BAD_LEN | memlock DEV\n");
+		fprintf(stderr, "usage: faultio fault NOSPC_DEV EIO_DEV BAD_START BAD_LEN\n");
 		return 2;
 	}
 	setvbuf(stdout, NULL, _IOLBF, 0);
@@ -385,9 +308,6 @@ int main(int argc, char **argv)
 	if (!strcmp(argv[1], "fault") && argc == 6) {
 		nospc(argv[2]);
 		eio(argv[3], strtoull(argv[4], NULL, 0), strtoull(argv[5], NULL, 0));
-	} else if (!strcmp(argv[1], "memlock")) {
-		trial = "memlock";
-		memlock(argv[2]);
 	} else {
 		fprintf(stderr, "faultio: unknown mode %s\n", argv[1]);
 		return 2;

@@ -90,10 +90,9 @@ struct ServeArgs {
     /// Offer VIRTIO_F_IOMMU_PLATFORM on the blk devices: they may sit behind a vIOMMU
     #[arg(long)]
     iommu: bool,
-    /// Hold the guest pages the devices pin with the kernel's long-term pin (FOLL_LONGTERM,
-    /// through io_uring) instead of mlock: cheaper for a page not pinned before (figures in the
-    /// README). Needs io_uring (seccomp profiles often forbid it); the kernel shows such pages
-    /// in VmPin
+    /// No effect: the block devices' requests hold guest pages in the pin registry without
+    /// locking them (see docs/limits.md), and the balloon pins nothing, so there is nothing to
+    /// pin long-term; accepted so existing command lines and config files keep working
     #[arg(long)]
     long_term_pins: bool,
     /// Write what the devices did as JSON on exit, and whenever SIGUSR1 comes
@@ -230,10 +229,9 @@ struct BlkArgs {
     #[arg(long, value_name = "US", default_value_t = 0,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     poll_us: u32,
-    /// Hold the pages of requests in flight with the kernel's long-term pin (FOLL_LONGTERM,
-    /// through io_uring) instead of mlock: cheaper for a page not pinned before (figures in the
-    /// README). Needs io_uring (seccomp profiles often forbid it); the kernel shows such pages
-    /// in VmPin
+    /// No effect: the requests in flight hold guest pages in the pin registry without locking
+    /// them (see docs/limits.md), so there is nothing to pin long-term; accepted so existing
+    /// command lines keep working
     #[arg(long)]
     long_term_pins: bool,
     /// Write what the device did (requests, bytes, pinned-page histogram, pins) as JSON on
@@ -325,6 +323,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
     if args.long_term_pins {
         serve::use_long_term_pins()?;
     }
+    serve::note_blk_locked_memory(args.long_term_pins);
     if args.serial.len() > 20 {
         bail!(
             "--serial {:?} is {} bytes; virtio-blk's GET_ID holds 20",
@@ -378,6 +377,9 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
     start_server()?;
     if args.long_term_pins || config.long_term_pins {
         serve::use_long_term_pins()?;
+    }
+    if !config.blk.is_empty() {
+        serve::note_blk_locked_memory(args.long_term_pins || config.long_term_pins);
     }
     let stats = args.stats.clone().or(config.stats);
     let devices = serve::Devices {

@@ -356,6 +356,48 @@ pub fn use_long_term_pins() -> Result<()> {
     Ok(())
 }
 
+/// Says at start what the locked-memory limit means for the block devices about to be served:
+/// nothing. Their requests hold guest pages in the pin registry without locking them (see
+/// `memvisor_vhost::blk` and docs/limits.md), so `RLIMIT_MEMLOCK` never turns into a guest I/O
+/// error and needs no raising for them; `--long-term-pins` (`long_term_pins`) has nothing to
+/// hold there.
+pub fn note_blk_locked_memory(long_term_pins: bool) {
+    let limit = match memvisor::LockLimit::Rlimit.resolve() {
+        Some((bytes, _)) => format!("RLIMIT_MEMLOCK ({} KiB)", bytes >> 10),
+        None => "the locked-memory limit (none here: CAP_IPC_LOCK or unlimited)".to_string(),
+    };
+    log::info!(
+        "blk: requests hold guest pages without locking them; {limit} does not apply to them \
+         (no LimitMEMLOCK= or CAP_IPC_LOCK needed for block devices)"
+    );
+    if long_term_pins {
+        log::warn!(
+            "--long-term-pins has no effect on block devices: their requests lock nothing (the \
+             pages are held in the pin registry only), so nothing of theirs is pinned long-term"
+        );
+    }
+}
+
+/// Warns at start when the locked-memory limit is below what the `mvdma` device locks at once
+/// in its pin mode: [`PIN_PAGES_MAX`](memvisor::dma::PIN_PAGES_MAX) pages of source and as
+/// many of destination. A pin the limit refuses fails that DMA descriptor.
+pub fn warn_vfio_user_locked_memory() {
+    let worst = 2 * memvisor::dma::PIN_PAGES_MAX as u64 * 4096;
+    if let Some((bytes, _)) = memvisor::LockLimit::Rlimit.resolve()
+        && bytes < worst
+    {
+        log::warn!(
+            "RLIMIT_MEMLOCK is {} KiB, below the {} KiB the mvdma device locks for one copy in \
+             pin mode (512 pages of source and 512 of destination; more on huge-page memory): \
+             such copies will fail. Raise it (LimitMEMLOCK={}K or more in the systemd unit, \
+             `ulimit -l`) or grant CAP_IPC_LOCK (AmbientCapabilities=CAP_IPC_LOCK)",
+            bytes >> 10,
+            worst >> 10,
+            worst >> 10
+        );
+    }
+}
+
 /// What [`serve`] serves.
 #[derive(Default)]
 pub struct Devices {
@@ -666,6 +708,7 @@ pub fn vfio_user(
     if long_term_pins {
         use_long_term_pins()?;
     }
+    warn_vfio_user_locked_memory();
     let record = match record {
         Some(path) => Some(
             std::fs::File::create(path)

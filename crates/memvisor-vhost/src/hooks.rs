@@ -89,3 +89,28 @@ pub(crate) fn balloon_stats_frozen() -> bool {
         on
     })
 }
+
+/// The blk device's hold of `pages` for a request ([`memvisor::DmaSpace::hold_pages`]); with
+/// `MEMVISOR_TEST_LOCKED_BLK_PINS` set, the blk device pins its requests' pages as it did
+/// before issue 45: locked (`pin_pages`, mlock or a long-term pin) and charged to
+/// `RLIMIT_MEMLOCK`, a pin the limit refuses answered `IOERR`. The real-guest memlock trial's
+/// negative control must then see I/O errors in the guest.
+pub(crate) fn blk_hold(
+    dma: &memvisor::DmaSpace,
+    pages: &[u64],
+    prot: memvisor::Prot,
+) -> memvisor::Result<Vec<memvisor::Hva>> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let locked = *ON.get_or_init(|| {
+        let on = std::env::var_os("MEMVISOR_TEST_LOCKED_BLK_PINS").is_some();
+        if on {
+            log::warn!("TEST ONLY: blk pins are locked and charged; a refused one is IOERR");
+        }
+        on
+    });
+    if locked {
+        dma.pin_pages(pages, prot)
+    } else {
+        dma.hold_pages(pages, prot)
+    }
+}

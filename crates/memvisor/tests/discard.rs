@@ -104,6 +104,29 @@ fn with_pins(t: &SlotTable, b: &Arc<Backing>) -> (Discarder, DmaSpace) {
     (discarder, d)
 }
 
+/// [`with_pins`] on a registry held to `limit`, returned too.
+fn with_registry(
+    t: &SlotTable,
+    b: &Arc<Backing>,
+    limit: LockLimit,
+) -> (Discarder, DmaSpace, Arc<PinRegistry>) {
+    let registry = PinRegistry::new(limit);
+    let d = DmaSpace::new(DmaConfig {
+        registry: Some(registry.clone()),
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    d.map_backing(Iova(0), b, 0, b.size(), Prot::RW).unwrap();
+    let discarder = Discarder::with_options(
+        t,
+        DiscardOptions {
+            registry: Some(registry.clone()),
+            ..DiscardOptions::default()
+        },
+    );
+    (discarder, d, registry)
+}
+
 fn own_registry(t: &SlotTable, use_madv_free: bool) -> Discarder {
     Discarder::with_options(
         t,
@@ -404,6 +427,96 @@ fn pinned_pages_are_skipped_and_keep_their_bytes() {
     assert_eq!(held(&b, 300, 0), Held::Zero);
 }
 
+/// Holds — pins that lock nothing, what a blk request takes for its pages — keep discards off
+/// their pages exactly as pins do, with nothing locked: under a registry that may lock nothing
+/// at all, where every pin is refused. On THP memory a held page keeps its whole huge page.
+#[test]
+fn held_pages_are_skipped_and_keep_their_bytes_with_nothing_locked() {
+    let _s = serial();
+    for kind in [BackingKind::PrivateAnon, BackingKind::Memfd] {
+        let (t, b) = guest(kind.clone(), 2 * MIB, SlotFlags::NONE);
+        let (discarder, dma, registry) = with_registry(&t, &b, LockLimit::Bytes(0));
+        let e = dma.pin_pages(&[5], Prot::RW).unwrap_err();
+        assert_eq!(
+            e.errno(),
+            libc::ENOMEM,
+            "{}: a pin needs a lock: {e}",
+            kind.name()
+        );
+        let held_pages: Vec<u64> = vec![0, 1, 2, 100, 300, 301, 511];
+        dma.hold_pages(&held_pages, Prot::RW).unwrap();
+        let k = registry.kernel_check();
+        assert_eq!(
+            (k.held_bytes, k.charged_bytes),
+            (0, 0),
+            "{}: a hold locks nothing",
+            kind.name()
+        );
+        assert_eq!(registry.pin_count(memvisor::Hva(b.hva().0 + 300 * PAGE)), 1);
+        let out = discarder.report(&[(Gpa(BASE), 2 * MIB)]);
+        let skipped = held_pages.len() as u64 * PAGE;
+        assert_eq!(
+            (out.discarded, out.skipped_pinned),
+            (2 * MIB - skipped, skipped),
+            "{}",
+            kind.name()
+        );
+        for p in 0..512 {
+            let want = if held_pages.contains(&p) {
+                Held::Pattern
+            } else {
+                Held::Zero
+            };
+            assert_eq!(held(&b, p, 0), want, "{}: page {p}", kind.name());
+        }
+        // Released, they go with the next report.
+        dma.unpin_pages(&held_pages).unwrap();
+        let out = discarder.report(&[(Gpa(BASE), 2 * MIB)]);
+        assert_eq!(out.skipped_pinned, 0);
+        assert_eq!(held(&b, 300, 0), Held::Zero);
+    }
+    let (t, b) = guest(BackingKind::Thp, 4 * MIB, SlotFlags::NONE);
+    let (discarder, dma, _registry) = with_registry(&t, &b, LockLimit::Bytes(0));
+    dma.hold_pages(&[700], Prot::RW).unwrap(); // inside the second 2 MiB
+    let out = discarder.report(&[(Gpa(BASE + PAGE), 4 * MIB - 2 * PAGE)]);
+    assert_eq!(
+        (out.discarded, out.skipped_pinned),
+        (2 * MIB - PAGE, 2 * MIB - PAGE)
+    );
+    check_pages(&b, &[(1, 512)]);
+    dma.unpin_pages(&[700]).unwrap();
+}
+
+/// A page both held and pinned stays locked until the last of the two goes, and is discarded
+/// only after both.
+#[test]
+fn a_page_held_and_pinned_is_kept_until_both_go() {
+    let _s = serial();
+    let (t, b) = guest(BackingKind::PrivateAnon, 2 * MIB, SlotFlags::NONE);
+    let (discarder, dma, registry) = with_registry(&t, &b, LockLimit::Unlimited);
+    dma.hold_pages(&[10, 11], Prot::RW).unwrap();
+    dma.pin_pages(&[11, 12], Prot::RW).unwrap();
+    assert_eq!(registry.locked_bytes(), 2 * PAGE, "only the pin locks");
+    dma.unpin_pages(&[11, 12]).unwrap(); // the pin goes; page 11 stays held
+    registry.release_cached();
+    let out = discarder.report(&[(Gpa(BASE), 2 * MIB)]);
+    assert_eq!(out.skipped_pinned, 2 * PAGE);
+    assert_eq!(
+        (held(&b, 10, 0), held(&b, 11, 0)),
+        (Held::Pattern, Held::Pattern)
+    );
+    assert_eq!(held(&b, 12, 0), Held::Zero);
+    dma.unpin_pages(&[10, 11]).unwrap();
+    assert_eq!(
+        registry.locked_bytes(),
+        0,
+        "the last of the two let go of the lock"
+    );
+    registry.release_cached();
+    assert_eq!(registry.kernel_check().held_bytes, 0);
+    assert_eq!(discarder.report(&[(Gpa(BASE), 2 * MIB)]).skipped_pinned, 0);
+}
+
 /// THP memory is pinned in whole huge pages, so a pin inside one keeps all of it: reported as
 /// skipped, never half-discarded (MADV_DONTNEED would refuse the locked part anyway).
 #[test]
@@ -434,7 +547,17 @@ fn a_pin_keeps_its_whole_transparent_huge_page() {
 fn pins_racing_reports_never_lose_bytes() {
     let _s = serial();
     for kind in [BackingKind::PrivateAnon, BackingKind::Memfd] {
-        race(kind, Duration::from_secs(2));
+        race(kind, Duration::from_secs(2), false);
+    }
+}
+
+/// The same race with holds (what blk requests take): nothing is locked, so on private memory
+/// the kernel would not refuse `MADV_DONTNEED` either; only the registry keeps the reports off.
+#[test]
+fn holds_racing_reports_never_lose_bytes() {
+    let _s = serial();
+    for kind in [BackingKind::PrivateAnon, BackingKind::Memfd] {
+        race(kind, Duration::from_secs(2), true);
     }
 }
 
@@ -448,7 +571,7 @@ impl Drop for StopOnDrop<'_> {
     }
 }
 
-fn race(kind: BackingKind, time: Duration) {
+fn race(kind: BackingKind, time: Duration, hold: bool) {
     const PAGES: u64 = 512;
     let (t, b) = guest(kind.clone(), PAGES * PAGE, SlotFlags::NONE);
     let (discarder, dma) = with_pins(&t, &b);
@@ -479,7 +602,11 @@ fn race(kind: BackingKind, time: Duration) {
                             b.write(p * PAGE, &[pattern(p, rounds); PAGE as usize])
                                 .unwrap();
                         }
-                        dma.pin_pages(&pages, Prot::RW).unwrap();
+                        if hold {
+                            dma.hold_pages(&pages, Prot::RW).unwrap();
+                        } else {
+                            dma.pin_pages(&pages, Prot::RW).unwrap();
+                        }
                         for &p in &pages {
                             // Before the pin a report may discard the page, even in the middle
                             // of the write above (the guest would not write memory it reported;
@@ -534,9 +661,10 @@ fn race(kind: BackingKind, time: Duration) {
     });
     let reports = reports.load(Ordering::Relaxed);
     println!(
-        "{}: {reports} reports, {pin_rounds} pin rounds, {discarded} bytes discarded, \
+        "{}{}: {reports} reports, {pin_rounds} pin rounds, {discarded} bytes discarded, \
          {skipped} skipped",
-        kind.name()
+        kind.name(),
+        if hold { " (holds)" } else { "" }
     );
     assert!(reports >= min_reports, "only {reports} reports");
     assert!(pin_rounds >= min_rounds, "only {pin_rounds} pin rounds");

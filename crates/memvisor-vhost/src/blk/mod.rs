@@ -29,12 +29,17 @@
 //! taken and cleared when returned, and a back end started after a crash redoes the chains its
 //! predecessor left, oldest first, before reading the available ring.
 //!
-//! **Pins.** Before the system call the request's guest pages are pinned with
-//! [`DmaSpace::pin_pages`] and unpinned after it — the `vfio_pin_pages` pattern of the kernel
-//! patch "vfio iommu type1: Improve vfio_iommu_type1_pin_pages performance" — so a balloon
-//! discard in the same process (another socket, another thread) skips them instead of
-//! freeing memory the kernel is copying into. The page counts of these pins are recorded as a
-//! histogram ([`BlkStats::npage_histogram`]): the distribution a real guest produces.
+//! **Pins are holds; nothing is locked.** Before the system call the request's guest pages are
+//! held with [`DmaSpace::hold_pages`] and released after it (the `vfio_pin_pages` pattern of the
+//! kernel patch "vfio iommu type1: Improve vfio_iommu_type1_pin_pages performance"), so a
+//! balloon discard in the same process skips them instead of freeing memory the kernel is
+//! copying into, and an unmap waits for the request. A hold counts the pages in the pin
+//! registry, which is what discards look at, and locks and charges nothing: the transfer goes
+//! through this process's own mapping, where the kernel faults pages in as it copies and pins
+//! them itself for `O_DIRECT`. An `mlock` would add only a charge to `RLIMIT_MEMLOCK` and, past
+//! it, a guest I/O error (issue 45: systemd's default 8 MiB is 2,048 pages, one queue 128
+//! requests of up to 254 segments). So no locked-memory limit reaches the guest: there is no
+//! refused pin to wait for. The holds' page counts go into [`BlkStats::npage_histogram`].
 //!
 //! **Bad requests** (a chain without a header or status byte, a buffer outside guest memory or
 //! with the wrong direction, a read past the end of the disk, a length that is not whole
@@ -44,10 +49,11 @@
 //! **A failing disk** (`preadv` / `pwritev` refused: EIO from the file system, ENOSPC on a full
 //! one, a short count followed by an error) fails that request alone with `IOERR`, counted in
 //! [`BlkStats::io_errors`]; a read may have filled part of its own buffers, nothing else is
-//! touched, and the next request goes to the disk again. **Pins refused** — the locked-memory
-//! limit reached, `RLIMIT_MEMLOCK` lowered while serving — fail the request with `IOERR` before
-//! any I/O, with nothing of it pinned (a pin is all or nothing), counted in
-//! [`BlkStats::pin_errors`].
+//! touched, and the next request goes to the disk again. **A hold refused** — a buffer that
+//! left guest memory or its permission (an IOTLB invalidation racing the request), memory whose
+//! host address stays invalidated past the live-update wait — fails the request with `IOERR`
+//! before any I/O, with nothing of it held (a hold is all or nothing), counted in
+//! [`BlkStats::pin_errors`]; no host limit is among the reasons.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -545,7 +551,9 @@ impl Blk {
         pages.dedup();
         let prot = if to_guest { Prot::WRITE } else { Prot::READ };
         pin_all(dma, &pages, prot).map_err(Failure::Pin)?;
-        self.count(q).pinned_pages.add(pages.len() as u64);
+        let c = self.count(q);
+        c.pinned_pages.add(pages.len() as u64);
+        c.most_pinned_pages.raise(c.pinned_pages.get());
         let ready = Ready {
             pages,
             iov: Vec::new(),
@@ -953,14 +961,18 @@ fn hide_io_errors() -> bool {
     *HIDE.get_or_init(|| std::env::var_os("MEMVISOR_TEST_HIDE_IO_ERRORS").is_some())
 }
 
-/// Pins `pages` (sorted, distinct IOVA pages) for one request, in calls of at most
-/// [`PIN_PAGES_MAX`] pages: a request may be any size (the config offers no `size_max`), while
-/// one `pin_pages` call takes at most type1's 512 entries. A refused call unpins what the calls
-/// before it pinned, so a failed request leaves nothing pinned.
+/// Holds `pages` (sorted, distinct IOVA pages) for one request ([`DmaSpace::hold_pages`]: a
+/// pin that locks nothing), in calls of at most [`PIN_PAGES_MAX`] pages: a request may be any
+/// size (the config offers no `size_max`), while one call takes at most type1's 512 entries. A
+/// refused call releases what the calls before it held, so a failed request leaves nothing held.
 fn pin_all(dma: &DmaSpace, pages: &[u64], prot: Prot) -> Result<()> {
     let start = std::time::Instant::now();
     for (i, batch) in pages.chunks(PIN_PAGES_MAX).enumerate() {
-        if let Err(e) = dma.pin_pages(batch, prot) {
+        #[cfg(feature = "test-hooks")]
+        let held = crate::hooks::blk_hold(dma, batch, prot);
+        #[cfg(not(feature = "test-hooks"))]
+        let held = dma.hold_pages(batch, prot);
+        if let Err(e) = held {
             unpin_all(dma, &pages[..i * PIN_PAGES_MAX]);
             return Err(e.into());
         }
@@ -969,7 +981,7 @@ fn pin_all(dma: &DmaSpace, pages: &[u64], prot: Prot) -> Result<()> {
     Ok(())
 }
 
-/// Unpins what [`pin_all`] pinned, in the same batches.
+/// Releases what [`pin_all`] held, in the same batches.
 fn unpin_all(dma: &DmaSpace, pages: &[u64]) {
     let start = std::time::Instant::now();
     for batch in pages.chunks(PIN_PAGES_MAX) {

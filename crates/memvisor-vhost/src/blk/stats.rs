@@ -31,8 +31,8 @@ pub struct BlkStats {
     pub failed: u64,
     /// Of those, reads and writes whose system call on the image failed (EIO, ENOSPC).
     pub io_errors: u64,
-    /// Of those, reads and writes whose guest pages could not be pinned (ENOMEM: the
-    /// locked-memory limit).
+    /// Of those, reads and writes whose guest pages could not be held (a buffer that left
+    /// guest memory meanwhile; never a host limit: holds lock nothing).
     pub pin_errors: u64,
     /// Chains whose head named an indirect descriptor table.
     pub indirect: u64,
@@ -48,8 +48,11 @@ pub struct BlkStats {
     pub batches: u64,
     /// The most reads and writes the kernel had from this device at once.
     pub most_in_flight: u64,
-    /// Guest pages pinned now for reads and writes in flight (0 whenever the device is idle).
+    /// Guest pages held now for reads and writes in flight (0 whenever the device is idle).
     pub pinned_pages: u64,
+    /// The most guest pages held at once for reads and writes in flight (holds lock nothing:
+    /// this may be far past `RLIMIT_MEMLOCK`).
+    pub most_pinned_pages: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     #[serde(serialize_with = "histogram_pairs")]
@@ -76,6 +79,7 @@ impl BlkStats {
             batches,
             most_in_flight,
             pinned_pages,
+            most_pinned_pages,
             npage_histogram,
         } = o;
         self.reads += reads;
@@ -93,6 +97,8 @@ impl BlkStats {
         self.batches += batches;
         self.most_in_flight = self.most_in_flight.max(*most_in_flight);
         self.pinned_pages += pinned_pages;
+        // Queues peak at different moments: the highest is a lower bound of the device's.
+        self.most_pinned_pages = self.most_pinned_pages.max(*most_pinned_pages);
         if self.npage_histogram.len() < npage_histogram.len() {
             self.npage_histogram.resize(npage_histogram.len(), 0);
         }
@@ -129,6 +135,7 @@ pub(super) struct BlkCounters {
     pub batches: Counter,
     pub most_in_flight: Counter,
     pub pinned_pages: Counter,
+    pub most_pinned_pages: Counter,
     npage_histogram: [Counter; BUCKETS],
 }
 
@@ -160,6 +167,7 @@ impl BlkCounters {
             batches: self.batches.get(),
             most_in_flight: self.most_in_flight.get(),
             pinned_pages: self.pinned_pages.get(),
+            most_pinned_pages: self.most_pinned_pages.get(),
             npage_histogram,
         }
     }

@@ -12,6 +12,13 @@
 //! Each IOVA page keeps a count of device pins (pinning a page twice needs two unpins), and the
 //! host pages are counted by the process's pin registry like every other pin.
 //!
+//! **Holds** (`hold_pages`) are device pins that lock nothing: counted here and in the
+//! registry like any pin — so discards skip their pages and unmaps wait for them — but not
+//! locked, faulted in or charged to the locked-memory limit, which therefore never refuses one.
+//! They are for devices whose only access to the pages is through this process's own mapping
+//! (the CPU, `preadv` / `pwritev`, io_uring): the kernel faults such pages in, and pins them
+//! itself for the length of an `O_DIRECT` transfer. Both kinds are released by `unpin_pages`.
+//!
 //! **Grouping** (the kernel patch "vfio iommu type1: Improve vfio_iommu_type1_pin_pages
 //! performance"). The pages of one call are often contiguous: the call is split into
 //! runs of consecutive page numbers and each run is pinned with one registry call — one fault-in,
@@ -119,17 +126,39 @@ impl DmaSpace {
     /// invalidated past [`DmaConfig::vaddr_wait`](super::DmaConfig::vaddr_wait). Pages pinned
     /// are dirty while dirty tracking is on and they stay pinned, whatever `prot` (type1's rule).
     pub fn pin_pages(&self, pages: &[u64], prot: Prot) -> Result<Vec<Hva>> {
-        check_count("pin_pages", pages)?;
+        self.pin_or_hold("pin_pages", pages, prot, true)
+    }
+
+    /// Holds the IOVA pages numbered `pages` for a device: a pin that locks nothing. The pages
+    /// are counted in the pin registry, so memvisor's discards (a balloon in the same process)
+    /// skip them and an unmap of their memory waits for them, exactly as for
+    /// [`DmaSpace::pin_pages`]; but they are neither locked nor pinned long-term, faulted in nor
+    /// charged to the locked-memory limit, so no limit can refuse a hold. Enough for a device
+    /// whose only access to the pages is the CPU's or a system call's on this process's own
+    /// mapping (`preadv` / `pwritev`, io_uring, `O_DIRECT`, whose pages the kernel pins itself
+    /// for the I/O); not for DMA by physical address. Released with [`DmaSpace::unpin_pages`].
+    /// The same errors as `pin_pages`, but never ENOMEM for the limit.
+    pub fn hold_pages(&self, pages: &[u64], prot: Prot) -> Result<Vec<Hva>> {
+        self.pin_or_hold("hold_pages", pages, prot, false)
+    }
+
+    /// [`DmaSpace::pin_pages`] (`lock`) or [`DmaSpace::hold_pages`], named `what` in errors.
+    fn pin_or_hold(
+        &self,
+        what: &'static str,
+        pages: &[u64],
+        prot: Prot,
+        lock: bool,
+    ) -> Result<Vec<Hva>> {
+        check_count(what, pages)?;
         if prot == Prot::default() {
-            return Err(Error::NoAccess {
-                what: "pin_pages".into(),
-            });
+            return Err(Error::NoAccess { what: what.into() });
         }
         self.refuse_while_invalid(&self.shared.current.load(), pages[0] * PAGE)?;
         // Read the clock only if there is a wait: the deadline counts from the first one.
         let mut deadline = None;
         loop {
-            match self.try_pin_pages(pages, prot) {
+            match self.try_pin_pages(pages, prot, lock) {
                 Ok(hvas) => return Ok(hvas),
                 Err(Stop::Failed(e)) => return Err(e),
                 Err(Stop::Invalidated(iova)) => {
@@ -236,7 +265,12 @@ impl DmaSpace {
         }
     }
 
-    fn try_pin_pages(&self, pages: &[u64], prot: Prot) -> std::result::Result<Vec<Hva>, Stop> {
+    fn try_pin_pages(
+        &self,
+        pages: &[u64],
+        prot: Prot,
+        lock: bool,
+    ) -> std::result::Result<Vec<Hva>, Stop> {
         let mut writer = self.writer();
         let snap = self.shared.current.load();
         let mut out = Vec::with_capacity(pages.len());
@@ -245,7 +279,7 @@ impl DmaSpace {
         'groups: for (i, n) in groups(pages, self.shared.config.grouping) {
             let (mut page, end) = (pages[i], pages[i] + n as u64);
             while page < end {
-                match self.pin_piece(&mut writer, &snap, page, end, prot) {
+                match self.pin_piece(&mut writer, &snap, page, end, prot, lock) {
                     Ok((req, pinned)) => {
                         out.extend((0..pinned).map(|k| Hva(req.hva + k * PAGE)));
                         done.push((page, pinned, req));
@@ -268,8 +302,8 @@ impl DmaSpace {
         Ok(out)
     }
 
-    /// Pins the part of IOVA pages `[page, end)` that lies in one mapping; returns the registry
-    /// request and how many pages it covered.
+    /// Pins (or, without `lock`, holds) the part of IOVA pages `[page, end)` that lies in one
+    /// mapping; returns the registry request and how many pages it covered.
     fn pin_piece(
         &self,
         writer: &mut Writer,
@@ -277,6 +311,7 @@ impl DmaSpace {
         page: u64,
         end: u64,
         prot: Prot,
+        lock: bool,
     ) -> std::result::Result<(PinRequest, u64), Stop> {
         let iova = page_iova(page)?;
         let Some((start, last, hot, m)) = snap.entry(iova) else {
@@ -293,9 +328,12 @@ impl DmaSpace {
             return Err(Stop::Invalidated(iova));
         }
         let pieces = (end - page).min((last - iova) / PAGE + 1);
-        let req = self
-            .shared
-            .device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE);
+        let req = PinRequest {
+            lock,
+            ..self
+                .shared
+                .device_request(m, hot.delta().wrapping_add(iova), pieces * PAGE)
+        };
         self.shared.registry.pin_only(&req)?;
         writer.device_pins.add(page, page + pieces);
         // Pinned pages are dirty while pinned, whatever the protection (type1 marks them

@@ -186,6 +186,7 @@ impl Shared {
             frames: self.config.frames,
             // Whole mappings are unpinned when they are unmapped, when their memory may go too.
             keep: false,
+            lock: true,
         }
     }
 

@@ -11,6 +11,18 @@
 //! 1 -> 0 transition unlocks and is released; a page pinned through two IOVAs is locked and
 //! charged once.
 //!
+//! **Holds.** A pin whose request does not ask for a lock (`PinRequest::lock` false, a device's
+//! `hold_pages`) only counts its pages: nothing is locked, faulted in or charged, so no limit
+//! can refuse it. What a hold keeps is what discarding looks at — `with_unheld_in` hands out
+//! only pages neither locked nor counted — so a balloon in the same process never discards a
+//! page under a hold. That is all a device needs whose access goes through this process's own
+//! mapping (`preadv` / `pwritev`, io_uring, the CPU): the kernel faults the pages in as it
+//! copies, and pins them itself for an `O_DIRECT` transfer. A lock is needed only where
+//! memory must stay resident where it is without the kernel's help: DMA by physical frame
+//! (Eager mappings, frames read from pagemap) and device pins of consumers that ask for it
+//! (`pin_pages`). Pins and holds share the counts: a page both pinned and held stays locked
+//! until the last of them goes.
+//!
 //! **Pinning goes in steps** of a batch of pages (512 by default, one 4 KiB page of pagemap entries
 //! — the batch of the kernel patch "vfio/type1: Batch page pinning"). Per step, under the lock:
 //! find the pages no one has pinned yet, check the limit, mlock those pages — one call per run of
@@ -156,6 +168,10 @@ pub(crate) struct PinRequest {
     /// them (a device's short-lived pins); whoever sets it must have the cache emptied over the
     /// memory before the memory can go ([`PinRegistry::release_cached_in`]).
     pub keep: bool,
+    /// Hold the pages resident (lock them, or pin them long-term) and charge them. False: a
+    /// *hold* — the pages are counted, so discards skip them, and nothing is locked or charged
+    /// (see the module documentation, "Holds").
+    pub lock: bool,
 }
 
 impl PinRequest {
@@ -850,7 +866,7 @@ impl PinRegistry {
     }
 
     /// Calls `f`, under the registry's lock (no pin can come in between), with the runs of
-    /// pages in bytes `[start, end)` that nothing holds: no pin, no lock cache entry (the cache
+    /// pages in bytes `[start, end)` that nothing holds: no pin or hold, no lock cache entry (the cache
     /// is emptied over the range first), no long-term buffer — whose pages the kernel keeps
     /// pinned until the whole buffer goes, those no pin holds any more included: discarding
     /// one would part the process's page from the pinned one, and a later pin that takes the
@@ -867,7 +883,13 @@ impl PinRegistry {
         let (first, last) = (start / PAGE, end.div_ceil(PAGE));
         st.release_cached_in(first, last);
         st.check_account();
-        let unlocked = st.locked.gaps(first, last);
+        // Neither locked nor counted: a hold (a pin that locks nothing) counts its pages only.
+        let unlocked: Vec<(u64, u64)> = st
+            .locked
+            .gaps(first, last)
+            .into_iter()
+            .flat_map(|(s, e)| st.pages.gaps(s, e))
+            .collect();
         match st.long_term.as_mut().filter(|l| l.pages() > 0) {
             Some(long_term) => {
                 let mut free = Vec::new();
@@ -914,7 +936,7 @@ impl PinRegistry {
         };
         let (first, end) = req.pages();
         let mut step = req.batch.max(1) as u64;
-        if end - first > step {
+        if req.lock && end - first > step {
             // Refuse up front when the whole call cannot fit, before any work; each step
             // still checks again under the lock, since other pins may come in between.
             let mut st = self.lock();
@@ -961,8 +983,10 @@ impl PinRegistry {
     fn pin_step(&self, req: &PinRequest, start: u64, end: u64) -> Result<()> {
         let mut st = self.lock();
         st.retry_stuck();
-        let (us, ue) = req.units(start, end);
-        st.hold(us, ue, req)?;
+        if req.lock {
+            let (us, ue) = req.units(start, end);
+            st.hold(us, ue, req)?;
+        }
         st.pages.add(start, end);
         st.check_account();
         Ok(())
