@@ -16,8 +16,8 @@
 //! * [`balloon`] is virtio-balloon (free page reporting, inflate, deflate, the statistics queue,
 //!   deflate on OOM) through memvisor's balloon model and pin-aware discard.
 //! * [`blk`] is virtio-blk over a raw image with `preadv`/`pwritev` straight into guest memory,
-//!   pages pinned through memvisor for the duration of each request; [`disk`] is the image
-//!   file or block device, through the page cache or `O_DIRECT`; [`blockdev`] reads what the
+//!   pages held in memvisor's pin registry (not locked) for the duration of each request;
+//!   [`disk`] is the image file or block device, through the page cache or `O_DIRECT`; [`blockdev`] reads what the
 //!   kernel says about a block device (size, block sizes, discard limits).
 //! * [`image_lock`] takes QEMU's image locks on a disk image, so memvisor, QEMU and
 //!   qemu-storage-daemon never open one image for writing twice; [`image_format`] refuses an
