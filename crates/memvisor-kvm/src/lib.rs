@@ -25,7 +25,7 @@ pub mod ring;
 pub mod vcpu;
 
 pub use error::{Error, Result};
-pub use memslots::{KvmCaps, KvmSlots, Options, SlotLog, SyncReport};
+pub use memslots::{DirtyLogs, KvmCaps, KvmSlots, Options, SlotLog, SyncReport};
 pub use ring::Rings;
 pub use vcpu::{Control, ExitHandler, Stop, Vcpu};
 

@@ -177,6 +177,18 @@ pub struct SlotLog {
     pub words: Vec<u64>,
 }
 
+/// What [`KvmSlots::take_dirty_logs`] read: every logging slot's log that could be given, and
+/// the refusal of each logging slot KVM does not hold as the table has it (whose log could
+/// not be read: a migration is not complete while any is here).
+#[derive(Debug, Default)]
+pub struct DirtyLogs {
+    /// The logs read and cleared, in slot-id order.
+    pub logs: Vec<SlotLog>,
+    /// One error per logging slot KVM refused ([`Error::Memslot`] naming the slot, or
+    /// [`Error::NotInKvm`]).
+    pub refused: Vec<Error>,
+}
+
 /// A memslot KVM holds, as the binding installed it.
 struct Installed {
     kvm_slot: u32,
@@ -721,20 +733,32 @@ impl KvmSlots {
         self.take_locked(&mut state, id, between)
     }
 
-    /// Every logging slot's merged dirty log, one read-and-clear each, in slot-id order. Fails
-    /// if KVM refused a logging slot of the table (with that refusal, before any log is read:
-    /// its log cannot be given; [`KvmSlots::take_dirty_log`] still gives each other slot's),
-    /// or if reading one log fails (the logs read before it are kept for the next call).
-    pub fn take_dirty_logs(&self) -> Result<Vec<SlotLog>> {
+    /// Every logging slot's merged dirty log, one read-and-clear each, in slot-id order. A
+    /// logging slot KVM refused cannot give its log: its refusal is in
+    /// [`DirtyLogs::refused`] and every other slot's log is still read, so one bad slot does
+    /// not stop the others' logging. Fails only if reading a log fails (the logs read before it
+    /// are kept for the next call).
+    pub fn take_dirty_logs(&self) -> Result<DirtyLogs> {
         let mut state = self.lock();
         let synced = self.sync_all(&mut state);
         let snapshot = synced.snapshot.as_deref();
+        let mut refused = Vec::new();
         if let (false, Some(snapshot)) = (synced.errors.is_empty(), snapshot) {
-            let refused = snapshot.slots().find(|s| {
-                s.flags().contains(SlotFlags::LOG_DIRTY) && !in_step(&state, Some(snapshot), s.id())
-            });
-            if let Some(slot) = refused {
-                return Err(refusal_of(synced.errors, slot.id()));
+            let ids: Vec<SlotId> = snapshot
+                .slots()
+                .filter(|s| {
+                    s.flags().contains(SlotFlags::LOG_DIRTY)
+                        && !in_step(&state, Some(snapshot), s.id())
+                })
+                .map(|s| s.id())
+                .collect();
+            let mut errors = synced.errors;
+            for id in ids {
+                let at = errors.iter().position(|e| e.slot() == Some(id));
+                refused.push(match at {
+                    Some(i) => errors.swap_remove(i),
+                    None => Error::NotInKvm { slot: id },
+                });
             }
         }
         // KVM's logging slots, but for one the table dropped and KVM would not delete.
@@ -759,7 +783,7 @@ impl KvmSlots {
                 }
             }
         }
-        Ok(logs)
+        Ok(DirtyLogs { logs, refused })
     }
 
     fn take_locked(

@@ -45,7 +45,7 @@ fn run(options: Options, name: &str) {
         g.slots.uses_region2()
     );
     // Fresh slots: nothing dirty.
-    for log in g.slots.take_dirty_logs().unwrap() {
+    for log in g.slots.take_dirty_logs().unwrap().logs {
         assert_eq!(
             pages(&log.words),
             Vec::<u64>::new(),
@@ -83,6 +83,7 @@ fn run(options: Options, name: &str) {
         .slots
         .take_dirty_logs()
         .unwrap()
+        .logs
         .into_iter()
         .map(|l| (l.slot, pages(&l.words)))
         .collect();
@@ -99,7 +100,7 @@ fn run(options: Options, name: &str) {
         .unwrap();
     assert_eq!(u16::from_le_bytes(word), segment(base(1) + 3 * 4096));
     // Read and cleared: the next round starts empty.
-    for log in g.slots.take_dirty_logs().unwrap() {
+    for log in g.slots.take_dirty_logs().unwrap().logs {
         assert_eq!(
             pages(&log.words),
             Vec::<u64>::new(),
