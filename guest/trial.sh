@@ -232,6 +232,15 @@ need_hooks() {
   exit 2
 }
 work=$top/target/guest
+# The serial vhost-user-blk answers GET_ID with when none is given: mv- and the FNV-1a hash of the
+# disk's canonical path, 16 hex digits (crates/memvisor-cli/src/devices.rs, path_serial).
+path_serial() {
+  python3 -c 'import os, sys
+h = 0xcbf29ce484222325
+for b in os.fsencode(os.path.realpath(sys.argv[1])):
+    h = ((h ^ b) * 0x100000001b3) & (2**64 - 1)
+print("mv-%016x" % h)' "$1"
+}
 guest/mkroot.sh "$work/root" >/dev/null
 fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/initrd.cpio.gz" -nt "$f" ] || fresh=0; done
 [ $fresh = 1 ] || guest/mkguest.sh "$work/vm" >/dev/null
@@ -496,7 +505,7 @@ frontend_dies_next() {
   fi
   [ "$rel" = 0 ] || exit 1
   log=$run/console.log
-  qemu "t=blk blk_mib=32 blk_wait=1 blk_random=300 blk_serial=memvisor" \
+  qemu "t=blk blk_mib=32 blk_wait=1 blk_random=300 blk_serial=$(path_serial "$run/disk.img")" \
     -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
   wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
   kill -0 "$bpid" 2>/dev/null || { echo "$name: the back end died"; tail "$run/backend.log"; exit 1; }
@@ -981,7 +990,7 @@ blk_loop_trial() {
   wait_socket "$sock"
   [ $negative = 0 ] || wait_s=4
   start=$(date +%s.%N)
-  qemu "t=blk,blkdisc blk_mib=$mib blk_wait=1 blk_random=300 blk_serial=memvisor blk_sectors=$((bytes / 512)) blk_logical=$loop_sector disc_off=$off disc_len=$len disc_wait=$wait_s" \
+  qemu "t=blk,blkdisc blk_mib=$mib blk_wait=1 blk_random=300 blk_serial=$(path_serial "$loopdev") blk_sectors=$((bytes / 512)) blk_logical=$loop_sector disc_off=$off disc_len=$len disc_wait=$wait_s" \
     -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
   if [ $negative = 1 ]; then
     # Once the guest has discarded (and waits), write into the range under it.
@@ -1054,7 +1063,7 @@ blk)
     "$bin" vhost-user-fuzz --socket "$sock" --seconds 15 --seed "${SEED:-$RANDOM}" | sed 's/^/  /'
     kill -0 "$bpid" 2>/dev/null || { echo "$name: the back end died under the hostile frontend"; tail "$run/backend.log"; exit 1; }
   fi
-  serial=memvisor; wait_s=1; [ $peer = 0 ] || serial=none; [ $negative = 0 ] || wait_s=4
+  serial=$(path_serial "$run/disk.img"); wait_s=1; [ $peer = 0 ] || serial=none; [ $negative = 0 ] || wait_s=4
   start=$(date +%s.%N)
   if [ -n "$iommu" ]; then
     strict=1; [ "$iommu" = strict ] || strict=0

@@ -220,7 +220,23 @@ pub fn default_serial(id: &str) -> String {
     if id.len() <= 20 {
         return id.to_string();
     }
-    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+    hashed_serial(id.as_bytes())
+}
+
+/// The serial `vhost-user-blk` answers `GET_ID` with when none is given: `mv-` and 16 hex
+/// digits of a hash of the disk's canonical path (the path as given where it cannot be made
+/// canonical). One back end serves one disk, so an id would be the same in every back end;
+/// the path tells their disks apart and stays the same across restarts.
+pub fn path_serial(disk: &std::path::Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::fs::canonicalize(disk).unwrap_or_else(|_| disk.to_path_buf());
+    hashed_serial(path.as_os_str().as_bytes())
+}
+
+/// `mv-` and the FNV-1a hash of `bytes` in 16 hex digits (19 bytes, within GET_ID's 20): stable
+/// across runs, builds and Rust versions, unlike std's hasher.
+fn hashed_serial(bytes: &[u8]) -> String {
+    let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     });
     format!("mv-{hash:016x}")
@@ -432,6 +448,20 @@ mod tests {
         assert_eq!((a.len(), &a[..3]), (19, "mv-"));
         assert_eq!(a, default_serial(long), "stable");
         assert_ne!(a, default_serial("a-device-id-longer-than-twentY"));
+    }
+
+    #[test]
+    fn a_path_serial_is_stable_fits_get_id_and_tells_disks_apart() {
+        // FNV-1a of "/a": fixed by the algorithm, so a serial never changes across builds.
+        assert_eq!(hashed_serial(b"/a"), "mv-07d66707b49cd92d");
+        let a = path_serial(std::path::Path::new("/nonexistent/disk-a.img"));
+        let b = path_serial(std::path::Path::new("/nonexistent/disk-b.img"));
+        assert_eq!((a.len(), &a[..3]), (19, "mv-"));
+        assert_ne!(a, b);
+        // The canonical path counts: another spelling of one file is the same disk.
+        let dir = std::env::temp_dir();
+        let canon = std::fs::canonicalize(&dir).unwrap();
+        assert_eq!(path_serial(&dir.join(".")), path_serial(&canon));
     }
 
     #[test]

@@ -198,9 +198,11 @@ struct BlkArgs {
     /// Queues to offer
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     queues: u16,
-    /// Serial number the device answers GET_ID with (at most 20 bytes)
-    #[arg(long, default_value = "memvisor")]
-    serial: String,
+    /// Serial number the device answers GET_ID with (at most 20 bytes; default: `mv-` and 16
+    /// hex digits of a hash of the disk's canonical path, stable across restarts and unique
+    /// per disk, so two back ends' disks in one guest do not collide in /dev/disk/by-id)
+    #[arg(long)]
+    serial: Option<String>,
     /// Serve the image read-only
     #[arg(long)]
     read_only: bool,
@@ -324,20 +326,24 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         serve::use_long_term_pins()?;
     }
     serve::note_blk_locked_memory(args.long_term_pins);
-    if args.serial.len() > 20 {
+    let serial = match &args.serial {
+        Some(s) => s.clone(),
+        None => memvisor_cli::devices::path_serial(disk),
+    };
+    if serial.len() > 20 {
         bail!(
-            "--serial {:?} is {} bytes; virtio-blk's GET_ID holds 20",
-            args.serial,
-            args.serial.len()
+            "--serial {serial:?} is {} bytes; virtio-blk's GET_ID holds 20",
+            serial.len()
         );
     }
+    log::info!("{}: serial {serial:?} (GET_ID)", disk.display());
     let spec = memvisor_cli::devices::BlkSpec {
         id: None,
         socket: args.socket.socket_path.clone().unwrap_or_default(),
         disk: disk.clone(),
         options: memvisor_vhost::BlkOptions {
             queues: args.queues,
-            serial: args.serial.clone(),
+            serial,
             read_only: args.read_only,
             iommu: false,
             poll_us: args.poll_us,
