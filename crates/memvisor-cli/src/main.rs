@@ -347,6 +347,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
             read_only: args.read_only,
             iommu: false,
             poll_us: args.poll_us,
+            guard_first_sector: false,
         },
         direct: args.direct,
         locking: args.locking,

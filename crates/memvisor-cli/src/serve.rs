@@ -50,6 +50,7 @@ use crate::status::{
     BlkServeReport, Device, Kind, PinCheck, PinChecks, Registry, ServeReport, connection_events,
 };
 use memvisor::dma::PinRegistry;
+use memvisor_vhost::image_format::FormatChoice;
 use memvisor_vhost::{Backend, BalloonDevice, BalloonTarget, Blk, BlkOptions, Device as _};
 use serde::Serialize;
 
@@ -215,6 +216,7 @@ pub fn blk(
     }
     let options = BlkOptions {
         iommu,
+        guard_first_sector: spec.format == FormatChoice::Probe,
         ..spec.options.clone()
     };
     let device = Blk::new(file, options)?;
@@ -512,6 +514,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
         let spec = &spec;
         let options = BlkOptions {
             iommu: devices.iommu,
+            guard_first_sector: spec.format == FormatChoice::Probe,
             ..spec.options.clone()
         };
         let device = Blk::new(file, options)?;

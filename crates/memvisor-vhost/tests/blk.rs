@@ -1015,6 +1015,47 @@ fn the_pin_cost_counters_count_each_request_pinned_and_unpinned() {
     );
 }
 
+#[test]
+fn a_probed_image_refuses_a_write_that_would_give_sector_0_a_format_header() {
+    let disk = image(MIB);
+    let mut g = Guest::new(4 * MIB);
+    let guarded = BlkOptions {
+        guard_first_sector: true,
+        ..BlkOptions::default()
+    };
+    let (c, _t) = serve(Blk::new(disk.try_clone().unwrap(), guarded).unwrap());
+    setup(&c, &g);
+    // A qcow2 header (magic, version 3) at the start of a 4 KiB write.
+    let mut block = vec![0u8; 4096];
+    block[0..4].copy_from_slice(b"QFI\xfb");
+    block[4..8].copy_from_slice(&3u32.to_be_bytes());
+    g.mem.write(Gpa(DATA), &block).unwrap();
+    // Split over two buffers, the header in the first 8 bytes: refused, the image untouched.
+    let bufs = [(DATA, 8, false), (DATA + 8, 4088, false)];
+    assert_eq!(request(&mut g, 1, 0, &bufs).0, 1, "IOERR for sector 0");
+    let mut first = [0u8; 8];
+    disk.read_exact_at(&mut first, 0).unwrap();
+    assert_eq!(first, [0u8; 8], "nothing written");
+    // The same bytes anywhere but sector 0 are data like any other.
+    assert_eq!(request(&mut g, 1, 1, &bufs).0, 0, "sector 1");
+    disk.read_exact_at(&mut first, 512).unwrap();
+    assert_eq!(&first[..4], b"QFI\xfb");
+    // Sector 0 without a header (an MBR, zeros) is written.
+    g.mem.write(Gpa(DATA), &[0u8; 8]).unwrap();
+    g.mem.write(Gpa(DATA + 510), &[0x55, 0xaa]).unwrap();
+    assert_eq!(request(&mut g, 1, 0, &bufs).0, 0, "an MBR");
+
+    // Unguarded (format=raw): the header is written.
+    let disk = image(MIB);
+    let mut g = Guest::new(4 * MIB);
+    let (c, _t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    g.mem.write(Gpa(DATA), &block).unwrap();
+    assert_eq!(request(&mut g, 1, 0, &bufs).0, 0, "format=raw");
+    disk.read_exact_at(&mut first, 0).unwrap();
+    assert_eq!(&first[..4], b"QFI\xfb");
+}
+
 /// Says "skipped: <what>" where the test runner shows it: on the process's real stderr (libtest
 /// captures `println!` and `eprintln!` of passing tests, not a write to `io::stderr()`), in one
 /// write so that tests running beside this one do not cut the line.

@@ -128,6 +128,12 @@ pub struct BlkOptions {
     /// Microseconds the serving loop polls the rings after the last request before it sleeps
     /// until a kick ([`Device::poll`]); 0: no polling.
     pub poll_us: u32,
+    /// Refuse (`IOERR`) a write of sector 0 whose bytes carry another format's header
+    /// ([`crate::image_format::probe`]), as QEMU does for an image it probed as raw: set it when
+    /// the image's format was probed rather than given (`format=raw`), so a guest cannot turn
+    /// its raw disk into an image that the next program to probe it reads as qcow2, with a
+    /// backing file of the guest's choosing.
+    pub guard_first_sector: bool,
 }
 
 impl Default for BlkOptions {
@@ -138,6 +144,7 @@ impl Default for BlkOptions {
             read_only: false,
             iommu: false,
             poll_us: 0,
+            guard_first_sector: false,
         }
     }
 }
@@ -367,6 +374,16 @@ impl Blk {
                 let to_guest = kind == T_IN;
                 if !to_guest && self.options.read_only {
                     return Err(Error::BadChain("write to a read-only disk".into()).into());
+                }
+                if !to_guest && sector == 0 && self.options.guard_first_sector {
+                    if let Some(format) = first_sector_format(dma, data)? {
+                        log::warn!(
+                            "blk: refused a write of sector 0 that carries a {format} header: \
+                             the image was probed as raw (say format=raw to allow it)"
+                        );
+                        self.count(q).failed.add(1);
+                        return Ok(Served::Done(S_IOERR, 0));
+                    }
                 }
                 match self.transfer(q, dma, data, sector, to_guest)? {
                     Transferred::Ready(ready) => return Ok(Served::Ready(ready)),
@@ -867,6 +884,26 @@ impl From<Error> for Failure {
     fn from(e: Error) -> Failure {
         Failure::Other(e)
     }
+}
+
+/// The format whose header the first sector a write carries would begin with (the first 512
+/// bytes of its data buffers), if any.
+fn first_sector_format(
+    dma: &DmaSpace,
+    data: &[Buf],
+) -> std::result::Result<Option<&'static str>, Failure> {
+    let mut head = [0u8; SECTOR as usize];
+    let mut got = 0;
+    for b in data {
+        if got == head.len() {
+            break;
+        }
+        let n = (b.len as usize).min(head.len() - got);
+        dma.dma_read(Iova(b.addr), &mut head[got..got + n])
+            .map_err(|e| Failure::Other(e.into()))?;
+        got += n;
+    }
+    Ok(crate::image_format::probe(&head[..got]))
 }
 
 /// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_HIDE_IO_ERRORS` set, a request whose
