@@ -21,12 +21,16 @@
 //! the one the frontend kept on `SET_INFLIGHT_FD`; a ring starting over a log redoes what a
 //! killed predecessor left in flight ([`crate::ring`]).
 //!
-//! **Bad messages.** Every request is checked before it changes anything. A refused request is
-//! answered with a non-zero `REPLY_ACK` when the frontend asked for one and logged otherwise;
-//! the back end's state stays as it was. A request whose reply is data (`GET_*`) and fails, or a
-//! stream that cannot be framed, ends the connection. When a connection ends, for whatever
-//! reason, the device is reset and every mapping of that frontend dropped: the next frontend
-//! starts clean.
+//! **Bad messages.** Every request is checked before it changes anything, and a refusal always
+//! reaches the frontend as a failure it sees. A refused request is answered with a non-zero
+//! `REPLY_ACK` when the frontend asked for one. A refused request the frontend asked no reply
+//! for — QEMU sends `SET_VRING_NUM`, `SET_VRING_BASE`, `SET_VRING_KICK` and more that way —
+//! ends the connection, logged with the reason: carrying on would leave the frontend believing
+//! a ring set up that is not, and its guest waiting forever for the first request. A request
+//! whose reply is data (`GET_*`) and fails, or a stream that cannot be framed, ends the
+//! connection too. When a connection ends, for whatever reason, the device is reset and every
+//! mapping of that frontend dropped: the next frontend starts clean; the back end's own state
+//! was never changed by the refused request.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -579,8 +583,16 @@ impl<D: Device + 'static> Backend<D> {
                 }
                 if ack {
                     wire::reply(sock, request, &(e.errno() as u64).to_le_bytes())?;
+                    return Ok(());
                 }
-                Ok(())
+                // No reply asked for: hanging up is the only failure the frontend will see.
+                log::warn!(
+                    "{}: closing the connection: {} was refused and the frontend asked for no \
+                     reply, so it would go on as if it had been applied",
+                    self.device.name(),
+                    req::name(request)
+                );
+                Err(e)
             }
         }
     }
@@ -758,6 +770,17 @@ impl<D: Device + 'static> Backend<D> {
         offered
     }
 
+    /// The largest ring the device takes ([`Device::queue_max`]); a test-hooks build may lower
+    /// it (`MEMVISOR_TEST_MAX_QUEUE_SIZE`, the queue-size trial's negative control).
+    fn queue_max(&self) -> u16 {
+        let max = self.device.queue_max();
+        #[cfg(feature = "test-hooks")]
+        if let Some(cap) = crate::hooks::max_queue_size() {
+            return max.min(cap);
+        }
+        max
+    }
+
     fn ring(&mut self, request: u32, index: u32) -> Result<&mut Vring> {
         let n = self.vrings.len();
         self.vrings.get_mut(index as usize).ok_or_else(|| {
@@ -771,7 +794,7 @@ impl<D: Device + 'static> Backend<D> {
     fn start_ring(&mut self, i: usize, kick: File) -> Result<()> {
         let event_idx = self.acked & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
         let mem = self.memory.dma().memory();
-        let max = self.device.queue_max();
+        let max = self.queue_max();
         let v = &mut self.vrings[i];
         let Some((desc, avail, used)) = v.addr else {
             return Err(Error::BadRing(format!(
@@ -826,13 +849,25 @@ impl<D: Device + 'static> Backend<D> {
         self.process(i)
     }
 
+    /// Serves ring `i`: the device takes what the driver made available. A device keeps a
+    /// bounded number of requests in flight (blk: [`crate::disk::IN_FLIGHT`]) and leaves the
+    /// rest on the ring; when some of its transfers ended during the pass (their completions
+    /// read, so no descriptor will wake the loop for them) and the ring still holds requests,
+    /// it goes round again — else a ring fuller than the device's bound would wait for a kick
+    /// the driver never sends.
     fn process(&mut self, i: usize) -> Result<()> {
+        while self.process_once(i)? {}
+        Ok(())
+    }
+
+    /// One pass of [`Backend::process`]; returns whether to go round again.
+    fn process_once(&mut self, i: usize) -> Result<bool> {
         let v = &mut self.vrings[i];
         if !(v.started && v.enabled) || v.miss_deadline.is_some() {
-            return Ok(());
+            return Ok(false);
         }
         if v.queue.is_none() {
-            return Ok(());
+            return Ok(false);
         }
         // Behind a vIOMMU the ring itself may have lost its translation (an invalidation):
         // ask for it before the queue reads a byte, as for a buffer.
@@ -842,12 +877,12 @@ impl<D: Device + 'static> Backend<D> {
                 let v = &mut self.vrings[i];
                 v.miss_deadline = Some(std::time::Instant::now() + MISS_WAIT);
                 self.send_misses(Some(i), &misses);
-                return Ok(());
+                return Ok(false);
             }
         }
         let v = &mut self.vrings[i];
         let Some(q) = v.queue.as_mut() else {
-            return Ok(());
+            return Ok(false);
         };
         let t0 = std::time::Instant::now();
         let r = self.device.process(i as u16, q, &self.memory);
@@ -862,6 +897,7 @@ impl<D: Device + 'static> Backend<D> {
         // the log for the last time).
         self.log_requests();
         self.tell_ended(&ended);
+        let again = r.is_ok() && !ended.is_empty() && self.has_requests(i);
         let v = &mut self.vrings[i];
         log::debug!(
             "{}: ring {i} processed: {r:?}, call fd {}",
@@ -894,7 +930,7 @@ impl<D: Device + 'static> Backend<D> {
                 }
             }
         }
-        Ok(())
+        Ok(again)
     }
 
     /// Stops rings whose memory lies in a region about to go. Behind a vIOMMU ring addresses
