@@ -818,6 +818,16 @@ impl<D: Device + 'static> Backend<D> {
             )));
         }
         let ring = Ring::new(q, self.inflight.as_ref().map(|r| (r, i as u16)), &mem)?;
+        log::info!(
+            "{}: ring {i} started: {} entries{}",
+            self.device.name(),
+            ring.size(),
+            if ring.has_inflight_log() {
+                ", inflight log"
+            } else {
+                ""
+            }
+        );
         let redo = ring.pending_resubmits() > 0;
         v.queue = Some(ring);
         v.kick = Some(kick);
