@@ -22,15 +22,15 @@
 //! killed predecessor left in flight ([`crate::ring`]).
 //!
 //! **Bad messages.** Every request is checked before it changes anything, and a refusal always
-//! reaches the frontend as a failure it sees. A refused request is answered with a non-zero
-//! `REPLY_ACK` when the frontend asked for one. A refused request the frontend asked no reply
-//! for — QEMU sends `SET_VRING_NUM`, `SET_VRING_BASE`, `SET_VRING_KICK` and more that way —
-//! ends the connection, logged with the reason: carrying on would leave the frontend believing
-//! a ring set up that is not, and its guest waiting forever for the first request. A request
-//! whose reply is data (`GET_*`) and fails, or a stream that cannot be framed, ends the
-//! connection too. When a connection ends, for whatever reason, the device is reset and every
-//! mapping of that frontend dropped: the next frontend starts clean; the back end's own state
-//! was never changed by the refused request.
+//! reaches the frontend as a failure it sees: a non-zero `REPLY_ACK` when it asked for one,
+//! else the connection ends, logged with the reason (QEMU sends `SET_VRING_NUM`, `_BASE`,
+//! `_KICK` and more without asking; carrying on would leave its guest waiting forever on a ring
+//! that was never set up). A failed request whose reply is data (`GET_*`), or a stream that
+//! cannot be framed, ends the connection too. When a connection ends, for whatever reason, the
+//! device is reset and every mapping of that frontend dropped: the next frontend starts clean.
+//!
+//! This file is long because the serving loop, the rings' life cycle and the IOTLB misses share
+//! the back end's state; the answer to each message is apart, in `handle`.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -859,12 +859,10 @@ impl<D: Device + 'static> Backend<D> {
         self.process(i)
     }
 
-    /// Serves ring `i`: the device takes what the driver made available. A device keeps a
-    /// bounded number of requests in flight (blk: [`crate::disk::IN_FLIGHT`]) and leaves the
-    /// rest on the ring; when some of its transfers ended during the pass (their completions
-    /// read, so no descriptor will wake the loop for them) and the ring still holds requests,
-    /// it goes round again — else a ring fuller than the device's bound would wait for a kick
-    /// the driver never sends.
+    /// Serves ring `i`. A device keeps a bounded number of requests in flight (blk:
+    /// [`crate::disk::IN_FLIGHT`]) and leaves the rest on the ring; when transfers ended during
+    /// a pass (their completions read: nothing will wake the loop for them) and the ring still
+    /// holds requests, it goes round again, or they would wait for a kick that never comes.
     fn process(&mut self, i: usize) -> Result<()> {
         while self.process_once(i)? {}
         Ok(())
