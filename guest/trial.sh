@@ -4,7 +4,7 @@
 # and the guest on first use under target/guest/.
 #
 # usage: guest/trial.sh blk [--negative] [--peer] [--queues=N] [--after-fuzz] [--iommu=M] [--long-term] | balloon [--negative] [--long-term]
-#                      | blk --queue-size=N [--queue-cap] [--peer] | qtest [--peer | --negative]
+#                      | blk --queue-size=N [--queue-cap] [--peer] | qtest [--peer | --negative] [--queue-size=N]
 #                      | balloon --stats [--negative]
 #                      | blk --disk-fault [--negative] | blk --memlock [--negative]
 #                      | mig [--negative | --no-summary] [--iommu=M] | hostile [--negative]
@@ -176,6 +176,8 @@
 #               not run. qos-test is built once from Debian's QEMU source (guest/mkqtest.sh,
 #               target/guest/qtest; see there for which version and why).
 #   qtest --peer: the same tests against qemu-storage-daemon from the QEMU root.
+#   qtest --queue-size=N: QEMU gives every vhost-user-blk-pci rings of N entries
+#               (-global vhost-user-blk-pci.queue-size=N; the tests' default is 128).
 #   qtest --negative: the back end takes rings of at most 64 entries
 #               (MEMVISOR_TEST_MAX_QUEUE_SIZE=64; needs MEMVISOR= a test-hooks build), below
 #               the tests' 128: every test must FAIL.
@@ -1395,6 +1397,12 @@ qtest)
   if [ $negative = 1 ]; then need_hooks MEMVISOR_TEST_MAX_QUEUE_SIZE; export MEMVISOR_TEST_MAX_QUEUE_SIZE=64; fi
   echo "  $(cat "$work/qtest/qos-test.version"); frontend: $("$top/guest/qemu.sh" root -version | head -1)"
   export QTEST_QEMU_BINARY=/usr/bin/qemu-system-x86_64 QTEST_QEMU_STORAGE_DAEMON_BINARY=$daemon
+  if [ -n "$qsize" ]; then
+    # Every vhost-user-blk-pci the tests make gets rings of $qsize (QEMU's default is 128).
+    printf '#!/bin/sh\nexec /usr/bin/qemu-system-x86_64 "$@" -global vhost-user-blk-pci.queue-size=%s\n' "$qsize" > "$run/qemu-qs-system-x86_64"
+    chmod +x "$run/qemu-qs-system-x86_64"; export QTEST_QEMU_BINARY=/w/qemu-qs-system-x86_64
+    echo "  rings of $qsize entries (-global vhost-user-blk-pci.queue-size=$qsize)"
+  fi
   ( cd "$run" && BIN=/w/qos-test "$top/guest/qemu.sh" "$work/root" -l ) > "$run/list.log" 2>&1 || true
   mapfile -t tests < <(grep -o '^# /x86_64/.*/vhost-user-blk[^ ]*' "$run/list.log" | sed 's/^# //')
   [ ${#tests[@]} -gt 0 ] || { echo "$name: qos-test lists no vhost-user-blk test (see $work/$run/list.log)"; exit 1; }
