@@ -4,7 +4,8 @@
 # (apt-get source, ~40 MB), a minimal configure (x86_64-softmmu, default features off; tools
 # and the vhost-user-blk server on, which the test needs) and `ninja tests/qtest/qos-test`
 # alone (~900 steps; measured 6-8 min on the 2 shared cores of the CI machines). Leaves
-# DIR/qos-test and DIR/qos-test.version; a DIR that has them is kept as it is. Needs root.
+# DIR/qos-test and DIR/qos-test.version, and removes the build root; a DIR that has them is
+# kept as it is. Needs root.
 # usage: guest/mkqtest.sh DIR
 # The source: the QEMU the trials run is 11.1.3 from trixie-backports, but Debian's mirror
 # here lists that source package and answers 404 for its files (checked 2026-11-28:
@@ -57,4 +58,7 @@ echo "qos-test of QEMU $v (Debian source)" > /src/qos-test.version
 ' > "$dest/build.log" 2>&1 || { tail -n 30 "$dest/build.log" >&2; exit 1; }
 cp "$root/src/qemu/build/tests/qtest/qos-test" "$dest/qos-test"
 cp "$root/src/qos-test.version" "$dest/qos-test.version"
+# The build root, source and build tree (1.4 GB) served their purpose: qos-test runs in the
+# trials' QEMU root, and another build starts over (~4 min).
+rm -rf "$root"
 cat "$dest/qos-test.version"
