@@ -69,7 +69,13 @@
 //! Without the capability, step 1 reads and clears at once (KVM's classic behaviour) and step 2
 //! is skipped. With [`Options::dirty_ring`] the vCPUs' pages come from KVM's per-vCPU dirty
 //! rings instead of the bitmap (the `ring` module: harvest, then `KVM_RESET_DIRTY_RINGS`) behind
-//! the same call; on PVM, which overruns rings, the binding refuses them (EOPNOTSUPP). Either way the caller copies the reported pages after the call returns.
+//! the same call; on PVM, which overruns rings, the binding refuses them (EOPNOTSUPP). Either
+//! way the caller copies the reported pages after the call returns.
+//!
+//! This file is long because the sync (the plan from one table snapshot to KVM's memslots) and
+//! the dirty log share one state under one lock, whose rules (a slot in step, a refused slot,
+//! a replaced one) both halves must read the same way; splitting them would spread those
+//! rules over two files.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

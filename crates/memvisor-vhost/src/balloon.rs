@@ -158,7 +158,8 @@ impl BalloonDevice {
     pub fn new(target: BalloonTarget) -> Self {
         BalloonDevice {
             model: None,
-            queue_max: 256,
+            // Any size the specification allows: the driver's buffers are taken one at a time.
+            queue_max: crate::ring::MAX_QUEUE,
             reporting: true,
             stats_interval: Duration::ZERO,
             deflate_on_oom: false,

@@ -9,7 +9,7 @@
 
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
-use crate::ring::Ring;
+use crate::ring::{MAX_QUEUE, Ring};
 
 /// A virtio device served over vhost-user.
 pub trait Device: Send {
@@ -24,9 +24,12 @@ pub trait Device: Send {
     }
     /// Number of queues.
     fn queues(&self) -> u16;
-    /// Largest queue size.
+    /// Largest queue size the device takes: `SET_VRING_NUM` above it is refused (a failure the
+    /// frontend sees, [`crate::backend`]). By default every size a split ring may have, up to
+    /// [`MAX_QUEUE`]: a driver may make as many requests available as the ring holds, and a
+    /// device that keeps fewer in flight leaves the rest on the ring until it has room.
     fn queue_max(&self) -> u16 {
-        256
+        MAX_QUEUE
     }
     /// The driver's accepted features; EINVAL refuses them.
     fn set_features(&mut self, features: u64) -> Result<()>;

@@ -114,3 +114,18 @@ pub(crate) fn blk_hold(
         dma.hold_pages(pages, prot)
     }
 }
+
+/// With `MEMVISOR_TEST_MAX_QUEUE_SIZE=N`, no device takes a ring of more than `N` entries: the
+/// limit of 256 the back end once had, put back for the queue-size trial's negative control
+/// (a frontend asking for 1024 is refused, and the trial must fail).
+pub(crate) fn max_queue_size() -> Option<u16> {
+    static MAX: std::sync::OnceLock<Option<u16>> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        let max = std::env::var("MEMVISOR_TEST_MAX_QUEUE_SIZE")
+            .ok()?
+            .parse()
+            .ok()?;
+        log::warn!("TEST ONLY: rings of more than {max} entries are refused");
+        Some(max)
+    })
+}

@@ -38,8 +38,10 @@
 //!
 //! Virtqueues are read with rust-vmm's `virtio-queue` over the device space's vm-memory view
 //! ([`memvisor::DmaMemory`]), addressed like the device's buffers (IOVAs behind a vIOMMU).
-//! Every message and every descriptor is untrusted input: a refused one gets an error reply
-//! (or an `IOERR` status on the ring) and leaves the back end's state as it was.
+//! Every message and every descriptor is untrusted input: a refused one leaves the back end's
+//! state as it was and gets a failure the frontend sees — an error reply, or the connection
+//! closed when the frontend asked for no reply — or, for a descriptor, an `IOERR` status on the
+//! ring.
 
 #![cfg(target_os = "linux")]
 

@@ -51,8 +51,9 @@ const QUEUE_ALIGN: u64 = 64;
 const VERSION: u16 = 1;
 /// The largest log accepted from a frontend.
 const MAX_LOG: u64 = 64 << 20;
-/// The largest split queue (virtio: 32768 entries).
-const MAX_QUEUE: u16 = 32768;
+/// The largest split queue the virtio specification allows (32768 entries, "Queue Size" must be
+/// a power of two up to it): what a device accepts unless it says less ([`crate::Device::queue_max`]).
+pub const MAX_QUEUE: u16 = 32768;
 
 const VRING_DESC_F_NEXT: u16 = 1;
 const VRING_DESC_F_WRITE: u16 = 2;

@@ -135,6 +135,12 @@ fn serve<D: Device>(mut w: Lent<D>, stop: File) -> Returned<D> {
         }
         if fds[2].revents & libc::POLLIN != 0 {
             reap(&mut w, false, stats);
+            // Chains left on the ring while the device had as many out as it keeps: the
+            // driver made them available long ago and will not kick for them again.
+            if has_more(&w) && process(&mut w, stats).is_err() {
+                broken = true;
+                break;
+            }
         }
         if fds[1].revents & libc::POLLIN != 0 {
             let mut b = [0u8; 8];
@@ -167,12 +173,7 @@ fn spin<D: Device>(
     let mut until = Instant::now() + budget;
     loop {
         reap(w, false, stats);
-        let mem = w.memory.dma().memory();
-        let more = w.ring.pending_resubmits() > 0
-            || w.ring
-                .avail_idx(&mem, Ordering::Acquire)
-                .is_ok_and(|a| a.0 != w.ring.next_avail());
-        if more {
+        if has_more(w) {
             stats.poll_hits.add(1);
             process(w, stats)?;
             until = Instant::now() + budget;
@@ -190,27 +191,43 @@ fn spin<D: Device>(
     }
 }
 
-/// Serves what the driver made available; an error means the ring broke (told on `err`).
+/// Whether the ring holds requests the device has not taken (or heads to redo).
+fn has_more<D>(w: &Lent<D>) -> bool {
+    let mem = w.memory.dma().memory();
+    w.ring.pending_resubmits() > 0
+        || w.ring
+            .avail_idx(&mem, Ordering::Acquire)
+            .is_ok_and(|a| a.0 != w.ring.next_avail())
+}
+
+/// Serves what the driver made available; an error means the ring broke (told on `err`). As
+/// the back end's own pass does: when transfers ended during the pass (their completions read
+/// here, so nothing will wake the loop for them) and the ring still holds requests the device
+/// left there while it had as many out as it keeps, it goes round again.
 fn process<D: Device>(w: &mut Lent<D>, stats: &RingCounters) -> Result<()> {
-    let t0 = Instant::now();
-    let r = w.device.process(w.index, &mut w.ring, &w.memory);
-    stats.process_ns.add(t0.elapsed().as_nanos() as u64);
-    // Transfers the kernel finished at once end now; one drain of the log for them and for
-    // what `process` ended itself, before the driver is told.
-    let (_, tell) = ended(w, false);
-    drain_log(w, stats);
-    match r {
-        Ok(notify) => {
-            if notify || tell {
-                signal(&mut w.call);
+    loop {
+        let t0 = Instant::now();
+        let r = w.device.process(w.index, &mut w.ring, &w.memory);
+        stats.process_ns.add(t0.elapsed().as_nanos() as u64);
+        // Transfers the kernel finished at once end now; one drain of the log for them and for
+        // what `process` ended itself, before the driver is told.
+        let (any, tell) = ended(w, false);
+        drain_log(w, stats);
+        match r {
+            Ok(notify) => {
+                if notify || tell {
+                    signal(&mut w.call);
+                }
+                if !(any && has_more(w)) {
+                    return Ok(());
+                }
             }
-            Ok(())
-        }
-        Err(e) => {
-            log::warn!("{}: ring {} stopped: {e}", w.device.name(), w.index);
-            signal(&mut w.call);
-            signal(&mut w.err);
-            Err(e)
+            Err(e) => {
+                log::warn!("{}: ring {} stopped: {e}", w.device.name(), w.index);
+                signal(&mut w.call);
+                signal(&mut w.err);
+                return Err(e);
+            }
         }
     }
 }

@@ -109,10 +109,11 @@ impl<D: Device + 'static> Backend<D> {
             }
             req::SET_VRING_NUM => {
                 let (i, num) = proto::vring_state(request, p)?;
-                let max = self.device.queue_max();
-                if num == 0 || num > max as u32 || !num.is_power_of_two() {
+                let max = self.queue_max();
+                if num == 0 || num > u32::from(max) || !num.is_power_of_two() {
                     return Err(Error::BadRing(format!(
-                        "SET_VRING_NUM {num} for ring {i}: a power of two from 1 to {max}"
+                        "SET_VRING_NUM {num} for ring {i}: {} takes a power of two from 1 to {max}",
+                        self.device.name()
                     )));
                 }
                 let v = self.ring(request, i)?;

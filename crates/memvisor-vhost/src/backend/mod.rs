@@ -21,12 +21,16 @@
 //! the one the frontend kept on `SET_INFLIGHT_FD`; a ring starting over a log redoes what a
 //! killed predecessor left in flight ([`crate::ring`]).
 //!
-//! **Bad messages.** Every request is checked before it changes anything. A refused request is
-//! answered with a non-zero `REPLY_ACK` when the frontend asked for one and logged otherwise;
-//! the back end's state stays as it was. A request whose reply is data (`GET_*`) and fails, or a
-//! stream that cannot be framed, ends the connection. When a connection ends, for whatever
-//! reason, the device is reset and every mapping of that frontend dropped: the next frontend
-//! starts clean.
+//! **Bad messages.** Every request is checked before it changes anything, and a refusal always
+//! reaches the frontend as a failure it sees: a non-zero `REPLY_ACK` when it asked for one,
+//! else the connection ends, logged with the reason (QEMU sends `SET_VRING_NUM`, `_BASE`,
+//! `_KICK` and more without asking; carrying on would leave its guest waiting forever on a ring
+//! that was never set up). A failed request whose reply is data (`GET_*`), or a stream that
+//! cannot be framed, ends the connection too. When a connection ends, for whatever reason, the
+//! device is reset and every mapping of that frontend dropped: the next frontend starts clean.
+//!
+//! This file is long because the serving loop, the rings' life cycle and the IOTLB misses share
+//! the back end's state; the answer to each message is apart, in `handle`.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -579,8 +583,16 @@ impl<D: Device + 'static> Backend<D> {
                 }
                 if ack {
                     wire::reply(sock, request, &(e.errno() as u64).to_le_bytes())?;
+                    return Ok(());
                 }
-                Ok(())
+                // No reply asked for: hanging up is the only failure the frontend will see.
+                log::warn!(
+                    "{}: closing the connection: {} was refused and the frontend asked for no \
+                     reply, so it would go on as if it had been applied",
+                    self.device.name(),
+                    req::name(request)
+                );
+                Err(e)
             }
         }
     }
@@ -758,6 +770,17 @@ impl<D: Device + 'static> Backend<D> {
         offered
     }
 
+    /// The largest ring the device takes ([`Device::queue_max`]); a test-hooks build may lower
+    /// it (`MEMVISOR_TEST_MAX_QUEUE_SIZE`, the queue-size trial's negative control).
+    fn queue_max(&self) -> u16 {
+        let max = self.device.queue_max();
+        #[cfg(feature = "test-hooks")]
+        if let Some(cap) = crate::hooks::max_queue_size() {
+            return max.min(cap);
+        }
+        max
+    }
+
     fn ring(&mut self, request: u32, index: u32) -> Result<&mut Vring> {
         let n = self.vrings.len();
         self.vrings.get_mut(index as usize).ok_or_else(|| {
@@ -771,7 +794,7 @@ impl<D: Device + 'static> Backend<D> {
     fn start_ring(&mut self, i: usize, kick: File) -> Result<()> {
         let event_idx = self.acked & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
         let mem = self.memory.dma().memory();
-        let max = self.device.queue_max();
+        let max = self.queue_max();
         let v = &mut self.vrings[i];
         let Some((desc, avail, used)) = v.addr else {
             return Err(Error::BadRing(format!(
@@ -795,6 +818,16 @@ impl<D: Device + 'static> Backend<D> {
             )));
         }
         let ring = Ring::new(q, self.inflight.as_ref().map(|r| (r, i as u16)), &mem)?;
+        log::info!(
+            "{}: ring {i} started: {} entries{}",
+            self.device.name(),
+            ring.size(),
+            if ring.has_inflight_log() {
+                ", inflight log"
+            } else {
+                ""
+            }
+        );
         let redo = ring.pending_resubmits() > 0;
         v.queue = Some(ring);
         v.kick = Some(kick);
@@ -826,13 +859,23 @@ impl<D: Device + 'static> Backend<D> {
         self.process(i)
     }
 
+    /// Serves ring `i`. A device keeps a bounded number of requests in flight (blk:
+    /// [`crate::disk::IN_FLIGHT`]) and leaves the rest on the ring; when transfers ended during
+    /// a pass (their completions read: nothing will wake the loop for them) and the ring still
+    /// holds requests, it goes round again, or they would wait for a kick that never comes.
     fn process(&mut self, i: usize) -> Result<()> {
+        while self.process_once(i)? {}
+        Ok(())
+    }
+
+    /// One pass of [`Backend::process`]; returns whether to go round again.
+    fn process_once(&mut self, i: usize) -> Result<bool> {
         let v = &mut self.vrings[i];
         if !(v.started && v.enabled) || v.miss_deadline.is_some() {
-            return Ok(());
+            return Ok(false);
         }
         if v.queue.is_none() {
-            return Ok(());
+            return Ok(false);
         }
         // Behind a vIOMMU the ring itself may have lost its translation (an invalidation):
         // ask for it before the queue reads a byte, as for a buffer.
@@ -842,12 +885,12 @@ impl<D: Device + 'static> Backend<D> {
                 let v = &mut self.vrings[i];
                 v.miss_deadline = Some(std::time::Instant::now() + MISS_WAIT);
                 self.send_misses(Some(i), &misses);
-                return Ok(());
+                return Ok(false);
             }
         }
         let v = &mut self.vrings[i];
         let Some(q) = v.queue.as_mut() else {
-            return Ok(());
+            return Ok(false);
         };
         let t0 = std::time::Instant::now();
         let r = self.device.process(i as u16, q, &self.memory);
@@ -862,6 +905,7 @@ impl<D: Device + 'static> Backend<D> {
         // the log for the last time).
         self.log_requests();
         self.tell_ended(&ended);
+        let again = r.is_ok() && !ended.is_empty() && self.has_requests(i);
         let v = &mut self.vrings[i];
         log::debug!(
             "{}: ring {i} processed: {r:?}, call fd {}",
@@ -894,7 +938,7 @@ impl<D: Device + 'static> Backend<D> {
                 }
             }
         }
-        Ok(())
+        Ok(again)
     }
 
     /// Stops rings whose memory lies in a region about to go. Behind a vIOMMU ring addresses
