@@ -108,8 +108,9 @@ const SEG_MAX: u32 = 254;
 /// `max_write_zeroes_sectors`): 2 GiB, so a segment's bytes fit an `off_t` step.
 const MAX_RANGE_SECTORS: u32 = 1 << 22;
 /// Segments in one discard or write-zeroes request (config `max_discard_seg`,
-/// `max_write_zeroes_seg`).
-const MAX_RANGE_SEGS: u32 = 64;
+/// `max_write_zeroes_seg`): one, as QEMU's virtio-blk and qemu-storage-daemon offer, whose
+/// drivers and tests (QEMU's vhost-user-blk qtest) expect a request of more to be `UNSUPP`.
+const MAX_RANGE_SEGS: u32 = 1;
 /// Write-zeroes flag: the device may deallocate the range (a hole reads as zeros).
 const WZ_UNMAP: u32 = 1;
 

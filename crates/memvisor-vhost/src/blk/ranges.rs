@@ -40,9 +40,10 @@ impl Blk {
             }
             let at = bytes.len();
             if at + b.len as usize > (MAX_RANGE_SEGS as usize) * 16 {
-                return Err(Error::BadChain(format!(
-                    "{what} request of more than {MAX_RANGE_SEGS} segments"
-                )));
+                // More segments than the config offers: not supported, as QEMU answers.
+                log::debug!("blk: {what} request of more than {MAX_RANGE_SEGS} segments");
+                self.count(q).failed.add(1);
+                return Ok((S_UNSUPP, 0));
             }
             bytes.resize(at + b.len as usize, 0);
             dma.dma_read(Iova(b.addr), &mut bytes[at..])?;
