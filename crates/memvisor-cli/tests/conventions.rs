@@ -5,6 +5,10 @@
 //! file that is not a socket left alone, and `RUST_LOG`: module filters and a refused filter.
 //! Nothing here needs root.
 
+mod common;
+
+use common::Dir;
+
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -16,36 +20,6 @@ use memvisor_vhost::client::Client;
 use memvisor_vhost::proto::req;
 
 const BIN: &str = env!("CARGO_BIN_EXE_memvisor");
-
-/// A fresh directory under the temporary directory, removed on drop.
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(name: &str) -> Dir {
-        let d = std::env::temp_dir().join(format!("memvisor-conv-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-    fn join(&self, p: &str) -> PathBuf {
-        self.0.join(p)
-    }
-    /// A 16 MiB raw image.
-    fn disk(&self) -> PathBuf {
-        let p = self.join("disk.img");
-        std::fs::File::create(&p)
-            .unwrap()
-            .set_len(16 << 20)
-            .unwrap();
-        p
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A datagram socket standing in for systemd's notification socket.
 struct Notify {

@@ -13,6 +13,10 @@
 //! "Within a second" is the bound for a back end told to stop, not a speed figure: a
 //! server that hangs takes forever, and is killed after 20 s. Nothing here needs root.
 
+mod common;
+
+use common::Dir;
+
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixDatagram, UnixStream};
@@ -26,36 +30,6 @@ const BIN: &str = env!("CARGO_BIN_EXE_memvisor");
 const STOP_BOUND: Duration = Duration::from_secs(1);
 /// After this, a server still running is taken as hung, killed, and the test fails.
 const HUNG: Duration = Duration::from_secs(20);
-
-/// A fresh directory under the temporary directory, removed on drop.
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(name: &str) -> Dir {
-        let d = std::env::temp_dir().join(format!("memvisor-start-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-    fn join(&self, p: &str) -> PathBuf {
-        self.0.join(p)
-    }
-    /// A 16 MiB raw image.
-    fn disk(&self) -> PathBuf {
-        let p = self.join("disk.img");
-        std::fs::File::create(&p)
-            .unwrap()
-            .set_len(16 << 20)
-            .unwrap();
-        p
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn cvt(r: libc::c_int, what: &str) -> libc::c_int {
     assert!(r >= 0, "{what}: {}", std::io::Error::last_os_error());
