@@ -653,3 +653,30 @@ impl Drop for AlignedBuf {
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Topology;
+
+    /// Each topology field at its own place in the config space (bytes 24..32: exp, offset,
+    /// min_io le16, opt_io le32), with values that tell swapped fields apart: a device of
+    /// 512-byte logical and 4096-byte physical blocks (exp 3), aligned at 3,584 bytes (7
+    /// blocks), preferring 512-byte and 64 KiB I/O.
+    #[test]
+    fn topology_fields_lie_where_virtio_blk_reads_them() {
+        let t = Topology {
+            physical_block_exp: 3,
+            alignment_offset: 7,
+            min_io_size: 1,
+            opt_io_size: 128,
+        };
+        assert_eq!(t.config(), [3, 7, 1, 0, 128, 0, 0, 0]);
+        let wide = Topology {
+            physical_block_exp: 0,
+            alignment_offset: 0,
+            min_io_size: 0x0102,
+            opt_io_size: 0x0304_0506,
+        };
+        assert_eq!(wide.config(), [0, 0, 2, 1, 6, 5, 4, 3]);
+    }
+}
