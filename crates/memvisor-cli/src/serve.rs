@@ -385,9 +385,10 @@ pub fn note_blk_locked_memory(long_term_pins: bool) {
 /// many of destination. A pin the limit refuses fails that DMA descriptor.
 pub fn warn_vfio_user_locked_memory() {
     let worst = 2 * memvisor::dma::PIN_PAGES_MAX as u64 * 4096;
-    if let Some((bytes, _)) = memvisor::LockLimit::Rlimit.resolve()
-        && bytes < worst
-    {
+    let limit = memvisor::LockLimit::Rlimit
+        .resolve()
+        .map(|(bytes, _)| bytes);
+    if let Some(bytes) = limit.filter(|&b| b < worst) {
         log::warn!(
             "RLIMIT_MEMLOCK is {} KiB, below the {} KiB the mvdma device locks for one copy in \
              pin mode (512 pages of source and 512 of destination; more on huge-page memory): \
