@@ -589,7 +589,6 @@ fn a_failing_disk_fails_that_request_alone() {
 fn requests_available_together_are_carried_out_as_one_batch() {
     // Five reads (then five writes) posted before one kick: the device hands them to the kernel
     // together (io_uring) and returns each chain with its own data and status.
-    use memvisor::balloon::guest::{Desc, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     const N: u16 = 5;
     let disk = image(4 * MIB);
     let pattern = |k: u16| -> Vec<u8> {
@@ -606,44 +605,16 @@ fn requests_available_together_are_carried_out_as_one_batch() {
     setup(&c, &g);
     let post_all = |g: &mut Guest, kind: u32| {
         for k in 0..N {
-            let hdr = HDR + u64::from(k) * 16;
-            let mut h = [0u8; 16];
-            h[0..4].copy_from_slice(&kind.to_le_bytes());
             let sector = if kind == 0 {
                 u64::from(k) * 64
             } else {
                 4096 + u64::from(k) * 64
             };
-            h[8..16].copy_from_slice(&sector.to_le_bytes());
-            g.mem.write(Gpa(hdr), &h).unwrap();
-            g.mem.write(Gpa(STATUS + u64::from(k)), &[0xff]).unwrap();
-            let ids = [3 * k, 3 * k + 1, 3 * k + 2];
+            let hdr = HDR + u64::from(k) * 16;
             let data = DATA + u64::from(k) * 0x2000;
-            let descs = [
-                Desc {
-                    addr: hdr,
-                    len: 16,
-                    flags: VRING_DESC_F_NEXT,
-                    next: ids[1],
-                },
-                Desc {
-                    addr: data,
-                    len: 4096,
-                    flags: VRING_DESC_F_NEXT | if kind == 0 { VRING_DESC_F_WRITE } else { 0 },
-                    next: ids[2],
-                },
-                Desc {
-                    addr: STATUS + u64::from(k),
-                    len: 1,
-                    flags: VRING_DESC_F_WRITE,
-                    next: 0,
-                },
-            ];
-            let head = g.ring.add_raw(&ids, &descs).unwrap();
-            g.ring.publish(head).unwrap();
+            g.add_request(k, kind, sector, hdr, data, 4096, STATUS + u64::from(k));
         }
-        use std::io::Write;
-        g.kick.write_all(&1u64.to_le_bytes()).unwrap();
+        g.kick();
         let mut heads: Vec<u16> = (0..N).map(|_| g.wait_used().0).collect();
         heads.sort_unstable();
         assert_eq!(heads, (0..N).map(|k| 3 * k).collect::<Vec<_>>());

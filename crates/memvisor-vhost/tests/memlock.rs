@@ -8,12 +8,10 @@
 
 mod common;
 
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 
 use common::*;
 use memvisor::Gpa;
-use memvisor::balloon::guest::{Desc, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use memvisor_vhost::{Blk, BlkOptions};
 
 const PAGE: u64 = 4096;
@@ -110,37 +108,11 @@ fn pattern(round: u32, k: u16) -> Vec<u8> {
 /// `sector(k)` with its data at `data + k * REQ`; waits for all and returns their statuses.
 fn batch(g: &mut Guest, kind: u32, sector: impl Fn(u16) -> u64, data: u64) -> Vec<u8> {
     for k in 0..N {
+        let at = data + u64::from(k) * u64::from(REQ);
         let hdr = HDR + u64::from(k) * 16;
-        let mut h = [0u8; 16];
-        h[0..4].copy_from_slice(&kind.to_le_bytes());
-        h[8..16].copy_from_slice(&sector(k).to_le_bytes());
-        g.mem.write(Gpa(hdr), &h).unwrap();
-        g.mem.write(Gpa(STATUS + u64::from(k)), &[0xff]).unwrap();
-        let ids = [3 * k, 3 * k + 1, 3 * k + 2];
-        let descs = [
-            Desc {
-                addr: hdr,
-                len: 16,
-                flags: VRING_DESC_F_NEXT,
-                next: ids[1],
-            },
-            Desc {
-                addr: data + u64::from(k) * u64::from(REQ),
-                len: REQ,
-                flags: VRING_DESC_F_NEXT | if kind == 0 { VRING_DESC_F_WRITE } else { 0 },
-                next: ids[2],
-            },
-            Desc {
-                addr: STATUS + u64::from(k),
-                len: 1,
-                flags: VRING_DESC_F_WRITE,
-                next: 0,
-            },
-        ];
-        let head = g.ring.add_raw(&ids, &descs).unwrap();
-        g.ring.publish(head).unwrap();
+        g.add_request(k, kind, sector(k), hdr, at, REQ, STATUS + u64::from(k));
     }
-    g.kick.write_all(&1u64.to_le_bytes()).unwrap();
+    g.kick();
     for _ in 0..N {
         g.wait_used();
     }

@@ -124,6 +124,60 @@ impl Guest {
         head
     }
 
+    /// Makes available, without a kick, virtio-blk request `k` of a batch: a 16-byte header
+    /// of `kind` (0 read, 1 write) for `sector` at `hdr`, one data buffer (`data`, `len`) and
+    /// the status byte at `status` (set to 0xff first), in descriptors `3k`, `3k + 1`, `3k + 2`.
+    /// Returns the head. [`Guest::kick`] then sends the batch.
+    #[allow(dead_code)] // not every test binary posts batches
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_request(
+        &mut self,
+        k: u16,
+        kind: u32,
+        sector: u64,
+        hdr: u64,
+        data: u64,
+        len: u32,
+        status: u64,
+    ) -> u16 {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        self.mem.write(Gpa(hdr), &h).unwrap();
+        self.mem.write(Gpa(status), &[0xff]).unwrap();
+        let ids = [3 * k, 3 * k + 1, 3 * k + 2];
+        let to_guest = if kind == 0 { VRING_DESC_F_WRITE } else { 0 };
+        let descs = [
+            Desc {
+                addr: hdr,
+                len: 16,
+                flags: VRING_DESC_F_NEXT,
+                next: ids[1],
+            },
+            Desc {
+                addr: data,
+                len,
+                flags: VRING_DESC_F_NEXT | to_guest,
+                next: ids[2],
+            },
+            Desc {
+                addr: status,
+                len: 1,
+                flags: VRING_DESC_F_WRITE,
+                next: 0,
+            },
+        ];
+        let head = self.ring.add_raw(&ids, &descs).unwrap();
+        self.ring.publish(head).unwrap();
+        head
+    }
+
+    /// Kicks the ring: the device looks at what was made available.
+    #[allow(dead_code)]
+    pub fn kick(&mut self) {
+        self.kick.write_all(&1u64.to_le_bytes()).unwrap();
+    }
+
     /// Waits for the device to return a chain; returns (head, bytes written).
     pub fn wait_used(&mut self) -> (u16, u32) {
         for _ in 0..500 {
