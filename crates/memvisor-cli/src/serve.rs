@@ -232,9 +232,7 @@ pub fn blk(
         log::warn!("TEST ONLY: dirty marks skip the summary levels; drains miss them");
     }
     if let Some(path) = record_iotlb {
-        let f = std::fs::File::create(path)
-            .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;
-        backend.record_iotlb(Box::new(std::io::BufWriter::new(f)));
+        record_iotlb_to(&mut backend, path)?;
     }
     let at_disconnect = PinChecks::default();
     let seen = at_disconnect.clone();
@@ -818,6 +816,7 @@ fn serve_one(
     memvisor_vfio_user::Result<()>,
 )> {
     use memvisor_vfio_user::{DmaDev, Server};
+    #[cfg_attr(not(feature = "test-hooks"), allow(unused_mut))]
     let mut server = Server::new(sock, memvisor::DmaConfig::default(), DmaDev::new)
         .context("vfio-user server")?;
     #[cfg(feature = "test-hooks")]
@@ -836,9 +835,43 @@ fn serve_one(
         server.test_leak_on_hangup();
     }
     if let Some(f) = record {
-        // Every connection appends to the one recording.
-        let f = f.try_clone().context("the recording")?;
-        server.record_to(Box::new(std::io::BufWriter::new(f)));
+        #[cfg(feature = "test-hooks")]
+        {
+            // Every connection appends to the one recording.
+            let f = f.try_clone().context("the recording")?;
+            server.record_to(Box::new(std::io::BufWriter::new(f)));
+        }
+        #[cfg(not(feature = "test-hooks"))]
+        {
+            let _ = f;
+            anyhow::bail!("recording DMA traffic needs a test-hooks build");
+        }
     }
     Ok(server.serve())
+}
+
+/// Writes the back end's IOTLB traffic to `path` with the test kit's recorder (test-hooks builds;
+/// the product has no recorder).
+fn record_iotlb_to<D: memvisor_vhost::Device + 'static>(
+    backend: &mut Backend<D>,
+    path: &Path,
+) -> Result<()> {
+    #[cfg(feature = "test-hooks")]
+    {
+        let f = std::fs::File::create(path)
+            .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;
+        let recorder = memvisor_testkit::vhost::record::Recorder::new(Box::new(
+            std::io::BufWriter::new(f),
+        ));
+        backend.record_iotlb(Box::new(recorder));
+        Ok(())
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        let _ = backend;
+        anyhow::bail!(
+            "recording IOTLB traffic to {} needs a test-hooks build",
+            path.display()
+        )
+    }
 }

@@ -373,7 +373,9 @@ impl<D: Device> Server<D> {
     }
 
     /// Writes every `DMA_MAP` / `DMA_UNMAP` to `out`, one line each (`M iova size offset prot`,
-    /// `U iova size`, `A`; hex), for replay in benchmarks.
+    /// `U iova size`, `A`; hex), for replay in benchmarks (`memvisor-bench vfio-user`). A
+    /// test-hooks build only: the product records nothing.
+    #[cfg(feature = "test-hooks")]
     pub fn record_to(&mut self, out: Box<dyn Write + Send>) {
         self.record = Some(out);
     }

@@ -13,7 +13,7 @@ use std::os::unix::net::UnixStream;
 use memcopy::{DST, GO, LEN, MemCopy, RESULT, SRC};
 use memvisor::DmaConfig;
 use memvisor::dma::{LockLimit, PinRegistry};
-use memvisor_vfio_user::client::Client;
+use memvisor_testkit::vfio_user::client::Client;
 use memvisor_vfio_user::proto::{self, DmaMap, RegionAccess, cmd, map_flags};
 use memvisor_vfio_user::{Server, ServerStats};
 

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::*;
 use memvisor::Gpa;
-use memvisor_vhost::client::Client;
+use memvisor_testkit::vhost::client::Client;
 use memvisor_vhost::proto::{self, F_LOG_ALL, protocol, req};
 use memvisor_vhost::{Backend, Blk, BlkOptions};
 

@@ -42,7 +42,7 @@ fn read_with_log(disable: bool) -> (Vec<u64>, u64) {
         let r = backend.run(&b, &stop);
         (backend, r)
     });
-    let c = memvisor_vhost::client::Client::from_stream(a);
+    let c = memvisor_testkit::vhost::client::Client::from_stream(a);
     // Negotiate like QEMU migrating: LOG_ALL among the features, LOG_SHMFD among the protocol's.
     let f = c.get_u64(req::GET_FEATURES).unwrap();
     assert_ne!(f & F_LOG_ALL, 0, "LOG_ALL offered");

@@ -46,7 +46,7 @@ use crate::error::{Error, Result};
 pub use crate::live::{BackendLive, BackendStats};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
 use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
-use crate::record::Recorder;
+use crate::observe::IotlbObserver;
 use crate::ring::{InflightRegion, Ring};
 use crate::wire::{self, Message};
 use crate::worker::{Lent, Worker};
@@ -115,8 +115,9 @@ pub struct Backend<D: Device> {
     inflight: Option<InflightRegion>,
     /// Test-only: never write the dirty log (the migration trial's negative control).
     log_disabled: bool,
-    /// Where IOTLB traffic is written down, if asked ([`Backend::record_iotlb`]).
-    record: Option<Recorder>,
+    /// Who is told of the IOTLB traffic, if anyone (`Backend::record_iotlb`, test-hooks
+    /// builds only; always `None` otherwise).
+    record: Option<Box<dyn IotlbObserver>>,
     /// Called when a frontend has left, before its memory is dropped
     /// ([`Backend::on_disconnect`]).
     on_disconnect: Vec<Box<dyn FnMut() + Send>>,
@@ -201,10 +202,12 @@ impl<D: Device + 'static> Backend<D> {
         self.live.stats()
     }
 
-    /// Writes the memory tables and IOTLB traffic (updates, invalidates, misses) to `out` in
-    /// the format of [`crate::record`], for `memvisor bench iotlb` to replay.
-    pub fn record_iotlb(&mut self, out: Box<dyn std::io::Write + Send>) {
-        self.record = Some(Recorder::new(out));
+    /// Tells `observer` of the memory tables and IOTLB traffic (updates, invalidates, misses)
+    /// from now on: the test kit's recorder writes them down for `memvisor-bench iotlb` to
+    /// replay. A test-hooks build only ([`crate::observe`]).
+    #[cfg(feature = "test-hooks")]
+    pub fn record_iotlb(&mut self, observer: Box<dyn IotlbObserver>) {
+        self.record = Some(observer);
     }
 
     /// Writes the memory table as it is now to the IOTLB recording, if there is one.

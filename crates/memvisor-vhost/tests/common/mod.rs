@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 
 use memvisor::balloon::guest::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use memvisor::{Backing, Gpa, SlotSpec, SlotTable};
-use memvisor_vhost::client::Client;
+use memvisor_testkit::vhost::client::Client;
 use memvisor_vhost::proto::{self, Region, VringAddr, protocol, req};
 use memvisor_vhost::{Backend, Device};
 

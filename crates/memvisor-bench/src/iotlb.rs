@@ -28,7 +28,7 @@ use std::time::Instant;
 use memvisor::{Access, Backing, BackingKind, Iova, Prot};
 use memvisor_vhost::FrontendMemory;
 use memvisor_vhost::proto::Region;
-use memvisor_vhost::record::{self, Event};
+use memvisor_testkit::vhost::record::{self, Event};
 use vm_memory::GuestAddress;
 use vm_memory::Permissions;
 use vm_memory::iommu::Iotlb;
