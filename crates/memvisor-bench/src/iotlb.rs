@@ -325,7 +325,10 @@ impl Side {
         if peer {
             return Ok(Side::Peer(Iotlb::new(), regions.to_vec()));
         }
-        let mut mem = FrontendMemory::new()?;
+        let mut mem = FrontendMemory::new(&memvisor_vhost::ProcessState::new(
+            memvisor::SharedMappings::global(),
+            memvisor::PinRegistry::global(),
+        ))?;
         // The frontend's memory as descriptors (sparse memfds: nothing is touched); the
         // memory table maps its own view of them.
         let mut fds = Vec::new();

@@ -11,7 +11,9 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use memvisor_cli::listener::SocketSpec;
+use memvisor::{PinRegistry, SharedMappings};
 use memvisor_cli::{capabilities, serve};
+use memvisor_vhost::ProcessState;
 use std::io::{self, Write};
 use std::os::fd::RawFd;
 use std::path::PathBuf;
@@ -250,24 +252,29 @@ fn print_capabilities(caps: serde_json::Value) -> Result<()> {
     Ok(())
 }
 
-/// What every server does first: the log, the signals, the sockets systemd passed.
-fn start_server() -> Result<()> {
+/// What every server does first: the log, the signals, the sockets systemd passed; and the
+/// process state every device shares (its mappings of guest memory and its pin registry), made
+/// here once and handed to each.
+fn start_server() -> Result<ProcessState> {
     serve::init_logging()?;
     memvisor_cli::listener::take_from_environment()?;
     serve::stop_on_signals();
-    Ok(())
+    Ok(ProcessState::new(
+        SharedMappings::global(),
+        PinRegistry::global(),
+    ))
 }
 
 fn run_blk(args: &BlkArgs) -> Result<()> {
     if args.socket.print_capabilities {
         return print_capabilities(capabilities::vhost_user_blk());
     }
-    start_server()?;
+    let state = start_server()?;
     let Some(disk) = args.disk.as_ref() else {
         bail!("--disk FILE is required");
     };
     if args.long_term_pins {
-        serve::use_long_term_pins()?;
+        serve::use_long_term_pins(&state.registry)?;
     }
     serve::note_blk_locked_memory(args.long_term_pins);
     let serial = match &args.serial {
@@ -309,6 +316,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         record_iotlb,
         args.control.as_deref(),
         args.stats.as_deref(),
+        &state,
     )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
@@ -330,9 +338,9 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
              (or a --config file that names devices)"
         );
     }
-    start_server()?;
+    let state = start_server()?;
     if args.long_term_pins || config.long_term_pins {
-        serve::use_long_term_pins()?;
+        serve::use_long_term_pins(&state.registry)?;
     }
     if !config.blk.is_empty() {
         serve::note_blk_locked_memory(args.long_term_pins || config.long_term_pins);
@@ -345,7 +353,7 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
         iommu: args.iommu || config.iommu,
         stats: stats.clone(),
     };
-    let report = serve::serve(&devices)?;
+    let report = serve::serve(&devices, &state)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(stats.as_ref(), &report)
 }
@@ -354,7 +362,7 @@ fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
     if args.socket.print_capabilities {
         return print_capabilities(capabilities::vfio_user());
     }
-    start_server()?;
+    let state = start_server()?;
     #[cfg(feature = "test-hooks")]
     let record = args.record.as_deref();
     #[cfg(not(feature = "test-hooks"))]
@@ -363,6 +371,7 @@ fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
         &args.socket.spec(),
         record,
         args.long_term_pins,
+        &state,
     )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)

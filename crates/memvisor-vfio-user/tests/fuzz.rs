@@ -40,7 +40,7 @@ fn serve(listener: UnixListener, registry: Arc<PinRegistry>, stop: Arc<AtomicBoo
             registry: Some(registry.clone()),
             ..DmaConfig::default()
         };
-        let server = Server::new(sock, config, DmaDev::new).unwrap();
+        let server = Server::new(sock, config, memvisor::SharedMappings::global(), DmaDev::new).unwrap();
         let (stats, end) = server.serve();
         left.push((
             registry.locked_bytes() + registry.cached_bytes(),

@@ -77,7 +77,7 @@ fn start(mem: &std::fs::File) -> (Client, std::thread::JoinHandle<ServerStats>) 
         registry: Some(PinRegistry::new(LockLimit::Unlimited)),
         ..DmaConfig::default()
     };
-    let server = Server::new(b, config, MemCopy::new).unwrap();
+    let server = Server::new(b, config, memvisor::SharedMappings::global(), MemCopy::new).unwrap();
     let t = std::thread::spawn(move || server.serve().0);
     let mut c = Client::from_stream(a);
     let v = proto::Version {

@@ -75,6 +75,6 @@ pub use blk::{Blk, BlkLive, BlkOptions, BlkStats};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use live::{BackendLive, BackendStats, QueueStats};
-pub use memory::FrontendMemory;
+pub use memory::{FrontendMemory, ProcessState};
 pub use memvisor_wire::WireError;
 pub use ring::Ring;

@@ -316,7 +316,7 @@ fn serve_on_socket(
     let s2 = stop.clone();
     let t = std::thread::spawn(move || {
         let mut b =
-            memvisor_vhost::Backend::new(Blk::new(disk(), BlkOptions::default()).unwrap()).unwrap();
+            memvisor_vhost::Backend::new(Blk::new(disk(), BlkOptions::default()).unwrap(), &memvisor_vhost::ProcessState::new(memvisor::SharedMappings::global(), memvisor::PinRegistry::global())).unwrap();
         b.serve(&listener, &s2).unwrap();
         b
     });

@@ -458,7 +458,7 @@ fn wide_blk_behind_iommu(
 ) {
     let g = Guest::new(4 * MIB);
     let (a, b) = UnixStream::pair().unwrap();
-    let mut backend = memvisor_vhost::backend::Backend::new(iommu_blk(&wide_pattern())).unwrap();
+    let mut backend = memvisor_vhost::backend::Backend::new(iommu_blk(&wide_pattern()), &memvisor_vhost::ProcessState::new(memvisor::SharedMappings::global(), memvisor::PinRegistry::global())).unwrap();
     backend.set_miss_batch(batch);
     let t = std::thread::spawn(move || {
         let stop = std::sync::atomic::AtomicBool::new(false);

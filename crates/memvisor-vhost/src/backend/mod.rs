@@ -44,7 +44,7 @@ use virtio_queue::{Queue, QueueT};
 pub use crate::device::Device;
 use crate::error::{Error, Result};
 pub use crate::live::{BackendLive, BackendStats};
-use crate::memory::{FrontendMemory, MAX_REGIONS};
+use crate::memory::{FrontendMemory, MAX_REGIONS, ProcessState};
 use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
 use crate::observe::IotlbObserver;
 use crate::ring::{InflightRegion, Ring};
@@ -134,10 +134,11 @@ pub struct Backend<D: Device> {
 }
 
 impl<D: Device + 'static> Backend<D> {
-    /// A back end for `device`.
-    pub fn new(mut device: D) -> Result<Self> {
+    /// A back end for `device`, mapping frontends' memory through `state` (the process's
+    /// mappings and pin registry, which the server makes once for all its back ends).
+    pub fn new(mut device: D, state: &ProcessState) -> Result<Self> {
         let n = device.queues() as usize;
-        let memory = FrontendMemory::new()?;
+        let memory = FrontendMemory::new(state)?;
         device.attach(&memory)?;
         Ok(Backend {
             device,
