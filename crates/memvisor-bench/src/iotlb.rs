@@ -26,9 +26,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use memvisor::{Access, Backing, BackingKind, Iova, Prot};
+use memvisor_testkit::vhost::record::{self, Event};
 use memvisor_vhost::FrontendMemory;
 use memvisor_vhost::proto::Region;
-use memvisor_testkit::vhost::record::{self, Event};
 use vm_memory::GuestAddress;
 use vm_memory::Permissions;
 use vm_memory::iommu::Iotlb;

@@ -85,7 +85,14 @@ pub fn server_binary(top: &std::path::Path) -> Result<std::path::PathBuf, String
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let built = std::process::Command::new(cargo)
         .current_dir(top)
-        .args(["build", "--release", "-p", "memvisor-cli", "--bin", "memvisor"])
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "memvisor-cli",
+            "--bin",
+            "memvisor",
+        ])
         .status();
     match built {
         Ok(s) if s.success() => Ok(bin),

@@ -62,7 +62,8 @@ fn check_stats(r: &serde_json::Value) {
 
 /// `memvisor-bench EXP --quick --json --runs 1 --out OUT_DIR`: must succeed; its stdout parsed.
 fn quick_json(experiment: &str, out_dir: &std::path::Path) -> serde_json::Value {
-    let out = bench(&[experiment,
+    let out = bench(&[
+        experiment,
         "--quick",
         "--json",
         "--runs",
@@ -97,11 +98,9 @@ fn bench_help_lists_options() {
 
 #[test]
 fn unknown_experiment_fails_listing_known_ones() {
-    let out_dir = std::env::temp_dir().join(format!("memvisor-bench-unknown-{}", std::process::id()));
-    let out = bench(&["no-such-experiment",
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
+    let out_dir =
+        std::env::temp_dir().join(format!("memvisor-bench-unknown-{}", std::process::id()));
+    let out = bench(&["no-such-experiment", "--out", out_dir.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(
         out.stdout.is_empty(),
@@ -137,7 +136,8 @@ fn quick_and_full_conflict() {
 /// variant and writes the report.
 #[test]
 fn lookup_json_has_rows_for_every_variant() {
-    let out_dir = std::env::temp_dir().join(format!("memvisor-bench-lookup-{}", std::process::id()));
+    let out_dir =
+        std::env::temp_dir().join(format!("memvisor-bench-lookup-{}", std::process::id()));
     let json = quick_json("lookup", &out_dir);
     assert_eq!(json["mode"], "quick");
     let rows = json["results"].as_array().expect("results array");
@@ -240,7 +240,8 @@ fn pin_pages_json_has_rows_for_every_variant() {
 /// the rest. hugetlbfs is checked when it ran (it needs root to reserve huge pages).
 #[test]
 fn report_json_reclaims_all_but_the_pins() {
-    let out_dir = std::env::temp_dir().join(format!("memvisor-bench-report-{}", std::process::id()));
+    let out_dir =
+        std::env::temp_dir().join(format!("memvisor-bench-report-{}", std::process::id()));
     let json = {
         let _pool = lock_pool();
         quick_json("report", &out_dir)
@@ -350,7 +351,8 @@ fn ctrl_c_gives_the_hugetlb_pool_back() {
     }
     let _pool = lock_pool();
     let before = nr_hugepages();
-    let out_dir = std::env::temp_dir().join(format!("memvisor-bench-sigint-{}", std::process::id()));
+    let out_dir =
+        std::env::temp_dir().join(format!("memvisor-bench-sigint-{}", std::process::id()));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_memvisor-bench"));
     cmd.args(["pin-pages", "--quick", "--runs", "1", "--out"])
         .arg(&out_dir)

@@ -10,8 +10,8 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use memvisor_cli::listener::SocketSpec;
 use memvisor::{PinRegistry, SharedMappings};
+use memvisor_cli::listener::SocketSpec;
 use memvisor_cli::{capabilities, serve};
 use memvisor_vhost::ProcessState;
 use std::io::{self, Write};
@@ -367,12 +367,7 @@ fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
     let record = args.record.as_deref();
     #[cfg(not(feature = "test-hooks"))]
     let record = None;
-    let report = serve::vfio_user(
-        &args.socket.spec(),
-        record,
-        args.long_term_pins,
-        &state,
-    )?;
+    let report = serve::vfio_user(&args.socket.spec(), record, args.long_term_pins, &state)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
 }

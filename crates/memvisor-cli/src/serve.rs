@@ -870,9 +870,8 @@ fn record_iotlb_to<D: memvisor_vhost::Device + 'static>(
     {
         let f = std::fs::File::create(path)
             .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;
-        let recorder = memvisor_testkit::vhost::record::Recorder::new(Box::new(
-            std::io::BufWriter::new(f),
-        ));
+        let recorder =
+            memvisor_testkit::vhost::record::Recorder::new(Box::new(std::io::BufWriter::new(f)));
         backend.record_iotlb(Box::new(recorder));
         Ok(())
     }

@@ -13,9 +13,9 @@ use std::time::Duration;
 use memvisor::dma::{LockLimit, PinRegistry};
 use memvisor::{DmaConfig, SharedMappings};
 use memvisor_testkit::vfio_user::client::Client;
+use memvisor_testkit::vfio_user::fuzz;
 use memvisor_vfio_user::dmadev::{reg, status};
 use memvisor_vfio_user::proto::{self, DmaMap, DmaUnmap, cmd};
-use memvisor_testkit::vfio_user::fuzz;
 use memvisor_vfio_user::{DmaDev, Server};
 
 /// What each connection left: (registry locked + cached bytes, long-term bytes, device pins,
@@ -40,7 +40,13 @@ fn serve(listener: UnixListener, registry: Arc<PinRegistry>, stop: Arc<AtomicBoo
             registry: Some(registry.clone()),
             ..DmaConfig::default()
         };
-        let server = Server::new(sock, config, memvisor::SharedMappings::global(), DmaDev::new).unwrap();
+        let server = Server::new(
+            sock,
+            config,
+            memvisor::SharedMappings::global(),
+            DmaDev::new,
+        )
+        .unwrap();
         let (stats, end) = server.serve();
         left.push((
             registry.locked_bytes() + registry.cached_bytes(),

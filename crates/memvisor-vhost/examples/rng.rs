@@ -150,7 +150,10 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args().nth(1).ok_or("usage: rng SOCKET")?;
     // Binding fails if something is at the path already: remove a stale socket by hand.
     let listener = UnixListener::bind(&path)?;
-    let mut backend = Backend::new(Rng::default(), &ProcessState::new(SharedMappings::global(), PinRegistry::global()))?;
+    let mut backend = Backend::new(
+        Rng::default(),
+        &ProcessState::new(SharedMappings::global(), PinRegistry::global()),
+    )?;
     eprintln!("example-rng: serving virtio-rng on {path}");
     backend.serve(&listener, &AtomicBool::new(false))?;
     Ok(())

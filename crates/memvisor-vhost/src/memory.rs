@@ -668,14 +668,12 @@ fn map_all(
         .iter()
         .zip(fds)
         .map(|(r, fd)| {
-            mappings
-                .map(fd, r.mmap_offset, r.size)
-                .map_err(|e| {
-                    Error::BadRegion(format!(
-                        "memory region guest {:#x} size {:#x} offset {:#x}: {e}",
-                        r.gpa, r.size, r.mmap_offset
-                    ))
-                })
+            mappings.map(fd, r.mmap_offset, r.size).map_err(|e| {
+                Error::BadRegion(format!(
+                    "memory region guest {:#x} size {:#x} offset {:#x}: {e}",
+                    r.gpa, r.size, r.mmap_offset
+                ))
+            })
         })
         .collect()
 }

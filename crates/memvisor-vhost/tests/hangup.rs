@@ -52,7 +52,14 @@ fn a_frontend_that_dies_mid_migration_leaves_no_mapping_of_its_memory_or_log() {
     let s2 = stop.clone();
     let t = std::thread::spawn(move || {
         let disk = memfd(MIB);
-        let mut b = Backend::new(Blk::new(disk, BlkOptions::default()).unwrap(), &memvisor_vhost::ProcessState::new(memvisor::SharedMappings::global(), memvisor::PinRegistry::global())).unwrap();
+        let mut b = Backend::new(
+            Blk::new(disk, BlkOptions::default()).unwrap(),
+            &memvisor_vhost::ProcessState::new(
+                memvisor::SharedMappings::global(),
+                memvisor::PinRegistry::global(),
+            ),
+        )
+        .unwrap();
         b.serve(&listener, &s2).unwrap();
         b
     });

@@ -315,8 +315,14 @@ fn serve_on_socket(
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
     let t = std::thread::spawn(move || {
-        let mut b =
-            memvisor_vhost::Backend::new(Blk::new(disk(), BlkOptions::default()).unwrap(), &memvisor_vhost::ProcessState::new(memvisor::SharedMappings::global(), memvisor::PinRegistry::global())).unwrap();
+        let mut b = memvisor_vhost::Backend::new(
+            Blk::new(disk(), BlkOptions::default()).unwrap(),
+            &memvisor_vhost::ProcessState::new(
+                memvisor::SharedMappings::global(),
+                memvisor::PinRegistry::global(),
+            ),
+        )
+        .unwrap();
         b.serve(&listener, &s2).unwrap();
         b
     });
@@ -379,7 +385,8 @@ fn seconds_of_random_hostile_traffic_leave_a_working_back_end() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
     let stats =
-        memvisor_testkit::vhost::fuzz::run(&path, 0x5eed, std::time::Duration::from_secs(secs)).unwrap();
+        memvisor_testkit::vhost::fuzz::run(&path, 0x5eed, std::time::Duration::from_secs(secs))
+            .unwrap();
     println!("fuzz: {stats:?}");
     assert!(stats.messages > 100 && stats.refusals > 0, "{stats:?}");
 

@@ -18,7 +18,13 @@ const HDR: u64 = 0x10000;
 const DATA: u64 = 0x20000;
 const STATUS: u64 = 0x80000;
 
-fn update(c: &memvisor_testkit::vhost::client::Client, iova: u64, gpa: u64, size: u64, perm: u8) -> u64 {
+fn update(
+    c: &memvisor_testkit::vhost::client::Client,
+    iova: u64,
+    gpa: u64,
+    size: u64,
+    perm: u8,
+) -> u64 {
     let m = IotlbMsg {
         iova,
         size,
@@ -458,7 +464,14 @@ fn wide_blk_behind_iommu(
 ) {
     let g = Guest::new(4 * MIB);
     let (a, b) = UnixStream::pair().unwrap();
-    let mut backend = memvisor_vhost::backend::Backend::new(iommu_blk(&wide_pattern()), &memvisor_vhost::ProcessState::new(memvisor::SharedMappings::global(), memvisor::PinRegistry::global())).unwrap();
+    let mut backend = memvisor_vhost::backend::Backend::new(
+        iommu_blk(&wide_pattern()),
+        &memvisor_vhost::ProcessState::new(
+            memvisor::SharedMappings::global(),
+            memvisor::PinRegistry::global(),
+        ),
+    )
+    .unwrap();
     backend.set_miss_batch(batch);
     let t = std::thread::spawn(move || {
         let stop = std::sync::atomic::AtomicBool::new(false);

@@ -29,7 +29,14 @@ fn logged(log: &std::fs::File, pages: u64) -> Vec<u64> {
 fn read_with_log(disable: bool) -> (Vec<u64>, u64) {
     let disk = memfd(MIB);
     let mut g = Guest::new(4 * MIB);
-    let mut backend = Backend::new(Blk::new(disk, BlkOptions::default()).unwrap(), &memvisor_vhost::ProcessState::new(memvisor::SharedMappings::global(), memvisor::PinRegistry::global())).unwrap();
+    let mut backend = Backend::new(
+        Blk::new(disk, BlkOptions::default()).unwrap(),
+        &memvisor_vhost::ProcessState::new(
+            memvisor::SharedMappings::global(),
+            memvisor::PinRegistry::global(),
+        ),
+    )
+    .unwrap();
     if disable {
         #[cfg(feature = "test-hooks")]
         backend.disable_dirty_log_for_tests();

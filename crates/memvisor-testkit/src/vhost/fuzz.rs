@@ -201,10 +201,11 @@ fn memfd(size: u64) -> Result<File> {
     }
     // SAFETY: fresh descriptor.
     let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(size).map_err(|source| memvisor_vhost::Error::Os {
-        op: "size the fuzz memfd",
-        source,
-    })?;
+    f.set_len(size)
+        .map_err(|source| memvisor_vhost::Error::Os {
+            op: "size the fuzz memfd",
+            source,
+        })?;
     Ok(f)
 }
 

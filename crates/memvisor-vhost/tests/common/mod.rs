@@ -223,7 +223,14 @@ pub fn serve_live<D: Device + 'static>(
     device: D,
 ) -> (Client, JoinHandle<Served<D>>, memvisor_vhost::BackendLive) {
     let (a, b) = UnixStream::pair().unwrap();
-    let mut backend = Backend::new(device, &memvisor_vhost::ProcessState::new(memvisor::SharedMappings::global(), memvisor::PinRegistry::global())).unwrap();
+    let mut backend = Backend::new(
+        device,
+        &memvisor_vhost::ProcessState::new(
+            memvisor::SharedMappings::global(),
+            memvisor::PinRegistry::global(),
+        ),
+    )
+    .unwrap();
     let live = backend.live();
     let t = std::thread::spawn(move || {
         let stop = AtomicBool::new(false);
