@@ -27,7 +27,7 @@
 #   --iommu=strict|lazy  the device behind QEMU's intel-iommu (device-iotlb), the guest with
 #               intel_iommu=on and iommu.strict=1 or 0: every address goes through the IOTLB.
 #   --after-fuzz first attack the back end for 15 s with memvisor's hostile frontend
-#               (vhost-user-fuzz); the same back end must then serve QEMU and pass.
+#               (memvisor-testkit vhost-user-fuzz); the same back end must then serve QEMU and pass.
 #   balloon     one `memvisor serve` process with a blk and a balloon device; the guest fills and
 #               frees 512 MiB (free page reporting), then follows the host's balloon target up and
 #               down, with block I/O in the background; the host samples the guest memory's
@@ -104,7 +104,7 @@
 #   vfio-user --private: guest RAM is private to QEMU (no shared memory backend), so every
 #               DMA_MAP comes without a descriptor and every byte the device moves goes through
 #               DMA_READ / DMA_WRITE messages to QEMU; pin mode finds nothing to pin and copies.
-#   vfio-user --after-fuzz: first 15 s of memvisor's hostile vfio-user client (vfio-user-fuzz)
+#   vfio-user --after-fuzz: first 15 s of memvisor's hostile vfio-user client (memvisor-testkit vfio-user-fuzz)
 #               against the server; it must still be alive, and the same server process must
 #               then serve QEMU and pass. Every connection, the hostile ones too, must leave the
 #               server's VmLck, VmPin and memfd mappings where they were before the first.
@@ -258,6 +258,18 @@ need_hooks() {
   echo "trial.sh $trial: $1 needs MEMVISOR= a binary built with --features test-hooks (.ci/run's target/release/memvisor-test-hooks); $bin is not one" >&2
   exit 2
 }
+# The lab's tools are the test kit's binaries (crate memvisor-testkit), beside the server:
+# the hostile clients (--after-fuzz) and the failing FUSE file (--disk-fault).
+testkit=${TESTKIT:-$(dirname "$bin")/memvisor-testkit}
+need_testkit() {
+  [ -x "$testkit" ] && return 0
+  echo "trial.sh $trial: no memvisor-testkit at $testkit: cargo build --release -p memvisor-testkit (or TESTKIT=PATH)" >&2
+  exit 1
+}
+# The IOTLB and DMA recordings the benchmark replays (--record-iotlb, --record) are written by a
+# test-hooks build only (the recorder is the test kit's); with the plain server the trial runs
+# the same and records nothing. $1: the server's subcommand, $2: the option.
+can_record() { "$bin" "$1" --help 2>/dev/null | grep -q -- "$2"; }
 work=$top/target/guest
 # The serial vhost-user-blk answers GET_ID with when none is given: mv- and the FNV-1a hash of the
 # disk's canonical path, 16 hex digits (crates/memvisor-cli/src/devices.rs, path_serial).
@@ -758,8 +770,8 @@ fi
 # --- end of crash -------------------------------------------------------------------------------
 if [ $disk_fault = 1 ]; then
   fdir=$run/fault; mkdir -p "$fdir/tmpfs" "$fdir/fuse"
-  faultfs=${FAULTFS:-$(dirname "$bin")/memvisor-faultfs}
-  [ -x "$faultfs" ] || { echo "no memvisor-faultfs at $faultfs: cargo build --release -p memvisor-cli --features test-hooks --bin memvisor-faultfs" >&2; exit 1; }
+  faultfs=${FAULTFS:-$(dirname "$testkit")/memvisor-faultfs}
+  [ -x "$faultfs" ] || { echo "no memvisor-faultfs at $faultfs: cargo build --release -p memvisor-testkit" >&2; exit 1; }
   cleanup_fault() { cleanup; umount -l "$fdir/fuse" 2>/dev/null || true; umount -l "$fdir/tmpfs" 2>/dev/null || true; }
   trap cleanup_fault EXIT
   # (a) 40 MiB of tmpfs, 16 of them filler: a 64 MiB sparse image gets about 24 MiB, then ENOSPC.
@@ -1083,13 +1095,14 @@ blk)
   else
     if [ $qcap = 1 ]; then need_hooks MEMVISOR_TEST_MAX_QUEUE_SIZE; export MEMVISOR_TEST_MAX_QUEUE_SIZE=256; fi
     RUST_LOG=${RUST_LOG:-info} "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" --queues "$queues" \
-      $([ -n "$iommu" ] && echo --iommu --record-iotlb "$run/iotlb.rec") $([ $long_term = 1 ] && echo --long-term-pins) > "$run/backend.log" 2>&1 &
+      $([ -n "$iommu" ] && echo --iommu) $([ -n "$iommu" ] && can_record vhost-user-blk --record-iotlb && echo --record-iotlb "$run/iotlb.rec") $([ $long_term = 1 ] && echo --long-term-pins) > "$run/backend.log" 2>&1 &
   fi
   bpid=$!; pids+=("$bpid")
   wait_socket "$sock"
   if [ $frontend_dies = 1 ]; then frontend_dies_blk; fi  # exits
   if [ $fuzz = 1 ]; then
-    "$bin" vhost-user-fuzz --socket "$sock" --seconds 15 --seed "${SEED:-$RANDOM}" | sed 's/^/  /'
+    need_testkit
+    "$testkit" vhost-user-fuzz --socket "$sock" --seconds 15 --seed "${SEED:-$RANDOM}" | sed 's/^/  /'
     kill -0 "$bpid" 2>/dev/null || { echo "$name: the back end died under the hostile frontend"; tail "$run/backend.log"; exit 1; }
   fi
   serial=$(path_serial "$run/disk.img"); wait_s=1; [ $peer = 0 ] || serial=none; [ $negative = 0 ] || wait_s=4
@@ -1236,7 +1249,7 @@ mig)
   # --no-summary: the log is on, but marks never reach the summary levels the drains read.
   [ "${no_summary:-0}" = 0 ] || { need_hooks MEMVISOR_TEST_NO_DIRTY_SUMMARY; nolog_env=(MEMVISOR_TEST_NO_DIRTY_SUMMARY=1); }
   env "${nolog_env[@]}" "$bin" vhost-user-blk --socket "$sock" --disk "$run/disk.img" --stats "$run/stats.json" \
-    $([ -n "$iommu" ] && echo --iommu --record-iotlb "$run/iotlb.rec") > "$run/backend.log" 2>&1 &
+    $([ -n "$iommu" ] && echo --iommu) $([ -n "$iommu" ] && can_record vhost-user-blk --record-iotlb && echo --record-iotlb "$run/iotlb.rec") > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$sock"
   hmp() { python3 - "$run/mon-$1.sock" "$2" <<'PY'
@@ -1426,8 +1439,9 @@ vfio-user)
   # that as done, so the guest's race phase must see the device write an unmapped buffer.
   # --client-dies --negative: the server keeps a dead connection's memory, locks and pins.
   extra=(); [ $long_term = 0 ] || extra+=(--long-term-pins)
-  # The recording (replayed by `memvisor bench vfio-user`) is of QEMU's traffic alone.
-  [ $fuzz = 1 ] || [ $client_dies = 1 ] || extra+=(--record "$run/dma.rec")
+  # The recording (replayed by `memvisor-bench vfio-user`; a test-hooks server only) is of
+  # QEMU's traffic alone.
+  [ $fuzz = 1 ] || [ $client_dies = 1 ] || ! can_record vfio-user --record || extra+=(--record "$run/dma.rec")
   test_env=(); [ $unmap_busy = 0 ] || test_env=(MEMVISOR_TEST_UNMAP_BUSY=1)
   if [ $negative = 1 ] && [ $unmap_busy = 0 ] && [ $client_dies = 0 ]; then
     need_hooks MEMVISOR_TEST_IGNORE_UNMAP; test_env=(MEMVISOR_TEST_IGNORE_UNMAP=1)
@@ -1448,7 +1462,8 @@ vfio-user)
   read -r lck0 pin0 maps0 <<< "$(proc_figures)"
   echo "  server before any client: VmLck $lck0 kB, VmPin $pin0 kB, $maps0 memfd mappings"
   if [ $fuzz = 1 ]; then
-    "$bin" vfio-user-fuzz --socket "$run/vfu.sock" --seconds 15 --seed "${SEED:-$RANDOM}" | sed 's/^/  /' \
+    need_testkit
+    "$testkit" vfio-user-fuzz --socket "$run/vfu.sock" --seconds 15 --seed "${SEED:-$RANDOM}" | sed 's/^/  /' \
       || { echo "$name: the hostile client stopped with an error"; tail "$run/backend.log"; exit 1; }
     kill -0 "$bpid" 2>/dev/null || { echo "$name: the server died under the hostile client"; tail "$run/backend.log"; exit 1; }
     # The server may still be ending the last hostile connection: give it up to 10 s.

@@ -52,7 +52,7 @@ fuzz_target!(|data: &[u8]| {
         registry: Some(registry.clone()),
         ..DmaConfig::default()
     };
-    let server = Server::new(back, config, DmaDev::new).expect("server");
+    let server = Server::new(back, config, memvisor::SharedMappings::global(), DmaDev::new).expect("server");
     let served = std::thread::spawn(move || server.serve());
     let reader = front.try_clone().expect("dup the socket");
     let client = std::thread::spawn(move || client_side(reader));

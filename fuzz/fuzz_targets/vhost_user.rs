@@ -53,7 +53,14 @@ fuzz_target!(|data: &[u8]| {
     let disk = memfd(64 << 10);
     let server = std::thread::spawn(move || {
         let mut backend =
-            Backend::new(Blk::new(disk, BlkOptions::default()).expect("blk")).expect("back end");
+            Backend::new(
+                Blk::new(disk, BlkOptions::default()).expect("blk"),
+                &memvisor_vhost::ProcessState::new(
+                    memvisor::SharedMappings::global(),
+                    memvisor::PinRegistry::global(),
+                ),
+            )
+            .expect("back end");
         let stop = AtomicBool::new(false);
         let _ = backend.run(&back, &stop);
         // The back end and its socket go here, so the frontend's read below ends.

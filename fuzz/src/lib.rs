@@ -122,7 +122,11 @@ impl RingMemory {
             .expect("write the ring");
         file.write_all_at(b.take((GUEST - DATA) as usize), DATA)
             .expect("write the data");
-        let mut memory = FrontendMemory::new().expect("frontend memory");
+        let state = memvisor_vhost::ProcessState::new(
+            memvisor::SharedMappings::global(),
+            memvisor::PinRegistry::global(),
+        );
+        let mut memory = FrontendMemory::new(&state).expect("frontend memory");
         let fd = OwnedFd::from(file.try_clone().expect("dup the guest memfd"));
         let region = Region {
             gpa: 0,

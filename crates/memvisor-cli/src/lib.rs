@@ -1,6 +1,7 @@
-//! Library half of the `memvisor` command line. The binary (`src/main.rs`) only parses arguments
-//! and prints; everything it runs lives here so that experiments, the report writer and their
-//! tests are ordinary public items of one crate rather than dead code in a binary.
+//! Library half of the `memvisor` server binary. The binary (`src/main.rs`) only parses arguments
+//! and prints; everything it runs lives here so that its tests reach it as ordinary public
+//! items. The benchmark is the crate memvisor-bench and the test tools memvisor-testkit: what
+//! ships is this crate, the library crates and their dependencies, nothing of the lab.
 //!
 //! The servers (`serve`) follow the vhost-user specification's back end conventions: where
 //! their socket comes from (`listener`: a path, `--fd`, systemd socket activation), readiness
@@ -9,7 +10,6 @@
 //! a running server answers on its control socket (`control`) from its live counters
 //! (`status`).
 
-pub mod bench;
 pub mod capabilities;
 pub mod control;
 pub mod devices;

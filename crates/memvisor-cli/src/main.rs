@@ -1,8 +1,6 @@
-//! The `memvisor` command. `memvisor bench` picks experiments from the registry
-//! ([`bench::all`]), runs them one after another with a shared [`Ctx`], prints each one's tables as
-//! it finishes and writes the report. Human-readable output goes to stdout, or to stderr with
-//! `--json` so that stdout carries exactly one JSON object. A failing experiment does not stop the
-//! others; the report covers those that succeeded and the exit code is non-zero.
+//! The `memvisor` command: the servers and their control client, nothing else. The benchmark
+//! is `memvisor-bench` (crate memvisor-bench), the hostile clients `memvisor-testkit` (crate
+//! memvisor-testkit); neither is linked here.
 //!
 //! The servers (`vhost-user-blk`, `serve`, `vfio-user`) follow the vhost-user specification's
 //! back end conventions: `--socket-path` (alias `--socket`), `--fd N`, systemd socket
@@ -12,10 +10,11 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use memvisor_cli::bench::{self, Ctx, Experiment, Mode, machine::Machine, report};
+use memvisor::{PinRegistry, SharedMappings};
 use memvisor_cli::listener::SocketSpec;
 use memvisor_cli::{capabilities, serve};
-use std::io::{self, IsTerminal, Write};
+use memvisor_vhost::ProcessState;
+use std::io::{self, Write};
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,9 +33,6 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Reproduce the kernel patches' measurements (the seeds, listed in the report) side by side
-    /// and write report.md, results.json and SVG charts
-    Bench(BenchArgs),
     /// Serve a virtio-blk device over a raw image or a block device on a vhost-user socket (until
     /// SIGINT/SIGTERM)
     #[command(name = "vhost-user-blk")]
@@ -51,13 +47,6 @@ enum Command {
     /// goes
     #[command(name = "vfio-user")]
     VfioUser(VfioUserArgs),
-    /// Act as a hostile vhost-user frontend: send malformed messages to a back end for a while
-    #[command(name = "vhost-user-fuzz")]
-    VhostUserFuzz(FuzzArgs),
-    /// Act as a hostile vfio-user client: send malformed and well-formed messages to a server
-    /// for a while, reconnecting whenever it hangs up
-    #[command(name = "vfio-user-fuzz")]
-    VfioUserFuzz(FuzzArgs),
 }
 
 #[derive(Args)]
@@ -136,7 +125,9 @@ struct VfioUserArgs {
     /// VmPin and mappings of client memory after it
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
-    /// Write every DMA_MAP / DMA_UNMAP to FILE, for `memvisor bench vfio-user --replay FILE`
+    /// Write every DMA_MAP / DMA_UNMAP to FILE, for `memvisor-bench vfio-user` to replay
+    /// (test-hooks builds only)
+    #[cfg(feature = "test-hooks")]
     #[arg(long, value_name = "FILE")]
     record: Option<PathBuf>,
     /// Hold the pages the device pins with the kernel's long-term pin (FOLL_LONGTERM, through
@@ -166,19 +157,6 @@ struct CtlArgs {
     /// How long --wait-event waits
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     timeout: u64,
-}
-
-#[derive(Args)]
-struct FuzzArgs {
-    /// Socket of the back end or server to attack
-    #[arg(long, value_name = "PATH")]
-    socket: PathBuf,
-    /// How long to keep at it
-    #[arg(long, default_value_t = 10)]
-    seconds: u64,
-    /// Seed of the message generator (the same seed sends the same messages)
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
 }
 
 #[derive(Args)]
@@ -245,48 +223,16 @@ struct BlkArgs {
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
     /// Write the IOTLB traffic (memory tables, updates, invalidates, misses) to FILE, for
-    /// `memvisor bench iotlb --replay FILE`
+    /// `memvisor-bench iotlb --replay FILE` (test-hooks builds only: the recorder is the test
+    /// kit's)
+    #[cfg(feature = "test-hooks")]
     #[arg(long, value_name = "FILE")]
     record_iotlb: Option<PathBuf>,
 }
 
-#[derive(Args)]
-struct BenchArgs {
-    /// Experiments to run, in this order: lookup, translate, rw, pin, map-unmap, pin-pages,
-    /// report, iotlb, vfio-user (the default: all of these); and, only when named, guest
-    /// (real-guest trials) and blk (the blk back end beside qemu-storage-daemon under libblkio),
-    /// both need root and minutes; scale (cost against size: dirty log drains at guest sizes up
-    /// to 1 TiB of sparse memory, translate, map+unmap, IOTLB and pin rows); and kvm (memslot
-    /// updates, MMIO exits and dirty harvests through memvisor-kvm): needs /dev/kvm
-    #[arg(value_name = "EXPERIMENT")]
-    experiments: Vec<String>,
-    /// Small sizes: the whole suite in minutes (the default; the README gives its time)
-    #[arg(long, conflicts_with = "full")]
-    quick: bool,
-    /// The seeds' sizes, where memory allows
-    #[arg(long)]
-    full: bool,
-    /// Directory for the report, created if missing
-    #[arg(long, value_name = "DIR", default_value = "target/memvisor-report")]
-    out: PathBuf,
-    /// Print one JSON object with all results on stdout; tables go to stderr
-    #[arg(long)]
-    json: bool,
-    /// Repetitions per measurement, overriding each experiment's default
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
-    runs: Option<u32>,
-    /// A recorded IOTLB stream for the iotlb experiment (`vhost-user-blk --record-iotlb`);
-    /// repeatable. Default: the real-guest trials' recordings under target/guest/run, if any
-    #[arg(long, value_name = "FILE")]
-    replay: Vec<PathBuf>,
-}
-
 fn main() -> ExitCode {
     let result = match Cli::parse().command {
-        Command::Bench(args) => run_bench(&args),
         Command::VhostUserBlk(args) => run_blk(&args),
-        Command::VhostUserFuzz(args) => run_fuzz(&args),
-        Command::VfioUserFuzz(args) => run_vfio_user_fuzz(&args),
         Command::Serve(args) => run_serve(&args),
         Command::VfioUser(args) => run_vfio_user(&args),
         Command::Ctl(args) => run_ctl(&args),
@@ -306,24 +252,29 @@ fn print_capabilities(caps: serde_json::Value) -> Result<()> {
     Ok(())
 }
 
-/// What every server does first: the log, the signals, the sockets systemd passed.
-fn start_server() -> Result<()> {
+/// What every server does first: the log, the signals, the sockets systemd passed; and the
+/// process state every device shares (its mappings of guest memory and its pin registry), made
+/// here once and handed to each.
+fn start_server() -> Result<ProcessState> {
     serve::init_logging()?;
     memvisor_cli::listener::take_from_environment()?;
     serve::stop_on_signals();
-    Ok(())
+    Ok(ProcessState::new(
+        SharedMappings::global(),
+        PinRegistry::global(),
+    ))
 }
 
 fn run_blk(args: &BlkArgs) -> Result<()> {
     if args.socket.print_capabilities {
         return print_capabilities(capabilities::vhost_user_blk());
     }
-    start_server()?;
+    let state = start_server()?;
     let Some(disk) = args.disk.as_ref() else {
         bail!("--disk FILE is required");
     };
     if args.long_term_pins {
-        serve::use_long_term_pins()?;
+        serve::use_long_term_pins(&state.registry)?;
     }
     serve::note_blk_locked_memory(args.long_term_pins);
     let serial = match &args.serial {
@@ -353,13 +304,19 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         locking: args.locking,
         format: args.format.unwrap_or_default(),
     };
+    // The recording options exist in a test-hooks build only.
+    #[cfg(feature = "test-hooks")]
+    let record_iotlb = args.record_iotlb.as_deref();
+    #[cfg(not(feature = "test-hooks"))]
+    let record_iotlb = None;
     let report = serve::blk(
         &args.socket.spec(),
         spec,
         args.iommu,
-        args.record_iotlb.as_deref(),
+        record_iotlb,
         args.control.as_deref(),
         args.stats.as_deref(),
+        &state,
     )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
@@ -381,9 +338,9 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
              (or a --config file that names devices)"
         );
     }
-    start_server()?;
+    let state = start_server()?;
     if args.long_term_pins || config.long_term_pins {
-        serve::use_long_term_pins()?;
+        serve::use_long_term_pins(&state.registry)?;
     }
     if !config.blk.is_empty() {
         serve::note_blk_locked_memory(args.long_term_pins || config.long_term_pins);
@@ -396,7 +353,7 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
         iommu: args.iommu || config.iommu,
         stats: stats.clone(),
     };
-    let report = serve::serve(&devices)?;
+    let report = serve::serve(&devices, &state)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(stats.as_ref(), &report)
 }
@@ -405,12 +362,12 @@ fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
     if args.socket.print_capabilities {
         return print_capabilities(capabilities::vfio_user());
     }
-    start_server()?;
-    let report = serve::vfio_user(
-        &args.socket.spec(),
-        args.record.as_deref(),
-        args.long_term_pins,
-    )?;
+    let state = start_server()?;
+    #[cfg(feature = "test-hooks")]
+    let record = args.record.as_deref();
+    #[cfg(not(feature = "test-hooks"))]
+    let record = None;
+    let report = serve::vfio_user(&args.socket.spec(), record, args.long_term_pins, &state)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
 }
@@ -448,146 +405,4 @@ fn run_ctl(args: &CtlArgs) -> Result<()> {
         Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
         r => Ok(r?),
     }
-}
-
-fn run_fuzz(args: &FuzzArgs) -> Result<()> {
-    let stats = memvisor_vhost::fuzz::run(
-        &args.socket,
-        args.seed,
-        std::time::Duration::from_secs(args.seconds),
-    )
-    .with_context(|| format!("fuzzing the back end at {}", args.socket.display()))?;
-    println!(
-        "vhost-user-fuzz: {} connections, {} messages, {} replies ({} refusals), {} hang-ups",
-        stats.connections, stats.messages, stats.replies, stats.refusals, stats.hangups
-    );
-    Ok(())
-}
-
-fn run_vfio_user_fuzz(args: &FuzzArgs) -> Result<()> {
-    let s = memvisor_vfio_user::fuzz::run(
-        &args.socket,
-        args.seed,
-        std::time::Duration::from_secs(args.seconds),
-    )
-    .with_context(|| format!("fuzzing the vfio-user server at {}", args.socket.display()))?;
-    println!(
-        "vfio-user-fuzz (seed {}): {} connections, {} messages, {} replies ({} refusals), {} \
-         hang-ups, {} abandoned, {} tables started, {} DMA_READ/DMA_WRITE answered",
-        args.seed,
-        s.connections,
-        s.messages,
-        s.replies,
-        s.refusals,
-        s.hangups,
-        s.abandoned,
-        s.tables,
-        s.server_requests
-    );
-    Ok(())
-}
-
-/// The registered experiments named on the command line, in that order; all of them if none.
-fn select(names: &[String]) -> Result<Vec<Box<dyn Experiment>>> {
-    let mut registry = bench::all();
-    if names.is_empty() {
-        return Ok(registry);
-    }
-    registry.extend(bench::on_request());
-    let known: Vec<&str> = registry.iter().map(|e| e.name()).collect();
-    if let Some(bad) = names.iter().find(|n| !known.contains(&n.as_str())) {
-        bail!(
-            "unknown experiment `{bad}`; known experiments: {} (omit names to run all but guest)",
-            known.join(", ")
-        );
-    }
-    let mut selected = Vec::new();
-    for name in names {
-        if let Some(i) = registry.iter().position(|e| e.name() == name) {
-            selected.push(registry.remove(i));
-        }
-    }
-    Ok(selected)
-}
-
-fn run_bench(args: &BenchArgs) -> Result<()> {
-    let experiments = select(&args.experiments)?;
-    let mode = if args.full { Mode::Full } else { Mode::Quick };
-    std::fs::create_dir_all(&args.out).with_context(|| {
-        format!(
-            "cannot create output directory {}; pass a writable one with --out",
-            args.out.display()
-        )
-    })?;
-    let machine = Machine::detect();
-    let mut human: Box<dyn Write> = if args.json {
-        Box::new(io::stderr())
-    } else {
-        Box::new(io::stdout())
-    };
-    writeln!(
-        human,
-        "{}\nmode: {}\n{}",
-        machine.describe(),
-        mode.as_str(),
-        report::READING
-    )?;
-
-    // Progress bars only for a person watching: never in captured or piped output, nor with
-    // --json, whose stderr carries the tables instead.
-    let progress = !args.json && io::stdout().is_terminal() && io::stderr().is_terminal();
-    let mut ctx = Ctx::new(mode, args.runs).with_progress(progress);
-    ctx.replay = args.replay.clone();
-    let mut sections = Vec::new();
-    let mut failed = Vec::new();
-    for (i, experiment) in experiments.iter().enumerate() {
-        human.flush()?;
-        eprintln!(
-            "[{}/{}] running {}",
-            i + 1,
-            experiments.len(),
-            experiment.name()
-        );
-        match experiment.run(&mut ctx) {
-            Ok(outcome) => {
-                let section = report::Section {
-                    experiment: experiment.as_ref(),
-                    outcome,
-                };
-                write!(human, "{}", section.to_text())?;
-                sections.push(section);
-            }
-            Err(err) => {
-                eprintln!("error: experiment `{}` failed: {err:#}", experiment.name());
-                failed.push(experiment.name());
-            }
-        }
-    }
-
-    let skipped: Vec<String> = sections
-        .iter()
-        .filter(|s| !s.outcome.skipped.is_empty())
-        .map(|s| format!("{} ({})", s.experiment.name(), s.outcome.skipped.len()))
-        .collect();
-    if !skipped.is_empty() {
-        writeln!(
-            human,
-            "\nskipped cases in: {}; why: the `skipped:` lines above (also in report.md)",
-            skipped.join(", ")
-        )?;
-    }
-    let paths = report::write(&args.out, &machine, mode, &sections)?;
-    if args.json {
-        println!("{}", report::to_json(&machine, mode, &sections)?);
-    }
-    writeln!(human, "\nreport written to {}", paths[0].display())?;
-    human.flush()?;
-    if !failed.is_empty() {
-        bail!(
-            "{} experiment(s) failed: {}; see the messages above (the report covers the others)",
-            failed.len(),
-            failed.join(", ")
-        );
-    }
-    Ok(())
 }

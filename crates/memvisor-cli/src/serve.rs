@@ -51,7 +51,9 @@ use crate::status::{
 };
 use memvisor::dma::PinRegistry;
 use memvisor_vhost::image_format::FormatChoice;
-use memvisor_vhost::{Backend, BalloonDevice, BalloonTarget, Blk, BlkOptions, Device as _};
+use memvisor_vhost::{
+    Backend, BalloonDevice, BalloonTarget, Blk, BlkOptions, Device as _, ProcessState,
+};
 use serde::Serialize;
 
 /// Set by SIGINT / SIGTERM.
@@ -203,6 +205,7 @@ pub fn blk(
     record_iotlb: Option<&Path>,
     control: Option<&Path>,
     stats: Option<&Path>,
+    state: &ProcessState,
 ) -> Result<BlkServeReport> {
     let file = open_disk(&spec.disk, spec.options.read_only, spec.direct)?;
     claim_image(&file, &spec)?;
@@ -221,7 +224,7 @@ pub fn blk(
     };
     let device = Blk::new(file, options)?;
     let live = device.live();
-    let mut backend = Backend::new(device)?;
+    let mut backend = Backend::new(device, state)?;
     #[cfg(feature = "test-hooks")]
     if std::env::var_os("MEMVISOR_TEST_NO_DIRTY_LOG").is_some() {
         log::warn!("TEST ONLY: the migration dirty log stays empty; migrations lose device writes");
@@ -232,18 +235,17 @@ pub fn blk(
         log::warn!("TEST ONLY: dirty marks skip the summary levels; drains miss them");
     }
     if let Some(path) = record_iotlb {
-        let f = std::fs::File::create(path)
-            .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;
-        backend.record_iotlb(Box::new(std::io::BufWriter::new(f)));
+        record_iotlb_to(&mut backend, path)?;
     }
     let at_disconnect = PinChecks::default();
     let seen = at_disconnect.clone();
+    let pins = state.registry.clone();
     backend.on_disconnect(Box::new(move || {
-        let check = PinCheck::now();
+        let check = PinCheck::now(&pins);
         log::info!("vhost-user-blk: frontend gone, pins {check:?}");
         seen.lock().unwrap_or_else(|e| e.into_inner()).push(check);
     }));
-    let mut registry = Registry::default();
+    let mut registry = Registry::new(state.registry.clone());
     backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
     registry.devices.push(Device {
         id,
@@ -350,8 +352,8 @@ pub fn open_disk(disk: &Path, read_only: bool, direct: bool) -> Result<std::fs::
 
 /// Turns long-term pins on for the process's registry, which every device here pins through
 /// (`--long-term-pins`).
-pub fn use_long_term_pins() -> Result<()> {
-    PinRegistry::global()
+pub fn use_long_term_pins(registry: &PinRegistry) -> Result<()> {
+    registry
         .set_long_term_pins(true)
         .context("--long-term-pins")?;
     log::info!("pins are held with long-term pins (io_uring, FOLL_LONGTERM), not mlock");
@@ -488,7 +490,7 @@ fn serials(blk: &[BlkSpec], ids: &[String]) -> Vec<String> {
 }
 
 /// Serves every device in its own thread, all on one memvisor state, until a signal.
-pub fn serve(devices: &Devices) -> Result<ServeReport> {
+pub fn serve(devices: &Devices, state: &ProcessState) -> Result<ServeReport> {
     devices.check_distinct_sockets()?;
     let (blk_ids, balloon_ids) = devices.ids()?;
     // Every socket first (inherited ones claimed by path), then the threads: a start that
@@ -505,7 +507,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
     }
     let control_socket = devices.control.as_deref().map(listener::at).transpose()?;
     listener::check_all_claimed()?;
-    let mut registry = Registry::default();
+    let mut registry = Registry::new(state.registry.clone());
     let mut starts: Vec<Box<dyn FnOnce() -> Result<()> + Send>> = Vec::new();
     let serials = serials(&devices.blk, &blk_ids);
     for (((spec, file, listener), id), serial) in blk_sockets.into_iter().zip(blk_ids).zip(serials)
@@ -520,7 +522,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
         };
         let device = Blk::new(file, options)?;
         let live = device.live();
-        let mut backend = Backend::new(device)?;
+        let mut backend = Backend::new(device, state)?;
         backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
         log::info!(
             "vhost-user-blk {id}: serving {} on {}",
@@ -554,7 +556,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
         }
         let live = device.live();
         let queues = device.queues();
-        let mut backend = Backend::new(device)?;
+        let mut backend = Backend::new(device, state)?;
         backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
         log::info!(
             "vhost-user-balloon {id}: serving on {} ({queues} rings)",
@@ -707,10 +709,11 @@ pub fn vfio_user(
     socket: &SocketSpec,
     record: Option<&Path>,
     long_term_pins: bool,
+    state: &ProcessState,
 ) -> Result<VfioUserReport> {
     use std::sync::{Arc, Mutex};
     if long_term_pins {
-        use_long_term_pins()?;
+        use_long_term_pins(&state.registry)?;
     }
     warn_vfio_user_locked_memory();
     let record = match record {
@@ -758,7 +761,7 @@ pub fn vfio_user(
             // The watcher may have looked before this connection was there.
             let _ = sock.shutdown(std::net::Shutdown::Both);
         }
-        let (stats, end) = serve_one(sock, record.as_ref())?;
+        let (stats, end) = serve_one(sock, record.as_ref(), state)?;
         *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let after = ProcFigures::now();
         let end = match end {
@@ -813,12 +816,18 @@ fn accept(listener: &UnixListener) -> Result<Option<UnixStream>> {
 fn serve_one(
     sock: UnixStream,
     record: Option<&std::fs::File>,
+    state: &ProcessState,
 ) -> Result<(
     memvisor_vfio_user::ServerStats,
     memvisor_vfio_user::Result<()>,
 )> {
     use memvisor_vfio_user::{DmaDev, Server};
-    let mut server = Server::new(sock, memvisor::DmaConfig::default(), DmaDev::new)
+    let config = memvisor::DmaConfig {
+        registry: Some(state.registry.clone()),
+        ..memvisor::DmaConfig::default()
+    };
+    #[cfg_attr(not(feature = "test-hooks"), allow(unused_mut))]
+    let mut server = Server::new(sock, config, state.mappings.clone(), DmaDev::new)
         .context("vfio-user server")?;
     #[cfg(feature = "test-hooks")]
     if std::env::var_os("MEMVISOR_TEST_IGNORE_UNMAP").is_some() {
@@ -836,9 +845,42 @@ fn serve_one(
         server.test_leak_on_hangup();
     }
     if let Some(f) = record {
-        // Every connection appends to the one recording.
-        let f = f.try_clone().context("the recording")?;
-        server.record_to(Box::new(std::io::BufWriter::new(f)));
+        #[cfg(feature = "test-hooks")]
+        {
+            // Every connection appends to the one recording.
+            let f = f.try_clone().context("the recording")?;
+            server.record_to(Box::new(std::io::BufWriter::new(f)));
+        }
+        #[cfg(not(feature = "test-hooks"))]
+        {
+            let _ = f;
+            anyhow::bail!("recording DMA traffic needs a test-hooks build");
+        }
     }
     Ok(server.serve())
+}
+
+/// Writes the back end's IOTLB traffic to `path` with the test kit's recorder (test-hooks builds;
+/// the product has no recorder).
+fn record_iotlb_to<D: memvisor_vhost::Device + 'static>(
+    backend: &mut Backend<D>,
+    path: &Path,
+) -> Result<()> {
+    #[cfg(feature = "test-hooks")]
+    {
+        let f = std::fs::File::create(path)
+            .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;
+        let recorder =
+            memvisor_testkit::vhost::record::Recorder::new(Box::new(std::io::BufWriter::new(f)));
+        backend.record_iotlb(Box::new(recorder));
+        Ok(())
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        let _ = backend;
+        anyhow::bail!(
+            "recording IOTLB traffic to {} needs a test-hooks build",
+            path.display()
+        )
+    }
 }

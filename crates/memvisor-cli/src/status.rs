@@ -117,14 +117,24 @@ impl Device {
     }
 }
 
-/// The devices one server process serves, and where its events go.
-#[derive(Default)]
+/// The devices one server process serves, where its events go, and the pin registry they pin
+/// through (the process's, handed in by the server).
 pub struct Registry {
     pub devices: Vec<Device>,
     pub events: Events,
+    pub pins: Arc<PinRegistry>,
 }
 
 impl Registry {
+    /// No devices yet; their pins are held in `pins`.
+    pub fn new(pins: Arc<PinRegistry>) -> Registry {
+        Registry {
+            devices: Vec::new(),
+            events: Events::default(),
+            pins,
+        }
+    }
+
     /// The device `id`, or an error naming the ids there are.
     fn device(&self, id: &str) -> Result<&Device, CommandError> {
         self.devices.iter().find(|d| d.id == id).ok_or_else(|| {
@@ -152,7 +162,7 @@ impl Registry {
         let devices: Vec<Value> = self.selected(args)?.iter().map(|d| d.stats()).collect();
         Ok(json!({
             "devices": devices,
-            "process": {"pins": PinReport::now(), "pin_cost": PinCostReport::now()},
+            "process": {"pins": PinReport::now(&self.pins), "pin_cost": PinCostReport::now()},
         }))
     }
 
@@ -220,7 +230,7 @@ impl Registry {
                 }),
             }
         }
-        r.pins = PinReport::now();
+        r.pins = PinReport::now(&self.pins);
         r
     }
 }
@@ -300,7 +310,7 @@ impl BlkServeReport {
         let device = registry.report().blk.into_iter().next()?;
         Some(BlkServeReport {
             device,
-            pins: PinReport::now(),
+            pins: PinReport::now(&registry.pins),
             pins_at_disconnect: at_disconnect
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -361,7 +371,7 @@ impl PinCostReport {
     }
 }
 
-/// What the process's pin registry ([`PinRegistry::global`]) says, for `--stats`.
+/// What the process's pin registry (the one the server hands its devices) says, for `--stats`.
 #[derive(Serialize, Default)]
 pub struct PinReport {
     /// Whether pins are held with long-term pins (`--long-term-pins`).
@@ -390,9 +400,9 @@ pub struct PinCheck {
 }
 
 impl PinCheck {
-    /// The global registry and the kernel now.
-    pub fn now() -> PinCheck {
-        let k = PinRegistry::global().kernel_check();
+    /// `registry` and the kernel now.
+    pub fn now(registry: &PinRegistry) -> PinCheck {
+        let k = registry.kernel_check();
         PinCheck {
             held_bytes: k.held_bytes,
             charged_bytes: k.charged_bytes,
@@ -405,9 +415,8 @@ impl PinCheck {
 }
 
 impl PinReport {
-    /// The global registry now.
-    pub fn now() -> PinReport {
-        let registry = PinRegistry::global();
+    /// `registry` now.
+    pub fn now(registry: &PinRegistry) -> PinReport {
         let counts = registry.long_term_counts();
         PinReport {
             long_term: registry.long_term_pins(),
@@ -415,7 +424,7 @@ impl PinReport {
             long_term_fallbacks: counts.fallbacks,
             locked_bytes: registry.locked_bytes(),
             long_term_bytes: registry.long_term_bytes(),
-            check: PinCheck::now(),
+            check: PinCheck::now(registry),
         }
     }
 }

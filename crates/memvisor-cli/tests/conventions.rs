@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use memvisor_vhost::client::Client;
+use memvisor_testkit::vhost::client::Client;
 use memvisor_vhost::proto::req;
 
 const BIN: &str = env!("CARGO_BIN_EXE_memvisor");

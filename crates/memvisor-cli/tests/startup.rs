@@ -322,21 +322,36 @@ fn a_full_notify_socket_does_not_keep_sigterm_from_ending_start_up() {
 
 #[test]
 fn a_start_up_step_that_waits_ends_within_a_second_of_sigterm() {
-    // `--record-iotlb` on a FIFO nobody reads: creating the recording waits for a reader.
+    // A read-only disk image that is a FIFO nobody writes: opening it waits for a writer. (The
+    // socket is bound after the image is opened, so the test waits for the signal handler.)
     let dir = Dir::new("fifo");
     let sock = dir.join("blk.sock");
-    let fifo = dir.join("iotlb.fifo");
+    let fifo = dir.join("disk.fifo");
     let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: a NUL-terminated path that lives across the call.
     cvt(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, "mkfifo");
-    let (mut cmd, log) = blk(&dir, &sock, &["--record-iotlb", fifo.to_str().unwrap()]);
-    let mut child = cmd.spawn().unwrap();
+    let log = dir.join("stderr.log");
+    let mut child = Command::new(BIN)
+        .arg("vhost-user-blk")
+        .arg("--socket-path")
+        .arg(&sock)
+        .arg("--disk")
+        .arg(&fifo)
+        .arg("--read-only")
+        .env_remove("RUST_LOG")
+        .env_remove("NOTIFY_SOCKET")
+        .env_remove("LISTEN_FDS")
+        .env_remove("LISTEN_PID")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
     assert!(
-        wait_until(&mut child, || sock.exists()),
+        wait_until(&mut child, || true),
         "memvisor exited: {}",
         std::fs::read_to_string(&log).unwrap_or_default()
     );
-    // Still waiting on the FIFO (nothing opened it for reading).
+    // Still waiting on the FIFO (nothing opened it for writing).
     std::thread::sleep(Duration::from_millis(100));
     assert!(child.try_wait().unwrap().is_none());
     sigterm(&child);

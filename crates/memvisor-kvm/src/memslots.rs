@@ -726,13 +726,15 @@ impl KvmSlots {
     /// Slot `id`'s merged dirty log, read and cleared: see the module documentation. ENOENT if
     /// the slot does not log dirty pages (or is not there).
     pub fn take_dirty_log(&self, id: SlotId) -> Result<Vec<u64>> {
-        self.take_dirty_log_with(id, || {})
+        let mut state = self.lock();
+        self.sync_for(&mut state, id)?;
+        self.take_locked(&mut state, id, || {})
     }
 
-    /// [`KvmSlots::take_dirty_log`], running `between` after KVM's bitmap was read and before
-    /// it is cleared: for tests that write in that window (such a write must be reported by
-    /// this call or the next).
-    #[doc(hidden)]
+    /// TEST ONLY (feature `test-hooks`): [`KvmSlots::take_dirty_log`], running `between` after
+    /// KVM's bitmap was read and before it is cleared, for tests that write in that window
+    /// (such a write must be reported by this call or the next).
+    #[cfg(feature = "test-hooks")]
     pub fn take_dirty_log_with(&self, id: SlotId, between: impl FnOnce()) -> Result<Vec<u64>> {
         let mut state = self.lock();
         self.sync_for(&mut state, id)?;

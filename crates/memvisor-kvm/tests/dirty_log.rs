@@ -136,29 +136,38 @@ fn run(options: Options, name: &str) {
 
     // A guest write between KVM's read and its clear: not in this round (it came after the
     // read), in the next one (the clear clears only what was read).
-    probe(&mut g.vcpu, segment(base(1) + 2 * 4096));
-    let vcpu = &mut g.vcpu;
-    let this = g
-        .slots
-        .take_dirty_log_with(1, || {
-            probe(vcpu, segment(base(1) + 11 * 4096));
-        })
-        .unwrap();
-    assert_eq!(
-        pages(&this),
-        vec![2],
-        "this round: the page written before the read"
-    );
-    let next = g.slots.take_dirty_log(1).unwrap();
-    assert_eq!(
-        pages(&next),
-        vec![11],
-        "next round: the page written between read and clear"
-    );
+    // The window is reached through a test hook (`take_dirty_log_with`, feature `test-hooks`).
+    #[cfg(feature = "test-hooks")]
+    {
+        probe(&mut g.vcpu, segment(base(1) + 2 * 4096));
+        let vcpu = &mut g.vcpu;
+        let this = g
+            .slots
+            .take_dirty_log_with(1, || {
+                probe(vcpu, segment(base(1) + 11 * 4096));
+            })
+            .unwrap();
+        assert_eq!(
+            pages(&this),
+            vec![2],
+            "this round: the page written before the read"
+        );
+        let next = g.slots.take_dirty_log(1).unwrap();
+        assert_eq!(
+            pages(&next),
+            vec![11],
+            "next round: the page written between read and clear"
+        );
+        println!(
+            "{name}: write between read and clear: round n {:?}, round n+1 {:?}",
+            pages(&this),
+            pages(&next)
+        );
+    }
+    #[cfg(not(feature = "test-hooks"))]
     println!(
-        "{name}: write between read and clear: round n {:?}, round n+1 {:?}",
-        pages(&this),
-        pages(&next)
+        "skipped: {name}: write between read and clear: needs --features test-hooks \
+         (cargo test -p memvisor-kvm --features test-hooks --test dirty_log)"
     );
 
     // Turning logging off and on again: a flags-only update; the log restarts empty and works.

@@ -206,7 +206,12 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let listener = UnixListener::bind(&path)?;
     eprintln!("memcopy: serving on {path}");
     for sock in listener.incoming() {
-        let server = Server::new(sock?, DmaConfig::default(), MemCopy::new)?;
+        let server = Server::new(
+            sock?,
+            DmaConfig::default(),
+            memvisor::SharedMappings::global(),
+            MemCopy::new,
+        )?;
         // Ends when the client leaves, with every mapping dropped.
         let (stats, end) = server.serve();
         eprintln!(

@@ -15,8 +15,8 @@
 //!   [`server::Port`].
 //! * [`dmadev`] is `mvdma`, a reference PCI device with a scatter-gather copy engine, in a
 //!   `dma_read`/`dma_write` mode and a `pin_pages` mode.
-//! * [`client`] is a minimal client (QEMU's side) for tests and tools, and [`fuzz`] a hostile
-//!   one (`memvisor vfio-user-fuzz`) that sends malformed and well-formed messages at random.
+//!
+//! A client for tests and a hostile one live in the test kit (`memvisor-testkit`), not here.
 //!
 //! The protocol layer is this project's own. rust-vmm's `vfio_user` 0.1.7 was read for it and
 //! falls short for a server facing QEMU: its error replies carry errno 0 for most errors, its
@@ -25,11 +25,9 @@
 
 #![cfg(target_os = "linux")]
 
-pub mod client;
 pub mod conn;
 pub mod dmadev;
 pub mod error;
-pub mod fuzz;
 pub mod proto;
 pub mod server;
 

@@ -272,6 +272,8 @@ pub struct Server<D: Device> {
     device: D,
     stats: ServerStats,
     record: Option<Box<dyn Write + Send>>,
+    /// The process's mappings of client memory (handed in by [`Server::new`]).
+    mappings: SharedMappings,
     versioned: bool,
     /// TEST ONLY (feature `test-hooks`): ranges "unmapped" but left in the table, dropped when
     /// a map needs the room.
@@ -294,10 +296,14 @@ static LEAKED: Mutex<Vec<Arc<Port>>> = Mutex::new(Vec::new());
 
 impl<D: Device> Server<D> {
     /// A server on `sock` whose device `make` builds around the [`Port`]. The DMA space follows
-    /// VFIO type1 with `config` (its page sizes are announced to the client as `pgsizes`).
+    /// VFIO type1 with `config` (its page sizes are announced to the client as `pgsizes`; its
+    /// pin registry, `None` for the process's, is the one the device pins through). The
+    /// client's memory is mapped through `mappings`, which the process's servers share (a
+    /// server program passes [`SharedMappings::global`], made once).
     pub fn new(
         sock: UnixStream,
         config: DmaConfig,
+        mappings: SharedMappings,
         make: impl FnOnce(Arc<Port>) -> D,
     ) -> Result<Server<D>> {
         let registry = config.registry.clone().unwrap_or_else(PinRegistry::global);
@@ -319,6 +325,7 @@ impl<D: Device> Server<D> {
             device,
             stats: ServerStats::default(),
             record: None,
+            mappings,
             versioned: false,
             #[cfg(feature = "test-hooks")]
             zombies: None,
@@ -373,7 +380,9 @@ impl<D: Device> Server<D> {
     }
 
     /// Writes every `DMA_MAP` / `DMA_UNMAP` to `out`, one line each (`M iova size offset prot`,
-    /// `U iova size`, `A`; hex), for replay in benchmarks.
+    /// `U iova size`, `A`; hex), for replay in benchmarks (`memvisor-bench vfio-user`). A
+    /// test-hooks build only: the product records nothing.
+    #[cfg(feature = "test-hooks")]
     pub fn record_to(&mut self, out: Box<dyn Write + Send>) {
         self.record = Some(out);
     }
@@ -653,7 +662,7 @@ impl<D: Device> Server<D> {
         self.drop_zombies(map.iova, map.size);
         // Type1's checks on the IOVA range come first (size 0, alignment, overlap) in
         // map_backing; the file range is checked where it is mapped.
-        let (backing, offset) = SharedMappings::global().map_within(fd, map.offset, map.size)?;
+        let (backing, offset) = self.mappings.map_within(fd, map.offset, map.size)?;
         self.port
             .dma
             .map_backing(Iova(map.iova), &backing, offset, map.size, prot)?;

@@ -1,4 +1,4 @@
-//! The hostile client ([`memvisor_vfio_user::fuzz`]) against servers made one after another on
+//! The hostile client ([`memvisor_testkit::vfio_user::fuzz`]) against servers made one after another on
 //! one listening socket, as `memvisor vfio-user` serves: for 2 s it sends malformed and
 //! well-formed messages; then a well-behaved client must get a full session (map, a table in
 //! both device modes, every byte checked, unmap), and no connection may leave anything locked,
@@ -12,10 +12,11 @@ use std::time::Duration;
 
 use memvisor::dma::{LockLimit, PinRegistry};
 use memvisor::{DmaConfig, SharedMappings};
-use memvisor_vfio_user::client::Client;
+use memvisor_testkit::vfio_user::client::Client;
+use memvisor_testkit::vfio_user::fuzz;
 use memvisor_vfio_user::dmadev::{reg, status};
 use memvisor_vfio_user::proto::{self, DmaMap, DmaUnmap, cmd};
-use memvisor_vfio_user::{DmaDev, Server, fuzz};
+use memvisor_vfio_user::{DmaDev, Server};
 
 /// What each connection left: (registry locked + cached bytes, long-term bytes, device pins,
 /// whether the server's loop ended with an error).
@@ -39,7 +40,13 @@ fn serve(listener: UnixListener, registry: Arc<PinRegistry>, stop: Arc<AtomicBoo
             registry: Some(registry.clone()),
             ..DmaConfig::default()
         };
-        let server = Server::new(sock, config, DmaDev::new).unwrap();
+        let server = Server::new(
+            sock,
+            config,
+            memvisor::SharedMappings::global(),
+            DmaDev::new,
+        )
+        .unwrap();
         let (stats, end) = server.serve();
         left.push((
             registry.locked_bytes() + registry.cached_bytes(),

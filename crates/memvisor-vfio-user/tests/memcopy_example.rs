@@ -13,7 +13,7 @@ use std::os::unix::net::UnixStream;
 use memcopy::{DST, GO, LEN, MemCopy, RESULT, SRC};
 use memvisor::DmaConfig;
 use memvisor::dma::{LockLimit, PinRegistry};
-use memvisor_vfio_user::client::Client;
+use memvisor_testkit::vfio_user::client::Client;
 use memvisor_vfio_user::proto::{self, DmaMap, RegionAccess, cmd, map_flags};
 use memvisor_vfio_user::{Server, ServerStats};
 
@@ -77,7 +77,7 @@ fn start(mem: &std::fs::File) -> (Client, std::thread::JoinHandle<ServerStats>) 
         registry: Some(PinRegistry::new(LockLimit::Unlimited)),
         ..DmaConfig::default()
     };
-    let server = Server::new(b, config, MemCopy::new).unwrap();
+    let server = Server::new(b, config, memvisor::SharedMappings::global(), MemCopy::new).unwrap();
     let t = std::thread::spawn(move || server.serve().0);
     let mut c = Client::from_stream(a);
     let v = proto::Version {

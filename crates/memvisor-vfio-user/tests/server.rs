@@ -122,7 +122,7 @@ fn start() -> (Client, JoinHandle<(ServerStats, Result<()>)>) {
         registry: Some(PinRegistry::new(LockLimit::Unlimited)),
         ..DmaConfig::default()
     };
-    let server = Server::new(b, config, DmaDev::new).unwrap();
+    let server = Server::new(b, config, memvisor::SharedMappings::global(), DmaDev::new).unwrap();
     let t = std::thread::spawn(move || server.serve());
     (Client { sock: a, id: 0 }, t)
 }
@@ -796,10 +796,12 @@ fn a_device_that_keeps_its_pins_is_stopped_and_the_unmap_still_succeeds() {
     };
     let resets = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let r = resets.clone();
-    let server = Server::new(b, config, move |port| Stubborn {
-        port,
-        pinned: Vec::new(),
-        resets: r,
+    let server = Server::new(b, config, memvisor::SharedMappings::global(), move |port| {
+        Stubborn {
+            port,
+            pinned: Vec::new(),
+            resets: r,
+        }
     })
     .unwrap();
     let t = std::thread::spawn(move || server.serve());

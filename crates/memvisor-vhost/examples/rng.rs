@@ -41,8 +41,8 @@
 use std::os::unix::net::UnixListener;
 use std::sync::atomic::AtomicBool;
 
-use memvisor::Iova;
-use memvisor_vhost::{Backend, Device, FrontendMemory, Result, Ring};
+use memvisor::{Iova, PinRegistry, SharedMappings};
+use memvisor_vhost::{Backend, Device, FrontendMemory, ProcessState, Result, Ring};
 use virtio_queue::{QueueOwnedT, QueueT};
 
 /// virtio-rng: fills every device-writable buffer of a chain with random bytes.
@@ -150,7 +150,10 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args().nth(1).ok_or("usage: rng SOCKET")?;
     // Binding fails if something is at the path already: remove a stale socket by hand.
     let listener = UnixListener::bind(&path)?;
-    let mut backend = Backend::new(Rng::default())?;
+    let mut backend = Backend::new(
+        Rng::default(),
+        &ProcessState::new(SharedMappings::global(), PinRegistry::global()),
+    )?;
     eprintln!("example-rng: serving virtio-rng on {path}");
     backend.serve(&listener, &AtomicBool::new(false))?;
     Ok(())

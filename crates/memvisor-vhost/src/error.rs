@@ -95,13 +95,6 @@ impl Error {
     pub(crate) fn miss(m: memvisor::dma::Miss) -> Error {
         Error::IotlbMiss { misses: vec![m] }
     }
-
-    pub(crate) fn last_os(op: &'static str) -> Error {
-        Error::Os {
-            op,
-            source: std::io::Error::last_os_error(),
-        }
-    }
 }
 
 fn describe_misses(misses: &[memvisor::dma::Miss]) -> String {

@@ -29,8 +29,8 @@
 //!   so a device with several queues uses several cores.
 //! * [`miss`] collects the unmapped pages of a request behind a vIOMMU, so the back end asks
 //!   for them together, and remembers what it asked for.
-//! * [`record`] writes down a connection's IOTLB traffic for `memvisor bench iotlb` to replay.
-//! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
+//! * `observe` (public with the `test-hooks` feature only) is the seam through which the test
+//!   kit's recorder sees a connection's IOTLB traffic, for `memvisor-bench iotlb` to replay.
 //! * [`live`] holds the counters of a back end, its rings and its device, which other threads
 //!   read while it serves (a control socket's live statistics).
 //! * `hooks` (feature `test-hooks` only) holds the switches that break the back end on purpose
@@ -49,11 +49,9 @@ pub mod backend;
 pub mod balloon;
 pub mod blk;
 pub mod blockdev;
-pub mod client;
 pub mod device;
 pub mod disk;
 pub mod error;
-pub mod fuzz;
 #[cfg(feature = "test-hooks")]
 mod hooks;
 pub mod image_format;
@@ -61,9 +59,12 @@ pub mod image_lock;
 pub mod live;
 pub mod memory;
 pub mod miss;
+#[cfg(feature = "test-hooks")]
+pub mod observe;
+#[cfg(not(feature = "test-hooks"))]
+mod observe;
 pub mod pin_cost;
 pub mod proto;
-pub mod record;
 pub mod ring;
 pub mod wire;
 mod worker;
@@ -74,6 +75,6 @@ pub use blk::{Blk, BlkLive, BlkOptions, BlkStats};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use live::{BackendLive, BackendStats, QueueStats};
-pub use memory::FrontendMemory;
+pub use memory::{FrontendMemory, ProcessState};
 pub use memvisor_wire::WireError;
 pub use ring::Ring;

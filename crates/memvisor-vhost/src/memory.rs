@@ -6,7 +6,9 @@
 //! memvisor objects and nothing else:
 //!
 //! * a [`Backing`] for the descriptor, through the process's [`SharedMappings`] — so two devices
-//!   of one VMM share one mapping, and one device's pins hold against another's discards;
+//!   of one VMM share one mapping, and one device's pins hold against another's discards. The
+//!   process state (those mappings and the pin registry) is handed in as a [`ProcessState`]
+//!   by whoever runs the back ends; this module never reaches for a global;
 //! * a slot in a [`SlotTable`] (GPA -> host address), which a device model of guest physical
 //!   memory (the balloon's) reads through the vm-memory adapter ([`SlotSpace`]);
 //! * a mapping in a [`DmaSpace`] at IOVA = GPA, through which devices translate, copy and pin
@@ -63,8 +65,8 @@ use std::sync::Arc;
 use vm_memory::GuestAddressSpace;
 
 use memvisor::{
-    Backing, DmaConfig, DmaSpace, Gpa, Iova, Prot, SharedLog, SharedMappings, SlotFlags, SlotSpace,
-    SlotSpec, SlotTable,
+    Backing, DmaConfig, DmaSpace, Gpa, Iova, PinRegistry, Prot, SharedLog, SharedMappings,
+    SlotFlags, SlotSpace, SlotSpec, SlotTable,
 };
 
 use crate::error::{Error, Result};
@@ -84,6 +86,8 @@ struct Held {
 /// The frontend's memory: regions, slots, and the device address space over them.
 pub struct FrontendMemory {
     held: Vec<Held>,
+    /// The process's mappings of received descriptors, shared by every back end.
+    mappings: SharedMappings,
     slots: SlotTable,
     space: SlotSpace,
     dma: Arc<DmaSpace>,
@@ -108,15 +112,43 @@ impl std::fmt::Debug for FrontendMemory {
     }
 }
 
+/// What the back ends of one process share, made once by the server and handed to each back
+/// end: the mappings of the descriptors frontends send ([`SharedMappings`]: one mapping per
+/// file range, so pins made through one device hold against another's discards) and the pin
+/// registry every device space pins through. A server passes
+/// `ProcessState::new(SharedMappings::global(), PinRegistry::global())`; a test may pass tables
+/// of its own.
+#[derive(Clone, Debug)]
+pub struct ProcessState {
+    /// The process's mappings of received descriptors.
+    pub mappings: SharedMappings,
+    /// The pin registry the back ends' device spaces pin through.
+    pub registry: Arc<PinRegistry>,
+}
+
+impl ProcessState {
+    /// The state of a process whose back ends map through `mappings` and pin through
+    /// `registry`.
+    pub fn new(mappings: SharedMappings, registry: Arc<PinRegistry>) -> ProcessState {
+        ProcessState { mappings, registry }
+    }
+}
+
 impl FrontendMemory {
-    /// No memory yet.
-    pub fn new() -> Result<Self> {
+    /// No memory yet; descriptors will be mapped through `state`'s mappings, and the device
+    /// space pins through its registry.
+    pub fn new(state: &ProcessState) -> Result<Self> {
         let slots = SlotTable::with_max_slots(MAX_REGIONS as u32);
+        let config = DmaConfig {
+            registry: Some(state.registry.clone()),
+            ..DmaConfig::default()
+        };
         Ok(FrontendMemory {
             held: Vec::new(),
+            mappings: state.mappings.clone(),
             space: SlotSpace::new(slots.clone()),
             slots,
-            dma: Arc::new(DmaSpace::new(DmaConfig::default())?),
+            dma: Arc::new(DmaSpace::new(config)?),
             logging: false,
             iotlb: false,
             updates: VecDeque::new(),
@@ -391,7 +423,7 @@ impl FrontendMemory {
             held.push(h);
         }
         let covers: Vec<Region> = held.iter().map(|h| h.cover).collect();
-        let backings = map_all(&covers, fds)?;
+        let backings = map_all(&self.mappings, &covers, fds)?;
         let old: Vec<u32> = self.held.iter().map(|h| h.slot).collect();
         let flags = self.slot_flags();
         self.slots.update(|edit| {
@@ -473,7 +505,7 @@ impl FrontendMemory {
         let slot = (0..MAX_REGIONS as u32)
             .find(|id| self.held.iter().all(|h| h.slot != *id))
             .expect("fewer regions than slots");
-        let backing = map_all(&[cover], vec![fd])?.remove(0);
+        let backing = map_all(&self.mappings, &[cover], vec![fd])?.remove(0);
         self.slots
             .insert(SlotSpec::new(slot, Gpa(cover.gpa), backing).flags(self.slot_flags()))?;
         let snap = self.slots.snapshot();
@@ -627,19 +659,21 @@ fn overlap_error(r: &Region, o: &Region) -> Error {
 }
 
 /// Maps every region's descriptor, all or nothing (a failure drops what was mapped).
-fn map_all(regions: &[Region], fds: Vec<OwnedFd>) -> Result<Vec<Arc<Backing>>> {
+fn map_all(
+    mappings: &SharedMappings,
+    regions: &[Region],
+    fds: Vec<OwnedFd>,
+) -> Result<Vec<Arc<Backing>>> {
     regions
         .iter()
         .zip(fds)
         .map(|(r, fd)| {
-            SharedMappings::global()
-                .map(fd, r.mmap_offset, r.size)
-                .map_err(|e| {
-                    Error::BadRegion(format!(
-                        "memory region guest {:#x} size {:#x} offset {:#x}: {e}",
-                        r.gpa, r.size, r.mmap_offset
-                    ))
-                })
+            mappings.map(fd, r.mmap_offset, r.size).map_err(|e| {
+                Error::BadRegion(format!(
+                    "memory region guest {:#x} size {:#x} offset {:#x}: {e}",
+                    r.gpa, r.size, r.mmap_offset
+                ))
+            })
         })
         .collect()
 }
@@ -653,7 +687,8 @@ mod tests {
     const UADDR: u64 = 0x7f00_0000_0000;
 
     fn iotlb() -> FrontendMemory {
-        let mut mem = FrontendMemory::new().unwrap();
+        let state = ProcessState::new(SharedMappings::global(), PinRegistry::global());
+        let mut mem = FrontendMemory::new(&state).unwrap();
         let backing = Backing::new(BackingKind::Memfd, 1 << 20).unwrap();
         let fd = backing.fd().unwrap().try_clone_to_owned().unwrap();
         let region = Region {

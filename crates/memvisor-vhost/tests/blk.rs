@@ -713,7 +713,7 @@ fn a_restarted_back_end_redoes_the_requests_left_in_flight_oldest_first() {
     let log_fd = fds.into_iter().next().unwrap();
     let log = Backing::from_fd(log_fd.try_clone().unwrap(), 0, got.mmap_size).unwrap();
     assert!(matches!(log.kind(), BackingKind::Received { .. }));
-    let set = |c: &memvisor_vhost::client::Client| {
+    let set = |c: &memvisor_testkit::vhost::client::Client| {
         c.ack(req::SET_INFLIGHT_FD, &got.bytes(), &[log_fd.as_raw_fd()])
             .unwrap()
     };

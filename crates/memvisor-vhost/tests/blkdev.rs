@@ -136,7 +136,7 @@ fn range(g: &mut Guest, kind: u32, sector: u64, sectors: u32, flags: u32) -> u8 
 }
 
 /// The device's whole config space (60 bytes).
-fn config(c: &memvisor_vhost::client::Client) -> Vec<u8> {
+fn config(c: &memvisor_testkit::vhost::client::Client) -> Vec<u8> {
     let cfg = c
         .get(req::GET_CONFIG, &proto::config_bytes(0, 0, &[0; 60]))
         .unwrap();

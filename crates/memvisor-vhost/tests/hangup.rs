@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::*;
 use memvisor::Gpa;
-use memvisor_vhost::client::Client;
+use memvisor_testkit::vhost::client::Client;
 use memvisor_vhost::proto::{self, F_LOG_ALL, protocol, req};
 use memvisor_vhost::{Backend, Blk, BlkOptions};
 
@@ -52,7 +52,14 @@ fn a_frontend_that_dies_mid_migration_leaves_no_mapping_of_its_memory_or_log() {
     let s2 = stop.clone();
     let t = std::thread::spawn(move || {
         let disk = memfd(MIB);
-        let mut b = Backend::new(Blk::new(disk, BlkOptions::default()).unwrap()).unwrap();
+        let mut b = Backend::new(
+            Blk::new(disk, BlkOptions::default()).unwrap(),
+            &memvisor_vhost::ProcessState::new(
+                memvisor::SharedMappings::global(),
+                memvisor::PinRegistry::global(),
+            ),
+        )
+        .unwrap();
         b.serve(&listener, &s2).unwrap();
         b
     });

@@ -315,8 +315,14 @@ fn serve_on_socket(
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
     let t = std::thread::spawn(move || {
-        let mut b =
-            memvisor_vhost::Backend::new(Blk::new(disk(), BlkOptions::default()).unwrap()).unwrap();
+        let mut b = memvisor_vhost::Backend::new(
+            Blk::new(disk(), BlkOptions::default()).unwrap(),
+            &memvisor_vhost::ProcessState::new(
+                memvisor::SharedMappings::global(),
+                memvisor::PinRegistry::global(),
+            ),
+        )
+        .unwrap();
         b.serve(&listener, &s2).unwrap();
         b
     });
@@ -326,7 +332,7 @@ fn serve_on_socket(
 #[test]
 fn a_frontend_that_leaves_and_comes_back_gets_a_clean_device() {
     let (dir, path, stop, t) = serve_on_socket("reconnect");
-    let connect = || memvisor_vhost::client::Client::connect(&path).unwrap();
+    let connect = || memvisor_testkit::vhost::client::Client::connect(&path).unwrap();
 
     let mut g = Guest::with_file(memfd_named(4 * MIB, c"reconnect-1"), 4 * MIB);
     assert_eq!(mappings_of("reconnect-1"), 1, "the test's own mapping");
@@ -379,12 +385,13 @@ fn seconds_of_random_hostile_traffic_leave_a_working_back_end() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
     let stats =
-        memvisor_vhost::fuzz::run(&path, 0x5eed, std::time::Duration::from_secs(secs)).unwrap();
+        memvisor_testkit::vhost::fuzz::run(&path, 0x5eed, std::time::Duration::from_secs(secs))
+            .unwrap();
     println!("fuzz: {stats:?}");
     assert!(stats.messages > 100 && stats.refusals > 0, "{stats:?}");
 
     let mut g = Guest::new(4 * MIB);
-    let c = memvisor_vhost::client::Client::connect(&path).unwrap();
+    let c = memvisor_testkit::vhost::client::Client::connect(&path).unwrap();
     setup(&c, &g);
     assert_eq!(read_one(&mut g), 0);
     drop(c);

@@ -18,7 +18,13 @@ const HDR: u64 = 0x10000;
 const DATA: u64 = 0x20000;
 const STATUS: u64 = 0x80000;
 
-fn update(c: &memvisor_vhost::client::Client, iova: u64, gpa: u64, size: u64, perm: u8) -> u64 {
+fn update(
+    c: &memvisor_testkit::vhost::client::Client,
+    iova: u64,
+    gpa: u64,
+    size: u64,
+    perm: u8,
+) -> u64 {
     let m = IotlbMsg {
         iova,
         size,
@@ -47,7 +53,7 @@ fn io_vring_addr(g: &Guest) -> VringAddr {
 }
 
 /// Starts the guest's ring with its addresses as IOVAs at `IO` (which the caller has mapped).
-fn start_ring_behind_iommu(c: &memvisor_vhost::client::Client, g: &Guest) {
+fn start_ring_behind_iommu(c: &memvisor_testkit::vhost::client::Client, g: &Guest) {
     let io_addr = io_vring_addr(g);
     let st = |n: u32| proto::vring_state_bytes(0, n);
     for (r, p, fds) in [
@@ -72,7 +78,7 @@ fn start_ring_behind_iommu(c: &memvisor_vhost::client::Client, g: &Guest) {
 
 /// Features (the IOMMU platform and indirect descriptors offered), protocol features, the
 /// back-end channel and the memory table; returns the frontend's end of the channel.
-fn connect_behind_iommu(c: &memvisor_vhost::client::Client, g: &Guest) -> UnixStream {
+fn connect_behind_iommu(c: &memvisor_testkit::vhost::client::Client, g: &Guest) -> UnixStream {
     let f = c.get_u64(req::GET_FEATURES).unwrap();
     assert_ne!(f & F_IOMMU_PLATFORM, 0);
     assert_ne!(f & (1 << 28), 0, "indirect descriptors behind an IOMMU too");
@@ -101,7 +107,7 @@ fn connect_behind_iommu(c: &memvisor_vhost::client::Client, g: &Guest) -> UnixSt
 fn blk_behind_iommu(
     fill: u8,
 ) -> (
-    memvisor_vhost::client::Client,
+    memvisor_testkit::vhost::client::Client,
     std::thread::JoinHandle<Served<Blk>>,
     Guest,
     UnixStream,
@@ -451,21 +457,28 @@ const WIDE: u64 = 0x40000;
 fn wide_blk_behind_iommu(
     batch: usize,
 ) -> (
-    memvisor_vhost::client::Client,
+    memvisor_testkit::vhost::client::Client,
     std::thread::JoinHandle<Served<Blk>>,
     Guest,
     UnixStream,
 ) {
     let g = Guest::new(4 * MIB);
     let (a, b) = UnixStream::pair().unwrap();
-    let mut backend = memvisor_vhost::backend::Backend::new(iommu_blk(&wide_pattern())).unwrap();
+    let mut backend = memvisor_vhost::backend::Backend::new(
+        iommu_blk(&wide_pattern()),
+        &memvisor_vhost::ProcessState::new(
+            memvisor::SharedMappings::global(),
+            memvisor::PinRegistry::global(),
+        ),
+    )
+    .unwrap();
     backend.set_miss_batch(batch);
     let t = std::thread::spawn(move || {
         let stop = std::sync::atomic::AtomicBool::new(false);
         let r = backend.run(&b, &stop);
         (backend, r)
     });
-    let c = memvisor_vhost::client::Client::from_stream(a);
+    let c = memvisor_testkit::vhost::client::Client::from_stream(a);
     let ours = connect_behind_iommu(&c, &g);
     for (iova, gpa, perm) in [
         (IO + RING_AT, RING_AT, 3),
@@ -584,7 +597,7 @@ fn a_chain_missing_on_many_pages_asks_for_all_of_them_at_once() {
 /// each MISS read off the back-end channel is answered with an UPDATE (acknowledged) on the
 /// front channel. Returns (µs from the kick to the used entry, MISS messages).
 fn wide_request_behind_strict_guest(
-    c: &memvisor_vhost::client::Client,
+    c: &memvisor_testkit::vhost::client::Client,
     g: &mut Guest,
     ours: &UnixStream,
 ) -> (f64, usize) {

@@ -29,7 +29,14 @@ fn logged(log: &std::fs::File, pages: u64) -> Vec<u64> {
 fn read_with_log(disable: bool) -> (Vec<u64>, u64) {
     let disk = memfd(MIB);
     let mut g = Guest::new(4 * MIB);
-    let mut backend = Backend::new(Blk::new(disk, BlkOptions::default()).unwrap()).unwrap();
+    let mut backend = Backend::new(
+        Blk::new(disk, BlkOptions::default()).unwrap(),
+        &memvisor_vhost::ProcessState::new(
+            memvisor::SharedMappings::global(),
+            memvisor::PinRegistry::global(),
+        ),
+    )
+    .unwrap();
     if disable {
         #[cfg(feature = "test-hooks")]
         backend.disable_dirty_log_for_tests();
@@ -42,7 +49,7 @@ fn read_with_log(disable: bool) -> (Vec<u64>, u64) {
         let r = backend.run(&b, &stop);
         (backend, r)
     });
-    let c = memvisor_vhost::client::Client::from_stream(a);
+    let c = memvisor_testkit::vhost::client::Client::from_stream(a);
     // Negotiate like QEMU migrating: LOG_ALL among the features, LOG_SHMFD among the protocol's.
     let f = c.get_u64(req::GET_FEATURES).unwrap();
     assert_ne!(f & F_LOG_ALL, 0, "LOG_ALL offered");

@@ -15,7 +15,7 @@ use std::os::unix::fs::FileExt;
 
 use common::*;
 use memvisor::{Backing, Gpa, SlotTable};
-use memvisor_vhost::client::Client;
+use memvisor_testkit::vhost::client::Client;
 use memvisor_vhost::proto::{self, Inflight, VringAddr, flags, protocol, req};
 use memvisor_vhost::ring::queue_bytes;
 use memvisor_vhost::{Blk, BlkOptions, Device, Error, FrontendMemory, Ring, WireError};

@@ -15,7 +15,11 @@ use memvisor_vhost::proto::Region;
 const SIZE: u64 = 8 * MIB;
 
 fn received(f: &std::fs::File) -> FrontendMemory {
-    let mut m = FrontendMemory::new().unwrap();
+    let mut m = FrontendMemory::new(&memvisor_vhost::ProcessState::new(
+        memvisor::SharedMappings::global(),
+        memvisor::PinRegistry::global(),
+    ))
+    .unwrap();
     let r = Region {
         gpa: 0,
         size: SIZE,

@@ -1,4 +1,4 @@
-//! The random source of the hostile clients (`vhost-user-fuzz`, `vfio-user-fuzz`): a xorshift
+//! The random source of the hostile clients (memvisor-testkit's `vhost-user-fuzz`, `vfio-user-fuzz`): a xorshift
 //! generator, so that one seed always sends the same messages (a failure found by a seed can be
 //! sent again), with draws that favour the values parsers get wrong — zero, the top of 64 bits,
 //! powers of two, page multiples and a byte past them.

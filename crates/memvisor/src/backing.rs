@@ -555,19 +555,24 @@ fn map_aligned(
 /// would be invisible to a discard through the other (pins are known by host address). Through
 /// [`SharedMappings::map`] both get the same [`Backing`]. Files are told apart by device and
 /// inode; only the same offset and size match (a VMM sends the same table to each device).
-#[derive(Debug, Default)]
+///
+/// A `SharedMappings` is a handle: its clones share one table. A server makes the process's
+/// ([`SharedMappings::global`]) once and hands a clone to every front end; a front end never
+/// reaches for the global itself, so tests and embedders can give it a table of their own.
+#[derive(Debug, Default, Clone)]
 pub struct SharedMappings {
-    live: Mutex<HashMap<FileRange, Weak<Backing>>>,
+    live: Arc<Mutex<HashMap<FileRange, Weak<Backing>>>>,
 }
 
 /// A range of a file: device, inode, offset, size.
 type FileRange = (u64, u64, u64, u64);
 
 impl SharedMappings {
-    /// The process's table.
-    pub fn global() -> &'static SharedMappings {
+    /// A handle on the process's table (the same one at every call): what a server passes to
+    /// its front ends so that all of them share one.
+    pub fn global() -> SharedMappings {
         static GLOBAL: OnceLock<SharedMappings> = OnceLock::new();
-        GLOBAL.get_or_init(SharedMappings::default)
+        GLOBAL.get_or_init(SharedMappings::default).clone()
     }
 
     /// The backing for `size` bytes of the file behind `fd` from `file_offset`: the live one if

@@ -33,7 +33,6 @@ pub mod discard;
 pub mod dma;
 pub mod error;
 mod pin;
-pub mod seeds;
 pub mod slots;
 mod sync;
 #[cfg(feature = "vm-memory")]

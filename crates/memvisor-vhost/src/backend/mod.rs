@@ -44,9 +44,9 @@ use virtio_queue::{Queue, QueueT};
 pub use crate::device::Device;
 use crate::error::{Error, Result};
 pub use crate::live::{BackendLive, BackendStats};
-use crate::memory::{FrontendMemory, MAX_REGIONS};
+use crate::memory::{FrontendMemory, MAX_REGIONS, ProcessState};
+use crate::observe::IotlbObserver;
 use crate::proto::{self, F_IOMMU_PLATFORM, F_LOG_ALL, F_PROTOCOL_FEATURES, protocol, req};
-use crate::record::Recorder;
 use crate::ring::{InflightRegion, Ring};
 use crate::wire::{self, Message};
 use crate::worker::{Lent, Worker};
@@ -115,8 +115,9 @@ pub struct Backend<D: Device> {
     inflight: Option<InflightRegion>,
     /// Test-only: never write the dirty log (the migration trial's negative control).
     log_disabled: bool,
-    /// Where IOTLB traffic is written down, if asked ([`Backend::record_iotlb`]).
-    record: Option<Recorder>,
+    /// Who is told of the IOTLB traffic, if anyone (`Backend::record_iotlb`, test-hooks
+    /// builds only; always `None` otherwise).
+    record: Option<Box<dyn IotlbObserver>>,
     /// Called when a frontend has left, before its memory is dropped
     /// ([`Backend::on_disconnect`]).
     on_disconnect: Vec<Box<dyn FnMut() + Send>>,
@@ -133,10 +134,11 @@ pub struct Backend<D: Device> {
 }
 
 impl<D: Device + 'static> Backend<D> {
-    /// A back end for `device`.
-    pub fn new(mut device: D) -> Result<Self> {
+    /// A back end for `device`, mapping frontends' memory through `state` (the process's
+    /// mappings and pin registry, which the server makes once for all its back ends).
+    pub fn new(mut device: D, state: &ProcessState) -> Result<Self> {
         let n = device.queues() as usize;
-        let memory = FrontendMemory::new()?;
+        let memory = FrontendMemory::new(state)?;
         device.attach(&memory)?;
         Ok(Backend {
             device,
@@ -201,10 +203,12 @@ impl<D: Device + 'static> Backend<D> {
         self.live.stats()
     }
 
-    /// Writes the memory tables and IOTLB traffic (updates, invalidates, misses) to `out` in
-    /// the format of [`crate::record`], for `memvisor bench iotlb` to replay.
-    pub fn record_iotlb(&mut self, out: Box<dyn std::io::Write + Send>) {
-        self.record = Some(Recorder::new(out));
+    /// Tells `observer` of the memory tables and IOTLB traffic (updates, invalidates, misses)
+    /// from now on: the test kit's recorder writes them down for `memvisor-bench iotlb` to
+    /// replay. A test-hooks build only ([`crate::observe`]).
+    #[cfg(feature = "test-hooks")]
+    pub fn record_iotlb(&mut self, observer: Box<dyn IotlbObserver>) {
+        self.record = Some(observer);
     }
 
     /// Writes the memory table as it is now to the IOTLB recording, if there is one.

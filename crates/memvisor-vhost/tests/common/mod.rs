@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 
 use memvisor::balloon::guest::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use memvisor::{Backing, Gpa, SlotSpec, SlotTable};
-use memvisor_vhost::client::Client;
+use memvisor_testkit::vhost::client::Client;
 use memvisor_vhost::proto::{self, Region, VringAddr, protocol, req};
 use memvisor_vhost::{Backend, Device};
 
@@ -223,7 +223,14 @@ pub fn serve_live<D: Device + 'static>(
     device: D,
 ) -> (Client, JoinHandle<Served<D>>, memvisor_vhost::BackendLive) {
     let (a, b) = UnixStream::pair().unwrap();
-    let mut backend = Backend::new(device).unwrap();
+    let mut backend = Backend::new(
+        device,
+        &memvisor_vhost::ProcessState::new(
+            memvisor::SharedMappings::global(),
+            memvisor::PinRegistry::global(),
+        ),
+    )
+    .unwrap();
     let live = backend.live();
     let t = std::thread::spawn(move || {
         let stop = AtomicBool::new(false);

@@ -57,7 +57,7 @@ pub fn clock_cost() -> f64 {
 }
 
 /// Every registered experiment, in the order `memvisor bench` runs them.
-/// To add one: write `src/bench/<name>.rs` with a type implementing [`Experiment`], declare it
+/// To add one: write `src/<name>.rs` with a type implementing [`Experiment`], declare it
 /// with `mod <name>;` above, and push `Box::new(<name>::TheType)` here.
 pub fn all() -> Vec<Box<dyn Experiment>> {
     vec![
@@ -71,6 +71,42 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
         Box::new(iotlb::IotlbReplay),
         Box::new(vfio_user::VfioUserReplay),
     ]
+}
+
+/// The server binary for the experiments that start one (`memvisor-bench blk`): `$MEMVISOR` if
+/// set, else `target/release/memvisor` under the source tree `top`, which `cargo build --release
+/// -p memvisor-cli` brings up to date first (the benchmark is not the server; it drives it as a
+/// user would). Without cargo, an existing binary is used as it is.
+pub fn server_binary(top: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    if let Some(bin) = std::env::var_os("MEMVISOR") {
+        return Ok(bin.into());
+    }
+    let bin = top.join("target/release/memvisor");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let built = std::process::Command::new(cargo)
+        .current_dir(top)
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "memvisor-cli",
+            "--bin",
+            "memvisor",
+        ])
+        .status();
+    match built {
+        Ok(s) if s.success() => Ok(bin),
+        _ if bin.exists() => Ok(bin),
+        Ok(s) => Err(format!(
+            "cargo build --release -p memvisor-cli failed ({s}); build the server, or set \
+             MEMVISOR=PATH to one"
+        )),
+        Err(e) => Err(format!(
+            "no {} and cannot run cargo to build it ({e}); set MEMVISOR=PATH to a server \
+             binary",
+            bin.display()
+        )),
+    }
 }
 
 /// How big the experiments go.

@@ -3,7 +3,10 @@
 //! Behind a vIOMMU the back end's device space changes with every guest map and unmap: QEMU
 //! sends `IOTLB_MSG` UPDATE and INVALIDATE, the back end asks with MISS. How fast memvisor takes
 //! that traffic is best measured against what a real guest sent, so a back end can write it
-//! down ([`crate::Backend::record_iotlb`]) and `memvisor bench iotlb` replays it.
+//! down and `memvisor-bench iotlb` replays it. The back end tells an observer of its traffic
+//! (`memvisor_vhost::observe`, a test-hooks seam); [`Recorder`] is that observer, in this
+//! crate's `test-hooks` build, and `memvisor vhost-user-blk --record-iotlb FILE` (a test-hooks
+//! server) installs it.
 //!
 //! The format is text, one event per line, numbers in hex except the time (ns since the
 //! recording began):
@@ -22,8 +25,30 @@
 use std::io::Write;
 use std::time::Instant;
 
-use crate::error::{Error, Result};
-use crate::proto::Region;
+use memvisor_vhost::proto::Region;
+
+/// A malformed line of a recording: which one, what was wrong, and the line itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseError {
+    /// The line's number, from 1.
+    pub line: usize,
+    /// What was expected there.
+    pub what: String,
+    /// The line as read.
+    pub text: String,
+}
+
+impl std::fmt::Display for ParseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "IOTLB recording line {}: {}: {:?}",
+            self.line, self.what, self.text
+        )
+    }
+}
+
+impl std::error::Error for ParseError {}
 
 /// One recorded event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,19 +56,45 @@ pub enum Event {
     /// The memory table changed; the `Region`s that follow are all of it.
     Table,
     /// A region of the frontend's memory table.
-    Region { gpa: u64, size: u64, uaddr: u64 },
+    Region {
+        /// Guest physical address.
+        gpa: u64,
+        /// Bytes.
+        size: u64,
+        /// The frontend's user address of its first byte.
+        uaddr: u64,
+    },
     /// IOTLB UPDATE at `t` ns.
     Update {
+        /// Time since the recording began, ns.
         t: u64,
+        /// First IOVA.
         iova: u64,
+        /// Bytes.
         size: u64,
+        /// The frontend's user address `iova` maps to.
         uaddr: u64,
+        /// 1 read, 2 write, 3 both.
         perm: u8,
     },
     /// IOTLB INVALIDATE at `t` ns.
-    Invalidate { t: u64, iova: u64, size: u64 },
+    Invalidate {
+        /// Time since the recording began, ns.
+        t: u64,
+        /// First IOVA.
+        iova: u64,
+        /// Bytes.
+        size: u64,
+    },
     /// The back end's MISS at `t` ns.
-    Miss { t: u64, iova: u64, perm: u8 },
+    Miss {
+        /// Time since the recording began, ns.
+        t: u64,
+        /// The IOVA asked for.
+        iova: u64,
+        /// 1 read, 2 write, 3 both.
+        perm: u8,
+    },
 }
 
 /// Writes events as they happen. Write errors end the recording (logged once), never the
@@ -83,16 +134,19 @@ impl Recorder {
         }
     }
 
+    /// An IOTLB UPDATE.
     pub fn update(&mut self, iova: u64, size: u64, uaddr: u64, perm: u8) {
         let line = format!("U {} {iova:x} {size:x} {uaddr:x} {perm}\n", self.now());
         self.put(&line);
     }
 
+    /// An IOTLB INVALIDATE.
     pub fn invalidate(&mut self, iova: u64, size: u64) {
         let line = format!("I {} {iova:x} {size:x}\n", self.now());
         self.put(&line);
     }
 
+    /// A MISS the back end sent.
     pub fn miss(&mut self, iova: u64, perm: u8) {
         let line = format!("M {} {iova:x} {perm}\n", self.now());
         self.put(&line);
@@ -118,12 +172,34 @@ impl Recorder {
     }
 }
 
-/// Parses a recording; EINVAL naming the line for anything malformed.
-pub fn parse(text: &str) -> Result<Vec<Event>> {
+/// The back end's observer seam, written down (a test-hooks build of the back end only).
+#[cfg(feature = "test-hooks")]
+impl memvisor_vhost::observe::IotlbObserver for Recorder {
+    fn table(&mut self, regions: &[Region]) {
+        Recorder::table(self, regions)
+    }
+    fn update(&mut self, iova: u64, size: u64, uaddr: u64, perm: u8) {
+        Recorder::update(self, iova, size, uaddr, perm)
+    }
+    fn invalidate(&mut self, iova: u64, size: u64) {
+        Recorder::invalidate(self, iova, size)
+    }
+    fn miss(&mut self, iova: u64, perm: u8) {
+        Recorder::miss(self, iova, perm)
+    }
+    fn flush(&mut self) {
+        Recorder::flush(self)
+    }
+}
+
+/// Parses a recording; a [`ParseError`] naming the line for anything malformed.
+pub fn parse(text: &str) -> Result<Vec<Event>, ParseError> {
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate() {
-        let bad = |what: &str| {
-            Error::Invalid(format!("IOTLB recording line {}: {what}: {line:?}", n + 1))
+        let bad = |what: &str| ParseError {
+            line: n + 1,
+            what: what.to_string(),
+            text: line.to_string(),
         };
         let f: Vec<&str> = line.split_whitespace().collect();
         if f.is_empty() {

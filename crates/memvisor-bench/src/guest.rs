@@ -45,8 +45,12 @@ fn run_trial(args: &[&str]) -> Result<(), String> {
     if !is_root() {
         return Err("needs root (QEMU runs in a mount namespace and a chroot)".into());
     }
+    // The trials run the server binary: built (or found) the way `bench blk` finds it.
+    let here = std::env::current_dir().map_err(|e| format!("no current directory: {e}"))?;
+    let server = crate::server_binary(&here)?;
     let status = Command::new("guest/trial.sh")
         .args(args)
+        .env("MEMVISOR", server)
         .stdout(std::process::Stdio::null())
         .status()
         .map_err(|e| format!("cannot run guest/trial.sh: {e}"))?;

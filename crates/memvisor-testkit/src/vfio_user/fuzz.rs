@@ -27,10 +27,10 @@ use std::time::{Duration, Instant};
 
 use memvisor_wire::WireError;
 
-use crate::client::Client;
-use crate::dmadev::{DESC_SIZE, reg};
-use crate::error::{Error, Result};
-use crate::proto::{self, DmaMap, DmaUnmap, HEADER, Header, cmd, flags};
+use super::client::Client;
+use memvisor_vfio_user::dmadev::{DESC_SIZE, reg};
+use memvisor_vfio_user::error::{Error, Result};
+use memvisor_vfio_user::proto::{self, DmaMap, DmaUnmap, HEADER, Header, cmd, flags};
 
 /// What a fuzzing run did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -180,7 +180,7 @@ fn markdown(machine: &Machine, mode: Mode, sections: &[Section]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::{Better, Chart, ChartGroup, Ctx, Row, Table, measure};
+    use crate::{Better, Chart, ChartGroup, Ctx, Row, Table, measure};
 
     /// A tiny experiment that exercises every part of an [`Outcome`].
     struct Fake;

@@ -1,5 +1,5 @@
 //! A minimal vhost-user frontend: enough of QEMU's side to drive a back end from tests, from the
-//! hostile-frontend trial ([`crate::fuzz`]) and by hand. It sends whatever it is told to, well
+//! hostile-frontend trial ([`super::fuzz`]) and by hand. It sends whatever it is told to, well
 //! formed or not; it checks nothing.
 
 use std::io::Read;
@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use memvisor_wire::frame::protocol_error;
 
-use crate::error::{Error, Result};
-use crate::proto::{self, HEADER, Header, flags};
-use crate::wire;
+use memvisor_vhost::error::{Error, Result};
+use memvisor_vhost::proto::{self, HEADER, Header, flags};
+use memvisor_vhost::wire;
 
 /// A connection to a back end.
 #[derive(Debug)]
@@ -96,7 +96,7 @@ impl Client {
         payload: &[u8],
     ) -> Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> {
         self.send(request, 0, payload, &[])?;
-        let m = crate::wire::recv(&self.sock)?;
+        let m = wire::recv(&self.sock)?;
         if m.header.request != request {
             return Err(protocol_error::<Header>(format!(
                 "reply to {} answers request {}",

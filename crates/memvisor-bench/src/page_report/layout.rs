@@ -9,8 +9,8 @@ use super::{
     BLOCKS_PER_REPORT, DISCARDED, Kind, KindResult, MIB, PINNED, RESIDENT_AFTER, RESIDENT_BEFORE,
     SKIPPED, Samples, TARGET_GBPS, TOUCH_DISCARDED, TOUCH_FREED, TOUCH_RESIDENT, Variant,
 };
-use crate::bench::seeds::SEED_004B;
-use crate::bench::{Better, Chart, ChartGroup, Outcome, Row, Stats, Table};
+use crate::seeds::SEED_004B;
+use crate::{Better, Chart, ChartGroup, Outcome, Row, Stats, Table};
 
 /// One line of a table: a kind's results, and for the discard table one of its variants.
 struct Line<'a> {

@@ -26,9 +26,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use memvisor::{Access, Backing, BackingKind, Iova, Prot};
+use memvisor_testkit::vhost::record::{self, Event};
 use memvisor_vhost::FrontendMemory;
 use memvisor_vhost::proto::Region;
-use memvisor_vhost::record::{self, Event};
 use vm_memory::GuestAddress;
 use vm_memory::Permissions;
 use vm_memory::iommu::Iotlb;
@@ -325,7 +325,10 @@ impl Side {
         if peer {
             return Ok(Side::Peer(Iotlb::new(), regions.to_vec()));
         }
-        let mut mem = FrontendMemory::new()?;
+        let mut mem = FrontendMemory::new(&memvisor_vhost::ProcessState::new(
+            memvisor::SharedMappings::global(),
+            memvisor::PinRegistry::global(),
+        ))?;
         // The frontend's memory as descriptors (sparse memfds: nothing is touched); the
         // memory table maps its own view of them.
         let mut fds = Vec::new();

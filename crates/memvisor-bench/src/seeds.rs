@@ -1,6 +1,20 @@
 //! The seed documents the experiments reproduce: numbered kernel patches kept in the project's
 //! shared `seeds/` folder (`000_….txt` to `004_….txt`; file 004 holds two patch series, told
-//! apart as 004a and 004b). The library's [`memvisor::seeds`] glossary says what each measured.
+//! apart as 004a and 004b). What each measured, and which experiment reproduces it:
+//!
+//! | id | kernel patch | what it measured | reproduced by |
+//! |----|--------------|------------------|---------------|
+//! | 000 | vfio/type1: Batch page pinning | the time to pin 1–120 GB of guest memory, page by page and 512 pages per step | `memvisor-bench pin` |
+//! | 001 | vfio/type1: optimize vfio_unpin_pages_remote() for large folio | `VFIO_IOMMU_MAP_DMA` / `UNMAP_DMA` of 16 GB in GB/s on THP, populated and hugetlbfs memory, a huge page unpinned in one step | `memvisor-bench map-unmap` |
+//! | 002 | vfio iommu type1: Improve vfio_iommu_type1_pin_pages performance | one `pin_pages` call of 1 and of 512 pages with calls split into runs of contiguous pages, and vfio-ccw traces of how long calls and runs are | `memvisor-bench pin-pages` |
+//! | 003 | KVM: Cache the last used slot index per vCPU | KVM's dirty_log_perf_test, 64 vCPUs each in its own of 64 memslots: populate and iteration 2 with a per-vCPU instead of a VM-wide last-slot hint | `memvisor-bench lookup` |
+//! | 004a | use vfio_iova_rw() to read/write IOVAs from CPU side | CPU copies to and from IOVAs without pinning first (no figures of its own) | `memvisor-bench rw` |
+//! | 004b | mm / virtio: Provide support for free page reporting | will-it-scale page_fault1 and page_fault2 in a guest with free page reporting on and off | `memvisor-bench report` |
+//!
+//! In memvisor the seeds' ideas live in [`memvisor::DmaSpace`] (batched pinning and unpinning,
+//! page runs in `pin_pages`, `dma_read` / `dma_write`), [`memvisor::SlotCursor`] (the per-vCPU
+//! last slot) and [`memvisor::discard::Discarder`] (free page reporting, host side).
+//!
 //! Each [`Seed`] here is the one place an experiment's reference is written down:
 //! [`super::Experiment::seeds`] returns them, the terminal and `report.md` headings and the
 //! "Reproduces …" line are made from them ([`heading_suffix`], [`reproduces_line`]), and

@@ -24,7 +24,7 @@ use memvisor::{
 };
 
 use super::{BASE, BLOCK, BLOCKS_PER_REPORT, Kind, PAGE, PIN_EVERY, QUEUE_SIZE, RING};
-use crate::bench::hugepages::{self, Reservation};
+use crate::hugepages::{self, Reservation};
 
 /// One kind of guest memory: the backing, its slot table and the pin registry the discarder
 /// and the pins share. Fields drop in order, so the backing is unmapped before the huge page

@@ -12,9 +12,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::client::Client;
-use crate::error::Result;
-use crate::proto::{self, Region, VringAddr, flags, req};
+use super::client::Client;
+use memvisor_vhost::error::Result;
+use memvisor_vhost::proto::{self, Region, VringAddr, flags, req};
 
 /// What a fuzzing run did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -162,7 +162,7 @@ fn one(c: &Client, rng: &mut Rng, memory: &File, stats: &mut FuzzStats) -> bool 
             }
             true
         }
-        Err(e) => !matches!(e, crate::Error::Os { ref source, .. }
+        Err(e) => !matches!(e, memvisor_vhost::Error::Os { ref source, .. }
             if source.kind() == std::io::ErrorKind::UnexpectedEof),
     }
 }
@@ -194,14 +194,18 @@ fn memfd(size: u64) -> Result<File> {
     // SAFETY: valid C string, plain flags; the descriptor is owned by the File.
     let fd = unsafe { libc::memfd_create(c"memvisor-fuzz".as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
-        return Err(crate::Error::last_os("memfd_create"));
+        return Err(memvisor_vhost::Error::Os {
+            op: "memfd_create",
+            source: std::io::Error::last_os_error(),
+        });
     }
     // SAFETY: fresh descriptor.
     let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(size).map_err(|source| crate::Error::Os {
-        op: "size the fuzz memfd",
-        source,
-    })?;
+    f.set_len(size)
+        .map_err(|source| memvisor_vhost::Error::Os {
+            op: "size the fuzz memfd",
+            source,
+        })?;
     Ok(f)
 }
 

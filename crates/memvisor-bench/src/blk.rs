@@ -167,8 +167,7 @@ fn start(
     let _ = std::fs::remove_file(dir.join(STATS));
     let mut cmd = match server {
         Server::Memvisor | Server::MemvisorLongTerm => {
-            let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
-            let mut c = Command::new(exe);
+            let mut c = Command::new(crate::server_binary(top)?);
             c.args(["vhost-user-blk", "--socket", SOCK, "--disk", IMAGE])
                 .args(["--queues", &queues.to_string(), "--stats", STATS]);
             if direct {

@@ -1,5 +1,5 @@
 //! A minimal vfio-user client: enough of QEMU's side to drive a server from tests, from the
-//! hostile client ([`crate::fuzz`]) and by hand. It sends whatever it is told to, well formed
+//! hostile client ([`super::fuzz`]) and by hand. It sends whatever it is told to, well formed
 //! or not, and checks nothing of what it sends.
 //!
 //! The server sends requests of its own in the same stream (`DMA_READ` / `DMA_WRITE`, for
@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use memvisor_wire::WireError;
 
-use crate::conn::{LIMITS, Message};
-use crate::error::Result;
-use crate::proto::{self, DMA_RW, HEADER, Header, cmd, flags};
+use memvisor_vfio_user::conn::{LIMITS, Message};
+use memvisor_vfio_user::error::Result;
+use memvisor_vfio_user::proto::{self, DMA_RW, HEADER, Header, cmd, flags};
 
 /// A reply: the errno of an error reply (0 if none) and the body.
 pub type Answer = (u32, Vec<u8>);

@@ -1,5 +1,5 @@
-//! End-to-end checks of the `memvisor` binary: argument parsing and error reporting, run as a
-//! child process exactly as a user would.
+//! End-to-end checks of the `memvisor-bench` binary: argument parsing, error reporting and the
+//! quick runs' JSON, run as a child process exactly as a user would.
 
 use std::process::{Command, Output};
 use std::sync::Mutex;
@@ -34,7 +34,7 @@ fn skipped(report: &str, case: &str) -> bool {
     };
     if why.contains("RLIMIT_MEMLOCK") {
         assert!(
-            memvisor_cli::bench::limits::check_lock(1 << 30).is_err(),
+            memvisor_bench::limits::check_lock(1 << 30).is_err(),
             "{case} skipped, yet this process may lock 1 GiB: {why}"
         );
     }
@@ -42,11 +42,11 @@ fn skipped(report: &str, case: &str) -> bool {
     true
 }
 
-fn memvisor(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memvisor"))
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memvisor-bench"))
         .args(args)
         .output()
-        .expect("run the memvisor binary")
+        .expect("run the memvisor-bench binary")
 }
 
 /// A row's statistics are a positive median between its min and max.
@@ -60,10 +60,9 @@ fn check_stats(r: &serde_json::Value) {
     assert!(min <= median && median <= max, "{r}");
 }
 
-/// `memvisor bench EXP --quick --json --runs 1 --out OUT_DIR`: must succeed; its stdout parsed.
+/// `memvisor-bench EXP --quick --json --runs 1 --out OUT_DIR`: must succeed; its stdout parsed.
 fn quick_json(experiment: &str, out_dir: &std::path::Path) -> serde_json::Value {
-    let out = memvisor(&[
-        "bench",
+    let out = bench(&[
         experiment,
         "--quick",
         "--json",
@@ -82,7 +81,7 @@ fn quick_json(experiment: &str, out_dir: &std::path::Path) -> serde_json::Value 
 
 #[test]
 fn bench_help_lists_options() {
-    let out = memvisor(&["bench", "--help"]);
+    let out = bench(&["--help"]);
     assert!(out.status.success());
     let help = String::from_utf8(out.stdout).unwrap();
     for flag in [
@@ -99,13 +98,9 @@ fn bench_help_lists_options() {
 
 #[test]
 fn unknown_experiment_fails_listing_known_ones() {
-    let out_dir = std::env::temp_dir().join(format!("memvisor-cli-unknown-{}", std::process::id()));
-    let out = memvisor(&[
-        "bench",
-        "no-such-experiment",
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
+    let out_dir =
+        std::env::temp_dir().join(format!("memvisor-bench-unknown-{}", std::process::id()));
+    let out = bench(&["no-such-experiment", "--out", out_dir.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(
         out.stdout.is_empty(),
@@ -117,7 +112,7 @@ fn unknown_experiment_fails_listing_known_ones() {
         "{err}"
     );
     assert!(err.contains("known experiments: "), "{err}");
-    for e in memvisor_cli::bench::all() {
+    for e in memvisor_bench::all() {
         assert!(err.contains(e.name()), "{err}");
     }
     assert!(
@@ -128,7 +123,7 @@ fn unknown_experiment_fails_listing_known_ones() {
 
 #[test]
 fn quick_and_full_conflict() {
-    let out = memvisor(&["bench", "--quick", "--full"]);
+    let out = bench(&["--quick", "--full"]);
     assert!(!out.status.success());
     assert!(
         String::from_utf8(out.stderr)
@@ -137,11 +132,12 @@ fn quick_and_full_conflict() {
     );
 }
 
-/// The CI smoke run: `memvisor bench lookup --quick --json` gives well-formed rows for every
+/// The CI smoke run: `memvisor-bench lookup --quick --json` gives well-formed rows for every
 /// variant and writes the report.
 #[test]
 fn lookup_json_has_rows_for_every_variant() {
-    let out_dir = std::env::temp_dir().join(format!("memvisor-cli-lookup-{}", std::process::id()));
+    let out_dir =
+        std::env::temp_dir().join(format!("memvisor-bench-lookup-{}", std::process::id()));
     let json = quick_json("lookup", &out_dir);
     assert_eq!(json["mode"], "quick");
     let rows = json["results"].as_array().expect("results array");
@@ -190,12 +186,12 @@ fn lookup_json_has_rows_for_every_variant() {
     std::fs::remove_dir_all(out_dir).unwrap();
 }
 
-/// `memvisor bench pin-pages --quick --json --runs 1` gives pin and unpin rows for every
+/// `memvisor-bench pin-pages --quick --json --runs 1` gives pin and unpin rows for every
 /// variant, on the single calls and on both replays, and writes its charts.
 #[test]
 fn pin_pages_json_has_rows_for_every_variant() {
     let out_dir =
-        std::env::temp_dir().join(format!("memvisor-cli-pin-pages-{}", std::process::id()));
+        std::env::temp_dir().join(format!("memvisor-bench-pin-pages-{}", std::process::id()));
     let json = {
         let _pool = lock_pool();
         quick_json("pin-pages", &out_dir)
@@ -239,12 +235,13 @@ fn pin_pages_json_has_rows_for_every_variant() {
     std::fs::remove_dir_all(out_dir).unwrap();
 }
 
-/// `memvisor bench report --quick --json --runs 1`: for every kind of memory the discard
+/// `memvisor-bench report --quick --json --runs 1`: for every kind of memory the discard
 /// reclaims everything, and with a tenth pinned it skips exactly the pinned bytes and reclaims
 /// the rest. hugetlbfs is checked when it ran (it needs root to reserve huge pages).
 #[test]
 fn report_json_reclaims_all_but_the_pins() {
-    let out_dir = std::env::temp_dir().join(format!("memvisor-cli-report-{}", std::process::id()));
+    let out_dir =
+        std::env::temp_dir().join(format!("memvisor-bench-report-{}", std::process::id()));
     let json = {
         let _pool = lock_pool();
         quick_json("report", &out_dir)
@@ -341,7 +338,7 @@ fn nr_hugepages() -> u64 {
         .expect("nr_hugepages is a number")
 }
 
-/// Ctrl-C while `memvisor bench pin-pages` holds extra huge pages (it reserves them first
+/// Ctrl-C while `memvisor-bench pin-pages` holds extra huge pages (it reserves them first
 /// thing, as root) puts the pool back to its size before and ends the process by SIGINT.
 #[test]
 fn ctrl_c_gives_the_hugetlb_pool_back() {
@@ -354,9 +351,10 @@ fn ctrl_c_gives_the_hugetlb_pool_back() {
     }
     let _pool = lock_pool();
     let before = nr_hugepages();
-    let out_dir = std::env::temp_dir().join(format!("memvisor-cli-sigint-{}", std::process::id()));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_memvisor"));
-    cmd.args(["bench", "pin-pages", "--quick", "--runs", "1", "--out"])
+    let out_dir =
+        std::env::temp_dir().join(format!("memvisor-bench-sigint-{}", std::process::id()));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_memvisor-bench"));
+    cmd.args(["pin-pages", "--quick", "--runs", "1", "--out"])
         .arg(&out_dir)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());

@@ -160,7 +160,7 @@ pub(super) fn hist_shares(hist: &Buckets) -> [f64; 5] {
 /// Where the real-guest npage histogram comes from: this machine's last vfio-user trial, else
 /// the recording that ships with memvisor.
 const TRIAL_STATS: &str = "target/guest/run/vfio-user/stats.json";
-const SHIPPED_NPAGE: &str = include_str!("../../../data/mvdma-npage.txt");
+const SHIPPED_NPAGE: &str = include_str!("../../data/mvdma-npage.txt");
 
 /// The npage histogram of the mvdma device's pin mode under a real guest, one bucket per
 /// npage, and where it came from.
