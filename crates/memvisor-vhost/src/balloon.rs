@@ -39,6 +39,7 @@ use memvisor::balloon::{
 };
 
 use crate::backend::Device;
+use crate::device::Processed;
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 use crate::ring::Ring;
@@ -414,11 +415,16 @@ impl Device for BalloonDevice {
         Some(STATS_QUEUE_INDEX)
     }
 
-    fn process(&mut self, index: u16, ring: &mut Ring, memory: &FrontendMemory) -> Result<bool> {
+    fn process(
+        &mut self,
+        index: u16,
+        ring: &mut Ring,
+        memory: &FrontendMemory,
+    ) -> Result<Processed> {
         let r = self.process_queue(index, ring, memory);
         let counts = self.stats();
         self.live.update(|s| s.counts = counts);
-        r
+        r.map(Processed::served)
     }
 
     fn reset(&mut self) {

@@ -357,9 +357,13 @@ impl Ring {
             let at = table
                 .checked_add(16 * u64::from(i))
                 .ok_or_else(|| Error::BadChain(format!("descriptor {i} past the address space")))?;
-            let d: [u8; 16] = mem.read_obj(GuestAddress(at)).map_err(|e| {
-                Error::BadChain(format!("descriptor {i} at {at:#x} unreadable: {e}"))
-            })?;
+            let d: [u8; 16] =
+                mem.read_obj(GuestAddress(at))
+                    .map_err(|e| Error::DescriptorUnreadable {
+                        index: i,
+                        addr: at,
+                        why: e.to_string(),
+                    })?;
             Ok((
                 u64::from_le_bytes(d[0..8].try_into().expect("8")),
                 u32::from_le_bytes(d[8..12].try_into().expect("4")),

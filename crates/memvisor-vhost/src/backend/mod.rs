@@ -42,6 +42,7 @@ use memvisor_wire::WireError;
 use virtio_queue::{Queue, QueueT};
 
 pub use crate::device::Device;
+use crate::device::Processed;
 use crate::error::{Error, Result};
 pub use crate::live::{BackendLive, BackendStats};
 use crate::memory::{FrontendMemory, MAX_REGIONS};
@@ -783,12 +784,13 @@ impl<D: Device + 'static> Backend<D> {
 
     fn ring(&mut self, request: u32, index: u32) -> Result<&mut Vring> {
         let n = self.vrings.len();
-        self.vrings.get_mut(index as usize).ok_or_else(|| {
-            Error::BadRing(format!(
-                "{}: ring {index} does not exist (the device has {n})",
-                req::name(request)
-            ))
-        })
+        self.vrings
+            .get_mut(index as usize)
+            .ok_or_else(|| Error::NoSuchRing {
+                request: req::name(request),
+                index,
+                rings: n,
+            })
     }
 
     fn start_ring(&mut self, i: usize, kick: File) -> Result<()> {
@@ -913,7 +915,7 @@ impl<D: Device + 'static> Backend<D> {
             v.call.is_some()
         );
         match r {
-            Err(Error::IotlbMiss { misses }) => {
+            Ok(Processed::Missed { misses }) => {
                 // The chain was put back; ask for the translations (all its pages at once) and
                 // wait for them. Chains completed before it may be waiting for their interrupt:
                 // send it (a spurious one costs the driver a look at the used ring).
@@ -923,12 +925,12 @@ impl<D: Device + 'static> Backend<D> {
                 }
                 self.send_misses(Some(i), &misses);
             }
-            Ok(true) => {
+            Ok(Processed::Served { notify: true }) => {
                 if let Some(c) = &mut v.call {
                     let _ = c.write(&1u64.to_le_bytes());
                 }
             }
-            Ok(false) => {}
+            Ok(Processed::Served { notify: false }) => {}
             Err(e) => {
                 // The ring is broken (corrupt indexes): stop it and tell the frontend.
                 log::warn!("{}: ring {i} stopped: {e}", self.device.name());

@@ -4,6 +4,7 @@
 //! queue with.
 
 use super::*;
+use crate::device::Processed;
 
 impl Device for Blk {
     fn name(&self) -> &'static str {
@@ -66,7 +67,12 @@ impl Device for Blk {
         }
     }
 
-    fn process(&mut self, index: u16, queue: &mut Ring, memory: &FrontendMemory) -> Result<bool> {
+    fn process(
+        &mut self,
+        index: u16,
+        queue: &mut Ring,
+        memory: &FrontendMemory,
+    ) -> Result<Processed> {
         let dma = memory.dma().clone();
         let mut batch = Vec::new();
         let mut any = false;
@@ -74,8 +80,12 @@ impl Device for Blk {
         // Whatever stopped the taking (the ring empty, a miss to ask about, a broken ring),
         // what it prepared goes to the kernel.
         self.launch(index, queue, &dma, &mut batch, &mut any);
-        taken?;
-        Ok(any && queue.needs_notification(&dma.memory()).unwrap_or(true))
+        if let Some(misses) = taken? {
+            return Ok(Processed::Missed { misses });
+        }
+        Ok(Processed::Served {
+            notify: any && queue.needs_notification(&dma.memory()).unwrap_or(true),
+        })
     }
 
     fn reset(&mut self) {
