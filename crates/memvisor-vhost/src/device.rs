@@ -84,17 +84,12 @@ pub trait Device: Send {
     fn completion_fd(&self) -> Option<std::os::fd::RawFd> {
         None
     }
-    /// Ends the work that has ended, returning each chain to its ring in `rings` (by queue
-    /// index; `None` for a ring not running); with `wait`, until nothing is left out — the back
-    /// end asks so before every message, which may take memory away. Returns the rings that
-    /// got chains back, each with whether its driver should be notified.
-    fn complete(
-        &mut self,
-        rings: &mut [Option<&mut Ring>],
-        memory: &FrontendMemory,
-        wait: bool,
-    ) -> Result<Vec<(u16, bool)>> {
-        let _ = (rings, memory, wait);
+    /// Ends the work that has ended — with `wait`, until nothing is left out: the back end
+    /// asks so before every message, which may take memory away — and returns the chains it
+    /// finished. The back end puts them on their used rings ([`Ring::add_used`]), one ring at a
+    /// time, logs what they wrote and interrupts the drivers.
+    fn complete(&mut self, memory: &FrontendMemory, wait: bool) -> Result<Vec<Used>> {
+        let _ = (memory, wait);
         Ok(Vec::new())
     }
     /// For a device whose queues are independent: a device of the same kind, sharing what
@@ -154,4 +149,15 @@ impl Processed {
     pub fn served(notify: bool) -> Processed {
         Processed::Served { notify }
     }
+}
+
+/// A chain the device finished, for its ring's used ring ([`Device::complete`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Used {
+    /// The queue it was taken from.
+    pub ring: u16,
+    /// Its head descriptor.
+    pub head: u16,
+    /// Bytes the device wrote into it.
+    pub len: u32,
 }
