@@ -496,14 +496,16 @@ impl<D: Device + 'static> Backend<D> {
                 call,
                 err,
             };
+            // Counted before the worker can serve a request, as `running` is.
+            let r = self.live.ring(i);
+            r.on_worker.store(true, Ordering::Relaxed);
             match Worker::start(lent) {
                 Ok(w) => {
-                    let r = self.live.ring(i);
                     r.lent.add(1);
-                    r.on_worker.store(true, Ordering::Relaxed);
                     self.workers.push(w);
                 }
                 Err(e) => {
+                    r.on_worker.store(false, Ordering::Relaxed);
                     // The lent ring went with the failed start: stop and say so.
                     log::error!("{}: ring {i}: {e}", self.device.name());
                     self.vrings[i].started = false;
@@ -519,6 +521,9 @@ impl<D: Device + 'static> Backend<D> {
         self.stop_workers();
         self.reap(true);
         let r = self.handle_message(sock, msg);
+        // Published before a worker can serve a request: a reader that saw the request end
+        // sees its ring running.
+        self.publish_rings();
         self.start_workers();
         r
     }
@@ -655,9 +660,12 @@ impl<D: Device + 'static> Backend<D> {
                 kind: proto::iotlb::MISS,
             }
             .bytes();
-            b.extend_from_slice(&proto::backend_req::IOTLB_MSG.to_le_bytes());
-            b.extend_from_slice(&proto::flags::VERSION.to_le_bytes());
-            b.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+            let header = proto::Header {
+                request: proto::backend_req::IOTLB_MSG,
+                flags: proto::flags::VERSION,
+                size: msg.len() as u32,
+            };
+            b.extend_from_slice(&header.bytes());
             b.extend_from_slice(&msg);
         }
         let Some(iova) = first else {
@@ -705,9 +713,12 @@ impl<D: Device + 'static> Backend<D> {
         if self.protocol_acked & wanted != wanted {
             return Ok(());
         }
-        let mut b = proto::backend_req::CONFIG_CHANGE_MSG.to_le_bytes().to_vec();
-        b.extend_from_slice(&proto::flags::VERSION.to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes());
+        let b = proto::Header {
+            request: proto::backend_req::CONFIG_CHANGE_MSG,
+            flags: proto::flags::VERSION,
+            size: 0,
+        }
+        .bytes();
         if let Err(e) = (&*ch).write_all(&b) {
             log::warn!("{}: config change message: {e}", self.device.name());
         }
@@ -760,7 +771,7 @@ impl<D: Device + 'static> Backend<D> {
     }
 
     fn start_ring(&mut self, i: usize, kick: File) -> Result<()> {
-        let event_idx = self.acked & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let event_idx = self.acked & proto::F_EVENT_IDX != 0;
         let mem = self.memory.dma().memory();
         let max = self.queue_max();
         let v = &mut self.vrings[i];
@@ -935,9 +946,6 @@ impl<D: Device + 'static> Backend<D> {
         }
     }
 }
-
-/// Virtio feature bit: used/available event indexes.
-pub const VIRTIO_RING_F_EVENT_IDX: u32 = 29;
 
 /// The rings held on the back end's thread (those not lent to a worker), for the ring service.
 struct Held<'a> {
