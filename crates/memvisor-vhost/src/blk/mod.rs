@@ -63,11 +63,12 @@ use memvisor::{Access, DmaSpace, Iova, Prot};
 use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::backend::{Device, VIRTIO_RING_F_EVENT_IDX};
+use crate::backend::Device;
 use crate::disk::{AlignedBuf, Disk, IN_FLIGHT, advance};
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 use crate::ring::{Desc as Buf, Ring};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 
 mod device;
 mod ranges;
