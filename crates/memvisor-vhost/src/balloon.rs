@@ -87,8 +87,9 @@ pub struct BalloonStatus {
     pub actual_pages: u32,
     /// The features the driver acked (0 before a driver negotiated).
     pub features: u64,
-    /// Whether the statistics queue and deflate on OOM were negotiated.
+    /// Whether the statistics queue was negotiated.
     pub stats_queue: bool,
+    /// Whether deflate on OOM was negotiated.
     pub deflate_on_oom: bool,
     /// The statistics polling interval in seconds (0: statistics not offered).
     pub stats_interval_secs: u64,

@@ -15,37 +15,66 @@ use virtio_bindings::{virtio_config, virtio_ring};
 use crate::error::{Error, Result};
 
 /// Front-end requests this back end knows, by number.
-#[allow(missing_docs)]
 pub mod req {
+    /// The virtio and vhost-user feature bits the back end offers.
     pub const GET_FEATURES: u32 = 1;
+    /// The feature bits the driver accepted.
     pub const SET_FEATURES: u32 = 2;
+    /// The frontend takes the back end (a session starts).
     pub const SET_OWNER: u32 = 3;
+    /// The frontend gives the back end up (obsolete; treated as a reset).
     pub const RESET_OWNER: u32 = 4;
+    /// The guest's memory: regions with a file descriptor each.
     pub const SET_MEM_TABLE: u32 = 5;
+    /// The dirty log for migration, a shared memory file descriptor.
     pub const SET_LOG_BASE: u32 = 6;
+    /// An eventfd to signal when the log was written (unused by this back end).
     pub const SET_LOG_FD: u32 = 7;
+    /// A ring's size.
     pub const SET_VRING_NUM: u32 = 8;
+    /// A ring's descriptor table, available and used ring addresses.
     pub const SET_VRING_ADDR: u32 = 9;
+    /// The next available index a ring starts from.
     pub const SET_VRING_BASE: u32 = 10;
+    /// Stops a ring; answers with the next available index.
     pub const GET_VRING_BASE: u32 = 11;
+    /// The eventfd the driver's kicks arrive on; starts the ring.
     pub const SET_VRING_KICK: u32 = 12;
+    /// The eventfd that interrupts the driver.
     pub const SET_VRING_CALL: u32 = 13;
+    /// The eventfd that tells the frontend a ring broke.
     pub const SET_VRING_ERR: u32 = 14;
+    /// The protocol feature bits the back end offers ([`super::protocol`]).
     pub const GET_PROTOCOL_FEATURES: u32 = 15;
+    /// The protocol feature bits the frontend accepted.
     pub const SET_PROTOCOL_FEATURES: u32 = 16;
+    /// How many queues the device has.
     pub const GET_QUEUE_NUM: u32 = 17;
+    /// Enables or disables a ring (with protocol features).
     pub const SET_VRING_ENABLE: u32 = 18;
+    /// The socket for the back end's own requests ([`super::backend_req`]).
     pub const SET_BACKEND_REQ_FD: u32 = 21;
+    /// An IOTLB update or invalidation behind a vIOMMU ([`super::IotlbMsg`]).
     pub const IOTLB_MSG: u32 = 22;
+    /// Reads the device's config space.
     pub const GET_CONFIG: u32 = 24;
+    /// Writes the device's config space.
     pub const SET_CONFIG: u32 = 25;
+    /// Asks the back end for a new inflight log.
     pub const GET_INFLIGHT_FD: u32 = 31;
+    /// Hands the back end the inflight log the frontend kept.
     pub const SET_INFLIGHT_FD: u32 = 32;
+    /// Resets the device to its state before feature negotiation.
     pub const RESET_DEVICE: u32 = 34;
+    /// How many memory regions the back end takes.
     pub const GET_MAX_MEM_SLOTS: u32 = 36;
+    /// Adds one memory region.
     pub const ADD_MEM_REG: u32 = 37;
+    /// Removes one memory region.
     pub const REM_MEM_REG: u32 = 38;
+    /// The virtio device status byte the driver set.
     pub const SET_STATUS: u32 = 39;
+    /// Reads the virtio device status byte back.
     pub const GET_STATUS: u32 = 40;
 
     /// The request's name for messages and logs.
@@ -121,16 +150,24 @@ pub const F_INDIRECT_DESC: u64 = 1 << virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
 pub const F_LOG_ALL: u64 = 1 << 26;
 
 /// Protocol feature bits.
-#[allow(missing_docs)]
 pub mod protocol {
+    /// Several queues (`GET_QUEUE_NUM`).
     pub const MQ: u64 = 1 << 0;
+    /// A dirty log in shared memory (`SET_LOG_BASE`).
     pub const LOG_SHMFD: u64 = 1 << 1;
+    /// A reply to any request that sets `NEED_REPLY`.
     pub const REPLY_ACK: u64 = 1 << 3;
+    /// The back end's own channel (`SET_BACKEND_REQ_FD`).
     pub const BACKEND_REQ: u64 = 1 << 5;
+    /// The config space over the protocol (`GET_CONFIG`, `SET_CONFIG`).
     pub const CONFIG: u64 = 1 << 9;
+    /// The inflight log (`GET_INFLIGHT_FD`, `SET_INFLIGHT_FD`).
     pub const INFLIGHT_SHMFD: u64 = 1 << 12;
+    /// `RESET_DEVICE` is understood.
     pub const RESET_DEVICE: u64 = 1 << 13;
+    /// Memory regions one at a time (`ADD_MEM_REG`, `REM_MEM_REG`).
     pub const CONFIGURE_MEM_SLOTS: u64 = 1 << 15;
+    /// The device status byte (`SET_STATUS`, `GET_STATUS`).
     pub const STATUS: u64 = 1 << 16;
 }
 

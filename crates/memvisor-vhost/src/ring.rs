@@ -437,7 +437,10 @@ impl DerefMut for Ring {
 /// One descriptor of a chain: a guest buffer and whether the device writes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Desc {
+    /// The buffer's device address (an IOVA behind a vIOMMU, else guest physical).
     pub addr: u64,
+    /// Its bytes.
     pub len: u32,
+    /// Whether the device writes it (`VRING_DESC_F_WRITE`); else the device reads it.
     pub write: bool,
 }
