@@ -125,6 +125,7 @@ pub trait Device: Send {
 
 /// What processing a queue came to ([`Device::process`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Processed {
     /// The device took what the ring held (or as many requests as it keeps in flight);
     /// `notify`: whether the driver should be interrupted now.
