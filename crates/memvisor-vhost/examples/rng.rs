@@ -42,6 +42,7 @@ use std::os::unix::net::UnixListener;
 use std::sync::atomic::AtomicBool;
 
 use memvisor::{Iova, PinRegistry, SharedMappings};
+use memvisor_vhost::device::Processed;
 use memvisor_vhost::{Backend, Device, FrontendMemory, ProcessState, Result, Ring};
 use virtio_queue::{QueueOwnedT, QueueT};
 
@@ -73,7 +74,12 @@ impl Device for Rng {
     }
     fn reset(&mut self) {}
 
-    fn process(&mut self, _index: u16, ring: &mut Ring, memory: &FrontendMemory) -> Result<bool> {
+    fn process(
+        &mut self,
+        _index: u16,
+        ring: &mut Ring,
+        memory: &FrontendMemory,
+    ) -> Result<Processed> {
         let dma = memory.dma().clone();
         let mem = dma.memory();
         let mut returned = false;
@@ -97,7 +103,9 @@ impl Device for Rng {
             }
             returned = true;
         }
-        Ok(returned && ring.needs_notification(&mem).unwrap_or(true))
+        Ok(Processed::served(
+            returned && ring.needs_notification(&mem).unwrap_or(true),
+        ))
     }
 }
 

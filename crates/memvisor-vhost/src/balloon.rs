@@ -39,6 +39,7 @@ use memvisor::balloon::{
 };
 
 use crate::backend::Device;
+use crate::device::Processed;
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 use crate::ring::Ring;
@@ -86,8 +87,9 @@ pub struct BalloonStatus {
     pub actual_pages: u32,
     /// The features the driver acked (0 before a driver negotiated).
     pub features: u64,
-    /// Whether the statistics queue and deflate on OOM were negotiated.
+    /// Whether the statistics queue was negotiated.
     pub stats_queue: bool,
+    /// Whether deflate on OOM was negotiated.
     pub deflate_on_oom: bool,
     /// The statistics polling interval in seconds (0: statistics not offered).
     pub stats_interval_secs: u64,
@@ -414,11 +416,16 @@ impl Device for BalloonDevice {
         Some(STATS_QUEUE_INDEX)
     }
 
-    fn process(&mut self, index: u16, ring: &mut Ring, memory: &FrontendMemory) -> Result<bool> {
+    fn process(
+        &mut self,
+        index: u16,
+        ring: &mut Ring,
+        memory: &FrontendMemory,
+    ) -> Result<Processed> {
         let r = self.process_queue(index, ring, memory);
         let counts = self.stats();
         self.live.update(|s| s.counts = counts);
-        r
+        r.map(Processed::served)
     }
 
     fn reset(&mut self) {

@@ -37,11 +37,11 @@ pub trait Device: Send {
     fn read_config(&self, offset: u32, data: &mut [u8]);
     /// Writes config bytes at `offset`.
     fn write_config(&mut self, offset: u32, data: &[u8]) -> Result<()> {
-        let _ = (offset, data);
-        Err(Error::Unsupported(format!(
-            "{}: the config space is read-only",
-            self.name()
-        )))
+        let _ = data;
+        Err(Error::Unsupported {
+            request: format!("{}: config write at offset {offset}", self.name()),
+            why: "the config space is read-only".into(),
+        })
     }
     /// Whether the device logs its writes for migration (`VHOST_F_LOG_ALL`, `LOG_SHMFD`): it
     /// must write guest memory only through the [`FrontendMemory`]'s device space or its slot
@@ -69,26 +69,27 @@ pub trait Device: Send {
     /// Processes what the driver made available on queue `index` — first the heads
     /// [`Ring::resubmit`] gives, left in flight by a back end before this one — taking chains
     /// with [`Ring::taken`] and returning them with [`Ring::add_used`] (which keep the inflight
-    /// log); returns whether the driver should be notified. An error means the queue is broken
-    /// (the driver needs a reset); a bad request is answered on the ring, not with an error.
-    fn process(&mut self, index: u16, ring: &mut Ring, memory: &FrontendMemory) -> Result<bool>;
+    /// log); says whether the driver should be notified, or which translations a request
+    /// waits for ([`Processed`]). An error means the queue is broken (the driver needs a
+    /// reset); a bad request is answered on the ring, not with an error.
+    fn process(
+        &mut self,
+        index: u16,
+        ring: &mut Ring,
+        memory: &FrontendMemory,
+    ) -> Result<Processed>;
     /// A descriptor that becomes readable when work `process` handed to the kernel has ended
     /// (an io_uring's eventfd): the back end then calls [`Device::complete`]. `None`: the
     /// device finishes everything within `process`.
     fn completion_fd(&self) -> Option<std::os::fd::RawFd> {
         None
     }
-    /// Ends the work that has ended, returning each chain to its ring in `rings` (by queue
-    /// index; `None` for a ring not running); with `wait`, until nothing is left out — the back
-    /// end asks so before every message, which may take memory away. Returns the rings that
-    /// got chains back, each with whether its driver should be notified.
-    fn complete(
-        &mut self,
-        rings: &mut [Option<&mut Ring>],
-        memory: &FrontendMemory,
-        wait: bool,
-    ) -> Result<Vec<(u16, bool)>> {
-        let _ = (rings, memory, wait);
+    /// Ends the work that has ended — with `wait`, until nothing is left out: the back end
+    /// asks so before every message, which may take memory away — and returns the chains it
+    /// finished. The back end puts them on their used rings ([`Ring::add_used`]), one ring at a
+    /// time, logs what they wrote and interrupts the drivers.
+    fn complete(&mut self, memory: &FrontendMemory, wait: bool) -> Result<Vec<Used>> {
+        let _ = (memory, wait);
         Ok(Vec::new())
     }
     /// For a device whose queues are independent: a device of the same kind, sharing what
@@ -116,8 +117,48 @@ pub trait Device: Send {
         None
     }
     /// Whether an IOTLB miss fails the request (after the wait for the frontend's update gave
-    /// up) instead of being returned as [`Error::IotlbMiss`] with the chain put back.
+    /// up) instead of being returned as [`Processed::Missed`] with the chain put back.
     fn set_fail_misses(&mut self, fail: bool) {
         let _ = fail;
     }
+}
+
+/// What processing a queue came to ([`Device::process`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Processed {
+    /// The device took what the ring held (or as many requests as it keeps in flight);
+    /// `notify`: whether the driver should be interrupted now.
+    Served {
+        /// Whether the driver should be interrupted.
+        notify: bool,
+    },
+    /// Behind a vIOMMU, a request needs device addresses the IOTLB has no translation for yet,
+    /// one per unmapped page ([`crate::miss`]): its chain was put back, the chains before it
+    /// were served. The back end sends a MISS for each page it has not asked for already and
+    /// processes the queue again when the frontend's updates have covered them (or, when they
+    /// never come, with [`Device::set_fail_misses`], failing the request).
+    Missed {
+        /// The first unmapped address of each page, in the order the request needs them
+        /// (never empty).
+        misses: Vec<memvisor::dma::Miss>,
+    },
+}
+
+impl Processed {
+    /// Served, notifying the driver when `notify`.
+    pub fn served(notify: bool) -> Processed {
+        Processed::Served { notify }
+    }
+}
+
+/// A chain the device finished, for its ring's used ring ([`Device::complete`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Used {
+    /// The queue it was taken from.
+    pub ring: u16,
+    /// Its head descriptor.
+    pub head: u16,
+    /// Bytes the device wrote into it.
+    pub len: u32,
 }

@@ -71,17 +71,18 @@ pub struct BackendStats {
     pub iotlb_invalidates: u64,
     /// IOTLB misses sent.
     pub iotlb_misses: u64,
-    /// Times a ring was lent to a worker thread of its own, and the kicks served on
-    /// those threads (counted in `kicks` too).
+    /// Times a ring was lent to a worker thread of its own.
     pub lent: u64,
+    /// Kicks served on worker threads (counted in `kicks` too).
     pub worker_kicks: u64,
     /// Times polling found a ring with new requests, served with no kick
     /// ([`crate::Device::poll`]).
     pub poll_hits: u64,
     /// Nanoseconds spent in the device's queue processing (requests, including their I/O).
     pub process_ns: u64,
-    /// Nanoseconds spent moving dirty pages into the frontend's log, and how many times.
+    /// Nanoseconds spent moving dirty pages into the frontend's log.
     pub log_ns: u64,
+    /// How many times dirty pages were moved into the frontend's log.
     pub log_drains: u64,
     /// Nanoseconds spent applying IOTLB updates and invalidations (not the requests they let
     /// go on).
@@ -97,8 +98,9 @@ pub struct QueueStats {
     pub running: bool,
     /// Whether it is lent to a worker thread now.
     pub on_worker: bool,
-    /// Kicks served, and of those the ones served on a worker.
+    /// Kicks served.
     pub kicks: u64,
+    /// Of those, the kicks served on a worker.
     pub worker_kicks: u64,
     /// Times polling found new requests on it without a kick.
     pub poll_hits: u64,
@@ -106,11 +108,12 @@ pub struct QueueStats {
     pub process_ns: u64,
     /// Times it was lent to a worker.
     pub lent: u64,
-    /// Dirty-log drains its worker made, the pages they logged and their nanoseconds (a ring
-    /// served on the back end's thread is drained with the others there: those count in the
-    /// back end's totals only).
+    /// Dirty-log drains its worker made (a ring served on the back end's thread is drained
+    /// with the others there: those count in the back end's totals only).
     pub log_drains: u64,
+    /// Pages those drains logged.
     pub logged_pages: u64,
+    /// Nanoseconds those drains took.
     pub log_ns: u64,
 }
 

@@ -194,9 +194,10 @@ impl FrontendMemory {
     /// one region.
     pub fn iotlb_update(&mut self, iova: u64, size: u64, uaddr: u64, prot: Prot) -> Result<()> {
         if !self.iotlb {
-            return Err(Error::NotNegotiated(
-                "IOTLB update without VIRTIO_F_IOMMU_PLATFORM negotiated".into(),
-            ));
+            return Err(Error::NotNegotiated {
+                request: "IOTLB_MSG update",
+                feature: "VIRTIO_F_IOMMU_PLATFORM",
+            });
         }
         if iova % PAGE != 0 || size % PAGE != 0 || uaddr % PAGE != 0 {
             return Err(Error::BadIotlb(format!(
@@ -572,8 +573,8 @@ impl FrontendMemory {
         drop(self.space.memory());
     }
 
-    /// The guest physical address of `len` bytes at the frontend's user address `uaddr`; EINVAL
-    /// if they are not inside one region.
+    /// The guest physical address of `len` bytes at the frontend's user address `uaddr`; EFAULT
+    /// ([`Error::Unmapped`]) if they are not inside one region.
     pub fn user_to_gpa(&self, uaddr: u64, len: u64, what: &str) -> Result<u64> {
         for h in &self.held {
             let r = &h.region;
@@ -582,9 +583,11 @@ impl FrontendMemory {
                 return Ok(r.gpa + off);
             }
         }
-        Err(Error::BadRegion(format!(
-            "{what} at user address {uaddr:#x} (+{len:#x}) is in no memory region"
-        )))
+        Err(Error::Unmapped {
+            what: what.to_string(),
+            addr: uaddr,
+            len,
+        })
     }
 }
 

@@ -1,47 +1,80 @@
 //! The vhost-user wire format: request numbers, feature bits, and the payloads this back end
-//! reads and writes, parsed from bytes at fixed little-endian offsets.
+//! reads and writes.
 //!
-//! Every payload comes from an untrusted frontend, so every parser checks the length it was
-//! given against the layout (`docs/interop/vhost-user.rst` in QEMU) and says which request and
-//! which size were wrong. Nothing here is reinterpreted in place: fields are read one by one out
-//! of the received bytes, which needs no `unsafe` and no alignment.
+//! Each payload with a layout of its own is a `#[repr(C)]` struct declared field by field as
+//! `docs/interop/vhost-user.rst` (QEMU) lays it out, its size checked at compile time against
+//! the specification's. Every payload comes from an untrusted frontend, so every parser checks
+//! the length it was given against the struct and says which request and which size were
+//! wrong. Nothing is reinterpreted in place: the fields are read one after another, in their
+//! declared order, out of the received bytes (little-endian), and written back the same way,
+//! which needs no `unsafe` and no alignment.
 
 use memvisor_wire::Size;
+use virtio_bindings::{virtio_config, virtio_ring};
 
 use crate::error::{Error, Result};
 
 /// Front-end requests this back end knows, by number.
-#[allow(missing_docs)]
 pub mod req {
+    /// The virtio and vhost-user feature bits the back end offers.
     pub const GET_FEATURES: u32 = 1;
+    /// The feature bits the driver accepted.
     pub const SET_FEATURES: u32 = 2;
+    /// The frontend takes the back end (a session starts).
     pub const SET_OWNER: u32 = 3;
+    /// The frontend gives the back end up (obsolete; treated as a reset).
     pub const RESET_OWNER: u32 = 4;
+    /// The guest's memory: regions with a file descriptor each.
     pub const SET_MEM_TABLE: u32 = 5;
+    /// The dirty log for migration, a shared memory file descriptor.
     pub const SET_LOG_BASE: u32 = 6;
+    /// An eventfd to signal when the log was written (unused by this back end).
     pub const SET_LOG_FD: u32 = 7;
+    /// A ring's size.
     pub const SET_VRING_NUM: u32 = 8;
+    /// A ring's descriptor table, available and used ring addresses.
     pub const SET_VRING_ADDR: u32 = 9;
+    /// The next available index a ring starts from.
     pub const SET_VRING_BASE: u32 = 10;
+    /// Stops a ring; answers with the next available index.
     pub const GET_VRING_BASE: u32 = 11;
+    /// The eventfd the driver's kicks arrive on; starts the ring.
     pub const SET_VRING_KICK: u32 = 12;
+    /// The eventfd that interrupts the driver.
     pub const SET_VRING_CALL: u32 = 13;
+    /// The eventfd that tells the frontend a ring broke.
     pub const SET_VRING_ERR: u32 = 14;
+    /// The protocol feature bits the back end offers ([`super::protocol`]).
     pub const GET_PROTOCOL_FEATURES: u32 = 15;
+    /// The protocol feature bits the frontend accepted.
     pub const SET_PROTOCOL_FEATURES: u32 = 16;
+    /// How many queues the device has.
     pub const GET_QUEUE_NUM: u32 = 17;
+    /// Enables or disables a ring (with protocol features).
     pub const SET_VRING_ENABLE: u32 = 18;
+    /// The socket for the back end's own requests ([`super::backend_req`]).
     pub const SET_BACKEND_REQ_FD: u32 = 21;
+    /// An IOTLB update or invalidation behind a vIOMMU ([`super::IotlbMsg`]).
     pub const IOTLB_MSG: u32 = 22;
+    /// Reads the device's config space.
     pub const GET_CONFIG: u32 = 24;
+    /// Writes the device's config space.
     pub const SET_CONFIG: u32 = 25;
+    /// Asks the back end for a new inflight log.
     pub const GET_INFLIGHT_FD: u32 = 31;
+    /// Hands the back end the inflight log the frontend kept.
     pub const SET_INFLIGHT_FD: u32 = 32;
+    /// Resets the device to its state before feature negotiation.
     pub const RESET_DEVICE: u32 = 34;
+    /// How many memory regions the back end takes.
     pub const GET_MAX_MEM_SLOTS: u32 = 36;
+    /// Adds one memory region.
     pub const ADD_MEM_REG: u32 = 37;
+    /// Removes one memory region.
     pub const REM_MEM_REG: u32 = 38;
+    /// The virtio device status byte the driver set.
     pub const SET_STATUS: u32 = 39;
+    /// Reads the virtio device status byte back.
     pub const GET_STATUS: u32 = 40;
 
     /// The request's name for messages and logs.
@@ -106,26 +139,40 @@ pub mod flags {
 pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
 /// Virtio feature bit: the device's addresses go through the platform's IOMMU
 /// (`VIRTIO_F_IOMMU_PLATFORM` / `ACCESS_PLATFORM`); with vhost-user, through the IOTLB.
-pub const F_IOMMU_PLATFORM: u64 = 1 << 33;
+pub const F_IOMMU_PLATFORM: u64 = 1 << virtio_config::VIRTIO_F_ACCESS_PLATFORM;
+/// Virtio feature bit: a modern (virtio 1.0) device (`VIRTIO_F_VERSION_1`).
+pub const F_VERSION_1: u64 = 1 << virtio_config::VIRTIO_F_VERSION_1;
+/// Virtio feature bit: used and available event indexes (`VIRTIO_RING_F_EVENT_IDX`).
+pub const F_EVENT_IDX: u64 = 1 << virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+/// Virtio feature bit: indirect descriptor tables (`VIRTIO_RING_F_INDIRECT_DESC`).
+pub const F_INDIRECT_DESC: u64 = 1 << virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
 /// vhost feature bit: log every write to guest memory (`VHOST_F_LOG_ALL`), during migration.
 pub const F_LOG_ALL: u64 = 1 << 26;
 
 /// Protocol feature bits.
-#[allow(missing_docs)]
 pub mod protocol {
+    /// Several queues (`GET_QUEUE_NUM`).
     pub const MQ: u64 = 1 << 0;
+    /// A dirty log in shared memory (`SET_LOG_BASE`).
     pub const LOG_SHMFD: u64 = 1 << 1;
+    /// A reply to any request that sets `NEED_REPLY`.
     pub const REPLY_ACK: u64 = 1 << 3;
+    /// The back end's own channel (`SET_BACKEND_REQ_FD`).
     pub const BACKEND_REQ: u64 = 1 << 5;
+    /// The config space over the protocol (`GET_CONFIG`, `SET_CONFIG`).
     pub const CONFIG: u64 = 1 << 9;
+    /// The inflight log (`GET_INFLIGHT_FD`, `SET_INFLIGHT_FD`).
     pub const INFLIGHT_SHMFD: u64 = 1 << 12;
+    /// `RESET_DEVICE` is understood.
     pub const RESET_DEVICE: u64 = 1 << 13;
+    /// Memory regions one at a time (`ADD_MEM_REG`, `REM_MEM_REG`).
     pub const CONFIGURE_MEM_SLOTS: u64 = 1 << 15;
+    /// The device status byte (`SET_STATUS`, `GET_STATUS`).
     pub const STATUS: u64 = 1 << 16;
 }
 
-/// Bytes of the header: request, flags, payload size.
-pub const HEADER: usize = 12;
+/// Bytes of the header: request, flags, payload size ([`Header`]).
+pub const HEADER: usize = std::mem::size_of::<Header>();
 /// The largest payload accepted; a bigger one is a broken or hostile frontend and ends the
 /// connection (the stream cannot be resynchronised).
 pub const MAX_PAYLOAD: usize = 4096;
@@ -136,8 +183,9 @@ pub const VRING_NOFD: u64 = 0x100;
 /// Largest config space a frontend may read or write.
 pub const MAX_CONFIG: u32 = 256;
 
-/// A received message's header.
+/// A message's header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
 pub struct Header {
     /// Request number ([`req`]).
     pub request: u32,
@@ -150,29 +198,115 @@ pub struct Header {
 impl Header {
     /// Parses 12 header bytes.
     pub fn parse(b: &[u8; HEADER]) -> Header {
+        let mut f = Fields(b);
         Header {
-            request: u32_at(b, 0),
-            flags: u32_at(b, 4),
-            size: u32_at(b, 8),
+            request: f.u32(),
+            flags: f.u32(),
+            size: f.u32(),
         }
+    }
+
+    /// The header's bytes as sent.
+    pub fn bytes(&self) -> [u8; HEADER] {
+        let mut b = [0u8; HEADER];
+        let fields = [self.request, self.flags, self.size].map(u32::to_le_bytes);
+        for (out, v) in b.chunks_exact_mut(4).zip(fields) {
+            out.copy_from_slice(&v);
+        }
+        b
     }
 
     /// The 12 bytes of a reply header to `request` with `size` payload bytes.
     pub fn reply(request: u32, size: usize) -> [u8; HEADER] {
-        let mut b = [0u8; HEADER];
-        b[0..4].copy_from_slice(&request.to_le_bytes());
-        b[4..8].copy_from_slice(&(flags::VERSION | flags::REPLY).to_le_bytes());
-        b[8..12].copy_from_slice(&(size as u32).to_le_bytes());
-        b
+        Header {
+            request,
+            flags: flags::VERSION | flags::REPLY,
+            size: size as u32,
+        }
+        .bytes()
     }
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+/// The fields of a payload, read one after another (little-endian) in the order its
+/// `#[repr(C)]` struct declares them. The caller has checked the payload's size; reading past
+/// its end is a bug here, never the frontend's doing.
+struct Fields<'a>(&'a [u8]);
+
+impl Fields<'_> {
+    fn take<const N: usize>(&mut self) -> [u8; N] {
+        let (head, rest) = self
+            .0
+            .split_first_chunk::<N>()
+            .expect("the payload's size was checked against its struct");
+        self.0 = rest;
+        *head
+    }
+
+    fn u8(&mut self) -> u8 {
+        self.take::<1>()[0]
+    }
+
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes(self.take())
+    }
+
+    fn u32(&mut self) -> u32 {
+        u32::from_le_bytes(self.take())
+    }
+
+    fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(self.take())
+    }
+
+    /// Skips `n` bytes of padding.
+    fn skip(&mut self, n: usize) {
+        self.0 = &self.0[n..];
+    }
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+// The structs' sizes are the specification's.
+const _: () = {
+    assert!(std::mem::size_of::<Header>() == 12);
+    assert!(std::mem::size_of::<Region>() == 32);
+    assert!(std::mem::size_of::<Inflight>() == 24);
+    assert!(std::mem::size_of::<IotlbMsg>() == 32);
+    assert!(std::mem::size_of::<VringAddr>() == 40);
+    assert!(std::mem::size_of::<VringState>() == 8);
+    assert!(std::mem::size_of::<LogBase>() == 16);
+    assert!(std::mem::size_of::<ConfigHeader>() == 12);
+};
+
+/// `SET_VRING_NUM`, `SET_VRING_BASE`, `GET_VRING_BASE`, `SET_VRING_ENABLE`: a ring's index and
+/// a number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct VringState {
+    /// The ring.
+    pub index: u32,
+    /// The number (a size, an index, 0 or 1).
+    pub num: u32,
+}
+
+/// `SET_LOG_BASE`: the dirty log's size and its offset in the descriptor's file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct LogBase {
+    /// Bytes of the log.
+    pub mmap_size: u64,
+    /// Where it starts in the file.
+    pub mmap_offset: u64,
+}
+
+/// The head of a `GET_CONFIG` / `SET_CONFIG` payload; the config bytes follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct ConfigHeader {
+    /// The first byte of the config space.
+    pub offset: u32,
+    /// How many bytes.
+    pub size: u32,
+    /// `VHOST_SET_CONFIG_TYPE_*`.
+    pub flags: u32,
 }
 
 /// Checks that `payload` of `request` is exactly `want` bytes.
@@ -184,11 +318,12 @@ pub fn exact(request: u32, payload: &[u8], want: usize) -> Result<()> {
 /// A `u64` payload.
 pub fn u64_payload(request: u32, payload: &[u8]) -> Result<u64> {
     exact(request, payload, 8)?;
-    Ok(u64_at(payload, 0))
+    Ok(Fields(payload).u64())
 }
 
 /// One memory region of a memory table or of `ADD_MEM_REG` / `REM_MEM_REG`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
 pub struct Region {
     /// Guest physical address of the first byte.
     pub gpa: u64,
@@ -201,15 +336,15 @@ pub struct Region {
     pub mmap_offset: u64,
 }
 
-const REGION: usize = 32;
+const REGION: usize = std::mem::size_of::<Region>();
 
 impl Region {
-    fn parse(b: &[u8]) -> Region {
+    fn parse(f: &mut Fields<'_>) -> Region {
         Region {
-            gpa: u64_at(b, 0),
-            size: u64_at(b, 8),
-            user_addr: u64_at(b, 16),
-            mmap_offset: u64_at(b, 24),
+            gpa: f.u64(),
+            size: f.u64(),
+            user_addr: f.u64(),
+            mmap_offset: f.u64(),
         }
     }
 }
@@ -217,7 +352,7 @@ impl Region {
 /// `SET_MEM_TABLE`: a region count, padding, then the regions.
 pub fn mem_table(payload: &[u8]) -> Result<Vec<Region>> {
     Size::AtLeast(8).check("SET_MEM_TABLE", payload.len())?;
-    let n = u32_at(payload, 0) as usize;
+    let n = Fields(payload).u32() as usize;
     if n > MAX_TABLE_REGIONS {
         return Err(Error::BadRegion(format!(
             "SET_MEM_TABLE with {n} regions: at most {MAX_TABLE_REGIONS} \
@@ -227,31 +362,44 @@ pub fn mem_table(payload: &[u8]) -> Result<Vec<Region>> {
     // QEMU sends the payload sized for the regions it fills.
     let want = 8 + n * REGION;
     Size::AtLeast(want).check("SET_MEM_TABLE", payload.len())?;
-    Ok((0..n)
-        .map(|i| Region::parse(&payload[8 + i * REGION..]))
-        .collect())
+    let mut f = Fields(payload);
+    f.skip(8);
+    Ok((0..n).map(|_| Region::parse(&mut f)).collect())
 }
 
 /// `ADD_MEM_REG` / `REM_MEM_REG`: padding, then one region.
 pub fn single_region(request: u32, payload: &[u8]) -> Result<Region> {
     exact(request, payload, 8 + REGION)?;
-    Ok(Region::parse(&payload[8..]))
+    let mut f = Fields(payload);
+    f.skip(8);
+    Ok(Region::parse(&mut f))
 }
 
 /// `SET_VRING_NUM`, `SET_VRING_BASE`, `GET_VRING_BASE`, `SET_VRING_ENABLE`: index and a number.
 pub fn vring_state(request: u32, payload: &[u8]) -> Result<(u32, u32)> {
-    exact(request, payload, 8)?;
-    Ok((u32_at(payload, 0), u32_at(payload, 4)))
+    exact(request, payload, std::mem::size_of::<VringState>())?;
+    let mut f = Fields(payload);
+    let s = VringState {
+        index: f.u32(),
+        num: f.u32(),
+    };
+    Ok((s.index, s.num))
 }
 
 /// `SET_LOG_BASE`: the log's size and its offset in the descriptor's file.
 pub fn log_base(payload: &[u8]) -> Result<(u64, u64)> {
-    exact(req::SET_LOG_BASE, payload, 16)?;
-    Ok((u64_at(payload, 0), u64_at(payload, 8)))
+    exact(req::SET_LOG_BASE, payload, std::mem::size_of::<LogBase>())?;
+    let mut f = Fields(payload);
+    let l = LogBase {
+        mmap_size: f.u64(),
+        mmap_offset: f.u64(),
+    };
+    Ok((l.mmap_size, l.mmap_offset))
 }
 
 /// `GET_INFLIGHT_FD` / `SET_INFLIGHT_FD`: the inflight log's description.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
 pub struct Inflight {
     /// Bytes of the log (0 in a `GET_INFLIGHT_FD` request).
     pub mmap_size: u64,
@@ -265,7 +413,7 @@ pub struct Inflight {
 
 impl Inflight {
     /// Bytes on the wire: two u64 and two u16, padded to 8 as QEMU's struct is.
-    pub const SIZE: usize = 24;
+    pub const SIZE: usize = std::mem::size_of::<Inflight>();
 
     /// Parses the payload of `request`; the padding may be left out (20 bytes).
     pub fn parse(request: u32, payload: &[u8]) -> Result<Inflight> {
@@ -277,11 +425,12 @@ impl Inflight {
                 Self::SIZE
             )));
         }
+        let mut f = Fields(payload);
         Ok(Inflight {
-            mmap_size: u64_at(payload, 0),
-            mmap_offset: u64_at(payload, 8),
-            num_queues: u16::from_le_bytes([payload[16], payload[17]]),
-            queue_size: u16::from_le_bytes([payload[18], payload[19]]),
+            mmap_size: f.u64(),
+            mmap_offset: f.u64(),
+            num_queues: f.u16(),
+            queue_size: f.u16(),
         })
     }
 
@@ -297,8 +446,9 @@ impl Inflight {
     }
 }
 
-/// `IOTLB_MSG` (both directions): the IOTLB entry or request.
+/// `IOTLB_MSG` (both directions): the IOTLB entry or request (`struct vhost_iotlb_msg`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
 pub struct IotlbMsg {
     /// First IOVA.
     pub iova: u64,
@@ -330,37 +480,40 @@ impl IotlbMsg {
     /// Parses the payload (`struct vhost_iotlb_msg`, 26 bytes and padding).
     pub fn parse(payload: &[u8]) -> Result<IotlbMsg> {
         Size::Between(26, 64).check("IOTLB_MSG", payload.len())?;
+        let mut f = Fields(payload);
         Ok(IotlbMsg {
-            iova: u64_at(payload, 0),
-            size: u64_at(payload, 8),
-            uaddr: u64_at(payload, 16),
-            perm: payload[24],
-            kind: payload[25],
+            iova: f.u64(),
+            size: f.u64(),
+            uaddr: f.u64(),
+            perm: f.u8(),
+            kind: f.u8(),
         })
     }
 
-    /// The 32 bytes as sent.
+    /// The 32 bytes as sent (the fields, then the struct's padding).
     pub fn bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(32);
+        let mut b = Vec::with_capacity(std::mem::size_of::<IotlbMsg>());
         for v in [self.iova, self.size, self.uaddr] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         b.push(self.perm);
         b.push(self.kind);
-        b.resize(32, 0);
+        b.resize(std::mem::size_of::<IotlbMsg>(), 0);
         b
     }
 }
 
 /// A vring state reply.
 pub fn vring_state_bytes(index: u32, num: u32) -> Vec<u8> {
-    let mut b = index.to_le_bytes().to_vec();
-    b.extend_from_slice(&num.to_le_bytes());
+    let s = VringState { index, num };
+    let mut b = s.index.to_le_bytes().to_vec();
+    b.extend_from_slice(&s.num.to_le_bytes());
     b
 }
 
 /// `SET_VRING_ADDR`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
 pub struct VringAddr {
     /// Queue index.
     pub index: u32,
@@ -378,37 +531,55 @@ pub struct VringAddr {
 
 /// Parses `SET_VRING_ADDR`.
 pub fn vring_addr(payload: &[u8]) -> Result<VringAddr> {
-    exact(req::SET_VRING_ADDR, payload, 40)?;
+    exact(
+        req::SET_VRING_ADDR,
+        payload,
+        std::mem::size_of::<VringAddr>(),
+    )?;
+    let mut f = Fields(payload);
     Ok(VringAddr {
-        index: u32_at(payload, 0),
-        flags: u32_at(payload, 4),
-        desc: u64_at(payload, 8),
-        used: u64_at(payload, 16),
-        avail: u64_at(payload, 24),
-        log: u64_at(payload, 32),
+        index: f.u32(),
+        flags: f.u32(),
+        desc: f.u64(),
+        used: f.u64(),
+        avail: f.u64(),
+        log: f.u64(),
     })
 }
 
 /// `GET_CONFIG` / `SET_CONFIG`: offset, size, flags, then `size` bytes.
 pub fn config(request: u32, payload: &[u8]) -> Result<(u32, u32, &[u8])> {
-    Size::AtLeast(12).check(req::name(request), payload.len())?;
-    let (offset, size) = (u32_at(payload, 0), u32_at(payload, 4));
+    const HEAD: usize = std::mem::size_of::<ConfigHeader>();
+    Size::AtLeast(HEAD).check(req::name(request), payload.len())?;
+    let mut f = Fields(payload);
+    let h = ConfigHeader {
+        offset: f.u32(),
+        size: f.u32(),
+        flags: f.u32(),
+    };
+    let (offset, size) = (h.offset, h.size);
     if offset.checked_add(size).is_none_or(|end| end > MAX_CONFIG) {
         return Err(Error::Invalid(format!(
             "{}: config bytes {offset}+{size} pass the {MAX_CONFIG}-byte config space",
             req::name(request)
         )));
     }
-    let data = &payload[12..];
-    Size::Exactly(12 + size as usize).check(req::name(request), payload.len())?;
+    let data = &payload[HEAD..];
+    Size::Exactly(HEAD + size as usize).check(req::name(request), payload.len())?;
     Ok((offset, size, data))
 }
 
 /// A `GET_CONFIG` reply: the request's offset, size and flags, then the bytes.
 pub fn config_bytes(offset: u32, flags: u32, data: &[u8]) -> Vec<u8> {
-    let mut b = offset.to_le_bytes().to_vec();
-    b.extend_from_slice(&(data.len() as u32).to_le_bytes());
-    b.extend_from_slice(&flags.to_le_bytes());
+    let h = ConfigHeader {
+        offset,
+        size: data.len() as u32,
+        flags,
+    };
+    let mut b = Vec::with_capacity(std::mem::size_of::<ConfigHeader>() + data.len());
+    for v in [h.offset, h.size, h.flags] {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
     b.extend_from_slice(data);
     b
 }
@@ -460,6 +631,73 @@ impl VringAddr {
 mod tests {
     use super::*;
     use memvisor_wire::WireError;
+
+    #[test]
+    fn each_struct_reads_back_what_it_wrote_at_the_specifications_offsets() {
+        let h = Header {
+            request: req::SET_VRING_ADDR,
+            flags: flags::VERSION | flags::NEED_REPLY,
+            size: 40,
+        };
+        let b = h.bytes();
+        assert_eq!(&b[8..12], &40u32.to_le_bytes(), "size is the third word");
+        assert_eq!(Header::parse(&b), h);
+        let a = VringAddr {
+            index: 1,
+            flags: 1,
+            desc: 0x1000,
+            used: 0x2000,
+            avail: 0x3000,
+            log: 0x4000,
+        };
+        let b = a.bytes();
+        assert_eq!(&b[16..24], &0x2000u64.to_le_bytes(), "used before avail");
+        assert_eq!(vring_addr(&b).unwrap(), a);
+        let m = IotlbMsg {
+            iova: 0x10_0000,
+            size: 0x1000,
+            uaddr: 0x7f00_0000_0000,
+            perm: iotlb::ACCESS_RW,
+            kind: iotlb::UPDATE,
+        };
+        let b = m.bytes();
+        assert_eq!(
+            (b.len(), b[24], b[25]),
+            (32, iotlb::ACCESS_RW, iotlb::UPDATE)
+        );
+        assert_eq!(IotlbMsg::parse(&b).unwrap(), m);
+        let i = Inflight {
+            mmap_size: 4096,
+            mmap_offset: 0,
+            num_queues: 2,
+            queue_size: 256,
+        };
+        assert_eq!(
+            Inflight::parse(req::SET_INFLIGHT_FD, &i.bytes()).unwrap(),
+            i
+        );
+        // QEMU may leave the padding out.
+        assert_eq!(
+            Inflight::parse(req::SET_INFLIGHT_FD, &i.bytes()[..20]).unwrap(),
+            i
+        );
+        let r = Region {
+            gpa: 0,
+            size: 1 << 20,
+            user_addr: 0x7f00_0000_0000,
+            mmap_offset: 0x1000,
+        };
+        assert_eq!(mem_table(&mem_table_bytes(&[r, r])).unwrap(), vec![r, r]);
+        assert_eq!(
+            single_region(req::ADD_MEM_REG, &single_region_bytes(&r)).unwrap(),
+            r
+        );
+        let c = config_bytes(4, 0, &[1, 2, 3]);
+        assert_eq!(
+            config(req::SET_CONFIG, &c).unwrap(),
+            (4, 3, &[1u8, 2, 3][..])
+        );
+    }
 
     #[test]
     fn refusals_say_what_kind_of_thing_was_wrong() {

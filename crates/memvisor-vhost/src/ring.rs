@@ -36,6 +36,8 @@ use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
 
 use memvisor::{Backing, BackingKind};
+use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
@@ -55,9 +57,12 @@ const MAX_LOG: u64 = 64 << 20;
 /// a power of two up to it): what a device accepts unless it says less ([`crate::Device::queue_max`]).
 pub const MAX_QUEUE: u16 = 32768;
 
-const VRING_DESC_F_NEXT: u16 = 1;
-const VRING_DESC_F_WRITE: u16 = 2;
-const VRING_DESC_F_INDIRECT: u16 = 4;
+// A descriptor's flags (16 bits on the ring; the bindings give them as u32).
+const NEXT: u16 = VRING_DESC_F_NEXT as u16;
+const WRITE: u16 = VRING_DESC_F_WRITE as u16;
+const INDIRECT: u16 = VRING_DESC_F_INDIRECT as u16;
+/// Bytes of a split descriptor.
+const DESC: u32 = std::mem::size_of::<Descriptor>() as u32;
 
 /// Bytes of one queue's part of a log for queues of `queue_size` heads.
 pub fn queue_bytes(queue_size: u16) -> u64 {
@@ -355,26 +360,27 @@ impl Ring {
         }
         let read = |table: u64, i: u16| -> Result<(u64, u32, u16, u16)> {
             let at = table
-                .checked_add(16 * u64::from(i))
+                .checked_add(DESC as u64 * u64::from(i))
                 .ok_or_else(|| Error::BadChain(format!("descriptor {i} past the address space")))?;
-            let d: [u8; 16] = mem.read_obj(GuestAddress(at)).map_err(|e| {
-                Error::BadChain(format!("descriptor {i} at {at:#x} unreadable: {e}"))
-            })?;
-            Ok((
-                u64::from_le_bytes(d[0..8].try_into().expect("8")),
-                u32::from_le_bytes(d[8..12].try_into().expect("4")),
-                u16::from_le_bytes(d[12..14].try_into().expect("2")),
-                u16::from_le_bytes(d[14..16].try_into().expect("2")),
-            ))
+            // virtio-queue's split descriptor: the specification's 16-byte layout,
+            // little-endian, copied out of guest memory.
+            let d: Descriptor =
+                mem.read_obj(GuestAddress(at))
+                    .map_err(|e| Error::DescriptorUnreadable {
+                        index: i,
+                        addr: at,
+                        why: e.to_string(),
+                    })?;
+            Ok((d.addr().0, d.len(), d.flags(), d.next()))
         };
         let (addr, len, flags, _) = read(self.queue.desc_table(), head)?;
-        let (table, count, mut i) = if flags & VRING_DESC_F_INDIRECT != 0 {
-            if len == 0 || len % 16 != 0 || len / 16 > u32::from(MAX_QUEUE) {
+        let (table, count, mut i) = if flags & INDIRECT != 0 {
+            if len == 0 || len % DESC != 0 || len / DESC > u32::from(MAX_QUEUE) {
                 return Err(Error::BadChain(format!(
                     "indirect table of {len} bytes at head {head}"
                 )));
             }
-            (addr, (len / 16) as u16, 0)
+            (addr, (len / DESC) as u16, 0)
         } else {
             (self.queue.desc_table(), size, head)
         };
@@ -387,7 +393,7 @@ impl Ring {
                 )));
             }
             let (addr, len, flags, next) = read(table, i)?;
-            if indirect && flags & VRING_DESC_F_INDIRECT != 0 {
+            if indirect && flags & INDIRECT != 0 {
                 return Err(Error::BadChain(format!(
                     "indirect descriptor inside the indirect table of head {head}"
                 )));
@@ -395,9 +401,9 @@ impl Ring {
             out.push(Desc {
                 addr,
                 len,
-                write: flags & VRING_DESC_F_WRITE != 0,
+                write: flags & WRITE != 0,
             });
-            if flags & VRING_DESC_F_NEXT == 0 {
+            if flags & NEXT == 0 {
                 return Ok((out, indirect));
             }
             if next >= count {
@@ -431,7 +437,10 @@ impl DerefMut for Ring {
 /// One descriptor of a chain: a guest buffer and whether the device writes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Desc {
+    /// The buffer's device address (an IOVA behind a vIOMMU, else guest physical).
     pub addr: u64,
+    /// Its bytes.
     pub len: u32,
+    /// Whether the device writes it (`VRING_DESC_F_WRITE`); else the device reads it.
     pub write: bool,
 }

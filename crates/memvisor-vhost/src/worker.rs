@@ -5,7 +5,8 @@
 //! a copy of itself for one queue ([`Device::queue_worker`]) goes to a thread of its own with
 //! that copy, its kick and call descriptors, and a shared reference to the frontend's memory
 //! and dirty log; ring 0 stays on the back end's thread. The worker serves its ring as the back
-//! end would — kicks, completions, the dirty log, the driver's interrupt — until told to stop.
+//! end would, through the same ring service (`backend::service`) — kicks, completions, the
+//! dirty log, the driver's interrupt — until told to stop.
 //! Before the next message the back end stops every worker ([`Worker::stop`]): the worker ends
 //! every transfer it has out and hands back its ring, its device copy ([`Device::join_worker`]). What it
 //! counts goes straight into its ring's row of the back end's live counters ([`crate::live`]). So a message is still handled with no
@@ -19,14 +20,13 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use memvisor::SharedLog;
-use virtio_queue::QueueT;
 
-use crate::device::Device;
+use crate::backend::service::{self, Rings};
+use crate::device::{Device, Processed};
 use crate::error::{Error, Result};
 use crate::live::{BackendLive, RingCounters};
 use crate::memory::FrontendMemory;
@@ -104,22 +104,83 @@ impl<D: Device + 'static> Worker<D> {
     }
 }
 
+/// The ring a worker holds, for the ring service.
+struct One {
+    index: u16,
+    ring: Ring,
+    log: Option<Arc<SharedLog>>,
+    memory: Arc<FrontendMemory>,
+    live: BackendLive,
+    call: Option<File>,
+}
+
+impl Rings for One {
+    fn ring(&mut self, index: u16) -> Option<&mut Ring> {
+        (index == self.index).then_some(&mut self.ring)
+    }
+
+    /// What the ring's requests wrote goes into the frontend's log, counted on the ring's row.
+    fn log(&mut self) {
+        if let Some(log) = &self.log {
+            let stats = self.live.ring(usize::from(self.index));
+            let t0 = Instant::now();
+            match self.memory.drain_dirty(log) {
+                Ok(pages) => stats.logged_pages.add(pages),
+                Err(e) => log::error!("ring {}: dirty log: {e}", self.index),
+            }
+            stats.log_ns.add(t0.elapsed().as_nanos() as u64);
+            stats.log_drains.add(1);
+        }
+    }
+
+    fn notify(&mut self, _: u16) {
+        signal(&mut self.call);
+    }
+}
+
 /// The worker's loop.
-fn serve<D: Device>(mut w: Lent<D>, stop: File) -> Returned<D> {
-    let live = w.live.clone();
-    let stats = live.ring(usize::from(w.index));
+fn serve<D: Device>(lent: Lent<D>, stop: File) -> Returned<D> {
+    let Lent {
+        index,
+        ring,
+        mut device,
+        memory,
+        log,
+        live,
+        mut kick,
+        call,
+        mut err,
+    } = lent;
+    let mut one = One {
+        index,
+        ring,
+        log,
+        memory: memory.clone(),
+        live: live.clone(),
+        call,
+    };
+    let stats = live.ring(usize::from(index));
     let mut broken = false;
-    let poll_budget = w.device.poll();
+    let poll_budget = device.poll();
     let mut spin_after_kick = false;
     loop {
         if let (Some(budget), true) = (poll_budget, std::mem::take(&mut spin_after_kick)) {
-            if spin(&mut w, &stop, budget, stats).is_err() {
+            let spun = service::spin(budget, stop.as_raw_fd(), || {
+                service::complete(&mut device, &mut one, &memory, false);
+                if !service::has_requests(&one.ring, &memory) {
+                    return Ok(false);
+                }
+                stats.poll_hits.add(1);
+                process(&mut device, &mut one, &memory, stats, &mut err)?;
+                Ok(true)
+            });
+            if spun.is_err() {
                 broken = true;
                 break;
             }
         }
-        let done = w.device.completion_fd().unwrap_or(-1);
-        let mut fds = [stop.as_raw_fd(), w.kick.as_raw_fd(), done].map(|fd| libc::pollfd {
+        let done = device.completion_fd().unwrap_or(-1);
+        let mut fds = [stop.as_raw_fd(), kick.as_raw_fd(), done].map(|fd| libc::pollfd {
             fd,
             events: libc::POLLIN,
             revents: 0,
@@ -134,143 +195,71 @@ fn serve<D: Device>(mut w: Lent<D>, stop: File) -> Returned<D> {
             break;
         }
         if fds[2].revents & libc::POLLIN != 0 {
-            reap(&mut w, false, stats);
+            service::complete(&mut device, &mut one, &memory, false);
             // Chains left on the ring while the device had as many out as it keeps: the
             // driver made them available long ago and will not kick for them again.
-            if has_more(&w) && process(&mut w, stats).is_err() {
+            if service::has_requests(&one.ring, &memory)
+                && process(&mut device, &mut one, &memory, stats, &mut err).is_err()
+            {
                 broken = true;
                 break;
             }
         }
         if fds[1].revents & libc::POLLIN != 0 {
             let mut b = [0u8; 8];
-            let _ = w.kick.read(&mut b);
+            let _ = kick.read(&mut b);
             stats.kicks.add(1);
             stats.worker_kicks.add(1);
             spin_after_kick = true;
-            if process(&mut w, stats).is_err() {
+            if process(&mut device, &mut one, &memory, stats, &mut err).is_err() {
                 broken = true;
                 break;
             }
         }
     }
-    reap(&mut w, true, stats);
+    service::complete(&mut device, &mut one, &memory, true);
     Returned {
-        index: w.index,
-        ring: w.ring,
-        device: w.device,
+        index,
+        ring: one.ring,
+        device,
         broken,
     }
 }
 
-/// Looks at the ring for new requests until `budget` passed since the last found, or a stop.
-fn spin<D: Device>(
-    w: &mut Lent<D>,
-    stop: &File,
-    budget: Duration,
+/// Serves what the driver made available, going round again while the service says so
+/// ([`service::pass`]); an error means the ring broke (told on `err`).
+fn process<D: Device>(
+    device: &mut D,
+    one: &mut One,
+    memory: &FrontendMemory,
     stats: &RingCounters,
+    err: &mut Option<File>,
 ) -> Result<()> {
-    let mut until = Instant::now() + budget;
     loop {
-        reap(w, false, stats);
-        if has_more(w) {
-            stats.poll_hits.add(1);
-            process(w, stats)?;
-            until = Instant::now() + budget;
-        }
-        let mut p = libc::pollfd {
-            fd: stop.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one live pollfd.
-        if unsafe { libc::poll(&mut p, 1, 0) } > 0 || Instant::now() >= until {
-            return Ok(());
-        }
-        std::hint::spin_loop();
-    }
-}
-
-/// Whether the ring holds requests the device has not taken (or heads to redo).
-fn has_more<D>(w: &Lent<D>) -> bool {
-    let mem = w.memory.dma().memory();
-    w.ring.pending_resubmits() > 0
-        || w.ring
-            .avail_idx(&mem, Ordering::Acquire)
-            .is_ok_and(|a| a.0 != w.ring.next_avail())
-}
-
-/// Serves what the driver made available; an error means the ring broke (told on `err`). As
-/// the back end's own pass does: when transfers ended during the pass (their completions read
-/// here, so nothing will wake the loop for them) and the ring still holds requests the device
-/// left there while it had as many out as it keeps, it goes round again.
-fn process<D: Device>(w: &mut Lent<D>, stats: &RingCounters) -> Result<()> {
-    loop {
-        let t0 = Instant::now();
-        let r = w.device.process(w.index, &mut w.ring, &w.memory);
-        stats.process_ns.add(t0.elapsed().as_nanos() as u64);
-        // Transfers the kernel finished at once end now; one drain of the log for them and for
-        // what `process` ended itself, before the driver is told.
-        let (any, tell) = ended(w, false);
-        drain_log(w, stats);
-        match r {
-            Ok(notify) => {
-                if notify || tell {
-                    signal(&mut w.call);
+        match service::pass(device, one, one.index, memory, stats) {
+            Ok(pass) => {
+                if let Processed::Missed { misses } = &pass.processed {
+                    // Never lent behind a vIOMMU (see the top); a device that says so anyway
+                    // has its request wait for the next kick.
+                    log::warn!(
+                        "{}: ring {}: {} IOTLB misses on a worker",
+                        device.name(),
+                        one.index,
+                        misses.len()
+                    );
+                    one.notify(one.index);
                 }
-                if !(any && has_more(w)) {
+                if !pass.again {
                     return Ok(());
                 }
             }
             Err(e) => {
-                log::warn!("{}: ring {} stopped: {e}", w.device.name(), w.index);
-                signal(&mut w.call);
-                signal(&mut w.err);
+                log::warn!("{}: ring {} stopped: {e}", device.name(), one.index);
+                one.notify(one.index);
+                signal(err);
                 return Err(e);
             }
         }
-    }
-}
-
-/// Ends the device's transfers that have ended (with `wait`, all of them).
-fn reap<D: Device>(w: &mut Lent<D>, wait: bool, stats: &RingCounters) {
-    let (any, tell) = ended(w, wait);
-    if any {
-        drain_log(w, stats);
-    }
-    if tell {
-        signal(&mut w.call);
-    }
-}
-
-/// Ends what has ended (chains back on the ring); returns whether anything ended, and whether
-/// its driver should be told.
-fn ended<D: Device>(w: &mut Lent<D>, wait: bool) -> (bool, bool) {
-    let mut rings: Vec<Option<&mut Ring>> = (0..=w.index).map(|_| None).collect();
-    rings[usize::from(w.index)] = Some(&mut w.ring);
-    match w.device.complete(&mut rings, &w.memory, wait) {
-        Ok(e) => (!e.is_empty(), e.iter().any(|&(_, notify)| notify)),
-        Err(e) => {
-            log::error!(
-                "{}: ring {}: ending requests: {e}",
-                w.device.name(),
-                w.index
-            );
-            (false, false)
-        }
-    }
-}
-
-/// What the ring's requests wrote goes into the frontend's log before the driver hears.
-fn drain_log<D>(w: &Lent<D>, stats: &RingCounters) {
-    if let Some(log) = &w.log {
-        let t0 = Instant::now();
-        match w.memory.drain_dirty(log) {
-            Ok(pages) => stats.logged_pages.add(pages),
-            Err(e) => log::error!("ring {}: dirty log: {e}", w.index),
-        }
-        stats.log_ns.add(t0.elapsed().as_nanos() as u64);
-        stats.log_drains.add(1);
     }
 }
 

@@ -403,8 +403,8 @@ impl Device for Small {
         _: u16,
         _: &mut Ring,
         _: &FrontendMemory,
-    ) -> memvisor_vhost::Result<bool> {
-        Ok(false)
+    ) -> memvisor_vhost::Result<memvisor_vhost::device::Processed> {
+        Ok(memvisor_vhost::device::Processed::served(false))
     }
     fn reset(&mut self) {}
 }

@@ -23,9 +23,11 @@ impl<D: Device + 'static> Backend<D> {
                 let f = proto::u64_payload(request, p)?;
                 let unknown = f & !self.offered();
                 if unknown != 0 {
-                    return Err(Error::NotNegotiated(format!(
-                        "SET_FEATURES {f:#x}: bits {unknown:#x} were not offered"
-                    )));
+                    return Err(Error::NotOffered {
+                        request: "SET_FEATURES",
+                        asked: f,
+                        unknown,
+                    });
                 }
                 self.device
                     .set_features(f & !(F_PROTOCOL_FEATURES | F_LOG_ALL))?;
@@ -60,9 +62,11 @@ impl<D: Device + 'static> Backend<D> {
                 let f = proto::u64_payload(request, p)?;
                 let unknown = f & !self.protocol_offered();
                 if unknown != 0 {
-                    return Err(Error::NotNegotiated(format!(
-                        "SET_PROTOCOL_FEATURES {f:#x}: bits {unknown:#x} were not offered"
-                    )));
+                    return Err(Error::NotOffered {
+                        request: "SET_PROTOCOL_FEATURES",
+                        asked: f,
+                        unknown,
+                    });
                 }
                 self.protocol_acked = f;
                 Ok(None)
@@ -128,10 +132,10 @@ impl<D: Device + 'static> Backend<D> {
                 // A running ring may be told its own addresses again: QEMU does that to set the
                 // log flag when migration starts. Moving a running ring is refused.
                 if v.started && v.addr != Some(addrs) {
-                    return Err(Error::BadRing(format!(
-                        "SET_VRING_ADDR moves ring {} while it runs",
-                        a.index
-                    )));
+                    return Err(Error::RingRunning {
+                        request: "SET_VRING_ADDR",
+                        index: a.index,
+                    });
                 }
                 v.addr = Some(addrs);
                 v.pending = None;
@@ -173,10 +177,10 @@ impl<D: Device + 'static> Backend<D> {
                     }
                     proto::iotlb::INVALIDATE => {
                         if !self.memory.is_iotlb() {
-                            return Err(Error::NotNegotiated(
-                                "IOTLB invalidate without VIRTIO_F_IOMMU_PLATFORM negotiated"
-                                    .into(),
-                            ));
+                            return Err(Error::NotNegotiated {
+                                request: "IOTLB_MSG invalidate",
+                                feature: "VIRTIO_F_IOMMU_PLATFORM",
+                            });
                         }
                         let t0 = std::time::Instant::now();
                         #[cfg(feature = "test-hooks")]
@@ -249,10 +253,12 @@ impl<D: Device + 'static> Backend<D> {
                 match request {
                     req::SET_VRING_KICK => {
                         let Some(kick) = fd else {
-                            return Err(Error::Unsupported(format!(
-                                "SET_VRING_KICK for ring {i} without a descriptor: \
-                                 polling rings are not supported"
-                            )));
+                            return Err(Error::Unsupported {
+                                request: format!(
+                                    "SET_VRING_KICK for ring {i} without a descriptor"
+                                ),
+                                why: "polling rings are not supported".into(),
+                            });
                         };
                         if self.vrings[i as usize].pending.is_some() {
                             // Waiting for the IOTLB to translate the ring: start on the update.
@@ -274,9 +280,10 @@ impl<D: Device + 'static> Backend<D> {
                     )));
                 }
                 if self.acked & F_PROTOCOL_FEATURES == 0 {
-                    return Err(Error::NotNegotiated(
-                        "SET_VRING_ENABLE without negotiated protocol features".into(),
-                    ));
+                    return Err(Error::NotNegotiated {
+                        request: "SET_VRING_ENABLE",
+                        feature: "VHOST_USER_F_PROTOCOL_FEATURES",
+                    });
                 }
                 self.ring(request, i)?.enabled = on == 1;
                 if on == 1 && self.vrings[i as usize].started {
@@ -377,20 +384,20 @@ impl<D: Device + 'static> Backend<D> {
                 proto::exact(request, p, 0)?;
                 Ok(Some(u64::from(self.status).to_le_bytes().to_vec()))
             }
-            _ => Err(Error::Unsupported(format!(
-                "request {request} ({}) is not supported by this back end",
-                req::name(request)
-            ))),
+            _ => Err(Error::Unsupported {
+                request: format!("request {request} ({})", req::name(request)),
+                why: "not supported by this back end".into(),
+            }),
         }
     }
 
     /// Refuses an inflight request the frontend did not negotiate.
     fn inflight_negotiated(&self, request: u32) -> Result<()> {
         if self.protocol_acked & protocol::INFLIGHT_SHMFD == 0 {
-            return Err(Error::NotNegotiated(format!(
-                "{} without VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD negotiated",
-                req::name(request)
-            )));
+            return Err(Error::NotNegotiated {
+                request: req::name(request),
+                feature: "VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD",
+            });
         }
         Ok(())
     }

@@ -42,6 +42,7 @@ use memvisor_wire::WireError;
 use virtio_queue::{Queue, QueueT};
 
 pub use crate::device::Device;
+use crate::device::Processed;
 use crate::error::{Error, Result};
 pub use crate::live::{BackendLive, BackendStats};
 use crate::memory::{FrontendMemory, MAX_REGIONS, ProcessState};
@@ -52,8 +53,11 @@ use crate::wire::{self, Message};
 use crate::worker::{Lent, Worker};
 
 mod handle;
+pub(crate) mod service;
+
 use memvisor::{Access, Prot};
 use memvisor::{Backing, SharedLog};
+use service::Pass;
 use std::sync::Arc;
 
 /// How long a ring waits for the frontend to answer an IOTLB miss before the request fails.
@@ -220,23 +224,22 @@ impl<D: Device + 'static> Backend<D> {
 
     /// ORs what memvisor tracked since the last call into the frontend's log.
     fn drain_log(&mut self) -> Result<()> {
-        if let (Some(log), false) = (&self.log, self.log_disabled) {
-            let t0 = std::time::Instant::now();
-            let pages = self.memory.drain_dirty(log)?;
-            let p = self.live.protocol();
-            p.logged_pages.add(pages);
-            p.log_ns.add(t0.elapsed().as_nanos() as u64);
-            p.log_drains.add(1);
-        }
-        Ok(())
+        let log = self.log.as_deref().filter(|_| !self.log_disabled);
+        drain_log(&self.memory, log, &self.live)
     }
 
-    /// [`Backend::drain_log`] after requests ended, where a failure can only be reported: the
-    /// requests are done either way.
-    fn log_requests(&mut self) {
-        if let Err(e) = self.drain_log() {
-            log::error!("{}: dirty log: {e}", self.device.name());
-        }
+    /// The device apart from the rings held on this thread, for the ring service.
+    fn split(&mut self) -> (&mut D, Held<'_>, &FrontendMemory) {
+        let name = self.device.name();
+        let log = self.log.as_deref().filter(|_| !self.log_disabled);
+        let held = Held {
+            vrings: &mut self.vrings,
+            memory: &self.memory,
+            log,
+            live: &self.live,
+            name,
+        };
+        (&mut self.device, held, &self.memory)
     }
 
     /// The device.
@@ -400,23 +403,20 @@ impl<D: Device + 'static> Backend<D> {
 
     /// After a kick: serves rings with new requests, looking again and again until `budget`
     /// passed since the last one found or a message arrives (messages come first: one may take
-    /// memory away). An idle device sleeps; only a busy one spins.
+    /// memory away; [`service::spin`]).
     fn poll_rings(&mut self, sock: &UnixStream, budget: std::time::Duration) -> Result<()> {
-        let mut until = std::time::Instant::now() + budget;
-        loop {
+        service::spin(budget, sock.as_raw_fd(), || {
             self.reap(false);
+            let mut found = false;
             for i in 0..self.vrings.len() {
                 if self.has_requests(i) {
                     self.live.ring(i).poll_hits.add(1);
                     self.process(i)?;
-                    until = std::time::Instant::now() + budget;
+                    found = true;
                 }
             }
-            if poll_one(sock.as_raw_fd(), 0) || std::time::Instant::now() >= until {
-                return Ok(());
-            }
-            std::hint::spin_loop();
-        }
+            Ok(found)
+        })
     }
 
     /// Tells the live counters which rings run (for readers on other threads).
@@ -433,47 +433,14 @@ impl<D: Device + 'static> Backend<D> {
         let (true, true, None, Some(q)) = (v.started, v.enabled, v.miss_deadline, &v.queue) else {
             return false;
         };
-        let mem = self.memory.dma().memory();
-        q.pending_resubmits() > 0
-            || q.avail_idx(&mem, Ordering::Acquire)
-                .is_ok_and(|a| a.0 != q.next_avail())
+        service::has_requests(q, &self.memory)
     }
 
     /// Ends the device's work that has ended (with `wait`, all of it): chains go back to their
     /// rings, what they wrote into the frontend's dirty log, and their drivers are notified.
     fn reap(&mut self, wait: bool) {
-        let ended = self.collect_ended(wait);
-        if ended.is_empty() {
-            return;
-        }
-        // Logged before the guest is told, as in `process`.
-        self.log_requests();
-        self.tell_ended(&ended);
-    }
-
-    /// The device's transfers that have ended (with `wait`, all of them), their chains back on
-    /// their rings: the rings, each with whether its driver should be told.
-    fn collect_ended(&mut self, wait: bool) -> Vec<(u16, bool)> {
-        let mut rings: Vec<Option<&mut Ring>> =
-            self.vrings.iter_mut().map(|v| v.queue.as_mut()).collect();
-        match self.device.complete(&mut rings, &self.memory, wait) {
-            Ok(e) => e,
-            Err(e) => {
-                log::error!("{}: ending requests: {e}", self.device.name());
-                Vec::new()
-            }
-        }
-    }
-
-    /// Interrupts the drivers of the rings `collect_ended` said to tell (after the log).
-    fn tell_ended(&mut self, ended: &[(u16, bool)]) {
-        for &(i, notify) in ended {
-            if let (true, Some(v)) = (notify, self.vrings.get_mut(usize::from(i))) {
-                if let Some(c) = &mut v.call {
-                    let _ = c.write(&1u64.to_le_bytes());
-                }
-            }
-        }
+        let (device, mut held, memory) = self.split();
+        service::complete(device, &mut held, memory, wait);
     }
 
     /// The frontend's memory, to change: no worker holds it between messages.
@@ -533,14 +500,16 @@ impl<D: Device + 'static> Backend<D> {
                 call,
                 err,
             };
+            // Counted before the worker can serve a request, as `running` is.
+            let r = self.live.ring(i);
+            r.on_worker.store(true, Ordering::Relaxed);
             match Worker::start(lent) {
                 Ok(w) => {
-                    let r = self.live.ring(i);
                     r.lent.add(1);
-                    r.on_worker.store(true, Ordering::Relaxed);
                     self.workers.push(w);
                 }
                 Err(e) => {
+                    r.on_worker.store(false, Ordering::Relaxed);
                     // The lent ring went with the failed start: stop and say so.
                     log::error!("{}: ring {i}: {e}", self.device.name());
                     self.vrings[i].started = false;
@@ -556,6 +525,9 @@ impl<D: Device + 'static> Backend<D> {
         self.stop_workers();
         self.reap(true);
         let r = self.handle_message(sock, msg);
+        // Published before a worker can serve a request: a reader that saw the request end
+        // sees its ring running.
+        self.publish_rings();
         self.start_workers();
         r
     }
@@ -692,9 +664,12 @@ impl<D: Device + 'static> Backend<D> {
                 kind: proto::iotlb::MISS,
             }
             .bytes();
-            b.extend_from_slice(&proto::backend_req::IOTLB_MSG.to_le_bytes());
-            b.extend_from_slice(&proto::flags::VERSION.to_le_bytes());
-            b.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+            let header = proto::Header {
+                request: proto::backend_req::IOTLB_MSG,
+                flags: proto::flags::VERSION,
+                size: msg.len() as u32,
+            };
+            b.extend_from_slice(&header.bytes());
             b.extend_from_slice(&msg);
         }
         let Some(iova) = first else {
@@ -742,9 +717,12 @@ impl<D: Device + 'static> Backend<D> {
         if self.protocol_acked & wanted != wanted {
             return Ok(());
         }
-        let mut b = proto::backend_req::CONFIG_CHANGE_MSG.to_le_bytes().to_vec();
-        b.extend_from_slice(&proto::flags::VERSION.to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes());
+        let b = proto::Header {
+            request: proto::backend_req::CONFIG_CHANGE_MSG,
+            flags: proto::flags::VERSION,
+            size: 0,
+        }
+        .bytes();
         if let Err(e) = (&*ch).write_all(&b) {
             log::warn!("{}: config change message: {e}", self.device.name());
         }
@@ -787,16 +765,17 @@ impl<D: Device + 'static> Backend<D> {
 
     fn ring(&mut self, request: u32, index: u32) -> Result<&mut Vring> {
         let n = self.vrings.len();
-        self.vrings.get_mut(index as usize).ok_or_else(|| {
-            Error::BadRing(format!(
-                "{}: ring {index} does not exist (the device has {n})",
-                req::name(request)
-            ))
-        })
+        self.vrings
+            .get_mut(index as usize)
+            .ok_or_else(|| Error::NoSuchRing {
+                request: req::name(request),
+                index,
+                rings: n,
+            })
     }
 
     fn start_ring(&mut self, i: usize, kick: File) -> Result<()> {
-        let event_idx = self.acked & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let event_idx = self.acked & proto::F_EVENT_IDX != 0;
         let mem = self.memory.dma().memory();
         let max = self.queue_max();
         let v = &mut self.vrings[i];
@@ -892,32 +871,15 @@ impl<D: Device + 'static> Backend<D> {
                 return Ok(false);
             }
         }
+        let (device, mut held, memory) = self.split();
+        let live = held.live;
+        let r = service::pass(device, &mut held, i as u16, memory, live.ring(i));
         let v = &mut self.vrings[i];
-        let Some(q) = v.queue.as_mut() else {
-            return Ok(false);
-        };
-        let t0 = std::time::Instant::now();
-        let r = self.device.process(i as u16, q, &self.memory);
-        self.live
-            .ring(i)
-            .process_ns
-            .add(t0.elapsed().as_nanos() as u64);
-        // Transfers the kernel finished at once (the page cache) end now, not a poll later.
-        let ended = self.collect_ended(false);
-        // Completed requests — these and those `process` ended itself — are logged, in one
-        // drain, before the guest is told (and before the frontend can stop the ring and read
-        // the log for the last time).
-        self.log_requests();
-        self.tell_ended(&ended);
-        let again = r.is_ok() && !ended.is_empty() && self.has_requests(i);
-        let v = &mut self.vrings[i];
-        log::debug!(
-            "{}: ring {i} processed: {r:?}, call fd {}",
-            self.device.name(),
-            v.call.is_some()
-        );
         match r {
-            Err(Error::IotlbMiss { misses }) => {
+            Ok(Pass {
+                processed: Processed::Missed { misses },
+                ..
+            }) => {
                 // The chain was put back; ask for the translations (all its pages at once) and
                 // wait for them. Chains completed before it may be waiting for their interrupt:
                 // send it (a spurious one costs the driver a look at the used ring).
@@ -926,13 +888,9 @@ impl<D: Device + 'static> Backend<D> {
                     let _ = c.write(&1u64.to_le_bytes());
                 }
                 self.send_misses(Some(i), &misses);
+                Ok(false)
             }
-            Ok(true) => {
-                if let Some(c) = &mut v.call {
-                    let _ = c.write(&1u64.to_le_bytes());
-                }
-            }
-            Ok(false) => {}
+            Ok(pass) => Ok(pass.again),
             Err(e) => {
                 // The ring is broken (corrupt indexes): stop it and tell the frontend.
                 log::warn!("{}: ring {i} stopped: {e}", self.device.name());
@@ -940,9 +898,9 @@ impl<D: Device + 'static> Backend<D> {
                 if let Some(err) = &mut v.err {
                     let _ = err.write(&1u64.to_le_bytes());
                 }
+                Ok(false)
             }
         }
-        Ok(again)
     }
 
     /// Stops rings whose memory lies in a region about to go. Behind a vIOMMU ring addresses
@@ -993,8 +951,50 @@ impl<D: Device + 'static> Backend<D> {
     }
 }
 
-/// Virtio feature bit: used/available event indexes.
-pub const VIRTIO_RING_F_EVENT_IDX: u32 = 29;
+/// The rings held on the back end's thread (those not lent to a worker), for the ring service.
+struct Held<'a> {
+    vrings: &'a mut [Vring],
+    memory: &'a FrontendMemory,
+    log: Option<&'a SharedLog>,
+    live: &'a BackendLive,
+    name: &'static str,
+}
+
+impl service::Rings for Held<'_> {
+    fn ring(&mut self, index: u16) -> Option<&mut Ring> {
+        self.vrings.get_mut(usize::from(index))?.queue.as_mut()
+    }
+
+    fn log(&mut self) {
+        // After requests ended a failure can only be reported: they are done either way.
+        if let Err(e) = drain_log(self.memory, self.log, self.live) {
+            log::error!("{}: dirty log: {e}", self.name);
+        }
+    }
+
+    fn notify(&mut self, index: u16) {
+        let call = self
+            .vrings
+            .get_mut(usize::from(index))
+            .and_then(|v| v.call.as_mut());
+        if let Some(c) = call {
+            let _ = c.write(&1u64.to_le_bytes());
+        }
+    }
+}
+
+/// ORs what memvisor tracked since the last call into `log`, counted as the protocol thread's.
+fn drain_log(memory: &FrontendMemory, log: Option<&SharedLog>, live: &BackendLive) -> Result<()> {
+    if let Some(log) = log {
+        let t0 = std::time::Instant::now();
+        let pages = memory.drain_dirty(log)?;
+        let p = live.protocol();
+        p.logged_pages.add(pages);
+        p.log_ns.add(t0.elapsed().as_nanos() as u64);
+        p.log_drains.add(1);
+    }
+    Ok(())
+}
 
 fn queue_error(e: virtio_queue::Error) -> Error {
     Error::BadRing(format!("virtqueue: {e}"))

@@ -4,6 +4,7 @@
 //! queue with.
 
 use super::*;
+use crate::device::{Processed, Used};
 
 impl Device for Blk {
     fn name(&self) -> &'static str {
@@ -66,7 +67,12 @@ impl Device for Blk {
         }
     }
 
-    fn process(&mut self, index: u16, queue: &mut Ring, memory: &FrontendMemory) -> Result<bool> {
+    fn process(
+        &mut self,
+        index: u16,
+        queue: &mut Ring,
+        memory: &FrontendMemory,
+    ) -> Result<Processed> {
         let dma = memory.dma().clone();
         let mut batch = Vec::new();
         let mut any = false;
@@ -74,8 +80,12 @@ impl Device for Blk {
         // Whatever stopped the taking (the ring empty, a miss to ask about, a broken ring),
         // what it prepared goes to the kernel.
         self.launch(index, queue, &dma, &mut batch, &mut any);
-        taken?;
-        Ok(any && queue.needs_notification(&dma.memory()).unwrap_or(true))
+        if let Some(misses) = taken? {
+            return Ok(Processed::Missed { misses });
+        }
+        Ok(Processed::Served {
+            notify: any && queue.needs_notification(&dma.memory()).unwrap_or(true),
+        })
     }
 
     fn reset(&mut self) {
@@ -90,15 +100,9 @@ impl Device for Blk {
         self.disk.completion_fd()
     }
 
-    fn complete(
-        &mut self,
-        rings: &mut [Option<&mut Ring>],
-        memory: &FrontendMemory,
-        wait: bool,
-    ) -> Result<Vec<(u16, bool)>> {
+    fn complete(&mut self, memory: &FrontendMemory, wait: bool) -> Result<Vec<Used>> {
         let dma = memory.dma().clone();
-        let mem = dma.memory();
-        let mut touched = Vec::new();
+        let mut used = Vec::new();
         loop {
             #[allow(unused_mut)]
             let mut ended = self.disk.finished(wait);
@@ -152,39 +156,18 @@ impl Device for Blk {
                 };
                 self.free.push(slot);
                 let (_, written) = self.end_transfer(o.ring, &dma, o.status_at, o.ready, moved);
-                match rings
-                    .get_mut(usize::from(o.ring))
-                    .and_then(|r| r.as_deref_mut())
-                {
-                    Some(ring) => {
-                        if let Err(e) = ring.add_used(&mem, o.head, written) {
-                            log::warn!("blk: queue {}: cannot return head {}: {e}", o.ring, o.head);
-                        }
-                        touched.push(o.ring);
-                    }
-                    None => log::warn!(
-                        "blk: queue {} stopped before its request {} ended",
-                        o.ring,
-                        o.head
-                    ),
-                }
+                used.push(Used {
+                    ring: o.ring,
+                    head: o.head,
+                    len: written,
+                });
             }
             self.disk.submit();
             if !wait || self.disk.in_flight() == 0 {
                 break;
             }
         }
-        touched.sort_unstable();
-        touched.dedup();
-        Ok(touched
-            .into_iter()
-            .map(|i| {
-                let notify = rings[usize::from(i)]
-                    .as_deref_mut()
-                    .is_none_or(|r| r.needs_notification(&mem).unwrap_or(true));
-                (i, notify)
-            })
-            .collect())
+        Ok(used)
     }
 
     fn queue_worker(&self) -> Option<Blk> {

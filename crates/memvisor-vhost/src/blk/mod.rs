@@ -63,11 +63,12 @@ use memvisor::{Access, DmaSpace, Iova, Prot};
 use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::backend::{Device, VIRTIO_RING_F_EVENT_IDX};
+use crate::backend::Device;
 use crate::disk::{AlignedBuf, Disk, IN_FLIGHT, advance};
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 use crate::ring::{Desc as Buf, Ring};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 
 mod device;
 mod ranges;
@@ -552,7 +553,8 @@ impl Blk {
 
     /// Takes the available chains of queue `index`: requests done at once go back to the used
     /// ring, reads and writes ready for the kernel into `batch` (run when it is full, and by
-    /// the caller at the end). Sets `any` when something went back.
+    /// the caller at the end). Sets `any` when something went back. Returns the IOTLB misses
+    /// that stopped it, if any (the chain put back).
     fn take(
         &mut self,
         index: u16,
@@ -560,13 +562,12 @@ impl Blk {
         memory: &FrontendMemory,
         batch: &mut Vec<(u16, u64, Ready)>,
         any: &mut bool,
-    ) -> Result<()> {
+    ) -> Result<Option<Vec<memvisor::dma::Miss>>> {
         // Rings, descriptors and indirect tables are all read at device addresses, through
         // the device space (the IOTLB behind a vIOMMU).
         let dma = memory.dma().clone();
         let mem = dma.memory();
         let ask = memory.is_iotlb() && !self.fail_misses;
-        let miss = Error::miss;
         loop {
             // Heads a back end before this one left in flight come first (the driver kicked
             // for them long ago), then the available ring.
@@ -577,7 +578,7 @@ impl Blk {
                     Err(e) => {
                         if let (true, Some(m)) = (ask, mem.take_miss()) {
                             queue.resubmit_later(head);
-                            return Err(miss(m));
+                            return Ok(Some(vec![m]));
                         }
                         self.count(index).failed.add(1);
                         log::warn!("blk: queue {index}: request {head} left in flight: {e}");
@@ -593,7 +594,7 @@ impl Blk {
                         Ok(mut avail) => avail.next(),
                         Err(e) => {
                             if let (true, Some(m)) = (ask, mem.take_miss()) {
-                                return Err(miss(m));
+                                return Ok(Some(vec![m]));
                             }
                             return Err(Error::BadRing(format!(
                                 "queue {index}: available ring unusable: {e}"
@@ -602,7 +603,7 @@ impl Blk {
                     };
                     let Some(chain) = chain else {
                         if let (true, Some(m)) = (ask, mem.take_miss()) {
-                            return Err(miss(m));
+                            return Ok(Some(vec![m]));
                         }
                         // With event indexes, re-arm and look once more for a late arrival.
                         if queue.enable_notification(&mem).unwrap_or(false) {
@@ -642,7 +643,7 @@ impl Blk {
                         Some(head) => queue.resubmit_later(head),
                         None => queue.go_to_previous_position(),
                     }
-                    return Err(Error::IotlbMiss { misses });
+                    return Ok(Some(misses));
                 }
             }
             if redo.is_none() {
@@ -680,7 +681,7 @@ impl Blk {
             }
             *any = true;
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Hands the reads and writes of `batch` (taken from ring `index`) to the kernel; those
@@ -863,12 +864,12 @@ enum Started {
 /// The failure of a read or write the disk refused, with what it was.
 fn io_failure(e: Error, r: &Ready) -> Failure {
     match e {
-        Error::Os { .. } => Failure::Io(Error::Invalid(format!(
-            "{} of {} bytes at sector {}: {e}",
-            if r.to_guest { "read" } else { "write" },
-            r.total,
-            r.sector
-        ))),
+        Error::Os { .. } => Failure::Io(Error::Transfer {
+            to_guest: r.to_guest,
+            bytes: r.total,
+            sector: r.sector,
+            source: Box::new(e),
+        }),
         other => Failure::Other(other),
     }
 }
