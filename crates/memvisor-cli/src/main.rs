@@ -8,7 +8,7 @@
 //! back end conventions: `--socket-path` (alias `--socket`), `--fd N`, systemd socket
 //! activation, `--print-capabilities`, sd_notify readiness, `RUST_LOG`
 //! (docs/deploying.md). Test-only switches are not options: a `test-hooks` build reads them
-//! from `MEMVISOR_TEST_*` environment variables.
+//! from `MEMVISOR_TEST_*` environment variables, once (`serve::test_faults`).
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};

@@ -30,8 +30,9 @@
 //! ends the process there, exit status 0, after removing the sockets it bound; nothing was
 //! served, and no report is written.
 //!
-//! Test-only switches (feature `test-hooks`) are
-//! read from `MEMVISOR_TEST_*` environment variables, and exist in no other build.
+//! Test-only switches (feature `test-hooks`) are read from `MEMVISOR_TEST_*` environment
+//! variables once, by [`test_faults`] (`memvisor::faults::Faults::from_env`), and given to every
+//! back end, DMA space and server built here; they exist in no other build.
 
 use std::fs::OpenOptions;
 use std::os::unix::net::UnixListener;
@@ -221,16 +222,7 @@ pub fn blk(
     };
     let device = Blk::new(file, options)?;
     let live = device.live();
-    let mut backend = Backend::new(device)?;
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_NO_DIRTY_LOG").is_some() {
-        log::warn!("TEST ONLY: the migration dirty log stays empty; migrations lose device writes");
-        backend.disable_dirty_log_for_tests();
-    }
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_NO_DIRTY_SUMMARY").is_some() {
-        log::warn!("TEST ONLY: dirty marks skip the summary levels; drains miss them");
-    }
+    let mut backend = backend(device)?;
     if let Some(path) = record_iotlb {
         let f = std::fs::File::create(path)
             .with_context(|| format!("cannot create IOTLB recording {}", path.display()))?;
@@ -520,7 +512,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
         };
         let device = Blk::new(file, options)?;
         let live = device.live();
-        let mut backend = Backend::new(device)?;
+        let mut backend = backend(device)?;
         backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
         log::info!(
             "vhost-user-blk {id}: serving {} on {}",
@@ -554,7 +546,7 @@ pub fn serve(devices: &Devices) -> Result<ServeReport> {
         }
         let live = device.live();
         let queues = device.queues();
-        let mut backend = Backend::new(device)?;
+        let mut backend = backend(device)?;
         backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
         log::info!(
             "vhost-user-balloon {id}: serving on {} ({queues} rings)",
@@ -808,6 +800,28 @@ fn accept(listener: &UnixListener) -> Result<Option<UnixStream>> {
     }
 }
 
+/// A vhost-user back end for `device`; in a test-hooks build, with the faults of the process's
+/// environment ([`test_faults`]).
+fn backend<D: memvisor_vhost::Device + 'static>(device: D) -> memvisor_vhost::Result<Backend<D>> {
+    #[cfg(feature = "test-hooks")]
+    return Backend::with_faults(device, test_faults());
+    #[cfg(not(feature = "test-hooks"))]
+    Backend::new(device)
+}
+
+/// TEST ONLY (feature `test-hooks`): the faults the `MEMVISOR_TEST_*` environment variables ask
+/// for, parsed (and logged) once per process; the process's pin registry takes its switches
+/// from them the first time.
+#[cfg(feature = "test-hooks")]
+fn test_faults() -> memvisor::faults::Faults {
+    static FAULTS: std::sync::OnceLock<memvisor::faults::Faults> = std::sync::OnceLock::new();
+    *FAULTS.get_or_init(|| {
+        let faults = memvisor::faults::Faults::from_env();
+        PinRegistry::global().set_faults(&faults);
+        faults
+    })
+}
+
 /// Serves one client with a new server and device; returns once it is gone and (unless a
 /// test switch says otherwise) everything it had is released.
 fn serve_one(
@@ -818,23 +832,12 @@ fn serve_one(
     memvisor_vfio_user::Result<()>,
 )> {
     use memvisor_vfio_user::{DmaDev, Server};
-    let mut server = Server::new(sock, memvisor::DmaConfig::default(), DmaDev::new)
-        .context("vfio-user server")?;
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_IGNORE_UNMAP").is_some() {
-        log::warn!("TEST ONLY: DMA_UNMAP is answered without unmapping");
-        server.test_ignore_unmap();
-    }
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_UNMAP_BUSY").is_some() {
-        log::warn!("TEST ONLY: DMA_UNMAP is refused with EBUSY while the device holds pins");
-        server.test_busy_while_pinned();
-    }
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_LEAK_ON_HANGUP").is_some() {
-        log::warn!("TEST ONLY: a connection's mappings, locks and pins are kept after it ends");
-        server.test_leak_on_hangup();
-    }
+    let config = memvisor::DmaConfig {
+        #[cfg(feature = "test-hooks")]
+        faults: test_faults(),
+        ..memvisor::DmaConfig::default()
+    };
+    let mut server = Server::new(sock, config, DmaDev::new).context("vfio-user server")?;
     if let Some(f) = record {
         // Every connection appends to the one recording.
         let f = f.try_clone().context("the recording")?;

@@ -59,8 +59,8 @@
 //! migration "succeeded" with 5 pages lost.
 //!
 //! So the binding refuses rings (EOPNOTSUPP, "use the dirty bitmap") where `kvm_pvm` is loaded
-//! (`KvmSlots::with_options`; a test-hooks build lets them through with
-//! `MEMVISOR_TEST_RINGS_ON_PVM`, for the negative control and for tests whose guests exit after
+//! (`KvmSlots::with_options`; a test-hooks build lets them through with `Options::faults`'s
+//! `rings_on_pvm`, from `MEMVISOR_TEST_RINGS_ON_PVM` in the tests' environment, for the negative control and for tests whose guests exit after
 //! every write and so cannot outrun the reserve). Elsewhere the old check stays as a last line:
 //! a vCPU that is told the ring is full twice with no entry collected by anyone in between (it
 //! cannot have pushed one without a harvest seeing it) returns [`Error::RingOverrun`]

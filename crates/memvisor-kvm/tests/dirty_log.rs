@@ -236,10 +236,10 @@ fn ring_guest(name: &str, memory: u64) -> Option<Guest> {
     }
     drop(vm);
     for entries in RING_SIZES {
-        let options = Options {
+        let options = with_env_faults(Options {
             dirty_ring: Some(entries),
             ..Options::default()
-        };
+        });
         match try_guest(&kvm, options, memory) {
             Ok(g) => return Some(g),
             Err(e) if e.errno() == libc::EINVAL => continue,

@@ -33,8 +33,9 @@
 //! * [`client`] is a minimal frontend for tests and by-hand use, and [`fuzz`] a hostile one.
 //! * [`live`] holds the counters of a back end, its rings and its device, which other threads
 //!   read while it serves (a control socket's live statistics).
-//! * `hooks` (feature `test-hooks` only) holds the switches that break the back end on purpose
-//!   for the real-guest trials' negative controls.
+//! * `hooks` (feature `test-hooks` only) holds the two switches of `memvisor::faults::Faults`
+//!   (given to `Backend::with_faults`) that break the back end on purpose for the real-guest
+//!   trials' negative controls and take more than a flag's test where they act.
 //!
 //! Virtqueues are read with rust-vmm's `virtio-queue` over the device space's vm-memory view
 //! ([`memvisor::DmaMemory`]), addressed like the device's buffers (IOVAs behind a vIOMMU).

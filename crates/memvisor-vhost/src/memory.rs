@@ -93,6 +93,10 @@ pub struct FrontendMemory {
     /// (see the module documentation). Entries the guest invalidated since stay until retired
     /// (retiring them removes nothing) or the list passes [`RETIRE_LIST_MAX`].
     updates: VecDeque<(u64, u64)>,
+    /// TEST ONLY: the faults the back end was built with, given to every slot table and DMA
+    /// space made here and read by the devices ([`FrontendMemory::faults`]).
+    #[cfg(feature = "test-hooks")]
+    faults: memvisor::faults::Faults,
 }
 
 /// The most IOTLB updates remembered for retiring: four times the space's entries. Past it
@@ -120,7 +124,37 @@ impl FrontendMemory {
             logging: false,
             iotlb: false,
             updates: VecDeque::new(),
+            #[cfg(feature = "test-hooks")]
+            faults: memvisor::faults::Faults::default(),
         })
+    }
+
+    /// TEST ONLY (feature `test-hooks`): no memory yet, and `faults` for everything built over
+    /// it: its slot table's and DMA spaces' dirty bitmaps, and the devices that read
+    /// [`FrontendMemory::faults`].
+    #[cfg(feature = "test-hooks")]
+    pub fn with_faults(faults: memvisor::faults::Faults) -> Result<Self> {
+        let slots = SlotTable::with_faults(MAX_REGIONS as u32, faults);
+        let config = DmaConfig {
+            faults,
+            ..DmaConfig::default()
+        };
+        Ok(FrontendMemory {
+            held: Vec::new(),
+            space: SlotSpace::new(slots.clone()),
+            slots,
+            dma: Arc::new(DmaSpace::new(config)?),
+            logging: false,
+            iotlb: false,
+            updates: VecDeque::new(),
+            faults,
+        })
+    }
+
+    /// TEST ONLY (feature `test-hooks`): the faults the back end injects, for its devices.
+    #[cfg(feature = "test-hooks")]
+    pub fn faults(&self) -> &memvisor::faults::Faults {
+        &self.faults
     }
 
     /// Whether the device space is the frontend's IOTLB (else the identity over guest memory).
@@ -143,7 +177,12 @@ impl FrontendMemory {
 
     /// A new device space for the held regions: empty for an IOTLB, else the identity.
     fn fresh_space(&self, iotlb: bool) -> Result<Arc<DmaSpace>> {
-        let dma = Arc::new(DmaSpace::new(DmaConfig::default())?);
+        let config = DmaConfig {
+            #[cfg(feature = "test-hooks")]
+            faults: self.faults,
+            ..DmaConfig::default()
+        };
+        let dma = Arc::new(DmaSpace::new(config)?);
         if self.logging {
             dma.start_dirty_tracking()?;
         }

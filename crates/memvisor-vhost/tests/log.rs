@@ -29,13 +29,20 @@ fn logged(log: &std::fs::File, pages: u64) -> Vec<u64> {
 fn read_with_log(disable: bool) -> (Vec<u64>, u64) {
     let disk = memfd(MIB);
     let mut g = Guest::new(4 * MIB);
-    let mut backend = Backend::new(Blk::new(disk, BlkOptions::default()).unwrap()).unwrap();
-    if disable {
-        #[cfg(feature = "test-hooks")]
-        backend.disable_dirty_log_for_tests();
-        #[cfg(not(feature = "test-hooks"))]
-        unreachable!("the switch needs the test-hooks feature");
-    }
+    let device = Blk::new(disk, BlkOptions::default()).unwrap();
+    #[cfg(feature = "test-hooks")]
+    let mut backend = {
+        let faults = memvisor::faults::Faults {
+            no_dirty_log: disable,
+            ..Default::default()
+        };
+        Backend::with_faults(device, faults).unwrap()
+    };
+    #[cfg(not(feature = "test-hooks"))]
+    let mut backend = {
+        assert!(!disable, "the switch needs the test-hooks feature");
+        Backend::new(device).unwrap()
+    };
     let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
     let t = std::thread::spawn(move || {
         let stop = std::sync::atomic::AtomicBool::new(false);

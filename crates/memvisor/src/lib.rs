@@ -32,6 +32,8 @@ mod copy;
 pub mod discard;
 pub mod dma;
 pub mod error;
+#[cfg(feature = "test-hooks")]
+pub mod faults;
 mod pin;
 pub mod seeds;
 pub mod slots;

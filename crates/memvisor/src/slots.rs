@@ -614,6 +614,9 @@ struct Shared {
     current: ArcSwap<Snapshot>,
     writer: Mutex<()>,
     max_slots: u32,
+    /// TEST ONLY: the faults the table's dirty bitmaps are built with.
+    #[cfg(feature = "test-hooks")]
+    faults: crate::faults::Faults,
 }
 
 /// The memslot table. Cloning gives another handle to the same table.
@@ -651,6 +654,24 @@ impl SlotTable {
                 current: ArcSwap::from_pointee(Snapshot::build(0, Vec::new())),
                 writer: Mutex::new(()),
                 max_slots,
+                #[cfg(feature = "test-hooks")]
+                faults: crate::faults::Faults::default(),
+            }),
+        }
+    }
+
+    /// TEST ONLY (feature `test-hooks`): an empty table like [`SlotTable::with_max_slots`]
+    /// whose dirty bitmaps are built with `faults`
+    /// ([`Faults::no_dirty_summary`](crate::faults::Faults::no_dirty_summary)).
+    #[cfg(feature = "test-hooks")]
+    pub fn with_faults(max_slots: u32, faults: crate::faults::Faults) -> Self {
+        SlotTable {
+            shared: Arc::new(Shared {
+                generation: Padded(AtomicU64::new(0)),
+                current: ArcSwap::from_pointee(Snapshot::build(0, Vec::new())),
+                writer: Mutex::new(()),
+                max_slots,
+                faults,
             }),
         }
     }
@@ -665,7 +686,12 @@ impl SlotTable {
     pub fn update<T>(&self, edit: impl FnOnce(&mut SlotEdit) -> Result<T>) -> Result<T> {
         let _writer = lock(&self.shared.writer);
         let current = self.shared.current.load_full();
+        #[allow(unused_mut)]
         let mut draft = SlotEdit::from_snapshot(&current, self.shared.max_slots);
+        #[cfg(feature = "test-hooks")]
+        {
+            draft.faults = self.shared.faults;
+        }
         let value = edit(&mut draft)?;
         let generation = current.generation + 1;
         let slots = draft
@@ -791,6 +817,9 @@ pub struct SlotEdit {
     /// Guest start address -> id; slots never overlap, so this orders them.
     by_gpa: BTreeMap<u64, SlotId>,
     max_slots: u32,
+    /// TEST ONLY: the table's faults, for the bitmaps this batch starts.
+    #[cfg(feature = "test-hooks")]
+    faults: crate::faults::Faults,
 }
 
 impl SlotEdit {
@@ -803,7 +832,17 @@ impl SlotEdit {
                 .map(|s| (s.range.start().0, s.id))
                 .collect(),
             max_slots,
+            #[cfg(feature = "test-hooks")]
+            faults: crate::faults::Faults::default(),
         }
+    }
+
+    /// A clear dirty bitmap for `pages` pages, with the table's faults in a test-hooks build.
+    fn new_bitmap(&self, pages: u64) -> DirtyBitmap {
+        let bitmap = DirtyBitmap::new(pages);
+        #[cfg(feature = "test-hooks")]
+        let bitmap = bitmap.with_faults(&self.faults);
+        bitmap
     }
 
     /// Adds a slot to the batch; see [`SlotTable::insert`].
@@ -854,7 +893,7 @@ impl SlotEdit {
         let dirty = spec
             .flags
             .contains(SlotFlags::LOG_DIRTY)
-            .then(|| Arc::new(DirtyBitmap::new(spec.size >> PageSize::Size4K.shift())));
+            .then(|| Arc::new(self.new_bitmap(spec.size >> PageSize::Size4K.shift())));
         self.by_gpa.insert(range.start().0, spec.id);
         self.by_id.insert(
             spec.id,
@@ -889,9 +928,9 @@ impl SlotEdit {
         })?;
         let dirty = match (&old.dirty, flags.contains(SlotFlags::LOG_DIRTY)) {
             (Some(bitmap), true) => Some(bitmap.clone()),
-            (None, true) => Some(Arc::new(DirtyBitmap::new(
-                old.range.len() >> PageSize::Size4K.shift(),
-            ))),
+            (None, true) => Some(Arc::new(
+                self.new_bitmap(old.range.len() >> PageSize::Size4K.shift()),
+            )),
             (_, false) => None,
         };
         let new = Slot {

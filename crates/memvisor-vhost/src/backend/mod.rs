@@ -127,16 +127,32 @@ pub struct Backend<D: Device> {
     kicked_since_sleep: bool,
     /// What it counted, readable from other threads ([`Backend::live`]).
     live: BackendLive,
-    /// Test-only (`MEMVISOR_TEST_LEAK_ON_HANGUP`): what departed frontends left, kept.
+    /// Test-only ([`Faults::leak_on_hangup`](memvisor::faults::Faults::leak_on_hangup)): what
+    /// departed frontends left, kept.
     #[cfg(feature = "test-hooks")]
     leaked: Vec<Box<dyn std::any::Any + Send>>,
 }
 
 impl<D: Device + 'static> Backend<D> {
     /// A back end for `device`.
-    pub fn new(mut device: D) -> Result<Self> {
+    pub fn new(device: D) -> Result<Self> {
+        Self::over(device, FrontendMemory::new()?)
+    }
+
+    /// TEST ONLY (feature `test-hooks`): a back end for `device` that injects `faults` (the
+    /// server parses them once, with [`Faults::from_env`](memvisor::faults::Faults::from_env)).
+    /// The back end acts on its own switches and hands the rest to the device through its
+    /// memory ([`FrontendMemory::faults`], and the DMA spaces' and slot table's bitmaps).
+    #[cfg(feature = "test-hooks")]
+    pub fn with_faults(device: D, faults: memvisor::faults::Faults) -> Result<Self> {
+        let mut backend = Self::over(device, FrontendMemory::with_faults(faults)?)?;
+        backend.log_disabled = faults.no_dirty_log;
+        Ok(backend)
+    }
+
+    /// A back end for `device` over `memory`, which has no regions yet.
+    fn over(mut device: D, memory: FrontendMemory) -> Result<Self> {
         let n = device.queues() as usize;
-        let memory = FrontendMemory::new()?;
         device.attach(&memory)?;
         Ok(Backend {
             device,
@@ -160,14 +176,6 @@ impl<D: Device + 'static> Backend<D> {
             #[cfg(feature = "test-hooks")]
             leaked: Vec::new(),
         })
-    }
-
-    /// Test-only (feature `test-hooks`): track dirty pages but never write them to the
-    /// frontend's log, so a migration loses what the device wrote. The migration trial's
-    /// negative control uses it to show that its check can fail; nothing else should.
-    #[cfg(feature = "test-hooks")]
-    pub fn disable_dirty_log_for_tests(&mut self) {
-        self.log_disabled = true;
     }
 
     /// How many unmapped pages of one request (or ring) the back end asks for at once behind a
@@ -764,18 +772,19 @@ impl<D: Device + 'static> Backend<D> {
         };
         let offered = PROTOCOL | self.device.protocol_features() | log;
         #[cfg(feature = "test-hooks")]
-        if crate::hooks::no_inflight() {
+        if self.memory.faults().no_inflight {
             return offered & !protocol::INFLIGHT_SHMFD;
         }
         offered
     }
 
     /// The largest ring the device takes ([`Device::queue_max`]); a test-hooks build may lower
-    /// it (`MEMVISOR_TEST_MAX_QUEUE_SIZE`, the queue-size trial's negative control).
+    /// it ([`Faults::max_queue_size`](memvisor::faults::Faults::max_queue_size), the queue-size
+    /// trials' negative control).
     fn queue_max(&self) -> u16 {
         let max = self.device.queue_max();
         #[cfg(feature = "test-hooks")]
-        if let Some(cap) = crate::hooks::max_queue_size() {
+        if let Some(cap) = self.memory.faults().max_queue_size {
             return max.min(cap);
         }
         max
