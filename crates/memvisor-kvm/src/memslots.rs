@@ -95,8 +95,19 @@ use vmm_sys_util::ioctl::ioctl_with_ref;
 use crate::error::{Error, Result};
 use crate::ring::Rings;
 
-const KVMIO: u32 = 0xAE;
-vmm_sys_util::ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
+/// `KVM_CLEAR_DIRTY_LOG`, which kvm-ioctls does not wrap.
+mod ioctls {
+    // vmm-sys-util's macro makes a `pub fn` and takes no doc comment.
+    #![allow(missing_docs)]
+    const KVMIO: u32 = 0xAE;
+    vmm_sys_util::ioctl_iowr_nr!(
+        KVM_CLEAR_DIRTY_LOG,
+        KVMIO,
+        0xc0,
+        kvm_bindings::kvm_clear_dirty_log
+    );
+}
+use ioctls::KVM_CLEAR_DIRTY_LOG;
 
 const PAGE_SHIFT: u32 = 12;
 

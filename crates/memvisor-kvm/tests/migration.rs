@@ -153,13 +153,19 @@ fn device_space(table: &SlotTable) -> DmaSpace {
     dma
 }
 
-const KVMIO: u32 = 0xAE;
-vmm_sys_util::ioctl_iowr_nr!(
-    KVM_CLEAR_DIRTY_LOG,
-    KVMIO,
-    0xc0,
-    kvm_bindings::kvm_clear_dirty_log
-);
+/// `KVM_CLEAR_DIRTY_LOG`, for the clear-before-read control.
+mod ioctls {
+    // vmm-sys-util's macro makes a `pub fn` and takes no doc comment.
+    #![allow(missing_docs)]
+    const KVMIO: u32 = 0xAE;
+    vmm_sys_util::ioctl_iowr_nr!(
+        KVM_CLEAR_DIRTY_LOG,
+        KVMIO,
+        0xc0,
+        kvm_bindings::kvm_clear_dirty_log
+    );
+}
+use ioctls::KVM_CLEAR_DIRTY_LOG;
 
 fn or_bits(words: &mut [u64], page: u64, bits: u64) {
     for b in 0..64 {

@@ -27,6 +27,8 @@
 
 pub mod client;
 pub mod conn;
+// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
+#[allow(missing_docs)]
 pub mod dmadev;
 pub mod error;
 pub mod fuzz;

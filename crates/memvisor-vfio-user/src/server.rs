@@ -231,18 +231,23 @@ pub struct ServerStats {
     pub peak_mappings: u64,
     /// `DMA_MAP`s without a descriptor: memory reached with `DMA_READ` / `DMA_WRITE`.
     pub dma_maps_remote: u64,
-    /// `DMA_READ` / `DMA_WRITE` requests the device's copies sent, their data bytes, and those
-    /// that failed (client error or no reply).
+    /// `DMA_READ` requests the device's copies sent to the client.
     pub peer_reads: u64,
+    /// `DMA_WRITE` requests the device's copies sent to the client.
     pub peer_writes: u64,
+    /// Data bytes those requests carried.
     pub peer_bytes: u64,
+    /// Those that failed (client error or no reply).
     pub peer_errors: u64,
     /// Mappings when the connection ended (before the server dropped them).
     pub mappings_at_end: u64,
-    /// Nanoseconds spent in `DMA_MAP` / `DMA_UNMAP` handling, from parse to table change.
+    /// Nanoseconds spent in `DMA_MAP` handling, from parse to table change.
     pub map_ns: u64,
+    /// Nanoseconds spent in `DMA_UNMAP` handling, from parse to table change.
     pub unmap_ns: u64,
+    /// `REGION_READ`s answered (the device's registers and config space).
     pub region_reads: u64,
+    /// `REGION_WRITE`s answered.
     pub region_writes: u64,
     /// Interrupts signalled through eventfds.
     pub irqs_signalled: u64,
@@ -252,9 +257,10 @@ pub struct ServerStats {
     pub pinned_pages_at_end: u64,
     /// Bytes the process still had locked after the server dropped its mappings: must be 0.
     pub locked_bytes_at_end: u64,
-    /// Runs of pages the registry held with long-term pins, and runs the kernel refused that
-    /// were mlocked instead ([`PinRegistry::long_term_counts`]; 0 unless turned on).
+    /// Runs of pages the registry held with long-term pins
+    /// ([`PinRegistry::long_term_counts`]; 0 unless turned on).
     pub long_term_pins: u64,
+    /// Runs the kernel refused to pin long-term, mlocked instead.
     pub long_term_fallbacks: u64,
     /// Bytes long-term pins still held after the server dropped its mappings: must be 0.
     pub long_term_bytes_at_end: u64,

@@ -47,6 +47,8 @@
 #![cfg(target_os = "linux")]
 
 pub mod backend;
+// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
+#[allow(missing_docs)]
 pub mod balloon;
 pub mod blk;
 pub mod blockdev;
@@ -59,12 +61,18 @@ pub mod fuzz;
 mod hooks;
 pub mod image_format;
 pub mod image_lock;
+// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
+#[allow(missing_docs)]
 pub mod live;
 pub mod memory;
 pub mod miss;
 pub mod pin_cost;
 pub mod proto;
+// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
+#[allow(missing_docs)]
 pub mod record;
+// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
+#[allow(missing_docs)]
 pub mod ring;
 pub mod wire;
 mod worker;

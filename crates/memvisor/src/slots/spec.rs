@@ -69,11 +69,17 @@ impl fmt::Debug for SlotFlags {
 /// What to install: `size` bytes of `backing` starting at `offset`, seen by the guest at `gpa`.
 #[derive(Clone, Debug)]
 pub struct SlotSpec {
+    /// The slot's number; below the table's `max_slots`.
     pub id: SlotId,
+    /// Guest physical address of the slot's first byte; page-aligned.
     pub gpa: Gpa,
+    /// Bytes the slot covers; a whole number of pages, within the backing.
     pub size: u64,
+    /// The memory behind the slot.
     pub backing: Arc<Backing>,
+    /// Where in `backing` the slot's first byte is; page-aligned.
     pub offset: u64,
+    /// `READ_ONLY`, `LOG_DIRTY`.
     pub flags: SlotFlags,
 }
 
