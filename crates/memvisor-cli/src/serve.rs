@@ -31,7 +31,7 @@
 //! served, and no report is written.
 //!
 //! Test-only switches (feature `test-hooks`) are read from `MEMVISOR_TEST_*` environment
-//! variables once, by [`test_faults`] (`memvisor::faults::Faults::from_env`), and given to every
+//! variables once, by `test_faults` (`memvisor::faults::Faults::from_env`), and given to every
 //! back end, DMA space and server built here; they exist in no other build.
 
 use std::fs::OpenOptions;

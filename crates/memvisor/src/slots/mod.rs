@@ -1,6 +1,6 @@
 //! The memslot table: guest physical addresses to host virtual addresses.
 //!
-//! A VM's RAM is a set of slots, each mapping a guest-physical range onto part of a [`Backing`].
+//! A VM's RAM is a set of slots, each mapping a guest-physical range onto part of a [`Backing`](crate::Backing).
 //! The table is read far more often than it changes — every emulated device access, every vCPU
 //! exit that touches guest memory translates an address — so readers never lock:
 //!
