@@ -264,10 +264,10 @@ fn merged_log_with_dirty_rings_reports_exactly_the_pages_written() {
     let entries = g.slots.rings().unwrap().entries();
     drop(g);
     run(
-        Options {
+        with_env_faults(Options {
             dirty_ring: Some(entries),
             ..Options::default()
-        },
+        }),
         "dirty log (dirty ring)",
     );
 }
