@@ -6,7 +6,7 @@
 //! back end conventions: `--socket-path` (alias `--socket`), `--fd N`, systemd socket
 //! activation, `--print-capabilities`, sd_notify readiness, `RUST_LOG`
 //! (docs/deploying.md). Test-only switches are not options: a `test-hooks` build reads them
-//! from `MEMVISOR_TEST_*` environment variables.
+//! from `MEMVISOR_TEST_*` environment variables, once (`start_server`).
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
@@ -254,15 +254,22 @@ fn print_capabilities(caps: serde_json::Value) -> Result<()> {
 
 /// What every server does first: the log, the signals, the sockets systemd passed; and the
 /// process state every device shares (its mappings of guest memory and its pin registry), made
-/// here once and handed to each.
+/// here once and handed to each (in a test-hooks build, with the faults the environment asks
+/// for).
 fn start_server() -> Result<ProcessState> {
     serve::init_logging()?;
     memvisor_cli::listener::take_from_environment()?;
     serve::stop_on_signals();
-    Ok(ProcessState::new(
-        SharedMappings::global(),
-        PinRegistry::global(),
-    ))
+    let state = ProcessState::new(SharedMappings::global(), PinRegistry::global());
+    // TEST ONLY: the `MEMVISOR_TEST_*` switches, parsed (and logged) here once and given to
+    // everything built over the state.
+    #[cfg(feature = "test-hooks")]
+    let state = {
+        let faults = memvisor::faults::Faults::from_env();
+        state.registry.set_faults(&faults);
+        state.with_faults(faults)
+    };
+    Ok(state)
 }
 
 fn run_blk(args: &BlkArgs) -> Result<()> {

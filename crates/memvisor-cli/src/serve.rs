@@ -30,8 +30,9 @@
 //! ends the process there, exit status 0, after removing the sockets it bound; nothing was
 //! served, and no report is written.
 //!
-//! Test-only switches (feature `test-hooks`) are
-//! read from `MEMVISOR_TEST_*` environment variables, and exist in no other build.
+//! Test-only switches (feature `test-hooks`) are read from `MEMVISOR_TEST_*` environment
+//! variables once, by `start_server` in main.rs (`memvisor::faults::Faults::from_env`), and given to every
+//! back end, DMA space and server built here; they exist in no other build.
 
 use std::fs::OpenOptions;
 use std::os::unix::net::UnixListener;
@@ -225,15 +226,6 @@ pub fn blk(
     let device = Blk::new(file, options)?;
     let live = device.live();
     let mut backend = Backend::new(device, state)?;
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_NO_DIRTY_LOG").is_some() {
-        log::warn!("TEST ONLY: the migration dirty log stays empty; migrations lose device writes");
-        backend.disable_dirty_log_for_tests();
-    }
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_NO_DIRTY_SUMMARY").is_some() {
-        log::warn!("TEST ONLY: dirty marks skip the summary levels; drains miss them");
-    }
     if let Some(path) = record_iotlb {
         record_iotlb_to(&mut backend, path)?;
     }
@@ -824,26 +816,13 @@ fn serve_one(
     use memvisor_vfio_user::{DmaDev, Server};
     let config = memvisor::DmaConfig {
         registry: Some(state.registry.clone()),
+        #[cfg(feature = "test-hooks")]
+        faults: state.faults,
         ..memvisor::DmaConfig::default()
     };
     #[cfg_attr(not(feature = "test-hooks"), allow(unused_mut))]
     let mut server = Server::new(sock, config, state.mappings.clone(), DmaDev::new)
         .context("vfio-user server")?;
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_IGNORE_UNMAP").is_some() {
-        log::warn!("TEST ONLY: DMA_UNMAP is answered without unmapping");
-        server.test_ignore_unmap();
-    }
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_UNMAP_BUSY").is_some() {
-        log::warn!("TEST ONLY: DMA_UNMAP is refused with EBUSY while the device holds pins");
-        server.test_busy_while_pinned();
-    }
-    #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_LEAK_ON_HANGUP").is_some() {
-        log::warn!("TEST ONLY: a connection's mappings, locks and pins are kept after it ends");
-        server.test_leak_on_hangup();
-    }
     if let Some(f) = record {
         #[cfg(feature = "test-hooks")]
         {

@@ -320,10 +320,8 @@ fn a_running_server_reports_its_devices_live_and_takes_commands() {
 
     // SIGUSR1: the --stats report, written now, the server going on.
     // SAFETY: a signal to the child this test started.
-    assert_eq!(
-        unsafe { libc::kill(server.0.id() as i32, libc::SIGUSR1) },
-        0
-    );
+    let sent = unsafe { libc::kill(server.0.id() as i32, libc::SIGUSR1) };
+    assert_eq!(sent, 0);
     wait_for(&stats);
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     assert_eq!(

@@ -20,21 +20,32 @@ pub enum Error {
         strerror(*errno)
     )]
     Memslot {
+        /// The ioctl (`KVM_SET_USER_MEMORY_REGION` or `..._REGION2`).
         op: &'static str,
+        /// The memvisor slot being installed.
         slot: SlotId,
+        /// The KVM memslot number it was given.
         kvm_slot: u32,
+        /// Guest physical address of the region.
         gpa: u64,
+        /// Its size in bytes.
         size: u64,
+        /// Host address of its memory.
         hva: u64,
+        /// The KVM memslot flags asked for (`KVM_MEM_*`).
         flags: u32,
+        /// The errno KVM answered.
         errno: i32,
     },
 
     /// Any other KVM ioctl failed.
     #[error("{op} ({what}) failed: {}", strerror(*errno))]
     Kvm {
+        /// The ioctl.
         op: &'static str,
+        /// What it was for.
         what: String,
+        /// The errno KVM answered.
         errno: i32,
     },
 
@@ -43,12 +54,22 @@ pub enum Error {
         "no free KVM memslot for memvisor slot {slot}: {used} of {limit} in use \
          (KVM_CAP_NR_MEMSLOTS); remove a slot first"
     )]
-    NoMemslot { slot: SlotId, used: u32, limit: u32 },
+    NoMemslot {
+        /// The memvisor slot that found no KVM memslot.
+        slot: SlotId,
+        /// KVM memslots in use.
+        used: u32,
+        /// KVM memslots there are (`KVM_CAP_NR_MEMSLOTS`).
+        limit: u32,
+    },
 
     /// A slot the table has and KVM does not hold (the last sync failed on it): ENOENT, as
     /// `KVM_GET_DIRTY_LOG` answers for an absent slot.
     #[error("memvisor slot {slot} is not installed in KVM (a sync failed on it); call sync again")]
-    NotInKvm { slot: SlotId },
+    NotInKvm {
+        /// The memvisor slot.
+        slot: SlotId,
+    },
 
     /// KVM pushed more entries into a vCPU's dirty ring than it holds (entries, and the writes
     /// they named, are lost): EOVERFLOW. See the `ring` module; use the bitmap on this host.
@@ -56,7 +77,10 @@ pub enum Error {
         "KVM overran a {entries}-entry dirty ring (it reports the ring full while no entry is \
          dirty): dirty pages were lost; restart the migration with the dirty bitmap"
     )]
-    RingOverrun { entries: u32 },
+    RingOverrun {
+        /// Entries in each vCPU's ring.
+        entries: u32,
+    },
 
     /// memvisor refused the change or the access.
     #[error(transparent)]

@@ -95,8 +95,19 @@ use vmm_sys_util::ioctl::ioctl_with_ref;
 use crate::error::{Error, Result};
 use crate::ring::Rings;
 
-const KVMIO: u32 = 0xAE;
-vmm_sys_util::ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
+/// `KVM_CLEAR_DIRTY_LOG`, which kvm-ioctls does not wrap.
+mod ioctls {
+    // vmm-sys-util's macro makes a `pub fn` and takes no doc comment.
+    #![allow(missing_docs)]
+    const KVMIO: u32 = 0xAE;
+    vmm_sys_util::ioctl_iowr_nr!(
+        KVM_CLEAR_DIRTY_LOG,
+        KVMIO,
+        0xc0,
+        kvm_bindings::kvm_clear_dirty_log
+    );
+}
+use ioctls::KVM_CLEAR_DIRTY_LOG;
 
 const PAGE_SHIFT: u32 = 12;
 
@@ -147,6 +158,11 @@ pub struct Options {
     /// Refused with EOPNOTSUPP where KVM lacks the capability and on a KVM known to overrun
     /// rings (PVM: see the `ring` module); use the bitmap (`None`) there.
     pub dirty_ring: Option<u32>,
+    /// TEST ONLY (feature `test-hooks`): the faults the binding injects
+    /// ([`Faults::rings_on_pvm`](memvisor::faults::Faults::rings_on_pvm) lets dirty rings
+    /// through on PVM). Off by default.
+    #[cfg(feature = "test-hooks")]
+    pub faults: memvisor::faults::Faults,
 }
 
 impl Default for Options {
@@ -157,6 +173,8 @@ impl Default for Options {
             // 256 MiB of 4 KiB pages per call.
             clear_chunk_pages: 1 << 16,
             dirty_ring: None,
+            #[cfg(feature = "test-hooks")]
+            faults: memvisor::faults::Faults::default(),
         }
     }
 }
@@ -336,7 +354,7 @@ impl KvmSlots {
         let caps = KvmCaps::probe(&vm);
         let rings = match options.dirty_ring {
             None => None,
-            Some(entries) => Some(Arc::new(enable_rings(&vm, &caps, entries)?)),
+            Some(entries) => Some(Arc::new(enable_rings(&vm, &caps, entries, &options)?)),
         };
         // With rings KVM keeps no bitmap: there is nothing to protect by hand.
         let manual = options.manual_protect && caps.manual_protect && rings.is_none();
@@ -943,20 +961,22 @@ impl Drop for KvmSlots {
 /// Where this host's KVM is known to overrun dirty rings (the `ring` module), the proof of it:
 /// PVM's module, `/sys/module/kvm_pvm`. Erring on the safe side: with PVM loaded at all, rings
 /// are refused (the bitmap works on every KVM).
-fn overrunning_kvm() -> Option<&'static str> {
+fn overrunning_kvm(options: &Options) -> Option<&'static str> {
     const PVM: &str = "/sys/module/kvm_pvm";
     #[cfg(feature = "test-hooks")]
-    if std::env::var_os("MEMVISOR_TEST_RINGS_ON_PVM").is_some() {
+    if options.faults.rings_on_pvm {
         // TEST ONLY: the negative control that shows the refusal matters, and the ring tests
         // whose guests exit after every write (they cannot push past the ring's reserve).
         return None;
     }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = options;
     std::path::Path::new(PVM).exists().then_some(PVM)
 }
 
 /// Turns on KVM's dirty rings of `entries` entries per vCPU: refused (EOPNOTSUPP) without the
 /// capability or on a KVM known to overrun them.
-fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32) -> Result<Rings> {
+fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32, options: &Options) -> Result<Rings> {
     let bytes = u64::from(entries) * size_of::<kvm_bindings::kvm_dirty_gfn>() as u64;
     if caps.dirty_ring_bytes == 0 {
         return Err(memvisor::Error::Unsupported {
@@ -965,7 +985,7 @@ fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32) -> Result<Rings> {
         }
         .into());
     }
-    if let Some(module) = overrunning_kvm() {
+    if let Some(module) = overrunning_kvm(options) {
         return Err(memvisor::Error::Unsupported {
             what: "per-vCPU dirty rings",
             why: format!(

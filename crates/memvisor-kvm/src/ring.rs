@@ -59,8 +59,8 @@
 //! migration "succeeded" with 5 pages lost.
 //!
 //! So the binding refuses rings (EOPNOTSUPP, "use the dirty bitmap") where `kvm_pvm` is loaded
-//! (`KvmSlots::with_options`; a test-hooks build lets them through with
-//! `MEMVISOR_TEST_RINGS_ON_PVM`, for the negative control and for tests whose guests exit after
+//! (`KvmSlots::with_options`; a test-hooks build lets them through with `Options::faults`'s
+//! `rings_on_pvm`, from `MEMVISOR_TEST_RINGS_ON_PVM` in the tests' environment, for the negative control and for tests whose guests exit after
 //! every write and so cannot outrun the reserve). Elsewhere the old check stays as a last line:
 //! a vCPU that is told the ring is full twice with no entry collected by anyone in between (it
 //! cannot have pushed one without a harvest seeing it) returns [`Error::RingOverrun`]
@@ -81,8 +81,14 @@ use vmm_sys_util::ioctl::ioctl;
 
 use crate::error::{Error, Result};
 
-const KVMIO: u32 = 0xAE;
-vmm_sys_util::ioctl_io_nr!(KVM_RESET_DIRTY_RINGS, KVMIO, 0xc7);
+/// `KVM_RESET_DIRTY_RINGS`, which kvm-ioctls does not wrap.
+mod ioctls {
+    // vmm-sys-util's macro makes a `pub fn` and takes no doc comment.
+    #![allow(missing_docs)]
+    const KVMIO: u32 = 0xAE;
+    vmm_sys_util::ioctl_io_nr!(KVM_RESET_DIRTY_RINGS, KVMIO, 0xc7);
+}
+use ioctls::KVM_RESET_DIRTY_RINGS;
 
 /// The entry holds a dirty page (KVM sets it).
 const GFN_DIRTY: u32 = 1;

@@ -245,10 +245,10 @@ fn ring_guest(name: &str, memory: u64) -> Option<Guest> {
     }
     drop(vm);
     for entries in RING_SIZES {
-        let options = Options {
+        let options = with_env_faults(Options {
             dirty_ring: Some(entries),
             ..Options::default()
-        };
+        });
         match try_guest(&kvm, options, memory) {
             Ok(g) => return Some(g),
             Err(e) if e.errno() == libc::EINVAL => continue,
@@ -273,10 +273,10 @@ fn merged_log_with_dirty_rings_reports_exactly_the_pages_written() {
     let entries = g.slots.rings().unwrap().entries();
     drop(g);
     run(
-        Options {
+        with_env_faults(Options {
             dirty_ring: Some(entries),
             ..Options::default()
-        },
+        }),
         "dirty log (dirty ring)",
     );
 }

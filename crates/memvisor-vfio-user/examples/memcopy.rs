@@ -47,11 +47,16 @@ use memvisor_vfio_user::proto::region_flags;
 use memvisor_vfio_user::server::PCI_DEVICE;
 use memvisor_vfio_user::{Device, Error, IrqInfo, Port, RegionInfo, Result, Server};
 
-/// Register offsets in BAR0.
+// Register offsets in BAR0.
+/// BAR0 register: the IOVA to copy from (64 bits).
 pub const SRC: u64 = 0x00;
+/// BAR0 register: the IOVA to copy to (64 bits).
 pub const DST: u64 = 0x08;
+/// BAR0 register: bytes to copy (32 bits).
 pub const LEN: u64 = 0x10;
+/// BAR0 register: a write starts the copy.
 pub const GO: u64 = 0x14;
+/// BAR0 register: the outcome of the last copy.
 pub const RESULT: u64 = 0x18;
 /// Largest copy.
 pub const MAX_LEN: u32 = 64 << 10;

@@ -73,6 +73,7 @@ pub struct Conn {
 }
 
 impl Conn {
+    /// A connection over `sock`, with no request of its own outstanding yet.
     pub fn new(sock: UnixStream) -> Conn {
         Conn {
             sock,

@@ -17,6 +17,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// What went wrong.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A `DMA_MAP` / `DMA_UNMAP` with flags, descriptors or a dirty bitmap type1 would refuse,
     /// or a `DMA_READ` reply that answers another range (EINVAL). Refusals of the DMA table

@@ -28,21 +28,37 @@ pub const MAX_FDS: usize = 16;
 
 /// Commands (the header's `command`).
 pub mod cmd {
+    /// Negotiates the protocol version and capabilities (the first message).
     pub const VERSION: u16 = 1;
+    /// Adds a DMA mapping, with the memory's descriptor or none (remote memory).
     pub const DMA_MAP: u16 = 2;
+    /// Removes DMA mappings, optionally returning their dirty bitmap.
     pub const DMA_UNMAP: u16 = 3;
+    /// Asks for the device's flags and its numbers of regions and interrupt kinds.
     pub const DEVICE_GET_INFO: u16 = 4;
+    /// Asks for one region's size, flags and capabilities.
     pub const DEVICE_GET_REGION_INFO: u16 = 5;
+    /// Asks for descriptors that reach a region without messages.
     pub const DEVICE_GET_REGION_IO_FDS: u16 = 6;
+    /// Asks for one interrupt kind's count and flags.
     pub const DEVICE_GET_IRQ_INFO: u16 = 7;
+    /// Sets up, triggers, masks or unmasks interrupts.
     pub const DEVICE_SET_IRQS: u16 = 8;
+    /// Reads bytes of a device region.
     pub const REGION_READ: u16 = 9;
+    /// Writes bytes of a device region.
     pub const REGION_WRITE: u16 = 10;
+    /// The server asks the client for bytes of memory mapped without a descriptor.
     pub const DMA_READ: u16 = 11;
+    /// The server writes bytes of memory mapped without a descriptor through the client.
     pub const DMA_WRITE: u16 = 12;
+    /// Resets the device.
     pub const DEVICE_RESET: u16 = 13;
+    /// Starts, stops or reads dirty page logging (the protocol's old migration interface).
     pub const DIRTY_PAGES: u16 = 14;
+    /// Several small posted region writes in one message.
     pub const REGION_WRITE_MULTI: u16 = 15;
+    /// Gets or sets a device feature (the newer migration interface among them).
     pub const DEVICE_FEATURE: u16 = 16;
 
     /// The command's name, for logs and error messages.
@@ -71,25 +87,35 @@ pub mod cmd {
 
 /// Header flags.
 pub mod flags {
+    /// The bits that hold the message's type.
     pub const TYPE_MASK: u32 = 0xf;
+    /// Type: a command.
     pub const COMMAND: u32 = 0;
+    /// Type: a reply to a command.
     pub const REPLY: u32 = 1;
+    /// The sender wants no reply (posted writes).
     pub const NO_REPLY: u32 = 0x10;
+    /// A reply that reports a failure; `error` holds the errno.
     pub const ERROR: u32 = 0x20;
 }
 
 /// A message header.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Header {
+    /// The message's id; a reply carries its command's.
     pub id: u16,
+    /// The command (`cmd::*`).
     pub command: u16,
     /// The whole message, header included.
     pub size: u32,
+    /// Type and option bits (`flags::*`).
     pub flags: u32,
+    /// The errno of an error reply; 0 otherwise.
     pub error: u32,
 }
 
 impl Header {
+    /// The header in `b`, as sent; its fields are checked by whoever reads the message.
     pub fn parse(b: &[u8; HEADER]) -> Header {
         Header {
             id: u16::from_le_bytes([b[0], b[1]]),
@@ -100,6 +126,7 @@ impl Header {
         }
     }
 
+    /// The header as it goes on the wire.
     pub fn to_bytes(self) -> [u8; HEADER] {
         let mut b = [0u8; HEADER];
         b[0..2].copy_from_slice(&self.id.to_le_bytes());
@@ -151,13 +178,16 @@ fn check_argsz(command: u16, argsz: u32, fixed: usize, body: usize) -> Result<()
 /// `VFIO_USER_VERSION`: `major: u16, minor: u16`, then a NUL-terminated JSON object.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Version {
+    /// Major protocol version (0).
     pub major: u16,
+    /// Minor protocol version.
     pub minor: u16,
     /// The JSON text (without its NUL), empty if none was sent.
     pub json: String,
 }
 
 impl Version {
+    /// The body of a `VERSION` message or reply; EINVAL if it is short or its JSON not UTF-8.
     pub fn parse(body: &[u8]) -> Result<Version> {
         need(cmd::VERSION, body, 4)?;
         let text = &body[4..];
@@ -171,6 +201,7 @@ impl Version {
         })
     }
 
+    /// The body as it goes on the wire, the JSON NUL-terminated.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(5 + self.json.len());
         b.extend_from_slice(&self.major.to_le_bytes());
@@ -183,13 +214,17 @@ impl Version {
 
 /// `DMA_MAP` flags (`VFIO_DMA_MAP_FLAG_*`).
 pub mod map_flags {
+    /// The device may read the memory.
     pub const READ: u32 = 1;
+    /// The device may write the memory.
     pub const WRITE: u32 = 2;
 }
 
 /// `DMA_UNMAP` flags (`VFIO_DMA_UNMAP_FLAG_*`, as Linux numbers them).
 pub mod unmap_flags {
+    /// Return the range's dirty bitmap in the reply.
     pub const GET_DIRTY_BITMAP: u32 = 1;
+    /// Unmap everything (`iova` and `size` must be 0).
     pub const ALL: u32 = 2;
 }
 
@@ -197,17 +232,23 @@ pub mod unmap_flags {
 /// (0 or 1) comes with it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DmaMap {
+    /// Bytes of the request's body as the client counts them.
     pub argsz: u32,
+    /// `map_flags::*`.
     pub flags: u32,
     /// Offset of the mapped range in the descriptor's file.
     pub offset: u64,
+    /// The IOVA the mapping starts at.
     pub iova: u64,
+    /// Its length in bytes.
     pub size: u64,
 }
 
 impl DmaMap {
+    /// Bytes of the body.
     pub const SIZE: usize = 32;
 
+    /// The body of a `DMA_MAP`; EINVAL if it is short or its `argsz` wrong.
     pub fn parse(body: &[u8]) -> Result<DmaMap> {
         need(cmd::DMA_MAP, body, Self::SIZE)?;
         let m = DmaMap {
@@ -221,6 +262,7 @@ impl DmaMap {
         Ok(m)
     }
 
+    /// The body as it goes on the wire.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(Self::SIZE);
         b.extend_from_slice(&self.argsz.to_le_bytes());
@@ -237,18 +279,25 @@ impl DmaMap {
 /// adds the bitmap.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DmaUnmap {
+    /// Bytes of the request's body as the client counts them.
     pub argsz: u32,
+    /// `unmap_flags::*`.
     pub flags: u32,
+    /// The first IOVA to unmap.
     pub iova: u64,
+    /// Bytes to unmap; in the reply, bytes unmapped.
     pub size: u64,
     /// `(pgsize, bitmap bytes)` when GET_DIRTY_BITMAP is set.
     pub bitmap: Option<(u64, u64)>,
 }
 
 impl DmaUnmap {
+    /// Bytes of the body without the bitmap description.
     pub const SIZE: usize = 24;
+    /// Bytes of the bitmap description (`pgsize, size: u64`).
     pub const BITMAP: usize = 16;
 
+    /// The body of a `DMA_UNMAP`; EINVAL for unknown flags, a short body or a wrong `argsz`.
     pub fn parse(body: &[u8]) -> Result<DmaUnmap> {
         need(cmd::DMA_UNMAP, body, Self::SIZE)?;
         let flags = u32_at(body, 4);
@@ -281,6 +330,7 @@ impl DmaUnmap {
         Ok(u)
     }
 
+    /// The body as it goes on the wire (the bitmap description when there is one).
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(Self::SIZE + Self::BITMAP);
         b.extend_from_slice(&self.argsz.to_le_bytes());
@@ -297,35 +347,53 @@ impl DmaUnmap {
 
 /// `DEVICE_GET_INFO` flags (`VFIO_DEVICE_FLAGS_*`).
 pub mod device_flags {
+    /// The device can be reset.
     pub const RESET: u32 = 1;
+    /// A PCI device.
     pub const PCI: u32 = 2;
 }
 
 /// `DEVICE_GET_REGION_INFO` flags (`VFIO_REGION_INFO_FLAG_*`).
 pub mod region_flags {
+    /// The region can be read.
     pub const READ: u32 = 1;
+    /// The region can be written.
     pub const WRITE: u32 = 2;
+    /// The region can be mapped (its descriptor comes with the reply).
     pub const MMAP: u32 = 4;
+    /// Capabilities follow the reply's fixed part.
     pub const CAPS: u32 = 8;
 }
 
 /// `DEVICE_GET_IRQ_INFO` flags (`VFIO_IRQ_INFO_*`).
 pub mod irq_info_flags {
+    /// The interrupts can be signalled through eventfds.
     pub const EVENTFD: u32 = 1;
+    /// They can be masked.
     pub const MASKABLE: u32 = 2;
+    /// They mask themselves when they fire (level-triggered).
     pub const AUTOMASKED: u32 = 4;
+    /// Their count cannot change once set up.
     pub const NORESIZE: u32 = 8;
 }
 
 /// `DEVICE_SET_IRQS` flags (`VFIO_IRQ_SET_*`): one data type, one action.
 pub mod irq_set_flags {
+    /// No data: the action applies to every interrupt in the range.
     pub const DATA_NONE: u32 = 1;
+    /// One byte per interrupt: the action applies where it is 1.
     pub const DATA_BOOL: u32 = 2;
+    /// One eventfd per interrupt, as descriptors (-1 removes one).
     pub const DATA_EVENTFD: u32 = 4;
+    /// The data-type bits.
     pub const DATA_MASK: u32 = 7;
+    /// Mask the interrupts.
     pub const ACTION_MASK: u32 = 8;
+    /// Unmask them.
     pub const ACTION_UNMASK: u32 = 16;
+    /// Trigger them, or set the eventfds that signal them.
     pub const ACTION_TRIGGER: u32 = 32;
+    /// The action bits.
     pub const ACTION_ALL: u32 = 56;
 }
 
@@ -347,16 +415,24 @@ pub fn info_request(command: u16, body: &[u8]) -> Result<(u32, u32)> {
 /// `count` bytes; eventfds come as descriptors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IrqSet {
+    /// Bytes of the request's body as the client counts them.
     pub argsz: u32,
+    /// One `irq_set_flags::DATA_*` and one `ACTION_*`.
     pub flags: u32,
+    /// The interrupt kind (INTx, MSI, MSI-X, ...).
     pub index: u32,
+    /// The first interrupt of that kind the request is about.
     pub start: u32,
+    /// How many, from `start`.
     pub count: u32,
 }
 
 impl IrqSet {
+    /// Bytes of the fixed part.
     pub const SIZE: usize = 20;
 
+    /// The fixed part of a `DEVICE_SET_IRQS`; EINVAL if it is short, its `argsz` wrong, or its
+    /// flags name other than one data type and one action.
     pub fn parse(body: &[u8]) -> Result<IrqSet> {
         need(cmd::DEVICE_SET_IRQS, body, Self::SIZE)?;
         let s = IrqSet {
@@ -383,14 +459,20 @@ impl IrqSet {
 /// replies) `count` bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RegionAccess {
+    /// Byte offset in the region.
     pub offset: u64,
+    /// The region's index.
     pub region: u32,
+    /// Bytes to read or written.
     pub count: u32,
 }
 
 impl RegionAccess {
+    /// Bytes of the fixed part.
     pub const SIZE: usize = 16;
 
+    /// The fixed part of a `REGION_READ` or `REGION_WRITE`; EINVAL if it is short, asks for more
+    /// than [`MAX_DATA_XFER`], or (a write) carries other than `count` bytes of data.
     pub fn parse(command: u16, body: &[u8]) -> Result<RegionAccess> {
         need(command, body, Self::SIZE)?;
         let a = RegionAccess {
@@ -415,6 +497,7 @@ impl RegionAccess {
         Ok(a)
     }
 
+    /// The fixed part as it goes on the wire.
     pub fn to_bytes(&self) -> [u8; 16] {
         let mut b = [0u8; 16];
         b[0..8].copy_from_slice(&self.offset.to_le_bytes());

@@ -231,18 +231,23 @@ pub struct ServerStats {
     pub peak_mappings: u64,
     /// `DMA_MAP`s without a descriptor: memory reached with `DMA_READ` / `DMA_WRITE`.
     pub dma_maps_remote: u64,
-    /// `DMA_READ` / `DMA_WRITE` requests the device's copies sent, their data bytes, and those
-    /// that failed (client error or no reply).
+    /// `DMA_READ` requests the device's copies sent to the client.
     pub peer_reads: u64,
+    /// `DMA_WRITE` requests the device's copies sent to the client.
     pub peer_writes: u64,
+    /// Data bytes those requests carried.
     pub peer_bytes: u64,
+    /// Those that failed (client error or no reply).
     pub peer_errors: u64,
     /// Mappings when the connection ended (before the server dropped them).
     pub mappings_at_end: u64,
-    /// Nanoseconds spent in `DMA_MAP` / `DMA_UNMAP` handling, from parse to table change.
+    /// Nanoseconds spent in `DMA_MAP` handling, from parse to table change.
     pub map_ns: u64,
+    /// Nanoseconds spent in `DMA_UNMAP` handling, from parse to table change.
     pub unmap_ns: u64,
+    /// `REGION_READ`s answered (the device's registers and config space).
     pub region_reads: u64,
+    /// `REGION_WRITE`s answered.
     pub region_writes: u64,
     /// Interrupts signalled through eventfds.
     pub irqs_signalled: u64,
@@ -252,9 +257,10 @@ pub struct ServerStats {
     pub pinned_pages_at_end: u64,
     /// Bytes the process still had locked after the server dropped its mappings: must be 0.
     pub locked_bytes_at_end: u64,
-    /// Runs of pages the registry held with long-term pins, and runs the kernel refused that
-    /// were mlocked instead ([`PinRegistry::long_term_counts`]; 0 unless turned on).
+    /// Runs of pages the registry held with long-term pins
+    /// ([`PinRegistry::long_term_counts`]; 0 unless turned on).
     pub long_term_pins: u64,
+    /// Runs the kernel refused to pin long-term, mlocked instead.
     pub long_term_fallbacks: u64,
     /// Bytes long-term pins still held after the server dropped its mappings: must be 0.
     pub long_term_bytes_at_end: u64,
@@ -275,22 +281,32 @@ pub struct Server<D: Device> {
     /// The process's mappings of client memory (handed in by [`Server::new`]).
     mappings: SharedMappings,
     versioned: bool,
-    /// TEST ONLY (feature `test-hooks`): ranges "unmapped" but left in the table, dropped when
-    /// a map needs the room.
+    /// TEST ONLY (feature `test-hooks`,
+    /// [`Faults::ignore_unmap`](memvisor::faults::Faults::ignore_unmap) in the config's faults):
+    /// ranges "unmapped" but left in the table, dropped when a map needs the room — a broken IOMMU
+    /// that forgets to invalidate. The device keeps reaching memory the guest took away; the
+    /// real-guest trial's negative control shows it notices.
     #[cfg(feature = "test-hooks")]
     zombies: Option<Vec<(u64, u64)>>,
-    /// TEST ONLY (feature `test-hooks`): answer `DMA_UNMAP` with EBUSY while the device holds
-    /// pins, as before issue 31, instead of waiting for them.
+    /// TEST ONLY (feature `test-hooks`,
+    /// [`Faults::unmap_busy`](memvisor::faults::Faults::unmap_busy)): answer `DMA_UNMAP` with
+    /// EBUSY, changing nothing, while the device holds pins, as before issue 31, instead of waiting
+    /// for them. A client that takes a refused unmap as done then has its device write memory it
+    /// took back; the real-guest trial's race phase must catch that.
     #[cfg(feature = "test-hooks")]
     busy_while_pinned: bool,
-    /// TEST ONLY (feature `test-hooks`): at the end of the connection keep its DMA table,
-    /// mappings, locks and socket alive forever instead of releasing them.
+    /// TEST ONLY (feature `test-hooks`,
+    /// [`Faults::leak_on_hangup`](memvisor::faults::Faults::leak_on_hangup)): when the connection
+    /// ends, neither stop the device nor unmap anything: the port (its DMA table, every mapping of
+    /// the client's memory, the locks and pins in it, the socket) is kept in [`LEAKED`] for the
+    /// life of the process. The client-dies trial's `/proc` checks must catch it.
     #[cfg(feature = "test-hooks")]
     leak_on_hangup: bool,
 }
 
-/// TEST ONLY (feature `test-hooks`): the ports of connections [`Server::test_leak_on_hangup`]
-/// kept, with their DMA tables and everything mapped, locked or pinned through them.
+/// TEST ONLY (feature `test-hooks`): the ports of connections a server with
+/// [`Faults::leak_on_hangup`](memvisor::faults::Faults::leak_on_hangup) kept, with their DMA
+/// tables and everything mapped, locked or pinned through them.
 #[cfg(feature = "test-hooks")]
 static LEAKED: Mutex<Vec<Arc<Port>>> = Mutex::new(Vec::new());
 
@@ -307,6 +323,8 @@ impl<D: Device> Server<D> {
         make: impl FnOnce(Arc<Port>) -> D,
     ) -> Result<Server<D>> {
         let registry = config.registry.clone().unwrap_or_else(PinRegistry::global);
+        #[cfg(feature = "test-hooks")]
+        let faults = config.faults;
         let dma = Arc::new(DmaSpace::new(config)?);
         let conn = Arc::new(Conn::new(sock));
         let port = Arc::new(Port {
@@ -328,30 +346,12 @@ impl<D: Device> Server<D> {
             mappings,
             versioned: false,
             #[cfg(feature = "test-hooks")]
-            zombies: None,
+            zombies: faults.ignore_unmap.then(Vec::new),
             #[cfg(feature = "test-hooks")]
-            busy_while_pinned: false,
+            busy_while_pinned: faults.unmap_busy,
             #[cfg(feature = "test-hooks")]
-            leak_on_hangup: false,
+            leak_on_hangup: faults.leak_on_hangup,
         })
-    }
-
-    /// TEST ONLY (feature `test-hooks`): refuse `DMA_UNMAP` with EBUSY, changing nothing,
-    /// whenever the device holds pins — the server before it waited for the device. A client
-    /// that takes a refused unmap as done then has its device write memory it took back; the
-    /// real-guest trial's race phase must catch that.
-    #[cfg(feature = "test-hooks")]
-    pub fn test_busy_while_pinned(&mut self) {
-        self.busy_while_pinned = true;
-    }
-
-    /// TEST ONLY (feature `test-hooks`): when the connection ends, neither stop the device nor
-    /// unmap anything: the port (its DMA table, every mapping of the client's memory, the locks
-    /// and pins in it, the socket) is kept in a static for the life of the process — a server
-    /// that leaks what a dead client had. The client-dies trial's `/proc` checks must catch it.
-    #[cfg(feature = "test-hooks")]
-    pub fn test_leak_on_hangup(&mut self) {
-        self.leak_on_hangup = true;
     }
 
     /// Runs `unmap` on the table. If the device keeps its pins in the range past the table's
@@ -385,15 +385,6 @@ impl<D: Device> Server<D> {
     #[cfg(feature = "test-hooks")]
     pub fn record_to(&mut self, out: Box<dyn Write + Send>) {
         self.record = Some(out);
-    }
-
-    /// TEST ONLY (feature `test-hooks`): answer `DMA_UNMAP` as done but leave the mappings in
-    /// place until a later map needs their IOVAs — a broken IOMMU that forgets to invalidate.
-    /// The device keeps reaching memory the guest took away; the real-guest trial's negative
-    /// control shows it notices.
-    #[cfg(feature = "test-hooks")]
-    pub fn test_ignore_unmap(&mut self) {
-        self.zombies = Some(Vec::new());
     }
 
     /// The device's port.
@@ -673,8 +664,8 @@ impl<D: Device> Server<D> {
         Ok(Vec::new())
     }
 
-    /// TEST ONLY (`test_ignore_unmap`): really unmaps the "unmapped" ranges a new map of
-    /// `[iova, iova + size)` needs.
+    /// TEST ONLY ([`Faults::ignore_unmap`](memvisor::faults::Faults::ignore_unmap)): really unmaps
+    /// the "unmapped" ranges a new map of `[iova, iova + size)` needs.
     #[cfg(feature = "test-hooks")]
     fn drop_zombies(&mut self, iova: u64, size: u64) {
         let Some(z) = self.zombies.as_mut() else {

@@ -194,17 +194,12 @@ fn wait_irq(fd: &OwnedFd) {
         revents: 0,
     };
     // SAFETY: polls one live pollfd.
-    assert_eq!(
-        unsafe { libc::poll(&mut p, 1, 10_000) },
-        1,
-        "no MSI in 10 s"
-    );
+    let ready = unsafe { libc::poll(&mut p, 1, 10_000) };
+    assert_eq!(ready, 1, "no MSI in 10 s");
     let mut v = [0u8; 8];
     // SAFETY: reads 8 bytes into a live buffer.
-    assert_eq!(
-        unsafe { libc::read(fd.as_raw_fd(), v.as_mut_ptr().cast(), 8) },
-        8
-    );
+    let read = unsafe { libc::read(fd.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+    assert_eq!(read, 8);
 }
 
 const DESC: u64 = 0x10_0000;
@@ -547,10 +542,8 @@ impl PeerMemory {
                 },
             ];
             // SAFETY: polls two live pollfds.
-            assert!(
-                unsafe { libc::poll(p.as_mut_ptr(), 2, 10_000) } > 0,
-                "stuck"
-            );
+            let ready = unsafe { libc::poll(p.as_mut_ptr(), 2, 10_000) };
+            assert!(ready > 0, "stuck");
             if p[1].revents & libc::POLLIN != 0 {
                 answered |= self.answer(c);
                 continue;

@@ -149,6 +149,12 @@ pub struct BalloonDevice {
     /// When a deflation below the target was last logged at info, and the pages since.
     oom_logged: Option<std::time::Instant>,
     oom_unlogged: u64,
+    /// TEST ONLY ([`Faults::balloon_stats_frozen`](memvisor::faults::Faults::balloon_stats_frozen),
+    /// from the memory at attach): keep the driver's statistics buffer and never ask for a
+    /// fresh one, so only the figures the driver primed the queue with arrive; the real-guest
+    /// statistics trial must then FAIL.
+    #[cfg(feature = "test-hooks")]
+    stats_frozen: bool,
 }
 
 /// The least time between two info lines about deflations below the target.
@@ -172,6 +178,8 @@ impl BalloonDevice {
             target,
             oom_logged: None,
             oom_unlogged: 0,
+            #[cfg(feature = "test-hooks")]
+            stats_frozen: false,
         }
     }
 
@@ -249,6 +257,8 @@ impl BalloonDevice {
         _memory: &FrontendMemory,
     ) -> Result<bool> {
         let interval = self.stats_interval;
+        #[cfg(feature = "test-hooks")]
+        let frozen = self.stats_frozen;
         let model = self.model()?;
         // The balloon completes every chain before it returns (the statistics buffer it holds
         // is the driver's to resend, not a request) and offers no inflight log: the queue alone
@@ -264,7 +274,7 @@ impl BalloonDevice {
                         .stats_held_since()
                         .is_some_and(|t| t.elapsed() >= interval);
                 #[cfg(feature = "test-hooks")]
-                let due = due && !crate::hooks::balloon_stats_frozen();
+                let due = due && !frozen;
                 let asked = due && model.request_stats(queue)?;
                 let returned = model.process_stats(queue)?;
                 self.publish_stats();
@@ -294,6 +304,10 @@ impl Device for BalloonDevice {
             self.queue_max,
         )?;
         self.model = Some(model);
+        #[cfg(feature = "test-hooks")]
+        {
+            self.stats_frozen = memory.faults().balloon_stats_frozen;
+        }
         Ok(())
     }
 
@@ -410,7 +424,7 @@ impl Device for BalloonDevice {
             return None;
         }
         #[cfg(feature = "test-hooks")]
-        if crate::hooks::balloon_stats_frozen() {
+        if self.stats_frozen {
             return None;
         }
         Some(STATS_QUEUE_INDEX)

@@ -33,8 +33,9 @@
 //!   kit's recorder sees a connection's IOTLB traffic, for `memvisor-bench iotlb` to replay.
 //! * [`live`] holds the counters of a back end, its rings and its device, which other threads
 //!   read while it serves (a control socket's live statistics).
-//! * `hooks` (feature `test-hooks` only) holds the switches that break the back end on purpose
-//!   for the real-guest trials' negative controls.
+//! * `hooks` (feature `test-hooks` only) holds the two switches of `memvisor::faults::Faults`
+//!   (given in `ProcessState::with_faults`) that break the back end on purpose for the real-guest
+//!   trials' negative controls and take more than a flag's test where they act.
 //!
 //! Virtqueues are read with rust-vmm's `virtio-queue` over the device space's vm-memory view
 //! ([`memvisor::DmaMemory`]), addressed like the device's buffers (IOVAs behind a vIOMMU).
@@ -46,6 +47,8 @@
 #![cfg(target_os = "linux")]
 
 pub mod backend;
+// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
+#[allow(missing_docs)]
 pub mod balloon;
 pub mod blk;
 pub mod blockdev;
@@ -56,6 +59,8 @@ pub mod error;
 mod hooks;
 pub mod image_format;
 pub mod image_lock;
+// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
+#[allow(missing_docs)]
 pub mod live;
 pub mod memory;
 pub mod miss;

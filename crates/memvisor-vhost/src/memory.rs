@@ -86,8 +86,6 @@ struct Held {
 /// The frontend's memory: regions, slots, and the device address space over them.
 pub struct FrontendMemory {
     held: Vec<Held>,
-    /// The process's mappings of received descriptors, shared by every back end.
-    mappings: SharedMappings,
     slots: SlotTable,
     space: SlotSpace,
     dma: Arc<DmaSpace>,
@@ -97,6 +95,9 @@ pub struct FrontendMemory {
     /// (see the module documentation). Entries the guest invalidated since stay until retired
     /// (retiring them removes nothing) or the list passes [`RETIRE_LIST_MAX`].
     updates: VecDeque<(u64, u64)>,
+    /// The process state this memory maps through (and, in a test-hooks build, the faults it
+    /// injects).
+    state: ProcessState,
 }
 
 /// The most IOTLB updates remembered for retiring: four times the space's entries. Past it
@@ -124,13 +125,42 @@ pub struct ProcessState {
     pub mappings: SharedMappings,
     /// The pin registry the back ends' device spaces pin through.
     pub registry: Arc<PinRegistry>,
+    /// TEST ONLY (feature `test-hooks`): the faults the server parsed once
+    /// ([`Faults::from_env`](memvisor::faults::Faults::from_env)), given to every back end, slot
+    /// table and device space built over this state, and read by the devices
+    /// ([`FrontendMemory::faults`]).
+    #[cfg(feature = "test-hooks")]
+    pub faults: memvisor::faults::Faults,
 }
 
 impl ProcessState {
     /// The state of a process whose back ends map through `mappings` and pin through
     /// `registry`.
     pub fn new(mappings: SharedMappings, registry: Arc<PinRegistry>) -> ProcessState {
-        ProcessState { mappings, registry }
+        ProcessState {
+            mappings,
+            registry,
+            #[cfg(feature = "test-hooks")]
+            faults: memvisor::faults::Faults::default(),
+        }
+    }
+
+    /// TEST ONLY (feature `test-hooks`): this state with `faults` injected into everything
+    /// built over it.
+    #[cfg(feature = "test-hooks")]
+    pub fn with_faults(self, faults: memvisor::faults::Faults) -> ProcessState {
+        ProcessState { faults, ..self }
+    }
+
+    /// The configuration of a new device space over this state: its pin registry (and, in a
+    /// test-hooks build, its faults).
+    fn dma_config(&self) -> DmaConfig {
+        DmaConfig {
+            registry: Some(self.registry.clone()),
+            #[cfg(feature = "test-hooks")]
+            faults: self.faults,
+            ..DmaConfig::default()
+        }
     }
 }
 
@@ -138,21 +168,26 @@ impl FrontendMemory {
     /// No memory yet; descriptors will be mapped through `state`'s mappings, and the device
     /// space pins through its registry.
     pub fn new(state: &ProcessState) -> Result<Self> {
+        #[cfg(feature = "test-hooks")]
+        let slots = SlotTable::with_faults(MAX_REGIONS as u32, state.faults);
+        #[cfg(not(feature = "test-hooks"))]
         let slots = SlotTable::with_max_slots(MAX_REGIONS as u32);
-        let config = DmaConfig {
-            registry: Some(state.registry.clone()),
-            ..DmaConfig::default()
-        };
         Ok(FrontendMemory {
             held: Vec::new(),
-            mappings: state.mappings.clone(),
+            state: state.clone(),
             space: SlotSpace::new(slots.clone()),
             slots,
-            dma: Arc::new(DmaSpace::new(config)?),
+            dma: Arc::new(DmaSpace::new(state.dma_config())?),
             logging: false,
             iotlb: false,
             updates: VecDeque::new(),
         })
+    }
+
+    /// TEST ONLY (feature `test-hooks`): the faults the back end injects, for its devices.
+    #[cfg(feature = "test-hooks")]
+    pub fn faults(&self) -> &memvisor::faults::Faults {
+        &self.state.faults
     }
 
     /// Whether the device space is the frontend's IOTLB (else the identity over guest memory).
@@ -175,7 +210,7 @@ impl FrontendMemory {
 
     /// A new device space for the held regions: empty for an IOTLB, else the identity.
     fn fresh_space(&self, iotlb: bool) -> Result<Arc<DmaSpace>> {
-        let dma = Arc::new(DmaSpace::new(DmaConfig::default())?);
+        let dma = Arc::new(DmaSpace::new(self.state.dma_config())?);
         if self.logging {
             dma.start_dirty_tracking()?;
         }
@@ -424,7 +459,7 @@ impl FrontendMemory {
             held.push(h);
         }
         let covers: Vec<Region> = held.iter().map(|h| h.cover).collect();
-        let backings = map_all(&self.mappings, &covers, fds)?;
+        let backings = map_all(&self.state.mappings, &covers, fds)?;
         let old: Vec<u32> = self.held.iter().map(|h| h.slot).collect();
         let flags = self.slot_flags();
         self.slots.update(|edit| {
@@ -506,7 +541,7 @@ impl FrontendMemory {
         let slot = (0..MAX_REGIONS as u32)
             .find(|id| self.held.iter().all(|h| h.slot != *id))
             .expect("fewer regions than slots");
-        let backing = map_all(&self.mappings, &[cover], vec![fd])?.remove(0);
+        let backing = map_all(&self.state.mappings, &[cover], vec![fd])?.remove(0);
         self.slots
             .insert(SlotSpec::new(slot, Gpa(cover.gpa), backing).flags(self.slot_flags()))?;
         let snap = self.slots.snapshot();

@@ -29,20 +29,19 @@ fn logged(log: &std::fs::File, pages: u64) -> Vec<u64> {
 fn read_with_log(disable: bool) -> (Vec<u64>, u64) {
     let disk = memfd(MIB);
     let mut g = Guest::new(4 * MIB);
-    let mut backend = Backend::new(
-        Blk::new(disk, BlkOptions::default()).unwrap(),
-        &memvisor_vhost::ProcessState::new(
-            memvisor::SharedMappings::global(),
-            memvisor::PinRegistry::global(),
-        ),
-    )
-    .unwrap();
-    if disable {
-        #[cfg(feature = "test-hooks")]
-        backend.disable_dirty_log_for_tests();
-        #[cfg(not(feature = "test-hooks"))]
-        unreachable!("the switch needs the test-hooks feature");
-    }
+    let device = Blk::new(disk, BlkOptions::default()).unwrap();
+    let state = memvisor_vhost::ProcessState::new(
+        memvisor::SharedMappings::global(),
+        memvisor::PinRegistry::global(),
+    );
+    #[cfg(feature = "test-hooks")]
+    let state = state.with_faults(memvisor::faults::Faults {
+        no_dirty_log: disable,
+        ..Default::default()
+    });
+    #[cfg(not(feature = "test-hooks"))]
+    assert!(!disable, "the switch needs the test-hooks feature");
+    let mut backend = Backend::new(device, &state).unwrap();
     let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
     let t = std::thread::spawn(move || {
         let stop = std::sync::atomic::AtomicBool::new(false);

@@ -61,6 +61,7 @@ impl fmt::Display for Size {
 
 /// What went wrong on the wire.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum WireError {
     /// The peer closed the connection, or reset it (ECONNRESET).
     #[error("the peer closed the connection")]

@@ -60,10 +60,18 @@ pub enum BackingKind {
     Hugetlb(PageSize),
     /// A regular file at `path`, created or extended to the backing's size.
     /// `shared: false` maps it copy-on-write: writes stay in this process.
-    File { path: PathBuf, shared: bool },
+    File {
+        /// The file to map.
+        path: PathBuf,
+        /// `true` maps it shared (writes reach the file and its other users); `false` copy-on-write.
+        shared: bool,
+    },
     /// A shared file descriptor received from another process, mapped from a file offset (see
     /// [`Backing::from_fd`]); `page_size` is the file system's (hugetlbfs: its huge page size).
-    Received { page_size: PageSize },
+    Received {
+        /// The file system's page size: 4 KiB, or hugetlbfs's huge page size.
+        page_size: PageSize,
+    },
 }
 
 impl BackingKind {

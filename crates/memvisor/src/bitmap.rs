@@ -60,15 +60,10 @@ pub struct DirtyBitmap {
     /// last level has at most one word.
     levels: Box<[Box<[AtomicU64]>]>,
     pages: u64,
-}
-
-/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_NO_DIRTY_SUMMARY` set, marks set the
-/// page bits and no summary bit, so drains miss them — the negative control of the migration
-/// trial (`guest/trial.sh mig --no-summary`), which must then find stale memory.
-#[cfg(feature = "test-hooks")]
-fn summary_off_for_tests() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OFF.get_or_init(|| std::env::var_os("MEMVISOR_TEST_NO_DIRTY_SUMMARY").is_some())
+    /// TEST ONLY ([`Faults::no_dirty_summary`](crate::faults::Faults::no_dirty_summary)): marks
+    /// set the page bits and no summary bit, so drains miss them.
+    #[cfg(feature = "test-hooks")]
+    no_summary: bool,
 }
 
 /// The number of words of each level for `pages` pages: page words first, then summaries up to
@@ -100,7 +95,22 @@ impl DirtyBitmap {
             .into_iter()
             .map(|n| (0..n).map(|_| AtomicU64::new(0)).collect())
             .collect();
-        DirtyBitmap { levels, pages }
+        DirtyBitmap {
+            levels,
+            pages,
+            #[cfg(feature = "test-hooks")]
+            no_summary: false,
+        }
+    }
+
+    /// TEST ONLY (feature `test-hooks`): this bitmap with `faults` applied: with
+    /// [`Faults::no_dirty_summary`](crate::faults::Faults::no_dirty_summary) its marks set the
+    /// page bits and no summary bit, so drains miss them — the negative control of the migration
+    /// trial (`guest/trial.sh mig --no-summary`), which must then find stale memory.
+    #[cfg(feature = "test-hooks")]
+    pub fn with_faults(mut self, faults: &crate::faults::Faults) -> Self {
+        self.no_summary = faults.no_dirty_summary;
+        self
     }
 
     /// A clear bitmap for `pages` pages, or `None` if its memory cannot be had (the caller
@@ -117,6 +127,8 @@ impl DirtyBitmap {
         Some(DirtyBitmap {
             levels: levels.into_boxed_slice(),
             pages,
+            #[cfg(feature = "test-hooks")]
+            no_summary: false,
         })
     }
 
@@ -138,7 +150,7 @@ impl DirtyBitmap {
             return;
         }
         #[cfg(feature = "test-hooks")]
-        let levels = if summary_off_for_tests() {
+        let levels = if self.no_summary {
             1
         } else {
             self.levels.len()

@@ -95,7 +95,7 @@ mod x86 {
     /// `src` readable and `dst` writable for `len` bytes, disjoint.
     #[inline]
     pub(crate) unsafe fn forward(src: *const u8, dst: *mut u8, len: usize) {
-        // SAFETY (every arm): each helper touches only bytes below `len` of both ranges (the
+        // SAFETY: in every arm, each helper touches only bytes below `len` of both ranges (the
         // head and tail moves overlap each other, never the ends), which the caller
         // guarantees.
         unsafe {

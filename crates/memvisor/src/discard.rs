@@ -113,15 +113,32 @@ pub enum RejectReason {
     /// No slot holds these bytes.
     OutsideGuestMemory,
     /// Part of a page of this size: only whole pages are discarded.
-    PartialPage { page_size: PageSize },
+    PartialPage {
+        /// The page size of the slot's memory.
+        page_size: PageSize,
+    },
     /// The slot is read-only: the guest cannot have freed its memory.
-    ReadOnlySlot { slot: SlotId },
+    ReadOnlySlot {
+        /// The read-only slot.
+        slot: SlotId,
+    },
     /// The slot is a private file mapping: punching would change the file for every user.
-    PrivateFileMapping { slot: SlotId },
+    PrivateFileMapping {
+        /// The slot over a private file mapping.
+        slot: SlotId,
+    },
     /// The guest poisons free pages with this value, and a discarded page would read as zeros.
-    PagePoison { value: u32 },
+    PagePoison {
+        /// The poison value the driver announced.
+        value: u32,
+    },
     /// The discard system call failed with this errno.
-    Failed { op: &'static str, errno: i32 },
+    Failed {
+        /// The call that failed (`fallocate`, `madvise`).
+        op: &'static str,
+        /// The errno it returned.
+        errno: i32,
+    },
 }
 
 impl fmt::Display for RejectReason {

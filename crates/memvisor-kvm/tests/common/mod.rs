@@ -44,6 +44,18 @@ pub fn kvm_or_skip(test: &str) -> Option<Kvm> {
     }
 }
 
+/// `options` with the faults of the tests' environment in a test-hooks build
+/// (`MEMVISOR_TEST_RINGS_ON_PVM` lets dirty rings through on PVM); `options` as they are in any
+/// other build.
+pub fn with_env_faults(options: Options) -> Options {
+    #[cfg(feature = "test-hooks")]
+    let options = Options {
+        faults: memvisor::faults::Faults::from_env(),
+        ..options
+    };
+    options
+}
+
 /// Whether this host's KVM is PVM, which overruns dirty rings: the binding refuses them there
 /// (a test-hooks build lets them through with `MEMVISOR_TEST_RINGS_ON_PVM`).
 pub fn pvm() -> bool {
@@ -54,10 +66,10 @@ pub fn pvm() -> bool {
 /// the test is skipped. On PVM the refusal must be EOPNOTSUPP and say to use the bitmap.
 pub fn rings_or_skip(kvm: &Kvm, test: &str, entries: u32) -> bool {
     let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
-    let options = Options {
+    let options = with_env_faults(Options {
         dirty_ring: Some(entries),
         ..Options::default()
-    };
+    });
     match KvmSlots::with_options(vm, SlotTable::new(), options) {
         Ok(_) => true,
         Err(e) if e.errno() == libc::EOPNOTSUPP && pvm() => {

@@ -828,9 +828,11 @@ fn memfd(size: u64, seals: i32) -> Result<OwnedFd> {
     }
     // SAFETY: a fresh descriptor, owned from here.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: ftruncate and fcntl on our own descriptor.
+    // SAFETY: ftruncate on our own descriptor.
     if unsafe { libc::ftruncate(fd.as_raw_fd(), size as i64) } != 0
-        || (seals != 0 && unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0)
+        || (seals != 0
+            // SAFETY: fcntl on our own descriptor.
+            && unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0)
     {
         return Err(os_error("size or seal the fuzz memfd"));
     }

@@ -132,17 +132,24 @@ pub struct Backend<D: Device> {
     kicked_since_sleep: bool,
     /// What it counted, readable from other threads ([`Backend::live`]).
     live: BackendLive,
-    /// Test-only (`MEMVISOR_TEST_LEAK_ON_HANGUP`): what departed frontends left, kept.
+    /// Test-only ([`Faults::leak_on_hangup`](memvisor::faults::Faults::leak_on_hangup)): what
+    /// departed frontends left, kept.
     #[cfg(feature = "test-hooks")]
     leaked: Vec<Box<dyn std::any::Any + Send>>,
 }
 
 impl<D: Device + 'static> Backend<D> {
     /// A back end for `device`, mapping frontends' memory through `state` (the process's
-    /// mappings and pin registry, which the server makes once for all its back ends).
+    /// mappings and pin registry, which the server makes once for all its back ends; in a
+    /// test-hooks build also the faults it injects, acted on here and handed to the device
+    /// through its memory: [`FrontendMemory::faults`]).
     pub fn new(mut device: D, state: &ProcessState) -> Result<Self> {
         let n = device.queues() as usize;
         let memory = FrontendMemory::new(state)?;
+        #[cfg(feature = "test-hooks")]
+        let log_disabled = state.faults.no_dirty_log;
+        #[cfg(not(feature = "test-hooks"))]
+        let log_disabled = false;
         device.attach(&memory)?;
         Ok(Backend {
             device,
@@ -157,7 +164,7 @@ impl<D: Device + 'static> Backend<D> {
             status: 0,
             log: None,
             inflight: None,
-            log_disabled: false,
+            log_disabled,
             record: None,
             on_disconnect: Vec::new(),
             on_connection: Vec::new(),
@@ -166,14 +173,6 @@ impl<D: Device + 'static> Backend<D> {
             #[cfg(feature = "test-hooks")]
             leaked: Vec::new(),
         })
-    }
-
-    /// Test-only (feature `test-hooks`): track dirty pages but never write them to the
-    /// frontend's log, so a migration loses what the device wrote. The migration trial's
-    /// negative control uses it to show that its check can fail; nothing else should.
-    #[cfg(feature = "test-hooks")]
-    pub fn disable_dirty_log_for_tests(&mut self) {
-        self.log_disabled = true;
     }
 
     /// How many unmapped pages of one request (or ring) the back end asks for at once behind a
@@ -746,18 +745,19 @@ impl<D: Device + 'static> Backend<D> {
         };
         let offered = PROTOCOL | self.device.protocol_features() | log;
         #[cfg(feature = "test-hooks")]
-        if crate::hooks::no_inflight() {
+        if self.memory.faults().no_inflight {
             return offered & !protocol::INFLIGHT_SHMFD;
         }
         offered
     }
 
     /// The largest ring the device takes ([`Device::queue_max`]); a test-hooks build may lower
-    /// it (`MEMVISOR_TEST_MAX_QUEUE_SIZE`, the queue-size trial's negative control).
+    /// it ([`Faults::max_queue_size`](memvisor::faults::Faults::max_queue_size), the queue-size
+    /// trials' negative control).
     fn queue_max(&self) -> u16 {
         let max = self.device.queue_max();
         #[cfg(feature = "test-hooks")]
-        if let Some(cap) = crate::hooks::max_queue_size() {
+        if let Some(cap) = self.memory.faults().max_queue_size {
             return max.min(cap);
         }
         max

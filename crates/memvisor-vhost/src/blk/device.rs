@@ -107,7 +107,7 @@ impl Device for Blk {
             #[allow(unused_mut)]
             let mut ended = self.disk.finished(wait);
             #[cfg(feature = "test-hooks")]
-            let reorder = crate::hooks::reorder_completions();
+            let reorder = memory.faults().reorder;
             #[cfg(feature = "test-hooks")]
             if reorder {
                 ended.reverse();
@@ -115,7 +115,7 @@ impl Device for Blk {
             for (i, (key, result)) in ended.into_iter().enumerate() {
                 #[cfg(feature = "test-hooks")]
                 if reorder && i > 0 {
-                    std::thread::sleep(crate::hooks::REORDER_GAP);
+                    std::thread::sleep(memvisor::faults::REORDER_GAP);
                 }
                 let _ = i;
                 let slot = key as usize;

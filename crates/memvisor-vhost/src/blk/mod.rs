@@ -268,7 +268,7 @@ impl Blk {
         let (code, written) = match result {
             Ok(r) => r,
             #[cfg(feature = "test-hooks")]
-            Err(Failure::Io(e)) if hide_io_errors() => {
+            Err(Failure::Io(e)) if dma.faults().hide_io_errors => {
                 log::warn!("TEST ONLY: answering OK for a request whose I/O failed: {e}");
                 (S_OK, 0)
             }
@@ -516,7 +516,7 @@ impl Blk {
     fn prepare(&mut self, q: u16, dma: &DmaSpace, data: &[Buf], mut ready: Ready) -> Prepared {
         let (to_guest, total) = (ready.to_guest, ready.total);
         #[cfg(feature = "test-hooks")]
-        if !to_guest && drop_writes() {
+        if !to_guest && dma.faults().drop_writes {
             return Prepared::Done(ready, total);
         }
         let access = if to_guest {
@@ -908,16 +908,6 @@ fn first_sector_format(
     Ok(crate::image_format::probe(&head[..got]))
 }
 
-/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_HIDE_IO_ERRORS` set, a request whose
-/// I/O on the image failed is answered OK (and not counted as failed), as a back end that
-/// ignores `preadv`/`pwritev` errors would. The real-guest disk-fault trial's negative control
-/// must catch it; nothing else should.
-#[cfg(feature = "test-hooks")]
-fn hide_io_errors() -> bool {
-    static HIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HIDE.get_or_init(|| std::env::var_os("MEMVISOR_TEST_HIDE_IO_ERRORS").is_some())
-}
-
 /// Holds `pages` (sorted, distinct IOVA pages) for one request ([`DmaSpace::hold_pages`]: a
 /// pin that locks nothing), in calls of at most [`PIN_PAGES_MAX`] pages: a request may be any
 /// size (the config offers no `size_max`), while one call takes at most type1's 512 entries. A
@@ -947,19 +937,4 @@ fn unpin_all(dma: &DmaSpace, pages: &[u64]) {
         }
     }
     crate::pin_cost::PIN_COST.unpinned(start);
-}
-
-/// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_DROP_WRITES` set, writes are answered
-/// OK and never reach the image: the libblkio trial's negative control, which its read-back and
-/// image checks must catch.
-#[cfg(feature = "test-hooks")]
-fn drop_writes() -> bool {
-    static DROP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DROP.get_or_init(|| {
-        let on = std::env::var_os("MEMVISOR_TEST_DROP_WRITES").is_some();
-        if on {
-            log::warn!("TEST ONLY: writes are answered OK and dropped");
-        }
-        on
-    })
 }

@@ -32,9 +32,13 @@ pub const VRING_DESC_F_WRITE: u16 = 2;
 /// A descriptor as the driver writes it, malformed ones included.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Desc {
+    /// Guest physical address of the buffer (or of an indirect table).
     pub addr: u64,
+    /// Length of the buffer in bytes.
     pub len: u32,
+    /// `VRING_DESC_F_*` flags.
     pub flags: u16,
+    /// The next descriptor's index, when `flags` has `VRING_DESC_F_NEXT`.
     pub next: u16,
 }
 
@@ -206,6 +210,8 @@ impl GuestRing {
         Ok(u16::from_le_bytes(b))
     }
 
+    /// Writes the driver's `used_event` (after the available ring's entries): with event
+    /// indexes, the device interrupts only when its used index passes `idx`.
     pub fn set_used_event(&self, idx: u16) -> Result<()> {
         let at = self.avail + 4 + 2 * u64::from(self.size);
         self.mem.write(Gpa(at), &idx.to_le_bytes())

@@ -121,36 +121,84 @@ pub const MAX_PFNS_PER_CHAIN: usize = 16384;
 pub enum ChainError {
     /// The head index is outside the descriptor table, or the descriptor cannot be read.
     #[error("chain head {head} names no readable descriptor (queue size {queue_size})")]
-    NoDescriptors { head: u16, queue_size: u16 },
+    NoDescriptors {
+        /// The head index the driver made available.
+        head: u16,
+        /// Descriptors in the queue's table.
+        queue_size: u16,
+    },
     /// A buffer the device may only read: reported memory is handed to the device to write.
     #[error(
         "descriptor {index} ({addr:#x}+{len:#x}) is driver-readable; reported pages must be device-writable"
     )]
-    DriverReadable { index: u32, addr: u64, len: u32 },
+    DriverReadable {
+        /// The descriptor's position in the chain (the head is 0).
+        index: u32,
+        /// The buffer's guest physical address.
+        addr: u64,
+        /// The buffer's length in bytes.
+        len: u32,
+    },
     /// A buffer that is not whole 4 KiB pages at a 4 KiB boundary (or is empty).
     #[error("descriptor {index} ({addr:#x}+{len:#x}) is not whole 4 KiB pages")]
-    NotWholePages { index: u32, addr: u64, len: u32 },
+    NotWholePages {
+        /// The descriptor's position in the chain (the head is 0).
+        index: u32,
+        /// The buffer's guest physical address.
+        addr: u64,
+        /// The buffer's length in bytes.
+        len: u32,
+    },
     /// A buffer not entirely inside guest memory.
     #[error("descriptor {index} ({addr:#x}+{len:#x}) is not inside guest memory")]
-    OutsideGuestMemory { index: u32, addr: u64, len: u32 },
+    OutsideGuestMemory {
+        /// The descriptor's position in the chain (the head is 0).
+        index: u32,
+        /// The buffer's guest physical address.
+        addr: u64,
+        /// The buffer's length in bytes.
+        len: u32,
+    },
     /// More descriptors than the queue holds: the links form a loop (or an indirect table is
     /// longer than the queue).
     #[error("chain is longer than the queue's {queue_size} descriptors (a loop?)")]
-    TooLong { queue_size: u16 },
+    TooLong {
+        /// Descriptors in the queue's table: a chain can hold no more.
+        queue_size: u16,
+    },
     /// An inflate/deflate buffer the device may write: page frame lists are driver-readable.
     #[error(
         "descriptor {index} ({addr:#x}+{len:#x}) is device-writable; a page frame list is driver-readable"
     )]
-    DeviceWritable { index: u32, addr: u64, len: u32 },
+    DeviceWritable {
+        /// The descriptor's position in the chain (the head is 0).
+        index: u32,
+        /// The buffer's guest physical address.
+        addr: u64,
+        /// The buffer's length in bytes.
+        len: u32,
+    },
     /// A page frame list that is not whole 4-byte entries, or longer than the device takes.
     #[error(
         "descriptor {index} ({addr:#x}+{len:#x}) is not a frame list of whole 4-byte entries within {MAX_PFNS_PER_CHAIN} frames"
     )]
-    BadFrameList { index: u32, addr: u64, len: u32 },
+    BadFrameList {
+        /// The descriptor's position in the chain (the head is 0).
+        index: u32,
+        /// The buffer's guest physical address.
+        addr: u64,
+        /// The buffer's length in bytes.
+        len: u32,
+    },
     /// A descriptor says another follows, but it cannot be read (index past the table, or the
     /// table is not in guest memory).
     #[error("descriptor {index} links to descriptor {next}, which cannot be read")]
-    BrokenLink { index: u32, next: u16 },
+    BrokenLink {
+        /// The position in the chain of the descriptor that links on.
+        index: u32,
+        /// The descriptor index it links to.
+        next: u16,
+    },
 }
 
 /// What a virtqueue of the balloon is for, by its number and the negotiated features.
@@ -203,9 +251,9 @@ pub struct ReportingStats {
     pub inflated_pages: u64,
     /// Pages the driver took back on the deflate queue.
     pub deflated_pages: u64,
-    /// Statistics buffers taken, and those refused (bad layout or chain; the figures from before
-    /// stay).
+    /// Statistics buffers taken.
     pub stats_buffers: u64,
+    /// Statistics buffers refused (bad layout or chain); the figures from before stay.
     pub refused_stats: u64,
 }
 

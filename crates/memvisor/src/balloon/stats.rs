@@ -87,12 +87,18 @@ pub enum StatsError {
     Empty,
     /// Not whole 10-byte entries: the last one is cut short.
     #[error("statistics buffer of {len} bytes is not whole {ENTRY_SIZE}-byte entries")]
-    NotWholeEntries { len: usize },
+    NotWholeEntries {
+        /// The buffer's length in bytes.
+        len: usize,
+    },
     /// More entries than a driver sends.
     #[error(
         "statistics buffer of {len} bytes holds more than {MAX_STATS_ENTRIES} entries of {ENTRY_SIZE} bytes"
     )]
-    TooLong { len: usize },
+    TooLong {
+        /// The buffer's length in bytes.
+        len: usize,
+    },
 }
 
 /// One set of statistics from the driver.

@@ -53,6 +53,11 @@ pub struct DmaConfig {
     /// its pins (see `retire`). Keep it below the peer's own reply timeout (QEMU's vfio-user
     /// client waits 5 s for a reply).
     pub unpin_wait: Duration,
+    /// TEST ONLY (feature `test-hooks`): the faults the space and what is built on it inject
+    /// (its dirty bitmaps; a vfio-user server's unmap and hang-up switches; a vhost-user
+    /// device's switches). Off by default.
+    #[cfg(feature = "test-hooks")]
+    pub faults: crate::faults::Faults,
 }
 
 impl Default for DmaConfig {
@@ -73,6 +78,8 @@ impl Default for DmaConfig {
             registry: None,
             page_table_from: 64,
             unpin_wait: Duration::from_secs(1),
+            #[cfg(feature = "test-hooks")]
+            faults: crate::faults::Faults::default(),
         }
     }
 }

@@ -384,6 +384,13 @@ impl DmaSpace {
         })
     }
 
+    /// TEST ONLY (feature `test-hooks`): the faults this space's config gives it and what is
+    /// built on it ([`DmaConfig::faults`]).
+    #[cfg(feature = "test-hooks")]
+    pub fn faults(&self) -> &crate::faults::Faults {
+        &self.shared.config.faults
+    }
+
     /// The space's limits, like `VFIO_IOMMU_GET_INFO`.
     pub fn info(&self) -> DmaInfo {
         let count = self.shared.current.load().map.len() as u32;
@@ -834,12 +841,13 @@ impl DmaSpace {
                  most {DIRTY_BITMAP_PAGES_MAX:#x} pages"
             )));
         }
-        DirtyBitmap::try_new(pages)
-            .map(Arc::new)
-            .ok_or(Error::OutOfMemory {
-                what: "dirty bitmap",
-                bytes: pages.div_ceil(8),
-            })
+        let bitmap = DirtyBitmap::try_new(pages);
+        #[cfg(feature = "test-hooks")]
+        let bitmap = bitmap.map(|b| b.with_faults(&self.shared.config.faults));
+        bitmap.map(Arc::new).ok_or(Error::OutOfMemory {
+            what: "dirty bitmap",
+            bytes: pages.div_ceil(8),
+        })
     }
 
     fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {

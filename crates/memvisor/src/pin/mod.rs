@@ -250,6 +250,9 @@ struct State {
     /// Whether new locks are long-term pins (else mlocks).
     use_long_term: bool,
     long_term_counts: LongTermCounts,
+    /// TEST ONLY: [`Faults::count_refused_locks`](crate::faults::Faults::count_refused_locks).
+    #[cfg(feature = "test-hooks")]
+    count_refused_locks: bool,
 }
 
 impl State {
@@ -378,15 +381,15 @@ impl State {
         done
     }
 
-    /// TEST ONLY (feature `test-hooks`): with `MEMVISOR_TEST_COUNT_REFUSED_LOCKS` set, a hold
-    /// refused for want of room leaves the pages it asked for charged (a rollback that forgets
-    /// to uncount), so the registry's account says more is locked than `VmLck`. The real-guest
-    /// memlock trial's negative control must catch it; nothing else should.
+    /// TEST ONLY (feature `test-hooks`): with
+    /// [`Faults::count_refused_locks`](crate::faults::Faults::count_refused_locks) (set with
+    /// [`PinRegistry::set_faults`]), a hold refused for want of room leaves the pages it asked for
+    /// charged (a rollback that forgets to uncount), so the registry's account says more is
+    /// locked than `VmLck`. A negative control for the registry-equals-`VmLck` checks; nothing
+    /// else should use it.
     #[cfg(feature = "test-hooks")]
     fn test_count_refused(&mut self, us: u64, ue: u64, e: &Error) {
-        static ON: OnceLock<bool> = OnceLock::new();
-        let on =
-            *ON.get_or_init(|| std::env::var_os("MEMVISOR_TEST_COUNT_REFUSED_LOCKS").is_some());
+        let on = self.count_refused_locks;
         if !on || !(lacks_room(e) || matches!(e, Error::LockLimit { .. })) {
             return;
         }
@@ -696,6 +699,8 @@ impl PinRegistry {
                 long_term: None,
                 use_long_term: false,
                 long_term_counts: LongTermCounts::default(),
+                #[cfg(feature = "test-hooks")]
+                count_refused_locks: false,
             }),
             pagemap: OnceLock::new(),
         });
@@ -712,6 +717,15 @@ impl PinRegistry {
         GLOBAL
             .get_or_init(|| PinRegistry::new(LockLimit::Rlimit))
             .clone()
+    }
+
+    /// TEST ONLY (feature `test-hooks`): the registry's switches from `faults`
+    /// ([`Faults::count_refused_locks`](crate::faults::Faults::count_refused_locks)). The
+    /// registry is process state made before the server knows its faults, so they are set once
+    /// it does, before anything pins.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_faults(&self, faults: &crate::faults::Faults) {
+        self.lock().count_refused_locks = faults.count_refused_locks;
     }
 
     /// Changes the limit. Pins already held stay; the next pin is checked against the new one,
