@@ -92,20 +92,67 @@ pub const VIRTIO_BALLOON_F_PAGE_POISON: u32 = 4;
 /// Feature bit: free page reporting through the reporting queue.
 pub const VIRTIO_BALLOON_F_REPORTING: u32 = 5;
 /// Feature bit: the virtio 1.0 interface (little-endian, modern layout).
-pub const VIRTIO_F_VERSION_1: u32 = 32;
+pub use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 /// Feature bit: used and available ring event indexes (notification suppression).
-pub const VIRTIO_RING_F_EVENT_IDX: u32 = 29;
+pub use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 /// The reporting queue's number when neither the statistics nor the free page hinting queue was
 /// negotiated: after inflate (0) and deflate (1). With statistics it is 3
 /// ([`Balloon::queue_kind`]).
 pub const REPORTING_QUEUE_INDEX: u16 = 2;
 /// The statistics queue's number, when negotiated: after inflate and deflate.
 pub const STATS_QUEUE_INDEX: u16 = 2;
-/// Bytes of the config space: `num_pages`, `actual`, `free_page_hint_cmd_id`, `poison_val`, each a
-/// little-endian u32.
-pub const CONFIG_SIZE: u64 = 16;
-const CONFIG_ACTUAL: u64 = 4;
-const CONFIG_POISON_VAL: u64 = 12;
+/// The balloon's config space (`struct virtio_balloon_config` of the virtio specification, 5.5.4),
+/// every field little-endian on the wire. The driver may write `actual` and `poison_val`; the
+/// rest is the device's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BalloonConfig {
+    /// The pages the device asks the driver to hold (the balloon's target).
+    pub num_pages: u32,
+    /// The pages the driver holds, as it reports them.
+    pub actual: u32,
+    /// The free page hinting command id (free page hinting is not offered: always 0).
+    pub free_page_hint_cmd_id: u32,
+    /// The value the driver fills free pages with (with `VIRTIO_BALLOON_F_PAGE_POISON`).
+    pub poison_val: u32,
+}
+
+impl BalloonConfig {
+    /// The config space as the driver reads it.
+    pub fn to_le_bytes(&self) -> [u8; CONFIG_SIZE as usize] {
+        let mut c = [0u8; CONFIG_SIZE as usize];
+        let fields = [
+            self.num_pages,
+            self.actual,
+            self.free_page_hint_cmd_id,
+            self.poison_val,
+        ];
+        for (at, v) in c.chunks_exact_mut(4).zip(fields) {
+            at.copy_from_slice(&v.to_le_bytes());
+        }
+        c
+    }
+
+    /// The config space from the bytes the driver sees.
+    pub fn from_le_bytes(c: &[u8; CONFIG_SIZE as usize]) -> BalloonConfig {
+        let field = |at: usize| u32::from_le_bytes([c[at], c[at + 1], c[at + 2], c[at + 3]]);
+        BalloonConfig {
+            num_pages: field(std::mem::offset_of!(BalloonConfig, num_pages)),
+            actual: field(CONFIG_ACTUAL as usize),
+            free_page_hint_cmd_id: field(std::mem::offset_of!(
+                BalloonConfig,
+                free_page_hint_cmd_id
+            )),
+            poison_val: field(CONFIG_POISON_VAL as usize),
+        }
+    }
+}
+
+/// Bytes of the config space ([`BalloonConfig`]).
+pub const CONFIG_SIZE: u64 = std::mem::size_of::<BalloonConfig>() as u64;
+const _: () = assert!(CONFIG_SIZE == 16, "virtio_balloon_config is four u32s");
+const CONFIG_ACTUAL: u64 = std::mem::offset_of!(BalloonConfig, actual) as u64;
+const CONFIG_POISON_VAL: u64 = std::mem::offset_of!(BalloonConfig, poison_val) as u64;
 
 /// Inflate queue number.
 pub const INFLATE_QUEUE_INDEX: u16 = 0;
@@ -383,11 +430,13 @@ impl Balloon {
     }
 
     fn config(&self) -> [u8; CONFIG_SIZE as usize] {
-        let mut c = [0u8; CONFIG_SIZE as usize];
-        c[..4].copy_from_slice(&self.target.to_le_bytes());
-        c[CONFIG_ACTUAL as usize..][..4].copy_from_slice(&self.actual.to_le_bytes());
-        c[CONFIG_POISON_VAL as usize..][..4].copy_from_slice(&self.poison_val.to_le_bytes());
-        c
+        BalloonConfig {
+            num_pages: self.target,
+            actual: self.actual,
+            free_page_hint_cmd_id: 0,
+            poison_val: self.poison_val,
+        }
+        .to_le_bytes()
     }
 
     /// Reads config space at `offset`; bytes past its end read as zero.
@@ -418,9 +467,9 @@ impl Balloon {
                 log::warn!("balloon: driver wrote read-only config byte {o:#x}; ignored");
             }
         }
-        let field = |at: u64| u32::from_le_bytes(c[at as usize..][..4].try_into().unwrap());
-        self.actual = field(CONFIG_ACTUAL);
-        self.poison_val = field(CONFIG_POISON_VAL);
+        let written = BalloonConfig::from_le_bytes(&c);
+        self.actual = written.actual;
+        self.poison_val = written.poison_val;
         self.apply_poison();
     }
 
