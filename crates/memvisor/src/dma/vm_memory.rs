@@ -48,20 +48,11 @@ use ::vm_memory::bitmap::BS;
 use ::vm_memory::guest_memory::GuestMemorySliceIterator;
 use ::vm_memory::{GuestAddress, GuestMemory, GuestMemoryError, Permissions, VolatileSlice};
 
+use super::sg::Miss;
 use super::{Access, DmaSnapshot, DmaSpace};
 use crate::addr::Iova;
 use crate::error::Error;
 use crate::vm_memory::SlotRegions;
-
-/// The first access a view could not translate because nothing was mapped there.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Miss {
-    /// The first unmapped IOVA of the access (not the access's start: asking an IOTLB for the
-    /// start again would loop when only the tail is missing).
-    pub iova: Iova,
-    /// The access that needed it.
-    pub access: Access,
-}
 
 /// The device address space at one snapshot as a vm-memory [`GuestMemory`] addressed by IOVA.
 /// See the module docs.
