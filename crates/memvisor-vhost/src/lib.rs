@@ -61,7 +61,6 @@ pub mod image_lock;
 pub mod live;
 pub mod memory;
 pub mod miss;
-pub mod pin_cost;
 pub mod proto;
 pub mod record;
 pub mod ring;

@@ -75,6 +75,8 @@ pub enum SgWalk {
 /// One piece counted in the hold table.
 #[derive(Debug)]
 struct Counted {
+    /// The buffer it belongs to.
+    buffer: usize,
     /// 4 KiB IOVA page numbers `[iova, iova + pages)`, host ones from `host`.
     iova: u64,
     host: u64,
@@ -114,6 +116,25 @@ impl SgGuard {
     /// 4 KiB pages held, counted once per piece.
     pub fn pages(&self) -> u64 {
         self.counted.iter().map(|c| c.pages).sum()
+    }
+
+    /// Distinct 4 KiB IOVA pages under buffers `buffers` (a page two of them share counted
+    /// once).
+    pub fn buffer_pages(&self, buffers: std::ops::Range<usize>) -> u64 {
+        let mut runs: Vec<(u64, u64)> = (self.counted.iter())
+            .filter(|c| buffers.contains(&c.buffer))
+            .map(|c| (c.iova, c.iova + c.pages))
+            .collect();
+        runs.sort_unstable();
+        let (mut pages, mut covered) = (0, 0);
+        for (s, e) in runs {
+            let s = s.max(covered);
+            if e > s {
+                pages += e - s;
+                covered = e;
+            }
+        }
+        pages
     }
 
     /// Lets go of everything counted so far (a walk that failed or missed).
@@ -287,6 +308,7 @@ impl DmaSpace {
                         shard.written.add(ip, ip + pages);
                     }
                     guard.counted.push(Counted {
+                        buffer: at_buf,
                         iova: ip,
                         host: hp,
                         pages,
