@@ -57,7 +57,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use memvisor::dma::{PIN_PAGES_MAX, Segment, SgBuf, SgWalk, read_pinned, write_pinned};
-use memvisor::{Access, Hva, Iova, Prot};
+use memvisor::{Hva, Iova, Prot};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -560,8 +560,8 @@ fn run_one(s: &Shared, pin: bool, src: u64, dst: u64, len: u32, bounce: &mut [u8
     }
     let dma = s.port.dma();
     let len = len as u64;
-    dma.check_access(Iova(src), len, Access::Read)?;
-    dma.check_access(Iova(dst), len, Access::Write)?;
+    dma.check_access(Iova(src), len, Prot::READ)?;
+    dma.check_access(Iova(dst), len, Prot::WRITE)?;
     {
         let mut st = lock(&s.stats);
         if pin {

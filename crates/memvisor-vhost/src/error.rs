@@ -108,9 +108,10 @@ fn describe_misses(misses: &[memvisor::dma::Miss]) -> String {
     let Some(m) = misses.first() else {
         return "no page".into();
     };
-    let access = match m.access {
-        memvisor::Access::Write => "write",
-        memvisor::Access::Read => "read",
+    let access = if m.access.contains(memvisor::Prot::WRITE) {
+        "write"
+    } else {
+        "read"
     };
     match misses.len() {
         1 => format!("iova {:#x} ({access})", m.iova.0),

@@ -646,7 +646,7 @@ fn map_all(regions: &[Region], fds: Vec<OwnedFd>) -> Result<Vec<Arc<Backing>>> {
 
 #[cfg(test)]
 mod tests {
-    use memvisor::{Access, BackingKind};
+    use memvisor::{BackingKind, Prot};
 
     use super::*;
 
@@ -669,7 +669,7 @@ mod tests {
 
     fn mapped(mem: &FrontendMemory, page: u64) -> bool {
         mem.dma()
-            .translate(Iova(page * PAGE), 8, Access::Read)
+            .translate(Iova(page * PAGE), 8, Prot::READ)
             .is_ok()
     }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use memvisor::dma::{LockLimit, PinRegistry, SgBuf, SgGuard, SgWalk};
-use memvisor::{Access, Backing, BackingKind, DmaConfig, DmaSpace, Hva, Iova, Prot};
+use memvisor::{Backing, BackingKind, DmaConfig, DmaSpace, Hva, Iova, Prot};
 
 const PAGE: u64 = 4096;
 
@@ -98,9 +98,9 @@ fn segments_are_those_translate_sg_gives() {
     let mut all = Vec::new();
     for (i, bf) in bufs.iter().enumerate() {
         let access = if bf.prot == Prot::WRITE {
-            Access::Write
+            Prot::WRITE
         } else {
-            Access::Read
+            Prot::READ
         };
         let want = match bf.len {
             0 => Vec::new(),
@@ -147,12 +147,12 @@ fn an_unmapped_buffer_is_a_miss_and_nothing_is_held() {
     let SgWalk::Missed(misses) = walk else {
         panic!("a buffer past the mapping must miss");
     };
-    let pages: Vec<(u64, Access)> = misses.iter().map(|m| (m.iova.0, m.access)).collect();
+    let pages: Vec<(u64, Prot)> = misses.iter().map(|m| (m.iova.0, m.access)).collect();
     assert_eq!(
         pages,
         vec![
-            (0x10_0000 + 8 * PAGE, Access::Write),
-            (0x10_0000 + 9 * PAGE, Access::Write)
+            (0x10_0000 + 8 * PAGE, Prot::WRITE),
+            (0x10_0000 + 9 * PAGE, Prot::WRITE)
         ],
         "one miss per unmapped page, from the first unmapped byte"
     );

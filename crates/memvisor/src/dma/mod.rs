@@ -124,25 +124,6 @@ impl fmt::Debug for Prot {
     }
 }
 
-/// The direction of one access.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Access {
-    /// The device reads memory.
-    Read,
-    /// The device writes memory.
-    Write,
-}
-
-impl Access {
-    #[inline]
-    fn prot(self) -> Prot {
-        match self {
-            Access::Read => Prot::READ,
-            Access::Write => Prot::WRITE,
-        }
-    }
-}
-
 /// The host memory behind a mapping.
 #[derive(Clone, Debug)]
 struct Host {

@@ -30,7 +30,7 @@
 
 use std::sync::Arc;
 
-use super::{Access, DmaSpace, Mapping, Prot};
+use super::{DmaSpace, Mapping, Prot};
 use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
 use crate::pin::PinRequest;
@@ -59,7 +59,7 @@ pub struct Miss {
     /// start again would loop when only the tail is missing).
     pub iova: Iova,
     /// The access that needed it.
-    pub access: Access,
+    pub access: Prot,
 }
 
 /// What a walk of a request found.
@@ -267,9 +267,9 @@ impl DmaSpace {
                             misses.push(Miss {
                                 iova: Iova(iova),
                                 access: if b.prot.contains(Prot::WRITE) {
-                                    Access::Write
+                                    Prot::WRITE
                                 } else {
-                                    Access::Read
+                                    Prot::READ
                                 },
                             });
                         }
