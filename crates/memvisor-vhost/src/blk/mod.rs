@@ -74,8 +74,12 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
 
+#[cfg(doc)]
+use crate::backend::Device;
 use crate::disk::{Disk, IN_FLIGHT};
 use crate::error::{Error, Result};
+#[cfg(doc)]
+use memvisor::DmaSpace;
 
 mod config;
 mod device;
