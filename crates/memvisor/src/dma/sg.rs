@@ -34,6 +34,7 @@ use super::{DmaSpace, Mapping, Prot};
 use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
 use crate::pin::PinRequest;
+use crate::pin::holds::Held;
 
 use super::translate::{Segment, mark_dirty, refused};
 
@@ -72,16 +73,11 @@ pub enum SgWalk {
     Missed(Vec<Miss>),
 }
 
-/// One piece counted in the hold table.
+/// One piece counted in the hold table, and the buffer it belongs to.
 #[derive(Debug)]
 struct Counted {
-    /// The buffer it belongs to.
     buffer: usize,
-    /// 4 KiB IOVA page numbers `[iova, iova + pages)`, host ones from `host`.
-    iova: u64,
-    host: u64,
-    pages: u64,
-    write: bool,
+    held: Held,
 }
 
 /// The pages of a request's buffers, held until dropped, and their host segments. See the
@@ -115,7 +111,7 @@ impl SgGuard {
 
     /// 4 KiB pages held, counted once per piece.
     pub fn pages(&self) -> u64 {
-        self.counted.iter().map(|c| c.pages).sum()
+        self.counted.iter().map(|c| c.held.pages).sum()
     }
 
     /// Distinct 4 KiB IOVA pages under buffers `buffers` (a page two of them share counted
@@ -123,7 +119,7 @@ impl SgGuard {
     pub fn buffer_pages(&self, buffers: std::ops::Range<usize>) -> u64 {
         let mut runs: Vec<(u64, u64)> = (self.counted.iter())
             .filter(|c| buffers.contains(&c.buffer))
-            .map(|c| (c.iova, c.iova + c.pages))
+            .map(|c| (c.held.iova, c.held.iova + c.held.pages))
             .collect();
         runs.sort_unstable();
         let (mut pages, mut covered) = (0, 0);
@@ -152,11 +148,8 @@ impl SgGuard {
         let holds = &self.space.shared.holds;
         holds.with(self.shard, |s| {
             for c in &self.counted {
-                let (iova, host) = (c.iova..c.iova + c.pages, c.host..c.host + c.pages);
-                let ok = s.iova.sub(iova.start, iova.end).is_ok()
-                    & s.host.sub(host.start, host.end).is_ok()
-                    & (!c.write || s.written.sub(iova.start, iova.end).is_ok());
-                debug_assert!(ok, "a guard let go of pages it did not count");
+                let found = s.remove(&c.held);
+                debug_assert!(found, "a guard let go of pages it did not hold");
             }
         });
         self.counted.clear();
@@ -302,17 +295,16 @@ impl DmaSpace {
                     let pages = (stop - first) / PAGE;
                     let (ip, hp) = (first / PAGE, hva.wrapping_sub(iova - first) / PAGE);
                     let write = b.prot.contains(Prot::WRITE);
-                    shard.iova.add(ip, ip + pages);
-                    shard.host.add(hp, hp + pages);
-                    if write {
-                        shard.written.add(ip, ip + pages);
-                    }
-                    guard.counted.push(Counted {
-                        buffer: at_buf,
+                    let held = Held {
                         iova: ip,
                         host: hp,
                         pages,
                         write,
+                    };
+                    shard.add(held);
+                    guard.counted.push(Counted {
+                        buffer: at_buf,
+                        held,
                     });
                     let merged = guard.segments.len() > guard.ends.last().copied().unwrap_or(0)
                         && guard

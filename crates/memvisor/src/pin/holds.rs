@@ -19,21 +19,58 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use super::counts::RunCounts;
 use crate::sync::lock;
 
 /// Shards per table: more than the queues a device runs, so threads rarely share one.
 const SHARDS: usize = 16;
 
-/// What one shard counts, in 4 KiB page numbers.
+/// One piece a guard holds: 4 KiB IOVA pages `[iova, iova + pages)` over host pages from
+/// `host`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Held {
+    pub iova: u64,
+    pub host: u64,
+    pub pages: u64,
+    /// Held for the device to write (dirty on every read of the log while held).
+    pub write: bool,
+}
+
+/// What one shard holds: the pieces of the requests in flight on its threads, a few dozen at
+/// most — a list, so that holding and letting go cost a push and a swap, not a tree update.
 #[derive(Default)]
 pub(crate) struct Shard {
-    /// IOVA pages held (what an unmap waits for).
-    pub iova: RunCounts,
-    /// IOVA pages held for the device to write (dirty on every read of the log while held).
-    pub written: RunCounts,
-    /// Host pages held (what a discard skips).
-    pub host: RunCounts,
+    held: Vec<Held>,
+}
+
+impl Shard {
+    /// Holds a piece.
+    pub fn add(&mut self, h: Held) {
+        self.held.push(h);
+    }
+
+    /// Lets go of a piece held before; false if none like it is held.
+    pub fn remove(&mut self, h: &Held) -> bool {
+        match self.held.iter().rposition(|x| x == h) {
+            Some(i) => {
+                self.held.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The union of `runs` (`[start, end)` pairs), sorted and merged.
+fn union(mut runs: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    runs.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
+    for (s, e) in runs {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
 }
 
 #[repr(align(128))]
@@ -91,34 +128,43 @@ impl Holds {
     pub fn any_iova(&self, start: u64, end: u64) -> bool {
         self.shards
             .iter()
-            .any(|s| lock(&s.0).iova.any_counted(start, end))
+            .any(|s| (lock(&s.0).held.iter()).any(|h| h.iova < end && start < h.iova + h.pages))
     }
 
     /// Calls `f` with every run of IOVA pages held for writing in `[start, end)`.
     pub fn written_in(&self, start: u64, end: u64, mut f: impl FnMut(u64, u64)) {
         for s in self.shards.iter() {
-            for (a, b, _) in lock(&s.0).written.counted_in(start, end) {
-                f(a, b);
+            for h in lock(&s.0).held.iter().filter(|h| h.write) {
+                let (a, b) = (h.iova.max(start), (h.iova + h.pages).min(end));
+                if a < b {
+                    f(a, b);
+                }
             }
         }
     }
 
-    /// IOVA pages (4 KiB numbers) held, each once per shard.
+    /// IOVA pages (4 KiB numbers) held, each once.
     pub fn iova_pages(&self) -> u64 {
-        self.shards.iter().map(|s| lock(&s.0).iova.pages()).sum()
+        let runs = self.runs(|h| (h.iova, h.iova + h.pages));
+        union(runs).iter().map(|(s, e)| e - s).sum()
     }
 
-    /// Host pages (4 KiB numbers) held, each once per shard.
+    /// Host pages (4 KiB numbers) held, each once.
     pub fn host_pages(&self) -> u64 {
-        self.shards.iter().map(|s| lock(&s.0).host.pages()).sum()
+        let runs = self.runs(|h| (h.host, h.host + h.pages));
+        union(runs).iter().map(|(s, e)| e - s).sum()
     }
 
     /// Holds on host page `page`, over all shards.
     pub fn host_count(&self, page: u64) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| lock(&s.0).host.count(page))
-            .sum()
+        let runs = self.runs(|h| (h.host, h.host + h.pages));
+        runs.iter().filter(|(s, e)| *s <= page && page < *e).count() as u64
+    }
+
+    fn runs(&self, f: impl Fn(&Held) -> (u64, u64)) -> Vec<(u64, u64)> {
+        (self.shards.iter())
+            .flat_map(|s| lock(&s.0).held.iter().map(&f).collect::<Vec<_>>())
+            .collect()
     }
 
     /// Every shard, locked (in order): no guard of the table counts or lets go meanwhile.
@@ -132,15 +178,28 @@ pub(crate) fn host_gaps(
     shards: &[MutexGuard<'_, Shard>],
     runs: Vec<(u64, u64)>,
 ) -> Vec<(u64, u64)> {
-    let mut runs = runs;
-    for shard in shards {
-        if shard.host.pages() == 0 {
-            continue;
-        }
-        runs = runs
-            .into_iter()
-            .flat_map(|(a, b)| shard.host.gaps(a, b))
-            .collect();
+    let held = union(
+        (shards.iter())
+            .flat_map(|s| s.held.iter().map(|h| (h.host, h.host + h.pages)))
+            .collect(),
+    );
+    if held.is_empty() {
+        return runs;
     }
-    runs
+    let mut out = Vec::new();
+    for (mut s, e) in runs {
+        for &(hs, he) in &held {
+            if he <= s || hs >= e {
+                continue;
+            }
+            if hs > s {
+                out.push((s, hs));
+            }
+            s = s.max(he);
+        }
+        if s < e {
+            out.push((s, e));
+        }
+    }
+    out
 }
