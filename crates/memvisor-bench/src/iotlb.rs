@@ -25,7 +25,7 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use memvisor::{Access, Backing, BackingKind, Iova, Prot};
+use memvisor::{Backing, BackingKind, Iova, Prot};
 use memvisor_testkit::vhost::record::{self, Event};
 use memvisor_vhost::FrontendMemory;
 use memvisor_vhost::proto::Region;
@@ -394,9 +394,9 @@ impl Side {
         match self {
             Side::Memvisor(mem) => {
                 let access = if perm & 2 != 0 {
-                    Access::Write
+                    Prot::WRITE
                 } else {
-                    Access::Read
+                    Prot::READ
                 };
                 mem.dma()
                     .translate(Iova(iova), size, access)

@@ -43,7 +43,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use memvisor::bitmap::DirtyBitmap;
-use memvisor::{Access, Backing, BackingKind, DmaConfig, DmaSpace, Iova, PAGE_4K, Prot, SharedLog};
+use memvisor::{Backing, BackingKind, DmaConfig, DmaSpace, Iova, PAGE_4K, Prot, SharedLog};
 
 use super::{
     Better, Chart, ChartGroup, Ctx, Experiment, Mode, Outcome, Row, Stats, Table, ns_per_op,
@@ -142,7 +142,7 @@ impl Guest {
             Variant::Space | Variant::Dense => {
                 let mut cursor = self.space.cursor();
                 for &p in pages {
-                    cursor.translate(Iova(p * PAGE_4K), 8, Access::Write)?;
+                    cursor.translate(Iova(p * PAGE_4K), 8, Prot::WRITE)?;
                 }
             }
         }
@@ -512,7 +512,7 @@ fn lookup_points(n: u64, runs: u32) -> anyhow::Result<[Stats; 2]> {
         let start = Instant::now();
         for k in 0..iters as usize {
             let iova = Iova(2 * slots[k & mask] * PAGE_4K + 8);
-            match space.translate(iova, 8, Access::Read) {
+            match space.translate(iova, 8, Prot::READ) {
                 Ok(t) => {
                     black_box(t.hva);
                 }

@@ -16,7 +16,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use memvisor::{Access, Backing, BackingKind, DmaConfig, DmaSpace, Iova, Prot};
+use memvisor::{Backing, BackingKind, DmaConfig, DmaSpace, Iova, Prot};
 
 use super::{Better, Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, ns_per_op};
 
@@ -142,10 +142,10 @@ fn time(space: &Space, variant: Variant, addrs: &[u64], iters: u64) -> f64 {
             Variant::LoopOnly => iova.0,
             Variant::Space => space
                 .dma
-                .translate(iova, 64, Access::Read)
+                .translate(iova, 64, Prot::READ)
                 .map_or(0, |t| t.hva.0),
             Variant::Cursor => cursor
-                .translate(iova, 64, Access::Read)
+                .translate(iova, 64, Prot::READ)
                 .map_or(0, |t| t.hva.0),
         });
     }

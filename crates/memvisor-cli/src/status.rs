@@ -162,7 +162,7 @@ impl Registry {
         let devices: Vec<Value> = self.selected(args)?.iter().map(|d| d.stats()).collect();
         Ok(json!({
             "devices": devices,
-            "process": {"pins": PinReport::now(&self.pins), "pin_cost": PinCostReport::now()},
+            "process": {"pins": PinReport::now(&self.pins)},
         }))
     }
 
@@ -309,13 +309,13 @@ impl BlkServeReport {
     pub fn now(registry: &Registry, at_disconnect: &Mutex<Vec<PinCheck>>) -> Option<Self> {
         let device = registry.report().blk.into_iter().next()?;
         Some(BlkServeReport {
-            device,
             pins: PinReport::now(&registry.pins),
             pins_at_disconnect: at_disconnect
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
-            pin_cost: PinCostReport::now(),
+            pin_cost: PinCostReport::of(&device.blk),
+            device,
         })
     }
 }
@@ -346,9 +346,9 @@ pub struct ServeReport {
     pub pins: PinReport,
 }
 
-/// The blk data path's pin cost ([`memvisor_vhost::pin_cost::PIN_COST`]), for `--stats`: requests
-/// pinned and unpinned and the wall time spent in `DmaSpace::pin_pages` / `unpin_pages` for
-/// them, over the whole process.
+/// The blk device's hold cost ([`BlkStats::holds`], `hold_ns`, `release_ns`), for `--stats`:
+/// requests whose buffers were walked and held, and the wall time spent holding them and
+/// letting them go, under the names the benchmark reads.
 #[derive(Serialize, Default, Clone, Copy, Debug)]
 pub struct PinCostReport {
     pub pins: u64,
@@ -358,15 +358,13 @@ pub struct PinCostReport {
 }
 
 impl PinCostReport {
-    /// The counters now.
-    pub fn now() -> PinCostReport {
-        use std::sync::atomic::Ordering::Relaxed;
-        let c = &memvisor_vhost::pin_cost::PIN_COST;
+    /// The device's counters.
+    pub fn of(s: &BlkStats) -> PinCostReport {
         PinCostReport {
-            pins: c.pins.load(Relaxed),
-            pin_ns: c.pin_ns.load(Relaxed),
-            unpins: c.unpins.load(Relaxed),
-            unpin_ns: c.unpin_ns.load(Relaxed),
+            pins: s.holds,
+            pin_ns: s.hold_ns,
+            unpins: s.holds,
+            unpin_ns: s.release_ns,
         }
     }
 }

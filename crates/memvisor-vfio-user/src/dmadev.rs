@@ -12,7 +12,8 @@
 //!   pinned. Memory the client mapped without a descriptor is reached the same way, through
 //!   `DMA_READ` / `DMA_WRITE` requests ([`Port::dma_read`]).
 //! * **pin** (`MODE` 1): each piece of a descriptor (at most 512 pages of source and of
-//!   destination) is pinned with `pin_pages` for the duration of its copy and unpinned after,
+//!   destination) is pinned, both sides in one walk (`DmaSpace::pin_sg`, which also gives
+//!   their host segments), for the duration of its copy and unpinned after,
 //!   the `vfio_pin_pages` path of the patch "vfio iommu type1: Improve
 //!   vfio_iommu_type1_pin_pages performance"; the page count of every call is kept as a
 //!   histogram. A piece in memory mapped without a descriptor cannot be pinned (EFAULT): the
@@ -55,8 +56,8 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use memvisor::dma::{PIN_PAGES_MAX, read_pinned, write_pinned};
-use memvisor::{Access, Iova, Prot};
+use memvisor::dma::{PIN_PAGES_MAX, Segment, SgBuf, SgWalk, read_pinned, write_pinned};
+use memvisor::{Hva, Iova, Prot};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -559,8 +560,8 @@ fn run_one(s: &Shared, pin: bool, src: u64, dst: u64, len: u32, bounce: &mut [u8
     }
     let dma = s.port.dma();
     let len = len as u64;
-    dma.check_access(Iova(src), len, Access::Read)?;
-    dma.check_access(Iova(dst), len, Access::Write)?;
+    dma.check_access(Iova(src), len, Prot::READ)?;
+    dma.check_access(Iova(dst), len, Prot::WRITE)?;
     {
         let mut st = lock(&s.stats);
         if pin {
@@ -602,10 +603,6 @@ fn run_one(s: &Shared, pin: bool, src: u64, dst: u64, len: u32, bounce: &mut [u8
     Ok(sum)
 }
 
-fn pages(iova: u64, len: u64) -> Vec<u64> {
-    (iova / PAGE..(iova + len).div_ceil(PAGE)).collect()
-}
-
 fn record_pin(s: &Shared, npage: usize) {
     let mut st = lock(&s.stats);
     st.pin_calls += 1;
@@ -616,7 +613,9 @@ fn record_pin(s: &Shared, npage: usize) {
     }
 }
 
-/// Copies `n` bytes (at most 512 pages each side) with both sides pinned for the duration.
+/// Copies `n` bytes (at most 512 pages each side) with both sides pinned for the duration:
+/// one [`DmaSpace::pin_sg`](memvisor::DmaSpace::pin_sg) walk pins both and gives their host
+/// segments; the guard unpins them when it drops.
 fn copy_pinned(
     s: &Shared,
     src: u64,
@@ -626,38 +625,62 @@ fn copy_pinned(
     bounce: &mut [u8],
 ) -> Result<u64> {
     let dma = s.port.dma();
-    let sp = pages(src, n);
-    let dp = pages(dst, n);
     lock(&s.flight).pinning = true;
     let result = (|| -> Result<u64> {
-        let shva = dma.pin_pages(&sp, Prot::READ)?;
-        record_pin(s, sp.len());
-        let dhva = match dma.pin_pages(&dp, Prot::WRITE) {
-            Ok(h) => h,
-            Err(e) => {
-                let _ = dma.unpin_pages(&sp);
-                return Err(e.into());
+        let bufs = [
+            SgBuf {
+                iova: Iova(src),
+                len: n,
+                prot: Prot::READ,
+            },
+            SgBuf {
+                iova: Iova(dst),
+                len: n,
+                prot: Prot::WRITE,
+            },
+        ];
+        let guard = match dma.pin_sg(&bufs)? {
+            SgWalk::Held(guard) => guard,
+            SgWalk::Missed(m) => {
+                // Checked mapped just before; unmapped since (the range closed under us).
+                return Err(memvisor::Error::Fault {
+                    space: "iova",
+                    addr: m[0].iova.0,
+                    start: m[0].iova.0,
+                    len: n,
+                }
+                .into());
             }
         };
-        record_pin(s, dp.len());
+        record_pin(s, guard.buffer_pages(0..1) as usize);
+        record_pin(s, guard.buffer_pages(1..2) as usize);
+        let (mut from, mut to) = (
+            guard.buffer(0).iter().copied(),
+            guard.buffer(1).iter().copied(),
+        );
+        let (mut sseg, mut dseg) = (from.next(), to.next());
         let mut off = 0u64;
-        while off < n {
-            // One piece inside one source page and one destination page.
-            let (sa, da) = (src + off, dst + off);
-            let k = (n - off).min(PAGE - sa % PAGE).min(PAGE - da % PAGE) as usize;
-            let sh = shva[(sa / PAGE - sp[0]) as usize].0 + sa % PAGE;
-            let dh = dhva[(da / PAGE - dp[0]) as usize].0 + da % PAGE;
-            let buf = &mut bounce[..k];
-            // SAFETY: `sh .. sh + k` lies in a source page pinned above (the piece stays inside
-            // one page), and pins are dropped only below, after the copy.
-            unsafe { read_pinned(memvisor::Hva(sh), buf) };
+        while let (Some(a), Some(b)) = (sseg, dseg) {
+            // One piece inside one host segment of each side.
+            let k = a.len.min(b.len).min(bounce.len() as u64);
+            let buf = &mut bounce[..k as usize];
+            // SAFETY: `a.hva .. a.hva + k` lies in a source segment the guard holds pinned
+            // until it drops, after the copy.
+            unsafe { read_pinned(a.hva, buf) };
             sum = fnv1a(sum, buf);
-            // SAFETY: `dh .. dh + k` lies in a destination page pinned with WRITE above.
-            unsafe { write_pinned(buf, memvisor::Hva(dh)) };
-            off += k as u64;
+            // SAFETY: `b.hva .. b.hva + k` lies in a destination segment pinned with WRITE.
+            unsafe { write_pinned(buf, b.hva) };
+            off += k;
+            let rest = |s: Segment| {
+                (s.len > k).then(|| Segment {
+                    hva: Hva(s.hva.0 + k),
+                    len: s.len - k,
+                })
+            };
+            sseg = rest(a).or_else(|| from.next());
+            dseg = rest(b).or_else(|| to.next());
         }
-        dma.unpin_pages(&dp)?;
-        dma.unpin_pages(&sp)?;
+        debug_assert_eq!(off, n);
         Ok(sum)
     })();
     let mut f = lock(&s.flight);

@@ -68,7 +68,6 @@ pub mod miss;
 pub mod observe;
 #[cfg(not(feature = "test-hooks"))]
 mod observe;
-pub mod pin_cost;
 pub mod proto;
 pub mod ring;
 pub mod wire;

@@ -718,7 +718,7 @@ fn map_all(
 
 #[cfg(test)]
 mod tests {
-    use memvisor::{Access, BackingKind};
+    use memvisor::{BackingKind, Prot};
 
     use super::*;
 
@@ -742,7 +742,7 @@ mod tests {
 
     fn mapped(mem: &FrontendMemory, page: u64) -> bool {
         mem.dma()
-            .translate(Iova(page * PAGE), 8, Access::Read)
+            .translate(Iova(page * PAGE), 8, Prot::READ)
             .is_ok()
     }
 

@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 
 use memvisor::dma::Miss;
-use memvisor::{Access, DmaMemory, Iova, PAGE_4K};
+use memvisor::{DmaMemory, Iova, PAGE_4K, Prot};
 
 /// At most this many pages are asked for per request (4 MiB of 4 KiB pages, 44 KiB of MISS
 /// messages, well inside a Unix socket's buffer); the rest are asked for on the retry.
@@ -35,7 +35,7 @@ pub fn page_of(iova: u64) -> u64 {
 /// Appends to `out` one miss per unmapped 4 KiB page of `[iova, iova + len)` for `access`,
 /// in order, until `out` holds [`MAX_MISSES`]. Stops at the first byte that fails for another
 /// reason (a permission: no update can fix that by asking) or at a range that wraps.
-pub fn misses_in(mem: &DmaMemory, iova: u64, len: u64, access: Access, out: &mut Vec<Miss>) {
+pub fn misses_in(mem: &DmaMemory, iova: u64, len: u64, access: Prot, out: &mut Vec<Miss>) {
     let Some(end) = iova.checked_add(len) else {
         return;
     };
@@ -65,7 +65,7 @@ pub fn one_per_page(misses: &[Miss], limit: usize) -> Vec<Miss> {
     for m in misses {
         let page = page_of(m.iova.0);
         match at.get(&page) {
-            Some(&k) if m.access == Access::Write => out[k].access = Access::Write,
+            Some(&k) if m.access == Prot::WRITE => out[k].access = Prot::WRITE,
             Some(_) => {}
             None if out.len() < limit => {
                 at.insert(page, out.len());
@@ -87,7 +87,7 @@ impl Asked {
     /// Whether `miss` needs a MISS message: its page was not asked for, or only for reading
     /// and it needs writing. Records it as asked.
     pub fn ask(&mut self, miss: &Miss) -> bool {
-        let write = miss.access == Access::Write;
+        let write = miss.access == Prot::WRITE;
         let page = page_of(miss.iova.0);
         match self.pages.get(&page) {
             Some(&asked_write) if asked_write || !write => false,
@@ -152,7 +152,7 @@ mod tests {
     use memvisor::{Backing, BackingKind, DmaConfig, DmaSpace, Prot};
     use std::sync::Arc;
 
-    fn miss(iova: u64, access: Access) -> Miss {
+    fn miss(iova: u64, access: Prot) -> Miss {
         Miss {
             iova: Iova(iova),
             access,
@@ -173,17 +173,17 @@ mod tests {
         let mem = space.memory();
         let mut out = Vec::new();
         // From the middle of page 0 to the middle of page 15.
-        misses_in(&mem, 100, 15 * PAGE_4K, Access::Read, &mut out);
+        misses_in(&mem, 100, 15 * PAGE_4K, Prot::READ, &mut out);
         let pages: Vec<u64> = out.iter().map(|m| m.iova.0 / PAGE_4K).collect();
         assert_eq!(pages, [0, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]);
         assert_eq!(out[0].iova.0, 100, "the first miss names the first byte");
-        assert!(out.iter().all(|m| m.access == Access::Read));
+        assert!(out.iter().all(|m| m.access == Prot::READ));
         assert_eq!(mem.take_miss(), None, "nothing left behind in the view");
 
         // All mapped: no miss. A range past the top of the space: none either.
         out.clear();
-        misses_in(&mem, PAGE_4K, 2 * PAGE_4K, Access::Write, &mut out);
-        misses_in(&mem, u64::MAX - 10, 100, Access::Read, &mut out);
+        misses_in(&mem, PAGE_4K, 2 * PAGE_4K, Prot::WRITE, &mut out);
+        misses_in(&mem, u64::MAX - 10, 100, Prot::READ, &mut out);
         assert!(out.is_empty(), "{out:?}");
 
         // Page 7 read-only: a write walk asks for 6, then stops at 7 (no update fixes that).
@@ -191,8 +191,8 @@ mod tests {
             .map_backing(Iova(7 * PAGE_4K), &memory, 7 * PAGE_4K, PAGE_4K, Prot::READ)
             .unwrap();
         let mem = space.memory();
-        misses_in(&mem, 5 * PAGE_4K, 4 * PAGE_4K, Access::Write, &mut out);
-        assert_eq!(out, [miss(6 * PAGE_4K, Access::Write)]);
+        misses_in(&mem, 5 * PAGE_4K, 4 * PAGE_4K, Prot::WRITE, &mut out);
+        assert_eq!(out, [miss(6 * PAGE_4K, Prot::WRITE)]);
     }
 
     /// A huge buffer asks for at most MAX_MISSES pages at a time.
@@ -201,7 +201,7 @@ mod tests {
         let space = DmaSpace::new(DmaConfig::default()).unwrap();
         let mem = space.memory();
         let mut out = Vec::new();
-        misses_in(&mem, 0, 1 << 40, Access::Read, &mut out);
+        misses_in(&mem, 0, 1 << 40, Prot::READ, &mut out);
         assert_eq!(out.len(), MAX_MISSES);
         assert_eq!(
             out.last().unwrap().iova.0,
@@ -212,18 +212,18 @@ mod tests {
     #[test]
     fn each_page_is_asked_once_until_answered() {
         let mut asked = Asked::default();
-        assert!(asked.ask(&miss(0x1000, Access::Read)));
-        assert!(!asked.ask(&miss(0x1800, Access::Read)), "same page");
-        assert!(asked.ask(&miss(0x1000, Access::Write)), "a write is more");
-        assert!(!asked.ask(&miss(0x1004, Access::Read)), "write covers read");
-        assert!(asked.ask(&miss(0x3000, Access::Read)));
-        assert!(asked.ask(&miss(0x5000, Access::Write)));
+        assert!(asked.ask(&miss(0x1000, Prot::READ)));
+        assert!(!asked.ask(&miss(0x1800, Prot::READ)), "same page");
+        assert!(asked.ask(&miss(0x1000, Prot::WRITE)), "a write is more");
+        assert!(!asked.ask(&miss(0x1004, Prot::READ)), "write covers read");
+        assert!(asked.ask(&miss(0x3000, Prot::READ)));
+        assert!(asked.ask(&miss(0x5000, Prot::WRITE)));
         assert_eq!(asked.len(), 3);
         // An update of 0x1800..0x3001 covers pages 0x1000 (partly), 0x2000 and 0x3000.
         asked.covered(0x1800, 0x1801);
         assert_eq!(asked.len(), 1);
         assert!(
-            asked.ask(&miss(0x1000, Access::Read)),
+            asked.ask(&miss(0x1000, Prot::READ)),
             "answered: may ask again"
         );
         // A size of 0 covers nothing; a range to the top of the space covers to the top.
@@ -233,7 +233,7 @@ mod tests {
         assert_eq!(asked.len(), 1);
         asked.forget(&[0x1000]);
         assert!(asked.is_empty());
-        assert!(asked.ask(&miss(u64::MAX, Access::Read)));
+        assert!(asked.ask(&miss(u64::MAX, Prot::READ)));
         asked.covered(u64::MAX - 0xfff, 0x1000);
         assert!(asked.is_empty());
     }
@@ -241,23 +241,23 @@ mod tests {
     #[test]
     fn one_miss_per_page_the_stronger_access() {
         let ms = [
-            miss(0x1000, Access::Read),
-            miss(0x1128, Access::Write),
-            miss(0x3000, Access::Read),
-            miss(0x1f00, Access::Read),
-            miss(0x5000, Access::Write),
+            miss(0x1000, Prot::READ),
+            miss(0x1128, Prot::WRITE),
+            miss(0x3000, Prot::READ),
+            miss(0x1f00, Prot::READ),
+            miss(0x5000, Prot::WRITE),
         ];
         assert_eq!(
             one_per_page(&ms, 10),
             [
-                miss(0x1000, Access::Write),
-                miss(0x3000, Access::Read),
-                miss(0x5000, Access::Write)
+                miss(0x1000, Prot::WRITE),
+                miss(0x3000, Prot::READ),
+                miss(0x5000, Prot::WRITE)
             ]
         );
         assert_eq!(
             one_per_page(&ms, 1),
-            [miss(0x1000, Access::Write)],
+            [miss(0x1000, Prot::WRITE)],
             "the limit counts pages"
         );
     }

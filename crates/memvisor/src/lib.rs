@@ -50,7 +50,7 @@ pub use bitmap::SharedLog;
 pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutcome};
 #[cfg(feature = "vm-memory")]
 pub use dma::DmaMemory;
-pub use dma::{Access, DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
+pub use dma::{DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
 pub use error::{Error, Result};
 pub use pin::{LockLimit, PinRegistry};
 pub use slots::{GpaTranslation, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot};

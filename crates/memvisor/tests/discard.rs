@@ -487,6 +487,38 @@ fn held_pages_are_skipped_and_keep_their_bytes_with_nothing_locked() {
     dma.unpin_pages(&[700]).unwrap();
 }
 
+/// A page under a live scatter-gather guard is skipped like a held one, and discarded once the
+/// guard is gone.
+#[test]
+fn pages_under_a_live_guard_are_skipped() {
+    let _s = serial();
+    let (t, b) = guest(BackingKind::PrivateAnon, 2 * MIB, SlotFlags::NONE);
+    let (discarder, dma, registry) = with_registry(&t, &b, LockLimit::Bytes(0));
+    let walk = dma
+        .hold_sg(&[memvisor::dma::SgBuf {
+            iova: Iova(300 * PAGE + 10),
+            len: PAGE,
+            prot: Prot::WRITE,
+        }])
+        .unwrap();
+    let memvisor::dma::SgWalk::Held(guard) = walk else {
+        panic!("mapped memory must not miss");
+    };
+    let out = discarder.report(&[(Gpa(BASE), 2 * MIB)]);
+    assert_eq!(
+        (out.discarded, out.skipped_pinned),
+        (2 * MIB - 2 * PAGE, 2 * PAGE)
+    );
+    assert_eq!(held(&b, 300, 0), Held::Pattern);
+    assert_eq!(held(&b, 301, 0), Held::Pattern);
+    assert_eq!(held(&b, 302, 0), Held::Zero);
+    drop(guard);
+    assert_eq!(registry.guard_held_pages(), 0);
+    let out = discarder.report(&[(Gpa(BASE), 2 * MIB)]);
+    assert_eq!(out.skipped_pinned, 0);
+    assert_eq!(held(&b, 300, 0), Held::Zero);
+}
+
 /// A page both held and pinned stays locked until the last of the two goes, and is discarded
 /// only after both.
 #[test]

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use memvisor::dma::Segment;
 use memvisor::{
-    Access, Backing, BackingKind, DmaConfig, DmaSpace, Gpa, Iova, Prot, Range, SlotFlags, SlotSpec,
+    Backing, BackingKind, DmaConfig, DmaSpace, Gpa, Iova, Prot, Range, SlotFlags, SlotSpec,
     SlotTable,
 };
 
@@ -180,7 +180,7 @@ fn mappings_may_end_at_the_top_of_the_iova_space() {
     let mut out = [0; 4];
     d.dma_read(Iova(u64::MAX - 3), &mut out).unwrap();
     assert_eq!(out, [1, 2, 3, 4]);
-    let t = d.translate(Iova(u64::MAX), 100, Access::Read).unwrap();
+    let t = d.translate(Iova(u64::MAX), 100, Prot::READ).unwrap();
     assert_eq!(t.len, 1);
     assert_eq!(t.hva.0, b.hva().0 + 2 * PAGE - 1);
     // one byte past the top cannot be accessed
@@ -230,10 +230,10 @@ fn rw_and_translate_check_mapping_and_permission() {
     let mut buf = [0u8; 8];
     assert_eq!(errno(d.dma_write(Iova(0), &buf)), libc::EPERM);
     assert_eq!(errno(d.dma_read(Iova(2 * PAGE), &mut buf)), libc::EPERM);
-    assert_eq!(errno(d.translate(Iova(0), 8, Access::Write)), libc::EPERM);
+    assert_eq!(errno(d.translate(Iova(0), 8, Prot::WRITE)), libc::EPERM);
     assert_eq!(errno(d.dma_read(Iova(3 * PAGE), &mut buf)), libc::EINVAL);
     assert_eq!(
-        errno(d.translate(Iova(3 * PAGE), 8, Access::Read)),
+        errno(d.translate(Iova(3 * PAGE), 8, Prot::READ)),
         libc::EFAULT
     );
     // a write spanning the READ-only and WRITE mappings is refused whole
@@ -246,7 +246,7 @@ fn rw_and_translate_check_mapping_and_permission() {
     let mut big = vec![0xee; 3 * PAGE as usize];
     assert_eq!(errno(d.dma_read(Iova(0), &mut big)), libc::EPERM);
     assert!(big.iter().all(|&x| x == 0xee));
-    assert_eq!(errno(d.translate(Iova(0), 0, Access::Read)), libc::EINVAL);
+    assert_eq!(errno(d.translate(Iova(0), 0, Prot::READ)), libc::EINVAL);
 }
 
 /// The page table starts with the eighth small mapping (all eight entered at once) and is
@@ -267,9 +267,9 @@ fn the_page_table_starts_and_stops_with_the_small_mappings_and_never_answers_sta
         let mut fresh = d.cursor();
         for at in [iova(i), Iova(iova(i).0 + PAGE - 8)] {
             let answers = [
-                d.translate(at, 8, Access::Read),
-                fresh.translate(at, 8, Access::Read),
-                kept.translate(at, 8, Access::Read),
+                d.translate(at, 8, Prot::READ),
+                fresh.translate(at, 8, Prot::READ),
+                kept.translate(at, 8, Prot::READ),
             ];
             for got in answers {
                 match host_page {
@@ -346,7 +346,7 @@ fn reads_and_writes_span_mappings_and_sg_lists_merge_host_contiguous_pieces() {
     b.read(6 * PAGE, &mut tail).unwrap();
     assert_eq!(tail, data[data.len() - PAGE as usize / 2..]);
     let sg = d
-        .translate_sg(Iova(PAGE / 2), 3 * PAGE, Access::Read)
+        .translate_sg(Iova(PAGE / 2), 3 * PAGE, Prot::READ)
         .unwrap();
     assert_eq!(
         sg,
@@ -362,7 +362,7 @@ fn reads_and_writes_span_mappings_and_sg_lists_merge_host_contiguous_pieces() {
         ]
     );
     assert_eq!(
-        errno(d.translate_sg(Iova(3 * PAGE), 2 * PAGE, Access::Read)),
+        errno(d.translate_sg(Iova(3 * PAGE), 2 * PAGE, Prot::READ)),
         libc::EFAULT
     );
 }
@@ -445,16 +445,16 @@ fn vaddr_invalidate_and_update() {
     );
     // while invalid: translation EBUSY, copies EFAULT, and the old memory is not touched
     assert_eq!(
-        errno(d.translate(Iova(0x10000), 8, Access::Read)),
+        errno(d.translate(Iova(0x10000), 8, Prot::READ)),
         libc::EBUSY
     );
     assert_eq!(
-        errno(d.cursor().translate(Iova(0x10000), 8, Access::Read)),
+        errno(d.cursor().translate(Iova(0x10000), 8, Prot::READ)),
         libc::EBUSY
     );
     assert_eq!(errno(d.dma_write(Iova(0x10000), b"xxx")), libc::EFAULT);
     assert_eq!(
-        errno(d.translate_sg(Iova(0x10000), 8, Access::Read)),
+        errno(d.translate_sg(Iova(0x10000), 8, Prot::READ)),
         libc::EBUSY
     );
     assert_eq!(d.mappings()[0].hva(), None);
@@ -514,10 +514,7 @@ fn translation_waits_for_a_vaddr_update_up_to_the_configured_time() {
     short.map_backing(Iova(0), &old, 0, PAGE, Prot::RW).unwrap();
     short.invalidate_vaddr(Iova(0), PAGE).unwrap();
     let start = Instant::now();
-    assert_eq!(
-        errno(short.translate(Iova(0), 1, Access::Read)),
-        libc::EBUSY
-    );
+    assert_eq!(errno(short.translate(Iova(0), 1, Prot::READ)), libc::EBUSY);
     assert!(start.elapsed() >= Duration::from_millis(30));
 }
 
@@ -528,18 +525,18 @@ fn a_cursor_follows_changes() {
     d.map_backing(Iova(0), &a, 0, PAGE, Prot::RW).unwrap();
     let mut c = d.cursor();
     assert_eq!(
-        c.translate(Iova(8), 8, Access::Read).unwrap().hva.0,
+        c.translate(Iova(8), 8, Prot::READ).unwrap().hva.0,
         a.hva().0 + 8
     );
-    assert_eq!(c.translate(Iova(8), 8, Access::Write).unwrap().len, 8);
+    assert_eq!(c.translate(Iova(8), 8, Prot::WRITE).unwrap().len, 8);
     d.unmap(Iova(0), PAGE).unwrap();
-    assert_eq!(errno(c.translate(Iova(8), 8, Access::Read)), libc::EFAULT);
+    assert_eq!(errno(c.translate(Iova(8), 8, Prot::READ)), libc::EFAULT);
     d.map_backing(Iova(0), &b, 0, PAGE, Prot::READ).unwrap();
     assert_eq!(
-        c.translate(Iova(8), 8, Access::Read).unwrap().hva.0,
+        c.translate(Iova(8), 8, Prot::READ).unwrap().hva.0,
         b.hva().0 + 8
     );
-    assert_eq!(errno(c.translate(Iova(8), 8, Access::Write)), libc::EPERM);
+    assert_eq!(errno(c.translate(Iova(8), 8, Prot::WRITE)), libc::EPERM);
 }
 
 #[test]
@@ -561,12 +558,12 @@ fn dirty_bits_are_exactly_the_pages_written() {
     // across the first mapping boundary: pages 99, 100, 101
     d.dma_write(Iova(99 * PAGE + 10), &vec![1; 2 * PAGE as usize])
         .unwrap();
-    d.translate(Iova(5 * PAGE), 1, Access::Write).unwrap();
-    d.translate(Iova(6 * PAGE), 1, Access::Read).unwrap(); // reads mark nothing
+    d.translate(Iova(5 * PAGE), 1, Prot::WRITE).unwrap();
+    d.translate(Iova(6 * PAGE), 1, Prot::READ).unwrap(); // reads mark nothing
     d.cursor()
-        .translate(Iova(129 * PAGE), 1, Access::Write)
+        .translate(Iova(129 * PAGE), 1, Prot::WRITE)
         .unwrap();
-    d.translate_sg(Iova(200 * PAGE), 2 * PAGE, Access::Write)
+    d.translate_sg(Iova(200 * PAGE), 2 * PAGE, Prot::WRITE)
         .unwrap();
     let pages = |words: &[u64]| -> Vec<u64> {
         (0..words.len() as u64 * 64)
@@ -655,10 +652,7 @@ fn errnos_and_their_order_follow_type1() {
     assert_eq!(errno(d.dma_write(Iova(2 * PAGE), &buf)), libc::EPERM);
     d.dma_write(Iova(0), &buf).unwrap();
     // Translation is a device's IOMMU lookup, not vfio_dma_rw: unmapped is EFAULT there.
-    assert_eq!(
-        errno(d.translate(Iova(PAGE), 8, Access::Read)),
-        libc::EFAULT
-    );
+    assert_eq!(errno(d.translate(Iova(PAGE), 8, Prot::READ)), libc::EFAULT);
     // VFIO_DMA_MAP_FLAG_VADDR looks up the range: one that overlaps an invalidated mapping
     // without starting at it is EINVAL, one that touches nothing ENOENT.
     d.invalidate_vaddr(Iova(0), PAGE).unwrap();
@@ -712,8 +706,8 @@ fn vaddr_rules_follow_the_kernel_version_chosen() {
             }
         }
         // Translation fails only on the invalidated mapping, under both rules.
-        d.translate(Iova(16 * PAGE), 8, Access::Read).unwrap();
-        assert_eq!(errno(d.translate(Iova(0), 8, Access::Read)), libc::EBUSY);
+        d.translate(Iova(16 * PAGE), 8, Prot::READ).unwrap();
+        assert_eq!(errno(d.translate(Iova(0), 8, Prot::READ)), libc::EBUSY);
         d.update_vaddr(Iova(0), 4 * PAGE, &b, 0).unwrap();
         d.dma_read(Iova(16 * PAGE), &mut buf).unwrap();
         // Invalidation with a device that pins attached: asked back under Wait, refused under
@@ -773,11 +767,11 @@ fn remote_mappings_follow_type1_and_reach_memory_only_through_the_peer() {
     assert!(d.mappings()[1].is_remote() && d.mappings()[1].hva().is_none());
 
     // Nothing that needs a host address reaches it: EFAULT, naming the mapping.
-    let e = d.translate(Iova(5 * PAGE), 8, Access::Read).unwrap_err();
+    let e = d.translate(Iova(5 * PAGE), 8, Prot::READ).unwrap_err();
     assert_eq!(e.errno(), libc::EFAULT);
     assert!(e.to_string().contains("0x4000, 0x7fff"), "{e}");
     assert_eq!(
-        errno(d.cursor().translate(Iova(5 * PAGE), 8, Access::Read)),
+        errno(d.cursor().translate(Iova(5 * PAGE), 8, Prot::READ)),
         libc::EFAULT
     );
     assert_eq!(errno(d.pin_pages(&[4], Prot::READ)), libc::EFAULT);
@@ -787,14 +781,14 @@ fn remote_mappings_follow_type1_and_reach_memory_only_through_the_peer() {
     assert_eq!(d.device_pinned_pages(), 0);
 
     // A device can check a whole request over both kinds before it moves a byte.
-    d.check_access(Iova(3 * PAGE), 6 * PAGE, Access::Read)
+    d.check_access(Iova(3 * PAGE), 6 * PAGE, Prot::READ)
         .unwrap();
     assert_eq!(
-        errno(d.check_access(Iova(3 * PAGE), 6 * PAGE, Access::Write)),
+        errno(d.check_access(Iova(3 * PAGE), 6 * PAGE, Prot::WRITE)),
         libc::EPERM
     );
     assert_eq!(
-        errno(d.check_access(Iova(8 * PAGE), PAGE + 1, Access::Read)),
+        errno(d.check_access(Iova(8 * PAGE), PAGE + 1, Prot::READ)),
         libc::EFAULT
     );
 
@@ -928,33 +922,33 @@ fn plain_translate_never_answers_from_a_stale_hit() {
     b.map_backing(Iova(0), &mb, PAGE, 2 * PAGE, Prot::READ)
         .unwrap();
     let hva = |d: &DmaSpace, iova: u64, acc| d.translate(Iova(iova), 8, acc).map(|t| t.hva.0);
-    let base_a = hva(&a, 0, Access::Read).unwrap();
+    let base_a = hva(&a, 0, Prot::READ).unwrap();
     assert_eq!(
-        hva(&a, PAGE + 1, Access::Read).unwrap(),
+        hva(&a, PAGE + 1, Prot::READ).unwrap(),
         base_a + PAGE + 1,
         "hit"
     );
     // Another space at the same IOVA: its own answer, its own protection.
-    let base_b = hva(&b, 0, Access::Read).unwrap();
+    let base_b = hva(&b, 0, Prot::READ).unwrap();
     assert_ne!(base_a, base_b);
-    assert_eq!(errno(b.translate(Iova(0), 8, Access::Write)), libc::EPERM);
+    assert_eq!(errno(b.translate(Iova(0), 8, Prot::WRITE)), libc::EPERM);
     assert_eq!(
-        errno(b.translate(Iova(2 * PAGE), 8, Access::Read)),
+        errno(b.translate(Iova(2 * PAGE), 8, Prot::READ)),
         libc::EFAULT
     );
-    assert_eq!(hva(&a, 8, Access::Write).unwrap(), base_a + 8);
+    assert_eq!(hva(&a, 8, Prot::WRITE).unwrap(), base_a + 8);
     // Unmapped: EFAULT at once, though the thread hit it just before.
     a.unmap(Iova(0), 4 * PAGE).unwrap();
-    assert_eq!(errno(a.translate(Iova(8), 8, Access::Read)), libc::EFAULT);
+    assert_eq!(errno(a.translate(Iova(8), 8, Prot::READ)), libc::EFAULT);
     // Mapped again elsewhere in the backing: the new address.
     a.map_backing(Iova(0), &ma, 2 * PAGE, 2 * PAGE, Prot::RW)
         .unwrap();
-    assert_eq!(hva(&a, 8, Access::Read).unwrap(), base_a + 2 * PAGE + 8);
+    assert_eq!(hva(&a, 8, Prot::READ).unwrap(), base_a + 2 * PAGE + 8);
     // A hit for reads must not let writes skip the dirty log once it is on.
     a.start_dirty_tracking().unwrap();
-    assert_eq!(hva(&a, PAGE, Access::Read).unwrap(), base_a + 3 * PAGE);
-    a.translate(Iova(PAGE + 3), 1, Access::Write).unwrap();
-    a.translate(Iova(PAGE + 5), 1, Access::Write).unwrap();
+    assert_eq!(hva(&a, PAGE, Prot::READ).unwrap(), base_a + 3 * PAGE);
+    a.translate(Iova(PAGE + 3), 1, Prot::WRITE).unwrap();
+    a.translate(Iova(PAGE + 5), 1, Prot::WRITE).unwrap();
     assert_eq!(
         a.get_and_clear_dirty(Iova(0), 2 * PAGE, PAGE).unwrap(),
         vec![0b10]
@@ -962,18 +956,18 @@ fn plain_translate_never_answers_from_a_stale_hit() {
     // Another thread has its own memory of hits.
     let a2 = a.clone();
     std::thread::spawn(move || {
-        assert_eq!(a2.translate(Iova(4), 4, Access::Read).unwrap().len, 4);
+        assert_eq!(a2.translate(Iova(4), 4, Prot::READ).unwrap().len, 4);
     })
     .join()
     .unwrap();
     // Lengths are clipped at the mapping's end on a hit too.
     assert_eq!(
-        a.translate(Iova(2 * PAGE - 3), 100, Access::Read)
+        a.translate(Iova(2 * PAGE - 3), 100, Prot::READ)
             .unwrap()
             .len,
         3
     );
-    assert_eq!(errno(a.translate(Iova(0), 0, Access::Read)), libc::EINVAL);
+    assert_eq!(errno(a.translate(Iova(0), 0, Prot::READ)), libc::EINVAL);
 }
 
 /// A cursor's `read` / `write` answer exactly as `dma_read` / `dma_write`, on its shortcut
@@ -1085,7 +1079,7 @@ fn plain_copies_never_take_a_stale_shortcut() {
     d.invalidate_vaddr(Iova(8 * PAGE), PAGE).unwrap();
     assert_eq!(errno(d.dma_read(Iova(0), &mut one)), libc::EBUSY);
     // A translation still answers there and becomes the last hit, but not one copies take.
-    d.translate(Iova(0), 1, Access::Read).unwrap();
+    d.translate(Iova(0), 1, Prot::READ).unwrap();
     assert_eq!(errno(d.dma_read(Iova(0), &mut one)), libc::EBUSY);
     assert_eq!(errno(d.dma_write(Iova(0), &[1])), libc::EBUSY);
     d.update_vaddr(Iova(8 * PAGE), PAGE, &b, 5 * PAGE).unwrap();
@@ -1113,9 +1107,7 @@ fn a_cursor_never_answers_from_a_snapshot_it_let_go() {
     d.map_backing(Iova(x), &b, PAGE, PAGE, Prot::RW).unwrap();
     let mut cursor = d.cursor();
     let hva = |cursor: &mut memvisor::dma::DmaCursor, iova: u64| {
-        cursor
-            .translate(Iova(iova), 8, Access::Read)
-            .map(|t| t.hva.0)
+        cursor.translate(Iova(iova), 8, Prot::READ).map(|t| t.hva.0)
     };
     assert_eq!(hva(&mut cursor, a).unwrap(), base);
     assert_eq!(hva(&mut cursor, x).unwrap(), base + PAGE);
@@ -1162,7 +1154,7 @@ fn translations_are_exact_at_every_edge_of_the_page_index() {
                     base + (at + shift) * PAGE + (probe - iova),
                     64.min(end.wrapping_sub(probe)),
                 );
-                for access in [Access::Read, Access::Write] {
+                for access in [Prot::READ, Prot::WRITE] {
                     let got = [
                         d.translate(Iova(probe), 64, access),
                         cursor.translate(Iova(probe), 64, access),
@@ -1177,20 +1169,20 @@ fn translations_are_exact_at_every_edge_of_the_page_index() {
         }
     };
     // The space and `cursor` refuse `access` at `probe` with `want`.
-    let refuse = |cursor: &mut memvisor::dma::DmaCursor, probe: u64, access: Access, want: i32| {
+    let refuse = |cursor: &mut memvisor::dma::DmaCursor, probe: u64, access: Prot, want: i32| {
         assert_eq!(errno(d.translate(Iova(probe), 8, access)), want);
         assert_eq!(errno(cursor.translate(Iova(probe), 8, access)), want);
     };
     // The space and `cursor` fault on `probe`.
     let faults = |cursor: &mut memvisor::dma::DmaCursor, probe: u64| {
-        refuse(cursor, probe, Access::Read, libc::EFAULT);
+        refuse(cursor, probe, Prot::READ, libc::EFAULT);
     };
     let unmapped = |cursor: &mut memvisor::dma::DmaCursor, maps: &[(u64, u64, u64)]| {
         for &(iova, pages, _) in maps {
             for probe in [iova, iova + (pages * PAGE - 1)] {
                 faults(cursor, probe);
                 assert_eq!(
-                    errno(d.cursor().translate(Iova(probe), 8, Access::Read)),
+                    errno(d.cursor().translate(Iova(probe), 8, Prot::READ)),
                     libc::EFAULT
                 );
             }
@@ -1222,9 +1214,9 @@ fn translations_are_exact_at_every_edge_of_the_page_index() {
     d.unmap(Iova(iova), pages * PAGE).unwrap();
     d.map_backing(Iova(iova), &b, at * PAGE, pages * PAGE, Prot::READ)
         .unwrap();
-    refuse(&mut cursor, iova, Access::Write, libc::EPERM);
+    refuse(&mut cursor, iova, Prot::WRITE, libc::EPERM);
     assert_eq!(
-        d.translate(Iova(iova), 8, Access::Read).unwrap().hva.0,
+        d.translate(Iova(iova), 8, Prot::READ).unwrap().hva.0,
         base + at * PAGE
     );
     d.unmap_all().unwrap();
@@ -1263,7 +1255,7 @@ fn dirty_bits_cover_mapping_pieces_that_do_not_fill_a_page() {
     let ways: [(&str, Write); 4] = [
         ("dma_write", |d, at| d.dma_write(Iova(at), &[1]).unwrap()),
         ("translate", |d, at| {
-            d.translate(Iova(at), 1, Access::Write).unwrap();
+            d.translate(Iova(at), 1, Prot::WRITE).unwrap();
         }),
         ("cursor write", |d, at| {
             d.cursor().write(Iova(at), &[1]).unwrap()

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread;
 
-use memvisor::{Access, Backing, BackingKind, DmaSpace, Iova, Prot};
+use memvisor::{Backing, BackingKind, DmaSpace, Iova, Prot};
 
 const REGIONS: u64 = 6;
 const REGION: u64 = 16 * 4096;
@@ -70,7 +70,7 @@ fn readers_and_writers_survive_concurrent_map_and_unmap() {
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
                 let iova = (x >> 20) % (REGIONS * REGION);
-                match cursor.translate(Iova(iova), 1 << 20, Access::Read) {
+                match cursor.translate(Iova(iova), 1 << 20, Prot::READ) {
                     Ok(t) => assert_eq!(t.len, REGION - iova % REGION),
                     Err(e) => assert_eq!(e.errno(), libc::EFAULT, "{e}"),
                 }

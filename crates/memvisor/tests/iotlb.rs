@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use memvisor::dma::{DmaConfig, PinMode};
-use memvisor::{Access, Backing, BackingKind, DmaSpace, Iova, Prot};
+use memvisor::{Backing, BackingKind, DmaSpace, Iova, Prot};
 
 #[path = "common/mod.rs"]
 mod common;
@@ -24,7 +24,7 @@ fn space(pages: u64) -> (DmaSpace, Arc<Backing>) {
 }
 
 fn hva(dma: &DmaSpace, page: u64) -> Option<u64> {
-    dma.translate(Iova(page * P), 1, Access::Read)
+    dma.translate(Iova(page * P), 1, Prot::READ)
         .ok()
         .map(|t| t.hva.0)
 }
@@ -65,7 +65,7 @@ fn a_range_across_mappings_and_holes_removes_what_it_covers_and_nothing_else() {
     let mapped: Vec<u64> = (0..24).filter(|&p| hva(&dma, p).is_some()).collect();
     assert_eq!(mapped, vec![0, 1, 10, 11, 20, 21, 22, 23]);
     // The cut READ-only part stays read-only.
-    assert!(dma.translate(Iova(P), 1, Access::Write).is_err());
+    assert!(dma.translate(Iova(P), 1, Prot::WRITE).is_err());
     // Nothing mapped there: 0 bytes, nothing changed. The whole space: everything.
     assert_eq!(dma.invalidate_range(Iova(100 * P), P).unwrap(), 0);
     assert_eq!(

@@ -349,7 +349,7 @@ fn a_huge_vaddr_wait_waits_instead_of_overflowing() {
             d.update_vaddr(Iova(0), b.size(), &b, 0).unwrap();
         })
     };
-    let t = d.translate(Iova(PAGE), 8, memvisor::Access::Read).unwrap();
+    let t = d.translate(Iova(PAGE), 8, memvisor::Prot::READ).unwrap();
     assert_eq!(t.hva, Hva(b.hva().0 + PAGE));
     d.pin_pages(&[2], Prot::READ).unwrap();
     d.unpin_pages(&[2]).unwrap();

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use memvisor::dma::{Grouping, LockLimit, PinMode, PinRegistry};
 use memvisor::{
-    Access, Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Gpa, HugePageReservation,
-    Iova, PageSize, Prot, SlotSpec, SlotTable,
+    Backing, BackingKind, BackingOptions, DmaConfig, DmaSpace, Gpa, HugePageReservation, Iova,
+    PageSize, Prot, SlotSpec, SlotTable,
 };
 use proptest::prelude::*;
 
@@ -416,7 +416,7 @@ fn unmap_asks_devices_to_unpin_and_is_busy_when_they_do_not() {
         errno(d.invalidate_vaddr(Iova(0x20_0000), 8 * PAGE)),
         libc::EBUSY
     );
-    assert!(d.translate(Iova(0x20_0000), 1, Access::Read).is_ok());
+    assert!(d.translate(Iova(0x20_0000), 1, Prot::READ).is_ok());
     assert_eq!(errno(d.unmap_all()), libc::EBUSY);
     assert!(d.remove_unmap_notifier(stubborn));
 
@@ -1204,7 +1204,7 @@ fn an_unmap_closes_the_range_and_waits_for_a_device_that_lets_go_late() {
             assert_eq!(told.recv().unwrap(), (Iova(0), 8 * PAGE));
             // While the unmap waits, the range is a hole for everything new.
             assert_eq!(errno(d.pin_pages(&[2], Prot::READ)), libc::EINVAL);
-            assert_eq!(errno(d.translate(Iova(0), 1, Access::Read)), libc::EFAULT);
+            assert_eq!(errno(d.translate(Iova(0), 1, Prot::READ)), libc::EFAULT);
             assert_eq!(errno(d.dma_read(Iova(0), &mut [0; 8])), libc::EINVAL);
             assert_eq!(errno(d.dma_write(Iova(0), &[0; 8])), libc::EINVAL);
             std::thread::sleep(std::time::Duration::from_millis(20));

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread;
 
 use memvisor::dma::{LockLimit, PinRegistry, read_pinned, write_pinned};
-use memvisor::{Access, Backing, BackingKind, DmaConfig, DmaSpace, Iova, Prot};
+use memvisor::{Backing, BackingKind, DmaConfig, DmaSpace, Iova, Prot};
 
 mod common;
 
@@ -117,7 +117,7 @@ fn device(d: DmaSpace, n: usize, state: Arc<State>) {
                 }
             }
             _ => {
-                allowed("translate", d.translate(Iova(iova), 1, Access::Write));
+                allowed("translate", d.translate(Iova(iova), 1, Prot::WRITE));
             }
         }
         state.ops.fetch_add(1, Ordering::Relaxed);

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use memvisor::{
-    Access, Backing, BackingKind, DmaConfig, DmaSpace, Gpa, Iova, Prot, SlotFlags, SlotMemory,
-    SlotSpace, SlotSpec, SlotTable, Snapshot,
+    Backing, BackingKind, DmaConfig, DmaSpace, Gpa, Iova, Prot, SlotFlags, SlotMemory, SlotSpace,
+    SlotSpec, SlotTable, Snapshot,
 };
 use vm_memory::bitmap::{AtomicBitmap, Bitmap};
 use vm_memory::{
@@ -515,7 +515,7 @@ fn the_device_view_translates_checks_and_remembers_misses() {
     let end = IO + 128 * KIB;
     assert!(view.read_obj::<u64>(GuestAddress(end - 4)).is_err());
     let miss = view.take_miss().unwrap();
-    assert_eq!((miss.iova, miss.access), (Iova(end), Access::Read));
+    assert_eq!((miss.iova, miss.access), (Iova(end), Prot::READ));
     assert_eq!(view.take_miss(), None, "taken once");
     // The view keeps the snapshot it was built from.
     dma.unmap(Iova(IO), 64 * KIB).unwrap();

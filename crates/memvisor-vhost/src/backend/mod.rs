@@ -55,7 +55,7 @@ use crate::worker::{Lent, Worker};
 mod handle;
 pub(crate) mod service;
 
-use memvisor::{Access, Prot};
+use memvisor::Prot;
 use memvisor::{Backing, SharedLog};
 use service::Pass;
 use std::sync::Arc;
@@ -597,9 +597,9 @@ impl<D: Device + 'static> Backend<D> {
         let [d, a, u] = ring_parts(self.vrings[i].size);
         let view = self.memory.dma().memory();
         for (addr, len, access) in [
-            (desc, d, Access::Read),
-            (avail, a, Access::Read),
-            (used, u, Access::Write),
+            (desc, d, Prot::READ),
+            (avail, a, Prot::READ),
+            (used, u, Prot::WRITE),
         ] {
             crate::miss::misses_in(&view, addr, len, access, &mut misses);
         }
@@ -646,7 +646,7 @@ impl<D: Device + 'static> Backend<D> {
             }
             let iova = m.iova.0;
             first.get_or_insert(iova);
-            let perm = if m.access == Access::Write {
+            let perm = if m.access == Prot::WRITE {
                 proto::iotlb::ACCESS_RW
             } else {
                 proto::iotlb::ACCESS_RO

@@ -1,10 +1,24 @@
-//! How the blk device meets the back end ([`Device`]): the features and config space it
-//! offers, processing a queue (the module above explains the request flow), ending the
+//! How the blk device meets the back end ([`Device`]): taking chains off a queue and walking
+//! each request's buffers once (the module above explains the request flow), ending the
 //! transfers the kernel finished, polling, and the copy of itself a ring worker serves one
 //! queue with.
 
-use super::*;
-use crate::device::{Processed, Used};
+use std::time::Instant;
+
+use memvisor::DmaSpace;
+use memvisor::dma::{SgBuf, SgWalk};
+use virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT;
+use virtio_queue::{QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+
+use super::io::{Ready, elapsed_ns};
+use super::request::{Failure, Outcome};
+use super::{Blk, SECTOR};
+use crate::device::{Device, Processed, Used};
+use crate::disk::{IN_FLIGHT, advance};
+use crate::error::{Error, Result};
+use crate::memory::FrontendMemory;
+use crate::ring::{Desc as Buf, Ring};
 
 impl Device for Blk {
     fn name(&self) -> &'static str {
@@ -12,31 +26,7 @@ impl Device for Blk {
     }
 
     fn features(&self) -> u64 {
-        let mut f = 1u64 << F_VERSION_1
-            | 1 << F_SEG_MAX
-            | 1 << F_BLK_SIZE
-            | 1 << F_FLUSH
-            | 1 << F_RING_INDIRECT
-            | 1 << VIRTIO_RING_F_EVENT_IDX;
-        if self.options.queues > 1 {
-            f |= 1 << F_MQ;
-        }
-        if self.options.read_only {
-            f |= 1 << 5; // VIRTIO_BLK_F_RO
-        } else {
-            f |= 1 << F_WRITE_ZEROES;
-            // A block device that cannot discard is not offered DISCARD.
-            if self.disk.discard_limits().is_some() {
-                f |= 1 << F_DISCARD;
-            }
-        }
-        if self.disk.topology().is_some() {
-            f |= 1 << virtio_bindings::virtio_blk::VIRTIO_BLK_F_TOPOLOGY;
-        }
-        if self.options.iommu {
-            f |= crate::proto::F_IOMMU_PLATFORM;
-        }
-        f
+        self.offered_features()
     }
 
     fn protocol_features(&self) -> u64 {
@@ -61,7 +51,7 @@ impl Device for Blk {
     }
 
     fn read_config(&self, offset: u32, data: &mut [u8]) {
-        let c = self.config();
+        let c = self.config_space();
         for (i, b) in data.iter_mut().enumerate() {
             *b = c.get(offset as usize + i).copied().unwrap_or(0);
         }
@@ -129,7 +119,7 @@ impl Device for Blk {
                         // Short: go on from where it stopped.
                         o.done += n;
                         advance(&mut o.ready.iov, n as usize);
-                        // SAFETY: as in `launch`: the same pinned memory, the rest of it.
+                        // SAFETY: as in `launch`: the same held memory, the rest of it.
                         if unsafe { self.disk.start(&o.ready.iov, offset + o.done, read, key) } {
                             self.out[slot] = Some(o);
                             continue;
@@ -155,7 +145,7 @@ impl Device for Blk {
                     Err(e) => Err(e),
                 };
                 self.free.push(slot);
-                let (_, written) = self.end_transfer(o.ring, &dma, o.status_at, o.ready, moved);
+                let written = self.end_transfer(o.ring, &dma, o.ready, moved);
                 used.push(Used {
                     ring: o.ring,
                     head: o.head,
@@ -184,5 +174,175 @@ impl Device for Blk {
     fn poll(&self) -> Option<std::time::Duration> {
         (self.options.poll_us > 0)
             .then(|| std::time::Duration::from_micros(u64::from(self.options.poll_us)))
+    }
+}
+
+impl Blk {
+    /// Takes the available chains of queue `index`: requests done at once go back to the used
+    /// ring, reads and writes ready for the kernel into `batch` (run when it is full, and by
+    /// the caller at the end). Sets `any` when something went back. Behind a vIOMMU, returns
+    /// the unmapped pages a request needs (the chain put back, for the back end to ask about).
+    fn take(
+        &mut self,
+        index: u16,
+        queue: &mut Ring,
+        memory: &FrontendMemory,
+        batch: &mut Vec<(u16, Ready)>,
+        any: &mut bool,
+    ) -> Result<Option<Vec<memvisor::dma::Miss>>> {
+        // Rings, descriptors and indirect tables are all read at device addresses, through
+        // the device space (the IOTLB behind a vIOMMU).
+        let dma = memory.dma().clone();
+        let mem = dma.memory();
+        let ask = memory.is_iotlb() && !self.fail_misses;
+        loop {
+            // Heads a back end before this one left in flight come first (the driver kicked
+            // for them long ago), then the available ring.
+            let redo = queue.resubmit();
+            let (head, bufs, indirect, cut) = match redo {
+                Some(head) => match queue.chain(&mem, head) {
+                    Ok((bufs, indirect)) => (head, bufs, indirect, mem.take_miss()),
+                    Err(e) => {
+                        if let (true, Some(m)) = (ask, mem.take_miss()) {
+                            queue.resubmit_later(head);
+                            return Ok(Some(vec![m]));
+                        }
+                        self.count(index).failed.add(1);
+                        log::warn!("blk: queue {index}: request {head} left in flight: {e}");
+                        if let Err(e) = queue.add_used(&mem, head, 0) {
+                            log::warn!("blk: queue {index}: cannot return head {head}: {e}");
+                        }
+                        *any = true;
+                        continue;
+                    }
+                },
+                None => {
+                    let chain = match queue.iter(&mem) {
+                        Ok(mut avail) => avail.next(),
+                        Err(e) => {
+                            if let (true, Some(m)) = (ask, mem.take_miss()) {
+                                return Ok(Some(vec![m]));
+                            }
+                            return Err(Error::BadRing(format!(
+                                "queue {index}: available ring unusable: {e}"
+                            )));
+                        }
+                    };
+                    let Some(chain) = chain else {
+                        if let (true, Some(m)) = (ask, mem.take_miss()) {
+                            return Ok(Some(vec![m]));
+                        }
+                        // With event indexes, re-arm and look once more for a late arrival.
+                        if queue.enable_notification(&mem).unwrap_or(false) {
+                            continue;
+                        }
+                        break;
+                    };
+                    let head = chain.head_index();
+                    let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
+                    let indirect = mem
+                        .read_obj::<u16>(GuestAddress(flags_at))
+                        .is_ok_and(|f| u32::from(f) & VRING_DESC_F_INDIRECT != 0);
+                    let bufs: Vec<Buf> = chain
+                        .map(|d| Buf {
+                            addr: d.addr().0,
+                            len: d.len(),
+                            write: d.is_write_only(),
+                        })
+                        .collect();
+                    // virtio-queue ends a chain at a descriptor it cannot read: a miss in the
+                    // table (or an indirect table) cut it short.
+                    (head, bufs, indirect, mem.take_miss())
+                }
+            };
+            // One walk of the device space per request: it holds the buffers' pages and
+            // finds their host addresses, or finds what is not mapped. Behind a vIOMMU every
+            // buffer must be mapped before anything is done; else (and for a chain cut short)
+            // put the chain back and let the back end ask — for every unmapped page of the
+            // chain's buffers at once, not one round trip per page ([`crate::miss`]).
+            let walk = self.hold(index, &dma, &bufs);
+            if ask {
+                let mut misses: Vec<memvisor::dma::Miss> = cut.into_iter().collect();
+                if let Ok(SgWalk::Missed(m)) = &walk {
+                    let room = crate::miss::MAX_MISSES.saturating_sub(misses.len());
+                    misses.extend(m.iter().take(room));
+                }
+                if !misses.is_empty() {
+                    match redo {
+                        Some(head) => queue.resubmit_later(head),
+                        None => queue.go_to_previous_position(),
+                    }
+                    return Ok(Some(misses));
+                }
+            }
+            if redo.is_none() {
+                queue.taken(head);
+            }
+            self.count(index).indirect.add(u64::from(indirect));
+            let written = match cut {
+                Some(m) => {
+                    // Cut short, with no one to ask: there is no status byte to write.
+                    self.count(index).failed.add(1);
+                    log::warn!(
+                        "blk: queue {index}: descriptor chain {head} unreadable at iova {:#x}",
+                        m.iova.0
+                    );
+                    0
+                }
+                None => {
+                    let held = match walk {
+                        Ok(SgWalk::Held(guard)) => Ok(guard),
+                        Ok(SgWalk::Missed(m)) => Err(Failure::Hold(Error::BadChain(format!(
+                            "buffer at iova {:#x} is not in guest memory",
+                            m[0].iova.0
+                        )))),
+                        Err(e) => Err(Failure::Hold(e.into())),
+                    };
+                    match self.request(index, &dma, &bufs, held) {
+                        (_, Outcome::Ready(ready)) => {
+                            batch.push((head, ready));
+                            if batch.len() + self.disk.in_flight() >= IN_FLIGHT {
+                                self.launch(index, queue, &dma, batch, any);
+                                if self.free.is_empty() {
+                                    // As many out as the device keeps: the rest of the ring
+                                    // waits for completions, after which the back end comes
+                                    // back.
+                                    break;
+                                }
+                            }
+                            continue;
+                        }
+                        (status_at, outcome) => self.finish(index, &dma, status_at, outcome),
+                    }
+                }
+            };
+            if let Err(e) = queue.add_used(&mem, head, written) {
+                log::warn!("blk: queue {index}: cannot return head {head}: {e}");
+            }
+            *any = true;
+        }
+        Ok(None)
+    }
+
+    /// Walks the buffers of a chain once ([`DmaSpace::hold_sg`]), timing it.
+    fn hold(&self, q: u16, dma: &DmaSpace, bufs: &[Buf]) -> memvisor::Result<SgWalk> {
+        let sg: Vec<SgBuf> = bufs
+            .iter()
+            .map(|b| SgBuf {
+                iova: memvisor::Iova(b.addr),
+                len: u64::from(b.len),
+                prot: if b.write {
+                    memvisor::Prot::WRITE
+                } else {
+                    memvisor::Prot::READ
+                },
+            })
+            .collect();
+        let start = Instant::now();
+        let walk = dma.hold_sg(&sg);
+        let c = self.count(q);
+        c.holds.add(1);
+        c.hold_ns.add(elapsed_ns(start));
+        walk
     }
 }

@@ -53,6 +53,13 @@ pub struct BlkStats {
     /// The most guest pages held at once for reads and writes in flight (holds lock nothing:
     /// this may be far past `RLIMIT_MEMLOCK`).
     pub most_pinned_pages: u64,
+    /// Reads and writes whose buffers were held (one walk of the device space each,
+    /// [`memvisor::DmaSpace::hold_sg`]).
+    pub holds: u64,
+    /// Nanoseconds spent walking and holding those requests' buffers.
+    pub hold_ns: u64,
+    /// Nanoseconds spent letting them go.
+    pub release_ns: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     #[serde(serialize_with = "histogram_pairs")]
@@ -80,8 +87,14 @@ impl BlkStats {
             most_in_flight,
             pinned_pages,
             most_pinned_pages,
+            holds,
+            hold_ns,
+            release_ns,
             npage_histogram,
         } = o;
+        self.holds += holds;
+        self.hold_ns += hold_ns;
+        self.release_ns += release_ns;
         self.reads += reads;
         self.writes += writes;
         self.flushes += flushes;
@@ -136,6 +149,9 @@ pub(super) struct BlkCounters {
     pub most_in_flight: Counter,
     pub pinned_pages: Counter,
     pub most_pinned_pages: Counter,
+    pub holds: Counter,
+    pub hold_ns: Counter,
+    pub release_ns: Counter,
     npage_histogram: [Counter; BUCKETS],
 }
 
@@ -168,6 +184,9 @@ impl BlkCounters {
             most_in_flight: self.most_in_flight.get(),
             pinned_pages: self.pinned_pages.get(),
             most_pinned_pages: self.most_pinned_pages.get(),
+            holds: self.holds.get(),
+            hold_ns: self.hold_ns.get(),
+            release_ns: self.release_ns.get(),
             npage_histogram,
         }
     }

@@ -297,6 +297,16 @@ impl DmaSpace {
             bitmap.mark(b0, b1 - b0);
             out.run(first + b0, b1 - b0);
         }
+        // Pages guards hold for writing, the same way.
+        self.shared
+            .holds
+            .written_in(start / PAGE, last / PAGE + 1, |s, e| {
+                let from = (s * PAGE).max(start);
+                let to = ((e - 1) * PAGE + (PAGE - 1)).min(last);
+                let (b0, b1) = (from / page - base, to / page - base + 1);
+                bitmap.mark(b0, b1 - b0);
+                out.run(first + b0, b1 - b0);
+            });
     }
 
     /// Removes the mappings inside `[first, last]` once devices let go of them (`retire`):

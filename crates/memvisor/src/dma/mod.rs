@@ -35,6 +35,8 @@
 //! an `Arc` to the memory it maps, so memory a reader can still reach through an old snapshot
 //! stays mapped (a plain copy on its thread's last hit holds none: a change waits for those
 //! instead, `grace`).
+//! A device's request takes its buffers' host segments and holds in one walk, with no lock
+//! another queue needs ([`SgGuard`], `sg`).
 //! Translation for devices (`translate`, `translate_sg`, per-thread [`DmaCursor`]), CPU copies
 //! (`dma_read` / `dma_write`, as Linux's `vfio_dma_rw`) and dirty tracking are in the submodules.
 
@@ -48,6 +50,7 @@ mod mode;
 mod publish;
 mod retire;
 mod rw;
+mod sg;
 mod translate;
 #[cfg(feature = "vm-memory")]
 mod vm_memory;
@@ -66,6 +69,7 @@ use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
 use crate::error::{Error, Result};
 use crate::pin::counts::RunCounts;
+use crate::pin::holds::Holds;
 use crate::slots::{SlotFlags, Snapshot};
 use crate::sync::lock;
 use device_pins::Notifiers;
@@ -78,9 +82,10 @@ pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
 pub use mode::{Extent, PinMode};
 // The pin registry lives in `crate::pin`; these names stay here too, where users first met them.
 pub use crate::pin::{HostExtent, KernelCheck, LockLimit, LongTermCounts, PIN_BATCH, PinRegistry};
+pub use sg::{Miss, SG_MISSES_MAX, SgBuf, SgGuard, SgWalk};
 pub use translate::{DmaCursor, Segment, Translation};
 #[cfg(feature = "vm-memory")]
-pub use vm_memory::{DmaMemory, DmaSlices, Miss};
+pub use vm_memory::{DmaMemory, DmaSlices};
 
 /// What a mapping allows a device to do.
 #[derive(Clone, Copy, PartialEq, Eq, Default, Hash)]
@@ -116,25 +121,6 @@ impl fmt::Debug for Prot {
             2 => "WRITE",
             _ => "READ|WRITE",
         })
-    }
-}
-
-/// The direction of one access.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Access {
-    /// The device reads memory.
-    Read,
-    /// The device writes memory.
-    Write,
-}
-
-impl Access {
-    #[inline]
-    fn prot(self) -> Prot {
-        match self {
-            Access::Read => Prot::READ,
-            Access::Write => Prot::WRITE,
-        }
     }
 }
 
@@ -303,6 +289,8 @@ struct Shared {
     min_page: u64,
     registry: Arc<PinRegistry>,
     notifiers: Notifiers,
+    /// What scatter-gather guards hold (`sg`), by thread shard.
+    holds: Arc<Holds>,
 }
 
 /// An I/O virtual address space with VFIO type1 semantics. Cloning gives another handle.
@@ -351,6 +339,8 @@ impl DmaSpace {
         let min_page = 1u64 << config.page_sizes.trailing_zeros();
         let allowed = allowed_ranges(lo, hi, &config.reserved);
         let registry = config.registry.clone().unwrap_or_else(PinRegistry::global);
+        let holds = Arc::new(Holds::default());
+        registry.register_holds(&holds);
         Ok(DmaSpace {
             shared: Arc::new(Shared {
                 head: Padded(Head {
@@ -380,6 +370,7 @@ impl DmaSpace {
                 min_page,
                 registry,
                 notifiers: Notifiers::default(),
+                holds,
             }),
         })
     }

@@ -177,7 +177,7 @@ mod tests {
     use super::*;
     use crate::addr::{Iova, PAGE_4K as PAGE};
     use crate::backing::{Backing, BackingKind};
-    use crate::dma::{Access, Prot};
+    use crate::dma::Prot;
     use std::sync::atomic::{AtomicBool, AtomicU64};
 
     /// One entry as [`contents`] lists it: start, last, hot word, record address, page-table
@@ -334,7 +334,7 @@ mod tests {
                         for _ in 0..50 {
                             x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
                             let page = (x >> 33) % PAGES;
-                            if let Ok(t) = d.translate(Iova(page * PAGE), 8, Access::Read) {
+                            if let Ok(t) = d.translate(Iova(page * PAGE), 8, Prot::READ) {
                                 assert_eq!(t.hva.0, b.hva().0 + page * PAGE, "page {page}");
                             }
                         }

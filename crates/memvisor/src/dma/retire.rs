@@ -31,6 +31,7 @@
 //! must not change the space that called it (it would wait for itself): such a change fails at
 //! once with EBUSY.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -119,18 +120,25 @@ impl DmaSpace {
         // Pins change only under the writer lock, held since the edit: whether devices hold
         // pins in the ranges is known now, and only then is the snapshot before kept, to undo
         // the change if they keep them (it then cannot serve as the spare).
-        let hold = held(&writer, &plan.ranges);
-        let before = hold.then(|| self.shared.current.load_full());
-        self.publish(&mut writer, next, !hold);
-        if let Some(before) = before {
+        // Guards' holds change without the writer lock: they are looked at only once the
+        // range is closed (a guard walking after that misses it), so the snapshot before is
+        // kept whenever a guard may hold something, and dropped if none does.
+        let guards = self.shared.holds.used();
+        let pinned = held_by_devices(&writer, &plan.ranges);
+        let before = (pinned || guards).then(|| self.shared.current.load_full());
+        self.publish(&mut writer, next, before.is_none());
+        let hold = pinned || (guards && self.held_by_guards(&plan.ranges));
+        if let Some(before) = before.filter(|_| hold) {
             writer.retiring = Some(Retiring {
                 ranges: plan.ranges.clone(),
                 old: plan.old.clone(),
                 thread: std::thread::current().id(),
             });
+            self.shared.holds.waiting.store(true, Ordering::SeqCst);
             drop(writer);
             let released = self.wait_for_unpins(&plan.ranges);
             writer = self.writer();
+            self.shared.holds.waiting.store(false, Ordering::SeqCst);
             writer.retiring = None;
             self.shared.settled.notify_all();
             if !released {
@@ -159,7 +167,7 @@ impl DmaSpace {
                 let writer = self.writer();
                 ranges
                     .iter()
-                    .filter(|r| held(&writer, std::slice::from_ref(r)))
+                    .filter(|r| self.held(&writer, std::slice::from_ref(r)))
                     .map(|&(s, l)| (Iova(s), l - s + 1))
                     .collect::<Vec<_>>()
             };
@@ -167,7 +175,7 @@ impl DmaSpace {
             let ask_again = Instant::now() + pause;
             let mut writer = self.writer();
             loop {
-                if !held(&writer, ranges) {
+                if !self.held(&writer, ranges) {
                     return true;
                 }
                 let now = Instant::now();
@@ -246,8 +254,24 @@ impl DmaSpace {
     }
 }
 
-/// Whether devices hold pins in any of `ranges` (inclusive IOVA ranges).
-fn held(writer: &Writer, ranges: &[(u64, u64)]) -> bool {
+impl DmaSpace {
+    /// Whether devices hold pins, or guards hold pages, in any of `ranges` (inclusive IOVA
+    /// ranges).
+    fn held(&self, writer: &Writer, ranges: &[(u64, u64)]) -> bool {
+        held_by_devices(writer, ranges) || self.held_by_guards(ranges)
+    }
+
+    /// Whether scatter-gather guards hold pages in any of `ranges`.
+    fn held_by_guards(&self, ranges: &[(u64, u64)]) -> bool {
+        let holds = &self.shared.holds;
+        ranges
+            .iter()
+            .any(|&(s, l)| holds.any_iova(s / PAGE, l / PAGE + 1))
+    }
+}
+
+/// Whether devices hold pins (`pin_pages`) in any of `ranges` (inclusive IOVA ranges).
+fn held_by_devices(writer: &Writer, ranges: &[(u64, u64)]) -> bool {
     ranges
         .iter()
         .any(|&(s, l)| writer.device_pins.any_counted(s / PAGE, l / PAGE + 1))

@@ -23,7 +23,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::index::{DmaSnapshot, Hot, Pos, Region, WINDOW, word_answer};
-use super::{Access, DmaSpace, Head, Mapping, Prot, VaddrRule, grace};
+use super::{DmaSpace, Head, Mapping, Prot, VaddrRule, grace};
 use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
 use crate::copy;
 use crate::error::{Error, Result};
@@ -397,14 +397,14 @@ impl DmaSpace {
     /// the snapshot nor the index. Nothing is held: like every plain translation, the address
     /// is the caller's to keep valid (a [`DmaCursor`] holds its snapshot instead).
     #[inline]
-    pub fn translate(&self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
+    pub fn translate(&self, iova: Iova, len: u64, access: Prot) -> Result<Translation> {
         let h = LAST_HIT.with(Cell::get);
         let head = &self.shared.head.0;
         // As in the cursor: the conditions joined without short-circuits, one branch.
         if (h.space == head.id)
             & (h.generation == head.generation.load(Ordering::Acquire))
             & (iova.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
-            & (h.prot & access.prot().0 != 0)
+            & (h.prot & access.0 == access.0)
             & (len != 0)
         {
             return Ok(Translation {
@@ -416,7 +416,7 @@ impl DmaSpace {
     }
 
     #[inline(never)]
-    fn translate_slow(&self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
+    fn translate_slow(&self, iova: Iova, len: u64, access: Prot) -> Result<Translation> {
         // One try on the current snapshot; only an invalidated mapping (EBUSY) takes the
         // waiting loop, which then tries again from the start.
         match self.translate_at(&self.shared.current.load(), iova, len, access) {
@@ -433,7 +433,7 @@ impl DmaSpace {
         snap: &DmaSnapshot,
         iova: Iova,
         len: u64,
-        access: Access,
+        access: Prot,
     ) -> Result<Translation> {
         if len == 0 {
             return Err(Error::ZeroSize {
@@ -450,11 +450,11 @@ impl DmaSpace {
         snap: &DmaSnapshot,
         iova: Iova,
         len: u64,
-        access: Access,
+        access: Prot,
     ) -> Result<Translation> {
-        let found = snap.resolve(iova.0, len, access.prot())?;
+        let found = snap.resolve(iova.0, len, access)?;
         let n = len.min(found.last - iova.0 + 1);
-        if access == Access::Write && found.hot.dirty() {
+        if access == Prot::WRITE && found.hot.dirty() {
             mark_dirty(snap.map.get(found.pos).3, iova.0, n, self.shared.min_page);
         }
         remember(
@@ -473,14 +473,14 @@ impl DmaSpace {
     /// or a peer's ([`DmaSpace::map_remote`]): mapped contiguously and allowed. Errors as
     /// [`DmaSpace::translate`]; marks nothing dirty. A device that must refuse a whole request
     /// before it moves a byte checks with this first.
-    pub fn check_access(&self, iova: Iova, len: u64, access: Access) -> Result<()> {
+    pub fn check_access(&self, iova: Iova, len: u64, access: Prot) -> Result<()> {
         if len == 0 {
             return Err(Error::ZeroSize {
                 what: "access check",
             });
         }
         self.with_snapshot(|snap| {
-            snap.check_span(iova.0, len, access.prot(), Hot::VALID | Hot::REMOTE)
+            snap.check_span(iova.0, len, access, Hot::VALID | Hot::REMOTE)
                 .map(|_| ())
         })
     }
@@ -488,7 +488,7 @@ impl DmaSpace {
     /// Translates `[iova, iova + len)`, which may span mappings, into host segments (adjacent
     /// segments that are contiguous on the host are merged). Fails whole, like `translate`, if
     /// any byte is unmapped, not allowed or invalidated.
-    pub fn translate_sg(&self, iova: Iova, len: u64, access: Access) -> Result<Vec<Segment>> {
+    pub fn translate_sg(&self, iova: Iova, len: u64, access: Prot) -> Result<Vec<Segment>> {
         if len == 0 {
             return Err(Error::ZeroSize {
                 what: "translation",
@@ -497,24 +497,17 @@ impl DmaSpace {
         let min_page = self.shared.min_page;
         self.with_snapshot(|snap| {
             let mut segments: Vec<Segment> = Vec::new();
-            snap.for_each_piece(
-                iova.0,
-                len,
-                access.prot(),
-                min_page,
-                Hot::VALID,
-                |_, hva, n, _| {
-                    let hva = hva.expect("only host memory passes Hot::VALID");
-                    match segments.last_mut() {
-                        Some(s) if s.hva.0 + s.len == hva => s.len += n,
-                        _ => segments.push(Segment {
-                            hva: Hva(hva),
-                            len: n,
-                        }),
-                    }
-                    true
-                },
-            )
+            snap.for_each_piece(iova.0, len, access, min_page, Hot::VALID, |_, hva, n, _| {
+                let hva = hva.expect("only host memory passes Hot::VALID");
+                match segments.last_mut() {
+                    Some(s) if s.hva.0 + s.len == hva => s.len += n,
+                    _ => segments.push(Segment {
+                        hva: Hva(hva),
+                        len: n,
+                    }),
+                }
+                true
+            })
             .map(|_| ())?;
             Ok(segments)
         })
@@ -611,7 +604,7 @@ impl DmaCursor {
     /// that (a caller with two call sites got the call; figures: `docs/measurements.md`, "DMA
     /// cursor").
     #[inline(always)]
-    pub fn translate(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
+    pub fn translate(&mut self, iova: Iova, len: u64, access: Prot) -> Result<Translation> {
         let h = &self.hit;
         // One compare for the range (`iova - start` wraps above `last - start` when below),
         // and the conditions joined without short-circuits: the outcome is one branch, which
@@ -620,11 +613,11 @@ impl DmaCursor {
             self.space.shared.head.0.generation.load(Ordering::Acquire) == self.generation;
         if current
             & (iova.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
-            & (h.prot & access.prot().0 != 0)
+            & (h.prot & access.0 == access.0)
             & (len != 0)
         {
             let n = len.min(h.last - iova.0 + 1);
-            if h.dirty() && access == Access::Write {
+            if h.dirty() && access == Prot::WRITE {
                 let m = self.snapshot.map.get(h.pos).3;
                 mark_dirty(m, iova.0, n, self.space.shared.min_page);
             }
@@ -639,7 +632,7 @@ impl DmaCursor {
     /// A translation the last hit does not answer. The generation is read again rather than
     /// passed in: keeping the hit test's in a register costs the hit an instruction.
     #[inline]
-    fn miss(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
+    fn miss(&mut self, iova: Iova, len: u64, access: Prot) -> Result<Translation> {
         let current =
             self.space.shared.head.0.generation.load(Ordering::Acquire) == self.generation;
         // A miss at the current generation in a page the page table answers (a small mapping
@@ -651,7 +644,7 @@ impl DmaCursor {
             } else {
                 self.enter_region(iova.0)
             };
-            if let Some((hot, last)) = word_answer(iova.0, word, access.prot()) {
+            if let Some((hot, last)) = word_answer(iova.0, word, access) {
                 // Not `pos`: it is read only while DIRTY is set, and the table never answers
                 // for a mapping that logs dirty pages.
                 self.hit.start = iova.0 & !(PAGE - 1);
@@ -677,14 +670,14 @@ impl DmaCursor {
         self.region.get(iova)
     }
 
-    fn translate_slow(&mut self, iova: Iova, len: u64, access: Access) -> Result<Translation> {
+    fn translate_slow(&mut self, iova: Iova, len: u64, access: Prot) -> Result<Translation> {
         if len == 0 {
             return Err(Error::ZeroSize {
                 what: "translation",
             });
         }
         self.refresh();
-        let found = match self.snapshot.resolve(iova.0, len, access.prot()) {
+        let found = match self.snapshot.resolve(iova.0, len, access) {
             Ok(found) => found,
             // Invalidated: take the space's path, which waits for the update.
             Err(Error::Busy { .. }) => return self.space.translate(iova, len, access),
@@ -698,7 +691,7 @@ impl DmaCursor {
             pos: found.pos,
         };
         let n = len.min(found.last - iova.0 + 1);
-        if access == Access::Write && found.hot.dirty() {
+        if access == Prot::WRITE && found.hot.dirty() {
             let m = self.snapshot.map.get(found.pos).3;
             mark_dirty(m, iova.0, n, self.space.shared.min_page);
         }
@@ -792,7 +785,7 @@ impl DmaCursor {
     #[inline(never)]
     fn read_slow(&mut self, iova: Iova, buf: &mut [u8]) -> Result<()> {
         self.space.dma_read(iova, buf)?;
-        let _ = self.translate(iova, 1, Access::Read);
+        let _ = self.translate(iova, 1, Prot::READ);
         Ok(())
     }
 
@@ -800,7 +793,7 @@ impl DmaCursor {
     fn write_slow(&mut self, iova: Iova, buf: &[u8]) -> Result<()> {
         self.space.dma_write(iova, buf)?;
         // A read translation: it remembers the mapping without marking a page twice.
-        let _ = self.translate(iova, 1, Access::Read);
+        let _ = self.translate(iova, 1, Prot::READ);
         Ok(())
     }
 }

@@ -48,20 +48,11 @@ use ::vm_memory::bitmap::BS;
 use ::vm_memory::guest_memory::GuestMemorySliceIterator;
 use ::vm_memory::{GuestAddress, GuestMemory, GuestMemoryError, Permissions, VolatileSlice};
 
-use super::{Access, DmaSnapshot, DmaSpace};
+use super::sg::Miss;
+use super::{DmaSnapshot, DmaSpace, Prot};
 use crate::addr::Iova;
 use crate::error::Error;
 use crate::vm_memory::SlotRegions;
-
-/// The first access a view could not translate because nothing was mapped there.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Miss {
-    /// The first unmapped IOVA of the access (not the access's start: asking an IOTLB for the
-    /// start again would loop when only the tail is missing).
-    pub iova: Iova,
-    /// The access that needed it.
-    pub access: Access,
-}
 
 /// The device address space at one snapshot as a vm-memory [`GuestMemory`] addressed by IOVA.
 /// See the module docs.
@@ -104,7 +95,7 @@ impl DmaMemory {
 
     /// The first byte of `[iova, iova + len)` the view cannot give `access` to, and why;
     /// `Ok(())` if every byte is reachable. Remembers a miss as an access would.
-    pub fn check(&self, iova: Iova, len: u64, access: Access) -> crate::Result<()> {
+    pub fn check(&self, iova: Iova, len: u64, access: Prot) -> crate::Result<()> {
         let end = iova.0.checked_add(len).ok_or(Error::RangeWraps {
             what: "view access",
             start: iova.0,
@@ -118,7 +109,7 @@ impl DmaMemory {
     }
 
     /// One translation in the view's snapshot, remembering a miss.
-    fn translate(&self, iova: u64, len: u64, access: Access) -> crate::Result<super::Translation> {
+    fn translate(&self, iova: u64, len: u64, access: Prot) -> crate::Result<super::Translation> {
         let r = self
             .space
             .translate_at(&self.snapshot, Iova(iova), len, access);
@@ -136,11 +127,11 @@ impl DmaMemory {
 /// vm-memory's permissions as the one access memvisor checks: a write needs WRITE (and a
 /// read-modify-write, `ReadWrite`, is checked as a write: the device space's WRITE mappings
 /// are the ones that allow both for a device).
-fn access_of(p: Permissions) -> Access {
+fn access_of(p: Permissions) -> Prot {
     if p.has_write() {
-        Access::Write
+        Prot::WRITE
     } else {
-        Access::Read
+        Prot::READ
     }
 }
 
@@ -160,7 +151,7 @@ pub struct DmaSlices<'a> {
     view: &'a DmaMemory,
     at: u64,
     left: u64,
-    access: Access,
+    access: Prot,
 }
 
 impl<'a> Iterator for DmaSlices<'a> {

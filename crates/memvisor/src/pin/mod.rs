@@ -88,7 +88,8 @@
 //! later pin of other memory at the same address must really lock it), a dropped space those
 //! in all of its mappings, and [`PinRegistry::release_cached`] all of them.
 //!
-//! Locking order: a DMA space's writer lock, then this registry's lock; nothing here calls up.
+//! Locking order: a DMA space's writer lock, then this registry's lock, then the hold tables
+//! (`holds`); nothing here calls up.
 //! Whoever must not race a pin (discarding memory) takes the registry's lock too.
 //!
 //! This file is long because the registry's state, its pin and unpin steps and the lock cache's
@@ -101,6 +102,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 mod account;
 pub(crate) mod counts;
+pub(crate) mod holds;
 mod locked;
 mod longterm;
 
@@ -109,6 +111,7 @@ use crate::error::{Error, Result};
 use crate::sync::lock;
 use account::{Account, Capability, capable};
 use counts::RunCounts;
+use holds::Holds;
 use locked::{Idle, Locked};
 use longterm::LongTerm;
 
@@ -653,6 +656,8 @@ static REGISTRIES: Mutex<Vec<Weak<PinRegistry>>> = Mutex::new(Vec::new());
 pub struct PinRegistry {
     state: Mutex<State>,
     pagemap: OnceLock<std::result::Result<File, String>>,
+    /// The hold tables of the spaces' guards (`holds`): discards look at them too.
+    holds: Mutex<Vec<Weak<Holds>>>,
 }
 
 impl std::fmt::Debug for PinRegistry {
@@ -703,6 +708,7 @@ impl PinRegistry {
                 count_refused_locks: false,
             }),
             pagemap: OnceLock::new(),
+            holds: Mutex::new(Vec::new()),
         });
         let mut all = lock(&REGISTRIES);
         all.retain(|r| r.strong_count() > 0);
@@ -865,9 +871,33 @@ impl PinRegistry {
         st.check_account();
     }
 
-    /// How many pins hold the host page containing `hva`.
+    /// How many pins and holds keep the host page containing `hva`, those of in-flight
+    /// scatter-gather guards included.
     pub fn pin_count(&self, hva: Hva) -> u64 {
-        self.lock().pages.count(hva.0 / PAGE)
+        let page = hva.0 / PAGE;
+        let own = self.lock().pages.count(page);
+        own + self
+            .hold_tables()
+            .iter()
+            .map(|h| h.host_count(page))
+            .sum::<u64>()
+    }
+
+    /// Host pages (4 KiB) that in-flight scatter-gather guards hold, each once per table.
+    pub fn guard_held_pages(&self) -> u64 {
+        self.hold_tables().iter().map(|h| h.host_pages()).sum()
+    }
+
+    /// Makes a space's hold table seen by discards ([`PinRegistry::with_unheld_in`]).
+    pub(crate) fn register_holds(&self, holds: &std::sync::Arc<Holds>) {
+        let mut all = lock(&self.holds);
+        all.retain(|h| h.strong_count() > 0);
+        all.push(std::sync::Arc::downgrade(holds));
+    }
+
+    /// The live hold tables.
+    fn hold_tables(&self) -> Vec<std::sync::Arc<Holds>> {
+        lock(&self.holds).iter().filter_map(Weak::upgrade).collect()
     }
 
     /// The pinned runs of host memory as `(first byte, bytes, count)`, in address order.
@@ -904,6 +934,11 @@ impl PinRegistry {
             .into_iter()
             .flat_map(|(s, e)| st.pages.gaps(s, e))
             .collect();
+        // Nor held by a guard: every shard of every table stays locked until `f` is done, so
+        // a guard either counted its pages before this or counts them after `f`.
+        let tables = self.hold_tables();
+        let shards: Vec<_> = tables.iter().flat_map(|t| t.lock_all()).collect();
+        let unlocked = holds::host_gaps(&shards, unlocked);
         match st.long_term.as_mut().filter(|l| l.pages() > 0) {
             Some(long_term) => {
                 let mut free = Vec::new();

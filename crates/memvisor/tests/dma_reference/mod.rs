@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use memvisor::dma::{LockLimit, PinMode, PinRegistry};
-use memvisor::{Access, Backing, BackingKind, DmaConfig, DmaCursor, DmaSpace, Iova, Prot, Range};
+use memvisor::{Backing, BackingKind, DmaConfig, DmaCursor, DmaSpace, Iova, Prot, Range};
 
 /// Page size of the model.
 pub const P: u64 = 4096;
@@ -500,7 +500,7 @@ impl Harness {
                 }
             }
             Op::Translate { addr, len, write } => {
-                let access = if write { Access::Write } else { Access::Read };
+                let access = if write { Prot::WRITE } else { Prot::READ };
                 let from_space = d
                     .translate(Iova(addr), len, access)
                     .map(|t| (t.hva.0, t.len))

@@ -1,0 +1,374 @@
+//! A read or write moving between guest memory and the image.
+//!
+//! The request's buffers come held, with their host segments, from the one walk the device
+//! made of them ([`SgGuard`]). The data buffers' segments become iovecs for the kernel; a
+//! transfer an `O_DIRECT` image cannot take as it is (buffers not aligned as it needs) is
+//! copied through an aligned buffer of ours instead ([`Blk::bounce`]). Ready transfers go to
+//! the kernel together (io_uring, [`Disk::start`]) or, alone, at once (`preadv` / `pwritev`);
+//! each ends in [`Blk::end_transfer`], where its guard drops and lets the pages go.
+
+use std::time::Instant;
+
+use memvisor::dma::SgGuard;
+use memvisor::{DmaSpace, Iova};
+
+use super::request::{Failure, Outcome};
+use super::{Blk, S_OK, SECTOR};
+use crate::disk::AlignedBuf;
+#[cfg(doc)]
+use crate::disk::Disk;
+use crate::error::{Error, Result};
+use crate::ring::{Desc as Buf, Ring};
+
+/// A read or write whose pages are held and whose iovecs point at them: ready for the
+/// kernel, which carries it out at once or in a batch through io_uring.
+pub(super) struct Ready {
+    /// Holds the request's pages until it ends.
+    guard: SgGuard,
+    /// 4 KiB pages the guard holds.
+    pages: u64,
+    /// Host addresses of its data buffers.
+    pub iov: Vec<libc::iovec>,
+    pub sector: u64,
+    pub to_guest: bool,
+    pub total: u64,
+    /// Where the status byte goes.
+    pub status_at: u64,
+    /// TEST ONLY: the locked pins the blk hook took on top of the guard's holds
+    /// ([`Faults::locked_blk_pins`](memvisor::faults::Faults::locked_blk_pins)).
+    #[cfg(feature = "test-hooks")]
+    _hook: Option<HookPins>,
+}
+
+// SAFETY: a Ready's iovecs are host addresses of guest memory mapped in this process, not
+// references: which thread holds them changes nothing about what they name, which stays
+// mapped and held until the request ends (its guard) and the back end lets no memory go while
+// transfers are out.
+unsafe impl Send for Ready {}
+
+/// A read or write handed to the kernel: where its chain goes back, and what it holds.
+pub(super) struct Out {
+    pub ring: u16,
+    pub head: u16,
+    pub ready: Ready,
+    /// Bytes moved by earlier, short, completions.
+    pub done: u64,
+}
+
+impl Blk {
+    /// Moves the data buffers of a read (`to_guest`) or write between guest memory and the
+    /// image at `sector`: done here (bounced, or failed), or ready for the kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn transfer(
+        &mut self,
+        q: u16,
+        dma: &DmaSpace,
+        data: &[Buf],
+        guard: SgGuard,
+        sector: u64,
+        to_guest: bool,
+        status_at: u64,
+    ) -> Outcome {
+        let mut total: u64 = 0;
+        for b in data {
+            if b.write != to_guest {
+                return Error::BadChain(format!(
+                    "data buffer at {:#x} is {} for a {}",
+                    b.addr,
+                    if b.write {
+                        "device-writable"
+                    } else {
+                        "device-readable"
+                    },
+                    if to_guest { "read" } else { "write" }
+                ))
+                .into();
+            }
+            total += u64::from(b.len);
+        }
+        if total % SECTOR != 0 {
+            return Error::BadChain(format!(
+                "transfer of {total} bytes is not whole {SECTOR}-byte sectors"
+            ))
+            .into();
+        }
+        if sector
+            .checked_add(total / SECTOR)
+            .is_none_or(|e| e > self.sectors)
+        {
+            return Error::BadChain(format!(
+                "sectors {sector}+{} pass the disk's end ({} sectors)",
+                total / SECTOR,
+                self.sectors
+            ))
+            .into();
+        }
+        #[cfg(feature = "test-hooks")]
+        let hook = match dma
+            .faults()
+            .locked_blk_pins
+            .then(|| HookPins::take(dma, data, to_guest))
+            .transpose()
+        {
+            Ok(h) => h,
+            Err(e) => return Outcome::Failed(Failure::Hold(e.into())),
+        };
+        // The data buffers are the chain's second to last but one: the guard's buffers 1..
+        let iov: Vec<libc::iovec> = (1..=data.len())
+            .flat_map(|i| guard.buffer(i))
+            .map(|s| libc::iovec {
+                iov_base: s.hva.0 as usize as *mut libc::c_void,
+                iov_len: s.len as usize,
+            })
+            .collect();
+        let pages = guard.buffer_pages(1..data.len() + 1);
+        let c = self.count(q);
+        c.pinned_pages.add(pages);
+        c.most_pinned_pages.raise(c.pinned_pages.get());
+        let ready = Ready {
+            guard,
+            pages,
+            iov,
+            sector,
+            to_guest,
+            total,
+            status_at,
+            #[cfg(feature = "test-hooks")]
+            _hook: hook,
+        };
+        #[cfg(feature = "test-hooks")]
+        if !to_guest && dma.faults().drop_writes {
+            return self.settle(q, ready, Ok(total));
+        }
+        let offset = sector * SECTOR;
+        if !self.disk.fits(&ready.iov, offset, total) {
+            let moved = self.bounce(q, dma, data, offset, to_guest, total);
+            return self.settle(q, ready, moved);
+        }
+        Outcome::Ready(ready)
+    }
+
+    /// Ends a read or write the kernel has carried out (`moved`: its bytes, or why not): lets
+    /// its pages go, counts it, writes its status byte; returns the bytes written into the
+    /// chain, status byte included.
+    pub(super) fn end_transfer(
+        &mut self,
+        q: u16,
+        dma: &DmaSpace,
+        ready: Ready,
+        moved: Result<u64>,
+    ) -> u32 {
+        let status_at = ready.status_at;
+        let outcome = self.settle(q, ready, moved);
+        self.finish(q, dma, Some(status_at), outcome)
+    }
+
+    /// What a read or write that moved `moved` came to: its pages let go, counted.
+    fn settle(&mut self, q: u16, ready: Ready, moved: Result<u64>) -> Outcome {
+        let Ready {
+            guard,
+            pages,
+            sector,
+            to_guest,
+            total,
+            ..
+        } = ready;
+        let start = Instant::now();
+        drop(guard);
+        let c = self.count(q);
+        c.release_ns.add(elapsed_ns(start));
+        c.pinned_pages.sub(pages);
+        match moved {
+            Ok(n) => {
+                debug_assert_eq!(n, total);
+                self.account(q, pages, to_guest, n);
+                Outcome::Done(S_OK, if to_guest { n as u32 } else { 0 })
+            }
+            Err(e @ Error::Os { .. }) => Outcome::Failed(Failure::Io(Error::Invalid(format!(
+                "{} of {total} bytes at sector {sector}: {e}",
+                if to_guest { "read" } else { "write" },
+            )))),
+            Err(e) => e.into(),
+        }
+    }
+
+    /// Counts a read or write that moved `n` bytes over `pages` held pages.
+    fn account(&self, q: u16, pages: u64, to_guest: bool, n: u64) {
+        let c = self.count(q);
+        c.record_pages(pages as usize);
+        if to_guest {
+            c.reads.add(1);
+            c.bytes_read.add(n);
+        } else {
+            c.writes.add(1);
+            c.bytes_written.add(n);
+        }
+    }
+
+    /// Hands the reads and writes of `batch` (taken from ring `index`) to the kernel; those
+    /// that cannot go through io_uring, or a lone one with nothing else out, are carried out at
+    /// once and their chains returned.
+    pub(super) fn launch(
+        &mut self,
+        index: u16,
+        queue: &mut Ring,
+        dma: &DmaSpace,
+        batch: &mut Vec<(u16, Ready)>,
+        any: &mut bool,
+    ) {
+        if batch.is_empty() {
+            return;
+        }
+        let alone = batch.len() == 1 && self.disk.in_flight() == 0;
+        let mem = dma.memory();
+        for (head, mut ready) in batch.drain(..) {
+            let offset = ready.sector * SECTOR;
+            if !alone {
+                if let Some(key) = self.free.pop() {
+                    // SAFETY: the iovecs name guest memory this request's guard holds (`Ready`);
+                    // the guard goes only when the transfer comes back from the kernel
+                    // (`Device::complete`), an unmap waits for it, and the back end waits for
+                    // every transfer before any message may unmap the memory; the iovecs stay
+                    // in `Out` meanwhile; no Rust reference covers that memory.
+                    if unsafe {
+                        self.disk
+                            .start(&ready.iov, offset, ready.to_guest, key as u64)
+                    } {
+                        self.out[key] = Some(Out {
+                            ring: index,
+                            head,
+                            ready,
+                            done: 0,
+                        });
+                        continue;
+                    }
+                    self.free.push(key);
+                }
+            }
+            // SAFETY: as above, for the length of this call.
+            let moved = unsafe {
+                self.disk
+                    .rw_vectored(&mut ready.iov, offset, ready.to_guest)
+            };
+            let written = self.end_transfer(index, dma, ready, moved);
+            if let Err(e) = queue.add_used(&mem, head, written) {
+                log::warn!("blk: queue {index}: cannot return head {head}: {e}");
+            }
+            *any = true;
+        }
+        let c = self.live.queue(index);
+        if self.disk.submit() > 0 {
+            c.batches.add(1);
+        }
+        c.most_in_flight.raise(self.disk.in_flight() as u64);
+    }
+
+    /// Moves a transfer whose buffers `O_DIRECT` cannot take as they are through an aligned
+    /// buffer of our own: guest memory is copied with `dma_read` / `dma_write` (the pages stay
+    /// held meanwhile), the file is read or written whole from the buffer.
+    fn bounce(
+        &mut self,
+        q: u16,
+        dma: &DmaSpace,
+        data: &[Buf],
+        offset: u64,
+        to_guest: bool,
+        total: u64,
+    ) -> Result<u64> {
+        let a = self
+            .disk
+            .direct()
+            .expect("only an O_DIRECT image refuses a transfer");
+        if offset % a.offset != 0 || total % a.offset != 0 {
+            return Err(Error::BadChain(format!(
+                "transfer of {total} bytes at byte {offset} is not whole {}-byte blocks of the \
+                 O_DIRECT image (the device's blk_size)",
+                a.offset
+            )));
+        }
+        let align = a.memory.max(a.offset).next_power_of_two() as usize;
+        let mut buf = AlignedBuf::new(total as usize, align).ok_or_else(|| {
+            Error::Invalid(format!(
+                "cannot allocate a {total}-byte bounce buffer aligned to {align}"
+            ))
+        })?;
+        let bytes = buf.as_mut_slice();
+        if to_guest {
+            self.disk.read_at(bytes, offset)?;
+        }
+        let mut pos = 0usize;
+        for b in data.iter().filter(|b| b.len > 0) {
+            let piece = &mut bytes[pos..pos + b.len as usize];
+            if to_guest {
+                dma.dma_write(Iova(b.addr), piece)?;
+            } else {
+                dma.dma_read(Iova(b.addr), piece)?;
+            }
+            pos += b.len as usize;
+        }
+        if !to_guest {
+            self.disk.write_at(bytes, offset)?;
+        }
+        self.count(q).bounced.add(1);
+        Ok(total)
+    }
+}
+
+/// Nanoseconds since `start`.
+pub(super) fn elapsed_ns(start: Instant) -> u64 {
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// TEST ONLY (feature `test-hooks`): with
+/// [`Faults::locked_blk_pins`](memvisor::faults::Faults::locked_blk_pins), the blk device pins
+/// its requests' data pages as it did before issue 45, on top of the guard's holds: locked
+/// (`pin_pages`, mlock or a long-term pin) and charged to `RLIMIT_MEMLOCK`, a pin the limit
+/// refuses answered `IOERR`. The real-guest memlock trial's negative control must then see I/O
+/// errors in the guest. Calls of at most 512 pages, given back when the request ends.
+#[cfg(feature = "test-hooks")]
+struct HookPins {
+    dma: DmaSpace,
+    pages: Vec<u64>,
+}
+
+#[cfg(feature = "test-hooks")]
+impl HookPins {
+    fn take(dma: &DmaSpace, data: &[Buf], to_guest: bool) -> memvisor::Result<HookPins> {
+        use memvisor::PAGE_4K;
+        use memvisor::dma::PIN_PAGES_MAX;
+        let mut pages: Vec<u64> = data
+            .iter()
+            .filter(|b| b.len > 0)
+            .flat_map(|b| {
+                b.addr / PAGE_4K..=(b.addr.saturating_add(u64::from(b.len) - 1)) / PAGE_4K
+            })
+            .collect();
+        pages.sort_unstable();
+        pages.dedup();
+        let prot = if to_guest {
+            memvisor::Prot::WRITE
+        } else {
+            memvisor::Prot::READ
+        };
+        let mut held = HookPins {
+            dma: dma.clone(),
+            pages: Vec::new(),
+        };
+        for batch in pages.chunks(PIN_PAGES_MAX) {
+            dma.pin_pages(batch, prot)?;
+            held.pages.extend_from_slice(batch);
+        }
+        Ok(held)
+    }
+}
+
+#[cfg(feature = "test-hooks")]
+impl Drop for HookPins {
+    fn drop(&mut self) {
+        for batch in self.pages.chunks(memvisor::dma::PIN_PAGES_MAX) {
+            if let Err(e) = self.dma.unpin_pages(batch) {
+                log::error!("blk: unpinning {} pages: {e}", batch.len());
+            }
+        }
+    }
+}
