@@ -65,8 +65,9 @@ use crate::lock;
 use crate::proto::{irq_info_flags, region_flags};
 use crate::server::{Device, IrqInfo, PCI_DEVICE, Port, RegionInfo};
 
-/// PCI vendor and device id.
+/// PCI vendor id (0x1234, the id QEMU's own test devices use).
 pub const VENDOR: u16 = 0x1234;
+/// PCI device id.
 pub const DEVICE: u16 = 0x11f0;
 /// Bytes of BAR0.
 pub const BAR0_SIZE: u64 = 4096;
@@ -77,26 +78,41 @@ pub const MAX_DESCS: u32 = 4096;
 /// Largest descriptor.
 pub const MAX_LEN: u32 = 64 << 20;
 
-/// Register offsets in BAR0.
+/// Register offsets in BAR0 (the table in the module documentation says what each holds).
 pub mod reg {
+    /// The device's identity, 0x6d76646d ("mvdm"), read-only.
     pub const ID: u64 = 0x00;
+    /// The register layout's version (1), read-only.
     pub const VERSION: u64 = 0x04;
+    /// The IOVA of the descriptor table (64-bit).
     pub const DESC: u64 = 0x08;
+    /// Descriptors in the table, 1..=4096.
     pub const COUNT: u64 = 0x10;
+    /// 0 copy, 1 pin.
     pub const MODE: u64 = 0x14;
+    /// Write 1 to start the table.
     pub const DOORBELL: u64 = 0x18;
+    /// The engine's state ([`super::status`]), read-only.
     pub const STATUS: u64 = 0x1c;
+    /// The errno of the last run's first failure, read-only.
     pub const ERRNO: u64 = 0x20;
+    /// Descriptors that succeeded in the last run, read-only.
     pub const DONE: u64 = 0x24;
+    /// Runs completed, read-only.
     pub const SEQ: u64 = 0x28;
+    /// Bytes copied over all runs (64-bit), read-only.
     pub const BYTES: u64 = 0x30;
 }
 
 /// `STATUS` values.
 pub mod status {
+    /// No table has run yet.
     pub const IDLE: u32 = 0;
+    /// A table is running.
     pub const BUSY: u32 = 1;
+    /// The last table ran and every descriptor succeeded.
     pub const DONE: u32 = 2;
+    /// The last table ran with failed descriptors, or its table could not be read.
     pub const FAILED: u32 = 3;
 }
 
@@ -120,15 +136,19 @@ pub struct DmaDevStats {
     pub runs: u64,
     /// Doorbells refused (busy, bad COUNT or MODE).
     pub refused: u64,
+    /// Descriptors that succeeded.
     pub descriptors_ok: u64,
+    /// Descriptors that failed (an errno in their status).
     pub descriptors_failed: u64,
     /// Bytes copied.
     pub bytes: u64,
-    /// Descriptors by mode.
+    /// Descriptors run in copy mode.
     pub copy_descriptors: u64,
+    /// Descriptors run in pin mode.
     pub pin_descriptors: u64,
-    /// `pin_pages` calls and their page counts, `[npage, calls]` sorted by npage.
+    /// Pin calls (one walk pinning a piece's source and destination).
     pub pin_calls: u64,
+    /// The pin calls by page count, `[npage, calls]` sorted by npage.
     pub npage_histogram: Vec<(u64, u64)>,
     /// Pin-mode pieces that fell back to copying because their memory is the client's
     /// (mapped without a descriptor, so nothing to pin).

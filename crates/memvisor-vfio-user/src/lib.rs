@@ -26,8 +26,6 @@
 #![cfg(target_os = "linux")]
 
 pub mod conn;
-// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
-#[allow(missing_docs)]
 pub mod dmadev;
 pub mod error;
 pub mod proto;

@@ -47,8 +47,6 @@
 #![cfg(target_os = "linux")]
 
 pub mod backend;
-// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
-#[allow(missing_docs)]
 pub mod balloon;
 pub mod blk;
 pub mod blockdev;
@@ -59,8 +57,6 @@ pub mod error;
 mod hooks;
 pub mod image_format;
 pub mod image_lock;
-// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
-#[allow(missing_docs)]
 pub mod live;
 pub mod memory;
 pub mod miss;

@@ -34,8 +34,6 @@ pub mod dma;
 pub mod error;
 #[cfg(feature = "test-hooks")]
 pub mod faults;
-// Issue 46: doc comments still to come from the helper rewriting this module; drop the allow then.
-#[allow(missing_docs)]
 mod pin;
 pub mod slots;
 mod sync;

@@ -629,9 +629,11 @@ pub struct KernelCheck {
     pub cached_bytes: u64,
     /// The part of it held by long-term pins.
     pub long_term_bytes: u64,
-    /// The process's `VmLck` and `VmPin` from `/proc/self/status`, in bytes (`None` where the
-    /// kernel does not show it).
+    /// The process's `VmLck` from `/proc/self/status` (memory mlocked), in bytes (`None` where
+    /// the kernel does not show it).
     pub vm_lck: Option<u64>,
+    /// The process's `VmPin` from `/proc/self/status` (pages pinned long-term), in bytes
+    /// (`None` where the kernel does not show it).
     pub vm_pin: Option<u64>,
 }
 
