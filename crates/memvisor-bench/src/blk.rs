@@ -544,8 +544,8 @@ impl Experiment for BlkBench {
             );
             let mut pins = Table::new(
                 &format!(
-                    "vhost-user-blk, {mode}: what pinning costs memvisor per request, \
-                     pin_pages + unpin_pages in ns; medians of {rounds} rounds"
+                    "vhost-user-blk, {mode}: what holding its pages costs memvisor per request, \
+                     the one walk (hold_sg) + release in ns; medians of {rounds} rounds"
                 ),
                 &[
                     "case",
@@ -627,8 +627,9 @@ impl Experiment for BlkBench {
                     .into(),
             );
             pins.note = Some(
-                "Wall time inside DmaSpace::pin_pages / unpin_pages per request, from memvisor's \
-                 --stats (pin_cost); the share is of memvisor's CPU time per request in the \
+                "Wall time inside the request's one walk of the device space (DmaSpace::hold_sg: \
+                 hold and translate) and its release, per request, from memvisor's --stats \
+                 (pin_cost, from the device's hold counters); the share is of memvisor's CPU time per request in the \
                  table above. Long-term: the same rows served with --long-term-pins."
                     .into(),
             );
