@@ -11,9 +11,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use memvisor::balloon::guest::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use memvisor::{Backing, Gpa, SlotSpec, SlotTable};
 use memvisor_cli::control::Client as Control;
+use memvisor_testkit::guest_ring::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use memvisor_testkit::vhost::client::Client;
 use memvisor_vhost::proto::{self, Region, VringAddr, req};
 use serde_json::{Value, json};

@@ -9,11 +9,14 @@
 //!   `test-hooks` feature, the recorder a back end writes it with.
 //! * [`vfio_user`]: a minimal vfio-user client ([`vfio_user::client`]) and a hostile one
 //!   ([`vfio_user::fuzz`], `memvisor-testkit vfio-user-fuzz`).
+//! * [`guest_ring`]: a guest's side of a split virtqueue over a slot table, well-formed chains
+//!   and hostile ones, for device tests without a guest.
 //!
 //! The binaries: `memvisor-testkit` runs the hostile clients against a live server (the
 //! trials' `--after-fuzz`), `memvisor-faultfs` is the disk-fault trial's failing FUSE file.
 
 #![cfg(target_os = "linux")]
 
+pub mod guest_ring;
 pub mod vfio_user;
 pub mod vhost;

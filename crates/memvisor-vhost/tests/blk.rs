@@ -651,7 +651,7 @@ fn requests_available_together_are_carried_out_as_one_batch() {
 /// Reads a chain of three descriptors at `ids`: header (IN, `sector`), 4 KiB into `data`,
 /// status at `status`.
 fn read_chain(g: &mut Guest, ids: [u16; 3], sector: u64, data: u64, status: u64) -> u16 {
-    use memvisor::balloon::guest::{Desc, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use memvisor_testkit::guest_ring::{Desc, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     let hdr = HDR + u64::from(ids[0]) * 16;
     let mut h = [0u8; 16];
     h[8..16].copy_from_slice(&sector.to_le_bytes());

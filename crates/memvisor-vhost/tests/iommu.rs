@@ -371,7 +371,7 @@ fn an_invalidation_is_acknowledged_only_after_the_request_on_its_range_ended() {
 /// asked for with a MISS when it is not there, and the request completes once it is.
 #[test]
 fn indirect_tables_are_read_through_the_iotlb() {
-    use memvisor::balloon::guest::{Desc, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use memvisor_testkit::guest_ring::{Desc, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     const VRING_DESC_F_INDIRECT: u16 = 4;
     const TABLE: u64 = 0x90000;
     let (c, t, mut g, ours) = blk_behind_iommu(0x3c);

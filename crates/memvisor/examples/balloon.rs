@@ -7,12 +7,12 @@
 
 use std::sync::Arc;
 
-use memvisor::balloon::guest::GuestRing;
 use memvisor::balloon::{Balloon, VIRTIO_BALLOON_F_REPORTING, VIRTIO_F_VERSION_1};
 use memvisor::{
     Backing, BackingKind, DiscardOptions, DmaConfig, DmaSpace, Gpa, Iova, Prot, SlotSpace,
     SlotSpec, SlotTable,
 };
+use memvisor_testkit::guest_ring::GuestRing;
 
 const MIB: u64 = 1 << 20;
 

@@ -15,13 +15,13 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Instant;
 
-use memvisor::balloon::guest::GuestRing;
 use memvisor::balloon::{Balloon, VIRTIO_BALLOON_F_REPORTING, VIRTIO_F_VERSION_1};
 use memvisor::dma::{LockLimit, PIN_PAGES_MAX, PinMode, PinRegistry};
 use memvisor::{
     Backing, BackingKind, BackingOptions, DiscardOptions, Discarder, DmaConfig, DmaSpace, Gpa,
     Iova, PageSize, Prot, SlotSpace, SlotSpec, SlotTable,
 };
+use memvisor_testkit::guest_ring::GuestRing;
 
 use super::{BASE, BLOCK, BLOCKS_PER_REPORT, Kind, PAGE, PIN_EVERY, QUEUE_SIZE, RING};
 use crate::hugepages::{self, Reservation};

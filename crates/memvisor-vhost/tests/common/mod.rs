@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::thread::JoinHandle;
 
-use memvisor::balloon::guest::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use memvisor::{Backing, Gpa, SlotSpec, SlotTable};
+use memvisor_testkit::guest_ring::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use memvisor_testkit::vhost::client::Client;
 use memvisor_vhost::proto::{self, Region, VringAddr, protocol, req};
 use memvisor_vhost::{Backend, Device};

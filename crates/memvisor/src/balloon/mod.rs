@@ -70,7 +70,6 @@ use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryBackend};
 
 pub use virtio_queue;
 
-pub mod guest;
 pub mod stats;
 
 use self::stats::GuestStats;

@@ -12,7 +12,7 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::time::Duration;
 
 use memvisor::Gpa;
-use memvisor::balloon::guest::GuestRing;
+use memvisor_testkit::guest_ring::GuestRing;
 
 /// Linux's `PAGE_REPORTING_CAPACITY`: blocks per report.
 pub const REPORT_CAPACITY: usize = 32;

@@ -29,7 +29,7 @@ mod driver;
 mod example;
 
 use driver::Reporter;
-use memvisor::balloon::guest::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use memvisor_testkit::guest_ring::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 
 const PAGE: u64 = 4096;
 const MIB: u64 = 1 << 20;

@@ -1,5 +1,6 @@
-//! The guest's side of the reporting queue, for tests, benchmarks and examples: a split
-//! virtqueue driver written after Linux's `drivers/virtio/virtio_ring.c`.
+//! A guest's side of a virtqueue, for tests, benchmarks and examples: a split virtqueue driver
+//! written after Linux's `drivers/virtio/virtio_ring.c`, over a memvisor slot table (it drives
+//! the balloon's reporting queue and the vhost-user devices' rings in the tests).
 //!
 //! The ring lives in guest memory and is only touched through the slot table's `read` and
 //! `write`, as a guest's stores would reach it: a descriptor table of 16-byte entries (`addr:
@@ -20,9 +21,8 @@ use std::sync::atomic::{Ordering, fence};
 
 use virtio_queue::{Queue, QueueT};
 
-use crate::addr::Gpa;
-use crate::error::{Error, Result};
-use crate::slots::SlotTable;
+use memvisor::slots::SlotTable;
+use memvisor::{Error, Gpa, Result};
 
 /// Descriptor flag: another descriptor follows (`next` is valid).
 pub const VRING_DESC_F_NEXT: u16 = 1;
