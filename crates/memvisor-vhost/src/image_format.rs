@@ -62,6 +62,7 @@ impl std::str::FromStr for FormatChoice {
 
 /// Why an image is not served.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum FormatError {
     /// The image begins with a format's header and the user did not say `format=raw` (EINVAL).
     #[error(

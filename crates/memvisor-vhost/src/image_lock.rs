@@ -200,6 +200,7 @@ pub enum Conflict {
 
 /// Why an image could not be locked.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LockError {
     /// Another program has the image open in a way ours cannot go beside (EAGAIN).
     #[error("{}", conflict_message(image, *permission, *conflict))]
