@@ -184,7 +184,14 @@ fn finish<D: Device, R: Rings>(
             }
             continue;
         };
-        for &Used { head, len, .. } in chunk {
+        for (_i, &Used { head, len, .. }) in chunk.iter().enumerate() {
+            // TEST ONLY: with `reorder` (the device ended them last first), a pause between
+            // each chain put back, so a back end killed there leaves later requests answered
+            // and earlier ones not: what only the inflight log can mend.
+            #[cfg(feature = "test-hooks")]
+            if memory.faults().reorder && _i > 0 {
+                std::thread::sleep(memvisor::faults::REORDER_GAP);
+            }
             if let Err(e) = ring.add_used(&mem, head, len) {
                 log::warn!(
                     "{}: queue {index}: cannot return head {head}: {e}",

@@ -102,12 +102,8 @@ impl Device for Blk {
             if reorder {
                 ended.reverse();
             }
-            for (i, (key, result)) in ended.into_iter().enumerate() {
-                #[cfg(feature = "test-hooks")]
-                if reorder && i > 0 {
-                    std::thread::sleep(memvisor::faults::REORDER_GAP);
-                }
-                let _ = i;
+            // (With `reorder`, the ring service pauses between the chains it puts back.)
+            for (key, result) in ended {
                 let slot = key as usize;
                 let Some(mut o) = self.out.get_mut(slot).and_then(Option::take) else {
                     log::error!("blk: a transfer ended under key {key}, which names none");
