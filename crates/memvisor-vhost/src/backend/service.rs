@@ -184,12 +184,13 @@ fn finish<D: Device, R: Rings>(
             }
             continue;
         };
-        for (_i, &Used { head, len, .. }) in chunk.iter().enumerate() {
+        for u in chunk {
+            let Used { head, len, .. } = *u;
             // TEST ONLY: with `reorder` (the device ended them last first), a pause between
             // each chain put back, so a back end killed there leaves later requests answered
             // and earlier ones not: what only the inflight log can mend.
             #[cfg(feature = "test-hooks")]
-            if memory.faults().reorder && _i > 0 {
+            if memory.faults().reorder && !std::ptr::eq(u, &chunk[0]) {
                 std::thread::sleep(memvisor::faults::REORDER_GAP);
             }
             if let Err(e) = ring.add_used(&mem, head, len) {
