@@ -290,8 +290,8 @@ pub struct Server<D: Device> {
     zombies: Option<Vec<(u64, u64)>>,
     /// TEST ONLY (feature `test-hooks`,
     /// [`Faults::unmap_busy`](memvisor::faults::Faults::unmap_busy)): answer `DMA_UNMAP` with
-    /// EBUSY, changing nothing, while the device holds pins, as before issue 31, instead of waiting
-    /// for them. A client that takes a refused unmap as done then has its device write memory it
+    /// EBUSY, changing nothing, while the device holds pins (`pin_pages`) or its requests hold
+    /// pages (`pin_sg` guards), as before issue 31, instead of waiting for them. A client that takes a refused unmap as done then has its device write memory it
     /// took back; the real-guest trial's race phase must catch that.
     #[cfg(feature = "test-hooks")]
     busy_while_pinned: bool,
@@ -359,7 +359,9 @@ impl<D: Device> Server<D> {
     /// it once more.
     fn take_back<T>(&mut self, unmap: impl Fn(&DmaSpace) -> memvisor::Result<T>) -> Result<T> {
         #[cfg(feature = "test-hooks")]
-        if self.busy_while_pinned && self.port.dma.device_pinned_pages() > 0 {
+        if self.busy_while_pinned
+            && self.port.dma.device_pinned_pages() + self.port.dma.guard_held_pages() > 0
+        {
             return Err(memvisor::Error::Busy {
                 addr: 0,
                 why: "TEST ONLY: the device holds pins".into(),
