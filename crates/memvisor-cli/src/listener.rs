@@ -392,9 +392,9 @@ pub fn open_device(
         match free.as_slice() {
             [i] => Ok(fds.remove(*i)),
             [] => Err(anyhow!(
-                "device {id} names no socket (socket=PATH or fd=N) and systemd passed none for \
-                 it (passed and unclaimed: {}); name one in LISTEN_FDNAMES {id} \
-                 (FileDescriptorName={id} in the .socket unit) or give socket=PATH",
+                "device {id} names no socket and systemd passed none for it (passed and \
+                 unclaimed: {}); give it socket=PATH or fd=N (or serve's --socket-path / --fd), \
+                 or pass a socket named {id} (FileDescriptorName={id} in the .socket unit)",
                 if names.is_empty() {
                     "none".to_string()
                 } else {
