@@ -768,6 +768,27 @@ fn serve_takes_sockets_by_name_by_fd_and_by_its_own_socket_options() {
     );
     assert!(log.contains("systemd socket disk-a (fd 4"), "{log}");
 
+    // The name decides where nothing else would: socket 4 is passed too but belongs to a
+    // later device (fd=4), so without the name disk-a would have two to choose from.
+    let (px, py) = (dir.join("x.sock"), dir.join("y.sock"));
+    let (lx, ly) = (
+        UnixListener::bind(&px).unwrap(),
+        UnixListener::bind(&py).unwrap(),
+    );
+    let x = format!("id=disk-x,disk={a}");
+    let y = format!("fd=4,disk={b},read-only=on,serial=y");
+    let cmd = activated_named(
+        &[(&lx, "disk-x"), (&ly, "other")],
+        &["serve", "--blk", &x, "--blk", &y],
+    );
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&px), 0);
+    assert_ne!(answers_vhost_user(&py), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(log.contains("systemd socket disk-x (fd 3"), "{log}");
+    notify.next();
+
     // A name that matches no device's id, with two passed: refused, naming what was passed.
     let (pc, pd) = (dir.join("c.sock"), dir.join("d.sock"));
     let (lc, ld) = (
