@@ -17,13 +17,21 @@
 //!
 //! Both go through one parser ([`Options`]): a JSON value becomes the text the command line
 //! would carry (`true` is `on`), so a value is checked, and an error worded, the same way
-//! wherever it came from. An unknown name, a missing `socket` or `disk`, a value out of range
-//! or a name given twice is refused with the option and the value named.
+//! wherever it came from. An unknown name, a missing `disk`, a value out of range or a name
+//! given twice is refused with the option and the value named.
+//!
+//! **Where a device listens** ([`SocketSpec`], the vhost-user conventions' `--socket-path` /
+//! `--fd` per device): `socket=PATH`, or `fd=N` (an inherited listening socket; not with
+//! `socket=`), or neither: then `serve`'s own `--socket-path` / `--fd` if this is the one
+//! device that leaves its socket out, else a socket systemd passed, named after the device's
+//! id in `LISTEN_FDNAMES` (`crate::listener::open_device`).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, bail};
 use memvisor_vhost::BlkOptions;
+
+use crate::listener::SocketSpec;
 use memvisor_vhost::image_format::FormatChoice;
 use memvisor_vhost::image_lock::Locking;
 
@@ -88,6 +96,22 @@ impl Options {
         Ok(found)
     }
 
+    /// `socket=PATH` or `fd=N` (not both), or neither ([`SocketSpec::Activated`]).
+    fn socket(&mut self) -> Result<SocketSpec> {
+        let path = self.take("socket")?;
+        let fd = self.number("fd", 0..=i32::MAX, "a descriptor number")?;
+        match (path, fd) {
+            (Some(_), Some(_)) => bail!(
+                "{}: socket= and fd= both name the device's socket; give one",
+                self.origin
+            ),
+            (Some(p), None) if p.is_empty() => bail!("{}: socket= is empty", self.origin),
+            (Some(p), None) => Ok(SocketSpec::Path(PathBuf::from(p))),
+            (None, Some(fd)) => Ok(SocketSpec::Fd(fd)),
+            (None, None) => Ok(SocketSpec::Activated),
+        }
+    }
+
     fn required(&mut self, name: &str, example: &str) -> Result<String> {
         match self.take(name)? {
             Some(v) if !v.is_empty() => Ok(v),
@@ -135,14 +159,14 @@ impl Options {
     }
 }
 
-/// One block device: `socket=PATH,disk=FILE[,id=NAME][,queues=N][,read-only=on|off]
+/// One block device: `socket=PATH|fd=N,disk=FILE[,id=NAME][,queues=N][,read-only=on|off]
 /// [,serial=TEXT][,direct=on|off][,poll-us=N][,locking=on|off|auto][,format=raw]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlkSpec {
     /// The name the control socket knows it by (default `blk0`, `blk1`, ... in order).
     pub id: Option<String>,
-    /// vhost-user socket.
-    pub socket: PathBuf,
+    /// vhost-user socket: `socket=PATH`, `fd=N`, or neither (module documentation).
+    pub socket: SocketSpec,
     /// Raw image.
     pub disk: PathBuf,
     /// Queues, read-only, serial, polling (the IOMMU choice is the whole server's). An empty
@@ -158,13 +182,13 @@ pub struct BlkSpec {
 
 impl BlkSpec {
     const KNOWN: &'static str =
-        "socket, disk, id, queues, read-only, serial, direct, poll-us, locking, format";
+        "socket, fd, disk, id, queues, read-only, serial, direct, poll-us, locking, format";
     const EXAMPLE: &'static str =
         "e.g. --blk socket=run/blk.sock,disk=disk.img,queues=2,serial=disk0,direct=on";
 
     /// The device the options describe.
     pub fn from_options(mut o: Options) -> Result<BlkSpec> {
-        let socket = PathBuf::from(o.required("socket", Self::EXAMPLE)?);
+        let socket = o.socket()?;
         let disk = PathBuf::from(o.required("disk", Self::EXAMPLE)?);
         let mut options = BlkOptions {
             serial: String::new(),
@@ -250,14 +274,14 @@ impl std::str::FromStr for BlkSpec {
     }
 }
 
-/// One balloon: `socket=PATH[,id=NAME][,target-mib=N][,reporting=on|off]
+/// One balloon: `socket=PATH|fd=N[,id=NAME][,target-mib=N][,reporting=on|off]
 /// [,stats-interval=SECS][,deflate-on-oom=on|off]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BalloonSpec {
     /// The name the control socket knows it by (default `balloon0`, `balloon1`, ...).
     pub id: Option<String>,
-    /// vhost-user socket.
-    pub socket: PathBuf,
+    /// vhost-user socket: `socket=PATH`, `fd=N`, or neither (module documentation).
+    pub socket: SocketSpec,
     /// The target it starts with, MiB (changed at run time with `balloon-set-target`).
     pub target_mib: u32,
     /// Offer free page reporting (on by default).
@@ -269,12 +293,12 @@ pub struct BalloonSpec {
 }
 
 impl BalloonSpec {
-    const KNOWN: &'static str = "socket, id, target-mib, reporting, stats-interval, deflate-on-oom";
-    const EXAMPLE: &'static str = "e.g. --balloon socket=run/balloon.sock,stats-interval=1";
+    const KNOWN: &'static str =
+        "socket, fd, id, target-mib, reporting, stats-interval, deflate-on-oom";
 
     /// The device the options describe.
     pub fn from_options(mut o: Options) -> Result<BalloonSpec> {
-        let socket = PathBuf::from(o.required("socket", Self::EXAMPLE)?);
+        let socket = o.socket()?;
         let spec = BalloonSpec {
             id: o.take("id")?,
             socket,
@@ -386,14 +410,19 @@ mod tests {
             "socket=run/a.sock,disk=disk.img,queues=2,serial=disk0,direct=on,read-only=on,id=d"
                 .parse()
                 .unwrap();
-        assert_eq!(s.socket.to_str(), Some("run/a.sock"));
+        assert_eq!(s.socket, SocketSpec::Path("run/a.sock".into()));
         assert_eq!(s.disk.to_str(), Some("disk.img"));
         assert_eq!((s.options.queues, s.options.serial.as_str()), (2, "disk0"));
         assert!(s.direct && s.options.read_only);
         assert_eq!(s.id.as_deref(), Some("d"));
         // The socket's name may be left out, as QEMU's first option.
         let plain: BlkSpec = "a.sock,disk=d.img".parse().unwrap();
-        assert_eq!(plain.socket.to_str(), Some("a.sock"));
+        assert_eq!(plain.socket, SocketSpec::Path("a.sock".into()));
+        // fd=N instead of a path; neither: a socket systemd passes.
+        let fd: BlkSpec = "fd=5,disk=d.img".parse().unwrap();
+        assert_eq!(fd.socket, SocketSpec::Fd(5));
+        let none: BlkSpec = "disk=d.img,id=vm1".parse().unwrap();
+        assert_eq!(none.socket, SocketSpec::Activated);
         // No serial given: empty, which serving turns into the device's id.
         assert_eq!(
             plain.options,
@@ -413,7 +442,9 @@ mod tests {
         assert_eq!(l.locking, Locking::On);
         for (bad, says) in [
             ("a.sock", "disk=… is missing"),
-            ("a.sock=d.img", "socket=… is missing"),
+            ("a.sock=d.img", "disk=… is missing"),
+            ("socket=a,fd=4,disk=d", "socket= and fd= both"),
+            ("fd=x,disk=d", "fd=\"x\": a descriptor number"),
             ("socket=a,disk=d,queues=0", "queues=\"0\""),
             ("socket=a,disk=d,queues=65", "queues=\"65\""),
             ("socket=a,disk=d,direct=maybe", "on or off"),
@@ -471,7 +502,7 @@ mod tests {
             b,
             BalloonSpec {
                 id: None,
-                socket: "run/b.sock".into(),
+                socket: SocketSpec::Path("run/b.sock".into()),
                 target_mib: 0,
                 reporting: true,
                 stats_interval_secs: 0,
@@ -495,7 +526,7 @@ mod tests {
             ("b.sock,target-mib=16777216", "target-mib=\"16777216\""),
             ("b.sock,stats-interval=-1", "stats-interval=\"-1\""),
             ("b.sock,queues=2", "unknown option \"queues\""),
-            ("target-mib=1", "socket=… is missing"),
+            ("fd=3,socket=b", "socket= and fd= both"),
         ] {
             let e = bad.parse::<BalloonSpec>().unwrap_err().to_string();
             assert!(e.contains(says), "{bad}: {e}");

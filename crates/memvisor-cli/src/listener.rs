@@ -13,12 +13,16 @@
 //!   dropped (at exit, or when a later step of the start fails), if the path still names it.
 //! * `--fd N`: a listening Unix stream socket the parent left open as descriptor N. It is
 //!   checked (open, a socket, Unix, stream, listening) before use and never unlinked.
-//! * Neither: the socket systemd passed (`LISTEN_PID` is this process, `LISTEN_FDS` = 1, fd 3).
+//! * Neither ([`SocketSpec::Activated`]): a socket systemd passed (`LISTEN_PID` is this process,
+//!   `LISTEN_FDS` counts them from fd 3). A server with one device takes the one passed. A
+//!   device of `serve` takes the one whose name in `LISTEN_FDNAMES` (systemd's
+//!   `FileDescriptorName=`, `systemd-socket-activate --fdname=`) is its id ([`open_device`]);
+//!   failing that, the only passed socket not bound to a path another device names.
 //!
 //! The sockets systemd passes are taken from the environment once, the first time one is asked
 //! for (`LISTEN_*` are then removed, so children do not see them). Each is claimed by at most
-//! one device; [`check_all_claimed`] refuses a start that would leave one unused, which is a
-//! unit file and a command line that disagree.
+//! one device, whichever way it is named (path, `--fd`, name); [`check_all_claimed`] refuses a
+//! start that would leave one unused, which is a unit file and a command line that disagree.
 //!
 //! The live check connects to the path without waiting (a non-blocking socket: a blocking
 //! `connect()` to a listener whose queue is full waits for room, forever if it never accepts,
@@ -50,12 +54,22 @@ use anyhow::{Context, Result, anyhow, bail};
 /// How a server's socket is named on its command line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SocketSpec {
-    /// `--socket-path PATH` (or `--socket PATH`).
+    /// `--socket-path PATH` (or `--socket PATH`; a device's `socket=PATH`).
     Path(PathBuf),
-    /// `--fd N`: an inherited listening socket.
+    /// `--fd N` (a device's `fd=N`): an inherited listening socket.
     Fd(RawFd),
-    /// Neither: the one socket systemd passed (`LISTEN_FDS`).
+    /// Neither: a socket systemd passed (`LISTEN_FDS`, `LISTEN_FDNAMES`).
     Activated,
+}
+
+impl std::fmt::Display for SocketSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SocketSpec::Path(p) => write!(f, "{}", p.display()),
+            SocketSpec::Fd(fd) => write!(f, "fd {fd}"),
+            SocketSpec::Activated => write!(f, "a socket systemd passes"),
+        }
+    }
 }
 
 impl SocketSpec {
@@ -131,15 +145,22 @@ impl Drop for Listener {
     }
 }
 
+/// A socket systemd passed: its descriptor and its name in `LISTEN_FDNAMES`, if any.
+#[derive(Clone, Debug)]
+struct Passed {
+    fd: RawFd,
+    name: Option<String>,
+}
+
 /// The sockets systemd passed and no device has claimed yet; `None` until first read.
-static ACTIVATED: Mutex<Option<Vec<RawFd>>> = Mutex::new(None);
+static ACTIVATED: Mutex<Option<Vec<Passed>>> = Mutex::new(None);
 
 /// The first descriptor systemd passes (`SD_LISTEN_FDS_START`).
 const LISTEN_FDS_START: RawFd = 3;
 
 /// Runs `f` on the unclaimed activated sockets, reading them from the environment first if
 /// this is the first call.
-fn with_activated<T>(f: impl FnOnce(&mut Vec<RawFd>) -> T) -> Result<T> {
+fn with_activated<T>(f: impl FnOnce(&mut Vec<Passed>) -> T) -> Result<T> {
     let mut guard = ACTIVATED.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
         *guard = Some(read_listen_fds()?);
@@ -147,10 +168,12 @@ fn with_activated<T>(f: impl FnOnce(&mut Vec<RawFd>) -> T) -> Result<T> {
     Ok(f(guard.as_mut().expect("just filled")))
 }
 
-/// `LISTEN_FDS` for this process, as sd_listen_fds(3) reads it; the variables are removed.
-fn read_listen_fds() -> Result<Vec<RawFd>> {
+/// `LISTEN_FDS` and `LISTEN_FDNAMES` for this process, as sd_listen_fds_with_names(3) reads
+/// them; the variables are removed.
+fn read_listen_fds() -> Result<Vec<Passed>> {
     let pid = std::env::var("LISTEN_PID").ok();
     let count = std::env::var("LISTEN_FDS").ok();
+    let names = std::env::var("LISTEN_FDNAMES").ok();
     // SAFETY: first called by take_from_environment() before the server starts any thread,
     // so nothing reads the environment while it changes (remove_var's only requirement).
     unsafe {
@@ -176,7 +199,29 @@ fn read_listen_fds() -> Result<Vec<RawFd>> {
         // Not passed on to anything this process starts.
         set_cloexec(fd).with_context(|| format!("LISTEN_FDS={n}: descriptor {fd}"))?;
     }
-    Ok(fds)
+    // One name per descriptor, separated by colons; systemd's "unknown" is no name.
+    let names: Vec<Option<String>> = match names {
+        None => vec![None; fds.len()],
+        Some(names) => {
+            let list: Vec<&str> = names.split(':').collect();
+            if list.len() != fds.len() {
+                bail!(
+                    "LISTEN_FDNAMES={names:?} names {} sockets and LISTEN_FDS={n} passes {}; \
+                     the service manager must name each (or none)",
+                    list.len(),
+                    fds.len()
+                );
+            }
+            list.into_iter()
+                .map(|s| (!s.is_empty() && s != "unknown").then(|| s.to_string()))
+                .collect()
+        }
+    };
+    Ok(fds
+        .into_iter()
+        .zip(names)
+        .map(|(fd, name)| Passed { fd, name })
+        .collect())
 }
 
 fn set_cloexec(fd: RawFd) -> io::Result<()> {
@@ -286,13 +331,13 @@ pub fn open(spec: &SocketSpec) -> Result<Listener> {
     match spec {
         SocketSpec::Fd(fd) => {
             // If systemd passed it too, it is claimed here.
-            with_activated(|fds| fds.retain(|f| f != fd))?;
+            with_activated(|fds| fds.retain(|p| p.fd != *fd))?;
             adopt(*fd, &format!("--fd {fd}"))
         }
         SocketSpec::Activated => {
             let fds = with_activated(std::mem::take)?;
             match fds.as_slice() {
-                [fd] => adopt(*fd, &format!("systemd socket (fd {fd})")),
+                [p] => adopt(p.fd, &passed_origin(p)),
                 [] => bail!(
                     "no socket to listen on: give --socket-path PATH or --fd N, or start under \
                      systemd socket activation (LISTEN_FDS)"
@@ -312,6 +357,61 @@ pub fn open(spec: &SocketSpec) -> Result<Listener> {
     }
 }
 
+/// How a socket systemd passed is named in messages: "systemd socket NAME (fd N)".
+fn passed_origin(p: &Passed) -> String {
+    match &p.name {
+        Some(name) => format!("systemd socket {name} (fd {})", p.fd),
+        None => format!("systemd socket (fd {})", p.fd),
+    }
+}
+
+/// Opens the socket of `serve`'s device `id`: as [`open`] for a path or a descriptor. A device
+/// that names neither ([`SocketSpec::Activated`]) takes the socket systemd passed under the
+/// name `id` (`LISTEN_FDNAMES`); failing that, the only passed socket left that is neither
+/// named after one of `other_ids` nor bound to one of `other_paths` (what the server's other
+/// devices and its control socket name, which claim theirs whatever the order).
+pub fn open_device(
+    spec: &SocketSpec,
+    id: &str,
+    other_ids: &[String],
+    other_paths: &[PathBuf],
+) -> Result<Listener> {
+    if *spec != SocketSpec::Activated {
+        return open(spec);
+    }
+    let others: Vec<PathBuf> = other_paths.iter().map(|p| absolute(p)).collect();
+    let taken = with_activated(|fds| {
+        if let Some(i) = fds.iter().position(|p| p.name.as_deref() == Some(id)) {
+            return Ok(fds.remove(i));
+        }
+        let free: Vec<usize> = (0..fds.len())
+            .filter(|&i| fds[i].name.as_ref().is_none_or(|n| !other_ids.contains(n)))
+            .filter(|&i| bound_path(fds[i].fd).is_none_or(|p| !others.contains(&absolute(&p))))
+            .collect();
+        let names: Vec<String> = fds.iter().map(passed_origin).collect();
+        match free.as_slice() {
+            [i] => Ok(fds.remove(*i)),
+            [] => Err(anyhow!(
+                "device {id} names no socket and systemd passed none for it (passed and \
+                 unclaimed: {}); give it socket=PATH or fd=N (or serve's --socket-path / --fd), \
+                 or pass a socket named {id} (FileDescriptorName={id} in the .socket unit)",
+                if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                }
+            )),
+            _ => Err(anyhow!(
+                "device {id} names no socket and systemd passed several it could take ({}); \
+                 name its socket {id} (FileDescriptorName={id} in the .socket unit) or give \
+                 socket=PATH",
+                names.join(", ")
+            )),
+        }
+    })??;
+    adopt(taken.fd, &passed_origin(&taken))
+}
+
 /// Listens on `path`: the socket systemd passed for it, or one bound here (see the module
 /// comment for what is refused).
 pub fn at(path: &Path) -> Result<Listener> {
@@ -319,11 +419,11 @@ pub fn at(path: &Path) -> Result<Listener> {
     let passed = with_activated(|fds| {
         let i = fds
             .iter()
-            .position(|&fd| bound_path(fd).is_some_and(|p| absolute(&p) == want))?;
+            .position(|p| bound_path(p.fd).is_some_and(|p| absolute(&p) == want))?;
         Some(fds.remove(i))
     })?;
-    if let Some(fd) = passed {
-        return adopt(fd, &format!("systemd socket (fd {fd})"));
+    if let Some(p) = passed {
+        return adopt(p.fd, &passed_origin(&p));
     }
     bind(path)
 }
@@ -475,14 +575,23 @@ pub fn check_all_claimed() -> Result<()> {
     }
     let names: Vec<String> = left
         .iter()
-        .map(|&fd| match bound_path(fd) {
-            Some(p) => format!("fd {fd} ({})", p.display()),
-            None => format!("fd {fd}"),
+        .map(|p| {
+            let fd = p.fd;
+            let name = p
+                .name
+                .as_ref()
+                .map(|n| format!(" named {n}"))
+                .unwrap_or_default();
+            match bound_path(fd) {
+                Some(path) => format!("fd {fd}{name} ({})", path.display()),
+                None => format!("fd {fd}{name}"),
+            }
         })
         .collect();
     bail!(
         "systemd passed sockets no device uses: {}; name each one's path on the command line \
-         (--socket-path, --blk, --balloon, --control)",
+         (--socket-path, --blk, --balloon, --control) or name each socket after its device's \
+         id (LISTEN_FDNAMES)",
         names.join(", ")
     )
 }

@@ -4,9 +4,17 @@
 //!
 //! The servers (`vhost-user-blk`, `serve`, `vfio-user`) follow the vhost-user specification's
 //! back end conventions: `--socket-path` (alias `--socket`), `--fd N`, systemd socket
-//! activation, `--print-capabilities`, sd_notify readiness, `RUST_LOG`
-//! (docs/deploying.md). Test-only switches are not options: a `test-hooks` build reads them
-//! from `MEMVISOR_TEST_*` environment variables, once (`start_server`).
+//! activation (`LISTEN_FDS`, `LISTEN_FDNAMES`), `--print-capabilities`, sd_notify readiness,
+//! `RUST_LOG` (docs/deploying.md). Test-only switches are not options: a `test-hooks` build
+//! reads them from `MEMVISOR_TEST_*` environment variables, once (`start_server`).
+//!
+//! Two things happen before the arguments are parsed. **The program's name picks the
+//! server**: run as `memvisor-vhost-user-blk` or `memvisor-vfio-user` (a link to `memvisor`,
+//! as a JSON descriptor's `binary` names it: management software runs that binary with the
+//! conventions' options only, no subcommand), it is `memvisor vhost-user-blk` /
+//! `memvisor vfio-user` ([`capabilities::server_named`]). **`--print-capabilities` wins**:
+//! anywhere among a server's arguments it prints the capabilities and exits 0, whatever else
+//! is there, unknown or invalid ([`capabilities::requested`]), as the specification asks.
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
@@ -52,7 +60,8 @@ enum Command {
 #[derive(Args)]
 struct ServeArgs {
     /// A virtio-blk device (repeatable): options separated by commas, the socket's name may be
-    /// left out: socket=PATH, disk=FILE (raw image or block device), id=NAME (for the control socket; default
+    /// left out: socket=PATH (or fd=N: an inherited listening socket; neither: --socket-path /
+    /// --fd, or the systemd socket named after the id in LISTEN_FDNAMES), disk=FILE (raw image or block device), id=NAME (for the control socket; default
     /// blk0, blk1, ...), queues=N (1-64, default 1), read-only=on, serial=TEXT (GET_ID, at most
     /// 20 bytes; default: the device's id), direct=on (open the image O_DIRECT; default: the
     /// host page cache), poll-us=N (poll the rings N µs before sleeping; default 0),
@@ -61,7 +70,8 @@ struct ServeArgs {
     #[arg(long, value_name = "socket=PATH,disk=FILE[,OPTION=VALUE...]")]
     blk: Vec<memvisor_cli::devices::BlkSpec>,
     /// A virtio-balloon device (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,
-    /// num_vqs=3,config_size=16, num_vqs=4 with stats-interval): socket=PATH, id=NAME (default
+    /// num_vqs=3,config_size=16, num_vqs=4 with stats-interval): socket=PATH (or fd=N, or
+    /// neither, as --blk), id=NAME (default
     /// balloon0, ...), target-mib=N (initial target, default 0), reporting=off (no free page
     /// reporting), stats-interval=SECS (offer the statistics queue, polled every SECS; default
     /// 0: not offered), deflate-on-oom=on (default off, as in QEMU)
@@ -87,10 +97,11 @@ struct ServeArgs {
     /// Write what the devices did as JSON on exit, and whenever SIGUSR1 comes
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
-    /// Print the device types this server hosts as JSON (a list of the vhost-user
-    /// specification's capabilities objects) and exit
-    #[arg(long)]
-    print_capabilities: bool,
+    /// The socket of the one device that leaves out socket=/fd= (--socket-path PATH or
+    /// --fd N; the vhost-user conventions' options, here for that device); --print-capabilities
+    /// prints {"type": "block", "features": []} and exits
+    #[command(flatten)]
+    socket: SocketArgs,
 }
 
 /// Where a server listens: the vhost-user specification's `--socket-path` / `--fd`, or, with
@@ -104,7 +115,8 @@ struct SocketArgs {
     /// Listen on the inherited listening socket N instead (from the parent, e.g. libvirt)
     #[arg(long, value_name = "N", conflicts_with = "socket_path")]
     fd: Option<RawFd>,
-    /// Print the back end's capabilities as JSON (the vhost-user specification's) and exit
+    /// Print the back end's capabilities as JSON (the vhost-user specification's) and exit 0,
+    /// ignoring every other option and argument
     #[arg(long)]
     print_capabilities: bool,
 }
@@ -231,7 +243,17 @@ struct BlkArgs {
 }
 
 fn main() -> ExitCode {
-    let result = match Cli::parse().command {
+    let args = capabilities::server_named(std::env::args_os().collect());
+    if let Some(caps) = capabilities::requested(&args) {
+        return match print_capabilities(caps) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("error: {err:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let result = match Cli::parse_from(args).command {
         Command::VhostUserBlk(args) => run_blk(&args),
         Command::Serve(args) => run_serve(&args),
         Command::VfioUser(args) => run_vfio_user(&args),
@@ -273,9 +295,6 @@ fn start_server() -> Result<ProcessState> {
 }
 
 fn run_blk(args: &BlkArgs) -> Result<()> {
-    if args.socket.print_capabilities {
-        return print_capabilities(capabilities::vhost_user_blk());
-    }
     let state = start_server()?;
     let Some(disk) = args.disk.as_ref() else {
         bail!("--disk FILE is required");
@@ -297,7 +316,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
     log::info!("{}: serial {serial:?} (GET_ID)", disk.display());
     let spec = memvisor_cli::devices::BlkSpec {
         id: None,
-        socket: args.socket.socket_path.clone().unwrap_or_default(),
+        socket: args.socket.spec(),
         disk: disk.clone(),
         options: memvisor_vhost::BlkOptions {
             queues: args.queues,
@@ -330,9 +349,6 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
 }
 
 fn run_serve(args: &ServeArgs) -> Result<()> {
-    if args.print_capabilities {
-        return print_capabilities(capabilities::serve());
-    }
     let mut config = match &args.config {
         Some(path) => memvisor_cli::devices::Config::read(path)?,
         None => Default::default(),
@@ -345,6 +361,7 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
              (or a --config file that names devices)"
         );
     }
+    give_top_level_socket(&args.socket, &mut config)?;
     let state = start_server()?;
     if args.long_term_pins || config.long_term_pins {
         serve::use_long_term_pins(&state.registry)?;
@@ -365,10 +382,42 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
     serve::write_json(stats.as_ref(), &report)
 }
 
-fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
-    if args.socket.print_capabilities {
-        return print_capabilities(capabilities::vfio_user());
+/// `serve --socket-path PATH` / `--fd N`: the socket of the one device that leaves out
+/// `socket=` and `fd=`, as if it said `socket=PATH` / `fd=N` (one mechanism: the device's
+/// socket). Refused when no device, or more than one, leaves its socket out.
+fn give_top_level_socket(
+    args: &SocketArgs,
+    config: &mut memvisor_cli::devices::Config,
+) -> Result<()> {
+    let spec = args.spec();
+    if spec == SocketSpec::Activated {
+        return Ok(());
     }
+    let mut open: Vec<&mut SocketSpec> = config
+        .blk
+        .iter_mut()
+        .map(|b| &mut b.socket)
+        .chain(config.balloon.iter_mut().map(|b| &mut b.socket))
+        .filter(|s| **s == SocketSpec::Activated)
+        .collect();
+    match open.as_mut_slice() {
+        [one] => {
+            **one = spec;
+            Ok(())
+        }
+        [] => bail!(
+            "--socket-path/--fd names the socket of the one device that leaves out socket= and \
+             fd=, and every device names its own; drop --socket-path/--fd or a device's socket="
+        ),
+        many => bail!(
+            "--socket-path/--fd names the socket of the one device that leaves out socket= and \
+             fd=, and {} devices leave it out; give each its own socket=PATH or fd=N",
+            many.len()
+        ),
+    }
+}
+
+fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
     let state = start_server()?;
     #[cfg(feature = "test-hooks")]
     let record = args.record.as_deref();

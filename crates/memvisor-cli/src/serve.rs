@@ -434,25 +434,46 @@ impl Devices {
         Ok((blk, balloon))
     }
 
-    /// Refuses a socket path named twice (two devices, or a device and the control socket).
+    /// Refuses a socket path or descriptor named twice (two devices, or a device and the
+    /// control socket).
     fn check_distinct_sockets(&self) -> Result<()> {
         let mut seen = std::collections::HashSet::new();
-        let paths = self
+        let specs = self
             .blk
             .iter()
-            .map(|b| &b.socket)
-            .chain(self.balloon.iter().map(|b| &b.socket))
-            .chain(&self.control);
-        for p in paths {
-            let key = std::path::absolute(p).unwrap_or_else(|_| p.clone());
-            if !seen.insert(key) {
+            .map(|b| b.socket.clone())
+            .chain(self.balloon.iter().map(|b| b.socket.clone()))
+            .chain(self.control.iter().cloned().map(SocketSpec::Path));
+        for spec in specs {
+            let key = match &spec {
+                SocketSpec::Path(p) => {
+                    SocketSpec::Path(std::path::absolute(p).unwrap_or_else(|_| p.clone()))
+                }
+                SocketSpec::Activated => continue,
+                fd => fd.clone(),
+            };
+            if !seen.insert(format!("{key}")) {
                 bail!(
-                    "socket {} is named twice: every device and the control socket need their own",
-                    p.display()
+                    "socket {spec} is named twice: every device and the control socket need their own"
                 );
             }
         }
         Ok(())
+    }
+
+    /// The paths the devices and the control socket name: a socket systemd passed bound to
+    /// one of them is theirs ([`listener::open_device`]).
+    fn socket_paths(&self) -> Vec<PathBuf> {
+        let path = |s: &SocketSpec| match s {
+            SocketSpec::Path(p) => Some(p.clone()),
+            _ => None,
+        };
+        self.blk
+            .iter()
+            .filter_map(|b| path(&b.socket))
+            .chain(self.balloon.iter().filter_map(|b| path(&b.socket)))
+            .chain(self.control.iter().cloned())
+            .collect()
     }
 }
 
@@ -487,15 +508,21 @@ pub fn serve(devices: &Devices, state: &ProcessState) -> Result<ServeReport> {
     let (blk_ids, balloon_ids) = devices.ids()?;
     // Every socket first (inherited ones claimed by path), then the threads: a start that
     // fails leaves no device half served.
+    let paths = devices.socket_paths();
+    let all_ids: Vec<String> = blk_ids.iter().chain(&balloon_ids).cloned().collect();
+    let open = |socket: &SocketSpec, id: &String| {
+        let others: Vec<String> = all_ids.iter().filter(|i| *i != id).cloned().collect();
+        listener::open_device(socket, id, &others, &paths)
+    };
     let mut blk_sockets = Vec::new();
-    for spec in &devices.blk {
+    for (spec, id) in devices.blk.iter().zip(&blk_ids) {
         let file = open_disk(&spec.disk, spec.options.read_only, spec.direct)?;
         claim_image(&file, spec)?;
-        blk_sockets.push((spec, file, listener::at(&spec.socket)?));
+        blk_sockets.push((spec, file, open(&spec.socket, id)?));
     }
     let mut balloon_sockets = Vec::new();
-    for spec in &devices.balloon {
-        balloon_sockets.push((spec, listener::at(&spec.socket)?));
+    for (spec, id) in devices.balloon.iter().zip(&balloon_ids) {
+        balloon_sockets.push((spec, open(&spec.socket, id)?));
     }
     let control_socket = devices.control.as_deref().map(listener::at).transpose()?;
     listener::check_all_claimed()?;

@@ -220,10 +220,7 @@ fn print_capabilities_prints_the_specifications_json_and_exits() {
         ),
         (
             vec!["serve", "--print-capabilities"],
-            serde_json::json!([
-                {"type": "block", "features": []},
-                {"type": "balloon", "features": []}
-            ]),
+            serde_json::json!({"type": "block", "features": []}),
         ),
         (
             vec!["vfio-user", "--print-capabilities", "--socket", sock],
@@ -237,6 +234,88 @@ fn print_capabilities_prints_the_specifications_json_and_exits() {
         assert_eq!(got, want, "{args:?}");
         assert!(!Path::new(sock).exists(), "{args:?} created its socket");
     }
+    // Every other option and argument is ignored (the specification): unknown options, stray
+    // arguments, values clap refuses, options the specification calls incompatible, and no
+    // --disk or device at all; still one JSON object and exit 0, and nothing served.
+    let blk = serde_json::json!({"type": "block", "features": ["read-only", "blk-file"]});
+    let serve = serde_json::json!({"type": "block", "features": []});
+    let vfu = serde_json::json!({"type": "vfio-user", "device": "mvdma", "features": []});
+    for (args, want) in [
+        (
+            vec!["vhost-user-blk", "--no-such-option", "--print-capabilities"],
+            &blk,
+        ),
+        (
+            vec![
+                "vhost-user-blk",
+                "--print-capabilities",
+                "stray",
+                "arguments",
+            ],
+            &blk,
+        ),
+        (
+            vec!["vhost-user-blk", "--queues", "0", "--print-capabilities"],
+            &blk,
+        ),
+        (
+            vec![
+                "vhost-user-blk",
+                "--socket-path",
+                sock,
+                "--fd",
+                "3",
+                "--print-capabilities",
+            ],
+            &blk,
+        ),
+        (
+            vec!["vhost-user-blk", "--print-capabilities", "--disk"],
+            &blk,
+        ),
+        (
+            vec![
+                "serve",
+                "--print-capabilities",
+                "--blk",
+                "queues=0",
+                "--what",
+            ],
+            &serve,
+        ),
+        (
+            vec![
+                "serve",
+                "--socket-path",
+                sock,
+                "--fd=3",
+                "--print-capabilities",
+                "x",
+            ],
+            &serve,
+        ),
+        (
+            vec!["vfio-user", "-x", "--print-capabilities", "--fd", "nope"],
+            &vfu,
+        ),
+    ] {
+        let out = run(memvisor(&args));
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: stdout is not one JSON value ({e}): {out:?}"));
+        assert_eq!(&got, want, "{args:?}");
+        assert!(!Path::new(sock).exists(), "{args:?} created its socket");
+    }
+    // Without it, the same arguments are refused as before (the flag is what is ignored for).
+    let out = run(memvisor(&[
+        "vhost-user-blk",
+        "--queues",
+        "0",
+        "--disk",
+        "x",
+    ]));
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+
     // The features it claims exist: --blk-file and --read-only are options of vhost-user-blk.
     let help = String::from_utf8(run(memvisor(&["vhost-user-blk", "--help"])).stdout).unwrap();
     for flag in ["--blk-file", "--read-only", "--socket-path", "--fd <N>"] {
@@ -563,4 +642,245 @@ fn test_switches_are_not_options_of_the_product() {
     // Not a signal: memvisor exits by itself with clap's usage error.
     let out = run(memvisor(&["vfio-user", "--test-ignore-unmap"]));
     assert_eq!(out.status.signal(), None);
+}
+
+/// A link named `memvisor-vhost-user-blk` / `memvisor-vfio-user` to the binary, in `dir`.
+fn linked(dir: &Dir, name: &str) -> PathBuf {
+    let link = dir.join(name);
+    std::os::unix::fs::symlink(BIN, &link).unwrap();
+    link
+}
+
+#[test]
+fn the_program_name_picks_the_server_as_a_descriptors_binary_needs() {
+    let dir = Dir::new("argv0");
+    let notify = Notify::new(&dir);
+    // What management software does with a descriptor's `binary`: --print-capabilities, then
+    // the conventions' options alone, no subcommand.
+    let blk = linked(&dir, "memvisor-vhost-user-blk");
+    let out = run(program(&blk, &["--print-capabilities"]));
+    assert!(out.status.success(), "{out:?}");
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["type"], "block", "{got}");
+    let vfu = linked(&dir, "memvisor-vfio-user");
+    let out = run(program(&vfu, &["--print-capabilities"]));
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["type"], "vfio-user", "{got}");
+    // It serves: --socket-path=PATH as libvirt writes it, --blk-file as the schema names it.
+    let (disk, sock) = (dir.disk(), dir.join("argv0.sock"));
+    let mut cmd = Command::new(&blk);
+    cmd.arg(format!("--socket-path={}", sock.display()))
+        .arg(format!("--blk-file={}", disk.display()))
+        .env_remove("RUST_LOG");
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&sock), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    // Any other name is plain memvisor, which wants a subcommand.
+    let other = linked(&dir, "vhost-user-blk");
+    let out = run(program(&other, &["--print-capabilities"]));
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+}
+
+/// `memvisor ARGS` started as systemd starts a service with several named sockets: each
+/// listener as fd 3, 4, ..., `LISTEN_FDS`, `LISTEN_FDNAMES` (colon-separated) and `LISTEN_PID`.
+fn activated_named(listeners: &[(&UnixListener, &str)], args: &[&str]) -> Command {
+    let names: Vec<&str> = listeners.iter().map(|(_, n)| *n).collect();
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg(format!(
+            "LISTEN_PID=$$ LISTEN_FDS={} LISTEN_FDNAMES={} exec \"$0\" \"$@\"",
+            listeners.len(),
+            names.join(":")
+        ))
+        .arg(BIN)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env_remove("MEMVISOR_LOG");
+    let fds: Vec<RawFd> = listeners.iter().map(|(l, _)| l.as_raw_fd()).collect();
+    // SAFETY: between fork and exec only dup and dup2, which are async-signal-safe. The
+    // sources are first moved above the targets so that no dup2 overwrites a later source.
+    unsafe {
+        c.pre_exec(move || {
+            let mut high = Vec::new();
+            for &fd in &fds {
+                let h = libc::fcntl(fd, libc::F_DUPFD, 100);
+                if h < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                high.push(h);
+            }
+            for (i, &h) in high.iter().enumerate() {
+                if libc::dup2(h, 3 + i as RawFd) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    c
+}
+
+#[test]
+fn serve_takes_sockets_by_name_by_fd_and_by_its_own_socket_options() {
+    let dir = Dir::new("fdnames");
+    let notify = Notify::new(&dir);
+    let img = |name: &str| {
+        let p = dir.join(name);
+        std::fs::File::create(&p).unwrap().set_len(1 << 20).unwrap();
+        p.display().to_string()
+    };
+    let (a, b) = (img("a.img"), img("b.img"));
+    // Two sockets passed, named after the devices' ids, given in the other order: each
+    // device gets its own, whatever the order systemd passes them in.
+    let (pa, pb) = (dir.join("named-a.sock"), dir.join("named-b.sock"));
+    let (la, lb) = (
+        UnixListener::bind(&pa).unwrap(),
+        UnixListener::bind(&pb).unwrap(),
+    );
+    let blk_a = format!("id=disk-a,disk={a}");
+    let blk_b = format!("id=disk-b,disk={b},read-only=on,serial=second");
+    let stats = dir.join("named.json");
+    let mut cmd = activated_named(
+        &[(&lb, "disk-b"), (&la, "disk-a")],
+        &["serve", "--blk", &blk_a, "--blk", &blk_b, "--stats"],
+    );
+    cmd.arg(&stats);
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&pa), 0);
+    assert_ne!(answers_vhost_user(&pb), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    notify.next();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    // The report lists the blk devices in --blk order: disk-a, then disk-b.
+    let sockets: Vec<&str> = report["blk"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{report}"))
+        .iter()
+        .map(|d| d["socket"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        sockets,
+        [pa.display().to_string(), pb.display().to_string()],
+        "{report}"
+    );
+    assert!(log.contains("systemd socket disk-a (fd 4"), "{log}");
+
+    // The name decides where nothing else would: socket 4 is passed too but belongs to a
+    // later device (fd=4), so without the name disk-a would have two to choose from.
+    let (px, py) = (dir.join("x.sock"), dir.join("y.sock"));
+    let (lx, ly) = (
+        UnixListener::bind(&px).unwrap(),
+        UnixListener::bind(&py).unwrap(),
+    );
+    let x = format!("id=disk-x,disk={a}");
+    let y = format!("fd=4,disk={b},read-only=on,serial=y");
+    let cmd = activated_named(
+        &[(&lx, "disk-x"), (&ly, "other")],
+        &["serve", "--blk", &x, "--blk", &y],
+    );
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&px), 0);
+    assert_ne!(answers_vhost_user(&py), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(log.contains("systemd socket disk-x (fd 3"), "{log}");
+    notify.next();
+
+    // A name that matches no device's id, with two passed: refused, naming what was passed.
+    let (pc, pd) = (dir.join("c.sock"), dir.join("d.sock"));
+    let (lc, ld) = (
+        UnixListener::bind(&pc).unwrap(),
+        UnixListener::bind(&pd).unwrap(),
+    );
+    let c = format!("id=disk-c,disk={a}");
+    let d = format!("{},disk={b}", pd.display());
+    let out = run(activated_named(
+        &[(&lc, "other"), (&ld, "x")],
+        &["serve", "--blk", &c],
+    ));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("device disk-c names no socket") && err.contains("FileDescriptorName=disk-c"),
+        "{err}"
+    );
+    // The only one not bound to another device's path is taken, whatever the order.
+    let cmd = activated_named(
+        &[(&ld, "x"), (&lc, "other")],
+        &["serve", "--blk", &c, "--blk", &d],
+    );
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&pc), 0);
+    assert_ne!(answers_vhost_user(&pd), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    notify.next();
+    // LISTEN_FDNAMES that does not count as many sockets as LISTEN_FDS is refused.
+    let mut bad = activated(&lc, &["serve", "--blk", &c]);
+    bad.env("LISTEN_FDNAMES", "a:b");
+    let out = run(bad);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("LISTEN_FDNAMES=\"a:b\" names 2 sockets and LISTEN_FDS=1"),
+        "{err}"
+    );
+
+    // fd=N on a device, and serve's own --fd / --socket-path for the one device that leaves
+    // its socket out.
+    let (pe, pf) = (dir.join("e.sock"), dir.join("f.sock"));
+    let le = UnixListener::bind(&pe).unwrap();
+    let e = format!("fd=6,disk={a}");
+    let f = format!("disk={b},read-only=on,serial=f");
+    let mut cmd = memvisor(&["serve", "--blk", &e, "--blk", &f, "--socket-path"]);
+    cmd.arg(&pf);
+    pass_fd(&mut cmd, le.as_raw_fd(), 6);
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&pe), 0);
+    assert_ne!(answers_vhost_user(&pf), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    notify.next();
+    assert!(
+        !pf.exists() && pe.exists(),
+        "only the socket it bound is removed"
+    );
+    let lf = UnixListener::bind(&pf).unwrap();
+    let mut cmd = memvisor(&["serve", "--blk", &f, "--fd", "7"]);
+    pass_fd(&mut cmd, lf.as_raw_fd(), 7);
+    let server = Server::start(cmd, &dir, &notify);
+    assert_ne!(answers_vhost_user(&pf), 0);
+    let (status, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    notify.next();
+    // Refused: two devices leave their socket out, or none does, with --socket-path.
+    for (blks, says) in [
+        (vec![e.as_str(), d.as_str()], "every device names its own"),
+        (
+            vec![f.as_str(), "disk=/dev/null,id=g"],
+            "2 devices leave it out",
+        ),
+    ] {
+        let mut args = vec!["serve", "--socket-path", "/nonexistent/x.sock"];
+        for b in &blks {
+            args.extend(["--blk", b]);
+        }
+        let out = run(memvisor(&args));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(says),
+            "{blks:?}: {err}"
+        );
+    }
+}
+
+/// `program ARGS` (a link to memvisor), without the log variables.
+fn program(path: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(path);
+    c.args(args)
+        .env_remove("RUST_LOG")
+        .env_remove("MEMVISOR_LOG");
+    c
 }
