@@ -217,6 +217,11 @@ impl Blk {
         self.live.clone()
     }
 
+    /// Its capacity, to change while it serves ([`BlkCapacity::resize`]).
+    pub fn capacity(&self) -> BlkCapacity {
+        self.capacity.clone()
+    }
+
     /// What the device has done so far, all queues together.
     pub fn stats(&self) -> BlkStats {
         self.live.total()
