@@ -19,7 +19,7 @@
 //! the back end and with it the image's descriptors (its locks go with the last one); the
 //! command answers once all that is done, so another process may open the image at once.
 //!
-//! **Resizing** changes the device's capacity cell ([`BlkCapacity`]) and waits (at most
+//! **Resizing** changes the device's capacity cell ([`memvisor_vhost::BlkCapacity`]) and waits (at most
 //! [`TOLD_WAIT`]) for the back end's serving loop to take the change and send
 //! `CONFIG_CHANGE_MSG` to a frontend that negotiated it; the `DEVICE_RESIZED` event says whether
 //! it did (`told-frontend`).
@@ -211,7 +211,9 @@ impl Runtime {
             }
             Err(e) => {
                 self.registry.remove(&id);
-                Err(anyhow::anyhow!("cannot start a thread for device {id}: {e}"))
+                Err(anyhow::anyhow!(
+                    "cannot start a thread for device {id}: {e}"
+                ))
             }
         }
     }
@@ -286,7 +288,9 @@ impl Runtime {
                 "blk-add: device id {id:?} is empty or taken: every device needs its own"
             )));
         }
-        let taken = devices.iter().any(|d| absolute(Path::new(&d.socket)) == want);
+        let taken = devices
+            .iter()
+            .any(|d| absolute(Path::new(&d.socket)) == want);
         if taken || self.reserved.contains(&want) {
             return Err(CommandError::generic(format!(
                 "blk-add: socket {} is taken by another device or the control socket",
@@ -333,9 +337,7 @@ impl Runtime {
         };
         let served = {
             let mut all = self.served();
-            all.iter()
-                .position(|s| s.id == id)
-                .map(|i| all.remove(i))
+            all.iter().position(|s| s.id == id).map(|i| all.remove(i))
         };
         if let Some(s) = served {
             s.stop.store(true, Ordering::Relaxed);

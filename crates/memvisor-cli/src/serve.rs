@@ -186,7 +186,8 @@ fn run_until_stopped(
     report: impl Fn(),
 ) -> Result<()> {
     let fixed = control.is_none();
-    while !STOP.load(Ordering::Relaxed) && !(fixed && runtime.all_finished()) {
+    let ended = || STOP.load(Ordering::Relaxed) || (fixed && runtime.all_finished());
+    while !ended() {
         if REPORT.swap(false, Ordering::Relaxed) {
             report();
         }
@@ -223,7 +224,13 @@ pub fn blk(
     let pins = state.registry.clone();
     let registry = Arc::new(Registry::new(state.registry.clone()));
     let reserved = control.map(Path::to_path_buf).into_iter().collect();
-    let runtime = Arc::new(Runtime::new(registry.clone(), state, iommu, false, reserved));
+    let runtime = Arc::new(Runtime::new(
+        registry.clone(),
+        state,
+        iommu,
+        false,
+        reserved,
+    ));
     runtime.start_blk(id, spec, file, listener, |backend| {
         if let Some(path) = record_iotlb {
             record_iotlb_to(backend, path)?;

@@ -89,9 +89,9 @@ mod ranges;
 mod request;
 mod stats;
 
+pub use capacity::{BlkCapacity, Resized};
 use io::Out;
 use stats::BlkCounters;
-pub use capacity::{BlkCapacity, Resized};
 pub use stats::{BlkLive, BlkStats};
 
 /// virtio device id of a block device.
