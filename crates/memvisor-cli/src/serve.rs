@@ -223,6 +223,11 @@ pub fn blk(
     let seen = at_disconnect.clone();
     let pins = state.registry.clone();
     let registry = Arc::new(Registry::new(state.registry.clone()));
+    log::info!(
+        "vhost-user-blk: serving {} on {}",
+        spec.disk.display(),
+        listener.origin
+    );
     let reserved = control.map(Path::to_path_buf).into_iter().collect();
     let runtime = Arc::new(Runtime::new(
         registry.clone(),
