@@ -42,7 +42,7 @@ use serde_json::{Value, json};
 
 use crate::control::{CommandError, Handler, unknown_command};
 use crate::devices::{BalloonSpec, BlkSpec, Options};
-use crate::listener::{self, Listener};
+use crate::listener::{self, Listener, SocketSpec};
 use crate::serve::{claim_image, open_disk};
 use crate::status::{Device, Kind, Registry, connection_events};
 
@@ -256,10 +256,13 @@ impl Runtime {
             Some(id) => id.clone(),
             None => self.free_id("blk"),
         };
-        self.check_new(&id, &spec.socket)?;
+        let (other_ids, other_paths) = self.check_new(&id, &spec.socket)?;
         let file = open_disk(&spec.disk, spec.options.read_only, spec.direct).map_err(generic)?;
         claim_image(&file, &spec).map_err(generic)?;
-        let listener = listener::at(&spec.socket).map_err(generic)?;
+        // The one way a device's socket is opened, at start or now: by path, by an inherited
+        // fd, or a socket systemd passed named after the device (`listener::open_device`).
+        let listener = listener::open_device(&spec.socket, &id, &other_ids, &other_paths)
+            .map_err(generic)?;
         let socket = listener.name();
         self.start_blk(id.clone(), spec, file, listener, |_| Ok(()))
             .map_err(generic)?;
@@ -279,25 +282,39 @@ impl Runtime {
             .expect("a free number")
     }
 
-    /// Refuses an id or a socket path a device or the control socket has.
-    fn check_new(&self, id: &str, socket: &Path) -> Result<(), CommandError> {
-        let want = absolute(socket);
+    /// Refuses an id or a socket path a device or the control socket has; returns the other
+    /// devices' ids and socket paths (a socket systemd passed that is bound to one of those, or
+    /// named after one, is not this device's).
+    fn check_new(
+        &self,
+        id: &str,
+        socket: &SocketSpec,
+    ) -> Result<(Vec<String>, Vec<PathBuf>), CommandError> {
         let devices = self.registry.lock();
         if id.is_empty() || devices.iter().any(|d| d.id == id) {
             return Err(CommandError::generic(format!(
                 "blk-add: device id {id:?} is empty or taken: every device needs its own"
             )));
         }
-        let taken = devices
-            .iter()
-            .any(|d| absolute(Path::new(&d.socket)) == want);
-        if taken || self.reserved.contains(&want) {
-            return Err(CommandError::generic(format!(
-                "blk-add: socket {} is taken by another device or the control socket",
-                socket.display()
-            )));
+        if let SocketSpec::Path(path) = socket {
+            let want = absolute(path);
+            let taken = devices
+                .iter()
+                .any(|d| absolute(Path::new(&d.socket)) == want);
+            if taken || self.reserved.contains(&want) {
+                return Err(CommandError::generic(format!(
+                    "blk-add: socket {} is taken by another device or the control socket",
+                    path.display()
+                )));
+            }
         }
-        Ok(())
+        let ids = devices.iter().map(|d| d.id.clone()).collect();
+        let paths = devices
+            .iter()
+            .map(|d| PathBuf::from(&d.socket))
+            .chain(self.reserved.iter().cloned())
+            .collect();
+        Ok((ids, paths))
     }
 
     /// `blk-del {"id", "force"}`: stops the device and releases everything it had.
