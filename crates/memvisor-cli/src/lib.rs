@@ -7,8 +7,9 @@
 //! their socket comes from (`listener`: a path, `--fd`, systemd socket activation), readiness
 //! (`notify`: sd_notify), `--print-capabilities` (`capabilities`) and the log (`logging`:
 //! `RUST_LOG`). What `serve` serves is read by `devices` (command line or configuration file);
-//! a running server answers on its control socket (`control`) from its live counters
-//! (`status`), and adds, deletes and resizes devices while it runs (`runtime`).
+//! a running server answers on its control socket (`control`, QMP) from its live counters
+//! (`status`; the vfio-user server's in `vfio_status`), and adds, deletes and resizes devices
+//! while it runs (`runtime`).
 
 pub mod capabilities;
 pub mod control;
@@ -19,3 +20,4 @@ pub mod notify;
 pub mod runtime;
 pub mod serve;
 pub mod status;
+pub mod vfio_status;

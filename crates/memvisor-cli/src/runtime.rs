@@ -449,7 +449,6 @@ impl Handler for Runtime {
 
     fn execute(&self, command: &str, args: &Value) -> Result<Value, CommandError> {
         match command {
-            "query-commands" => Ok(json!(self.commands())),
             "blk-add" if self.hotplug => self.blk_add(args),
             "blk-del" if self.hotplug => self.blk_del(args),
             "blk-resize" => self.blk_resize(args),

@@ -282,8 +282,8 @@ impl Registry {
 
 impl Handler for Registry {
     fn commands(&self) -> Vec<&'static str> {
+        // The protocol's own (qmp_capabilities, query-commands, quit) are control.rs's.
         vec![
-            "query-commands",
             "query-devices",
             "query-stats",
             "balloon-set-target",
@@ -292,7 +292,6 @@ impl Handler for Registry {
 
     fn execute(&self, command: &str, args: &Value) -> Result<Value, CommandError> {
         match command {
-            "query-commands" => Ok(json!(self.commands())),
             "query-devices" => Ok(json!(
                 Self::selected(&self.lock(), args)?
                     .iter()
