@@ -73,6 +73,9 @@ pub struct Faults {
     /// `MEMVISOR_TEST_UNMAP_BUSY`: the vfio-user server refuses `DMA_UNMAP` with EBUSY while the
     /// device holds pins, as it did before it waited for the device.
     pub unmap_busy: bool,
+    /// `MEMVISOR_TEST_IGNORE_THROTTLE`: `blk-set-throttle` is accepted and shown, and the blk
+    /// device never holds a request back for it (the throttle trial's negative control).
+    pub ignore_throttle: bool,
 }
 
 /// The pause between two completions of a batch under [`Faults::reorder`].
@@ -155,6 +158,10 @@ impl Faults {
             unmap_busy: flag(
                 "MEMVISOR_TEST_UNMAP_BUSY",
                 "DMA_UNMAP is refused with EBUSY while the device holds pins",
+            ),
+            ignore_throttle: flag(
+                "MEMVISOR_TEST_IGNORE_THROTTLE",
+                "blk throttles are accepted and never delay a request",
             ),
         }
     }

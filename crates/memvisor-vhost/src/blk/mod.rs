@@ -51,7 +51,8 @@
 //!
 //! The parts: the request's header and its outcome (`request`), its data moving to and from
 //! the image (`io`), discards and write-zeroes (`ranges`), the config space and features
-//! (`config`), the ring side (`device`) and the counters (`stats`).
+//! (`config`), the ring side (`device`), the counters and latency histograms (`stats`) and the
+//! I/O limits (`throttle`: a request that must wait stays on its ring).
 //!
 //! **Bad requests** (a chain without a header or status byte, a buffer outside guest memory or
 //! with the wrong direction, a read past the end of the disk, a length that is not whole
@@ -87,10 +88,12 @@ mod io;
 mod ranges;
 mod request;
 mod stats;
+mod throttle;
 
 use io::Out;
 use stats::BlkCounters;
-pub use stats::{BlkLive, BlkStats};
+pub use stats::{BlkLive, BlkStats, Histogram, LATENCY_BOUNDS_NS, Op, QueueLatency};
+pub use throttle::{Throttle, ThrottleConfig, VALUE_MAX as THROTTLE_VALUE_MAX};
 
 /// virtio device id of a block device.
 pub const DEVICE_ID: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
@@ -159,6 +162,11 @@ pub struct Blk {
     free: Vec<usize>,
     /// What it has done so far, per queue, shared with its queue workers ([`Blk::live`]).
     live: BlkLive,
+    /// Wakes the serving loop when a request the throttle deferred may go (made on the first
+    /// deferral; [`throttle`]).
+    wake: Option<throttle::Wake>,
+    /// Said once: no timer for the throttle, so it lets requests through.
+    no_wake: bool,
 }
 
 impl Blk {
@@ -184,6 +192,8 @@ impl Blk {
             out: (0..IN_FLIGHT).map(|_| None).collect(),
             free: (0..IN_FLIGHT).rev().collect(),
             live,
+            wake: None,
+            no_wake: false,
         })
     }
 
