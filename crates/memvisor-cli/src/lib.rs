@@ -15,6 +15,7 @@ pub mod control;
 pub mod devices;
 pub mod listener;
 pub mod logging;
+pub mod metrics;
 pub mod notify;
 pub mod serve;
 pub mod status;
