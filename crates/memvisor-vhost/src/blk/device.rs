@@ -96,6 +96,8 @@ impl Device for Blk {
 
     fn reset(&mut self) {
         self.acked = 0;
+        // The rings are gone with the frontend: no deferral is owed to them.
+        self.deferred = 0;
     }
 
     fn set_fail_misses(&mut self, fail: bool) {
