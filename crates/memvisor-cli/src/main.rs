@@ -103,6 +103,10 @@ struct ServeArgs {
     /// prints {"type": "block", "features": []} and exits
     #[command(flatten)]
     socket: SocketArgs,
+    /// Serve Prometheus metrics (text format 0.0.4: query-stats' counters and the latency
+    /// histograms) over HTTP GET on 127.0.0.1:PORT, [::1]:PORT or unix:PATH; loopback only
+    #[arg(long, value_name = "ADDR", value_parser = memvisor_cli::metrics::parse)]
+    metrics: Option<memvisor_cli::metrics::Addr>,
 }
 
 /// Where a server listens: the vhost-user specification's `--socket-path` / `--fd`, or, with
@@ -239,6 +243,10 @@ struct BlkArgs {
     /// `memvisor ctl` is its client. The device is blk0
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
+    /// Serve Prometheus metrics (text format 0.0.4: query-stats' counters and the latency
+    /// histograms) over HTTP GET on 127.0.0.1:PORT, [::1]:PORT or unix:PATH; loopback only
+    #[arg(long, value_name = "ADDR", value_parser = memvisor_cli::metrics::parse)]
+    metrics: Option<memvisor_cli::metrics::Addr>,
     /// Write the IOTLB traffic (memory tables, updates, invalidates, misses) to FILE, for
     /// `memvisor-bench iotlb --replay FILE` (test-hooks builds only: the recorder is the test
     /// kit's)
@@ -347,6 +355,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         record_iotlb,
         args.control.as_deref(),
         args.stats.as_deref(),
+        args.metrics.as_ref(),
         &state,
     )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
@@ -383,6 +392,7 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
         control,
         iommu: args.iommu || config.iommu,
         stats: stats.clone(),
+        metrics: args.metrics.clone(),
     };
     let report = serve::serve(&devices, &state)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);

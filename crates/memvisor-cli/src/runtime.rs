@@ -261,8 +261,8 @@ impl Runtime {
         claim_image(&file, &spec).map_err(generic)?;
         // The one way a device's socket is opened, at start or now: by path, by an inherited
         // fd, or a socket systemd passed named after the device (`listener::open_device`).
-        let listener = listener::open_device(&spec.socket, &id, &other_ids, &other_paths)
-            .map_err(generic)?;
+        let listener =
+            listener::open_device(&spec.socket, &id, &other_ids, &other_paths).map_err(generic)?;
         let socket = listener.name();
         self.start_blk(id.clone(), spec, file, listener, |_| Ok(()))
             .map_err(generic)?;

@@ -7,18 +7,31 @@ use std::time::Instant;
 
 use memvisor::DmaSpace;
 use memvisor::dma::{SgBuf, SgWalk};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT;
 use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::io::{Ready, elapsed_ns};
 use super::request::{Failure, Outcome};
+use super::throttle::Wake;
 use super::{Blk, SECTOR};
 use crate::device::{Device, Processed, Used};
 use crate::disk::{IN_FLIGHT, advance};
 use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 use crate::ring::{Desc as Buf, Ring};
+
+/// Safety timers a deferred ring gets with no pass looking at it before the device stops
+/// waking for it ([`Blk::throttle_woke`]).
+const MAX_IDLE_FIRES: u8 = 10;
+/// The safety timer: how soon the loop looks again when a wake-up may not have been acted on.
+const SAFETY_WAKE: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Ring `index`'s bit in [`Blk`]'s set of deferred rings (rings past 63 share the last bit).
+fn ring_bit(index: u16) -> u64 {
+    1 << index.min(63)
+}
 
 impl Device for Blk {
     fn name(&self) -> &'static str {
@@ -63,6 +76,9 @@ impl Device for Blk {
         queue: &mut Ring,
         memory: &FrontendMemory,
     ) -> Result<Processed> {
+        // This ring is being looked at: a deferral of it is answered (or made again below).
+        self.deferred &= !ring_bit(index);
+        self.looked = true;
         let dma = memory.dma().clone();
         let mut batch = Vec::new();
         let mut any = false;
@@ -82,6 +98,8 @@ impl Device for Blk {
         self.acked = 0;
         // The next frontend reads the capacity as it is; a change no one heard is not news.
         self.capacity.forget_change();
+        // The rings are gone with the frontend: no deferral is owed to them.
+        self.deferred = 0;
     }
 
     fn attach(&mut self, memory: &FrontendMemory) -> Result<()> {
@@ -108,10 +126,15 @@ impl Device for Blk {
     }
 
     fn completion_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.disk.completion_fd()
+        match &self.wake {
+            // Fires for the throttle's timer or the io_uring's completions.
+            Some(w) => Some(w.fd(self.disk.completion_fd())),
+            None => self.disk.completion_fd(),
+        }
     }
 
     fn complete(&mut self, memory: &FrontendMemory, wait: bool) -> Result<Vec<Used>> {
+        self.throttle_woke();
         let dma = memory.dma().clone();
         let mut used = Vec::new();
         loop {
@@ -177,6 +200,17 @@ impl Device for Blk {
         Ok(used)
     }
 
+    fn join_worker(&mut self, worker: Blk) {
+        // Its ring comes back here with requests the throttle held back, maybe: look soon.
+        if worker.deferred != 0 {
+            self.deferred |= worker.deferred;
+            self.ensure_wake();
+            if let Some(w) = &self.wake {
+                w.arm(SAFETY_WAKE);
+            }
+        }
+    }
+
     fn queue_worker(&self) -> Option<Blk> {
         // The same image through a second descriptor (one open file: the same flags,
         // O_DIRECT included), with an io_uring of its own; it counts in the same live
@@ -186,6 +220,15 @@ impl Device for Blk {
         b.acked = self.acked;
         b.live = self.live.clone();
         b.capacity = self.capacity.clone();
+        if self.deferred != 0 {
+            // The ring lent may hold requests the throttle held back here: the worker looks
+            // soon rather than at the next kick.
+            b.deferred = self.deferred;
+            b.ensure_wake();
+            if let Some(w) = &b.wake {
+                w.arm(SAFETY_WAKE);
+            }
+        }
         Some(b)
     }
 
@@ -278,6 +321,18 @@ impl Blk {
             // buffer must be mapped before anything is done; else (and for a chain cut short)
             // put the chain back and let the back end ask — for every unmapped page of the
             // chain's buffers at once, not one round trip per page ([`crate::miss`]).
+            // A read or write the throttle holds back stays on the ring, untaken, and the ring
+            // waits for the device's timer ([`super::throttle`]).
+            if cut.is_none() {
+                if let Some(wait) = self.throttled(&dma, &bufs) {
+                    match redo {
+                        Some(head) => queue.resubmit_later(head),
+                        None => queue.go_to_previous_position(),
+                    }
+                    self.defer(index, wait);
+                    break;
+                }
+            }
             let walk = self.hold(index, &dma, &bufs);
             if ask {
                 let mut misses: Vec<memvisor::dma::Miss> = cut.into_iter().collect();
@@ -340,6 +395,88 @@ impl Blk {
             *any = true;
         }
         Ok(None)
+    }
+
+    /// How long the read or write of `bufs` must wait for the throttle (`None`: it goes, and
+    /// counts; anything else, and a chain whose header cannot be read, is not throttled).
+    fn throttled(&mut self, dma: &DmaSpace, bufs: &[Buf]) -> Option<std::time::Duration> {
+        let throttle = self.live.throttle();
+        if !throttle.is_on() {
+            return None;
+        }
+        // TEST ONLY: the throttle is accepted and shown, and never holds a request back.
+        #[cfg(feature = "test-hooks")]
+        if dma.faults().ignore_throttle {
+            return None;
+        }
+        let hdr = bufs.first().filter(|b| !b.write && b.len >= 16)?;
+        let mut kind = [0u8; 4];
+        dma.dma_read(memvisor::Iova(hdr.addr), &mut kind).ok()?;
+        let write = match u32::from_le_bytes(kind) {
+            VIRTIO_BLK_T_IN => false,
+            VIRTIO_BLK_T_OUT => true,
+            _ => return None,
+        };
+        let data = bufs.get(1..bufs.len() - 1).unwrap_or_default();
+        let bytes = data.iter().map(|b| u64::from(b.len)).sum();
+        let wait = throttle.admit(write, bytes)?;
+        self.ensure_wake();
+        self.wake.is_some().then_some(wait)
+    }
+
+    /// Makes the throttle's timer, once (said once in the log if it cannot be made).
+    fn ensure_wake(&mut self) {
+        if self.wake.is_none() && !self.no_wake {
+            match Wake::new() {
+                Ok(w) => self.wake = Some(w),
+                Err(e) => {
+                    log::warn!("blk: no timer for the throttle ({e}): requests go unthrottled");
+                    self.no_wake = true;
+                }
+            }
+        }
+    }
+
+    /// Has the serving loop come back after `wait` for ring `index`, whose requests the
+    /// throttle held back.
+    fn defer(&mut self, index: u16, wait: std::time::Duration) {
+        self.deferred |= ring_bit(index);
+        self.idle_fires = 0;
+        if let Some(w) = &self.wake {
+            w.arm(wait);
+        }
+        if self.options.poll_us > 0 {
+            // A polling loop would find the held-back chains again at once: pause between
+            // looks instead of spinning (bounded, so messages and a stop wait at most this).
+            std::thread::sleep(wait.min(std::time::Duration::from_millis(1)));
+        }
+    }
+
+    /// Called from [`Device::complete`], which the serving loops call when the device's
+    /// descriptor fires — and then serve every ring holding requests — but also at the end of
+    /// each pass and before a message, where no ring is served after it. So a fired timer is
+    /// taken here without losing the wake-up it stands for: fired while rings were being
+    /// served (it may be the deferral just made, with a wait already over), it is set again at
+    /// once for the loop to see; seen by the loop itself, a short safety timer stays behind in
+    /// case nothing serves the rings after this call (a message came first). A deferred ring
+    /// that no pass looks at through [`MAX_IDLE_FIRES`] safety timers is not served here any
+    /// more (stopped, or lent to a worker): the device stops waking for it.
+    fn throttle_woke(&mut self) {
+        let Some(w) = &self.wake else {
+            return;
+        };
+        let looked = std::mem::take(&mut self.looked);
+        if !w.take_fired() || self.deferred == 0 {
+            return;
+        }
+        if looked {
+            w.arm(std::time::Duration::from_micros(1));
+        } else if self.idle_fires < MAX_IDLE_FIRES {
+            self.idle_fires += 1;
+            w.arm(SAFETY_WAKE);
+        } else {
+            self.deferred = 0;
+        }
     }
 
     /// Walks the buffers of a chain once ([`DmaSpace::hold_sg`]), timing it.
