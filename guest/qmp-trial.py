@@ -102,6 +102,20 @@ def scrape(url, device):
     return got
 
 
+def find_key(v, key):
+    """The first value under key anywhere in a JSON answer (None if none)."""
+    if isinstance(v, dict):
+        if key in v:
+            return v[key]
+        v = list(v.values())
+    if isinstance(v, list):
+        for x in v:
+            got = find_key(x, key)
+            if got is not None:
+                return got
+    return None
+
+
 def rate_of(lines):
     secs = sum(r["secs"] for r in lines)
     return sum(r["bytes"] for r in lines) / secs if secs else 0.0
@@ -123,6 +137,9 @@ async def main():
     verdict, events, scrapes = {}, [], []
     t_start = time.monotonic()
 
+    # Device events name the device "id", the frontend events "device".
+    ours = lambda d: d.get("id", d.get("device")) == a.id
+
     def step(n, ok, what):
         verdict[n] = verdict.get(n, True) and ok
         print(f"STEP {n} {'PASS' if ok else 'FAIL'} {what}", flush=True)
@@ -143,7 +160,7 @@ async def main():
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             for _, n, d in events:
-                if n == name and d.get("id") == a.id:
+                if n == name and ours(d):
                     return d
             await asyncio.sleep(0.05)
         return None
@@ -201,7 +218,7 @@ async def main():
         limit = int(free / 4)
         r = await mv.execute("blk-set-throttle", {"id": a.id, "bps": limit})
         st = await mv.execute("query-stats", {"device": a.id})
-        shown = [dev.get("throttle") for dev in st.get("devices", []) if isinstance(dev, dict)] if isinstance(st, dict) else st
+        shown = find_key(st, "throttle")
         print(f"  blk-set-throttle bps={limit} returned {r}; query-stats throttle: {shown}")
         await console.next_rates(2, 10, alive)   # the intervals the change fell in, and one more
         metrics("throttle set")
@@ -228,7 +245,10 @@ async def main():
         # 5. QEMU quits (its own QMP monitor), then blk-del.
         vm = QMPClient("qemu")
         await vm.connect(a.qemu_qmp)
-        await vm.execute("quit")
+        try:
+            await vm.execute("quit")
+        except Exception as e:  # QEMU may close the monitor as it answers
+            print(f"  QEMU quit: {e!r}")
         try:
             await vm.disconnect()
         except Exception:
@@ -253,7 +273,7 @@ async def main():
             if line.startswith(("QMPIO SIZE", "QMPIO LASTBLOCK", "QMPIO VERIFY", "RESULT")):
                 print(f"  guest: {line}")
         # 6. The events, in order.
-        mine = [n for _, n, dd in events if dd.get("id") == a.id and n in WANT_EVENTS]
+        mine = [n for _, n, dd in events if ours(dd) and n in WANT_EVENTS]
         for t, n, dd in events:
             print(f"  event +{t:5.1f} s {n} {dd}")
         it = iter(mine)
