@@ -1,13 +1,25 @@
-//! The control socket: JSON, one object per line, shaped like QEMU's QMP.
+//! The control socket: QEMU's QMP (docs/interop/qmp-spec.rst), one JSON object per line.
 //!
-//! **Model.** A client connects to the Unix socket `--control PATH` and first reads a greeting,
-//! `{"memvisor": {"version": "…", "commands": [...]}}`. It then sends commands, one per line,
-//! `{"execute": "query-stats", "arguments": {...}, "id": ANY}` (`arguments` and `id` optional),
-//! and gets one answer line for each, in order: `{"return": VALUE, "id": ANY}` or
-//! `{"error": {"class": "…", "desc": "…"}, "id": ANY}`. Events go to every connected client as
-//! they happen, between answers: `{"event": "FRONTEND_CONNECTED", "data": {...}, "timestamp":
-//! {"seconds": S, "microseconds": U}}`. Unlike QMP there is no capability negotiation: events
-//! flow from the greeting on.
+//! **Model.** A client connects to the Unix socket `--control PATH` and first reads the
+//! greeting, `{"QMP": {"version": {"qemu": {"major", "minor", "micro"}, "package": "memvisor
+//! X.Y.Z"}, "capabilities": []}}` (the numbers are memvisor's own version; no capability is
+//! offered, so neither `oob` nor any other may be enabled). The connection starts in QMP's
+//! *capabilities negotiation* mode: only `qmp_capabilities` runs; every other command is
+//! answered with class `CommandNotFound`, as QEMU answers it, and no event is sent. Once
+//! `qmp_capabilities` succeeded the connection is in *command* mode: commands run, events
+//! arrive, and a second `qmp_capabilities` is refused (`CommandNotFound`, as in QEMU).
+//!
+//! A command is `{"execute": "query-stats", "arguments": {...}, "id": ANY}` (`arguments` and
+//! `id` optional); each gets one answer line, in order: `{"return": VALUE, "id": ANY}` or
+//! `{"error": {"class": "…", "desc": "…"}, "id": ANY}`, the `id` copied back whatever JSON it
+//! is, and left out when the command had none (or was not an object at all). Events go to every
+//! client in command mode as they happen, between answers: `{"event": "FRONTEND_CONNECTED",
+//! "data": {...}, "timestamp": {"seconds": S, "microseconds": U}}`.
+//!
+//! Three commands belong to the protocol and are run here for every server: `qmp_capabilities`,
+//! `query-commands` (QMP's shape, `[{"name": …}, …]`) and `quit`, which answers `{}` and then
+//! stops the server exactly as SIGTERM does: it sets the same stop flag the signal handler sets
+//! (the `stop` given to [`serve`]). The rest are the server's ([`Handler`]).
 //!
 //! Each connection has a reader thread, which runs commands, and a writer thread, the only one
 //! writing to the socket: answers and events reach it through one channel, so lines never
@@ -15,8 +27,8 @@
 //! A line longer than [`MAX_LINE`], or one that is not a JSON object, is answered with an error
 //! and the connection goes on; at most [`MAX_CLIENTS`] clients are served at once.
 //!
-//! The commands themselves are the server's ([`Handler`]); [`request`] and [`Client`] are the
-//! client side (`memvisor ctl`).
+//! [`request`] and [`Client`] are the client side (`memvisor ctl`): they read the greeting,
+//! negotiate, then run commands.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -33,6 +45,9 @@ use serde_json::{Value, json};
 pub const MAX_LINE: usize = 64 * 1024;
 /// Clients served at once; one more is told so and closed.
 pub const MAX_CLIENTS: usize = 16;
+
+/// The commands every control socket runs itself, whatever its server.
+pub const PROTOCOL_COMMANDS: [&str; 3] = ["qmp_capabilities", "query-commands", "quit"];
 
 /// A command's failure: QMP's error class and a message that names the bad value.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,7 +77,7 @@ impl CommandError {
 
 /// What runs the commands: the server behind the socket.
 pub trait Handler: Send + Sync {
-    /// The commands it knows, for the greeting and for errors.
+    /// The commands it knows (the protocol's own, [`PROTOCOL_COMMANDS`], are added to them).
     fn commands(&self) -> Vec<&'static str>;
     /// Runs `command` with `arguments` (an object, empty if none came).
     fn execute(&self, command: &str, arguments: &Value) -> Result<Value, CommandError>;
@@ -71,12 +86,12 @@ pub trait Handler: Send + Sync {
 /// A connected client's number and the channel to its writer thread.
 type Subscriber = (u64, Sender<String>);
 
-/// Where events go: every connected client. Cloning shares it; emitting never blocks.
+/// Where events go: every client in command mode. Cloning shares it; emitting never blocks.
 #[derive(Clone, Default)]
 pub struct Events(Arc<Mutex<Vec<Subscriber>>>);
 
 impl Events {
-    /// Sends `{"event": name, "data": data, "timestamp": ...}` to every client connected now.
+    /// Sends `{"event": name, "data": data, "timestamp": ...}` to every client subscribed now.
     pub fn emit(&self, name: &str, data: Value) {
         let t = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -91,11 +106,12 @@ impl Events {
         subs.retain(|(_, tx)| tx.send(line.clone()).is_ok());
     }
 
-    /// Sends the greeting and subscribes, under the lock `emit` takes: every event emitted
-    /// after the client could read its greeting reaches it, and none comes before the greeting.
-    fn subscribe(&self, id: u64, tx: Sender<String>, greeting: String) -> bool {
+    /// Sends `first` (the answer to `qmp_capabilities`) and subscribes, under the lock `emit`
+    /// takes: every event emitted after the client could read that answer reaches it, and none
+    /// comes before it.
+    fn subscribe(&self, id: u64, tx: Sender<String>, first: String) -> bool {
         let mut subs = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if tx.send(greeting).is_err() {
+        if tx.send(first).is_err() {
             return false;
         }
         subs.push((id, tx));
@@ -108,14 +124,26 @@ impl Events {
             .unwrap_or_else(|e| e.into_inner())
             .retain(|(i, _)| *i != id);
     }
-
-    fn clients(&self) -> usize {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
 }
 
-/// Serves control clients on `listener` until `stop` is set; returns after every connection
-/// is closed.
+/// The greeting: memvisor's version in QMP's `VersionInfo` shape, no capabilities.
+pub fn greeting() -> Value {
+    let number = |s: &str| s.parse::<u64>().unwrap_or(0);
+    json!({"QMP": {
+        "version": {
+            "qemu": {
+                "major": number(env!("CARGO_PKG_VERSION_MAJOR")),
+                "minor": number(env!("CARGO_PKG_VERSION_MINOR")),
+                "micro": number(env!("CARGO_PKG_VERSION_PATCH")),
+            },
+            "package": concat!("memvisor ", env!("CARGO_PKG_VERSION")),
+        },
+        "capabilities": [],
+    }})
+}
+
+/// Serves control clients on `listener` until `stop` is set (by a signal, or by a client's
+/// `quit`); returns after every connection is closed.
 pub fn serve(
     listener: &std::os::unix::net::UnixListener,
     handler: Arc<dyn Handler>,
@@ -123,106 +151,138 @@ pub fn serve(
     stop: &AtomicBool,
 ) -> Result<()> {
     listener.set_nonblocking(true)?;
-    let open: Arc<Mutex<Vec<UnixStream>>> = Arc::default();
-    let mut threads = Vec::new();
-    let mut next_id = 0u64;
-    while !stop.load(Ordering::Relaxed) {
-        let sock = match listener.accept() {
-            Ok((sock, _)) => sock,
-            Err(e)
-                if e.kind() == std::io::ErrorKind::WouldBlock
-                    || e.kind() == std::io::ErrorKind::Interrupted =>
-            {
-                std::thread::sleep(Duration::from_millis(50));
+    let open: Mutex<Vec<(u64, UnixStream)>> = Mutex::default();
+    std::thread::scope(|scope| -> Result<()> {
+        let mut threads = Vec::new();
+        let mut next_id = 0u64;
+        let result = loop {
+            if stop.load(Ordering::Relaxed) {
+                break Ok(());
+            }
+            let sock = match listener.accept() {
+                Ok((sock, _)) => sock,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::Interrupted =>
+                {
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+                Err(e) => break Err(e).context("accept on the control socket"),
+            };
+            let _ = sock.set_nonblocking(false);
+            threads.retain(|t: &std::thread::ScopedJoinHandle<()>| !t.is_finished());
+            if threads.len() >= MAX_CLIENTS {
+                let mut s = sock;
+                let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                let _ = writeln!(
+                    s,
+                    "{}",
+                    error_line(
+                        &CommandError::generic(format!(
+                            "{MAX_CLIENTS} control clients are connected already; try again later"
+                        )),
+                        None
+                    )
+                );
                 continue;
             }
-            Err(e) => return Err(e).context("accept on the control socket"),
+            next_id += 1;
+            let id = next_id;
+            if let Ok(s) = sock.try_clone() {
+                open.lock().unwrap_or_else(|e| e.into_inner()).push((id, s));
+            }
+            let (handler, events, open) = (&*handler, &events, &open);
+            threads.push(scope.spawn(move || {
+                connection(sock, id, handler, events, stop);
+                open.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .retain(|(i, _)| *i != id);
+            }));
         };
-        let _ = sock.set_nonblocking(false);
-        if events.clients() >= MAX_CLIENTS {
-            let mut s = sock;
-            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-            let _ = writeln!(
-                s,
-                "{}",
-                error_line(
-                    &CommandError::generic(format!(
-                        "{MAX_CLIENTS} control clients are connected already; try again later"
-                    )),
-                    None
-                )
-            );
-            continue;
+        // Wake every reader: their connections end.
+        for (_, s) in open.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
         }
-        next_id += 1;
-        if let Ok(s) = sock.try_clone() {
-            open.lock().unwrap_or_else(|e| e.into_inner()).push(s);
-        }
-        let (handler, events, id) = (handler.clone(), events.clone(), next_id);
-        threads.push(std::thread::spawn(move || {
-            connection(sock, id, &*handler, &events)
-        }));
-        threads.retain(|t| !t.is_finished());
-    }
-    // Wake every reader: their connections end.
-    for s in open.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
-        let _ = s.shutdown(std::net::Shutdown::Both);
-    }
-    for t in threads {
-        let _ = t.join();
-    }
-    Ok(())
+        result
+    })
 }
 
-fn connection(sock: UnixStream, id: u64, handler: &dyn Handler, events: &Events) {
+/// What the connection does once an answer is queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Then {
+    /// Nothing: read the next command.
+    Next,
+    /// `qmp_capabilities` succeeded: command mode; subscribe to events with the answer.
+    Negotiated,
+    /// `quit`: write the answer, close, and stop the server.
+    Quit,
+}
+
+fn connection(
+    sock: UnixStream,
+    id: u64,
+    handler: &dyn Handler,
+    events: &Events,
+    stop: &AtomicBool,
+) {
     let (tx, rx) = channel::<String>();
     let Ok(out) = sock.try_clone() else {
         return;
     };
     let writer = std::thread::spawn(move || write_lines(out, rx));
-    let greeting = json!({"memvisor": {
-        "version": env!("CARGO_PKG_VERSION"),
-        "commands": handler.commands(),
-    }});
-    if !events.subscribe(id, tx.clone(), greeting.to_string()) {
-        return;
-    }
-    let mut reader = BufReader::new(sock);
-    loop {
-        let mut line = Vec::new();
-        // One byte past the limit tells a line that is too long.
-        match (&mut reader)
-            .take(MAX_LINE as u64 + 1)
-            .read_until(b'\n', &mut line)
-        {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {}
-        }
-        let answer = if line.len() > MAX_LINE && !line.ends_with(b"\n") {
-            // Skip the rest of the line, then say why.
-            let mut rest = Vec::new();
-            if reader.read_until(b'\n', &mut rest).is_err() {
+    let mut negotiated = false;
+    let mut quit = false;
+    if tx.send(greeting().to_string()).is_ok() {
+        let mut reader = BufReader::new(sock);
+        loop {
+            let mut line = Vec::new();
+            // One byte past the limit tells a line that is too long.
+            match (&mut reader)
+                .take(MAX_LINE as u64 + 1)
+                .read_until(b'\n', &mut line)
+            {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            let (answer, then) = if line.len() > MAX_LINE && !line.ends_with(b"\n") {
+                // Skip the rest of the line, then say why.
+                let mut rest = Vec::new();
+                if reader.read_until(b'\n', &mut rest).is_err() {
+                    break;
+                }
+                let e = CommandError::generic(format!(
+                    "a command line of more than {MAX_LINE} bytes; send one JSON object per line"
+                ));
+                (error_line(&e, None), Then::Next)
+            } else {
+                respond(handler, &line, negotiated)
+            };
+            let sent = match then {
+                _ if answer.is_empty() => true,
+                Then::Negotiated => {
+                    negotiated = true;
+                    events.subscribe(id, tx.clone(), answer)
+                }
+                Then::Next | Then::Quit => tx.send(answer).is_ok(),
+            };
+            if !sent {
                 break;
             }
-            error_line(
-                &CommandError::generic(format!(
-                    "a command line of more than {MAX_LINE} bytes; send one JSON object per line"
-                )),
-                None,
-            )
-        } else {
-            answer(handler, &line)
-        };
-        if answer.is_empty() {
-            continue;
-        }
-        if tx.send(answer).is_err() {
-            break;
+            if then == Then::Quit {
+                quit = true;
+                break;
+            }
         }
     }
     events.unsubscribe(id);
     drop(tx);
+    // The answer to `quit` is written before the server stops.
     let _ = writer.join();
+    if quit {
+        log::info!("control socket: quit; stopping as for SIGTERM");
+        stop.store(true, Ordering::Relaxed);
+    }
 }
 
 fn write_lines(mut out: UnixStream, rx: Receiver<String>) {
@@ -235,18 +295,20 @@ fn write_lines(mut out: UnixStream, rx: Receiver<String>) {
     }
 }
 
-/// The answer to one command line (empty for a blank line).
-pub fn answer(handler: &dyn Handler, line: &[u8]) -> String {
+/// The answer to one command line of a connection in command mode (`negotiated`) or not, and
+/// what the connection does next. The answer is empty for a blank line.
+pub fn respond(handler: &dyn Handler, line: &[u8], negotiated: bool) -> (String, Then) {
     let text = String::from_utf8_lossy(line);
     let text = text.trim();
     if text.is_empty() {
-        return String::new();
+        return (String::new(), Then::Next);
     }
+    let fail = |e: CommandError, id: Option<&Value>| (error_line(&e, id), Then::Next);
     let request: Value = match serde_json::from_str(text) {
         Ok(v) => v,
         Err(e) => {
-            return error_line(
-                &CommandError::generic(format!(
+            return fail(
+                CommandError::generic(format!(
                     "{} is not JSON ({e}); send {{\"execute\": COMMAND}}",
                     shorten(text)
                 )),
@@ -254,14 +316,23 @@ pub fn answer(handler: &dyn Handler, line: &[u8]) -> String {
             );
         }
     };
-    let id = request.get("id").cloned();
+    if !request.is_object() {
+        return fail(
+            CommandError::generic(format!(
+                "QMP input must be a JSON object, not {}; send {{\"execute\": COMMAND}}",
+                shorten(text)
+            )),
+            None,
+        );
+    }
+    let id = request.get("id");
     let Some(command) = request.get("execute").and_then(Value::as_str) else {
-        return error_line(
-            &CommandError::generic(format!(
+        return fail(
+            CommandError::generic(format!(
                 "{} has no \"execute\" string; send {{\"execute\": COMMAND, \"arguments\": {{...}}}}",
                 shorten(text)
             )),
-            id.as_ref(),
+            id,
         );
     };
     let empty = json!({});
@@ -269,22 +340,90 @@ pub fn answer(handler: &dyn Handler, line: &[u8]) -> String {
         None => &empty,
         Some(a) if a.is_object() => a,
         Some(a) => {
-            return error_line(
-                &CommandError::generic(format!("\"arguments\" is {a}; it must be an object")),
-                id.as_ref(),
+            return fail(
+                CommandError::generic(format!("\"arguments\" is {a}; it must be an object")),
+                id,
             );
         }
     };
-    match handler.execute(command, arguments) {
+    let (result, then) = match (command, negotiated) {
+        ("qmp_capabilities", false) => match capabilities(arguments) {
+            Ok(()) => (Ok(json!({})), Then::Negotiated),
+            Err(e) => (Err(e), Then::Next),
+        },
+        // QEMU's classes and wording (monitor/qmp.c, monitor/qmp-cmds-control.c).
+        ("qmp_capabilities", true) => (
+            Err(CommandError {
+                class: "CommandNotFound",
+                desc: "Capabilities negotiation is already complete, command ignored".into(),
+            }),
+            Then::Next,
+        ),
+        (_, false) => (
+            Err(CommandError {
+                class: "CommandNotFound",
+                desc: "Expecting capabilities negotiation with 'qmp_capabilities'".into(),
+            }),
+            Then::Next,
+        ),
+        ("query-commands", true) => (
+            Ok(json!(
+                commands(handler)
+                    .into_iter()
+                    .map(|name| json!({"name": name}))
+                    .collect::<Vec<_>>()
+            )),
+            Then::Next,
+        ),
+        ("quit", true) => (Ok(json!({})), Then::Quit),
+        (command, true) => (handler.execute(command, arguments), Then::Next),
+    };
+    match result {
         Ok(value) => {
             let mut v = json!({"return": value});
             if let Some(id) = id {
-                v["id"] = id;
+                v["id"] = id.clone();
             }
-            v.to_string()
+            (v.to_string(), then)
         }
-        Err(e) => error_line(&e, id.as_ref()),
+        Err(e) => fail(e, id),
     }
+}
+
+/// Checks `qmp_capabilities`'s arguments: `enable` may list only capabilities the greeting
+/// offered, and it offers none.
+fn capabilities(arguments: &Value) -> Result<(), CommandError> {
+    if let Some(other) = arguments
+        .as_object()
+        .and_then(|a| a.keys().find(|k| *k != "enable"))
+    {
+        return Err(CommandError::generic(format!(
+            "qmp_capabilities has no argument {other:?}; it takes only \"enable\""
+        )));
+    }
+    match arguments.get("enable") {
+        None => Ok(()),
+        Some(Value::Array(caps)) => match caps.first() {
+            None => Ok(()),
+            Some(cap) => Err(CommandError::generic(format!(
+                "Capability {cap} not available: the greeting offers none"
+            ))),
+        },
+        Some(other) => Err(CommandError::generic(format!(
+            "\"enable\" is {other}; it must be a list of capabilities"
+        ))),
+    }
+}
+
+/// Every command a connection in command mode runs: the protocol's and the handler's.
+pub fn commands(handler: &dyn Handler) -> Vec<&'static str> {
+    let mut all: Vec<&'static str> = PROTOCOL_COMMANDS.to_vec();
+    for c in handler.commands() {
+        if !all.contains(&c) {
+            all.push(c);
+        }
+    }
+    all
 }
 
 fn error_line(e: &CommandError, id: Option<&Value>) -> String {
@@ -303,23 +442,24 @@ fn shorten(text: &str) -> String {
     format!("{s:?}")
 }
 
-/// The error for a command the handler does not know.
+/// The error for a command the handler does not know: QEMU's class and wording, then the
+/// commands there are.
 pub fn unknown_command(command: &str, known: &[&str]) -> CommandError {
     CommandError {
         class: "CommandNotFound",
         desc: format!(
-            "the command {command:?} was not found; known: {}",
+            "The command {command} has not been found (known: {})",
             known.join(", ")
         ),
     }
 }
 
-/// A connected control client: the greeting read, commands sent one at a time, events kept
-/// while waiting for an answer.
+/// A connected control client: the greeting read, capabilities negotiated, commands sent one
+/// at a time, events kept while waiting for an answer.
 pub struct Client {
     reader: BufReader<UnixStream>,
     writer: UnixStream,
-    /// The greeting's `memvisor` object.
+    /// The greeting's `QMP` object.
     pub greeting: Value,
     /// Events that came while an answer was awaited, oldest first.
     pub events: Vec<Value>,
@@ -327,12 +467,13 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects to the control socket at `path` and reads the greeting.
+    /// Connects to the control socket at `path`, reads the greeting and negotiates
+    /// (`qmp_capabilities`): the client is in command mode and receives events.
     pub fn connect(path: &Path) -> Result<Client> {
         let sock = UnixStream::connect(path).with_context(|| {
             format!(
-                "cannot connect to the control socket {}: is `memvisor serve --control {}` \
-                 running?",
+                "cannot connect to the control socket {}: is a memvisor server with \
+                 `--control {}` running?",
                 path.display(),
                 path.display()
             )
@@ -346,16 +487,18 @@ impl Client {
             next_id: 0,
         };
         let first = c.line(Some(Duration::from_secs(10)))?;
-        match first.get("memvisor") {
+        match first.get("QMP") {
             Some(g) => c.greeting = g.clone(),
             None => match first.get("error") {
                 Some(e) => bail!("the server said: {}", e["desc"].as_str().unwrap_or("?")),
                 None => bail!(
-                    "{} did not greet as a memvisor control socket",
+                    "{} did not greet as a QMP socket (it sent {first})",
                     path.display()
                 ),
             },
         }
+        c.execute("qmp_capabilities", json!({}))
+            .context("capabilities negotiation")?;
         Ok(c)
     }
 
@@ -449,51 +592,140 @@ mod tests {
         }
     }
 
-    fn parse(s: String) -> Value {
-        serde_json::from_str(&s).unwrap()
+    fn parse(s: &str) -> Value {
+        serde_json::from_str(s).unwrap()
+    }
+
+    /// The answer of a connection in command mode.
+    fn answer(line: &[u8]) -> Value {
+        let (a, then) = respond(&Echo, line, true);
+        assert_eq!(then, Then::Next);
+        parse(&a)
     }
 
     #[test]
     fn a_command_gets_its_return_with_the_id_it_came_with() {
-        let a = parse(answer(
-            &Echo,
-            br#"{"execute": "echo", "arguments": {"x": 1}, "id": "a"}"#,
-        ));
+        let a = answer(br#"{"execute": "echo", "arguments": {"x": 1}, "id": "a"}"#);
         assert_eq!(a, json!({"return": {"x": 1}, "id": "a"}));
-        let a = parse(answer(&Echo, br#"{"execute": "echo"}"#));
-        assert_eq!(a, json!({"return": {}}));
-        assert_eq!(answer(&Echo, b"   \n"), "");
+        // Any JSON value is an id, copied back as it came.
+        let a = answer(br#"{"execute": "echo", "id": {"n": [1, 2]}}"#);
+        assert_eq!(a, json!({"return": {}, "id": {"n": [1, 2]}}));
+        assert_eq!(answer(br#"{"execute": "echo"}"#), json!({"return": {}}));
+        assert_eq!(respond(&Echo, b"   \n", true), (String::new(), Then::Next));
     }
 
     #[test]
     fn bad_lines_get_an_error_that_names_them() {
         for (line, class, says) in [
             (&b"target 5"[..], "GenericError", "\"target 5\" is not JSON"),
+            (b"[1]", "GenericError", "QMP input must be a JSON object"),
             (
-                br#"{"exec": "echo"}"#,
+                br#"{"exec": "echo", "id": 3}"#,
                 "GenericError",
                 "no \"execute\" string",
             ),
             (
-                br#"{"execute": "echo", "arguments": [1]}"#,
+                br#"{"execute": "echo", "arguments": [1], "id": 3}"#,
                 "GenericError",
                 "\"arguments\" is [1]",
             ),
             (
-                br#"{"execute": "nope"}"#,
+                br#"{"execute": "nope", "id": 3}"#,
                 "CommandNotFound",
-                "\"nope\" was not found; known: echo",
+                "The command nope has not been found (known: echo)",
             ),
         ] {
-            let a = parse(answer(&Echo, line));
+            let a = answer(line);
             assert_eq!(a["error"]["class"], class, "{a}");
             assert!(a["error"]["desc"].as_str().unwrap().contains(says), "{a}");
+            // The id comes back wherever the request was an object that had one.
+            let want_id = if line.starts_with(b"{") {
+                json!(3)
+            } else {
+                Value::Null
+            };
+            assert_eq!(a.get("id").cloned().unwrap_or(Value::Null), want_id, "{a}");
         }
     }
 
     #[test]
-    fn clients_get_answers_and_events_and_a_long_line_does_not_end_the_connection() {
-        let dir = std::env::temp_dir().join(format!("memvisor-control-{}", std::process::id()));
+    fn the_greeting_has_the_shape_qmp_clients_check() {
+        let g = greeting();
+        let version = &g["QMP"]["version"];
+        for part in ["major", "minor", "micro"] {
+            assert!(version["qemu"][part].is_u64(), "{g}");
+        }
+        assert_eq!(
+            version["package"],
+            format!("memvisor {}", env!("CARGO_PKG_VERSION"))
+        );
+        assert_eq!(g["QMP"]["capabilities"], json!([]));
+    }
+
+    #[test]
+    fn before_negotiation_only_qmp_capabilities_runs_and_after_it_is_refused() {
+        // Not negotiated: every other command, the protocol's too, is refused as QEMU does.
+        for command in ["echo", "query-commands", "quit", "nope"] {
+            let line = format!(r#"{{"execute": "{command}", "id": 7}}"#);
+            let (a, then) = respond(&Echo, line.as_bytes(), false);
+            assert_eq!(then, Then::Next, "{command}");
+            assert_eq!(
+                parse(&a),
+                json!({"error": {"class": "CommandNotFound", "desc":
+                    "Expecting capabilities negotiation with 'qmp_capabilities'"}, "id": 7})
+            );
+        }
+        // A capability the greeting did not offer is refused; the connection stays as it was.
+        for args in [
+            r#"{"enable": ["oob"]}"#,
+            r#"{"enable": "oob"}"#,
+            r#"{"other": 1}"#,
+        ] {
+            let line = format!(r#"{{"execute": "qmp_capabilities", "arguments": {args}}}"#);
+            let (a, then) = respond(&Echo, line.as_bytes(), false);
+            assert_eq!(then, Then::Next, "{args}");
+            assert_eq!(parse(&a)["error"]["class"], "GenericError", "{a}");
+        }
+        for line in [
+            &br#"{"execute": "qmp_capabilities", "id": "n"}"#[..],
+            br#"{"execute": "qmp_capabilities", "arguments": {"enable": []}, "id": "n"}"#,
+        ] {
+            let (a, then) = respond(&Echo, line, false);
+            assert_eq!(then, Then::Negotiated);
+            assert_eq!(parse(&a), json!({"return": {}, "id": "n"}));
+        }
+        // In command mode a second negotiation is refused.
+        let a = answer(br#"{"execute": "qmp_capabilities", "id": 8}"#);
+        assert_eq!(
+            a,
+            json!({"error": {"class": "CommandNotFound", "desc":
+                "Capabilities negotiation is already complete, command ignored"}, "id": 8})
+        );
+    }
+
+    #[test]
+    fn query_commands_lists_names_and_quit_answers_then_quits() {
+        let a = answer(br#"{"execute": "query-commands"}"#);
+        assert_eq!(
+            a["return"],
+            json!([{"name": "qmp_capabilities"}, {"name": "query-commands"},
+                   {"name": "quit"}, {"name": "echo"}])
+        );
+        let (a, then) = respond(&Echo, br#"{"execute": "quit", "id": 1}"#, true);
+        assert_eq!(then, Then::Quit);
+        assert_eq!(parse(&a), json!({"return": {}, "id": 1}));
+    }
+
+    struct Running {
+        path: std::path::PathBuf,
+        events: Events,
+        stop: Arc<AtomicBool>,
+        server: std::thread::JoinHandle<Result<()>>,
+    }
+
+    fn start(name: &str) -> Running {
+        let dir =
+            std::env::temp_dir().join(format!("memvisor-control-{}-{name}", std::process::id()));
         let _ = std::fs::create_dir_all(&dir);
         let path = dir.join("ctl.sock");
         let _ = std::fs::remove_file(&path);
@@ -504,11 +736,68 @@ mod tests {
             let (events, stop) = (events.clone(), stop.clone());
             std::thread::spawn(move || serve(&listener, Arc::new(Echo), events, &stop))
         };
-        let mut a = Client::connect(&path).unwrap();
-        let mut b = Client::connect(&path).unwrap();
-        assert_eq!(a.greeting["commands"], json!(["echo"]));
-        // Both are subscribed once their greeting came; an event reaches both.
-        events.emit("FRONTEND_CONNECTED", json!({"device": "blk0"}));
+        Running {
+            path,
+            events,
+            stop,
+            server,
+        }
+    }
+
+    fn read_line(r: &mut BufReader<UnixStream>) -> Value {
+        r.get_ref()
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        parse(&line)
+    }
+
+    #[test]
+    fn no_event_reaches_a_client_before_it_negotiated() {
+        let s = start("events");
+        let sock = UnixStream::connect(&s.path).unwrap();
+        let mut w = sock.try_clone().unwrap();
+        let mut r = BufReader::new(sock);
+        assert!(read_line(&mut r).get("QMP").is_some());
+        // Refused commands answer in order; the event emitted now is not this client's.
+        writeln!(w, r#"{{"execute": "echo", "id": 1}}"#).unwrap();
+        assert_eq!(read_line(&mut r)["id"], 1);
+        s.events
+            .emit("FRONTEND_CONNECTED", json!({"device": "blk0"}));
+        writeln!(w, r#"{{"execute": "qmp_capabilities", "id": 2}}"#).unwrap();
+        assert_eq!(read_line(&mut r), json!({"return": {}, "id": 2}));
+        // From here on events come.
+        s.events
+            .emit("FRONTEND_DISCONNECTED", json!({"device": "blk0"}));
+        assert_eq!(read_line(&mut r)["event"], "FRONTEND_DISCONNECTED");
+        s.stop.store(true, Ordering::Relaxed);
+        s.server.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn quit_answers_then_stops_the_server_through_its_stop_flag() {
+        let s = start("quit");
+        let mut other = Client::connect(&s.path).unwrap();
+        let mut c = Client::connect(&s.path).unwrap();
+        assert!(!s.stop.load(Ordering::Relaxed));
+        assert_eq!(c.execute("quit", json!({})).unwrap(), json!({}));
+        // The flag a signal sets is set: the serving loop ends, every connection with it.
+        s.server.join().unwrap().unwrap();
+        assert!(s.stop.load(Ordering::Relaxed));
+        let e = other.execute("echo", json!({})).unwrap_err().to_string();
+        assert!(e.contains("closed") || e.contains("Broken pipe"), "{e}");
+    }
+
+    #[test]
+    fn clients_get_answers_and_events_and_a_long_line_does_not_end_the_connection() {
+        let s = start("long");
+        let mut a = Client::connect(&s.path).unwrap();
+        let mut b = Client::connect(&s.path).unwrap();
+        assert_eq!(a.greeting["capabilities"], json!([]));
+        // Both are subscribed once negotiated; an event reaches both.
+        s.events
+            .emit("FRONTEND_CONNECTED", json!({"device": "blk0"}));
         for c in [&mut a, &mut b] {
             let e = c.next_event(Duration::from_secs(5)).unwrap();
             assert_eq!(e["event"], "FRONTEND_CONNECTED");
@@ -531,8 +820,8 @@ mod tests {
         assert_eq!(a.execute("echo", json!({"n": 2})).unwrap(), json!({"n": 2}));
         let e = b.execute("nope", json!({})).unwrap_err().to_string();
         assert!(e.starts_with("CommandNotFound:"), "{e}");
-        stop.store(true, Ordering::Relaxed);
-        server.join().unwrap().unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
+        s.stop.store(true, Ordering::Relaxed);
+        s.server.join().unwrap().unwrap();
+        let _ = std::fs::remove_dir_all(s.path.parent().unwrap());
     }
 }

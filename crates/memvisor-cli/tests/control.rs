@@ -256,9 +256,12 @@ fn a_running_server_reports_its_devices_live_and_takes_commands() {
     );
     wait_for(&ctl);
     let mut control = Control::connect(&ctl).unwrap();
-    let commands = &control.greeting["commands"];
+    let commands = &control.execute("query-commands", json!({})).unwrap();
     assert!(
-        commands.as_array().unwrap().contains(&json!("query-stats")),
+        commands
+            .as_array()
+            .unwrap()
+            .contains(&json!({"name": "query-stats"})),
         "{commands}"
     );
 

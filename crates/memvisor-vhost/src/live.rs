@@ -153,6 +153,9 @@ pub(crate) struct Shared {
     pub protocol: ProtocolCounters,
     pub rings: Box<[RingCounters]>,
     pub connected: AtomicBool,
+    /// The frontend opened the back-end channel and negotiated `CONFIG`: it hears
+    /// `CONFIG_CHANGE_MSG`.
+    pub config_channel: AtomicBool,
 }
 
 /// A back end's counters, shared with any thread that wants to read them while it serves
@@ -166,6 +169,7 @@ impl BackendLive {
             protocol: ProtocolCounters::default(),
             rings: (0..rings).map(|_| RingCounters::default()).collect(),
             connected: AtomicBool::new(false),
+            config_channel: AtomicBool::new(false),
         }))
     }
 
@@ -182,6 +186,16 @@ impl BackendLive {
 
     pub(crate) fn set_connected(&self, on: bool) {
         self.0.connected.store(on, Relaxed);
+    }
+
+    pub(crate) fn set_config_channel(&self, on: bool) {
+        self.0.config_channel.store(on, Relaxed);
+    }
+
+    /// Whether the connected frontend hears config changes (it opened the back-end channel
+    /// and negotiated `VHOST_USER_PROTOCOL_F_CONFIG`).
+    pub fn hears_config_changes(&self) -> bool {
+        self.0.config_channel.load(Relaxed)
     }
 
     /// Whether a frontend is connected now.

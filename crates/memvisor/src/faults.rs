@@ -73,6 +73,10 @@ pub struct Faults {
     /// `MEMVISOR_TEST_UNMAP_BUSY`: the vfio-user server refuses `DMA_UNMAP` with EBUSY while the
     /// device holds pins, as it did before it waited for the device.
     pub unmap_busy: bool,
+    /// `MEMVISOR_TEST_SILENT_RESIZE`: `blk-resize` changes the blk device's capacity but the
+    /// back end sends no `CONFIG_CHANGE_MSG`, while the `DEVICE_RESIZED` event still says the
+    /// frontend was told (the QMP trial's resize step must fail: the guest never sees the size).
+    pub silent_resize: bool,
 }
 
 /// The pause between two completions of a batch under [`Faults::reorder`].
@@ -155,6 +159,10 @@ impl Faults {
             unmap_busy: flag(
                 "MEMVISOR_TEST_UNMAP_BUSY",
                 "DMA_UNMAP is refused with EBUSY while the device holds pins",
+            ),
+            silent_resize: flag(
+                "MEMVISOR_TEST_SILENT_RESIZE",
+                "blk-resize is not told to the frontend",
             ),
         }
     }

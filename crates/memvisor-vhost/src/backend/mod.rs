@@ -524,6 +524,7 @@ impl<D: Device + 'static> Backend<D> {
         self.stop_workers();
         self.reap(true);
         let r = self.handle_message(sock, msg);
+        self.live.set_config_channel(self.hears_config_changes());
         // Published before a worker can serve a request: a reader that saw the request end
         // sees its ring running.
         self.publish_rings();
@@ -701,6 +702,13 @@ impl<D: Device + 'static> Backend<D> {
             }
         }
         Ok(())
+    }
+
+    /// Whether the frontend opened the back-end channel and negotiated what
+    /// `CONFIG_CHANGE_MSG` needs.
+    fn hears_config_changes(&self) -> bool {
+        let wanted = protocol::BACKEND_REQ | protocol::CONFIG;
+        self.backend_req.is_some() && self.protocol_acked & wanted == wanted
     }
 
     /// `CONFIG_CHANGE_MSG` on the back-end channel, if the frontend opened one.
@@ -942,6 +950,7 @@ impl<D: Device + 'static> Backend<D> {
         }
         self.protocol_acked = 0;
         self.backend_req = None;
+        self.live.set_config_channel(false);
         if let Err(e) = self.memory_mut().clear() {
             log::warn!(
                 "{}: dropping the frontend's memory: {e}",

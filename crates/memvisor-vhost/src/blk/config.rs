@@ -92,7 +92,7 @@ impl Blk {
     pub(super) fn config_space(&self) -> Vec<u8> {
         let block = self.disk.block_size();
         let mut c = Config {
-            capacity: self.sectors.to_le(),
+            capacity: self.capacity.sectors().to_le(),
             seg_max: SEG_MAX.to_le(),
             blk_size: (block as u32).to_le(),
             num_queues: self.options.queues.to_le(),

@@ -80,6 +80,27 @@ impl Device for Blk {
 
     fn reset(&mut self) {
         self.acked = 0;
+        // The next frontend reads the capacity as it is; a change no one heard is not news.
+        self.capacity.forget_change();
+    }
+
+    fn attach(&mut self, memory: &FrontendMemory) -> Result<()> {
+        #[cfg(feature = "test-hooks")]
+        {
+            self.silent_resize = memory.faults().silent_resize;
+        }
+        let _ = memory;
+        Ok(())
+    }
+
+    fn config_changed(&mut self) -> bool {
+        let changed = self.capacity.take_change();
+        #[cfg(feature = "test-hooks")]
+        if changed && self.silent_resize {
+            log::warn!("TEST ONLY: blk capacity changed; the frontend is not told");
+            return false;
+        }
+        changed
     }
 
     fn set_fail_misses(&mut self, fail: bool) {
@@ -164,6 +185,7 @@ impl Device for Blk {
         let mut b = Blk::new(file, self.options.clone()).ok()?;
         b.acked = self.acked;
         b.live = self.live.clone();
+        b.capacity = self.capacity.clone();
         Some(b)
     }
 

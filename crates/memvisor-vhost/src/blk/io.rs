@@ -94,12 +94,12 @@ impl Blk {
         }
         if sector
             .checked_add(total / SECTOR)
-            .is_none_or(|e| e > self.sectors)
+            .is_none_or(|e| e > self.capacity.sectors())
         {
             return Error::BadChain(format!(
                 "sectors {sector}+{} pass the disk's end ({} sectors)",
                 total / SECTOR,
-                self.sectors
+                self.capacity.sectors()
             ))
             .into();
         }

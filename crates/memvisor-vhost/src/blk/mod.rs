@@ -81,6 +81,7 @@ use crate::error::{Error, Result};
 #[cfg(doc)]
 use memvisor::DmaSpace;
 
+mod capacity;
 mod config;
 mod device;
 mod io;
@@ -90,6 +91,7 @@ mod stats;
 
 use io::Out;
 use stats::BlkCounters;
+pub use capacity::{BlkCapacity, Resized};
 pub use stats::{BlkLive, BlkStats};
 
 /// virtio device id of a block device.
@@ -149,7 +151,8 @@ impl Default for BlkOptions {
 /// A virtio-blk device over a raw image.
 pub struct Blk {
     disk: Disk,
-    sectors: u64,
+    /// Whole sectors served, which `blk-resize` may change while it serves ([`BlkCapacity`]).
+    capacity: BlkCapacity,
     options: BlkOptions,
     acked: u64,
     fail_misses: bool,
@@ -159,6 +162,10 @@ pub struct Blk {
     free: Vec<usize>,
     /// What it has done so far, per queue, shared with its queue workers ([`Blk::live`]).
     live: BlkLive,
+    /// TEST ONLY ([`Faults::silent_resize`](memvisor::faults::Faults::silent_resize)): a
+    /// capacity change is not told to the frontend.
+    #[cfg(feature = "test-hooks")]
+    silent_resize: bool,
 }
 
 impl Blk {
@@ -167,8 +174,19 @@ impl Blk {
     /// [`crate::disk`]); the device then offers the file's `O_DIRECT` offset alignment (or a
     /// block device's logical block size, if larger) as its block size.
     pub fn new(disk: File, options: BlkOptions) -> Result<Blk> {
+        let second = disk.try_clone().map_err(|source| Error::Os {
+            op: "duplicate the disk image's descriptor",
+            source,
+        })?;
         let disk = Disk::new(disk)?;
         let len = disk.len()?;
+        let capacity = BlkCapacity::new(
+            second,
+            disk.block_device().is_some(),
+            options.read_only,
+            disk.block_size(),
+            len,
+        );
         if options.queues == 0 {
             return Err(Error::Invalid(
                 "a block device needs at least one queue".into(),
@@ -177,13 +195,15 @@ impl Blk {
         let live = BlkLive::new(options.queues);
         Ok(Blk {
             disk,
-            sectors: len / SECTOR,
+            capacity,
             options,
             acked: 0,
             fail_misses: false,
             out: (0..IN_FLIGHT).map(|_| None).collect(),
             free: (0..IN_FLIGHT).rev().collect(),
             live,
+            #[cfg(feature = "test-hooks")]
+            silent_resize: false,
         })
     }
 

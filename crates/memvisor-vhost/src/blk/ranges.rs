@@ -71,12 +71,12 @@ impl Blk {
                 || u64::from(n) % align != 0
                 || sector
                     .checked_add(u64::from(n))
-                    .is_none_or(|e| e > self.sectors)
+                    .is_none_or(|e| e > self.capacity.sectors())
             {
                 return Err(Error::BadChain(format!(
                     "{what} of sectors {sector}+{n}: past the disk's end ({} sectors), over \
                      {MAX_RANGE_SECTORS} sectors, or not whole {align}-sector blocks",
-                    self.sectors
+                    self.capacity.sectors()
                 )));
             }
             segs.push((
