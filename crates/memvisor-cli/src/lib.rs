@@ -7,8 +7,8 @@
 //! their socket comes from (`listener`: a path, `--fd`, systemd socket activation), readiness
 //! (`notify`: sd_notify), `--print-capabilities` (`capabilities`) and the log (`logging`:
 //! `RUST_LOG`). What `serve` serves is read by `devices` (command line or configuration file);
-//! a running server answers on its control socket (`control`) from its live counters
-//! (`status`).
+//! a running server answers on its control socket (`control`, QMP) from its live counters
+//! (`status`; the vfio-user server's in `vfio_status`).
 
 pub mod capabilities;
 pub mod control;
@@ -18,3 +18,4 @@ pub mod logging;
 pub mod notify;
 pub mod serve;
 pub mod status;
+pub mod vfio_status;

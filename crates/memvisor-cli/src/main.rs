@@ -39,8 +39,9 @@ enum Command {
     VhostUserBlk(BlkArgs),
     /// Serve several vhost-user devices from one process, sharing one memvisor state
     Serve(ServeArgs),
-    /// Ask a running server through its --control socket: query-devices, query-stats,
-    /// balloon-set-target target-mib=N; or wait for an event
+    /// Ask a running server through its --control socket (QMP: the greeting is read and
+    /// capabilities negotiated first): query-devices, query-stats, balloon-set-target
+    /// target-mib=N, query-commands, quit; or wait for an event
     Ctl(CtlArgs),
     /// Serve the mvdma reference DMA device to vfio-user clients (QEMU's vfio-user-pci), one
     /// after another, until SIGINT/SIGTERM; each client's memory and pins are released when it
@@ -136,6 +137,10 @@ struct VfioUserArgs {
     /// not VmLck
     #[arg(long)]
     long_term_pins: bool,
+    /// Answer QMP on a control socket at PATH: query-devices, query-stats (live), quit, and the
+    /// events FRONTEND_CONNECTED / FRONTEND_DISCONNECTED; `memvisor ctl` is its client
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -143,7 +148,7 @@ struct CtlArgs {
     /// The server's control socket (its --control PATH)
     #[arg(long, value_name = "PATH")]
     control: PathBuf,
-    /// The command: query-devices, query-stats, balloon-set-target, query-commands
+    /// The command: query-devices, query-stats, balloon-set-target, query-commands, quit
     #[arg(value_name = "COMMAND", required_unless_present = "wait_event")]
     command: Option<String>,
     /// Its arguments, NAME=VALUE (a value that reads as JSON is taken as such: numbers,
@@ -374,7 +379,14 @@ fn run_vfio_user(args: &VfioUserArgs) -> Result<()> {
     let record = args.record.as_deref();
     #[cfg(not(feature = "test-hooks"))]
     let record = None;
-    let report = serve::vfio_user(&args.socket.spec(), record, args.long_term_pins, &state)?;
+    let report = serve::vfio_user(
+        &args.socket.spec(),
+        args.control.as_deref(),
+        args.stats.as_deref(),
+        record,
+        args.long_term_pins,
+        &state,
+    )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     serve::write_json(args.stats.as_ref(), &report)
 }

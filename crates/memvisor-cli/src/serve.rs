@@ -15,7 +15,9 @@
 //! connection gets its own server, DMA table and device, and when its client hangs up or dies
 //! the device is stopped and everything mapped, pinned or locked for it is released before the
 //! next client is accepted. The process's `VmLck`, `VmPin` and mappings of client memory are
-//! read from `/proc/self` before the first client and after each one, and reported.
+//! read from `/proc/self` before the first client and after each one, and reported. With
+//! `--control PATH` its control socket answers `query-devices` and `query-stats` and sends the
+//! frontend events ([`crate::vfio_status`]); SIGUSR1 writes its report as it stands.
 //!
 //! Every server gets its sockets from [`crate::listener`] (a path, `--fd`, or systemd's socket
 //! activation; a live socket is never taken over) and tells a service manager it is ready
@@ -50,6 +52,8 @@ use crate::listener::{self, SocketSpec};
 use crate::status::{
     BlkServeReport, Device, Kind, PinCheck, PinChecks, Registry, ServeReport, connection_events,
 };
+use crate::vfio_status::VfioStatus;
+pub use crate::vfio_status::{ProcFigures, VfioUserConnection, VfioUserReport};
 use memvisor::dma::PinRegistry;
 use memvisor_vhost::image_format::FormatChoice;
 use memvisor_vhost::{
@@ -600,110 +604,21 @@ pub fn init_logging() -> Result<()> {
     crate::logging::init()
 }
 
-/// What the process holds of its clients' memory, from `/proc/self`: read before the first
-/// vfio-user client and after each one's cleanup, when it must be back where it started.
-#[derive(Serialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ProcFigures {
-    /// `VmLck` and `VmPin` of `/proc/self/status`, KiB.
-    pub vm_lck_kb: u64,
-    pub vm_pin_kb: u64,
-    /// Mappings of memfds in `/proc/self/maps` (QEMU's guest RAM comes as one).
-    pub memfd_maps: u64,
-    /// Shared mappings of any file (memfds included): all a client's descriptors can become.
-    pub shared_file_maps: u64,
-}
-
-impl ProcFigures {
-    /// This process now; fields that cannot be read stay 0 and the reason is logged.
-    pub fn now() -> ProcFigures {
-        let mut f = ProcFigures::default();
-        match std::fs::read_to_string("/proc/self/status") {
-            Ok(status) => {
-                for line in status.lines() {
-                    let kb = |l: &str| {
-                        l.split_whitespace()
-                            .nth(1)
-                            .and_then(|v| v.parse().ok())
-                            .unwrap_or(0)
-                    };
-                    if line.starts_with("VmLck:") {
-                        f.vm_lck_kb = kb(line);
-                    } else if line.starts_with("VmPin:") {
-                        f.vm_pin_kb = kb(line);
-                    }
-                }
-            }
-            Err(e) => log::warn!("cannot read /proc/self/status: {e}"),
-        }
-        match std::fs::read_to_string("/proc/self/maps") {
-            Ok(maps) => {
-                for line in maps.lines() {
-                    // address perms offset dev inode path
-                    let fields: Vec<&str> = line.split_whitespace().collect();
-                    let (Some(perms), Some(path)) = (fields.get(1), fields.get(5)) else {
-                        continue;
-                    };
-                    if path.starts_with("/memfd:") {
-                        f.memfd_maps += 1;
-                    }
-                    if perms.ends_with('s') && path.starts_with('/') {
-                        f.shared_file_maps += 1;
-                    }
-                }
-            }
-            Err(e) => log::warn!("cannot read /proc/self/maps: {e}"),
-        }
-        f
-    }
-}
-
-/// One vfio-user connection, as it ended.
-#[derive(Serialize, Clone, Debug)]
-pub struct VfioUserConnection {
-    /// How it ended: "ok" (the client hung up, or died) or the error that ended it.
-    pub end: String,
-    /// Requests, refusals and maps of the connection.
-    pub requests: u64,
-    pub errors: u64,
-    pub dma_maps: u64,
-    /// Mappings and device pins the client left behind (the server releases them), and
-    /// device pins still held after the device was stopped (must be 0).
-    pub mappings_at_end: u64,
-    pub pinned_pages_at_hangup: u64,
-    pub pinned_pages_at_end: u64,
-    /// The process after the server released the connection.
-    pub after: ProcFigures,
-}
-
-/// What `memvisor vfio-user` did, for `--stats`.
-#[derive(Serialize)]
-pub struct VfioUserReport {
-    /// Socket served.
-    pub socket: String,
-    /// How the last connection ended: "ok" (the client hung up) or the error that ended it
-    /// ("no client connected" if none did).
-    pub end: String,
-    /// The process before the first client.
-    pub baseline: ProcFigures,
-    /// Every connection in order, with the process's figures after each one's cleanup.
-    pub connections: Vec<VfioUserConnection>,
-    /// The last connection's server and device counters (the pin registry's are the
-    /// process's).
-    #[serde(flatten)]
-    pub server: memvisor_vfio_user::ServerStats,
-}
-
 /// Serves the `mvdma` reference device to vfio-user clients on `socket`, one after another,
-/// until a signal. Each connection gets a new server, DMA table and device; when its client
-/// hangs up or dies, the device is stopped and everything mapped, pinned or locked for it is
-/// released before the next client is accepted. Returns what every connection did.
+/// until a signal (or a control client's `quit`). Each connection gets a new server, DMA table
+/// and device; when its client hangs up or dies, the device is stopped and everything mapped,
+/// pinned or locked for it is released before the next client is accepted. With `control`, a
+/// control socket answers for the device ([`crate::vfio_status`]); SIGUSR1 writes the report
+/// as it stands to `stats` (stderr if not given). Returns what every connection did.
 pub fn vfio_user(
     socket: &SocketSpec,
+    control: Option<&Path>,
+    stats: Option<&Path>,
     record: Option<&Path>,
     long_term_pins: bool,
     state: &ProcessState,
 ) -> Result<VfioUserReport> {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Mutex;
     if long_term_pins {
         use_long_term_pins(&state.registry)?;
     }
@@ -716,6 +631,16 @@ pub fn vfio_user(
         None => None,
     };
     let bound = listener::open(socket)?;
+    if let (Some(c), Some(p)) = (control, &bound.path) {
+        if std::path::absolute(c).ok() == std::path::absolute(p).ok() {
+            bail!(
+                "socket {} is named twice: the vfio-user socket and the control socket need \
+                 their own",
+                c.display()
+            );
+        }
+    }
+    let control_socket = control.map(listener::at).transpose()?;
     listener::check_all_claimed()?;
     let listener = &bound.socket;
     listener.set_nonblocking(true)?;
@@ -724,6 +649,11 @@ pub fn vfio_user(
         "vfio-user: serving mvdma on {}; before any client: {baseline:?}",
         bound.origin
     );
+    let status = Arc::new(VfioStatus::new(
+        bound.name(),
+        baseline,
+        state.registry.clone(),
+    ));
     // A signal ends the connection being served: shutting its socket down wakes the server's
     // read.
     let current: Arc<Mutex<Option<UnixStream>>> = Arc::new(Mutex::new(None));
@@ -736,52 +666,72 @@ pub fn vfio_user(
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     });
-    let mut report = VfioUserReport {
-        socket: bound.name(),
-        end: "no client connected".into(),
-        baseline,
-        connections: Vec::new(),
-        server: Default::default(),
-    };
+    let control = control_socket.map(|l| {
+        log::info!("control socket on {}", l.origin);
+        let status = status.clone();
+        std::thread::spawn(move || {
+            let events = status.events.clone();
+            if let Err(e) = crate::control::serve(&l.socket, status, events, &STOP) {
+                log::error!("control socket: {e:#}");
+            }
+            l.remove();
+        })
+    });
     ready();
-    while let Some(sock) = accept(listener)? {
-        sock.set_nonblocking(false)?;
-        let n = report.connections.len() + 1;
-        log::info!("vfio-user client {n} connected on {}", bound.name());
-        *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(sock.try_clone()?);
-        if STOP.load(Ordering::Relaxed) {
-            // The watcher may have looked before this connection was there.
-            let _ = sock.shutdown(std::net::Shutdown::Both);
-        }
-        let (stats, end) = serve_one(sock, record.as_ref(), state)?;
-        *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        let after = ProcFigures::now();
-        let end = match end {
-            Ok(()) => "ok".to_string(),
-            Err(e) => e.to_string(),
-        };
-        log::info!(
-            "vfio-user client {n} gone ({end}): it left {} mappings and {} pages pinned by the \
-             device; after release {after:?}",
-            stats.mappings_at_end,
-            stats.pinned_pages_at_hangup
-        );
-        report.connections.push(VfioUserConnection {
-            end: end.clone(),
-            requests: stats.requests,
-            errors: stats.errors,
-            dma_maps: stats.dma_maps,
-            mappings_at_end: stats.mappings_at_end,
-            pinned_pages_at_hangup: stats.pinned_pages_at_hangup,
-            pinned_pages_at_end: stats.pinned_pages_at_end,
-            after,
+    let served = std::thread::scope(|scope| {
+        let clients = scope.spawn(|| -> Result<()> {
+            while let Some(sock) = accept(listener)? {
+                sock.set_nonblocking(false)?;
+                *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(sock.try_clone()?);
+                if STOP.load(Ordering::Relaxed) {
+                    // The watcher may have looked before this connection was there.
+                    let _ = sock.shutdown(std::net::Shutdown::Both);
+                }
+                let (stats, end) = serve_one(sock, record.as_ref(), state, &status)?;
+                *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                let after = ProcFigures::now();
+                let end = match end {
+                    Ok(()) => "ok".to_string(),
+                    Err(e) => e.to_string(),
+                };
+                log::info!(
+                    "vfio-user client gone ({end}): it left {} mappings and {} pages pinned by \
+                     the device; after release {after:?}",
+                    stats.mappings_at_end,
+                    stats.pinned_pages_at_hangup
+                );
+                let connection = VfioUserConnection {
+                    end,
+                    requests: stats.requests,
+                    errors: stats.errors,
+                    dma_maps: stats.dma_maps,
+                    mappings_at_end: stats.mappings_at_end,
+                    pinned_pages_at_hangup: stats.pinned_pages_at_hangup,
+                    pinned_pages_at_end: stats.pinned_pages_at_end,
+                    after,
+                };
+                status.disconnected(connection, stats);
+            }
+            Ok(())
         });
-        report.end = end;
-        report.server = stats;
-    }
+        while !clients.is_finished() {
+            if REPORT.swap(false, Ordering::Relaxed) {
+                report_now(stats, &status.report());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        clients
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the vfio-user thread panicked")))
+    });
     stopping();
+    STOP.store(true, Ordering::Relaxed);
+    if let Some(t) = control {
+        let _ = t.join();
+    }
     bound.remove();
-    Ok(report)
+    served?;
+    Ok(status.report())
 }
 
 /// The next client, or None once a signal arrived.
@@ -809,6 +759,7 @@ fn serve_one(
     sock: UnixStream,
     record: Option<&std::fs::File>,
     state: &ProcessState,
+    status: &VfioStatus,
 ) -> Result<(
     memvisor_vfio_user::ServerStats,
     memvisor_vfio_user::Result<()>,
@@ -836,6 +787,8 @@ fn serve_one(
             anyhow::bail!("recording DMA traffic needs a test-hooks build");
         }
     }
+    let number = status.connected(server.port().clone());
+    log::info!("vfio-user client {number} connected");
     Ok(server.serve())
 }
 
