@@ -8,7 +8,8 @@
 //! (`notify`: sd_notify), `--print-capabilities` (`capabilities`) and the log (`logging`:
 //! `RUST_LOG`). What `serve` serves is read by `devices` (command line or configuration file);
 //! a running server answers on its control socket (`control`, QMP) from its live counters
-//! (`status`; the vfio-user server's in `vfio_status`).
+//! (`status`; the vfio-user server's in `vfio_status`), and adds, deletes and resizes devices
+//! while it runs (`runtime`).
 
 pub mod capabilities;
 pub mod control;
@@ -16,6 +17,7 @@ pub mod devices;
 pub mod listener;
 pub mod logging;
 pub mod notify;
+pub mod runtime;
 pub mod serve;
 pub mod status;
 pub mod vfio_status;

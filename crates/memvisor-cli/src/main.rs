@@ -344,10 +344,12 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
     };
     config.blk.extend(args.blk.iter().cloned());
     config.balloon.extend(args.balloon.iter().cloned());
-    if config.blk.is_empty() && config.balloon.is_empty() {
+    let control = args.control.clone().or(config.control.clone());
+    if config.blk.is_empty() && config.balloon.is_empty() && control.is_none() {
         bail!(
             "nothing to serve: give --blk socket=PATH,disk=FILE and/or --balloon socket=PATH \
-             (or a --config file that names devices)"
+             (or a --config file that names devices), or --control PATH to add them later \
+             (blk-add)"
         );
     }
     let state = start_server()?;
@@ -361,7 +363,7 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
     let devices = serve::Devices {
         blk: config.blk,
         balloon: config.balloon,
-        control: args.control.clone().or(config.control),
+        control,
         iommu: args.iommu || config.iommu,
         stats: stats.clone(),
     };

@@ -7,8 +7,10 @@
 //! its own thread; the main thread waits for them and, on SIGUSR1, writes the `--stats` report
 //! as it stands (to the `--stats` file, or to stderr), without stopping anything. With
 //! `--control PATH` a control socket answers `query-devices`, `query-stats` and
-//! `balloon-set-target` and sends an event when a frontend connects or disconnects
-//! ([`crate::control`], [`crate::status`]).
+//! `balloon-set-target`, adds, deletes and resizes blk devices while the server runs
+//! (`blk-add`, `blk-del`, `blk-resize`: [`crate::runtime`]), and sends an event when a frontend
+//! connects or disconnects and when a device comes, goes or changes size ([`crate::control`],
+//! [`crate::status`]).
 //!
 //! `memvisor vfio-user` serves one vfio-user client at a time, one after another, as a
 //! deployed device server must (QEMU reconnects after a restart or a migration): every
@@ -49,16 +51,12 @@ use anyhow::{Context, Result, bail};
 
 use crate::devices::{BalloonSpec, BlkSpec};
 use crate::listener::{self, SocketSpec};
-use crate::status::{
-    BlkServeReport, Device, Kind, PinCheck, PinChecks, Registry, ServeReport, connection_events,
-};
+use crate::runtime::Runtime;
+use crate::status::{BlkServeReport, PinCheck, PinChecks, Registry, ServeReport};
 use crate::vfio_status::VfioStatus;
 pub use crate::vfio_status::{ProcFigures, VfioUserConnection, VfioUserReport};
 use memvisor::dma::PinRegistry;
-use memvisor_vhost::image_format::FormatChoice;
-use memvisor_vhost::{
-    Backend, BalloonDevice, BalloonTarget, Blk, BlkOptions, Device as _, ProcessState,
-};
+use memvisor_vhost::{Backend, ProcessState};
 use serde::Serialize;
 
 /// Set by SIGINT / SIGTERM.
@@ -146,23 +144,6 @@ fn stopping() {
     crate::notify::notify_within("STOPPING=1", Duration::from_millis(100), &|| false);
 }
 
-/// Waits for the device threads; meanwhile, each SIGUSR1 calls `report`.
-fn supervise<T>(threads: Vec<JoinHandle<Result<T>>>, report: impl Fn()) -> Vec<Result<T>> {
-    while threads.iter().any(|t| !t.is_finished()) {
-        if REPORT.swap(false, Ordering::Relaxed) {
-            report();
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    threads
-        .into_iter()
-        .map(|t| {
-            t.join()
-                .unwrap_or_else(|_| Err(anyhow::anyhow!("a device thread panicked")))
-        })
-        .collect()
-}
-
 /// Writes `value` to `path` whole (a reader never sees half a report), or to stderr if no
 /// path was given: what SIGUSR1 asks for.
 fn report_now<T: Serialize>(path: Option<&Path>, value: &T) {
@@ -184,25 +165,49 @@ fn report_now<T: Serialize>(path: Option<&Path>, value: &T) {
     }
 }
 
-/// Starts the control socket's thread, if there is one.
+/// Starts the control socket's thread, if there is one: it answers with `handler`.
 fn start_control(
     listener: Option<listener::Listener>,
-    registry: &Arc<Registry>,
+    handler: Arc<dyn crate::control::Handler>,
+    events: crate::control::Events,
 ) -> Option<JoinHandle<()>> {
     let listener = listener?;
-    let registry = registry.clone();
     log::info!("control socket on {}", listener.origin);
     Some(std::thread::spawn(move || {
-        let events = registry.events.clone();
-        if let Err(e) = crate::control::serve(&listener.socket, registry, events, &STOP) {
+        if let Err(e) = crate::control::serve(&listener.socket, handler, events, &STOP) {
             log::error!("control socket: {e:#}");
         }
         listener.remove();
     }))
 }
 
+/// Waits until a signal stops the server (or, without a control socket to add devices, until
+/// every device's thread has ended); meanwhile, each SIGUSR1 calls `report`. Then stops the
+/// control socket and every device.
+fn run_until_stopped(
+    runtime: &Runtime,
+    control: Option<JoinHandle<()>>,
+    report: impl Fn(),
+) -> Result<()> {
+    let fixed = control.is_none();
+    let ended = || STOP.load(Ordering::Relaxed) || (fixed && runtime.all_finished());
+    while !ended() {
+        if REPORT.swap(false, Ordering::Relaxed) {
+            report();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stopping();
+    STOP.store(true, Ordering::Relaxed);
+    if let Some(t) = control {
+        let _ = t.join();
+    }
+    runtime.finish()
+}
+
 /// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report. With
-/// `control`, a control socket answers for it as `blk0`; SIGUSR1 writes the report to `stats`.
+/// `control`, a control socket answers for it as `blk0` (and resizes it: `blk-resize`); SIGUSR1
+/// writes the report to `stats`.
 pub fn blk(
     socket: &SocketSpec,
     spec: BlkSpec,
@@ -217,63 +222,42 @@ pub fn blk(
     let listener = listener::open(socket)?;
     let control_socket = control.map(listener::at).transpose()?;
     listener::check_all_claimed()?;
-    let mut spec = spec;
     let id = spec.id.clone().unwrap_or_else(|| "blk0".into());
-    if spec.options.serial.is_empty() {
-        spec.options.serial = crate::devices::default_serial(&id);
-    }
-    let options = BlkOptions {
-        iommu,
-        guard_first_sector: spec.format == FormatChoice::Probe,
-        ..spec.options.clone()
-    };
-    let device = Blk::new(file, options)?;
-    let live = device.live();
-    let mut backend = Backend::new(device, state)?;
-    if let Some(path) = record_iotlb {
-        record_iotlb_to(&mut backend, path)?;
-    }
     let at_disconnect = PinChecks::default();
     let seen = at_disconnect.clone();
     let pins = state.registry.clone();
-    backend.on_disconnect(Box::new(move || {
-        let check = PinCheck::now(&pins);
-        log::info!("vhost-user-blk: frontend gone, pins {check:?}");
-        seen.lock().unwrap_or_else(|e| e.into_inner()).push(check);
-    }));
-    let mut registry = Registry::new(state.registry.clone());
-    backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
-    registry.devices.push(Device {
-        id,
-        socket: listener.name(),
-        backend: backend.live(),
-        kind: Kind::Blk { spec, iommu, live },
-    });
-    let registry = Arc::new(registry);
+    let registry = Arc::new(Registry::new(state.registry.clone()));
     log::info!(
         "vhost-user-blk: serving {} on {}",
-        registry.devices[0].info()["disk"],
+        spec.disk.display(),
         listener.origin
     );
-    let control = start_control(control_socket, &registry);
+    let reserved = control.map(Path::to_path_buf).into_iter().collect();
+    let runtime = Arc::new(Runtime::new(
+        registry.clone(),
+        state,
+        iommu,
+        false,
+        reserved,
+    ));
+    runtime.start_blk(id, spec, file, listener, |backend| {
+        if let Some(path) = record_iotlb {
+            record_iotlb_to(backend, path)?;
+        }
+        backend.on_disconnect(Box::new(move || {
+            let check = PinCheck::now(&pins);
+            log::info!("vhost-user-blk: frontend gone, pins {check:?}");
+            seen.lock().unwrap_or_else(|e| e.into_inner()).push(check);
+        }));
+        Ok(())
+    })?;
+    let control = start_control(control_socket, runtime.clone(), registry.events.clone());
     ready();
-    let thread = std::thread::spawn(move || -> Result<()> {
-        let served = backend.serve(&listener.socket, &STOP);
-        listener.remove();
-        drop(backend);
-        Ok(served?)
-    });
-    let ends = supervise(vec![thread], || {
+    run_until_stopped(&runtime, control, || {
         if let Some(r) = BlkServeReport::now(&registry, &at_disconnect) {
             report_now(stats, &r);
         }
-    });
-    stopping();
-    STOP.store(true, Ordering::Relaxed);
-    if let Some(t) = control {
-        let _ = t.join();
-    }
-    ends.into_iter().collect::<Result<Vec<()>>>()?;
+    })?;
     BlkServeReport::now(&registry, &at_disconnect).context("no device")
 }
 
@@ -485,7 +469,9 @@ fn serials(blk: &[BlkSpec], ids: &[String]) -> Vec<String> {
     serials
 }
 
-/// Serves every device in its own thread, all on one memvisor state, until a signal.
+/// Serves every device in its own thread, all on one memvisor state, until a signal. With a
+/// control socket, devices may be added and deleted meanwhile ([`crate::runtime`]), and there
+/// may be none at start.
 pub fn serve(devices: &Devices, state: &ProcessState) -> Result<ServeReport> {
     devices.check_distinct_sockets()?;
     let (blk_ids, balloon_ids) = devices.ids()?;
@@ -503,90 +489,41 @@ pub fn serve(devices: &Devices, state: &ProcessState) -> Result<ServeReport> {
     }
     let control_socket = devices.control.as_deref().map(listener::at).transpose()?;
     listener::check_all_claimed()?;
-    let mut registry = Registry::new(state.registry.clone());
-    let mut starts: Vec<Box<dyn FnOnce() -> Result<()> + Send>> = Vec::new();
+    let registry = Arc::new(Registry::new(state.registry.clone()));
+    let reserved = devices.control.iter().cloned().collect();
+    let runtime = Arc::new(Runtime::new(
+        registry.clone(),
+        state,
+        devices.iommu,
+        true,
+        reserved,
+    ));
     let serials = serials(&devices.blk, &blk_ids);
-    for (((spec, file, listener), id), serial) in blk_sockets.into_iter().zip(blk_ids).zip(serials)
-    {
-        let mut spec = spec.clone();
-        spec.options.serial = serial;
-        let spec = &spec;
-        let options = BlkOptions {
-            iommu: devices.iommu,
-            guard_first_sector: spec.format == FormatChoice::Probe,
-            ..spec.options.clone()
-        };
-        let device = Blk::new(file, options)?;
-        let live = device.live();
-        let mut backend = Backend::new(device, state)?;
-        backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
-        log::info!(
-            "vhost-user-blk {id}: serving {} on {}",
-            spec.disk.display(),
-            listener.origin
-        );
-        registry.devices.push(Device {
-            id,
-            socket: listener.name(),
-            backend: backend.live(),
-            kind: Kind::Blk {
-                spec: spec.clone(),
-                iommu: devices.iommu,
-                live,
-            },
-        });
-        starts.push(Box::new(move || {
-            let served = backend.serve(&listener.socket, &STOP);
-            listener.remove();
-            Ok(served?)
-        }));
-    }
-    for ((spec, listener), id) in balloon_sockets.into_iter().zip(balloon_ids) {
-        let target = BalloonTarget::default();
-        target.set_pages(spec.target_mib * 256);
-        let mut device = BalloonDevice::new(target.clone())
-            .with_stats_interval(Duration::from_secs(spec.stats_interval_secs.into()))
-            .with_deflate_on_oom(spec.deflate_on_oom);
-        if !spec.reporting {
-            device = device.without_reporting();
+    let started = (|| -> Result<()> {
+        for (((spec, file, listener), id), serial) in
+            blk_sockets.into_iter().zip(blk_ids).zip(serials)
+        {
+            let mut spec = spec.clone();
+            spec.options.serial = serial;
+            runtime.start_blk(id, spec, file, listener, |_| Ok(()))?;
         }
-        let live = device.live();
-        let queues = device.queues();
-        let mut backend = Backend::new(device, state)?;
-        backend.on_connection(connection_events(&registry.events, &id, &listener.name()));
-        log::info!(
-            "vhost-user-balloon {id}: serving on {} ({queues} rings)",
-            listener.origin
-        );
-        registry.devices.push(Device {
-            id,
-            socket: listener.name(),
-            backend: backend.live(),
-            kind: Kind::Balloon {
-                spec: spec.clone(),
-                live,
-                target,
-            },
-        });
-        starts.push(Box::new(move || {
-            let served = backend.serve(&listener.socket, &STOP);
-            listener.remove();
-            Ok(served?)
-        }));
+        for ((spec, listener), id) in balloon_sockets.into_iter().zip(balloon_ids) {
+            runtime.start_balloon(id, spec, listener)?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = started {
+        let _ = runtime.finish();
+        return Err(e);
     }
-    let registry = Arc::new(registry);
-    let control = start_control(control_socket, &registry);
-    let threads = starts.into_iter().map(std::thread::spawn).collect();
+    if devices.blk.is_empty() && devices.balloon.is_empty() {
+        log::info!("no device at start: add them on the control socket (blk-add)");
+    }
+    let control = start_control(control_socket, runtime.clone(), registry.events.clone());
     ready();
-    let ends = supervise(threads, || {
+    run_until_stopped(&runtime, control, || {
         report_now(devices.stats.as_deref(), &registry.report())
-    });
-    stopping();
-    STOP.store(true, Ordering::Relaxed);
-    if let Some(t) = control {
-        let _ = t.join();
-    }
-    ends.into_iter().collect::<Result<Vec<()>>>()?;
+    })?;
     Ok(registry.report())
 }
 

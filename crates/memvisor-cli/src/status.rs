@@ -7,12 +7,15 @@
 //! the back end's ([`BackendLive`]) and the device's own ([`BlkLive`], [`BalloonLive`]). Reading
 //! them never stops or slows a device; every answer and every report is built from them, so the
 //! control socket, SIGUSR1 and the report at exit say the same thing under the same names.
+//! Devices come and go while the server runs (`blk-add`, `blk-del`: [`crate::runtime`]): the
+//! list is behind a lock, taken only to look a device up or to add or remove one.
 
 use std::sync::{Arc, Mutex};
 
 use memvisor::dma::PinRegistry;
 use memvisor_vhost::{
-    BackendLive, BackendStats, BalloonLive, BalloonStatus, BalloonTarget, BlkLive, BlkStats,
+    BackendLive, BackendStats, BalloonLive, BalloonStatus, BalloonTarget, BlkCapacity, BlkLive,
+    BlkStats,
 };
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -39,6 +42,8 @@ pub enum Kind {
         spec: BlkSpec,
         iommu: bool,
         live: BlkLive,
+        /// Its capacity, which `blk-resize` changes.
+        capacity: BlkCapacity,
     },
     /// virtio-balloon.
     Balloon {
@@ -65,9 +70,15 @@ impl Device {
             "connected": self.backend.connected(),
         });
         match &self.kind {
-            Kind::Blk { spec, iommu, .. } => {
+            Kind::Blk {
+                spec,
+                iommu,
+                capacity,
+                ..
+            } => {
                 let o = &spec.options;
                 v["disk"] = json!(spec.disk.display().to_string());
+                v["size"] = json!(capacity.bytes());
                 v["queues"] = json!(o.queues);
                 v["read-only"] = json!(o.read_only);
                 v["serial"] = json!(o.serial);
@@ -120,7 +131,7 @@ impl Device {
 /// The devices one server process serves, where its events go, and the pin registry they pin
 /// through (the process's, handed in by the server).
 pub struct Registry {
-    pub devices: Vec<Device>,
+    pub devices: Mutex<Vec<Device>>,
     pub events: Events,
     pub pins: Arc<PinRegistry>,
 }
@@ -129,16 +140,47 @@ impl Registry {
     /// No devices yet; their pins are held in `pins`.
     pub fn new(pins: Arc<PinRegistry>) -> Registry {
         Registry {
-            devices: Vec::new(),
+            devices: Mutex::new(Vec::new()),
             events: Events::default(),
             pins,
         }
     }
 
-    /// The device `id`, or an error naming the ids there are.
-    fn device(&self, id: &str) -> Result<&Device, CommandError> {
-        self.devices.iter().find(|d| d.id == id).ok_or_else(|| {
-            let ids: Vec<&str> = self.devices.iter().map(|d| d.id.as_str()).collect();
+    /// The device list, locked.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Device>> {
+        self.devices.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds `device`, unless its id or its socket is taken (by a device served now).
+    pub fn add(&self, device: Device) -> Result<(), CommandError> {
+        let mut devices = self.lock();
+        if device.id.is_empty() || devices.iter().any(|d| d.id == device.id) {
+            return Err(CommandError::generic(format!(
+                "device id {:?} is empty or taken: every device needs its own",
+                device.id
+            )));
+        }
+        if devices.iter().any(|d| d.socket == device.socket) {
+            return Err(CommandError::generic(format!(
+                "socket {} is served by another device already",
+                device.socket
+            )));
+        }
+        devices.push(device);
+        Ok(())
+    }
+
+    /// Takes the device `id` out of the list, if there is one.
+    pub fn remove(&self, id: &str) -> Option<Device> {
+        let mut devices = self.lock();
+        let i = devices.iter().position(|d| d.id == id)?;
+        Some(devices.remove(i))
+    }
+
+    /// The device `id` in `devices`, or an error naming the ids there are.
+    pub fn find<'a>(devices: &'a [Device], id: &str) -> Result<&'a Device, CommandError> {
+        devices.iter().find(|d| d.id == id).ok_or_else(|| {
+            let ids: Vec<&str> = devices.iter().map(|d| d.id.as_str()).collect();
             CommandError::no_device(format!(
                 "no device {id:?}; the devices are: {}",
                 ids.join(", ")
@@ -147,10 +189,10 @@ impl Registry {
     }
 
     /// The optional `device` argument: that device, or every one.
-    fn selected(&self, args: &Value) -> Result<Vec<&Device>, CommandError> {
+    fn selected<'a>(devices: &'a [Device], args: &Value) -> Result<Vec<&'a Device>, CommandError> {
         match args.get("device") {
-            None => Ok(self.devices.iter().collect()),
-            Some(Value::String(id)) => Ok(vec![self.device(id)?]),
+            None => Ok(devices.iter().collect()),
+            Some(Value::String(id)) => Ok(vec![Self::find(devices, id)?]),
             Some(other) => Err(CommandError::generic(format!(
                 "\"device\" is {other}; it must be a device id string"
             ))),
@@ -159,7 +201,10 @@ impl Registry {
 
     /// `query-stats`: every device's (or one's) counters, and the process's pins.
     pub fn query_stats(&self, args: &Value) -> Result<Value, CommandError> {
-        let devices: Vec<Value> = self.selected(args)?.iter().map(|d| d.stats()).collect();
+        let devices: Vec<Value> = Self::selected(&self.lock(), args)?
+            .iter()
+            .map(|d| d.stats())
+            .collect();
         Ok(json!({
             "devices": devices,
             "process": {"pins": PinReport::now(&self.pins)},
@@ -187,8 +232,8 @@ impl Registry {
                     u32::MAX / 256
                 ))
             })?;
-        let balloons: Vec<(&Device, &BalloonTarget)> = self
-            .selected(args)?
+        let devices = self.lock();
+        let balloons: Vec<(&Device, &BalloonTarget)> = Self::selected(&devices, args)?
             .into_iter()
             .filter_map(|d| match &d.kind {
                 Kind::Balloon { target, .. } => Some((d, target)),
@@ -216,7 +261,7 @@ impl Registry {
     /// The `--stats` report of a `serve` process, now.
     pub fn report(&self) -> ServeReport {
         let mut r = ServeReport::default();
-        for d in &self.devices {
+        for d in self.lock().iter() {
             match &d.kind {
                 Kind::Blk { live, .. } => r.blk.push(BlkReport {
                     socket: d.socket.clone(),
@@ -249,7 +294,7 @@ impl Handler for Registry {
         match command {
             "query-commands" => Ok(json!(self.commands())),
             "query-devices" => Ok(json!(
-                self.selected(args)?
+                Self::selected(&self.lock(), args)?
                     .iter()
                     .map(|d| d.info())
                     .collect::<Vec<_>>()

@@ -416,3 +416,47 @@ fn skipped(what: &str) {
     use std::io::Write;
     let _ = std::io::stderr().write_all(format!("skipped: {what}\n").as_bytes());
 }
+
+/// `blk-resize` on a block device: its size is its own, so a size other than the one it has is
+/// refused by value; once the device grew on the host, a resize without a size reads the new
+/// size, which the config space then shows.
+#[test]
+fn a_block_device_is_resized_by_reading_its_size_again() {
+    use memvisor_vhost::Device as _;
+    let test = "a_block_device_is_resized_by_reading_its_size_again";
+    let Some(lo) = loop_or_skip(test, 4 * MIB, None) else {
+        return;
+    };
+    let blk = Blk::new(lo.open(false), BlkOptions::default()).unwrap();
+    let cap = blk.capacity();
+    assert!(cap.is_block_device());
+    let capacity = |b: &Blk| {
+        let mut c = [0u8; 8];
+        b.read_config(0, &mut c);
+        u64::from_le_bytes(c)
+    };
+    assert_eq!(capacity(&blk), 4 * MIB / 512);
+    let e = cap.resize(Some(8 * MIB)).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("size {}", 8 * MIB)) && e.contains("block device"),
+        "{e}"
+    );
+    assert_eq!(cap.resize(Some(4 * MIB)).unwrap().size, 4 * MIB);
+    // The host grows it: the backing file, then the loop device's idea of its size.
+    File::options()
+        .write(true)
+        .open(&lo.backing)
+        .unwrap()
+        .set_len(8 * MIB)
+        .unwrap();
+    let out = Command::new("losetup")
+        .arg("-c")
+        .arg(&lo.dev)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "losetup -c: {out:?}");
+    assert_eq!(capacity(&blk), 4 * MIB / 512, "not before it is asked");
+    let r = cap.resize(None).unwrap();
+    assert_eq!((r.before, r.size), (4 * MIB, 8 * MIB));
+    assert_eq!(capacity(&blk), 8 * MIB / 512);
+}

@@ -151,7 +151,7 @@ impl BlkCapacity {
             .len())
     }
 
-    /// How many changes the back end has taken so far ([`BlkCapacity::take_change`]); a
+    /// How many changes the back end has taken so far (its serving loop takes each once); a
     /// resizer reads it before, and waits for it to move.
     pub fn changes_taken(&self) -> u64 {
         self.0.taken.load(SeqCst)
@@ -198,10 +198,10 @@ mod tests {
                 use std::sync::atomic::{AtomicU32, Ordering};
                 static N: AtomicU32 = AtomicU32::new(0);
                 let n = N.fetch_add(1, Ordering::Relaxed);
-                Path(std::env::temp_dir().join(format!(
-                    "memvisor-capacity-{}-{n}.img",
-                    std::process::id()
-                )))
+                Path(
+                    std::env::temp_dir()
+                        .join(format!("memvisor-capacity-{}-{n}.img", std::process::id())),
+                )
             }
         }
         impl Drop for Path {

@@ -89,9 +89,9 @@ mod ranges;
 mod request;
 mod stats;
 
+pub use capacity::{BlkCapacity, Resized};
 use io::Out;
 use stats::BlkCounters;
-pub use capacity::{BlkCapacity, Resized};
 pub use stats::{BlkLive, BlkStats};
 
 /// virtio device id of a block device.
@@ -215,6 +215,11 @@ impl Blk {
     /// The device's counters, per queue, to read from any thread while it serves.
     pub fn live(&self) -> BlkLive {
         self.live.clone()
+    }
+
+    /// Its capacity, to change while it serves ([`BlkCapacity::resize`]).
+    pub fn capacity(&self) -> BlkCapacity {
+        self.capacity.clone()
     }
 
     /// What the device has done so far, all queues together.
