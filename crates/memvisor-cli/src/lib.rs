@@ -16,6 +16,7 @@ pub mod control;
 pub mod devices;
 pub mod listener;
 pub mod logging;
+pub mod metrics;
 pub mod notify;
 pub mod runtime;
 pub mod serve;

@@ -88,6 +88,10 @@ struct ServeArgs {
     /// Write what the devices did as JSON on exit, and whenever SIGUSR1 comes
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
+    /// Serve Prometheus metrics (text format 0.0.4: query-stats' counters and the latency
+    /// histograms) over HTTP GET on 127.0.0.1:PORT, [::1]:PORT or unix:PATH; loopback only
+    #[arg(long, value_name = "ADDR", value_parser = memvisor_cli::metrics::parse)]
+    metrics: Option<memvisor_cli::metrics::Addr>,
     /// Print the device types this server hosts as JSON (a list of the vhost-user
     /// specification's capabilities objects) and exit
     #[arg(long)]
@@ -227,6 +231,10 @@ struct BlkArgs {
     /// `memvisor ctl` is its client. The device is blk0
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
+    /// Serve Prometheus metrics (text format 0.0.4: query-stats' counters and the latency
+    /// histograms) over HTTP GET on 127.0.0.1:PORT, [::1]:PORT or unix:PATH; loopback only
+    #[arg(long, value_name = "ADDR", value_parser = memvisor_cli::metrics::parse)]
+    metrics: Option<memvisor_cli::metrics::Addr>,
     /// Write the IOTLB traffic (memory tables, updates, invalidates, misses) to FILE, for
     /// `memvisor-bench iotlb --replay FILE` (test-hooks builds only: the recorder is the test
     /// kit's)
@@ -328,6 +336,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         record_iotlb,
         args.control.as_deref(),
         args.stats.as_deref(),
+        args.metrics.as_ref(),
         &state,
     )?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
@@ -366,6 +375,7 @@ fn run_serve(args: &ServeArgs) -> Result<()> {
         control,
         iommu: args.iommu || config.iommu,
         stats: stats.clone(),
+        metrics: args.metrics.clone(),
     };
     let report = serve::serve(&devices, &state)?;
     eprintln!("{}", serde_json::to_string_pretty(&report)?);

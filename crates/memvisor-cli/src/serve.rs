@@ -205,9 +205,25 @@ fn run_until_stopped(
     runtime.finish()
 }
 
+/// Starts the Prometheus endpoint, if asked for: it answers with what `query-stats` says.
+fn start_metrics(
+    addr: Option<&crate::metrics::Addr>,
+    registry: &Arc<Registry>,
+) -> Result<Option<crate::metrics::Metrics>> {
+    let Some(addr) = addr else {
+        return Ok(None);
+    };
+    let registry = registry.clone();
+    let all = serde_json::json!({});
+    Ok(Some(crate::metrics::start(addr, move || {
+        registry.query_stats(&all).unwrap_or_default()
+    })?))
+}
+
 /// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report. With
 /// `control`, a control socket answers for it as `blk0` (and resizes it: `blk-resize`); SIGUSR1
 /// writes the report to `stats`.
+#[allow(clippy::too_many_arguments)] // the server's settings, each its own option
 pub fn blk(
     socket: &SocketSpec,
     spec: BlkSpec,
@@ -215,6 +231,7 @@ pub fn blk(
     record_iotlb: Option<&Path>,
     control: Option<&Path>,
     stats: Option<&Path>,
+    metrics: Option<&crate::metrics::Addr>,
     state: &ProcessState,
 ) -> Result<BlkServeReport> {
     let file = open_disk(&spec.disk, spec.options.read_only, spec.direct)?;
@@ -252,6 +269,7 @@ pub fn blk(
         Ok(())
     })?;
     let control = start_control(control_socket, runtime.clone(), registry.events.clone());
+    let _metrics = start_metrics(metrics, &registry)?;
     ready();
     run_until_stopped(&runtime, control, || {
         if let Some(r) = BlkServeReport::now(&registry, &at_disconnect) {
@@ -396,6 +414,8 @@ pub struct Devices {
     pub iommu: bool,
     /// Where SIGUSR1 writes the report (stderr if not given).
     pub stats: Option<PathBuf>,
+    /// The Prometheus endpoint (`--metrics`), if any.
+    pub metrics: Option<crate::metrics::Addr>,
 }
 
 impl Devices {
@@ -520,6 +540,7 @@ pub fn serve(devices: &Devices, state: &ProcessState) -> Result<ServeReport> {
         log::info!("no device at start: add them on the control socket (blk-add)");
     }
     let control = start_control(control_socket, runtime.clone(), registry.events.clone());
+    let _metrics = start_metrics(devices.metrics.as_ref(), &registry)?;
     ready();
     run_until_stopped(&runtime, control, || {
         report_now(devices.stats.as_deref(), &registry.report())

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use memvisor::dma::PinRegistry;
 use memvisor_vhost::{
     BackendLive, BackendStats, BalloonLive, BalloonStatus, BalloonTarget, BlkCapacity, BlkLive,
-    BlkStats,
+    BlkStats, ThrottleConfig,
 };
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -120,6 +120,8 @@ impl Device {
                 for (row, blk) in queues.iter_mut().zip(live.queues()) {
                     row["blk"] = json!(blk);
                 }
+                v["latency"] = json!(live.latency());
+                v["throttle"] = json!(live.throttle().config());
             }
             Kind::Balloon { live, .. } => v["balloon"] = json!(live.status()),
         }
@@ -258,6 +260,33 @@ impl Registry {
         Ok(json!({"devices": ids, "target_pages": pages}))
     }
 
+    /// `blk-set-throttle`: `id` and QEMU's `block_set_io_throttle` limits (absent or 0: no
+    /// limit; all zero lifts the throttle), checked as QEMU checks them
+    /// ([`memvisor_vhost::blk::throttle`](memvisor_vhost::ThrottleConfig)).
+    fn set_throttle(&self, args: &Value) -> Result<Value, CommandError> {
+        let Some(id) = args.get("id").and_then(Value::as_str) else {
+            return Err(CommandError::generic(
+                "blk-set-throttle needs \"id\": the id of a blk device",
+            ));
+        };
+        let devices = self.lock();
+        let d = Self::find(&devices, id)?;
+        let Kind::Blk { live, .. } = &d.kind else {
+            return Err(CommandError::generic(format!(
+                "device {id:?} is not a blk device"
+            )));
+        };
+        let mut limits = args.as_object().cloned().unwrap_or_default();
+        limits.remove("id");
+        let config: ThrottleConfig = serde_json::from_value(Value::Object(limits))
+            .map_err(|e| CommandError::generic(format!("blk-set-throttle {id}: {e}")))?;
+        live.throttle()
+            .set(config.clone())
+            .map_err(|e| CommandError::generic(format!("blk-set-throttle {id}: {e}")))?;
+        log::info!("control: blk {id} throttle {}", json!(config));
+        Ok(json!({}))
+    }
+
     /// The `--stats` report of a `serve` process, now.
     pub fn report(&self) -> ServeReport {
         let mut r = ServeReport::default();
@@ -287,6 +316,7 @@ impl Handler for Registry {
             "query-devices",
             "query-stats",
             "balloon-set-target",
+            "blk-set-throttle",
         ]
     }
 
@@ -301,6 +331,7 @@ impl Handler for Registry {
             )),
             "query-stats" => self.query_stats(args),
             "balloon-set-target" => self.set_target(args),
+            "blk-set-throttle" => self.set_throttle(args),
             other => Err(unknown_command(other, &self.commands())),
         }
     }

@@ -71,7 +71,7 @@ mod worker;
 
 pub use backend::Backend;
 pub use balloon::{BalloonDevice, BalloonLive, BalloonStatus, BalloonTarget};
-pub use blk::{Blk, BlkCapacity, BlkLive, BlkOptions, BlkStats};
+pub use blk::{Blk, BlkCapacity, BlkLive, BlkOptions, BlkStats, Throttle, ThrottleConfig};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use live::{BackendLive, BackendStats, QueueStats};

@@ -77,6 +77,9 @@ pub struct Faults {
     /// back end sends no `CONFIG_CHANGE_MSG`, while the `DEVICE_RESIZED` event still says the
     /// frontend was told (the QMP trial's resize step must fail: the guest never sees the size).
     pub silent_resize: bool,
+    /// `MEMVISOR_TEST_IGNORE_THROTTLE`: `blk-set-throttle` is accepted and shown, and the blk
+    /// device never holds a request back for it (the throttle trial's negative control).
+    pub ignore_throttle: bool,
 }
 
 /// The pause between two completions of a batch under [`Faults::reorder`].
@@ -163,6 +166,9 @@ impl Faults {
             silent_resize: flag(
                 "MEMVISOR_TEST_SILENT_RESIZE",
                 "blk-resize is not told to the frontend",
+            ignore_throttle: flag(
+                "MEMVISOR_TEST_IGNORE_THROTTLE",
+                "blk throttles are accepted and never delay a request",
             ),
         }
     }

@@ -7,12 +7,14 @@ use std::time::Instant;
 
 use memvisor::DmaSpace;
 use memvisor::dma::{SgBuf, SgWalk};
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT;
 use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::io::{Ready, elapsed_ns};
 use super::request::{Failure, Outcome};
+use super::throttle::Wake;
 use super::{Blk, SECTOR};
 use crate::device::{Device, Processed, Used};
 use crate::disk::{IN_FLIGHT, advance};
@@ -108,10 +110,18 @@ impl Device for Blk {
     }
 
     fn completion_fd(&self) -> Option<std::os::fd::RawFd> {
-        self.disk.completion_fd()
+        match &self.wake {
+            // Fires for the throttle's timer or the io_uring's completions.
+            Some(w) => Some(w.fd(self.disk.completion_fd())),
+            None => self.disk.completion_fd(),
+        }
     }
 
     fn complete(&mut self, memory: &FrontendMemory, wait: bool) -> Result<Vec<Used>> {
+        if let Some(w) = &self.wake {
+            // A fired timer is seen now; the caller serves the rings that still hold requests.
+            w.clear();
+        }
         let dma = memory.dma().clone();
         let mut used = Vec::new();
         loop {
@@ -278,6 +288,18 @@ impl Blk {
             // buffer must be mapped before anything is done; else (and for a chain cut short)
             // put the chain back and let the back end ask — for every unmapped page of the
             // chain's buffers at once, not one round trip per page ([`crate::miss`]).
+            // A read or write the throttle holds back stays on the ring, untaken, and the ring
+            // waits for the device's timer ([`super::throttle`]).
+            if cut.is_none() {
+                if let Some(wait) = self.throttled(&dma, &bufs) {
+                    match redo {
+                        Some(head) => queue.resubmit_later(head),
+                        None => queue.go_to_previous_position(),
+                    }
+                    self.defer(wait);
+                    break;
+                }
+            }
             let walk = self.hold(index, &dma, &bufs);
             if ask {
                 let mut misses: Vec<memvisor::dma::Miss> = cut.into_iter().collect();
@@ -340,6 +362,53 @@ impl Blk {
             *any = true;
         }
         Ok(None)
+    }
+
+    /// How long the read or write of `bufs` must wait for the throttle (`None`: it goes, and
+    /// counts; anything else, and a chain whose header cannot be read, is not throttled).
+    fn throttled(&mut self, dma: &DmaSpace, bufs: &[Buf]) -> Option<std::time::Duration> {
+        let throttle = self.live.throttle();
+        if !throttle.is_on() {
+            return None;
+        }
+        // TEST ONLY: the throttle is accepted and shown, and never holds a request back.
+        #[cfg(feature = "test-hooks")]
+        if dma.faults().ignore_throttle {
+            return None;
+        }
+        let hdr = bufs.first().filter(|b| !b.write && b.len >= 16)?;
+        let mut kind = [0u8; 4];
+        dma.dma_read(memvisor::Iova(hdr.addr), &mut kind).ok()?;
+        let write = match u32::from_le_bytes(kind) {
+            VIRTIO_BLK_T_IN => false,
+            VIRTIO_BLK_T_OUT => true,
+            _ => return None,
+        };
+        let data = bufs.get(1..bufs.len() - 1).unwrap_or_default();
+        let bytes = data.iter().map(|b| u64::from(b.len)).sum();
+        let wait = throttle.admit(write, bytes)?;
+        if self.wake.is_none() && !self.no_wake {
+            match Wake::new() {
+                Ok(w) => self.wake = Some(w),
+                Err(e) => {
+                    log::warn!("blk: no timer for the throttle ({e}): requests go unthrottled");
+                    self.no_wake = true;
+                }
+            }
+        }
+        self.wake.is_some().then_some(wait)
+    }
+
+    /// Has the serving loop come back after `wait` for the requests the throttle held back.
+    fn defer(&mut self, wait: std::time::Duration) {
+        if let Some(w) = &self.wake {
+            w.arm(wait);
+        }
+        if self.options.poll_us > 0 {
+            // A polling loop would find the held-back chains again at once: pause between
+            // looks instead of spinning (bounded, so messages and a stop wait at most this).
+            std::thread::sleep(wait.min(std::time::Duration::from_millis(1)));
+        }
     }
 
     /// Walks the buffers of a chain once ([`DmaSpace::hold_sg`]), timing it.

@@ -13,6 +13,7 @@ use memvisor::dma::SgGuard;
 use memvisor::{DmaSpace, Iova};
 
 use super::request::{Failure, Outcome};
+use super::stats::Op;
 use super::{Blk, S_OK, SECTOR};
 use crate::disk::AlignedBuf;
 #[cfg(doc)]
@@ -34,6 +35,8 @@ pub(super) struct Ready {
     pub total: u64,
     /// Where the status byte goes.
     pub status_at: u64,
+    /// When its buffers were held (its latency runs from here).
+    started: Instant,
     /// TEST ONLY: the locked pins the blk hook took on top of the guard's holds
     /// ([`Faults::locked_blk_pins`](memvisor::faults::Faults::locked_blk_pins)).
     #[cfg(feature = "test-hooks")]
@@ -69,6 +72,7 @@ impl Blk {
         to_guest: bool,
         status_at: u64,
     ) -> Outcome {
+        let started = Instant::now();
         let mut total: u64 = 0;
         for b in data {
             if b.write != to_guest {
@@ -133,6 +137,7 @@ impl Blk {
             to_guest,
             total,
             status_at,
+            started,
             #[cfg(feature = "test-hooks")]
             _hook: hook,
         };
@@ -171,12 +176,15 @@ impl Blk {
             sector,
             to_guest,
             total,
+            started,
             ..
         } = ready;
         let start = Instant::now();
         drop(guard);
         let c = self.count(q);
         c.release_ns.add(elapsed_ns(start));
+        let op = if to_guest { Op::Read } else { Op::Write };
+        c.record_latency(op, elapsed_ns(started));
         c.pinned_pages.sub(pages);
         match moved {
             Ok(n) => {

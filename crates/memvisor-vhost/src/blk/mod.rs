@@ -51,7 +51,8 @@
 //!
 //! The parts: the request's header and its outcome (`request`), its data moving to and from
 //! the image (`io`), discards and write-zeroes (`ranges`), the config space and features
-//! (`config`), the ring side (`device`) and the counters (`stats`).
+//! (`config`), the ring side (`device`), the counters and latency histograms (`stats`) and the
+//! I/O limits (`throttle`: a request that must wait stays on its ring).
 //!
 //! **Bad requests** (a chain without a header or status byte, a buffer outside guest memory or
 //! with the wrong direction, a read past the end of the disk, a length that is not whole
@@ -88,11 +89,13 @@ mod io;
 mod ranges;
 mod request;
 mod stats;
+mod throttle;
 
 pub use capacity::{BlkCapacity, Resized};
 use io::Out;
 use stats::BlkCounters;
-pub use stats::{BlkLive, BlkStats};
+pub use stats::{BlkLive, BlkStats, Histogram, LATENCY_BOUNDS_NS, Op, QueueLatency};
+pub use throttle::{Throttle, ThrottleConfig, VALUE_MAX as THROTTLE_VALUE_MAX};
 
 /// virtio device id of a block device.
 pub const DEVICE_ID: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
@@ -166,6 +169,11 @@ pub struct Blk {
     /// capacity change is not told to the frontend.
     #[cfg(feature = "test-hooks")]
     silent_resize: bool,
+    /// Wakes the serving loop when a request the throttle deferred may go (made on the first
+    /// deferral; [`throttle`]).
+    wake: Option<throttle::Wake>,
+    /// Said once: no timer for the throttle, so it lets requests through.
+    no_wake: bool,
 }
 
 impl Blk {
@@ -204,6 +212,8 @@ impl Blk {
             live,
             #[cfg(feature = "test-hooks")]
             silent_resize: false,
+            wake: None,
+            no_wake: false,
         })
     }
 

@@ -13,7 +13,8 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
 };
 
-use super::io::Ready;
+use super::io::{Ready, elapsed_ns};
+use super::stats::Op;
 use super::{Blk, S_IOERR, S_OK, S_UNSUPP, SECTOR};
 use crate::error::Error;
 use crate::ring::Desc as Buf;
@@ -126,13 +127,18 @@ impl Blk {
                 }
                 self.transfer(q, dma, data, guard, sector, to_guest, status_at)
             }
-            VIRTIO_BLK_T_FLUSH => match self.disk.sync_data() {
-                Ok(()) => {
-                    self.count(q).flushes.add(1);
-                    Outcome::Done(S_OK, 0)
+            VIRTIO_BLK_T_FLUSH => {
+                let flush_start = std::time::Instant::now();
+                match self.disk.sync_data() {
+                    Ok(()) => {
+                        let c = self.count(q);
+                        c.flushes.add(1);
+                        c.record_latency(Op::Flush, elapsed_ns(flush_start));
+                        Outcome::Done(S_OK, 0)
+                    }
+                    Err(e) => Outcome::Failed(Failure::Io(e)),
                 }
-                Err(e) => Outcome::Failed(Failure::Io(e)),
-            },
+            }
             VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES if !self.options.read_only => {
                 match self.ranges(q, dma, data, kind == VIRTIO_BLK_T_WRITE_ZEROES) {
                     Ok((code, written)) => Outcome::Done(code, written),

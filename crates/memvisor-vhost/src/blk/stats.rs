@@ -5,13 +5,102 @@
 //! counters per queue, shared by the device and the copies of it that serve a queue on a worker
 //! thread; the thread serving a queue is the only one adding to its block. [`BlkStats`] is what
 //! a block, or the sum of all of them, says at one moment.
+//!
+//! **Latency.** Each block also keeps a latency histogram per operation (read, write, flush):
+//! fixed log-scale buckets, bucket `i` counting requests that took at most `2^(10+i)` ns (1 µs
+//! to 8.6 s, [`LATENCY_BOUNDS_NS`]) and one more for longer, with their count and total time.
+//! Recording is two plain relaxed stores by the queue's own thread (no atomic read-modify-write,
+//! no lock): one clock read when a request's buffers are held and one when it ends. A read or
+//! write is timed from its buffers being held to its end; a flush is its `fdatasync`. Time a
+//! request waited on the ring for the throttle is not in it ([`super::throttle`]).
 
 use std::sync::Arc;
 
+use super::throttle::Throttle;
 use crate::live::Counter;
 
 /// Buckets of the pinned-page histogram: up to 2^23 pages (32 GiB) in one request.
 const BUCKETS: usize = 24;
+
+/// Latency buckets with an upper bound: `2^10` ns (1 µs) to `2^33` ns (8.6 s).
+const LATENCY_BOUNDED: usize = 24;
+/// The smallest bound is `2^LATENCY_SHIFT` ns.
+const LATENCY_SHIFT: u32 = 10;
+
+/// The latency histograms' upper bounds, in nanoseconds (a last bucket counts what is longer).
+pub const LATENCY_BOUNDS_NS: [u64; LATENCY_BOUNDED] = {
+    let mut b = [0u64; LATENCY_BOUNDED];
+    let mut i = 0;
+    while i < LATENCY_BOUNDED {
+        b[i] = 1 << (LATENCY_SHIFT as usize + i);
+        i += 1;
+    }
+    b
+};
+
+/// What a latency histogram tells about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Reads (`IN`).
+    Read = 0,
+    /// Writes (`OUT`).
+    Write = 1,
+    /// Flushes.
+    Flush = 2,
+}
+
+/// One operation's latency histogram at one moment (serialized under these names).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Histogram {
+    /// Upper bounds of the buckets ([`LATENCY_BOUNDS_NS`]).
+    pub bounds_ns: Vec<u64>,
+    /// Requests per bucket (not cumulative); one more entry than `bounds_ns`: longer ones.
+    pub counts: Vec<u64>,
+    /// Requests timed.
+    pub count: u64,
+    /// Their total time.
+    pub sum_ns: u64,
+}
+
+/// One queue's latency histograms.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct QueueLatency {
+    /// The queue's index.
+    pub queue: u16,
+    /// Its reads.
+    pub read: Histogram,
+    /// Its writes.
+    pub write: Histogram,
+    /// Its flushes.
+    pub flush: Histogram,
+}
+
+/// One operation's live latency counters.
+#[derive(Debug, Default)]
+struct Latency {
+    counts: [Counter; LATENCY_BOUNDED + 1],
+    sum_ns: Counter,
+}
+
+impl Latency {
+    fn snapshot(&self) -> Histogram {
+        let counts: Vec<u64> = self.counts.iter().map(Counter::get).collect();
+        Histogram {
+            bounds_ns: LATENCY_BOUNDS_NS.to_vec(),
+            count: counts.iter().sum(),
+            counts,
+            sum_ns: self.sum_ns.get(),
+        }
+    }
+}
+
+/// The bucket a request of `ns` nanoseconds falls in.
+#[inline]
+fn latency_bucket(ns: u64) -> usize {
+    // ceil(log2(ns)): the smallest k with ns <= 2^k.
+    let k = 64 - ns.max(1).wrapping_sub(1).leading_zeros();
+    (k.saturating_sub(LATENCY_SHIFT) as usize).min(LATENCY_BOUNDED)
+}
 
 /// What the device has done (serialized under these names; the histogram as
 /// `[[pages up to, requests], ...]` for the buckets with requests).
@@ -153,6 +242,7 @@ pub(super) struct BlkCounters {
     pub hold_ns: Counter,
     pub release_ns: Counter,
     npage_histogram: [Counter; BUCKETS],
+    latency: [Latency; 3],
 }
 
 impl BlkCounters {
@@ -160,6 +250,14 @@ impl BlkCounters {
     pub fn record_pages(&self, pages: usize) {
         let bucket = pages.max(1).next_power_of_two().trailing_zeros() as usize;
         self.npage_histogram[bucket.min(BUCKETS - 1)].add(1);
+    }
+
+    /// Counts one `op` that took `ns` nanoseconds in its latency histogram.
+    #[inline]
+    pub fn record_latency(&self, op: Op, ns: u64) {
+        let l = &self.latency[op as usize];
+        l.counts[latency_bucket(ns)].add(1);
+        l.sum_ns.add(ns);
     }
 
     fn snapshot(&self) -> BlkStats {
@@ -193,24 +291,49 @@ impl BlkCounters {
 }
 
 /// A blk device's counters, one block per queue, to read from any thread while it serves
-/// ([`crate::Blk::live`]). Cloning shares them.
+/// ([`crate::Blk::live`]), and its throttle. Cloning shares them.
 #[derive(Clone, Debug)]
-pub struct BlkLive(Arc<[BlkCounters]>);
+pub struct BlkLive {
+    queues: Arc<[BlkCounters]>,
+    throttle: Throttle,
+}
 
 impl BlkLive {
     pub(super) fn new(queues: u16) -> BlkLive {
-        BlkLive((0..queues.max(1)).map(|_| BlkCounters::default()).collect())
+        BlkLive {
+            queues: (0..queues.max(1)).map(|_| BlkCounters::default()).collect(),
+            throttle: Throttle::default(),
+        }
     }
 
     /// Queue `q`'s block (the last queue's for an index past the end: the back end hands the
     /// device only indexes below its queue count).
     pub(super) fn queue(&self, q: u16) -> &BlkCounters {
-        &self.0[usize::from(q).min(self.0.len() - 1)]
+        &self.queues[usize::from(q).min(self.queues.len() - 1)]
     }
 
     /// Each queue's counts now.
     pub fn queues(&self) -> Vec<BlkStats> {
-        self.0.iter().map(BlkCounters::snapshot).collect()
+        self.queues.iter().map(BlkCounters::snapshot).collect()
+    }
+
+    /// Each queue's latency histograms now.
+    pub fn latency(&self) -> Vec<QueueLatency> {
+        self.queues
+            .iter()
+            .enumerate()
+            .map(|(q, c)| QueueLatency {
+                queue: q as u16,
+                read: c.latency[Op::Read as usize].snapshot(),
+                write: c.latency[Op::Write as usize].snapshot(),
+                flush: c.latency[Op::Flush as usize].snapshot(),
+            })
+            .collect()
+    }
+
+    /// The device's throttle, shared by its queues (`blk-set-throttle`).
+    pub fn throttle(&self) -> &Throttle {
+        &self.throttle
     }
 
     /// The device's counts now: the sum of its queues'.
@@ -246,5 +369,30 @@ mod tests {
         // A queue index past the end counts on the last queue, never out of bounds.
         live.queue(7).flushes.add(1);
         assert_eq!(live.queues()[1].flushes, 1);
+    }
+
+    #[test]
+    fn latency_buckets_are_upper_bounds_in_powers_of_two() {
+        assert_eq!(latency_bucket(0), 0);
+        assert_eq!(latency_bucket(1024), 0);
+        assert_eq!(latency_bucket(1025), 1);
+        assert_eq!(latency_bucket(1 << 20), 10);
+        assert_eq!(latency_bucket((1 << 33) + 1), LATENCY_BOUNDED);
+        assert_eq!(latency_bucket(u64::MAX), LATENCY_BOUNDED);
+        let live = BlkLive::new(2);
+        live.queue(1).record_latency(Op::Write, 3000);
+        live.queue(1).record_latency(Op::Write, 5000);
+        live.queue(0).record_latency(Op::Flush, 1 << 40);
+        let l = live.latency();
+        let w = &l[1].write;
+        // 3000 and 5000 ns: at most 4096 (bucket 2) and 8192 (bucket 3).
+        assert_eq!(
+            (w.count, w.sum_ns, w.counts[2], w.counts[3]),
+            (2, 8000, 1, 1)
+        );
+        assert_eq!(w.counts.len(), w.bounds_ns.len() + 1);
+        assert_eq!(w.bounds_ns[2], 4096);
+        assert_eq!(l[0].flush.counts[LATENCY_BOUNDED], 1);
+        assert_eq!((l[0].read.count, l[1].flush.count), (0, 0));
     }
 }
