@@ -166,6 +166,7 @@ impl Faults {
             silent_resize: flag(
                 "MEMVISOR_TEST_SILENT_RESIZE",
                 "blk-resize is not told to the frontend",
+            ),
             ignore_throttle: flag(
                 "MEMVISOR_TEST_IGNORE_THROTTLE",
                 "blk throttles are accepted and never delay a request",
