@@ -20,6 +20,8 @@ mod map_unmap;
 mod page_report;
 mod pin;
 mod pin_pages;
+// Issue 47's QMP round trip: on request (`memvisor bench qmp`), it starts the server binary.
+mod qmp;
 pub mod report;
 mod rw;
 // Issue 38's scale table: on request (`memvisor bench scale`).
@@ -33,14 +35,15 @@ use serde::Serialize;
 use std::time::{Duration, Instant};
 
 /// Experiments run only when named: they need root and minutes (`memvisor bench guest`,
-/// `memvisor bench blk`), terabytes of address space (`memvisor bench scale`), or /dev/kvm
-/// (`memvisor bench kvm`).
+/// `memvisor bench blk`), terabytes of address space (`memvisor bench scale`), /dev/kvm
+/// (`memvisor bench kvm`), or the server binary (`memvisor bench qmp`).
 pub fn on_request() -> Vec<Box<dyn Experiment>> {
     vec![
         Box::new(guest::Guest),
         Box::new(blk::BlkBench),
         Box::new(scale::Scale),
         Box::new(kvm::KvmMemslots),
+        Box::new(qmp::Qmp),
     ]
 }
 

@@ -25,7 +25,8 @@ struct BenchArgs {
     /// (real-guest trials) and blk (the blk back end beside qemu-storage-daemon under libblkio),
     /// both need root and minutes; scale (cost against size: dirty log drains at guest sizes up
     /// to 1 TiB of sparse memory, translate, map+unmap, IOTLB and pin rows); and kvm (memslot
-    /// updates, MMIO exits and dirty harvests through memvisor-kvm): needs /dev/kvm
+    /// updates, MMIO exits and dirty harvests through memvisor-kvm): needs /dev/kvm; and qmp (a
+    /// query-stats round trip on a live server's QMP control socket: median, p99)
     #[arg(value_name = "EXPERIMENT")]
     experiments: Vec<String>,
     /// Small sizes: the whole suite in minutes (the default; the README gives its time)

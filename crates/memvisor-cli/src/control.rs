@@ -1,4 +1,4 @@
-//! The control socket: QEMU's QMP (docs/interop/qmp-spec.rst), one JSON object per line.
+//! The control socket: QEMU's QMP (docs/interop/qmp-spec.rst), JSON objects over a Unix socket.
 //!
 //! **Model.** A client connects to the Unix socket `--control PATH` and first reads the
 //! greeting, `{"QMP": {"version": {"qemu": {"major", "minor", "micro"}, "package": "memvisor
@@ -24,8 +24,10 @@
 //! Each connection has a reader thread, which runs commands, and a writer thread, the only one
 //! writing to the socket: answers and events reach it through one channel, so lines never
 //! interleave and a slow client stalls nobody but itself (a device thread only queues an event).
-//! A line longer than [`MAX_LINE`], or one that is not a JSON object, is answered with an error
-//! and the connection goes on; at most [`MAX_CLIENTS`] clients are served at once.
+//! Commands are read as QMP streams them, not by lines: one ends where its braces close
+//! (`Framer`), newline or not. A command longer than [`MAX_LINE`], or one that is not a JSON
+//! object, is answered with an error and the connection goes on; the server's own messages are
+//! one per line; at most [`MAX_CLIENTS`] clients are served at once.
 //!
 //! [`request`] and [`Client`] are the client side (`memvisor ctl`): they read the greeting,
 //! negotiate, then run commands.
@@ -234,44 +236,41 @@ fn connection(
     let mut negotiated = false;
     let mut quit = false;
     if tx.send(greeting().to_string()).is_ok() {
-        let mut reader = BufReader::new(sock);
-        loop {
-            let mut line = Vec::new();
-            // One byte past the limit tells a line that is too long.
-            match (&mut reader)
-                .take(MAX_LINE as u64 + 1)
-                .read_until(b'\n', &mut line)
-            {
+        let mut reader = sock;
+        let mut framer = Framer::default();
+        let mut chunk = [0u8; 4096];
+        let mut frames = std::collections::VecDeque::new();
+        'read: loop {
+            let n = match reader.read(&mut chunk) {
                 Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-            let (answer, then) = if line.len() > MAX_LINE && !line.ends_with(b"\n") {
-                // Skip the rest of the line, then say why.
-                let mut rest = Vec::new();
-                if reader.read_until(b'\n', &mut rest).is_err() {
-                    break;
-                }
-                let e = CommandError::generic(format!(
-                    "a command line of more than {MAX_LINE} bytes; send one JSON object per line"
-                ));
-                (error_line(&e, None), Then::Next)
-            } else {
-                respond(handler, &line, negotiated)
+                Ok(n) => n,
             };
-            let sent = match then {
-                _ if answer.is_empty() => true,
-                Then::Negotiated => {
-                    negotiated = true;
-                    events.subscribe(id, tx.clone(), answer)
+            frames.extend(chunk[..n].iter().filter_map(|&b| framer.push(b)));
+            while let Some(frame) = frames.pop_front() {
+                let (answer, then) = match frame {
+                    Frame::TooLong => {
+                        let e = CommandError::generic(format!(
+                            "a command of more than {MAX_LINE} bytes; send one JSON object at a time"
+                        ));
+                        (error_line(&e, None), Then::Next)
+                    }
+                    Frame::Message(m) => respond(handler, &m, negotiated),
+                };
+                let sent = match then {
+                    _ if answer.is_empty() => true,
+                    Then::Negotiated => {
+                        negotiated = true;
+                        events.subscribe(id, tx.clone(), answer)
+                    }
+                    Then::Next | Then::Quit => tx.send(answer).is_ok(),
+                };
+                if !sent {
+                    break 'read;
                 }
-                Then::Next | Then::Quit => tx.send(answer).is_ok(),
-            };
-            if !sent {
-                break;
-            }
-            if then == Then::Quit {
-                quit = true;
-                break;
+                if then == Then::Quit {
+                    quit = true;
+                    break 'read;
+                }
             }
         }
     }
@@ -282,6 +281,102 @@ fn connection(
     if quit {
         log::info!("control socket: quit; stopping as for SIGTERM");
         stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One command as it came off the socket.
+#[derive(Debug, PartialEq, Eq)]
+enum Frame {
+    /// A JSON object or array, whole (or, for anything else, the text up to the line's end).
+    Message(Vec<u8>),
+    /// One longer than [`MAX_LINE`] bytes, skipped.
+    TooLong,
+}
+
+/// Splits the byte stream a client sends into commands. QMP is a stream of JSON values, not of
+/// lines: QEMU's parser takes an object whenever its braces close, and clients rely on it
+/// (python's `qemu.qmp` sends each command with no newline after it). So a command ends where
+/// its outermost `{…}` (or `[…]`) closes, strings and escapes taken into account; anything else
+/// at the top level (not JSON as QMP wants it) ends at the line's end, to be answered with an
+/// error. Whitespace between commands is skipped. A command longer than [`MAX_LINE`] is not
+/// kept: its bytes are counted through to its end and it comes out as [`Frame::TooLong`].
+#[derive(Default)]
+struct Framer {
+    buf: Vec<u8>,
+    depth: u32,
+    in_string: bool,
+    escape: bool,
+    /// Inside something that is not an object or array: it ends at a newline.
+    bare: bool,
+    too_long: bool,
+}
+
+impl Framer {
+    fn keep(&mut self, b: u8) {
+        if self.buf.len() < MAX_LINE {
+            self.buf.push(b);
+        } else {
+            self.too_long = true;
+        }
+    }
+
+    fn take(&mut self) -> Frame {
+        let buf = std::mem::take(&mut self.buf);
+        let too_long = std::mem::take(&mut self.too_long);
+        if too_long {
+            Frame::TooLong
+        } else {
+            Frame::Message(buf)
+        }
+    }
+
+    /// Takes one byte; a frame when it ends one.
+    fn push(&mut self, b: u8) -> Option<Frame> {
+        if self.bare {
+            if b == b'\n' {
+                self.bare = false;
+                return Some(self.take());
+            }
+            self.keep(b);
+            return None;
+        }
+        if self.depth == 0 {
+            match b {
+                b' ' | b'\t' | b'\r' | b'\n' => {}
+                b'{' | b'[' => {
+                    self.depth = 1;
+                    self.keep(b);
+                }
+                _ => {
+                    self.bare = true;
+                    self.keep(b);
+                }
+            }
+            return None;
+        }
+        self.keep(b);
+        if self.in_string {
+            if self.escape {
+                self.escape = false;
+            } else if b == b'\\' {
+                self.escape = true;
+            } else if b == b'"' {
+                self.in_string = false;
+            }
+            return None;
+        }
+        match b {
+            b'"' => self.in_string = true,
+            b'{' | b'[' => self.depth += 1,
+            b'}' | b']' => {
+                self.depth -= 1;
+                if self.depth == 0 {
+                    return Some(self.take());
+                }
+            }
+            _ => {}
+        }
+        None
     }
 }
 
@@ -646,6 +741,38 @@ mod tests {
             };
             assert_eq!(a.get("id").cloned().unwrap_or(Value::Null), want_id, "{a}");
         }
+    }
+
+    fn frames(bytes: &[u8]) -> Vec<Frame> {
+        let mut f = Framer::default();
+        bytes.iter().filter_map(|&b| f.push(b)).collect()
+    }
+
+    fn message(s: &str) -> Frame {
+        Frame::Message(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn commands_end_where_their_braces_close_newline_or_not() {
+        // As python's qemu.qmp sends them: back to back, no newline.
+        let a = r#"{"execute":"qmp_capabilities","id":"__qmp#00000"}"#;
+        let b = r#"{"execute":"echo","arguments":{"s":"}{\"]"}}"#;
+        assert_eq!(
+            frames(format!("{a}{b}").as_bytes()),
+            [message(a), message(b)]
+        );
+        // Spread over lines, and a line of something else.
+        assert_eq!(
+            frames(b"\n {\n \"execute\":\n \"echo\"\n}\r\ntarget 5\n[1]"),
+            [
+                message("{\n \"execute\":\n \"echo\"\n}"),
+                message("target 5"),
+                message("[1]")
+            ]
+        );
+        // Too long: skipped through its end, then the next one is whole.
+        let long = format!(r#"{{"pad": "{}"}}{a}"#, "}".repeat(MAX_LINE));
+        assert_eq!(frames(long.as_bytes()), [Frame::TooLong, message(a)]);
     }
 
     #[test]
