@@ -241,7 +241,10 @@ async def main():
         ok4 = (r == {} and r2 == {} and limit > 0 and len(held) == a.throttle_secs
                and abs(capped / limit - 1) <= 0.10 and len(back) == 4 and lifted >= 2 * limit)
         step(4, ok4, f"asked {limit} B/s, measured {capped:.0f} B/s (ratio {capped / limit if limit else 0:.3f}, want 0.90-1.10); "
-             f"lifted {lifted:.0f} B/s (want >= {2 * limit}); unthrottled {free:.0f} B/s")
+             f"lifted {lifted:.0f} B/s (want >= {2 * limit}); unthrottled {free:.0f} B/s"
+             + ("" if len(held) == a.throttle_secs and len(back) == 4 else
+                f"; the guest gave {len(held)} of {a.throttle_secs} throttled and {len(back)} of 4 lifted"
+                " intervals: its I/O stalled (a request never answered?)"))
         # 5. QEMU quits (its own QMP monitor), then blk-del.
         vm = QMPClient("qemu")
         await vm.connect(a.qemu_qmp)
