@@ -7,6 +7,7 @@
 //! writer ([`report`]) and the chart renderer ([`charts`]) turn outcomes into files.
 
 mod blk;
+mod blk_throttle;
 pub mod charts;
 mod guest;
 mod hugepages;
@@ -73,6 +74,7 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
         Box::new(page_report::PageReport),
         Box::new(iotlb::IotlbReplay),
         Box::new(vfio_user::VfioUserReplay),
+        Box::new(blk_throttle::BlkThrottle),
     ]
 }
 

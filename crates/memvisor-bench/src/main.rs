@@ -21,7 +21,7 @@ use std::process::ExitCode;
 )]
 struct BenchArgs {
     /// Experiments to run, in this order: lookup, translate, rw, pin, map-unmap, pin-pages,
-    /// report, iotlb, vfio-user (the default: all of these); and, only when named, guest
+    /// report, iotlb, vfio-user, blk-throttle (the default: all of these); and, only when named, guest
     /// (real-guest trials) and blk (the blk back end beside qemu-storage-daemon under libblkio),
     /// both need root and minutes; scale (cost against size: dirty log drains at guest sizes up
     /// to 1 TiB of sparse memory, translate, map+unmap, IOTLB and pin rows); and kvm (memslot

@@ -108,6 +108,27 @@ fn a_throttled_device_serves_at_its_limit_and_freely_once_lifted() {
         within(got, iops as f64),
         "iops_wr {iops}: measured {got:.1} requests/s, not within 10%"
     );
+    // A rate whose waits are often shorter than a pass over the ring: a wait already over
+    // when the timer is set must still bring the loop back (it once stalled the ring).
+    let iops = 2000;
+    throttle
+        .set(ThrottleConfig {
+            iops,
+            ..Default::default()
+        })
+        .unwrap();
+    let (_, got) = drive(&mut g, false, 4096, 1.5);
+    eprintln!("iops {iops}: measured {got:.1}/s");
+    assert!(
+        within(got, iops as f64),
+        "iops {iops}: measured {got:.1} requests/s, not within 10%"
+    );
+    throttle
+        .set(ThrottleConfig {
+            iops_wr: 200,
+            ..Default::default()
+        })
+        .unwrap();
     // Reads are not limited by a write limit.
     let (_, reads) = drive(&mut g, false, 4096, 0.3);
     assert!(
@@ -166,4 +187,44 @@ fn a_frontend_leaving_while_a_request_waits_ends_the_connection_at_once() {
     let mut s = [0u8];
     g.mem.read(Gpa(STATUS), &mut s).unwrap();
     assert_eq!(s[0], 0xff);
+}
+
+/// TEST ONLY switch `MEMVISOR_TEST_IGNORE_THROTTLE`: the throttle is accepted and shown, and
+/// never holds a request back (the guest trial's negative control relies on it).
+#[cfg(feature = "test-hooks")]
+#[test]
+fn the_ignore_throttle_fault_keeps_the_limit_and_never_delays() {
+    let blk = Blk::new(memfd(32 * MIB), BlkOptions::default()).unwrap();
+    let throttle = blk.live().throttle().clone();
+    let state = memvisor_vhost::ProcessState::new(
+        memvisor::SharedMappings::global(),
+        memvisor::PinRegistry::global(),
+    )
+    .with_faults(memvisor::faults::Faults {
+        ignore_throttle: true,
+        ..Default::default()
+    });
+    let mut backend = memvisor_vhost::Backend::new(blk, &state).unwrap();
+    let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let t = std::thread::spawn(move || {
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let _ = backend.run(&b, &stop);
+    });
+    let c = memvisor_testkit::vhost::client::Client::from_stream(a);
+    let mut g = Guest::new(64 * MIB);
+    setup(&c, &g);
+    throttle
+        .set(ThrottleConfig {
+            iops: 20,
+            ..Default::default()
+        })
+        .unwrap();
+    let (_, got) = drive(&mut g, false, 4096, 0.5);
+    assert_eq!(throttle.config().iops, 20);
+    assert!(
+        got > 200.0,
+        "{got:.1} requests/s: the fault must never delay"
+    );
+    drop(c);
+    t.join().unwrap();
 }

@@ -22,6 +22,17 @@ use crate::error::{Error, Result};
 use crate::memory::FrontendMemory;
 use crate::ring::{Desc as Buf, Ring};
 
+/// Safety timers a deferred ring gets with no pass looking at it before the device stops
+/// waking for it ([`Blk::throttle_woke`]).
+const MAX_IDLE_FIRES: u8 = 10;
+/// The safety timer: how soon the loop looks again when a wake-up may not have been acted on.
+const SAFETY_WAKE: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Ring `index`'s bit in [`Blk`]'s set of deferred rings (rings past 63 share the last bit).
+fn ring_bit(index: u16) -> u64 {
+    1 << index.min(63)
+}
+
 impl Device for Blk {
     fn name(&self) -> &'static str {
         "vhost-user-blk"
@@ -65,6 +76,9 @@ impl Device for Blk {
         queue: &mut Ring,
         memory: &FrontendMemory,
     ) -> Result<Processed> {
+        // This ring is being looked at: a deferral of it is answered (or made again below).
+        self.deferred &= !ring_bit(index);
+        self.looked = true;
         let dma = memory.dma().clone();
         let mut batch = Vec::new();
         let mut any = false;
@@ -118,10 +132,7 @@ impl Device for Blk {
     }
 
     fn complete(&mut self, memory: &FrontendMemory, wait: bool) -> Result<Vec<Used>> {
-        if let Some(w) = &self.wake {
-            // A fired timer is seen now; the caller serves the rings that still hold requests.
-            w.clear();
-        }
+        self.throttle_woke();
         let dma = memory.dma().clone();
         let mut used = Vec::new();
         loop {
@@ -187,6 +198,17 @@ impl Device for Blk {
         Ok(used)
     }
 
+    fn join_worker(&mut self, worker: Blk) {
+        // Its ring comes back here with requests the throttle held back, maybe: look soon.
+        if worker.deferred != 0 {
+            self.deferred |= worker.deferred;
+            self.ensure_wake();
+            if let Some(w) = &self.wake {
+                w.arm(SAFETY_WAKE);
+            }
+        }
+    }
+
     fn queue_worker(&self) -> Option<Blk> {
         // The same image through a second descriptor (one open file: the same flags,
         // O_DIRECT included), with an io_uring of its own; it counts in the same live
@@ -196,6 +218,15 @@ impl Device for Blk {
         b.acked = self.acked;
         b.live = self.live.clone();
         b.capacity = self.capacity.clone();
+        if self.deferred != 0 {
+            // The ring lent may hold requests the throttle held back here: the worker looks
+            // soon rather than at the next kick.
+            b.deferred = self.deferred;
+            b.ensure_wake();
+            if let Some(w) = &b.wake {
+                w.arm(SAFETY_WAKE);
+            }
+        }
         Some(b)
     }
 
@@ -296,7 +327,7 @@ impl Blk {
                         Some(head) => queue.resubmit_later(head),
                         None => queue.go_to_previous_position(),
                     }
-                    self.defer(wait);
+                    self.defer(index, wait);
                     break;
                 }
             }
@@ -387,6 +418,12 @@ impl Blk {
         let data = bufs.get(1..bufs.len() - 1).unwrap_or_default();
         let bytes = data.iter().map(|b| u64::from(b.len)).sum();
         let wait = throttle.admit(write, bytes)?;
+        self.ensure_wake();
+        self.wake.is_some().then_some(wait)
+    }
+
+    /// Makes the throttle's timer, once (said once in the log if it cannot be made).
+    fn ensure_wake(&mut self) {
         if self.wake.is_none() && !self.no_wake {
             match Wake::new() {
                 Ok(w) => self.wake = Some(w),
@@ -396,11 +433,13 @@ impl Blk {
                 }
             }
         }
-        self.wake.is_some().then_some(wait)
     }
 
-    /// Has the serving loop come back after `wait` for the requests the throttle held back.
-    fn defer(&mut self, wait: std::time::Duration) {
+    /// Has the serving loop come back after `wait` for ring `index`, whose requests the
+    /// throttle held back.
+    fn defer(&mut self, index: u16, wait: std::time::Duration) {
+        self.deferred |= ring_bit(index);
+        self.idle_fires = 0;
         if let Some(w) = &self.wake {
             w.arm(wait);
         }
@@ -408,6 +447,33 @@ impl Blk {
             // A polling loop would find the held-back chains again at once: pause between
             // looks instead of spinning (bounded, so messages and a stop wait at most this).
             std::thread::sleep(wait.min(std::time::Duration::from_millis(1)));
+        }
+    }
+
+    /// Called from [`Device::complete`], which the serving loops call when the device's
+    /// descriptor fires — and then serve every ring holding requests — but also at the end of
+    /// each pass and before a message, where no ring is served after it. So a fired timer is
+    /// taken here without losing the wake-up it stands for: fired while rings were being
+    /// served (it may be the deferral just made, with a wait already over), it is set again at
+    /// once for the loop to see; seen by the loop itself, a short safety timer stays behind in
+    /// case nothing serves the rings after this call (a message came first). A deferred ring
+    /// that no pass looks at through [`MAX_IDLE_FIRES`] safety timers is not served here any
+    /// more (stopped, or lent to a worker): the device stops waking for it.
+    fn throttle_woke(&mut self) {
+        let Some(w) = &self.wake else {
+            return;
+        };
+        let looked = std::mem::take(&mut self.looked);
+        if !w.take_fired() || self.deferred == 0 {
+            return;
+        }
+        if looked {
+            w.arm(std::time::Duration::from_micros(1));
+        } else if self.idle_fires < MAX_IDLE_FIRES {
+            self.idle_fires += 1;
+            w.arm(SAFETY_WAKE);
+        } else {
+            self.deferred = 0;
         }
     }
 

@@ -174,6 +174,12 @@ pub struct Blk {
     wake: Option<throttle::Wake>,
     /// Said once: no timer for the throttle, so it lets requests through.
     no_wake: bool,
+    /// Rings (a bit each) with requests the throttle held back, not looked at since.
+    deferred: u64,
+    /// A ring was processed since the last [`Device::complete`].
+    looked: bool,
+    /// Safety timers fired with no ring looked at since the last deferral.
+    idle_fires: u8,
 }
 
 impl Blk {
@@ -214,6 +220,9 @@ impl Blk {
             silent_resize: false,
             wake: None,
             no_wake: false,
+            deferred: 0,
+            looked: false,
+            idle_fires: 0,
         })
     }
 

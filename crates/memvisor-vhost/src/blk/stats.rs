@@ -331,6 +331,13 @@ impl BlkLive {
             .collect()
     }
 
+    /// Counts one `op` of `ns` nanoseconds in queue `q`'s histogram, as the device does for
+    /// each request it ends (for tools that measure what that costs: the bench). Only the
+    /// thread serving queue `q` may call it while the device serves.
+    pub fn record_latency(&self, q: u16, op: Op, ns: u64) {
+        self.queue(q).record_latency(op, ns);
+    }
+
     /// The device's throttle, shared by its queues (`blk-set-throttle`).
     pub fn throttle(&self) -> &Throttle {
         &self.throttle

@@ -32,7 +32,10 @@
 //! `epoll` descriptor that fires for either its io_uring's eventfd or the timer. So a waiting
 //! request blocks no thread: other devices, other rings, vhost-user messages, a disconnect and a
 //! stop go on as before, and a ring stopped meanwhile returns its base with the waiting chains
-//! still available (never taken), which the next back end serves. The one exception is a device
+//! still available (never taken), which the next back end serves. The loops also end work (and
+//! so look at the timer) at the end of each pass and before a message, where they serve no ring
+//! after: a timer that fired then is set again rather than lost, and a ring lent to a worker or
+//! handed back carries its deferral with it (`Blk::throttle_woke`). The one exception is a device
 //! that polls its rings (`poll-us`): polling a ring whose requests must wait would spin, so
 //! there each deferral also sleeps for the wait, at most a millisecond, between polls. Were the
 //! timer impossible to set up (no `timerfd`), the throttle lets requests through and says so
@@ -511,12 +514,12 @@ impl Wake {
         }
     }
 
-    /// Takes a fired timer's expiry (nothing when it has not fired).
-    pub(super) fn clear(&self) {
+    /// Takes a fired timer's expiry: whether it had fired.
+    pub(super) fn take_fired(&self) -> bool {
         let mut b = [0u8; 8];
         // SAFETY: reads at most 8 bytes into a live 8-byte buffer; the descriptor is
         // non-blocking.
-        unsafe { libc::read(self.timer.as_raw_fd(), b.as_mut_ptr().cast(), b.len()) };
+        unsafe { libc::read(self.timer.as_raw_fd(), b.as_mut_ptr().cast(), b.len()) > 0 }
     }
 
     /// The descriptor to wait on, watching `completion` (the io_uring's eventfd) too.
