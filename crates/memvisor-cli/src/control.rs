@@ -910,6 +910,14 @@ mod tests {
         assert!(!s.stop.load(Ordering::Relaxed));
         assert_eq!(c.execute("quit", json!({})).unwrap(), json!({}));
         // The flag a signal sets is set: the serving loop ends, every connection with it.
+        let t0 = std::time::Instant::now();
+        while !s.server.is_finished() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "quit did not stop the server"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
         s.server.join().unwrap().unwrap();
         assert!(s.stop.load(Ordering::Relaxed));
         let e = other.execute("echo", json!({})).unwrap_err().to_string();
