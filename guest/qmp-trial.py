@@ -15,7 +15,8 @@ Steps, each judged PASS or FAIL on one line ("STEP n PASS|FAIL ..."):
      /sys/block/vda/size shows the new size (within RESIZE_WAIT s) without a reboot.
   4. blk-set-throttle bps = a quarter of the unthrottled rate measured first: the guest's rate
      (reads + writes, over THROTTLE_SECS intervals after the first two) within +-10% of the
-     limit; lifted again (all zero), back above twice the limit.
+     limit; lifted again (all zero), back above 1.5 times the limit (the unthrottled rate
+     itself varies by 2x between runs on a shared machine; a throttle left in force gives 1.0).
   5. QEMU quits (through QEMU's own QMP monitor), then blk-del (no force needed).
   6. Events DEVICE_ADDED, FRONTEND_CONNECTED, DEVICE_RESIZED, FRONTEND_DISCONNECTED,
      DEVICE_DELETED arrived for the device, in that order.
@@ -239,9 +240,9 @@ async def main():
               f"  per interval: {per}")
         print(f"    {'lifted':<12} {'-':>12} {lifted:>12.0f} {lifted / limit if limit else 0:>7.3f} {len(back)}")
         ok4 = (r == {} and r2 == {} and limit > 0 and len(held) == a.throttle_secs
-               and abs(capped / limit - 1) <= 0.10 and len(back) == 4 and lifted >= 2 * limit)
+               and abs(capped / limit - 1) <= 0.10 and len(back) == 4 and lifted >= 1.5 * limit)
         step(4, ok4, f"asked {limit} B/s, measured {capped:.0f} B/s (ratio {capped / limit if limit else 0:.3f}, want 0.90-1.10); "
-             f"lifted {lifted:.0f} B/s (want >= {2 * limit}); unthrottled {free:.0f} B/s"
+             f"lifted {lifted:.0f} B/s (want >= {1.5 * limit:.0f}); unthrottled {free:.0f} B/s"
              + ("" if len(held) == a.throttle_secs and len(back) == 4 else
                 f"; the guest gave {len(held)} of {a.throttle_secs} throttled and {len(back)} of 4 lifted"
                 " intervals: its I/O stalled (a request never answered?)"))

@@ -227,7 +227,7 @@
 #               blk-add a disk, QEMU connects and the guest (guest/progs/qmpio.c) does verified
 #               I/O; blk-resize +32 MiB must reach the guest's /sys/block/vda/size without a
 #               reboot; blk-set-throttle bps = a quarter of the unthrottled rate: the guest's
-#               rate over 8 s within +-10% of it, and back above twice it once lifted; QEMU
+#               rate over 8 s within +-10% of it, and back above 1.5 times it once lifted; QEMU
 #               quits (its own QMP), then blk-del; the five device and frontend events in order;
 #               the Prometheus endpoint, scraped at the guest's rate lines and parsed by
 #               prometheus_client, must count requests, histogram counts and the guest's bytes
