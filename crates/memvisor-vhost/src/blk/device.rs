@@ -96,6 +96,8 @@ impl Device for Blk {
 
     fn reset(&mut self) {
         self.acked = 0;
+        // The rings are gone with the frontend: no deferral is owed to them.
+        self.deferred = 0;
         // The next frontend reads the capacity as it is; a change no one heard is not news.
         self.capacity.forget_change();
     }
