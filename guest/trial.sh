@@ -231,7 +231,7 @@
 #               quits (its own QMP), then blk-del; the five device and frontend events in order;
 #               the Prometheus endpoint, scraped at the guest's rate lines and parsed by
 #               prometheus_client, must count requests, histogram counts and the guest's bytes
-#               (within 10%) in every window; `quit` must stop the server. About 60 s.
+#               (within 10%) in every window; `quit` must stop the server. About 35 s (50 s negative-resize).
 #   qmp --negative-throttle: blk-set-throttle is accepted and never delays a request
 #               (MEMVISOR_TEST_IGNORE_THROTTLE; needs MEMVISOR= a test-hooks build): step 4
 #               must FAIL.
