@@ -16,6 +16,7 @@
 #                      | rng [--negative]
 #                      | blk --loop[=4096] [--negative]
 #                      | locks [--negative]
+#                      | qmp [--negative-throttle | --negative-resize]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -221,6 +222,22 @@
 #               --locking off must start beside the paused VM. About 30 s.
 #   locks --negative: memvisor runs with locking off (and format raw) wherever a refusal is
 #               expected; the trial must then FAIL.
+#   qmp         memvisor driven only through QMP, by python's qemu.qmp (guest/qmp-trial.py; pip install
+#               qemu.qmp prometheus_client): `serve --control --metrics` starts with no device;
+#               blk-add a disk, QEMU connects and the guest (guest/progs/qmpio.c) does verified
+#               I/O; blk-resize +32 MiB must reach the guest's /sys/block/vda/size without a
+#               reboot; blk-set-throttle bps = a quarter of the unthrottled rate: the guest's
+#               rate over 8 s within +-10% of it, and back above 1.5 times it once lifted; QEMU
+#               quits (its own QMP), then blk-del; the five device and frontend events in order;
+#               the Prometheus endpoint, scraped at the guest's rate lines and parsed by
+#               prometheus_client, must count requests, histogram counts and the guest's bytes
+#               (within 10%) in every window; `quit` must stop the server. About 35 s (50 s negative-resize).
+#   qmp --negative-throttle: blk-set-throttle is accepted and never delays a request
+#               (MEMVISOR_TEST_IGNORE_THROTTLE; needs MEMVISOR= a test-hooks build): step 4
+#               must FAIL.
+#   qmp --negative-resize: blk-resize changes the capacity and tells the frontend nothing
+#               (MEMVISOR_TEST_SILENT_RESIZE; needs MEMVISOR= a test-hooks build): step 3
+#               must FAIL.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300), RUST_LOG
 #   (the back ends' log filter, default info; warn for vfio-user).
 set -euo pipefail
@@ -234,6 +251,8 @@ qsize=""; qcap=0; rest=(); for a in "$@"; do case $a in --queue-size=[0-9]*) qsi
 if [ $qcap = 1 ] && [ -z "$qsize" ]; then echo "--queue-cap needs --queue-size=N" >&2; exit 2; fi
 # --frontend-dies (blk, mig; see frontend_dies_* below) is taken out before the common options.
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
+# --negative-throttle and --negative-resize (qmp; see the qmp case below) likewise.
+qmp_neg=""; rest=(); for a in "$@"; do case $a in --negative-throttle) qmp_neg=throttle;; --negative-resize) qmp_neg=resize;; *) rest+=("$a");; esac; done; set -- ${rest[@]+"${rest[@]}"}
 # --loop (blk; see blk_loop_trial below) likewise.
 loop=0; loop_sector=512; rest=(); for a in "$@"; do case $a in --loop) loop=1;; --loop=4096) loop=1; loop_sector=4096;; *) rest+=("$a");; esac; done; set -- ${rest[@]+"${rest[@]}"}
 for a in "$@"; do case $a in --stats) balloon_stats=1;; --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --no-summary) no_summary=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
@@ -291,6 +310,7 @@ name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-n
 [ $crash = 0 ] || name=${name/blk/blk-crash}; [ $reorder = 0 ] || name=$name-reorder
 [ $loop = 0 ] || name=${name/blk/blk-loop}; [ $loop_sector = 512 ] || name=${name/blk-loop/blk-loop$loop_sector}
 [ -z "$qsize" ] || name=$name-qs$qsize; [ $qcap = 0 ] || name=$name-capped
+[ -z "$qmp_neg" ] || name=$name-negative-$qmp_neg
 # The disk-fault trial's mounts (tmpfs, FUSE) from a run that died before its cleanup.
 for m in "$work/run/$name/fault/fuse" "$work/run/$name/fault/tmpfs"; do
   mountpoint -q "$m" 2>/dev/null && umount -l "$m"
@@ -1752,6 +1772,47 @@ locks)
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: memvisor without locks went unnoticed"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  ;;
+qmp)
+  # memvisor driven only through QMP by python's qemu.qmp; guest/qmp-trial.py runs the steps and
+  # QEMU (the command after its `--`), and judges each; see the usage at the top.
+  python3 -c 'import qemu.qmp, prometheus_client' 2>/dev/null \
+    || { echo "trial.sh qmp: needs python's qemu.qmp and prometheus_client: pip install qemu.qmp prometheus_client" >&2; exit 1; }
+  case $qmp_neg in
+    throttle) need_hooks MEMVISOR_TEST_IGNORE_THROTTLE; export MEMVISOR_TEST_IGNORE_THROTTLE=1;;
+    resize) need_hooks MEMVISOR_TEST_SILENT_RESIZE; export MEMVISOR_TEST_SILENT_RESIZE=1;;
+  esac
+  truncate -s 64M "$run/disk.img"
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  RUST_LOG=${RUST_LOG:-info} "$bin" serve --control "$work/$run/control.sock" --metrics "127.0.0.1:$port" > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$run/control.sock"
+  start=$(date +%s.%N)
+  rc=0
+  timeout "${TIMEOUT:-150}" python3 "$top/guest/qmp-trial.py" --control "$run/control.sock" --metrics "http://127.0.0.1:$port/metrics" \
+    --socket "$work/$run/blk.sock" --disk "$work/$run/disk.img" --console "$log" --qemu-qmp "$run/qemu.qmp" -- \
+    timeout "${TIMEOUT:-150}" "$top/guest/qemu.sh" root -machine q35,memory-backend=mem -object "$ram" -m 1G \
+      -smp 1 -nographic -no-reboot -kernel vm/vmlinuz -initrd vm/initrd.cpio.gz \
+      -append "console=ttyS0 panic=-1 quiet t=qmp qmp_mib=8 qmp_secs=120" \
+      -chardev socket,id=c0,path=$run/blk.sock -device vhost-user-blk-pci,chardev=c0,num-queues=1 \
+      -qmp unix:$run/qemu.qmp,server=on,wait=off > "$run/trial.log" 2>&1 || rc=$?
+  # `quit` (the last thing the script sends) must have stopped the server.
+  for _ in $(seq 50); do kill -0 "$bpid" 2>/dev/null || break; sleep 0.1; done
+  stopped=1; kill -0 "$bpid" 2>/dev/null && stopped=0
+  end=$(date +%s.%N)
+  sed 's/^/  /' "$run/trial.log"
+  echo "  server $([ $stopped = 1 ] && echo "stopped on quit" || echo "still running 5 s after quit")"
+  grep -a -E 'WARN|ERROR|panick' "$run/backend.log" | head -5 | sed 's/^/  back end: /' || true
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
+  result=$(grep -a '^RESULT qmp' "$run/trial.log" | tail -1 || true)
+  echo "$name: ${result:-RESULT qmp FAIL no verdict (exit $rc; see $work/$run/trial.log)}"
+  ok=0; if [ $rc = 0 ] && [ $stopped = 1 ]; then case "$result" in *PASS*) ok=1;; esac; fi
+  if [ -n "$qmp_neg" ]; then
+    want=4; [ "$qmp_neg" = throttle ] || want=3
+    if grep -a -q "^STEP $want FAIL" "$run/trial.log"; then echo "$name: step $want failed as it must"; exit 0; fi
+    echo "$name: step $want did not fail although the back end was broken for it (is MEMVISOR a test-hooks build?)"; exit 1
   fi
   [ $ok = 1 ] || exit 1
   ;;

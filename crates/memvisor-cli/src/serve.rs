@@ -205,9 +205,6 @@ fn run_until_stopped(
     runtime.finish()
 }
 
-/// Serves a virtio-blk device over `disk` on `socket` until a signal; returns its report. With
-/// `control`, a control socket answers for it as `blk0` (and resizes it: `blk-resize`); SIGUSR1
-/// writes the report to `stats`.
 /// Starts the Prometheus endpoint, if asked for: it answers with what `query-stats` says.
 fn start_metrics(
     addr: Option<&crate::metrics::Addr>,
