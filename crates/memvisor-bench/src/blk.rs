@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{Ctx, Experiment, Mode, Outcome, Row, Stats, Table};
+use super::{Ctx, Experiment, Mode, Outcome, Row, Stats, Table, is_root};
 
 pub struct BlkBench;
 
@@ -138,11 +138,6 @@ const MEMVISOR: usize = 0;
 const LONG_TERM: usize = 1;
 const QSD_THREADS: usize = 2;
 const QSD_IO_URING: usize = 3;
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no arguments and cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
 
 /// The tree's top directory (where guest/ and target/ are), absolute.
 fn top() -> Result<PathBuf, String> {

@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use super::{Better, Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Stats, Table};
+use super::{Better, Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Stats, Table, is_root};
 
 pub struct Guest;
 
@@ -30,11 +30,6 @@ fn seconds_after(console: &str, key: &str) -> Option<f64> {
 
 fn read(path: &Path) -> Option<String> {
     std::fs::read_to_string(path).ok()
-}
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no arguments and cannot fail.
-    unsafe { libc::geteuid() == 0 }
 }
 
 /// Runs one trial if possible; returns why not otherwise.

@@ -78,6 +78,13 @@ pub fn all() -> Vec<Box<dyn Experiment>> {
     ]
 }
 
+/// Whether the benchmark runs as root (the experiments that start QEMU or qemu-storage-daemon
+/// in the harness's root need it).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
 /// The server binary for the experiments that start one (`memvisor-bench blk`): `$MEMVISOR` if
 /// set, else `target/release/memvisor` under the source tree `top`, which `cargo build --release
 /// -p memvisor-cli` brings up to date first (the benchmark is not the server; it drives it as a

@@ -1,15 +1,19 @@
-//! `memvisor bench qmp`: the round trip of one QMP command on a live server's control socket.
+//! `memvisor bench qmp`: the round trip of one QMP command on a live server's control socket,
+//! beside qemu-storage-daemon's monitor where it runs here.
 //!
-//! Starts the server (`memvisor vfio-user --control`, the binary [`crate::server_binary`] gives;
-//! no root, no guest), connects to its control socket as any QMP client does (reads the
-//! greeting, sends `qmp_capabilities`), then sends `query-stats` and waits for its answer, one
-//! at a time, many times. A round trip is timed from just before the command is written to just
-//! after its answer line is read: the server parses the command, reads its live figures (the
-//! DMA table, the pin registry, `/proc/self/status` and `/proc/self/maps`) and writes the
-//! answer through its writer thread. Each run gives the median and the 99th percentile of its
-//! round trips; the rows are the median of those over the runs (min and max beside). Not in
-//! the default run: it starts the server binary, which the benchmark builds when it is missing
-//! or stale.
+//! Starts each server with one disk (a 64 MiB image) and a QMP socket: memvisor as
+//! `memvisor vhost-user-blk --control` (the binary [`crate::server_binary`] gives; no root),
+//! qemu-storage-daemon from the real-guest harness's QEMU root (`guest/qemu.sh`; root and
+//! `target/guest/root` needed, skipped with the reason otherwise) with the same image exported
+//! as vhost-user-blk and `--monitor` on a socket. Connects as any QMP client does (reads the
+//! greeting, sends `qmp_capabilities`), then sends the disk's statistics query — memvisor's
+//! `query-stats`, qsd's `query-blockstats` — and waits for its answer, one at a time, many
+//! times. A round trip is timed from just before the command is written to just after its answer
+//! line is read. memvisor's answer carries more than qsd's (its pin registry, `/proc/self/status`
+//! and `/proc/self/maps`, the latency histograms), so the rows compare what an operator's poll
+//! costs on each, not equal work. Each run gives the median and the 99th percentile of its round
+//! trips; the rows are the median of those over the runs (min and max beside). Not in the
+//! default run: it starts server binaries, which the benchmark builds when missing or stale.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -84,32 +88,143 @@ impl Session {
     }
 }
 
-fn start(dir: &Path) -> Result<(Server, PathBuf), String> {
-    let top = std::env::current_dir().map_err(|e| format!("no current directory: {e}"))?;
-    let bin = crate::server_binary(&top)?;
-    let (sock, ctl) = (dir.join("vfio.sock"), dir.join("ctl.sock"));
+/// The servers compared: memvisor, and qemu-storage-daemon where it runs here.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Peer {
+    Memvisor,
+    Qsd,
+}
+
+impl Peer {
+    fn name(self) -> &'static str {
+        match self {
+            Peer::Memvisor => "memvisor",
+            Peer::Qsd => "qemu-storage-daemon",
+        }
+    }
+
+    /// The command that asks for the disk's statistics.
+    fn command(self) -> &'static str {
+        match self {
+            Peer::Memvisor => "{\"execute\":\"query-stats\"}",
+            Peer::Qsd => "{\"execute\":\"query-blockstats\"}",
+        }
+    }
+
+    /// Why it cannot run here, if it cannot.
+    fn missing(self, top: &Path) -> Option<String> {
+        match self {
+            Peer::Memvisor => None,
+            Peer::Qsd if !crate::is_root() => {
+                Some("qemu-storage-daemon: needs root (it runs in the QEMU root, chroot)".into())
+            }
+            Peer::Qsd
+                if !top
+                    .join("target/guest/root/usr/bin/qemu-storage-daemon")
+                    .exists() =>
+            {
+                Some(
+                    "qemu-storage-daemon: target/guest/root is not built (guest/trial.sh builds \
+                     it on first use)"
+                        .into(),
+                )
+            }
+            Peer::Qsd => None,
+        }
+    }
+}
+
+/// Starts `peer` with one disk and a QMP socket in `dir` (relative paths: qsd runs in a chroot
+/// whose working directory is `dir`); returns it and the socket's path.
+fn start(top: &Path, dir: &Path, peer: Peer) -> Result<(Server, PathBuf), String> {
+    const IMAGE: &str = "disk.img";
+    const SOCK: &str = "blk.sock";
+    const CTL: &str = "ctl.sock";
+    let image = std::fs::File::create(dir.join(IMAGE)).map_err(|e| e.to_string())?;
+    image.set_len(64 << 20).map_err(|e| e.to_string())?;
+    let (sock, ctl) = (dir.join(SOCK), dir.join(CTL));
     let _ = std::fs::remove_file(&sock);
     let _ = std::fs::remove_file(&ctl);
-    let child = Command::new(&bin)
-        .arg("vfio-user")
-        .arg("--socket")
-        .arg(&sock)
-        .arg("--control")
-        .arg(&ctl)
-        .env("RUST_LOG", "warn")
+    let mut cmd = match peer {
+        Peer::Memvisor => {
+            let mut c = Command::new(crate::server_binary(top)?);
+            c.args(["vhost-user-blk", "--socket", SOCK, "--disk", IMAGE])
+                .args(["--control", CTL])
+                .env("RUST_LOG", "warn");
+            c
+        }
+        Peer::Qsd => {
+            let mut c = Command::new(top.join("guest/qemu.sh"));
+            c.env("BIN", "qemu-storage-daemon")
+                .arg(top.join("target/guest/root"))
+                .arg("--blockdev")
+                .arg(format!("driver=file,node-name=file,filename={IMAGE}"))
+                .args(["--blockdev", "driver=raw,node-name=disk,file=file"])
+                .arg("--export")
+                .arg(format!(
+                    "type=vhost-user-blk,id=exp,node-name=disk,addr.type=unix,addr.path={SOCK},\
+                     writable=on"
+                ))
+                .arg("--chardev")
+                .arg(format!("socket,id=mon,path={CTL},server=on,wait=off"))
+                .args(["--monitor", "chardev=mon"]);
+            c
+        }
+    };
+    let child = cmd
+        .current_dir(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+        .map_err(|e| format!("cannot start {}: {e}", peer.name()))?;
     let server = Server(child);
     let t0 = Instant::now();
     while !ctl.exists() {
         if t0.elapsed() > Duration::from_secs(20) {
-            return Err(format!("{} never appeared", ctl.display()));
+            return Err(format!("{}: {} never appeared", peer.name(), ctl.display()));
         }
         std::thread::sleep(Duration::from_millis(10));
     }
     Ok((server, ctl))
+}
+
+/// `runs` runs of `trips` round trips of `peer`'s statistics query: each run's median and p99
+/// (µs).
+fn measure(
+    ctx: &mut Ctx,
+    top: &Path,
+    peer: Peer,
+    runs: u32,
+    trips: usize,
+) -> anyhow::Result<(Stats, Stats)> {
+    let dir = PathBuf::from(DIR).join(peer.name());
+    std::fs::create_dir_all(&dir)?;
+    let (_server, ctl) = start(top, &dir, peer).map_err(anyhow::Error::msg)?;
+    let mut session = Session::connect(&ctl).map_err(anyhow::Error::msg)?;
+    // Warm up: the first answers pay for page faults and lazy set-up.
+    for _ in 0..50 {
+        session
+            .round_trip(peer.command())
+            .map_err(anyhow::Error::msg)?;
+    }
+    let (mut medians, mut p99s) = (Vec::new(), Vec::new());
+    let mut progress = ctx.progress(&format!("{NAME} {}", peer.name()), u64::from(runs));
+    for _ in 0..runs {
+        let mut us = Vec::with_capacity(trips);
+        for _ in 0..trips {
+            let t0 = Instant::now();
+            session
+                .round_trip(peer.command())
+                .map_err(anyhow::Error::msg)?;
+            us.push(t0.elapsed().as_nanos() as f64 / 1000.0);
+        }
+        us.sort_by(f64::total_cmp);
+        medians.push(quantile(&us, 0.5));
+        p99s.push(quantile(&us, 0.99));
+        progress.inc(1);
+    }
+    progress.finish();
+    Ok((Stats::from_samples(&medians), Stats::from_samples(&p99s)))
 }
 
 /// The `q` quantile of `sorted` (nearest rank).
@@ -124,13 +239,14 @@ impl Experiment for Qmp {
     }
 
     fn title(&self) -> &'static str {
-        "QMP: a query-stats round trip on a live server's control socket"
+        "QMP: a disk-statistics round trip on a live server's control socket, beside qsd"
     }
 
     fn about(&self) -> &'static str {
-        "Starts `memvisor vfio-user --control`, negotiates as a QMP client, then times \
-         query-stats round trips one at a time; per run the median and the 99th percentile, \
-         the rows the median over the runs."
+        "Starts `memvisor vhost-user-blk --control` and qemu-storage-daemon (root, the harness's \
+         QEMU root) with one disk each, negotiates as a QMP client, then times query-stats \
+         (memvisor) and query-blockstats (qsd) round trips one at a time; per run the median and \
+         the 99th percentile, the rows the median over the runs."
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {
@@ -139,53 +255,50 @@ impl Experiment for Qmp {
             Mode::Quick => 500,
             Mode::Full => 10_000,
         };
-        let dir = PathBuf::from(DIR);
-        std::fs::create_dir_all(&dir)?;
-        let (_server, ctl) = start(&dir).map_err(anyhow::Error::msg)?;
-        let mut session = Session::connect(&ctl).map_err(anyhow::Error::msg)?;
-        let command = "{\"execute\":\"query-stats\"}";
-        // Warm up: the first answers pay for page faults and lazy set-up.
-        for _ in 0..50 {
-            session.round_trip(command).map_err(anyhow::Error::msg)?;
-        }
-        let (mut medians, mut p99s) = (Vec::new(), Vec::new());
-        let mut progress = ctx.progress(NAME, u64::from(runs));
-        for _ in 0..runs {
-            let mut us = Vec::with_capacity(trips);
-            for _ in 0..trips {
-                let t0 = Instant::now();
-                session.round_trip(command).map_err(anyhow::Error::msg)?;
-                us.push(t0.elapsed().as_nanos() as f64 / 1000.0);
-            }
-            us.sort_by(f64::total_cmp);
-            medians.push(quantile(&us, 0.5));
-            p99s.push(quantile(&us, 0.99));
-            progress.inc(1);
-        }
-        progress.finish();
-        let median = Stats::from_samples(&medians);
-        let p99 = Stats::from_samples(&p99s);
+        let top = std::env::current_dir()?;
         let mut out = Outcome::default();
-        let case = "query-stats round trip";
-        for (metric, stats) in [("median", &median), ("p99", &p99)] {
-            out.rows
-                .push(Row::new(NAME, case, "memvisor", metric, "µs", stats));
-        }
         let mut table = Table::new(
-            "QMP round trip on the control socket: µs (lower is better)",
-            &["command", "median µs", "p99 µs", "round trips"],
+            "QMP round trip on the control socket, one disk served: µs (lower is better)",
+            &["server", "command", "median µs", "p99 µs", "round trips"],
         );
-        table.push(vec![
-            "query-stats (vfio-user, no client)".into(),
-            format!("{:.1}", median.median),
-            format!("{:.1}", p99.median),
-            format!("{runs} × {trips}"),
-        ]);
+        let mut ranges = Vec::new();
+        for peer in [Peer::Memvisor, Peer::Qsd] {
+            if let Some(why) = peer.missing(&top) {
+                out.skipped.push(why);
+                continue;
+            }
+            let (median, p99) = measure(ctx, &top, peer, runs, trips)?;
+            let case = "disk statistics round trip";
+            for (metric, stats) in [("median", &median), ("p99", &p99)] {
+                out.rows
+                    .push(Row::new(NAME, case, peer.name(), metric, "µs", stats));
+            }
+            let command = peer.command();
+            let command = command
+                .trim_start_matches("{\"execute\":\"")
+                .trim_end_matches("\"}");
+            table.push(vec![
+                peer.name().into(),
+                command.into(),
+                format!("{:.1}", median.median),
+                format!("{:.1}", p99.median),
+                format!("{runs} × {trips}"),
+            ]);
+            ranges.push(format!(
+                "{}: median {:.1}–{:.1}, p99 {:.1}–{:.1}",
+                peer.name(),
+                median.min,
+                median.max,
+                p99.min,
+                p99.max
+            ));
+        }
         table.note = Some(format!(
-            "{runs} runs of {trips} round trips after 50 to warm up; a run's figures are its \
-             median and 99th percentile, the table's the median over the runs (min–max: median \
-             {:.1}–{:.1}, p99 {:.1}–{:.1})",
-            median.min, median.max, p99.min, p99.max
+            "{runs} runs of {trips} round trips after 50 to warm up, the servers one after the \
+             other; a run's figures are its median and 99th percentile, the table's the median \
+             over the runs (min–max: {}). memvisor's answer carries more (pins, /proc figures, \
+             latency histograms) than qsd's query-blockstats",
+            ranges.join("; ")
         ));
         out.tables.push(table);
         Ok(out)
