@@ -8,36 +8,12 @@ mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Dir;
+use common::{BIN, Dir, Server, wait_for};
 use memvisor_cli::control::Client as Control;
 use serde_json::{Value, json};
-
-const BIN: &str = env!("CARGO_BIN_EXE_memvisor");
-
-/// The server, killed if a test fails before it ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_for(path: &Path) {
-    let t0 = Instant::now();
-    while !path.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "{path:?} never appeared"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// One HTTP GET over `s`; returns the status line and the body.
 fn get(mut s: impl Read + Write) -> (String, String) {
