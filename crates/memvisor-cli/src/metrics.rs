@@ -22,9 +22,9 @@
 //! and dozens of crates into a storage daemon for it.
 
 use std::fmt::Write as _;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener};
-use std::os::unix::net::UnixListener;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -78,37 +78,21 @@ impl Drop for Metrics {
 /// Listens on `addr` and answers each scrape with [`render`] of what `stats` says then (the
 /// `query-stats` answer).
 pub fn start(addr: &Addr, stats: impl Fn() -> Value + Send + 'static) -> Result<Metrics> {
-    let answer = move |s: &mut dyn ReadWrite| respond(s, &render(&stats()));
+    let answer = move |s: &mut dyn Conn| respond(s, &render(&stats()));
     match addr {
         Addr::Tcp(a) => {
             let l =
                 TcpListener::bind(a).with_context(|| format!("--metrics {a}: cannot listen"))?;
             let local = l.local_addr()?.to_string();
             log::info!("metrics on http://{local}/metrics");
-            std::thread::Builder::new()
-                .name("metrics".into())
-                .spawn(move || {
-                    for c in l.incoming().flatten() {
-                        let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
-                        let mut c = c;
-                        answer(&mut c);
-                    }
-                })?;
+            answer_each(move || l.accept().map(|(c, _)| c), answer)?;
             Ok(Metrics { unix: None, local })
         }
         Addr::Unix(p) => {
             let l = UnixListener::bind(p)
                 .with_context(|| format!("--metrics unix:{}: cannot listen", p.display()))?;
             log::info!("metrics on unix:{}", p.display());
-            std::thread::Builder::new()
-                .name("metrics".into())
-                .spawn(move || {
-                    for c in l.incoming().flatten() {
-                        let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
-                        let mut c = c;
-                        answer(&mut c);
-                    }
-                })?;
+            answer_each(move || l.accept().map(|(c, _)| c), answer)?;
             Ok(Metrics {
                 unix: Some(p.clone()),
                 local: format!("unix:{}", p.display()),
@@ -117,12 +101,45 @@ pub fn start(addr: &Addr, stats: impl Fn() -> Value + Send + 'static) -> Result<
     }
 }
 
-/// A connection.
-trait ReadWrite: Read + Write {}
-impl<T: Read + Write> ReadWrite for T {}
+/// On a thread of its own, answers each connection `accept` gives, one at a time, each with a
+/// read timeout so a silent client cannot hold the thread.
+fn answer_each<C: Conn + 'static>(
+    mut accept: impl FnMut() -> io::Result<C> + Send + 'static,
+    answer: impl Fn(&mut dyn Conn) + Send + 'static,
+) -> io::Result<()> {
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            loop {
+                // A failed accept loses only that connection.
+                if let Ok(mut c) = accept() {
+                    let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
+                    answer(&mut c);
+                }
+            }
+        })?;
+    Ok(())
+}
+
+/// A connection: a TCP or Unix stream.
+trait Conn: Read + Write {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()>;
+}
+
+impl Conn for TcpStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        TcpStream::set_read_timeout(self, t)
+    }
+}
+
+impl Conn for UnixStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        UnixStream::set_read_timeout(self, t)
+    }
+}
 
 /// Reads one request head and answers it.
-fn respond(c: &mut dyn ReadWrite, body: &str) {
+fn respond(c: &mut dyn Conn, body: &str) {
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
