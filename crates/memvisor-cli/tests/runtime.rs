@@ -335,6 +335,26 @@ fn a_resize_with_no_frontend_or_one_without_config_is_not_told() {
     assert_eq!(capacity(&frontend), 3 * MIB / 512);
 }
 
+/// A size no file can have (2^63 bytes, a whole number of sectors) is refused naming it, and
+/// the device keeps its size.
+#[test]
+fn a_resize_past_what_a_file_can_hold_names_the_size() {
+    let dir = Dir::new("huge");
+    let server = InProcess::start(&dir, &state());
+    let mut ctl = Control::connect(&server.ctl).unwrap();
+    let (sock, disk) = (dir.join("d.sock"), dir.image("d.img", MIB));
+    ctl.execute("blk-add", json!({"id": "d", "socket": sock, "disk": disk}))
+        .unwrap();
+    let e = ctl
+        .execute("blk-resize", json!({"id": "d", "size": 1u64 << 63}))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&(1u64 << 63).to_string()), "{e}");
+    assert_eq!(std::fs::metadata(&disk).unwrap().len(), MIB);
+    let info = ctl.execute("query-devices", json!({})).unwrap();
+    assert_eq!(info[0]["size"], MIB, "{info}");
+}
+
 /// `MEMVISOR_TEST_SILENT_RESIZE`: the capacity changes, no message goes out, and the event
 /// still says the frontend was told (what the real-guest trial's negative control relies on).
 #[cfg(feature = "test-hooks")]
