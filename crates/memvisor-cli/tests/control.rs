@@ -58,7 +58,7 @@ fn a_running_server_reports_its_devices_live_and_takes_commands() {
         .unwrap();
     image.set_len(4 << 20).unwrap();
     image.write_all_at(&[0x5a; 4096], 8 * 512).unwrap();
-    let server = Server(
+    let server = Server::quiet(
         Command::new(BIN)
             .arg("serve")
             .arg("--blk")
@@ -72,12 +72,7 @@ fn a_running_server_reports_its_devices_live_and_takes_commands() {
             .arg("--control")
             .arg(&ctl)
             .arg("--stats")
-            .arg(&stats)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .arg(&stats),
     );
     wait_for(&ctl);
     let mut control = Control::connect(&ctl).unwrap();
@@ -297,16 +292,7 @@ fn a_config_file_serves_what_the_command_line_would() {
         .to_string(),
     )
     .unwrap();
-    let _server = Server(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let _server = Server::quiet(Command::new(BIN).args(["serve", "--config"]).arg(&config));
     wait_for(&ctl);
     let devices = memvisor_cli::control::request(&ctl, "query-devices", json!({})).unwrap();
     assert_eq!(devices[0]["id"], "blk0");
@@ -349,7 +335,7 @@ fn disks_without_a_serial_answer_get_id_with_their_own_ids() {
         File::create(d).unwrap().set_len(1 << 20).unwrap();
     }
     let (sa, sb, ctl) = (dir.join("a.sock"), dir.join("b.sock"), dir.join("ctl.sock"));
-    let _server = Server(
+    let _server = Server::quiet(
         Command::new(BIN)
             .arg("serve")
             .arg("--blk")
@@ -361,12 +347,7 @@ fn disks_without_a_serial_answer_get_id_with_their_own_ids() {
                 b.display()
             ))
             .arg("--control")
-            .arg(&ctl)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .arg(&ctl),
     );
     wait_for(&ctl);
     let mut ids = Vec::new();
@@ -426,17 +407,11 @@ fn a_held_image_and_a_qcow2_image_are_refused_by_name() {
     let img = dir.join("disk.img");
     File::create(&img).unwrap().set_len(1 << 20).unwrap();
     let first = dir.join("first.sock");
-    let _server = Server(
-        Command::new(BIN)
-            .arg("serve")
-            .arg("--blk")
-            .arg(format!("socket={},disk={}", first.display(), img.display()))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let _server = Server::quiet(Command::new(BIN).arg("serve").arg("--blk").arg(format!(
+        "socket={},disk={}",
+        first.display(),
+        img.display()
+    )));
     wait_for(&first);
     let second = dir.join("second.sock");
     let blk = |extra: &str| {

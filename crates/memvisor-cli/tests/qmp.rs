@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 /// `memvisor vfio-user` on `dir/vfio.sock` with its control socket `dir/ctl.sock`.
 fn start(dir: &Dir) -> (Server, PathBuf, PathBuf) {
     let (sock, ctl) = (dir.join("vfio.sock"), dir.join("ctl.sock"));
-    let server = Server(
+    let server = Server::quiet(
         Command::new(BIN)
             .arg("vfio-user")
             .arg("--socket")
@@ -28,12 +28,7 @@ fn start(dir: &Dir) -> (Server, PathBuf, PathBuf) {
             .arg("--control")
             .arg(&ctl)
             .arg("--stats")
-            .arg(dir.join("stats.json"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .arg(dir.join("stats.json")),
     );
     wait_for(&sock);
     wait_for(&ctl);
