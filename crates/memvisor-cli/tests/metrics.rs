@@ -221,3 +221,27 @@ fn loopback_tcp_is_served_and_other_addresses_are_refused() {
         assert!(f["memvisor_blk_request_duration_seconds"].is_array());
     }
 }
+
+/// A limit of the wrong JSON type is refused naming the argument and its value, and a device
+/// id that is not a string is named too.
+#[test]
+fn a_throttle_argument_of_the_wrong_type_is_named() {
+    let d = Dir::new("metrics-types");
+    let sock = d.join("metrics.sock");
+    let _server = serve(&d, &format!("unix:{}", sock.display()));
+    wait_for(&d.join("ctl.sock"));
+    let mut ctl = Control::connect(&d.join("ctl.sock")).unwrap();
+    for (args, names) in [
+        (json!({"id": "vda", "bps": "100"}), ["\"bps\"", "\"100\""]),
+        (json!({"id": "vda", "iops_wr": -1}), ["\"iops_wr\"", "-1"]),
+        (json!({"id": 7, "bps": 100}), ["\"id\"", "7"]),
+    ] {
+        let e = format!(
+            "{:#}",
+            ctl.execute("blk-set-throttle", args.clone()).unwrap_err()
+        );
+        for n in names {
+            assert!(e.contains(n), "{args}: {e}");
+        }
+    }
+}
