@@ -16,17 +16,18 @@
 //!
 //! **The server** is a tiny HTTP/1.0–1.1 responder on its own thread: it reads a request head,
 //! answers a `GET` (of any path) or `HEAD` with the text and `Connection: close`, anything
-//! else with 405, and closes. One scrape at a time, each bounded by a 2-second read timeout so
-//! a silent client cannot hold the thread. No web framework: a scrape is one request with no
-//! body, and a framework (hyper, axum, tiny_http) would bring an async runtime or a thread pool
-//! and dozens of crates into a storage daemon for it.
+//! else with 405, and closes. One scrape at a time, each bounded (2 seconds for any read or
+//! write, 5 for the whole request head) so a silent or trickling client cannot hold the
+//! thread. No web framework: a scrape is one request with no body, and a framework (hyper,
+//! axum, tiny_http) would bring an async runtime or a thread pool and dozens of crates into a
+//! storage daemon for it.
 
 use std::fmt::Write as _;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener};
-use std::os::unix::net::UnixListener;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -78,37 +79,21 @@ impl Drop for Metrics {
 /// Listens on `addr` and answers each scrape with [`render`] of what `stats` says then (the
 /// `query-stats` answer).
 pub fn start(addr: &Addr, stats: impl Fn() -> Value + Send + 'static) -> Result<Metrics> {
-    let answer = move |s: &mut dyn ReadWrite| respond(s, &render(&stats()));
+    let answer = move |s: &mut dyn Conn| respond(s, &render(&stats()));
     match addr {
         Addr::Tcp(a) => {
             let l =
                 TcpListener::bind(a).with_context(|| format!("--metrics {a}: cannot listen"))?;
             let local = l.local_addr()?.to_string();
             log::info!("metrics on http://{local}/metrics");
-            std::thread::Builder::new()
-                .name("metrics".into())
-                .spawn(move || {
-                    for c in l.incoming().flatten() {
-                        let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
-                        let mut c = c;
-                        answer(&mut c);
-                    }
-                })?;
+            answer_each(move || l.accept().map(|(c, _)| c), answer)?;
             Ok(Metrics { unix: None, local })
         }
         Addr::Unix(p) => {
             let l = UnixListener::bind(p)
                 .with_context(|| format!("--metrics unix:{}: cannot listen", p.display()))?;
             log::info!("metrics on unix:{}", p.display());
-            std::thread::Builder::new()
-                .name("metrics".into())
-                .spawn(move || {
-                    for c in l.incoming().flatten() {
-                        let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
-                        let mut c = c;
-                        answer(&mut c);
-                    }
-                })?;
+            answer_each(move || l.accept().map(|(c, _)| c), answer)?;
             Ok(Metrics {
                 unix: Some(p.clone()),
                 local: format!("unix:{}", p.display()),
@@ -117,15 +102,68 @@ pub fn start(addr: &Addr, stats: impl Fn() -> Value + Send + 'static) -> Result<
     }
 }
 
-/// A connection.
-trait ReadWrite: Read + Write {}
-impl<T: Read + Write> ReadWrite for T {}
+/// On a thread of its own, answers each connection `accept` gives, one at a time, each with
+/// read and write timeouts so a silent client cannot hold the thread.
+fn answer_each<C: Conn + 'static>(
+    mut accept: impl FnMut() -> io::Result<C> + Send + 'static,
+    answer: impl Fn(&mut dyn Conn) + Send + 'static,
+) -> io::Result<()> {
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            loop {
+                // A failed accept loses only that connection.
+                if let Ok(mut c) = accept() {
+                    let _ = c.set_read_timeout(Some(READ_TIME));
+                    let _ = c.set_write_timeout(Some(READ_TIME));
+                    answer(&mut c);
+                }
+            }
+        })?;
+    Ok(())
+}
 
-/// Reads one request head and answers it.
-fn respond(c: &mut dyn ReadWrite, body: &str) {
+/// A connection: a TCP or Unix stream.
+trait Conn: Read + Write {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()>;
+    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()>;
+}
+
+/// How long one read or write of a scrape may wait.
+const READ_TIME: Duration = Duration::from_secs(2);
+
+impl Conn for TcpStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        TcpStream::set_read_timeout(self, t)
+    }
+    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        TcpStream::set_write_timeout(self, t)
+    }
+}
+
+impl Conn for UnixStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        UnixStream::set_read_timeout(self, t)
+    }
+    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        UnixStream::set_write_timeout(self, t)
+    }
+}
+
+/// How long a client has to send its whole request head.
+const HEAD_TIME: Duration = Duration::from_secs(5);
+
+/// Reads one request head (at most 16 KiB, within [`HEAD_TIME`]) and answers it.
+fn respond(c: &mut dyn Conn, body: &str) {
+    let t0 = Instant::now();
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
+        // A read timeout alone lets a client that sends a byte now and then hold the thread.
+        let left = HEAD_TIME.saturating_sub(t0.elapsed());
+        if left.is_zero() || c.set_read_timeout(Some(left.min(READ_TIME))).is_err() {
+            break;
+        }
         match c.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => head.extend_from_slice(&buf[..n]),
@@ -444,6 +482,39 @@ mod tests {
             t.matches("# TYPE memvisor_blk_requests_total counter")
                 .count(),
             1
+        );
+    }
+
+    #[test]
+    fn a_client_trickling_an_endless_head_is_cut_off() {
+        let (mut server, client) = UnixStream::pair().unwrap();
+        server
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        // One byte every 50 ms, never the blank line that ends a head: each read is well
+        // inside the read timeout, so only a limit on the whole head ends this.
+        let trickle = std::thread::spawn(move || {
+            let mut client = client;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                if client.write_all(b"x").is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            respond(&mut server, "body\n");
+            let _ = tx.send(());
+        });
+        let ended = rx.recv_timeout(Duration::from_secs(30));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = trickle.join();
+        assert!(
+            ended.is_ok(),
+            "a client sending a byte now and then held the metrics thread"
         );
     }
 }

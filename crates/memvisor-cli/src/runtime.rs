@@ -398,9 +398,14 @@ impl Runtime {
             }
         };
         let taken = capacity.changes_taken();
-        let r = capacity
-            .resize(size)
-            .map_err(|e| CommandError::generic(format!("blk-resize {id}: {e}")))?;
+        let r = capacity.resize(size).map_err(|e| {
+            // The checks name the size; a failure of the host's call says only what it did.
+            let to = match (&e, size) {
+                (memvisor_vhost::Error::Os { .. }, Some(s)) => format!(" to {s} bytes"),
+                _ => String::new(),
+            };
+            CommandError::generic(format!("blk-resize {id}{to}: {e}"))
+        })?;
         let since = Instant::now();
         let mut took = false;
         while backend.connected() && since.elapsed() < TOLD_WAIT {

@@ -264,10 +264,18 @@ impl Registry {
     /// limit; all zero lifts the throttle), checked as QEMU checks them
     /// ([`memvisor_vhost::blk::throttle`](memvisor_vhost::ThrottleConfig)).
     fn set_throttle(&self, args: &Value) -> Result<Value, CommandError> {
-        let Some(id) = args.get("id").and_then(Value::as_str) else {
-            return Err(CommandError::generic(
-                "blk-set-throttle needs \"id\": the id of a blk device",
-            ));
+        let id = match args.get("id") {
+            Some(Value::String(id)) => id.as_str(),
+            None => {
+                return Err(CommandError::generic(
+                    "blk-set-throttle needs \"id\": the id of a blk device",
+                ));
+            }
+            Some(other) => {
+                return Err(CommandError::generic(format!(
+                    "blk-set-throttle: \"id\" is {other}; the id of a blk device, a string"
+                )));
+            }
         };
         let devices = self.lock();
         let d = Self::find(&devices, id)?;
@@ -278,6 +286,17 @@ impl Registry {
         };
         let mut limits = args.as_object().cloned().unwrap_or_default();
         limits.remove("id");
+        // Every limit is a whole number; serde's own error would not name the argument (an
+        // unknown one is left to serde, which names it).
+        let known = json!(ThrottleConfig::default());
+        if let Some((k, v)) = limits
+            .iter()
+            .find(|(k, v)| known.get(k.as_str()).is_some() && !v.is_u64())
+        {
+            return Err(CommandError::generic(format!(
+                "blk-set-throttle {id}: \"{k}\" is {v}; a whole number from 0 (0: no limit)"
+            )));
+        }
         let config: ThrottleConfig = serde_json::from_value(Value::Object(limits))
             .map_err(|e| CommandError::generic(format!("blk-set-throttle {id}: {e}")))?;
         live.throttle()

@@ -2,206 +2,31 @@
 //! blk device through vhost-user while a control client asks the server what it is doing.
 //! Needs no privilege (a few pages are pinned, well inside the default locked-memory limit).
 
+mod common;
+
 use std::fs::File;
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::io::Read;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use memvisor::{Backing, Gpa, SlotSpec, SlotTable};
+use common::{BIN, DATA, Dir, Guest, Server, wait_for};
+use memvisor::Gpa;
 use memvisor_cli::control::Client as Control;
-use memvisor_testkit::guest_ring::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use memvisor_testkit::vhost::client::Client;
-use memvisor_vhost::proto::{self, Region, VringAddr, req};
+use memvisor_vhost::proto::req;
 use serde_json::{Value, json};
 
-const BIN: &str = env!("CARGO_BIN_EXE_memvisor");
-const MEM: u64 = 1 << 20;
-const USER: u64 = 0x7f00_0000_0000;
-const RING_AT: u64 = 0x1000;
-const RING_SIZE: u16 = 16;
-const HDR: u64 = 0x10000;
-const DATA: u64 = 0x20000;
-const STATUS: u64 = 0x80000;
-
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(name: &str) -> Dir {
-        let d = std::env::temp_dir().join(format!("memvisor-ctl-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-    fn join(&self, p: &str) -> PathBuf {
-        self.0.join(p)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The server, killed if a test fails before it stops it.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_for(path: &Path) {
-    let t0 = Instant::now();
-    while !path.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "{path:?} never appeared"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn eventfd() -> File {
-    // SAFETY: plain flags; the descriptor is owned by the File.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: a fresh descriptor, owned by nothing else.
-    unsafe { File::from_raw_fd(fd) }
-}
-
-/// The guest side: 1 MiB of memory in a memfd and one ring in it.
-struct Guest {
-    file: File,
-    mem: SlotTable,
-    ring: GuestRing,
-    kick: File,
-    call: File,
-}
-
+/// Features and ring 0: what QEMU sends before the driver runs.
 impl Guest {
-    fn new() -> Guest {
-        // SAFETY: a constant C string; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"ctl-guest".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0);
-        // SAFETY: a fresh descriptor, owned by nothing else.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(MEM).unwrap();
-        let backing =
-            Arc::new(Backing::from_fd(OwnedFd::from(file.try_clone().unwrap()), 0, MEM).unwrap());
-        let mem = SlotTable::new();
-        mem.insert(SlotSpec::new(0, Gpa(0), backing)).unwrap();
-        let ring = GuestRing::new(&mem, Gpa(RING_AT), RING_SIZE).unwrap();
-        Guest {
-            file,
-            mem,
-            ring,
-            kick: eventfd(),
-            call: eventfd(),
-        }
-    }
-
-    /// Features, memory table, ring 0: what QEMU sends before the driver runs.
     fn connect(&self, c: &Client) {
         let f = c.get_u64(req::GET_FEATURES).unwrap();
         c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
         let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
         c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
             .unwrap();
-        let region = Region {
-            gpa: 0,
-            size: MEM,
-            user_addr: USER,
-            mmap_offset: 0,
-        };
-        let table = proto::mem_table_bytes(&[region]);
-        assert_eq!(
-            c.ack(req::SET_MEM_TABLE, &table, &[self.file.as_raw_fd()])
-                .unwrap(),
-            0
-        );
-        let n = u64::from(RING_SIZE);
-        let avail = RING_AT + 16 * n;
-        let addr = VringAddr {
-            index: 0,
-            flags: 0,
-            desc: USER + RING_AT,
-            avail: USER + avail,
-            used: USER + avail + (6 + 2 * n).next_multiple_of(4),
-            log: 0,
-        };
-        let st = |v: u32| proto::vring_state_bytes(0, v);
-        for (r, p, fds) in [
-            (
-                req::SET_VRING_NUM,
-                st(u32::from(RING_SIZE)).to_vec(),
-                vec![],
-            ),
-            (req::SET_VRING_ADDR, addr.bytes().to_vec(), vec![]),
-            (req::SET_VRING_BASE, st(0).to_vec(), vec![]),
-            (
-                req::SET_VRING_CALL,
-                0u64.to_le_bytes().to_vec(),
-                vec![self.call.as_raw_fd()],
-            ),
-            (
-                req::SET_VRING_KICK,
-                0u64.to_le_bytes().to_vec(),
-                vec![self.kick.as_raw_fd()],
-            ),
-            (req::SET_VRING_ENABLE, st(1).to_vec(), vec![]),
-        ] {
-            assert_eq!(c.ack(r, &p, &fds).unwrap(), 0, "{}", req::name(r));
-        }
-    }
-
-    /// One request of `kind` at `sector` over `len` bytes at DATA; returns its status.
-    fn request(&mut self, kind: u32, sector: u64, len: u32) -> u8 {
-        let mut h = [0u8; 16];
-        h[0..4].copy_from_slice(&kind.to_le_bytes());
-        h[8..16].copy_from_slice(&sector.to_le_bytes());
-        self.mem.write(Gpa(HDR), &h).unwrap();
-        self.mem.write(Gpa(STATUS), &[0xff]).unwrap();
-        // IN (0) and GET_ID (8): the device writes the data buffer.
-        let to_guest = kind == 0 || kind == 8;
-        let bufs = [(HDR, 16, false), (DATA, len, to_guest), (STATUS, 1, true)];
-        let descs: Vec<Desc> = bufs
-            .iter()
-            .enumerate()
-            .map(|(i, &(addr, len, w))| Desc {
-                addr,
-                len,
-                flags: if w { VRING_DESC_F_WRITE } else { 0 }
-                    | if i < 2 { VRING_DESC_F_NEXT } else { 0 },
-                next: i as u16 + 1,
-            })
-            .collect();
-        let head = self.ring.add_raw(&[0, 1, 2], &descs).unwrap();
-        self.ring.publish(head).unwrap();
-        self.kick.write_all(&1u64.to_le_bytes()).unwrap();
-        let t0 = Instant::now();
-        while self.ring.get_used().unwrap().is_none() {
-            assert!(t0.elapsed() < Duration::from_secs(10), "no completion");
-            let mut b = [0u8; 8];
-            let mut p = libc::pollfd {
-                fd: self.call.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one live pollfd.
-            if unsafe { libc::poll(&mut p, 1, 10) } > 0 {
-                let _ = self.call.read(&mut b);
-            }
-        }
-        let mut s = [0u8];
-        self.mem.read(Gpa(STATUS), &mut s).unwrap();
-        s[0]
+        self.map_and_start_ring(c);
     }
 }
 
@@ -233,7 +58,7 @@ fn a_running_server_reports_its_devices_live_and_takes_commands() {
         .unwrap();
     image.set_len(4 << 20).unwrap();
     image.write_all_at(&[0x5a; 4096], 8 * 512).unwrap();
-    let server = Server(
+    let server = Server::quiet(
         Command::new(BIN)
             .arg("serve")
             .arg("--blk")
@@ -247,12 +72,7 @@ fn a_running_server_reports_its_devices_live_and_takes_commands() {
             .arg("--control")
             .arg(&ctl)
             .arg("--stats")
-            .arg(&stats)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .arg(&stats),
     );
     wait_for(&ctl);
     let mut control = Control::connect(&ctl).unwrap();
@@ -472,16 +292,7 @@ fn a_config_file_serves_what_the_command_line_would() {
         .to_string(),
     )
     .unwrap();
-    let _server = Server(
-        Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let _server = Server::quiet(Command::new(BIN).args(["serve", "--config"]).arg(&config));
     wait_for(&ctl);
     let devices = memvisor_cli::control::request(&ctl, "query-devices", json!({})).unwrap();
     assert_eq!(devices[0]["id"], "blk0");
@@ -524,7 +335,7 @@ fn disks_without_a_serial_answer_get_id_with_their_own_ids() {
         File::create(d).unwrap().set_len(1 << 20).unwrap();
     }
     let (sa, sb, ctl) = (dir.join("a.sock"), dir.join("b.sock"), dir.join("ctl.sock"));
-    let _server = Server(
+    let _server = Server::quiet(
         Command::new(BIN)
             .arg("serve")
             .arg("--blk")
@@ -536,12 +347,7 @@ fn disks_without_a_serial_answer_get_id_with_their_own_ids() {
                 b.display()
             ))
             .arg("--control")
-            .arg(&ctl)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .arg(&ctl),
     );
     wait_for(&ctl);
     let mut ids = Vec::new();
@@ -601,17 +407,11 @@ fn a_held_image_and_a_qcow2_image_are_refused_by_name() {
     let img = dir.join("disk.img");
     File::create(&img).unwrap().set_len(1 << 20).unwrap();
     let first = dir.join("first.sock");
-    let _server = Server(
-        Command::new(BIN)
-            .arg("serve")
-            .arg("--blk")
-            .arg(format!("socket={},disk={}", first.display(), img.display()))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let _server = Server::quiet(Command::new(BIN).arg("serve").arg("--blk").arg(format!(
+        "socket={},disk={}",
+        first.display(),
+        img.display()
+    )));
     wait_for(&first);
     let second = dir.join("second.sock");
     let blk = |extra: &str| {

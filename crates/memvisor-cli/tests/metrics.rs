@@ -8,36 +8,12 @@ mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Dir;
+use common::{BIN, Dir, Server, wait_for};
 use memvisor_cli::control::Client as Control;
 use serde_json::{Value, json};
-
-const BIN: &str = env!("CARGO_BIN_EXE_memvisor");
-
-/// The server, killed if a test fails before it ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_for(path: &Path) {
-    let t0 = Instant::now();
-    while !path.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "{path:?} never appeared"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// One HTTP GET over `s`; returns the status line and the body.
 fn get(mut s: impl Read + Write) -> (String, String) {
@@ -243,5 +219,29 @@ fn loopback_tcp_is_served_and_other_addresses_are_refused() {
         &body,
     ) {
         assert!(f["memvisor_blk_request_duration_seconds"].is_array());
+    }
+}
+
+/// A limit of the wrong JSON type is refused naming the argument and its value, and a device
+/// id that is not a string is named too.
+#[test]
+fn a_throttle_argument_of_the_wrong_type_is_named() {
+    let d = Dir::new("metrics-types");
+    let sock = d.join("metrics.sock");
+    let _server = serve(&d, &format!("unix:{}", sock.display()));
+    wait_for(&d.join("ctl.sock"));
+    let mut ctl = Control::connect(&d.join("ctl.sock")).unwrap();
+    for (args, names) in [
+        (json!({"id": "vda", "bps": "100"}), ["\"bps\"", "\"100\""]),
+        (json!({"id": "vda", "iops_wr": -1}), ["\"iops_wr\"", "-1"]),
+        (json!({"id": 7, "bps": 100}), ["\"id\"", "7"]),
+    ] {
+        let e = format!(
+            "{:#}",
+            ctl.execute("blk-set-throttle", args.clone()).unwrap_err()
+        );
+        for n in names {
+            assert!(e.contains(n), "{args}: {e}");
+        }
     }
 }

@@ -3,66 +3,24 @@
 //! real QMP client (python's `qemu.qmp`, when installed) negotiates, queries and gets an event.
 //! Needs no privilege: the memory mapped is a memfd the server maps, nothing is pinned.
 
-// Not every shared helper is used here (the disk image).
-#[allow(dead_code)]
 mod common;
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
-use common::Dir;
+use common::{BIN, Dir, Server, wait_for};
 use memvisor_cli::control::Client as Control;
 use memvisor_testkit::vfio_user::client::Client as VfioClient;
 use memvisor_vfio_user::proto::{self, DmaMap, cmd};
 use serde_json::{Value, json};
 
-const BIN: &str = env!("CARGO_BIN_EXE_memvisor");
-
-/// The server, killed if a test fails before it stops.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Server {
-    /// Waits for the process to end by itself; its exit status's success.
-    fn wait_exit(&mut self, within: Duration) -> bool {
-        let t0 = Instant::now();
-        loop {
-            if let Some(status) = self.0.try_wait().unwrap() {
-                return status.success();
-            }
-            assert!(
-                t0.elapsed() < within,
-                "the server did not stop within {within:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-fn wait_for(path: &Path) {
-    let t0 = Instant::now();
-    while !path.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "{path:?} never appeared"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// `memvisor vfio-user` on `dir/vfio.sock` with its control socket `dir/ctl.sock`.
 fn start(dir: &Dir) -> (Server, PathBuf, PathBuf) {
     let (sock, ctl) = (dir.join("vfio.sock"), dir.join("ctl.sock"));
-    let server = Server(
+    let server = Server::quiet(
         Command::new(BIN)
             .arg("vfio-user")
             .arg("--socket")
@@ -70,12 +28,7 @@ fn start(dir: &Dir) -> (Server, PathBuf, PathBuf) {
             .arg("--control")
             .arg(&ctl)
             .arg("--stats")
-            .arg(dir.join("stats.json"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .arg(dir.join("stats.json")),
     );
     wait_for(&sock);
     wait_for(&ctl);

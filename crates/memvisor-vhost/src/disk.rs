@@ -201,17 +201,7 @@ impl Disk {
 
     /// Bytes in the image: a file's length, a block device's size.
     pub fn len(&self) -> Result<u64> {
-        if self.block.is_some() {
-            return blockdev::size(&self.file);
-        }
-        Ok(self
-            .file
-            .metadata()
-            .map_err(|source| Error::Os {
-                op: "stat the disk image",
-                source,
-            })?
-            .len())
+        image_len(&self.file, self.block.is_some())
     }
 
     /// Whether the image is empty.
@@ -652,6 +642,20 @@ impl Drop for AlignedBuf {
         // SAFETY: allocated in `new` with this layout and not freed before.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
     }
+}
+
+/// Bytes in the image open as `file`: a file's length, or a block device's size.
+pub(crate) fn image_len(file: &File, block_device: bool) -> Result<u64> {
+    if block_device {
+        return blockdev::size(file);
+    }
+    Ok(file
+        .metadata()
+        .map_err(|source| Error::Os {
+            op: "stat the disk image",
+            source,
+        })?
+        .len())
 }
 
 #[cfg(test)]

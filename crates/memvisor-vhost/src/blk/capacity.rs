@@ -137,18 +137,7 @@ impl BlkCapacity {
 
     /// The image's length now.
     fn read_len(&self) -> Result<u64> {
-        if self.0.block_device {
-            return crate::blockdev::size(&self.0.file);
-        }
-        Ok(self
-            .0
-            .file
-            .metadata()
-            .map_err(|source| Error::Os {
-                op: "stat the disk image",
-                source,
-            })?
-            .len())
+        crate::disk::image_len(&self.0.file, self.0.block_device)
     }
 
     /// How many changes the back end has taken so far (its serving loop takes each once); a

@@ -493,9 +493,23 @@ impl Wake {
         Ok(())
     }
 
-    /// Fires once, `after` from now.
+    /// Fires once, `after` from now at the latest: an earlier expiry already set stands, so a
+    /// ring's longer wait never pushes back another ring's shorter one (the timer is the
+    /// device's one; when it fires every ring is looked at and asks again).
     pub(super) fn arm(&self, after: Duration) {
         let after = after.max(Duration::from_nanos(1));
+        // SAFETY: an all-zero itimerspec is a valid value (plain integers).
+        let mut set: libc::itimerspec = unsafe { std::mem::zeroed() };
+        // SAFETY: one live itimerspec, written by the call.
+        if unsafe { libc::timerfd_gettime(self.timer.as_raw_fd(), &mut set) } == 0 {
+            let left = Duration::new(
+                u64::try_from(set.it_value.tv_sec).unwrap_or(0),
+                u32::try_from(set.it_value.tv_nsec).unwrap_or(0),
+            );
+            if !left.is_zero() && left <= after {
+                return;
+            }
+        }
         let spec = libc::itimerspec {
             it_interval: libc::timespec {
                 tv_sec: 0,
@@ -545,6 +559,23 @@ mod tests {
     fn buckets(c: ThrottleConfig) -> Buckets {
         c.validate().unwrap();
         Buckets::new(&c, 0)
+    }
+
+    #[test]
+    fn a_longer_wait_does_not_push_back_a_shorter_one() {
+        // Two rings deferred: the first for 20 ms, the second for 30 s. The timer is the
+        // device's one: the first ring must still be looked at after 20 ms.
+        let w = Wake::new().unwrap();
+        w.arm(Duration::from_millis(20));
+        w.arm(Duration::from_secs(30));
+        let t0 = Instant::now();
+        while !w.take_fired() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the 20 ms wake-up was pushed back to 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     #[test]
