@@ -24,6 +24,11 @@
 //! Each connection has a reader thread, which runs commands, and a writer thread, the only one
 //! writing to the socket: answers and events reach it through one channel, so lines never
 //! interleave and a slow client stalls nobody but itself (a device thread only queues an event).
+//! The channel holds at most [`QUEUE`] lines: a client that sends commands without reading the
+//! answers is read no faster than it reads, one whose events pile up that far is disconnected
+//! (it would otherwise grow the server's memory without end), and a write that blocks for
+//! [`WRITE_TIMEOUT`] ends the connection. A failing `accept` (EMFILE at the fd limit) is logged
+//! and retried: a host limit never closes the control socket.
 //! Commands are read as QMP streams them, not by lines: one ends where its braces close
 //! (`Framer`), newline or not. A command longer than [`MAX_LINE`], or one that is not a JSON
 //! object, is answered with an error and the connection goes on; the server's own messages are
@@ -36,7 +41,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -47,6 +52,10 @@ use serde_json::{Value, json};
 pub const MAX_LINE: usize = 64 * 1024;
 /// Clients served at once; one more is told so and closed.
 pub const MAX_CLIENTS: usize = 16;
+/// Lines (answers and events) queued for one client's writer at most.
+pub const QUEUE: usize = 256;
+/// How long one write to a client may block before the client is taken as gone.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The commands every control socket runs itself, whatever its server.
 pub const PROTOCOL_COMMANDS: [&str; 3] = ["qmp_capabilities", "query-commands", "quit"];
@@ -85,8 +94,9 @@ pub trait Handler: Send + Sync {
     fn execute(&self, command: &str, arguments: &Value) -> Result<Value, CommandError>;
 }
 
-/// A connected client's number and the channel to its writer thread.
-type Subscriber = (u64, Sender<String>);
+/// A client in command mode: its number, the channel to its writer thread, and its socket (shut
+/// down if it lets [`QUEUE`] lines pile up).
+type Subscriber = (u64, SyncSender<String>, UnixStream);
 
 /// Where events go: every client in command mode. Cloning shares it; emitting never blocks.
 #[derive(Clone, Default)]
@@ -105,18 +115,18 @@ impl Events {
         })
         .to_string();
         let mut subs = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        subs.retain(|(_, tx)| tx.send(line.clone()).is_ok());
+        subs.retain(|(id, tx, sock)| offer(*id, tx, sock, line.clone()));
     }
 
     /// Sends `first` (the answer to `qmp_capabilities`) and subscribes, under the lock `emit`
     /// takes: every event emitted after the client could read that answer reaches it, and none
     /// comes before it.
-    fn subscribe(&self, id: u64, tx: Sender<String>, first: String) -> bool {
+    fn subscribe(&self, id: u64, tx: SyncSender<String>, sock: UnixStream, first: String) -> bool {
         let mut subs = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if tx.send(first).is_err() {
+        if !offer(id, &tx, &sock, first) {
             return false;
         }
-        subs.push((id, tx));
+        subs.push((id, tx, sock));
         true
     }
 
@@ -124,7 +134,23 @@ impl Events {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|(i, _)| *i != id);
+            .retain(|(i, _, _)| *i != id);
+    }
+}
+
+/// Queues `line` for client `id` without waiting; a client with [`QUEUE`] lines unread is shut
+/// down (its reader and writer then end). False if the client is gone or was shut down.
+fn offer(id: u64, tx: &SyncSender<String>, sock: &UnixStream, line: String) -> bool {
+    match tx.try_send(line) {
+        Ok(()) => true,
+        Err(TrySendError::Full(_)) => {
+            log::warn!(
+                "control client {id} has {QUEUE} answers and events unread: disconnecting it"
+            );
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+            false
+        }
+        Err(TrySendError::Disconnected(_)) => false,
     }
 }
 
@@ -170,7 +196,12 @@ pub fn serve(
                     std::thread::sleep(Duration::from_millis(50));
                     continue;
                 }
-                Err(e) => break Err(e).context("accept on the control socket"),
+                Err(e) => {
+                    // EMFILE, ENFILE, ENOBUFS...: the host's limit, not the socket's end.
+                    log::warn!("control socket: accept: {e}; trying again in 1 s");
+                    std::thread::sleep(Duration::from_secs(1));
+                    continue;
+                }
             };
             let _ = sock.set_nonblocking(false);
             threads.retain(|t: &std::thread::ScopedJoinHandle<()>| !t.is_finished());
@@ -228,10 +259,11 @@ fn connection(
     events: &Events,
     stop: &AtomicBool,
 ) {
-    let (tx, rx) = channel::<String>();
+    let (tx, rx) = sync_channel::<String>(QUEUE);
     let Ok(out) = sock.try_clone() else {
         return;
     };
+    let _ = out.set_write_timeout(Some(WRITE_TIMEOUT));
     let writer = std::thread::spawn(move || write_lines(out, rx));
     let mut negotiated = false;
     let mut quit = false;
@@ -260,7 +292,10 @@ fn connection(
                     _ if answer.is_empty() => true,
                     Then::Negotiated => {
                         negotiated = true;
-                        events.subscribe(id, tx.clone(), answer)
+                        match reader.try_clone() {
+                            Ok(sock) => events.subscribe(id, tx.clone(), sock, answer),
+                            Err(_) => false,
+                        }
                     }
                     Then::Next | Then::Quit => tx.send(answer).is_ok(),
                 };
@@ -367,7 +402,7 @@ impl Framer {
         }
         match b {
             b'"' => self.in_string = true,
-            b'{' | b'[' => self.depth += 1,
+            b'{' | b'[' => self.depth = self.depth.saturating_add(1),
             b'}' | b']' => {
                 self.depth -= 1;
                 if self.depth == 0 {
@@ -898,6 +933,61 @@ mod tests {
         s.events
             .emit("FRONTEND_DISCONNECTED", json!({"device": "blk0"}));
         assert_eq!(read_line(&mut r)["event"], "FRONTEND_DISCONNECTED");
+        s.stop.store(true, Ordering::Relaxed);
+        s.server.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_client_that_never_reads_its_events_is_cut_off_and_the_others_go_on() {
+        let s = start("unread");
+        // Negotiates, then never reads a byte.
+        let mut deaf = UnixStream::connect(&s.path).unwrap();
+        writeln!(deaf, r#"{{"execute": "qmp_capabilities"}}"#).unwrap();
+        let mut other = Client::connect(&s.path).unwrap();
+        // Both subscribed: an event reaches the reading one.
+        let t0 = std::time::Instant::now();
+        loop {
+            s.events.emit("PING", json!({}));
+            if other.next_event(Duration::from_millis(200)).is_ok() {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "no event reached the client"
+            );
+        }
+        // Far more than the deaf client's socket buffer and queue hold (8 MiB); emit never
+        // waits. The reading client reads each batch of 32 before the next.
+        let pad = "x".repeat(4096);
+        let events = 2048;
+        for batch in 0..events / 32 {
+            for n in 0..32 {
+                s.events
+                    .emit("BULK", json!({"n": batch * 32 + n, "pad": pad}));
+            }
+            for _ in 0..32 {
+                let e = other.next_event(Duration::from_secs(10)).unwrap();
+                assert_eq!(e["event"], "BULK");
+            }
+        }
+        // The deaf client was disconnected: reading it now drains what was written, then EOF.
+        deaf.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut sink = [0u8; 65536];
+        let mut total = 0usize;
+        loop {
+            match deaf.read(&mut sink) {
+                Ok(0) => break,
+                Ok(n) => total += n,
+                Err(e) => panic!("the deaf client was not disconnected ({total} bytes read): {e}"),
+            }
+        }
+        assert!(total < events * 4096, "{total} bytes: it got every event");
+        // The other client is still served.
+        assert_eq!(
+            other.execute("echo", json!({"n": 1})).unwrap(),
+            json!({"n": 1})
+        );
         s.stop.store(true, Ordering::Relaxed);
         s.server.join().unwrap().unwrap();
     }

@@ -112,11 +112,19 @@ fn answer_each<C: Conn + 'static>(
         .name("metrics".into())
         .spawn(move || {
             loop {
-                // A failed accept loses only that connection.
-                if let Ok(mut c) = accept() {
-                    let _ = c.set_read_timeout(Some(READ_TIME));
-                    let _ = c.set_write_timeout(Some(READ_TIME));
-                    answer(&mut c);
+                match accept() {
+                    Ok(mut c) => {
+                        let _ = c.set_read_timeout(Some(READ_TIME));
+                        let _ = c.set_write_timeout(Some(READ_TIME));
+                        answer(&mut c);
+                    }
+                    // A failed accept loses only that connection; one that goes on failing
+                    // (EMFILE at the fd limit) is tried again a little later, not in a spin.
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        log::warn!("metrics: accept: {e}; trying again in 100 ms");
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
                 }
             }
         })?;
