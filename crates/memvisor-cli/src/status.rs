@@ -264,11 +264,12 @@ impl Registry {
     /// limit; all zero lifts the throttle), checked as QEMU checks them
     /// ([`memvisor_vhost::blk::throttle`](memvisor_vhost::ThrottleConfig)).
     fn set_throttle(&self, args: &Value) -> Result<Value, CommandError> {
-        let id = match args.get("id") {
+        // QEMU's block_set_io_throttle names the device by `id` or, in older scripts, `device`.
+        let id = match args.get("id").or_else(|| args.get("device")) {
             Some(Value::String(id)) => id.as_str(),
             None => {
                 return Err(CommandError::generic(
-                    "blk-set-throttle needs \"id\": the id of a blk device",
+                    "blk-set-throttle needs \"id\" (or \"device\"): the id of a blk device",
                 ));
             }
             Some(other) => {
@@ -286,6 +287,13 @@ impl Registry {
         };
         let mut limits = args.as_object().cloned().unwrap_or_default();
         limits.remove("id");
+        limits.remove("device");
+        if let Some(group) = limits.get("group") {
+            return Err(CommandError::generic(format!(
+                "blk-set-throttle {id}: \"group\" is {group}: throttle groups are not \
+                 supported, each disk has a throttle of its own; leave \"group\" out"
+            )));
+        }
         // Every limit is a whole number; serde's own error would not name the argument (an
         // unknown one is left to serde, which names it).
         let known = json!(ThrottleConfig::default());

@@ -244,4 +244,23 @@ fn a_throttle_argument_of_the_wrong_type_is_named() {
             assert!(e.contains(n), "{args}: {e}");
         }
     }
+    // QEMU's names: `device` for the id is taken; a throttle group is refused by name.
+    assert_eq!(
+        ctl.execute("blk-set-throttle", json!({"device": "vda", "bps": 1 << 20}))
+            .unwrap(),
+        json!({})
+    );
+    let e = format!(
+        "{:#}",
+        ctl.execute(
+            "blk-set-throttle",
+            json!({"device": "vda", "bps": 1 << 20, "group": "g1"})
+        )
+        .unwrap_err()
+    );
+    assert!(e.contains("\"group\" is \"g1\""), "{e}");
+    let stats = ctl
+        .execute("query-stats", json!({"device": "vda"}))
+        .unwrap();
+    assert_eq!(stats["devices"][0]["throttle"]["bps"], 1 << 20, "{stats}");
 }

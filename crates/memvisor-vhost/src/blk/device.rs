@@ -323,14 +323,19 @@ impl Blk {
             // chain's buffers at once, not one round trip per page ([`crate::miss`]).
             // A read or write the throttle holds back stays on the ring, untaken, and the ring
             // waits for the device's timer ([`super::throttle`]).
+            // It is counted only once it goes, not when put back for a miss.
+            let mut admitted = None;
             if cut.is_none() {
-                if let Some(wait) = self.throttled(&dma, &bufs) {
-                    match redo {
-                        Some(head) => queue.resubmit_later(head),
-                        None => queue.go_to_previous_position(),
+                match self.throttled(&dma, &bufs) {
+                    Err(wait) => {
+                        match redo {
+                            Some(head) => queue.resubmit_later(head),
+                            None => queue.go_to_previous_position(),
+                        }
+                        self.defer(index, wait);
+                        break;
                     }
-                    self.defer(index, wait);
-                    break;
+                    Ok(go) => admitted = go,
                 }
             }
             let walk = self.hold(index, &dma, &bufs);
@@ -347,6 +352,9 @@ impl Blk {
                     }
                     return Ok(Some(misses));
                 }
+            }
+            if let Some((write, bytes)) = admitted {
+                self.live.throttle().account(write, bytes);
             }
             if redo.is_none() {
                 queue.taken(head);
@@ -397,31 +405,46 @@ impl Blk {
         Ok(None)
     }
 
-    /// How long the read or write of `bufs` must wait for the throttle (`None`: it goes, and
-    /// counts; anything else, and a chain whose header cannot be read, is not throttled).
-    fn throttled(&mut self, dma: &DmaSpace, bufs: &[Buf]) -> Option<std::time::Duration> {
+    /// How long the read or write of `bufs` must wait for the throttle (`Err`), or, if it may
+    /// go, what to count once it does (`Ok(Some((write, bytes)))`; anything else, and a chain
+    /// whose header cannot be read, is not throttled: `Ok(None)`).
+    fn throttled(
+        &mut self,
+        dma: &DmaSpace,
+        bufs: &[Buf],
+    ) -> std::result::Result<Option<(bool, u64)>, std::time::Duration> {
         let throttle = self.live.throttle();
         if !throttle.is_on() {
-            return None;
+            return Ok(None);
         }
         // TEST ONLY: the throttle is accepted and shown, and never holds a request back.
         #[cfg(feature = "test-hooks")]
         if dma.faults().ignore_throttle {
-            return None;
+            return Ok(None);
         }
-        let hdr = bufs.first().filter(|b| !b.write && b.len >= 16)?;
+        let Some(hdr) = bufs.first().filter(|b| !b.write && b.len >= 16) else {
+            return Ok(None);
+        };
         let mut kind = [0u8; 4];
-        dma.dma_read(memvisor::Iova(hdr.addr), &mut kind).ok()?;
+        if dma.dma_read(memvisor::Iova(hdr.addr), &mut kind).is_err() {
+            return Ok(None);
+        }
         let write = match u32::from_le_bytes(kind) {
             VIRTIO_BLK_T_IN => false,
             VIRTIO_BLK_T_OUT => true,
-            _ => return None,
+            _ => return Ok(None),
         };
         let data = bufs.get(1..bufs.len() - 1).unwrap_or_default();
         let bytes = data.iter().map(|b| u64::from(b.len)).sum();
-        let wait = throttle.admit(write, bytes)?;
+        let Some(wait) = throttle.wait(write) else {
+            return Ok(Some((write, bytes)));
+        };
         self.ensure_wake();
-        self.wake.is_some().then_some(wait)
+        // Without a timer to come back on, the request goes (said once in the log).
+        match self.wake {
+            Some(_) => Err(wait),
+            None => Ok(Some((write, bytes))),
+        }
     }
 
     /// Makes the throttle's timer, once (said once in the log if it cannot be made).

@@ -422,8 +422,34 @@ impl Throttle {
         self.0.on.load(Ordering::Acquire)
     }
 
+    /// How long a read (or write) must wait before asking again; `None` if it may go now, and
+    /// then it is [`account`](Throttle::account)ed once it really goes (a request put back on
+    /// its ring after the check, for a vIOMMU miss, is checked again and counted once). Two
+    /// queues checking at once may both go: the buckets count both, and the next waits longer.
+    pub fn wait(&self, write: bool) -> Option<Duration> {
+        if !self.is_on() {
+            return None;
+        }
+        let now = self.now_ns();
+        let mut s = self.0.state.lock().unwrap_or_else(|p| p.into_inner());
+        match s.1.wait_ns(write, now) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+
+    /// Counts a read (or write) of `bytes` that went.
+    pub fn account(&self, write: bool, bytes: u64) {
+        if !self.is_on() {
+            return;
+        }
+        let mut s = self.0.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.1.account(write, bytes);
+    }
+
     /// A read (or write) of `bytes` asks to go: `None` and counted if it may, else how long to
-    /// wait before asking again.
+    /// wait before asking again ([`wait`](Throttle::wait) and [`account`](Throttle::account) in
+    /// one step under one lock).
     pub fn admit(&self, write: bool, bytes: u64) -> Option<Duration> {
         if !self.is_on() {
             return None;
@@ -741,5 +767,25 @@ mod tests {
         assert_eq!(t.config().iops, 1);
         t.set(ThrottleConfig::default()).unwrap();
         assert_eq!(t.admit(true, 512), None);
+    }
+
+    #[test]
+    fn asking_counts_nothing_only_a_request_that_went_counts() {
+        let t = Throttle::default();
+        t.set(ThrottleConfig {
+            iops: 1,
+            ..Default::default()
+        })
+        .unwrap();
+        // A request checked and put back (a vIOMMU miss) asks again: it is not counted twice.
+        for _ in 0..5 {
+            assert_eq!(t.wait(false), None);
+        }
+        t.account(false, 512);
+        let w = t.wait(false).expect("one request went: the next waits");
+        assert!(
+            w > Duration::from_millis(800) && w <= Duration::from_millis(900),
+            "{w:?}"
+        );
     }
 }
