@@ -37,16 +37,21 @@
 //! [`request`] and [`Client`] are the client side (`memvisor ctl`): they read the greeting,
 //! negotiate, then run commands.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use serde_json::{Value, json};
+
+mod client;
+mod framer;
+
+pub use client::{Client, request};
+use framer::{Frame, Framer};
 
 /// The longest command line taken, in bytes.
 pub const MAX_LINE: usize = 64 * 1024;
@@ -319,102 +324,6 @@ fn connection(
     }
 }
 
-/// One command as it came off the socket.
-#[derive(Debug, PartialEq, Eq)]
-enum Frame {
-    /// A JSON object or array, whole (or, for anything else, the text up to the line's end).
-    Message(Vec<u8>),
-    /// One longer than [`MAX_LINE`] bytes, skipped.
-    TooLong,
-}
-
-/// Splits the byte stream a client sends into commands. QMP is a stream of JSON values, not of
-/// lines: QEMU's parser takes an object whenever its braces close, and clients rely on it
-/// (python's `qemu.qmp` sends each command with no newline after it). So a command ends where
-/// its outermost `{…}` (or `[…]`) closes, strings and escapes taken into account; anything else
-/// at the top level (not JSON as QMP wants it) ends at the line's end, to be answered with an
-/// error. Whitespace between commands is skipped. A command longer than [`MAX_LINE`] is not
-/// kept: its bytes are counted through to its end and it comes out as [`Frame::TooLong`].
-#[derive(Default)]
-struct Framer {
-    buf: Vec<u8>,
-    depth: u32,
-    in_string: bool,
-    escape: bool,
-    /// Inside something that is not an object or array: it ends at a newline.
-    bare: bool,
-    too_long: bool,
-}
-
-impl Framer {
-    fn keep(&mut self, b: u8) {
-        if self.buf.len() < MAX_LINE {
-            self.buf.push(b);
-        } else {
-            self.too_long = true;
-        }
-    }
-
-    fn take(&mut self) -> Frame {
-        let buf = std::mem::take(&mut self.buf);
-        let too_long = std::mem::take(&mut self.too_long);
-        if too_long {
-            Frame::TooLong
-        } else {
-            Frame::Message(buf)
-        }
-    }
-
-    /// Takes one byte; a frame when it ends one.
-    fn push(&mut self, b: u8) -> Option<Frame> {
-        if self.bare {
-            if b == b'\n' {
-                self.bare = false;
-                return Some(self.take());
-            }
-            self.keep(b);
-            return None;
-        }
-        if self.depth == 0 {
-            match b {
-                b' ' | b'\t' | b'\r' | b'\n' => {}
-                b'{' | b'[' => {
-                    self.depth = 1;
-                    self.keep(b);
-                }
-                _ => {
-                    self.bare = true;
-                    self.keep(b);
-                }
-            }
-            return None;
-        }
-        self.keep(b);
-        if self.in_string {
-            if self.escape {
-                self.escape = false;
-            } else if b == b'\\' {
-                self.escape = true;
-            } else if b == b'"' {
-                self.in_string = false;
-            }
-            return None;
-        }
-        match b {
-            b'"' => self.in_string = true,
-            b'{' | b'[' => self.depth = self.depth.saturating_add(1),
-            b'}' | b']' => {
-                self.depth -= 1;
-                if self.depth == 0 {
-                    return Some(self.take());
-                }
-            }
-            _ => {}
-        }
-        None
-    }
-}
-
 fn write_lines(mut out: UnixStream, rx: Receiver<String>) {
     for line in rx {
         if writeln!(out, "{line}").is_err() {
@@ -584,128 +493,10 @@ pub fn unknown_command(command: &str, known: &[&str]) -> CommandError {
     }
 }
 
-/// A connected control client: the greeting read, capabilities negotiated, commands sent one
-/// at a time, events kept while waiting for an answer.
-pub struct Client {
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
-    /// The greeting's `QMP` object.
-    pub greeting: Value,
-    /// Events that came while an answer was awaited, oldest first.
-    pub events: Vec<Value>,
-    next_id: u64,
-}
-
-impl Client {
-    /// Connects to the control socket at `path`, reads the greeting and negotiates
-    /// (`qmp_capabilities`): the client is in command mode and receives events.
-    pub fn connect(path: &Path) -> Result<Client> {
-        let sock = UnixStream::connect(path).with_context(|| {
-            format!(
-                "cannot connect to the control socket {}: is a memvisor server with \
-                 `--control {}` running?",
-                path.display(),
-                path.display()
-            )
-        })?;
-        let writer = sock.try_clone()?;
-        let mut c = Client {
-            reader: BufReader::new(sock),
-            writer,
-            greeting: Value::Null,
-            events: Vec::new(),
-            next_id: 0,
-        };
-        let first = c.line(Some(Duration::from_secs(10)))?;
-        match first.get("QMP") {
-            Some(g) => c.greeting = g.clone(),
-            None => match first.get("error") {
-                Some(e) => bail!("the server said: {}", e["desc"].as_str().unwrap_or("?")),
-                None => bail!(
-                    "{} did not greet as a QMP socket (it sent {first})",
-                    path.display()
-                ),
-            },
-        }
-        c.execute("qmp_capabilities", json!({}))
-            .context("capabilities negotiation")?;
-        Ok(c)
-    }
-
-    fn line(&mut self, timeout: Option<Duration>) -> Result<Value> {
-        self.reader.get_ref().set_read_timeout(timeout)?;
-        let mut line = String::new();
-        let n = self.reader.read_line(&mut line).map_err(|e| {
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) {
-                anyhow::anyhow!("no answer from the control socket within {timeout:?}")
-            } else {
-                anyhow::Error::new(e).context("reading the control socket")
-            }
-        })?;
-        if n == 0 {
-            bail!("the control socket closed");
-        }
-        serde_json::from_str(&line).with_context(|| format!("the server sent {line:?}"))
-    }
-
-    /// Runs `command` with `arguments`; the `return` value, or the server's error as
-    /// `CLASS: desc`.
-    pub fn execute(&mut self, command: &str, arguments: Value) -> Result<Value> {
-        self.next_id += 1;
-        let id = self.next_id;
-        let request = json!({"execute": command, "arguments": arguments, "id": id});
-        writeln!(self.writer, "{request}")?;
-        loop {
-            let v = self.line(Some(Duration::from_secs(30)))?;
-            if v.get("event").is_some() {
-                self.events.push(v);
-                continue;
-            }
-            if v.get("id").and_then(Value::as_u64) != Some(id) {
-                bail!("an answer for another request: {v}");
-            }
-            if let Some(r) = v.get("return") {
-                return Ok(r.clone());
-            }
-            let e = &v["error"];
-            bail!(
-                "{}: {}",
-                e["class"].as_str().unwrap_or("Error"),
-                e["desc"].as_str().unwrap_or("?")
-            );
-        }
-    }
-
-    /// The next event (one kept from before, or the next to come), within `timeout`.
-    pub fn next_event(&mut self, timeout: Duration) -> Result<Value> {
-        if !self.events.is_empty() {
-            return Ok(self.events.remove(0));
-        }
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                bail!("no event within {timeout:?}");
-            }
-            let v = self.line(Some(left))?;
-            if v.get("event").is_some() {
-                return Ok(v);
-            }
-        }
-    }
-}
-
-/// Connects, runs one command and returns its value (`memvisor ctl`).
-pub fn request(path: &Path, command: &str, arguments: Value) -> Result<Value> {
-    Client::connect(path)?.execute(command, arguments)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{BufRead, BufReader};
 
     struct Echo;
 
