@@ -142,7 +142,7 @@ impl<D: Device + 'static> Backend<D> {
     /// A back end for `device`, mapping frontends' memory through `state` (the process's
     /// mappings and pin registry, which the server makes once for all its back ends; in a
     /// test-hooks build also the faults it injects, acted on here and handed to the device
-    /// through its memory: [`FrontendMemory::faults`]).
+    /// through its memory: `FrontendMemory::faults`, a test-hooks-only method).
     pub fn new(mut device: D, state: &ProcessState) -> Result<Self> {
         let n = device.queues() as usize;
         let memory = FrontendMemory::new(state)?;
