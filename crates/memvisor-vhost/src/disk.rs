@@ -21,6 +21,20 @@
 //! call, and [`Disk::finished`] returns those that have ended, in the order they end — so a slow
 //! disk serves them side by side, and the device takes new requests while older ones are out.
 //! The io_uring signals an eventfd ([`Disk::completion_fd`]) for the serving loop to wait on.
+//!
+//! **One thread per ring.** A ring is made on the first transfer, on the thread that serves the
+//! queue, and only that thread enters it: it is set up `IORING_SETUP_SINGLE_ISSUER |
+//! DEFER_TASKRUN` (Linux 6.1), so the kernel finishes transfers only when that thread asks,
+//! with no interrupt of it meanwhile; a kernel that refuses (EINVAL) gets `COOP_TASKRUN`, then no
+//! flag ([`RingSetup`], [`Disk::ring_setup`], said once in the log). With `DEFER_TASKRUN`
+//! a completion lands in the completion queue only on an `io_uring_enter` with `GETEVENTS`;
+//! the eventfd is still signalled when one is due (Linux's "signal registered eventfd to
+//! process deferred task work", 2022), so [`Disk::finished`] clears the eventfd and then always
+//! enters with `GETEVENTS` while transfers are out: one cleared without that enter would never
+//! fire again for work already queued, a lost wake-up. A `Disk` that moves to another thread
+//! with nothing out makes a new ring there; with transfers out it cannot reap them from
+//! there (the kernel refuses with EEXIST), so the thread that started them ends them first
+//! (a queue worker drains at exit).
 //! A transfer of more iovecs than one call takes, or a process where io_uring cannot be set up
 //! (a seccomp profile forbidding it), goes through `preadv` / `pwritev` at once.
 //!
@@ -81,6 +95,52 @@ impl Topology {
     }
 }
 
+/// How a ring was set up: the io_uring setup flags the kernel took, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingSetup {
+    /// `SINGLE_ISSUER | DEFER_TASKRUN`: completions run only when the owner enters with
+    /// `GETEVENTS` (Linux 6.1).
+    DeferTaskrun,
+    /// `COOP_TASKRUN`: completions run at the owner's next kernel entry, without interrupting
+    /// it (Linux 5.19).
+    CoopTaskrun,
+    /// No flag.
+    Plain,
+}
+
+impl RingSetup {
+    /// The setups tried in turn, best first.
+    pub const ALL: [RingSetup; 3] = [
+        RingSetup::DeferTaskrun,
+        RingSetup::CoopTaskrun,
+        RingSetup::Plain,
+    ];
+
+    fn build(self) -> std::io::Result<io_uring::IoUring> {
+        let mut b = io_uring::IoUring::builder();
+        match self {
+            RingSetup::DeferTaskrun => {
+                b.setup_single_issuer().setup_defer_taskrun();
+            }
+            RingSetup::CoopTaskrun => {
+                b.setup_coop_taskrun();
+            }
+            RingSetup::Plain => {}
+        }
+        b.build(IN_FLIGHT as u32)
+    }
+}
+
+impl std::fmt::Display for RingSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RingSetup::DeferTaskrun => "SINGLE_ISSUER|DEFER_TASKRUN",
+            RingSetup::CoopTaskrun => "COOP_TASKRUN",
+            RingSetup::Plain => "no setup flags",
+        })
+    }
+}
+
 /// The image file and how it was opened.
 pub struct Disk {
     file: File,
@@ -91,6 +151,11 @@ pub struct Disk {
     ring: Option<Option<io_uring::IoUring>>,
     /// The eventfd the io_uring signals when a transfer has ended.
     done_fd: Option<File>,
+    /// How the ring was set up, and the thread that made it (the only one that may enter it).
+    setup: Option<RingSetup>,
+    owner: Option<std::thread::ThreadId>,
+    /// The setups to try, best first ([`RingSetup::ALL`]; one alone in tests).
+    setups: &'static [RingSetup],
     /// Transfers started and not reaped; of them, queued and not yet submitted.
     in_flight: usize,
     queued: usize,
@@ -132,9 +197,33 @@ impl Disk {
             direct,
             ring: None,
             done_fd: None,
+            setup: None,
+            owner: None,
+            setups: &RingSetup::ALL,
             in_flight: 0,
             queued: 0,
         })
+    }
+
+    /// How its io_uring was set up; `None` before the first transfer or without io_uring.
+    pub fn ring_setup(&self) -> Option<RingSetup> {
+        self.setup.filter(|_| matches!(self.ring, Some(Some(_))))
+    }
+
+    /// Tries only `setup` when the ring is made (tests: each path, whatever the kernel takes).
+    #[cfg(test)]
+    pub(crate) fn only_setup(&mut self, setup: &'static [RingSetup]) {
+        self.setups = setup;
+    }
+
+    /// Whether this thread may enter the ring (it made it, or there is none yet).
+    fn on_owner(&self) -> bool {
+        self.owner.is_none_or(|t| t == std::thread::current().id())
+    }
+
+    /// Whether a transfer is out that only the ring's own thread can reap, and this is not it.
+    pub fn stranded(&self) -> bool {
+        self.in_flight > 0 && !self.on_owner()
     }
 
     /// The alignment `O_DIRECT` needs, if the image was opened so.
@@ -332,6 +421,11 @@ impl Disk {
         if queued == 0 {
             return 0;
         }
+        if !self.on_owner() {
+            log::error!("blk: io_uring submit from a thread other than the ring's; not done");
+            self.queued = queued;
+            return 0;
+        }
         if let Some(Some(ring)) = self.ring.as_mut() {
             while let Err(e) = ring.submit() {
                 if e.kind() != std::io::ErrorKind::Interrupted {
@@ -365,6 +459,13 @@ impl Disk {
     /// logged and the wait tried again.
     pub fn finished(&mut self, wait: bool) -> Vec<(u64, Result<u64>)> {
         let mut out = Vec::new();
+        if self.in_flight > 0 && !self.on_owner() {
+            log::error!(
+                "blk: {} transfers out on another thread's io_uring cannot be reaped here",
+                self.in_flight
+            );
+            return out;
+        }
         if let Some(f) = self.done_fd.as_ref() {
             let mut b = [0u8; 8];
             // Cleared before the completions are read: one that lands after it signals again.
@@ -372,19 +473,38 @@ impl Disk {
         }
         let queued = std::mem::take(&mut self.queued);
         let in_flight = self.in_flight;
+        let deferred = self.setup == Some(RingSetup::DeferTaskrun);
         let Some(Some(ring)) = self.ring.as_mut() else {
             return out;
         };
         loop {
             let want = usize::from(wait && out.is_empty() && in_flight > 0);
-            if queued > 0 || want > 0 {
-                if let Err(e) = ring.submit_and_wait(want) {
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        log::error!("blk: waiting for io_uring completions: {e}; waiting again");
-                        std::thread::sleep(std::time::Duration::from_millis(1));
-                    }
-                    continue;
+            let entered = if deferred && in_flight > 0 && want == 0 {
+                // Deferred completions are posted only by an enter with GETEVENTS, which the
+                // crate's `submit` adds only while IORING_SQ_TASKRUN is up (a flag this ring
+                // does not ask for): enter so, waiting for none.
+                let to_submit = ring.submission().len() as u32;
+                // SAFETY: no argument is passed; the entries queued are the caller's, kept
+                // valid until reaped (`start`'s contract).
+                Some(unsafe {
+                    ring.submitter().enter::<libc::sigset_t>(
+                        to_submit,
+                        0,
+                        io_uring::EnterFlags::GETEVENTS.bits(),
+                        None,
+                    )
+                })
+            } else if queued > 0 || want > 0 {
+                Some(ring.submit_and_wait(want))
+            } else {
+                None
+            };
+            if let Some(Err(e)) = entered {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    log::error!("blk: waiting for io_uring completions: {e}; waiting again");
+                    std::thread::sleep(std::time::Duration::from_millis(1));
                 }
+                continue;
             }
             for cqe in ring.completion() {
                 let r = cqe.result();
@@ -408,11 +528,32 @@ impl Disk {
         out
     }
 
-    /// The io_uring, made on first use with an eventfd for its completions; `None` (said once
-    /// in the log) where it cannot be.
+    /// The io_uring, made on first use on this thread with an eventfd for its completions, with
+    /// the best setup the kernel takes; made again if the `Disk` moved to another thread with
+    /// nothing out. `None` (said once in the log) where it cannot be made, or on a thread that
+    /// is not its own while transfers are out.
     fn ring(&mut self) -> Option<&mut io_uring::IoUring> {
+        if matches!(self.ring, Some(Some(_))) && !self.on_owner() {
+            if self.in_flight > 0 || self.queued > 0 {
+                return None;
+            }
+            // The new ring is made before the old one closes, so its eventfd has another
+            // number and a watcher keyed by the number (the throttle's) sees the change.
+            let old = (self.ring.take(), self.done_fd.take());
+            self.owner = None;
+            self.ring();
+            drop(old);
+        }
         if self.ring.is_none() {
-            let made = io_uring::IoUring::new(IN_FLIGHT as u32).and_then(|r| {
+            let mut made = Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+            for &setup in self.setups {
+                made = setup.build().map(|r| (r, setup));
+                match &made {
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => continue,
+                    _ => break,
+                }
+            }
+            let made = made.and_then(|(r, setup)| {
                 // SAFETY: eventfd takes no pointers; the result is checked.
                 let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
                 if fd < 0 {
@@ -421,11 +562,14 @@ impl Disk {
                 // SAFETY: a descriptor eventfd just returned, owned by nothing else.
                 let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
                 r.submitter().register_eventfd(f.as_raw_fd())?;
-                Ok((r, f))
+                Ok((r, f, setup))
             });
             self.ring = Some(match made {
-                Ok((r, f)) => {
+                Ok((r, f, setup)) => {
+                    log::info!("blk: io_uring set up with {setup}");
                     self.done_fd = Some(f);
+                    self.setup = Some(setup);
+                    self.owner = Some(std::thread::current().id());
                     Some(r)
                 }
                 Err(e) => {
@@ -684,3 +828,6 @@ mod tests {
         assert_eq!(wide.config(), [0, 0, 2, 1, 6, 5, 4, 3]);
     }
 }
+
+#[cfg(test)]
+mod ring_tests;

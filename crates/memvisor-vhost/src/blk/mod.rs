@@ -261,7 +261,17 @@ impl Drop for Blk {
     fn drop(&mut self) {
         // The back end waits for every transfer before it lets memory go; a device dropped
         // with some still out (a caller that never let the back end finish) waits here, so the
-        // kernel never writes into memory after it was unmapped.
+        // kernel never writes into memory after it was unmapped. Only the thread that made
+        // the io_uring may reap it (SINGLE_ISSUER): a queue worker ends its transfers before it
+        // hands its copy back, so one dropped elsewhere with some out is a bug, said, not
+        // waited on forever.
+        if self.disk.stranded() {
+            log::error!(
+                "blk: dropped on another thread than its io_uring's with {} transfers out",
+                self.disk.in_flight()
+            );
+            return;
+        }
         while self.disk.in_flight() > 0 {
             let n = self.disk.finished(true).len();
             log::error!("blk: dropped with transfers out; {n} ended now");
