@@ -155,6 +155,88 @@ const FILE: Image = Image {
     qemu_driver: "file",
 };
 
+/// The loop device's node in the bench directory, so the QEMU root (which has no /dev/loop*)
+/// sees it as /w/loop.dev.
+const LOOP_NODE: &str = "loop.dev";
+
+const LOOP: Image = Image {
+    label: "loop device",
+    path: LOOP_NODE,
+    qemu_driver: "host_device",
+};
+
+/// A loop device over the image for one cache mode's rows (`--direct-io=on` for O_DIRECT, so
+/// the loop itself does not go through the page cache either), with a node for it in the bench
+/// directory. It is detached on every exit path: right after attaching, `losetup -d` is run
+/// while this holds the device open, and the kernel then marks it autoclear, so it goes away
+/// when its last opener closes it: when this value is dropped, or when the process ends,
+/// however it ends.
+struct Loop {
+    node: PathBuf,
+    _open: std::fs::File,
+}
+
+impl Loop {
+    fn attach(dir: &Path, direct: bool) -> Result<Loop, String> {
+        let io = if direct {
+            "--direct-io=on"
+        } else {
+            "--direct-io=off"
+        };
+        let out = Command::new("losetup")
+            .args(["--find", "--show", io])
+            .arg(dir.join(IMAGE))
+            .output()
+            .map_err(|e| format!("cannot run losetup: {e}"))?;
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if !out.status.success() || dev.is_empty() {
+            return Err(format!(
+                "losetup --find --show {io} failed (no loop support?): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let open = std::fs::File::open(&dev).map_err(|e| format!("{dev}: {e}"));
+        let cleared = Command::new("losetup").args(["-d", &dev]).status();
+        let open = open?;
+        if !cleared.is_ok_and(|s| s.success()) {
+            return Err(format!(
+                "losetup -d {dev} (to make it autoclear) failed; detach it by hand"
+            ));
+        }
+        let name = dev.trim_start_matches("/dev/");
+        let dio =
+            std::fs::read_to_string(format!("/sys/block/{name}/loop/dio")).unwrap_or_default();
+        if direct && dio.trim() != "1" {
+            return Err(format!(
+                "{dev}: the kernel did not take --direct-io=on (loop/dio is {:?}): the image's \
+                 file system cannot do O_DIRECT",
+                dio.trim()
+            ));
+        }
+        use std::os::unix::fs::MetadataExt;
+        let rdev = open.metadata().map_err(|e| format!("{dev}: {e}"))?.rdev();
+        let node = dir.join(LOOP_NODE);
+        let _ = std::fs::remove_file(&node);
+        let made = Command::new("mknod")
+            .arg(&node)
+            .arg("b")
+            .arg(libc::major(rdev).to_string())
+            .arg(libc::minor(rdev).to_string())
+            .status();
+        if !made.is_ok_and(|s| s.success()) {
+            return Err(format!("mknod {} for {dev} failed", node.display()));
+        }
+        Ok(Loop { node, _open: open })
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.node);
+        // `_open` closes after this: the last opener, so the kernel detaches the device.
+    }
+}
+
 /// The tree's top directory (where guest/ and target/ are), absolute.
 fn top() -> Result<PathBuf, String> {
     let here = std::env::current_dir().map_err(|e| format!("no current directory: {e}"))?;
@@ -568,7 +650,7 @@ impl Experiment for BlkBench {
             Mode::Quick => 4,
             Mode::Full => 1,
         };
-        let images: [&Image; 1] = [&FILE];
+        let images: [&Image; 2] = [&FILE, &LOOP];
         // samples[mode][image][server][case]: one per round
         let mut samples: Vec<Vec<PerServer>> =
             vec![vec![vec![vec![Vec::new(); CASES.len()]; SERVERS.len()]; images.len()]; 2];
@@ -577,6 +659,23 @@ impl Experiment for BlkBench {
         for round in 0..rounds {
             for (m, direct) in [false, true].into_iter().enumerate() {
                 for (i, image) in images.iter().enumerate() {
+                    // The loop rows: a device attached for this mode, or skipped visibly.
+                    let _device = if image.path == LOOP_NODE {
+                        match Loop::attach(&dir, direct) {
+                            Ok(l) => Some(l),
+                            Err(why) => {
+                                let why =
+                                    format!("blk: loop-device rows ({}): {why}", mode_name(direct));
+                                if !out.skipped.contains(&why) {
+                                    out.skipped.push(why);
+                                }
+                                progress.inc((SERVERS.len() * CASES.len()) as u64);
+                                continue;
+                            }
+                        }
+                    } else {
+                        None
+                    };
                     for (c, case) in CASES.iter().enumerate() {
                         // Each round starts the row with another back end, so what one leaves
                         // behind (dirty pages being written back) does not always fall on the
