@@ -297,7 +297,7 @@ fn start(
         }
         Server::Limit => return Err("the limit row has no back end".into()),
     };
-    let child = cmd
+    let child = die_with_bench(&mut cmd)
         .current_dir(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -315,6 +315,24 @@ fn start(
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok(child)
+}
+
+/// Has the child (a back end or a client) get SIGTERM when the bench dies, however it dies, so
+/// none outlives it, holding the loop device open (guest/qemu.sh execs down to the program, and
+/// the signal setting survives exec).
+fn die_with_bench(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and makes one prctl call,
+    // which is async-signal-safe and touches only the child.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        })
+    }
 }
 
 fn stop(mut child: Child) {
@@ -413,7 +431,7 @@ fn run_client(
     }
     let cpu0 = children_cpu_ns();
     let t0 = Instant::now();
-    let out = c
+    let out = die_with_bench(&mut c)
         .current_dir(dir)
         .output()
         .map_err(|e| format!("cannot run the client: {e}"))?;
