@@ -528,7 +528,11 @@ fn replay(events: &[Event], kind: Kind, clock: Option<f64>) -> anyhow::Result<Ti
 /// What a device's request does with a page just updated: holds it (one scatter-gather
 /// walk) and lets go.
 fn request(mem: &FrontendMemory, iova: u64, size: u64, perm: u8) -> anyhow::Result<()> {
-    let prot = if perm & 2 != 0 { Prot::WRITE } else { Prot::READ };
+    let prot = if perm & 2 != 0 {
+        Prot::WRITE
+    } else {
+        Prot::READ
+    };
     let buf = SgBuf {
         iova: Iova(iova),
         len: size,

@@ -20,8 +20,11 @@
 //! the spare, which is published, and the snapshot it replaces becomes the spare. Once both
 //! copies have their own chunk, leaf and path where the IOTLB churns (after the first change
 //! there), a change costs two small edits in place (a few entries moved in one chunk, a word
-//! in one leaf) and no allocation but its mapping record. Whatever the two copies still share
-//! is copied on write as before, so a reader holding either sees it unchanged.
+//! in one leaf) and no allocation: the writer fills a removed mapping's record again when
+//! nothing else holds it (`keep_record`), and keeps its vectors between changes (while the
+//! index holds something: an emptied index lets go of its chunk list). Whatever the two
+//! copies still share is copied on write as before, so a reader holding either sees it
+//! unchanged.
 //!
 //! The rules that keep that safe:
 //! * A snapshot is changed in place only when the writer holds the only reference to it
@@ -179,7 +182,12 @@ impl DmaSpace {
     /// The second half of [`DmaSpace::publish`]: `old`, the snapshot a change published by
     /// [`DmaSpace::swap_in`] replaced, becomes the spare, with `ops`, that change's log, made
     /// to it in place (or pending, see `publish`), or is dropped.
-    pub(super) fn recycle(&self, writer: &mut Writer, mut old: Arc<DmaSnapshot>, ops: Vec<index::Op>) {
+    pub(super) fn recycle(
+        &self,
+        writer: &mut Writer,
+        mut old: Arc<DmaSnapshot>,
+        ops: Vec<index::Op>,
+    ) {
         if ops.len() > index::REPLAY_MAX || ops.iter().any(index::Op::is_clear) {
             return;
         }
@@ -366,7 +374,11 @@ mod tests {
         for k in 1..20u64 {
             d.invalidate_range(Iova(k * PAGE), PAGE).unwrap();
             let current = contents(&d.shared.current.load());
-            assert_eq!(spare_state(&d), Some((current, 0)), "after invalidation {k}");
+            assert_eq!(
+                spare_state(&d),
+                Some((current, 0)),
+                "after invalidation {k}"
+            );
             d.map_backing(Iova((k + 1) * PAGE), &b, k * PAGE, PAGE, Prot::RW)
                 .unwrap();
         }

@@ -114,9 +114,12 @@ impl DmaSpace {
         }
         let invalid = writer.invalid;
         let mut next = self.working_copy(&mut writer);
-        let plan = edit(super::working_map(&mut next), &mut writer)?;
+        let mut plan = edit(super::working_map(&mut next), &mut writer)?;
         if plan.old.is_empty() {
             self.keep_unchanged(&mut writer, next);
+            plan.ranges.clear();
+            plan.made.clear();
+            writer.scratch = plan;
             return Ok((0, finish(&writer, &[])));
         }
         // Pins change only under the writer lock, held since the edit: whether devices hold
@@ -156,6 +159,14 @@ impl DmaSpace {
             self.unpin_mapping(&mut writer, m.id);
         }
         let bytes = plan.ranges.iter().map(|&(s, l)| l - s + 1).sum();
+        // The records the change removed, for the next inserts, and the plan's vectors for the
+        // next change's plan.
+        for (_, m) in plan.old.drain(..) {
+            Self::keep_record(&mut writer, m);
+        }
+        plan.ranges.clear();
+        plan.made.clear();
+        writer.scratch = plan;
         Ok((bytes, value))
     }
 

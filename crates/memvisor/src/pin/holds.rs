@@ -23,7 +23,10 @@ use crate::sync::lock;
 
 /// Shards per table: more than the queues a device runs, so threads rarely share one.
 const SHARDS: usize = 16;
-const _: () = assert!(SHARDS <= u32::BITS as usize, "a bit of `Holds::in_use` per shard");
+const _: () = assert!(
+    SHARDS <= u32::BITS as usize,
+    "a bit of `Holds::in_use` per shard"
+);
 
 /// One piece a guard holds: 4 KiB IOVA pages `[iova, iova + pages)` over host pages from
 /// `host`.
