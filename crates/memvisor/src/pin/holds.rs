@@ -16,13 +16,17 @@
 //! (`dma::retire`). Locking order: the registry's lock, then the table list, then a shard;
 //! a guard takes a shard alone, never the registry's lock while it holds one.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering, fence};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::sync::lock;
 
 /// Shards per table: more than the queues a device runs, so threads rarely share one.
 const SHARDS: usize = 16;
+const _: () = assert!(
+    SHARDS <= u32::BITS as usize,
+    "a bit of `Holds::in_use` per shard"
+);
 
 /// One piece a guard holds: 4 KiB IOVA pages `[iova, iova + pages)` over host pages from
 /// `host`.
@@ -79,9 +83,11 @@ struct Padded(Mutex<Shard>);
 /// The holds of one DMA space's guards, by shard.
 pub(crate) struct Holds {
     shards: Box<[Padded]>,
-    /// Set once a guard was taken: until then a change need not look (nor keep its old
-    /// snapshot to undo with).
-    used: AtomicBool,
+    /// Bit `i` set once a guard was taken on shard `i` (never cleared): a change looks at
+    /// those shards only, and at none (nor keeps its old snapshot to undo with) while it is 0.
+    /// One thread or two take guards on a device's table, so an unmap locks one shard or two
+    /// instead of all sixteen.
+    in_use: AtomicU32,
     /// Set while a change waits for holds to go: a guard that lets go must wake it.
     pub waiting: AtomicBool,
 }
@@ -92,7 +98,7 @@ impl Default for Holds {
             shards: (0..SHARDS)
                 .map(|_| Padded(Mutex::new(Shard::default())))
                 .collect(),
-            used: AtomicBool::new(false),
+            in_use: AtomicU32::new(0),
             waiting: AtomicBool::new(false),
         }
     }
@@ -108,15 +114,30 @@ thread_local! {
 impl Holds {
     /// The calling thread's shard number.
     pub fn my_shard(&self) -> usize {
-        if !self.used.load(Ordering::Relaxed) {
-            self.used.store(true, Ordering::SeqCst);
+        let i = MY_SHARD.with(|s| *s);
+        let bit = 1u32 << i;
+        if self.in_use.load(Ordering::Relaxed) & bit == 0 {
+            self.in_use.fetch_or(bit, Ordering::SeqCst);
+            // Store, fence, then (in the walk) load the snapshot; a change publishes, fences
+            // (`grace`) and then reads `in_use`. In the single order of the two fences either
+            // the change sees this shard, or this thread's walks load what it published (and
+            // so never hold what it took away). Once per thread and table.
+            fence(Ordering::SeqCst);
         }
-        MY_SHARD.with(|s| *s)
+        i
     }
 
     /// Whether any guard was ever taken on the table.
     pub fn used(&self) -> bool {
-        self.used.load(Ordering::SeqCst)
+        self.in_use.load(Ordering::SeqCst) != 0
+    }
+
+    /// The shards guards were ever taken on.
+    fn shards_in_use(&self) -> impl Iterator<Item = &Padded> {
+        let in_use = self.in_use.load(Ordering::SeqCst);
+        (self.shards.iter().enumerate())
+            .filter(move |(i, _)| in_use & (1 << i) != 0)
+            .map(|(_, s)| s)
     }
 
     /// Runs `f` on shard `i`, under its lock.
@@ -125,9 +146,9 @@ impl Holds {
     }
 
     /// Whether any shard holds an IOVA page of `[start, end)` (4 KiB page numbers).
+    /// Locks only the shards in use (see [`Holds::my_shard`]).
     pub fn any_iova(&self, start: u64, end: u64) -> bool {
-        self.shards
-            .iter()
+        self.shards_in_use()
             .any(|s| (lock(&s.0).held.iter()).any(|h| h.iova < end && start < h.iova + h.pages))
     }
 

@@ -252,8 +252,8 @@ impl Index {
     }
 
     /// Puts `mapping` into the index.
-    pub(super) fn insert(&mut self, mapping: Mapping) {
-        let mapping = Arc::new(mapping);
+    pub(super) fn insert(&mut self, mapping: impl Into<Arc<Mapping>>) {
+        let mapping = mapping.into();
         self.log.push(Op::Insert(mapping.clone()));
         self.apply_insert(mapping);
     }
