@@ -255,7 +255,19 @@ impl DmaSpace {
                     }
                     let iova = b.iova.0 + at_off;
                     let end = b.iova.0 + (b.len - 1);
-                    let Some((start, last, hot, m)) = snap.entry(iova) else {
+                    // The page table first (a small mapping's page, a big one's whole
+                    // granule): it answers only for host memory allowed to the buffer that
+                    // logs no dirty pages, so the record is not needed. Pinning needs it.
+                    let fast = if lock {
+                        None
+                    } else {
+                        snap.page_answer(iova, 1, b.prot)
+                    };
+                    let found = match fast {
+                        Some((hot, start, last)) => Some((start, last, hot, None)),
+                        None => snap.entry(iova).map(|(s, l, h, m)| (s, l, h, Some(m))),
+                    };
+                    let Some((start, last, hot, m)) = found else {
                         if misses.len() < SG_MISSES_MAX {
                             misses.push(Miss {
                                 iova: Iova(iova),
@@ -318,11 +330,11 @@ impl DmaSpace {
                             len: n,
                         }),
                     }
-                    if write && hot.dirty() {
+                    if let (true, Some(m)) = (write && hot.dirty(), m) {
                         mark_dirty(m, iova, n, min_page);
                         guard.dirty.push((m.clone(), iova, n));
                     }
-                    if lock {
+                    if let (true, Some(m)) = (lock, m) {
                         lock_pieces.push((
                             m.clone(),
                             first.wrapping_add(hot.delta()),
