@@ -6,8 +6,11 @@
 //! pages under it. Counting every request's holds in the registry's one table would make every
 //! request of every queue take the registry's one lock twice. So a DMA space keeps the holds of
 //! its scatter-gather guards (`dma::sg`) in a [`Holds`] table of its own, split into shards:
-//! each thread counts into its own shard (chosen once per thread, round robin), so two queue
-//! threads never wait for each other, and each shard's lock is held for one request's few runs.
+//! a queue that walks with its own scratch (`dma::SgScratch`) counts into the shard of its
+//! queue number ([`Holds::shard_for`]), so two queues (of the first [`SHARDS`]) never share
+//! one; a walk without one counts into its thread's shard (chosen once per thread, round
+//! robin). Either way queue threads rarely wait for each other, and each shard's lock is held
+//! for one request's few runs.
 //!
 //! Who looks: a discard goes through [`PinRegistry::with_unheld_in`](super::PinRegistry),
 //! which, under the registry's lock, also takes every shard of every table registered with it
@@ -22,7 +25,7 @@ use std::sync::{Mutex, MutexGuard};
 use crate::sync::lock;
 
 /// Shards per table: more than the queues a device runs, so threads rarely share one.
-const SHARDS: usize = 16;
+pub(crate) const SHARDS: usize = 16;
 
 /// One piece a guard holds: 4 KiB IOVA pages `[iova, iova + pages)` over host pages from
 /// `host`.
@@ -114,6 +117,14 @@ impl Holds {
         MY_SHARD.with(|s| *s)
     }
 
+    /// The shard of queue `queue`: queues below [`SHARDS`] each have their own.
+    pub fn shard_for(&self, queue: usize) -> usize {
+        if !self.used.load(Ordering::Relaxed) {
+            self.used.store(true, Ordering::SeqCst);
+        }
+        queue % SHARDS
+    }
+
     /// Whether any guard was ever taken on the table.
     pub fn used(&self) -> bool {
         self.used.load(Ordering::SeqCst)
@@ -202,4 +213,19 @@ pub(crate) fn host_gaps(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queues_below_the_shard_count_never_share_a_shard_and_taking_one_marks_the_table_used() {
+        let h = Holds::default();
+        assert!(!h.used());
+        let shards: std::collections::HashSet<usize> =
+            (0..SHARDS).map(|q| h.shard_for(q)).collect();
+        assert_eq!(shards.len(), SHARDS);
+        assert!(h.used(), "a change must look at the shards from now on");
+    }
 }
