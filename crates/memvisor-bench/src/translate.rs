@@ -22,15 +22,17 @@
 //!   `i * 2 MiB`), and is asked for the same mapping and offset as the space is. Same entries,
 //!   same randomness, exact answers.
 //! * **walk rows**: what a block request costs today, one 4 KiB buffer at the start of the
-//!   mapping: `DmaSpace::hold_sg` (walk, hold, and the guard's release) and
-//!   `DmaSpace::translate_sg`.
+//!   mapping: `DmaSpace::hold_sg` (walk, hold, and the guard's release), the same with a
+//!   queue's scratch (`hold_sg_into`, the guard given back with `SgScratch::recycle`: no
+//!   allocation), `DmaSpace::translate_sg`, and a cursor's `translate_sg_into` (no hold, no
+//!   allocation).
 
 use std::collections::HashSet;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use memvisor::dma::{SgBuf, SgWalk};
+use memvisor::dma::{SgBuf, SgScratch, SgWalk};
 use memvisor::{Backing, BackingKind, DmaConfig, DmaSpace, Iova, Prot};
 
 use super::{Better, Chart, ChartGroup, Ctx, Experiment, Outcome, Row, Table, ns_per_op};
@@ -205,6 +207,10 @@ enum Variant {
     HoldSg,
     /// The same buffer through `DmaSpace::translate_sg`.
     TranslateSg,
+    /// `HoldSg` with a queue's scratch, the guard given back to it.
+    HoldSgInto,
+    /// The same buffer through a cursor's `translate_sg_into`.
+    TranslateSgInto,
 }
 
 /// The SPDK-style map's address for `iova` (of mapping `iova / 8 KiB`, see [`build`]).
@@ -217,6 +223,14 @@ fn spdk_iova(iova: u64) -> u64 {
 fn time(space: &Space, variant: Variant, addrs: &[u64], iters: u64) -> f64 {
     let mask = addrs.len() - 1;
     let mut cursor = space.dma.cursor();
+    let mut scratch = SgScratch::for_queue(0);
+    let page = |iova: Iova| {
+        [SgBuf {
+            iova: Iova(iova.0 & !(PAGE - 1)),
+            len: PAGE,
+            prot: Prot::READ,
+        }]
+    };
     let mut sum = 0u64;
     let start = Instant::now();
     for i in 0..iters as usize {
@@ -246,6 +260,18 @@ fn time(space: &Space, variant: Variant, addrs: &[u64], iters: u64) -> f64 {
                 .dma
                 .translate_sg(Iova(iova.0 & !(PAGE - 1)), PAGE, Prot::READ)
                 .map_or(0, |s| s[0].hva.0),
+            Variant::HoldSgInto => match space.dma.hold_sg_into(&page(iova), &mut scratch) {
+                Ok(SgWalk::Held(g)) => {
+                    let hva = g.segments()[0].hva.0;
+                    scratch.recycle(g);
+                    hva
+                }
+                _ => 0,
+            },
+            Variant::TranslateSgInto => match cursor.translate_sg_into(&page(iova), &mut scratch) {
+                Ok(()) => scratch.buffer(0)[0].hva.0,
+                Err(_) => 0,
+            },
         });
     }
     black_box(sum);
@@ -319,9 +345,12 @@ impl Experiment for Translate {
                 "translate",
                 "cursor",
                 "hold_sg + release",
+                "hold_sg_into + recycle",
                 "translate_sg",
+                "cursor translate_sg_into",
                 "translate / SPDK",
-                "hold_sg / SPDK",
+                "hold_sg_into / SPDK",
+                "translate_sg_into / SPDK",
             ],
         );
         let mut map_costs = Vec::new();
@@ -353,7 +382,9 @@ impl Experiment for Translate {
                     for (variant, name) in [
                         (Variant::Spdk, "spdk-map"),
                         (Variant::HoldSg, "hold-sg"),
+                        (Variant::HoldSgInto, "hold-sg-into"),
                         (Variant::TranslateSg, "translate-sg"),
+                        (Variant::TranslateSgInto, "cursor-translate-sg-into"),
                     ] {
                         let stats = ns_per_op(runs, |iters| time(&space, variant, &addrs, iters));
                         out.rows.push(Row::new(
@@ -374,8 +405,11 @@ impl Experiment for Translate {
                         format!("{:.2}", medians[2]),
                         format!("{:.1}", medians[4]),
                         format!("{:.1}", medians[5]),
+                        format!("{:.1}", medians[6]),
+                        format!("{:.1}", medians[7]),
                         format!("{:.1}x", medians[1] / medians[3]),
-                        format!("{:.1}x", medians[4] / medians[3]),
+                        format!("{:.1}x", medians[5] / medians[3]),
+                        format!("{:.1}x", medians[7] / medians[3]),
                     ]);
                 }
                 table.push(vec![
@@ -419,8 +453,9 @@ impl Experiment for Translate {
              1 GiB maps of 512 2 MiB entries; 2 dependent loads and an add), written from its \
              design, holding the same mappings one 2 MiB unit each and checked to give the \
              space's host address for every address. hold_sg: one request of one 4 KiB buffer \
-             (DmaSpace::hold_sg, the guard dropped at once); translate_sg: the same buffer, \
-             translated only"
+             (DmaSpace::hold_sg, the guard dropped at once); hold_sg_into: the same with a \
+             queue's SgScratch, the guard given back to it; translate_sg: the same buffer, \
+             translated only; translate_sg_into: a cursor's, into the scratch"
         ));
         out.tables.push(table);
         out.tables.push(random);
