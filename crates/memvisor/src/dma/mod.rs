@@ -82,7 +82,7 @@ pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
 pub use mode::{Extent, PinMode};
 // The pin registry lives in `crate::pin`; these names stay here too, where users first met them.
 pub use crate::pin::{HostExtent, KernelCheck, LockLimit, LongTermCounts, PIN_BATCH, PinRegistry};
-pub use sg::{Miss, SG_MISSES_MAX, SgBuf, SgGuard, SgWalk};
+pub use sg::{Miss, SG_MISSES_MAX, SgBuf, SgGuard, SgScratch, SgWalk};
 pub use translate::{DmaCursor, Segment, Translation};
 #[cfg(feature = "vm-memory")]
 pub use vm_memory::{DmaMemory, DmaSlices};

@@ -6,8 +6,11 @@
 //! pages under it. Counting every request's holds in the registry's one table would make every
 //! request of every queue take the registry's one lock twice. So a DMA space keeps the holds of
 //! its scatter-gather guards (`dma::sg`) in a [`Holds`] table of its own, split into shards:
-//! each thread counts into its own shard (chosen once per thread, round robin), so two queue
-//! threads never wait for each other, and each shard's lock is held for one request's few runs.
+//! a queue that walks with its own scratch (`dma::SgScratch`) counts into the shard of its
+//! queue number ([`Holds::shard_for`]), so two queues (of the first [`SHARDS`]) never share
+//! one; a walk without one counts into its thread's shard (chosen once per thread, round
+//! robin). Either way queue threads rarely wait for each other, and each shard's lock is held
+//! for one request's few runs.
 //!
 //! Who looks: a discard goes through [`PinRegistry::with_unheld_in`](super::PinRegistry),
 //! which, under the registry's lock, also takes every shard of every table registered with it
@@ -22,7 +25,7 @@ use std::sync::{Mutex, MutexGuard};
 use crate::sync::lock;
 
 /// Shards per table: more than the queues a device runs, so threads rarely share one.
-const SHARDS: usize = 16;
+pub(crate) const SHARDS: usize = 16;
 const _: () = assert!(
     SHARDS <= u32::BITS as usize,
     "a bit of `Holds::in_use` per shard"
@@ -114,14 +117,24 @@ thread_local! {
 impl Holds {
     /// The calling thread's shard number.
     pub fn my_shard(&self) -> usize {
-        let i = MY_SHARD.with(|s| *s);
+        self.mark_in_use(MY_SHARD.with(|s| *s))
+    }
+
+    /// The shard of queue `queue`: queues below [`SHARDS`] each have their own.
+    pub fn shard_for(&self, queue: usize) -> usize {
+        self.mark_in_use(queue % SHARDS)
+    }
+
+    /// Records that guards are taken on shard `i` (before the walk that takes them), and
+    /// returns `i`.
+    fn mark_in_use(&self, i: usize) -> usize {
         let bit = 1u32 << i;
         if self.in_use.load(Ordering::Relaxed) & bit == 0 {
             self.in_use.fetch_or(bit, Ordering::SeqCst);
             // Store, fence, then (in the walk) load the snapshot; a change publishes, fences
             // (`grace`) and then reads `in_use`. In the single order of the two fences either
             // the change sees this shard, or this thread's walks load what it published (and
-            // so never hold what it took away). Once per thread and table.
+            // so never hold what it took away). Once per shard and table.
             fence(Ordering::SeqCst);
         }
         i
@@ -223,4 +236,19 @@ pub(crate) fn host_gaps(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queues_below_the_shard_count_never_share_a_shard_and_taking_one_marks_the_table_used() {
+        let h = Holds::default();
+        assert!(!h.used());
+        let shards: std::collections::HashSet<usize> =
+            (0..SHARDS).map(|q| h.shard_for(q)).collect();
+        assert_eq!(shards.len(), SHARDS);
+        assert!(h.used(), "a change must look at the shards from now on");
+    }
 }
