@@ -214,6 +214,8 @@ pub struct Ring {
     inflight: Option<InflightQueue>,
     /// Heads a predecessor left in flight, oldest first: redone before anything new.
     resubmit: VecDeque<u16>,
+    /// The serving thread is polling the ring: notifications stay off ([`Ring::start_polling`]).
+    polling: bool,
 }
 
 impl Ring {
@@ -231,6 +233,7 @@ impl Ring {
                 queue,
                 inflight: None,
                 resubmit: VecDeque::new(),
+                polling: false,
             });
         };
         if queue.size() > region.queue_size {
@@ -255,6 +258,7 @@ impl Ring {
                 queue,
                 inflight: Some(q),
                 resubmit: VecDeque::new(),
+                polling: false,
             });
         }
         let used = queue
@@ -291,6 +295,7 @@ impl Ring {
             queue,
             inflight: Some(q),
             resubmit: left.into_iter().map(|(_, h)| h).collect(),
+            polling: false,
         })
     }
 
@@ -300,7 +305,49 @@ impl Ring {
             queue,
             inflight: None,
             resubmit: VecDeque::new(),
+            polling: false,
         }
+    }
+
+    /// The serving thread polls the ring from now on: the driver is asked not to notify
+    /// (`VRING_USED_F_NO_NOTIFY` without event indexes; with them, `avail_event` is simply not
+    /// moved on, so the driver kicks at most once more), and [`Ring::enable_notification`] does
+    /// nothing until [`Ring::stop_polling`].
+    pub fn start_polling<M: GuestMemory>(&mut self, mem: &M) {
+        self.polling = true;
+        // A ring whose used flags cannot be written is broken: the next look at it says so.
+        let _ = self.queue.disable_notification(mem);
+    }
+
+    /// The serving thread stops polling the ring (before it sleeps): notifications on again,
+    /// then — after a full fence, so a driver that made a request available meanwhile either
+    /// sees them on and kicks or has its request seen here — one more look. Returns whether
+    /// the ring holds requests the device has not taken: they must be served now, as the driver
+    /// may never kick for them. False if the ring was not being polled.
+    pub fn stop_polling<M: GuestMemory>(&mut self, mem: &M) -> bool {
+        if !std::mem::take(&mut self.polling) {
+            return false;
+        }
+        // An unreadable ring is broken, not busy: the next pass over it says so.
+        self.queue.enable_notification(mem).unwrap_or(false) || !self.resubmit.is_empty()
+    }
+
+    /// Whether the serving thread polls the ring ([`Ring::start_polling`]).
+    pub fn is_polling(&self) -> bool {
+        self.polling
+    }
+
+    /// Asks the driver to notify for its next request and looks once more for one made
+    /// available meanwhile (`true`: there is one), as [`QueueT::enable_notification`] does;
+    /// while the ring is polled, does nothing and says `false` (the poll looks again).
+    pub fn enable_notification<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+    ) -> std::result::Result<bool, virtio_queue::Error> {
+        if self.polling {
+            return Ok(false);
+        }
+        self.queue.enable_notification(mem)
     }
 
     /// The next head a predecessor left in flight, to be redone before the available ring is
