@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use memvisor::{Gpa, SlotMemory};
+use memvisor_vhost::ring::InflightRegion;
 use memvisor_vhost::{Blk, BlkOptions, Ring};
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
 /// A cheap per-thread random number (xorshift), for delays that move each race's window.
 fn next(x: &mut u64) -> u64 {
@@ -186,4 +187,127 @@ fn a_polling_worker_whose_queue_goes_quiet_sleeps() {
     );
     drop(c);
     let _ = t.join().unwrap();
+}
+
+/// A ring of the guest's, served by a `Ring` with event indexes, and `n` chains of one
+/// buffer each made available and taken by the device; returns the ring and the heads.
+fn taken(
+    g: &mut Guest,
+    mem: &SlotMemory,
+    n: u16,
+    log: Option<&InflightRegion>,
+) -> (Ring, Vec<u16>) {
+    let mut q = Queue::new(RING_SIZE).unwrap();
+    g.ring.configure(&mut q);
+    q.set_event_idx(true);
+    let mut ring = match log {
+        Some(r) => Ring::new(q, Some((r, 0)), mem).unwrap(),
+        None => Ring::plain(q),
+    };
+    for i in 0..n {
+        let head = g
+            .ring
+            .add_inbuf(&[(0x10000 + 0x1000 * u64::from(i), 512)])
+            .unwrap();
+        g.ring.publish(head).unwrap();
+    }
+    let mut heads = Vec::new();
+    while let Some(chain) = ring.iter(mem).unwrap().next() {
+        heads.push(chain.head_index());
+    }
+    for &h in &heads {
+        ring.taken(h);
+    }
+    assert_eq!(heads.len(), usize::from(n));
+    (ring, heads)
+}
+
+#[test]
+fn a_batch_of_completions_is_published_by_one_index_store_and_asks_for_one_interrupt() {
+    let n = 8;
+    let mut g = Guest::new(MIB);
+    let mem = SlotMemory::from_table(&g.mem);
+    let (mut ring, heads) = taken(&mut g, &mem, n, None);
+    // The driver wants an interrupt once the first chain is back.
+    g.ring.set_used_event(0).unwrap();
+    let stores = ring.used_index_stores();
+    ring.add_used_batch(
+        &mem,
+        heads.iter().map(|&h| (h, 100 + u32::from(h))),
+        |h, e| panic!("head {h}: {e}"),
+    );
+    assert_eq!(
+        ring.used_index_stores() - stores,
+        1,
+        "one store for {n} chains"
+    );
+    assert!(
+        ring.needs_notification(&mem).unwrap(),
+        "one interrupt for the batch"
+    );
+    assert!(!ring.needs_notification(&mem).unwrap(), "and no second one");
+    // Every chain is back, in order, with its length.
+    for &h in &heads {
+        assert_eq!(g.ring.get_used().unwrap(), Some((h, 100 + u32::from(h))));
+    }
+    assert_eq!(g.ring.get_used().unwrap(), None);
+    // A batch that does not pass the driver's used_event asks for none; a bad head is
+    // refused and the others still go back.
+    g.ring.set_used_event(1000).unwrap();
+    let (heads2, mut refused) = (
+        [
+            g.ring.add_inbuf(&[(0x30000, 8)]).unwrap(),
+            g.ring.add_inbuf(&[(0x31000, 8)]).unwrap(),
+        ],
+        Vec::new(),
+    );
+    for &h in &heads2 {
+        g.ring.publish(h).unwrap();
+    }
+    while ring.iter(&mem).unwrap().next().is_some() {}
+    ring.add_used_batch(
+        &mem,
+        [(heads2[0], 1), (RING_SIZE, 1), (heads2[1], 2)],
+        |h, _| refused.push(h),
+    );
+    assert_eq!(refused, [RING_SIZE]);
+    assert_eq!(ring.used_index_stores() - stores, 2);
+    assert!(!ring.needs_notification(&mem).unwrap());
+    assert_eq!(g.ring.get_used().unwrap(), Some((heads2[0], 1)));
+    assert_eq!(g.ring.get_used().unwrap(), Some((heads2[1], 2)));
+}
+
+#[test]
+fn with_an_inflight_log_a_batch_goes_back_one_logged_chain_at_a_time() {
+    // The log's recovery mends only its last_batch_head: each chain gets its own store, and
+    // the log ends with none in flight and its used_idx at the ring's.
+    use std::os::unix::fs::FileExt;
+    let n = 4;
+    let mut g = Guest::new(MIB);
+    let mem = SlotMemory::from_table(&g.mem);
+    let log = InflightRegion::create(1, RING_SIZE).unwrap();
+    let (mut ring, heads) = taken(&mut g, &mem, n, Some(&log));
+    let file = std::fs::File::from(log.fd().unwrap().try_clone_to_owned().unwrap());
+    let byte = |at: u64| {
+        let mut b = [0u8; 2];
+        file.read_exact_at(&mut b, at).unwrap();
+        u16::from_le_bytes(b)
+    };
+    for &h in &heads {
+        assert_eq!(byte(16 + 16 * u64::from(h)) & 0xff, 1, "head {h} in flight");
+    }
+    let stores = ring.used_index_stores();
+    ring.add_used_batch(&mem, heads.iter().map(|&h| (h, 0)), |h, e| {
+        panic!("{h}: {e}")
+    });
+    assert_eq!(ring.used_index_stores() - stores, u64::from(n));
+    for &h in &heads {
+        assert_eq!(
+            byte(16 + 16 * u64::from(h)) & 0xff,
+            0,
+            "head {h} still in flight"
+        );
+    }
+    assert_eq!(byte(14), n, "the log's used_idx");
+    assert_eq!(byte(12), *heads.last().unwrap(), "last_batch_head");
 }

@@ -4,8 +4,10 @@
 //! **Model.** Whoever serves rings holds them behind [`Rings`]: the back end's thread every ring
 //! not lent out, a worker its one ring. A *pass* over a ring ([`pass`]) has the device process
 //! it, then ends what the device finished meanwhile ([`Device::complete`]: transfers the kernel
-//! finished at once): each finished chain goes back on its used ring — one ring at a time, so
-//! each ring is asked once whether its driver wants an interrupt (event indexes) — what the
+//! finished at once): each finished chain goes back on its used ring — one ring at a time, in
+//! one batch ([`Ring::add_used_batch`]: one store of the used index when the ring keeps no
+//! inflight log), so each ring is asked once whether its driver wants an interrupt (event
+//! indexes) — what the
 //! requests wrote goes into the frontend's dirty log in one drain, and only then are the
 //! drivers interrupted. A device keeps a bounded number of requests in flight and leaves the
 //! rest on the ring; a pass that ended transfers (whose completions, read here, will wake
@@ -40,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use virtio_queue::QueueT;
 
-use crate::device::{Device, Processed, Used};
+use crate::device::{Device, Processed};
 use crate::error::Result;
 use crate::live::RingCounters;
 use crate::memory::FrontendMemory;
@@ -315,22 +317,29 @@ fn finish<D: Device, R: Rings>(
             }
             continue;
         };
-        for u in chunk {
-            let Used { head, len, .. } = *u;
-            // TEST ONLY: with `reorder` (the device ended them last first), a pause between
-            // each chain put back, so a back end killed there leaves later requests answered
-            // and earlier ones not: what only the inflight log can mend.
-            #[cfg(feature = "test-hooks")]
-            if memory.faults().reorder && !std::ptr::eq(u, &chunk[0]) {
-                std::thread::sleep(memvisor::faults::REORDER_GAP);
+        let name = device.name();
+        let failed = |head: u16, e: virtio_queue::Error| {
+            log::warn!("{name}: queue {index}: cannot return head {head}: {e}");
+        };
+        // TEST ONLY: with `reorder` (the device ended them last first), a pause between
+        // each chain put back, so a back end killed there leaves later requests answered
+        // and earlier ones not: what only the inflight log can mend.
+        #[cfg(feature = "test-hooks")]
+        if memory.faults().reorder {
+            for u in chunk {
+                if !std::ptr::eq(u, &chunk[0]) {
+                    std::thread::sleep(memvisor::faults::REORDER_GAP);
+                }
+                ring.add_used_batch(&mem, [(u.head, u.len)], failed);
             }
-            if let Err(e) = ring.add_used(&mem, head, len) {
-                log::warn!(
-                    "{}: queue {index}: cannot return head {head}: {e}",
-                    device.name()
-                );
+            if ring.needs_notification(&mem).unwrap_or(true) {
+                tell.push(index);
             }
+            continue;
         }
+        // The pass's chains for this ring go back together: one store of the used index
+        // (without an inflight log), then one question whether to interrupt.
+        ring.add_used_batch(&mem, chunk.iter().map(|u| (u.head, u.len)), failed);
         if ring.needs_notification(&mem).unwrap_or(true) {
             tell.push(index);
         }
