@@ -66,10 +66,8 @@ fn memfd(size: u64) -> OwnedFd {
     // SAFETY: memfd_create returned a descriptor nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     // SAFETY: ftruncate on our own descriptor.
-    assert_eq!(
-        unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) },
-        0
-    );
+    let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) };
+    assert_eq!(rc, 0);
     fd
 }
 
@@ -292,8 +290,7 @@ fn adopt_refuses_bad_descriptions() {
     let m = Mapping::new(4 * PAGE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1);
     let addr = m.ptr as u64;
     refused(AdoptedMemory::new(std::ptr::null_mut(), PAGE), "null");
-    // SAFETY (of the pointer arithmetic): inside the mapping.
-    let odd = unsafe { m.ptr.add(0x10) };
+    let odd = m.ptr.wrapping_add(0x10);
     refused(
         AdoptedMemory::new(odd, PAGE),
         &format!("{:#x}", addr + 0x10),
