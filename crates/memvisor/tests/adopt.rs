@@ -344,3 +344,60 @@ fn adopt_refuses_bad_descriptions() {
     );
     drop(m);
 }
+
+#[test]
+fn adopted_hugetlbfs_memory_discards_whole_huge_pages() {
+    let _pool = match memvisor::HugePageReservation::add(PageSize::Size2M, 2) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = std::io::Write::write_all(
+                &mut std::io::stderr(),
+                format!("skipped: adopted_hugetlbfs_memory_discards_whole_huge_pages: {e}\n")
+                    .as_bytes(),
+            );
+            return;
+        }
+    };
+    // "The VMM's" hugetlbfs memfd mapping: a memvisor backing, kept alive as the keeper.
+    let own = Arc::new(Backing::new(BackingKind::Hugetlb(PageSize::Size2M), 4 * MIB).unwrap());
+    let fd = own.fd().unwrap().try_clone_to_owned().unwrap();
+    let ptr = own.as_ptr();
+    // SAFETY: `own` is the keeper; a MAP_SHARED mapping of `fd` from 0, 2 MiB pages.
+    let b = Arc::new(unsafe {
+        Backing::adopt(
+            AdoptedMemory::new(ptr, 4 * MIB)
+                .shared(true)
+                .page_size(PageSize::Size2M)
+                .file(fd, 0)
+                .keep(own),
+        )
+        .unwrap()
+    });
+    assert_eq!(b.huge_page_size(), Some(PageSize::Size2M));
+    let slots = SlotTable::new();
+    slots.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
+    slots.write(Gpa(0), &[1; 8]).unwrap();
+    slots.write(Gpa(2 * MIB), &[2; 8]).unwrap();
+    let blocks = || allocated(&b.fd().unwrap().try_clone_to_owned().unwrap());
+    assert_eq!(blocks(), 4 * MIB);
+    // Half a huge page is not discarded; a whole one is.
+    let out = Discarder::new(&slots).report(&[(Gpa(0), MIB), (Gpa(2 * MIB), 2 * MIB)]);
+    assert_eq!(out.discarded, 2 * MIB, "{out:?}");
+    assert_eq!(blocks(), 2 * MIB);
+    let mut buf = [0u8; 8];
+    slots.read(Gpa(0), &mut buf).unwrap();
+    assert_eq!(buf, [1; 8]);
+    slots.read(Gpa(2 * MIB), &mut buf).unwrap();
+    assert_eq!(buf, [0; 8]);
+    // The file system's page size must match the description.
+    // SAFETY: refused before the memory is used.
+    let e = unsafe {
+        Backing::adopt(
+            AdoptedMemory::new(ptr, 4 * MIB)
+                .shared(true)
+                .file(b.fd().unwrap().try_clone_to_owned().unwrap(), 0),
+        )
+    }
+    .unwrap_err();
+    assert!(e.to_string().contains("file system of 2 MiB pages"), "{e}");
+}
