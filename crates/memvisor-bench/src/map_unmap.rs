@@ -309,7 +309,10 @@ impl Experiment for MapUnmap {
 /// Populated memory of the seed's kind, and the huge page reservation it needs (restored on
 /// drop); `Err` says why the kind cannot run here.
 fn memory_for(kind: &str, size: u64) -> Result<(Arc<Backing>, Option<Reservation>), String> {
-    let populate = BackingOptions { populate: true };
+    let populate = BackingOptions {
+        populate: true,
+        ..Default::default()
+    };
     let (kind, pool) = match kind {
         "MADV_HUGEPAGE" => (BackingKind::Thp, None),
         "MAP_POPULATE" => (BackingKind::SharedAnon, None),

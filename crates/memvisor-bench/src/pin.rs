@@ -78,7 +78,10 @@ fn populated(size: u64) -> anyhow::Result<Arc<Backing>> {
     Ok(Arc::new(Backing::with_options(
         BackingKind::PrivateAnon,
         size,
-        &BackingOptions { populate: true },
+        &BackingOptions {
+            populate: true,
+            ..Default::default()
+        },
     )?))
 }
 

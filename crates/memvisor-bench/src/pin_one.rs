@@ -142,7 +142,10 @@ impl Case {
             let backing = Arc::new(Backing::with_options(
                 memory.kind(),
                 size,
-                &BackingOptions { populate: true },
+                &BackingOptions {
+                    populate: true,
+                    ..Default::default()
+                },
             )?);
             if v < RAW && !active.contains(&v) {
                 spaces.push(None);
@@ -275,7 +278,10 @@ fn replay(runs: u32, replays: &[(&str, &[Vec<u64>])], out: &mut Outcome) -> anyh
         let backing = Arc::new(Backing::with_options(
             BackingKind::PrivateAnon,
             super::REPLAY_SIZE,
-            &BackingOptions { populate: true },
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
         )?);
         let registry = PinRegistry::new(LockLimit::Unlimited);
         if !cache {

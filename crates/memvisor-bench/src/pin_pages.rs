@@ -286,7 +286,10 @@ impl Case {
             let backing = Arc::new(Backing::with_options(
                 memory.kind(),
                 CASE_SIZE,
-                &BackingOptions { populate: true },
+                &BackingOptions {
+                    populate: true,
+                    ..Default::default()
+                },
             )?);
             spaces.push(space(grouping, &backing)?);
             backings.push(backing);
@@ -409,7 +412,10 @@ impl Experiment for PinPages {
         let guest = Arc::new(Backing::with_options(
             BackingKind::PrivateAnon,
             REPLAY_SIZE,
-            &BackingOptions { populate: true },
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
         )?);
         let replay_spaces = VARIANTS
             .iter()

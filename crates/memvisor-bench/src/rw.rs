@@ -140,7 +140,10 @@ impl Experiment for Rw {
         let guest = Arc::new(Backing::with_options(
             BackingKind::PrivateAnon,
             GUEST,
-            &BackingOptions { populate: true },
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
         )?);
         let dma = DmaSpace::default();
         for off in (0..GUEST).step_by(MAPPING as usize) {

@@ -327,6 +327,25 @@ impl Discarder {
             BackingKind::PrivateAnon | BackingKind::Thp if self.use_madv_free => Method::Free,
             BackingKind::PrivateAnon | BackingKind::Thp => Method::DontNeed,
             BackingKind::SharedAnon => Method::Remove,
+            // An adopted mapping, by what its caller said of it: a private file mapping as
+            // above; private anonymous like PrivateAnon (hugetlbfs pages can only be dropped);
+            // shared memory by its descriptor if given, else MADV_REMOVE as for SharedAnon.
+            BackingKind::Adopted { shared: false, .. } if backing.fd().is_some() => {
+                return out.reject(
+                    first,
+                    len,
+                    RejectReason::PrivateFileMapping { slot: slot.id() },
+                );
+            }
+            BackingKind::Adopted {
+                shared: false,
+                page_size,
+            } => match page_size {
+                PageSize::Size4K if self.use_madv_free => Method::Free,
+                _ => Method::DontNeed,
+            },
+            BackingKind::Adopted { shared: true, .. } if backing.fd().is_none() => Method::Remove,
+            BackingKind::Adopted { shared: true, .. } => Method::PunchHole,
             BackingKind::Memfd
             | BackingKind::Hugetlb(_)
             | BackingKind::File { .. }

@@ -349,6 +349,27 @@ pub enum Error {
         free: u64,
     },
 
+    /// A NUMA node that is not online on this machine (EINVAL, as `mbind(2)` answers).
+    #[error("NUMA node {node} is not online here (online nodes: {online}); pick one of those")]
+    NoSuchNode {
+        /// The node asked for.
+        node: u32,
+        /// The nodes that are online, as the kernel lists them (`0-1,3`).
+        online: String,
+    },
+
+    /// A backing option given for a kind of memory where it means nothing, or does harm
+    /// (EINVAL).
+    #[error("{option} has no meaning for {kind} memory: {why}")]
+    BadOption {
+        /// The option ("noreserve", "mergeable", "numa").
+        option: &'static str,
+        /// The backing kind's name.
+        kind: &'static str,
+        /// Why, and what to do instead.
+        why: &'static str,
+    },
+
     /// A feature this kernel or machine does not have.
     #[error("{what} is not supported here: {why}")]
     Unsupported {
@@ -387,7 +408,9 @@ impl Error {
             | Error::NotPinned(_)
             | Error::BadConfig(_)
             | Error::Protocol(_)
-            | Error::Invalid(_) => libc::EINVAL,
+            | Error::Invalid(_)
+            | Error::NoSuchNode { .. }
+            | Error::BadOption { .. } => libc::EINVAL,
             Error::PermissionDenied { .. } | Error::NeedsCapability { .. } => libc::EPERM,
             Error::LockLimit { .. } => libc::ENOMEM,
             Error::TooBig { .. } => libc::E2BIG,

@@ -14,6 +14,8 @@
 //! discard  free page reporting, host side: reported guest memory given back, pinned pages kept
 //! vm_memory  (feature `vm-memory`) rust-vmm's vm-memory traits over the slot table (and, as
 //!          dma::DmaMemory, over the device space, addressed by IOVA)
+//! vm_memory_mmap  (feature `vm-memory-mmap`) a VMM's GuestRegionMmap / GuestMemoryMmap adopted
+//!          as backings and slots, its mapping kept
 //! balloon  (feature `virtio-balloon`) virtio-balloon free page reporting queue -> discard
 //! ```
 //!
@@ -39,11 +41,16 @@ pub mod slots;
 mod sync;
 #[cfg(feature = "vm-memory")]
 pub mod vm_memory;
+#[cfg(feature = "vm-memory-mmap")]
+pub mod vm_memory_mmap;
 
 #[cfg(feature = "vm-memory")]
 pub use crate::vm_memory::{DirtySlice, SlotMemory, SlotRegion, SlotRegions, SlotSpace};
 pub use addr::{Gpa, Hva, Iova, PAGE_4K, PageSize, Range};
-pub use backing::{Backing, BackingKind, BackingOptions, HugePageReservation, SharedMappings};
+pub use backing::{
+    AdoptedMemory, Backing, BackingKind, BackingOptions, HugePageReservation, NumaMode, NumaPolicy,
+    SharedMappings,
+};
 pub use bitmap::SharedLog;
 pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutcome};
 #[cfg(feature = "vm-memory")]

@@ -69,7 +69,10 @@ fn populate_makes_every_page_resident() {
     let b = Backing::with_options(
         BackingKind::SharedAnon,
         8 * MIB,
-        &BackingOptions { populate: true },
+        &BackingOptions {
+            populate: true,
+            ..Default::default()
+        },
     )
     .unwrap();
     assert_eq!(smaps_field(b.hva().0, "Rss"), 8 * 1024);
@@ -158,7 +161,10 @@ fn thp_backing_gets_huge_pages_when_the_kernel_allows() {
     let b = Backing::with_options(
         BackingKind::Thp,
         8 * MIB,
-        &BackingOptions { populate: true },
+        &BackingOptions {
+            populate: true,
+            ..Default::default()
+        },
     )
     .unwrap();
     assert_eq!(

@@ -277,7 +277,10 @@ fn map_guest_pieces_inside_huge_pages_pin_and_log_in_the_right_units() {
         Backing::with_options(
             BackingKind::Thp,
             8 * MIB,
-            &BackingOptions { populate: true },
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
         )
         .unwrap(),
     );

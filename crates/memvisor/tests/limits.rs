@@ -262,7 +262,10 @@ fn thp_memory_that_ends_inside_a_huge_page_locks_only_its_own_memory() {
         Backing::with_options(
             BackingKind::Thp,
             3 * MIB,
-            &BackingOptions { populate: true },
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
         )
         .unwrap(),
     );
@@ -299,7 +302,10 @@ fn one_page_pinned_through_a_4k_and_a_2m_granule_is_unlocked_with_its_last_pin()
         Backing::with_options(
             BackingKind::Thp,
             4 * MIB,
-            &BackingOptions { populate: true },
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
         )
         .unwrap(),
     );

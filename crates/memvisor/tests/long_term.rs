@@ -75,7 +75,10 @@ fn space(registry: &Arc<PinRegistry>, mode: PinMode, pages: u64) -> (DmaSpace, A
         Backing::with_options(
             BackingKind::PrivateAnon,
             pages * PAGE,
-            &BackingOptions { populate: true },
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
         )
         .unwrap(),
     );
@@ -319,7 +322,15 @@ fn kernel_buffers(b: &Backing) -> Vec<(u64, u64)> {
 /// (else a visible skip for `test`).
 fn thp_or_skip(bytes: u64, test: &str) -> Option<Arc<Backing>> {
     let thp = Arc::new(
-        Backing::with_options(BackingKind::Thp, bytes, &BackingOptions { populate: true }).unwrap(),
+        Backing::with_options(
+            BackingKind::Thp,
+            bytes,
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
     );
     let huge = common::smaps_sum(thp.hva().0, thp.hva().0 + bytes, "AnonHugePages");
     if huge < bytes {

@@ -527,7 +527,10 @@ fn extents_are_the_physically_contiguous_runs() {
         Backing::with_options(
             BackingKind::Thp,
             8 * MIB,
-            &BackingOptions { populate: true },
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
         )
         .unwrap(),
     );
@@ -783,7 +786,15 @@ fn whole_thp(size: u64, test: &str) -> Option<Arc<Backing>> {
         return None;
     }
     let thp = Arc::new(
-        Backing::with_options(BackingKind::Thp, size, &BackingOptions { populate: true }).unwrap(),
+        Backing::with_options(
+            BackingKind::Thp,
+            size,
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
     );
     let got = anon_huge_kib(&thp);
     if got < size / 1024 {
@@ -1121,7 +1132,10 @@ fn a_discard_unlocks_cached_locks_and_skips_only_pins() {
         Backing::with_options(
             BackingKind::PrivateAnon,
             512 * PAGE,
-            &BackingOptions { populate: true },
+            &BackingOptions {
+                populate: true,
+                ..Default::default()
+            },
         )
         .unwrap(),
     );

@@ -49,7 +49,10 @@ impl Guest {
         let backing = Backing::with_options(
             kind.backing_kind(),
             size,
-            &BackingOptions { populate: false },
+            &BackingOptions {
+                populate: false,
+                ..Default::default()
+            },
         )
         .map_err(|e| e.to_string())?;
         if kind == Kind::Anon4K {

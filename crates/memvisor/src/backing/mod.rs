@@ -15,6 +15,15 @@
 //! | [`BackingKind::Hugetlb`] | `memfd_create(MFD_HUGETLB)` + `MAP_SHARED` | 2 MiB or 1 GiB | yes | yes |
 //! | [`BackingKind::File`] | a regular file, `MAP_SHARED` or `MAP_PRIVATE` | 4 KiB | as asked | yes |
 //! | [`BackingKind::Received`] | a descriptor from another process (a VMM's memfd, hugetlbfs or shared file), `MAP_SHARED` from a file offset | the file's | yes | yes |
+//! | [`BackingKind::Adopted`] | none: the caller's own mapping ([`Backing::adopt`]), never unmapped by memvisor | as the caller says | as the caller says | if the caller gives it |
+//!
+//! Memory a VMM has mapped itself is adopted rather than created (module `adopt`): the caller
+//! describes its mapping ([`AdoptedMemory`]) and promises it stays mapped while the backing
+//! lives; memvisor checks what it can (alignment, the descriptor's file covers the range, the
+//! range is mapped), never unmaps it, and drops the caller's keeper object with the backing.
+//! Memory memvisor creates can be placed ([`BackingOptions`], module `placement`): a NUMA policy
+//! (`mbind`), `MAP_NORESERVE`, and KSM merging (`MADV_MERGEABLE`), each refused with a typed
+//! error on a kind where it has no meaning.
 //!
 //! A received descriptor comes from a peer that is not trusted (a vhost-user or vfio-user
 //! frontend): [`Backing::from_fd`] checks it is a regular file at least as long as the range
@@ -45,6 +54,12 @@ use crate::copy;
 use crate::error::{Error, Result};
 use crate::sync::lock;
 
+mod adopt;
+mod placement;
+
+pub use adopt::AdoptedMemory;
+pub use placement::{NumaMode, NumaPolicy};
+
 /// Which kind of host memory to create.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BackingKind {
@@ -72,6 +87,14 @@ pub enum BackingKind {
         /// The file system's page size: 4 KiB, or hugetlbfs's huge page size.
         page_size: PageSize,
     },
+    /// A mapping the caller made and still owns, adopted with [`Backing::adopt`]: memvisor
+    /// never unmaps it. `page_size` and `shared` are what the caller said of it.
+    Adopted {
+        /// The page size the kernel backs it with: 4 KiB, or its hugetlbfs page size.
+        page_size: PageSize,
+        /// `true` for a `MAP_SHARED` mapping, `false` for `MAP_PRIVATE`.
+        shared: bool,
+    },
 }
 
 impl BackingKind {
@@ -87,16 +110,35 @@ impl BackingKind {
             BackingKind::File { shared: true, .. } => "file-shared",
             BackingKind::File { shared: false, .. } => "file-private",
             BackingKind::Received { .. } => "received-fd",
+            BackingKind::Adopted { shared: true, .. } => "adopted-shared",
+            BackingKind::Adopted { shared: false, .. } => "adopted-private",
         }
     }
 }
 
 /// How to create a backing.
+///
+/// Build it with `..Default::default()` for the fields you do not set. The placement options
+/// are applied before `populate`, so populated pages land where the policy says.
 #[derive(Clone, Debug, Default)]
 pub struct BackingOptions {
     /// Fault every page in at creation (`MADV_POPULATE_WRITE`, or touching each page on kernels
     /// older than 5.14), so the first guest access does not pay for it.
     pub populate: bool,
+    /// The NUMA nodes the memory's pages come from, and how (`mbind(2)`). EINVAL
+    /// ([`Error::NoSuchNode`]) for a node that is not online; refused
+    /// ([`Error::BadOption`]) for file kinds, whose page cache a policy does not place.
+    pub numa: Option<NumaPolicy>,
+    /// `MAP_NORESERVE`: no swap space is reserved, so memory can be overcommitted (the kernel
+    /// ignores it under `vm.overcommit_memory=2`). For private anonymous, THP, shared anonymous
+    /// and private file memory; refused ([`Error::BadOption`]) for memfds (never reserved),
+    /// shared files (page cache) and hugetlbfs (a missing huge page would be SIGBUS at a guest
+    /// access instead of an error at creation).
+    pub noreserve: bool,
+    /// `MADV_MERGEABLE`: KSM may merge identical pages. For private memory only: the kernel
+    /// accepts it on shared memory and silently does nothing, so memvisor refuses it there
+    /// ([`Error::BadOption`]); EOPNOTSUPP on a kernel without KSM.
+    pub mergeable: bool,
 }
 
 /// Host memory for guest RAM: one mapping, unmapped on drop.
@@ -109,8 +151,25 @@ pub struct Backing {
     kind: BackingKind,
     page_size: PageSize,
     fd: Option<OwnedFd>,
-    /// Where in the file behind `fd` the mapping starts (0 unless received).
+    /// Where in the file behind `fd` the mapping starts (0 unless received or adopted).
     file_offset: u64,
+    /// Set for an adopted mapping: the caller owns it (memvisor never unmaps it), and this
+    /// holds the caller's keeper, dropped with the backing.
+    adopted: Option<Keeper>,
+}
+
+/// What keeps an adopted mapping alive: the caller's object, dropped after the backing's last
+/// user is gone (or nothing, when the caller keeps the mapping alive by other means).
+pub(crate) struct Keeper(#[allow(dead_code)] Option<Box<dyn Send + Sync>>);
+
+impl std::fmt::Debug for Keeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Keeper(caller's object)"
+        } else {
+            "Keeper(none)"
+        })
+    }
 }
 
 // SAFETY: a Backing owns its mapping; the pointer is never used to build references, and all
@@ -147,8 +206,15 @@ impl Backing {
                     why: "map a descriptor from another process with Backing::from_fd".into(),
                 });
             }
+            BackingKind::Adopted { .. } => {
+                return Err(Error::Unsupported {
+                    what: "creating an Adopted backing",
+                    why: "adopt a mapping of your own with Backing::adopt".into(),
+                });
+            }
             _ => PageSize::Size4K,
         };
+        placement::check(&kind, options)?;
         if size == 0 {
             return Err(Error::ZeroSize { what: "backing" });
         }
@@ -212,7 +278,9 @@ impl Backing {
                 }
                 Some(OwnedFd::from(file))
             }
-            BackingKind::Received { .. } => unreachable!("refused above"),
+            BackingKind::Received { .. } | BackingKind::Adopted { .. } => {
+                unreachable!("refused above")
+            }
         };
 
         let (share, anon) = match &kind {
@@ -227,8 +295,16 @@ impl Backing {
                 },
                 false,
             ),
-            BackingKind::Received { .. } => unreachable!("refused above"),
+            BackingKind::Received { .. } | BackingKind::Adopted { .. } => {
+                unreachable!("refused above")
+            }
         };
+        let share = share
+            | if options.noreserve {
+                libc::MAP_NORESERVE
+            } else {
+                0
+            };
         let ptr = map_aligned(len, share, anon, fd.as_ref(), 0, page_size).map_err(|e| {
             match (&kind, e.errno()) {
                 // Lost a race for the pages between the check above and the mmap.
@@ -248,10 +324,12 @@ impl Backing {
             page_size,
             fd,
             file_offset: 0,
+            adopted: None,
         };
         if backing.kind == BackingKind::Thp {
             backing.madvise(libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)")?;
         }
+        placement::apply(&backing, options)?;
         if options.populate {
             backing.populate()?;
         }
@@ -316,6 +394,7 @@ impl Backing {
             page_size,
             fd: Some(fd),
             file_offset,
+            adopted: None,
         })
     }
 
@@ -385,7 +464,11 @@ impl Backing {
         match self.kind {
             BackingKind::Hugetlb(p) => Some(p),
             BackingKind::Thp => Some(PageSize::Size2M),
-            BackingKind::Received { page_size } if page_size.bytes() > 4096 => Some(page_size),
+            BackingKind::Received { page_size } | BackingKind::Adopted { page_size, .. }
+                if page_size.bytes() > 4096 =>
+            {
+                Some(page_size)
+            }
             _ => None,
         }
     }
@@ -398,8 +481,14 @@ impl Backing {
         let (anon, shmem) = thp_allowed();
         match &self.kind {
             BackingKind::Hugetlb(_) | BackingKind::Thp => false,
-            BackingKind::Received { page_size } if page_size.bytes() > 4096 => false,
-            BackingKind::PrivateAnon | BackingKind::File { shared: false, .. } => anon,
+            BackingKind::Received { page_size } | BackingKind::Adopted { page_size, .. }
+                if page_size.bytes() > 4096 =>
+            {
+                false
+            }
+            BackingKind::PrivateAnon
+            | BackingKind::File { shared: false, .. }
+            | BackingKind::Adopted { shared: false, .. } => anon,
             _ => shmem,
         }
     }
@@ -418,13 +507,19 @@ impl Backing {
             | BackingKind::Memfd
             | BackingKind::Hugetlb(_)
             | BackingKind::Received { .. } => true,
-            BackingKind::File { shared, .. } => *shared,
+            BackingKind::File { shared, .. } | BackingKind::Adopted { shared, .. } => *shared,
             BackingKind::PrivateAnon | BackingKind::Thp => false,
         }
     }
 
+    /// Whether this is a mapping the caller owns ([`Backing::adopt`]), which memvisor never
+    /// unmaps.
+    pub fn is_adopted(&self) -> bool {
+        self.adopted.is_some()
+    }
+
     /// The file descriptor behind the memory (memfd, hugetlbfs memfd, file), to pass to another
-    /// process; `None` for anonymous memory.
+    /// process; `None` for anonymous memory (and for adopted memory given without one).
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         self.fd.as_ref().map(|f| f.as_fd())
     }
@@ -465,6 +560,10 @@ impl Backing {
 
 impl Drop for Backing {
     fn drop(&mut self) {
+        if self.adopted.is_some() {
+            // The caller's mapping: it stays; the keeper (a field) is dropped after this.
+            return;
+        }
         // SAFETY: we own this mapping, and every user holds an Arc to us, so none is left.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.mapped) };
     }
@@ -664,7 +763,7 @@ fn mappable_end(file_len: u64, page_size: PageSize) -> u64 {
         .unwrap_or(file_len)
 }
 
-fn file_identity(fd: &OwnedFd) -> Result<(libc::stat, PageSize)> {
+pub(crate) fn file_identity(fd: &OwnedFd) -> Result<(libc::stat, PageSize)> {
     // SAFETY: fstat and fstatfs write only into the structs we pass; the fd is ours.
     let (st, sfs) = unsafe {
         let mut st: libc::stat = std::mem::zeroed();
