@@ -1,7 +1,8 @@
 //! Porting, after: the device model and VMM of `porting_vm_memory.rs`, on memvisor's slot table
-//! through its vm-memory adapter. `diff` the two files to see what a port changes
-//! (docs/porting.md walks through it). Run it with
-//! `cargo run -p memvisor --features vm-memory --example porting_memvisor`; tests/porting.rs
+//! through its vm-memory adapter. The VMM keeps its own mapping code: memvisor adopts the
+//! `GuestMemoryMmap` and `GuestRegionMmap`s it maps. `diff` the two files to see what a port
+//! changes (docs/porting.md walks through it). Run it with
+//! `cargo run -p memvisor --features vm-memory-mmap --example porting_memvisor`; tests/porting.rs
 //! runs both and compares what the device computed.
 //!
 //! The device fills and checksums guest buffers. The driver puts a request list in guest memory:
@@ -9,11 +10,10 @@
 //! arg: le32, result: le32` — and the device walks it through `GuestMemory`/`Bytes`, as a virtio
 //! device walks a descriptor chain, writing each entry's result back.
 
-use std::sync::Arc;
-
-use memvisor::{Backing, BackingKind, Gpa, SlotSpace, SlotSpec, SlotTable};
+use memvisor::{SlotSpace, SlotSpec, SlotTable};
 use vm_memory::{
-    Address, Bytes, GuestAddress, GuestAddressSpace, GuestMemory, GuestMemoryError, Le32, Le64,
+    Address, Bytes, GuestAddress, GuestAddressSpace, GuestMemory, GuestMemoryError,
+    GuestMemoryMmap, GuestRegionMmap, Le32, Le64,
 };
 
 // ---- the VMM's memory: what a port changes ----
@@ -29,15 +29,13 @@ const PLUG_AT: GuestAddress = GuestAddress(4 << 30);
 const PLUG: u64 = 2 * MIB;
 
 fn boot_memory() -> Result<Memory, Box<dyn std::error::Error>> {
-    let table = SlotTable::new();
-    let ram = Arc::new(Backing::new(BackingKind::Memfd, RAM)?);
-    table.insert(SlotSpec::new(0, Gpa(0), ram))?;
-    Ok(SlotSpace::new(table))
+    let ram: GuestMemoryMmap = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM as usize)])?;
+    Ok(SlotSpace::new(SlotTable::from_guest_memory(&ram)?))
 }
 
 fn hotplug(memory: &Memory) -> Result<(), Box<dyn std::error::Error>> {
-    let ram = Arc::new(Backing::new(BackingKind::Memfd, PLUG)?);
-    memory.insert_region(SlotSpec::new(1, Gpa(PLUG_AT.0), ram))?;
+    let region: GuestRegionMmap = GuestRegionMmap::from_range(PLUG_AT, PLUG as usize, None)?;
+    memory.insert_region(SlotSpec::from_guest_region(1, &region)?)?;
     Ok(())
 }
 

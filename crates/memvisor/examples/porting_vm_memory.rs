@@ -29,12 +29,12 @@ const PLUG_AT: GuestAddress = GuestAddress(4 << 30);
 const PLUG: u64 = 2 * MIB;
 
 fn boot_memory() -> Result<Memory, Box<dyn std::error::Error>> {
-    let ram = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM as usize)])?;
+    let ram: GuestMemoryMmap = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM as usize)])?;
     Ok(GuestMemoryAtomic::new(ram))
 }
 
 fn hotplug(memory: &Memory) -> Result<(), Box<dyn std::error::Error>> {
-    let region = GuestRegionMmap::from_range(PLUG_AT, PLUG as usize, None)?;
+    let region: GuestRegionMmap = GuestRegionMmap::from_range(PLUG_AT, PLUG as usize, None)?;
     let grown = memory.memory().insert_region(Arc::new(region))?;
     memory.lock().unwrap().replace(grown);
     Ok(())

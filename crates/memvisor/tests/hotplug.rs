@@ -390,3 +390,37 @@ fn check_view(mem: &SlotMemory) {
     assert_eq!(first, round | 0x5157 << 48, "generation {generation}");
     assert_eq!(last, first);
 }
+
+/// A VMM that keeps its own mapping code hotplugs the `GuestRegionMmap` it mapped: memvisor
+/// adopts that memory (no second mapping), so the VMM's region and memvisor's view are the same
+/// bytes, before and after the unplug.
+#[cfg(feature = "vm-memory-mmap")]
+#[test]
+fn a_vmm_s_own_region_hotplugs_without_a_copy() {
+    use vm_memory::{GuestRegionMmap, MemoryRegionAddress};
+
+    let space = booted();
+    let region: GuestRegionMmap =
+        GuestRegionMmap::from_range(GuestAddress(PLUG_AT), PLUG as usize, None).unwrap();
+    let grown = space
+        .insert_region(SlotSpec::from_guest_region(1, &region).unwrap())
+        .unwrap();
+    grown
+        .write_slice(b"through memvisor", GuestAddress(PLUG_AT + 0x300))
+        .unwrap();
+    let mut buf = [0u8; 16];
+    region
+        .read_slice(&mut buf, MemoryRegionAddress(0x300))
+        .unwrap();
+    assert_eq!(&buf, b"through memvisor");
+    region
+        .write_slice(b"through the VMM", MemoryRegionAddress(0x400))
+        .unwrap();
+
+    let (shrunk, removed) = space.remove_region(GuestAddress(PLUG_AT), PLUG).unwrap();
+    assert!(shrunk.read_obj::<u8>(GuestAddress(PLUG_AT)).is_err());
+    removed
+        .read_slice(&mut buf[..15], MemoryRegionAddress(0x400))
+        .unwrap();
+    assert_eq!(&buf[..15], b"through the VMM");
+}

@@ -1,7 +1,8 @@
 //! The porting example's two halves (examples/porting_vm_memory.rs on vm-memory's
-//! `GuestMemoryMmap`, examples/porting_memvisor.rs on memvisor's adapter) run the same device
-//! model through the same steps, hotplug included, and must compute the same results.
-#![cfg(feature = "vm-memory")]
+//! `GuestMemoryMmap`, examples/porting_memvisor.rs on memvisor's adapter over the same kind of
+//! `GuestMemoryMmap`, adopted) run the same device model through the same steps, hotplug
+//! included, and must compute the same results.
+#![cfg(feature = "vm-memory-mmap")]
 
 #[path = "../examples/porting_vm_memory.rs"]
 mod before;
