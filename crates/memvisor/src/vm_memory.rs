@@ -47,9 +47,23 @@
 //! [`Snapshot::write`] checks the whole range first and copies nothing. Accesses never build a
 //! `&[u8]` over guest memory: they copy through [`VolatileSlice`]s.
 //!
+//! **Hotplug.** [`SlotSpace::insert_region`] and [`SlotSpace::remove_region`] are vm-memory's
+//! `GuestMemoryMmap::insert_region` / `remove_region` (same arguments, same refusals) and the
+//! `GuestMemoryAtomic::lock().replace()` that publishes the result, in one call: the table is
+//! the collection and its writer mutex is the lock, so each change is one atomic table update.
+//! A caller holding an older `memory()` keeps its consistent old view (and the removed region
+//! stays mapped until that view is dropped); the next `memory()` sees the change. vm-memory's
+//! two steps let two hotplugs that both start from the same `memory()` publish one and lose the
+//! other; here the second one is applied to the first one's result. Refusals are memvisor's
+//! [`Error`], with the errno KVM would give: an overlap is [`Error::Overlap`] (EEXIST,
+//! vm-memory's `MemoryRegionOverlap`), a `(base, size)` that is no region is [`Error::NotFound`]
+//! (ENOENT) or, when `base` lies in a region that does not start there or has another size,
+//! [`Error::Invalid`] (EINVAL) naming that region (both vm-memory's `NoMemoryRegion`); a size of 0
+//! is [`Error::ZeroSize`].
+//!
 //! **Not supported:** IOMMU translation (use [`crate::DmaSpace`] for I/O virtual addresses);
-//! changing the memory map through vm-memory (`GuestRegionCollection::insert_region` and friends —
-//! change the [`crate::SlotTable`] instead); vm-memory's xen mappings.
+//! vm-memory's `GuestRegionCollection` constructors (build a [`crate::SlotTable`] instead);
+//! vm-memory's xen mappings.
 
 use std::fmt;
 use std::fs::File;
@@ -70,7 +84,7 @@ use crate::addr::{Gpa, PageSize};
 use crate::backing::BackingKind;
 use crate::bitmap::DirtyBitmap;
 use crate::error::Error;
-use crate::slots::{Slot, SlotFlags, SlotTable, Snapshot};
+use crate::slots::{Slot, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot};
 
 type GuestResult<T> = ::vm_memory::GuestMemoryResult<T>;
 
@@ -534,6 +548,83 @@ impl SlotSpace {
     pub fn table(&self) -> &SlotTable {
         &self.table
     }
+
+    /// Hotplugs memory: installs `region` as a slot and publishes the change atomically (see the
+    /// module docs on hotplug). The port of vm-memory's
+    /// `let m = atomic.memory().insert_region(r)?; atomic.lock().unwrap().replace(m);`.
+    ///
+    /// Returns a view of the table with the region in it: the one this change published, or a
+    /// later one if another writer changed the table meanwhile. Refused, with nothing
+    /// published, as [`SlotTable::insert`] refuses: EEXIST for an overlap ([`Error::Overlap`]
+    /// names both ranges) or a slot id in use, EINVAL for a size of 0, a misaligned address,
+    /// size or offset, or a window past the backing's end.
+    pub fn insert_region(&self, region: SlotSpec) -> Result<Arc<SlotMemory>, Error> {
+        self.table.insert(region)?;
+        Ok(self.memory())
+    }
+
+    /// Hot-unplugs the region that starts at `base` and is `size` bytes long, publishing the
+    /// change atomically (see the module docs on hotplug). The port of vm-memory's
+    /// `let (m, r) = atomic.memory().remove_region(base, size)?; atomic.lock().unwrap().replace(m);`.
+    ///
+    /// Returns a view without the region (this change's, or a later one) and the removed
+    /// region, which keeps its backing mapped until it and every older view are dropped — the
+    /// moment to tell KVM or a vhost-user peer first. Refused, with nothing published: EINVAL
+    /// ([`Error::ZeroSize`]) for `size` 0; ENOENT ([`Error::NotFound`]) if no region holds
+    /// `base`; EINVAL ([`Error::Invalid`], naming the region) if the region holding `base`
+    /// does not start there or is not `size` bytes: vm-memory removes whole regions only.
+    pub fn remove_region(
+        &self,
+        base: GuestAddress,
+        size: GuestUsize,
+    ) -> Result<(Arc<SlotMemory>, Arc<SlotRegion>), Error> {
+        if size == 0 {
+            return Err(Error::ZeroSize {
+                what: "region to remove",
+            });
+        }
+        let removed = self.table.update(|edit| {
+            // Writers hold the table's writer lock while the batch runs, so the snapshot read
+            // here is the one the batch starts from: the lookup and the removal are one step.
+            let id = whole_region(&self.table.snapshot(), base, size)?;
+            edit.remove(id)
+        })?;
+        Ok((self.memory(), Arc::new(SlotRegion::new(removed))))
+    }
+}
+
+/// The id of the slot that is exactly `[base, base + size)` in `snapshot`.
+fn whole_region(
+    snapshot: &Snapshot,
+    base: GuestAddress,
+    size: GuestUsize,
+) -> Result<SlotId, Error> {
+    let i = snapshot.find(Gpa(base.0)).ok_or(Error::NotFound {
+        what: "guest memory region holding address",
+        id: base.0,
+    })?;
+    let slot = snapshot.slots().nth(i).ok_or(Error::NotFound {
+        what: "guest memory region holding address",
+        id: base.0,
+    })?;
+    let range = slot.range();
+    if range.start().0 != base.0 || range.len() != size {
+        return Err(not_whole_region(slot, base, size));
+    }
+    Ok(slot.id())
+}
+
+/// The error for a removal of `[base, base + size)` that names only part of `slot`, or more.
+fn not_whole_region(slot: &Slot, base: GuestAddress, size: GuestUsize) -> Error {
+    let range = slot.range();
+    Error::Invalid(format!(
+        "remove_region({base:#x}, {size:#x}): {base:#x} is in slot {} at {:#x} of {:#x} bytes; \
+         a region is removed whole: pass its start and size",
+        slot.id(),
+        range.start().0,
+        range.len(),
+        base = base.0,
+    ))
 }
 
 impl GuestAddressSpace for SlotSpace {
