@@ -33,7 +33,7 @@ int main(void) {
 
     /* The guest programs its IOMMU: IOVA 1 GiB -> guest RAM [1 MiB, 2 MiB). */
     memvisor_dma *dma;
-    TRY(memvisor_dma_new(&dma));
+    TRY(memvisor_dma_new(0, &dma));
     TRY(memvisor_dma_map_guest(dma, GiB, slots, 1 * MiB, 1 * MiB, MEMVISOR_PROT_RW));
 
     /* A device copies into guest memory by IOVA; the CPU side sees it at the guest address. */

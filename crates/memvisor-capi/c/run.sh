@@ -31,14 +31,16 @@ for src in "${programs[@]}"; do
 done
 
 # The static build must not need libmemvisor.so; the shared one must load it.
-if ldd "$out/example-static" | grep -q libmemvisor; then
+static_deps=$(ldd "$out/example-static")
+shared_deps=$(ldd "$out/example-shared")
+if grep -q libmemvisor <<<"$static_deps"; then
     echo "run.sh: example-static links libmemvisor.so" >&2
     exit 1
 fi
-ldd "$out/example-shared" | grep -q "libmemvisor.so" || {
+if ! grep -q "libmemvisor.so" <<<"$shared_deps"; then
     echo "run.sh: example-shared does not load libmemvisor.so" >&2
     exit 1
-}
+fi
 
 failed=0
 for src in "${programs[@]}"; do

@@ -157,9 +157,10 @@ typedef struct memvisor_dma memvisor_dma;
 #define MEMVISOR_PROT_WRITE 2u /* the device writes (device -> memory) */
 #define MEMVISOR_PROT_RW 3u
 
-/* A new empty DMA space with memvisor's defaults (type1 v2, 4 KiB pages, the process-wide
- * pin registry). */
-int memvisor_dma_new(memvisor_dma **dma);
+/* A new empty DMA space holding at most `max_mappings` mappings (0: type1's default
+ * dma_entry_limit, 65535), otherwise with memvisor's defaults (type1 v2, 4 KiB pages, the
+ * process-wide pin registry). */
+int memvisor_dma_new(uint32_t max_mappings, memvisor_dma **dma);
 
 /* Frees the caller's handle (NULL: nothing). */
 void memvisor_dma_free(memvisor_dma *dma);

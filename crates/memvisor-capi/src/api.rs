@@ -367,10 +367,14 @@ pub unsafe extern "C" fn memvisor_slots_lookup(
 
 /// `memvisor_dma_new`: its contract (arguments, ownership, threads) is in include/memvisor.h.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn memvisor_dma_new(dma: *mut *mut MemvisorDma) -> c_int {
+pub unsafe extern "C" fn memvisor_dma_new(max_mappings: u32, dma: *mut *mut MemvisorDma) -> c_int {
     call("memvisor_dma_new", || {
         let dma = out(dma, "dma")?;
-        let space = DmaSpace::new(DmaConfig::default())?;
+        let mut config = DmaConfig::default();
+        if max_mappings != 0 {
+            config.max_mappings = max_mappings;
+        }
+        let space = DmaSpace::new(config)?;
         // SAFETY: a checked out pointer.
         unsafe { put(dma, into_handle(MemvisorDma(space))) };
         Ok(0)

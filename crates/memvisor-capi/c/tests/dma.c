@@ -9,7 +9,7 @@ static void map_translate_read_write(void) {
     memvisor_backing *ram;
     memvisor_dma *dma;
     OK(memvisor_backing_new(MEMVISOR_BACKING_PRIVATE_ANON, 2 * MIB, &ram));
-    OK(memvisor_dma_new(&dma));
+    OK(memvisor_dma_new(0, &dma));
     const uint64_t iova = 1ull << 30;
     OK(memvisor_dma_map_backing(dma, iova, ram, 0, 2 * MIB, MEMVISOR_PROT_RW));
 
@@ -65,7 +65,7 @@ static void permissions_and_overlaps(void) {
     memvisor_backing *ram;
     memvisor_dma *dma;
     OK(memvisor_backing_new(MEMVISOR_BACKING_MEMFD, 1 * MIB, &ram));
-    OK(memvisor_dma_new(&dma));
+    OK(memvisor_dma_new(0, &dma));
     OK(memvisor_dma_map_backing(dma, 0, ram, 0, 1 * MIB, MEMVISOR_PROT_READ));
     void *hva;
     FAILS(memvisor_dma_translate(dma, 0, 8, MEMVISOR_PROT_WRITE, &hva, NULL), EPERM, "");
@@ -82,7 +82,7 @@ static void scatter_gather(void) {
     memvisor_dma *dma;
     OK(memvisor_backing_new(MEMVISOR_BACKING_PRIVATE_ANON, 1 * MIB, &a));
     OK(memvisor_backing_new(MEMVISOR_BACKING_PRIVATE_ANON, 1 * MIB, &b));
-    OK(memvisor_dma_new(&dma));
+    OK(memvisor_dma_new(0, &dma));
     OK(memvisor_dma_map_backing(dma, 0, a, 0, 1 * MIB, MEMVISOR_PROT_RW));
     OK(memvisor_dma_map_backing(dma, 1 * MIB, b, 0, 1 * MIB, MEMVISOR_PROT_RW));
 
@@ -129,9 +129,9 @@ static void bad_arguments_are_einval_naming_them(void) {
     memvisor_backing *ram;
     memvisor_dma *dma;
     OK(memvisor_backing_new(MEMVISOR_BACKING_PRIVATE_ANON, 1 * MIB, &ram));
-    OK(memvisor_dma_new(&dma));
+    OK(memvisor_dma_new(0, &dma));
     void *hva;
-    FAILS(memvisor_dma_new(NULL), EINVAL, "dma is NULL");
+    FAILS(memvisor_dma_new(0, NULL), EINVAL, "dma is NULL");
     FAILS(memvisor_backing_new(MEMVISOR_BACKING_MEMFD, MIB, NULL), EINVAL, "backing is NULL");
     FAILS(memvisor_backing_new(42, MIB, &ram), EINVAL, "kind 42");
     FAILS(memvisor_backing_from_fd(-1, 0, MIB, &ram), EINVAL, "fd -1");

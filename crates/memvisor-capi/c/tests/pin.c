@@ -9,7 +9,7 @@ static void pin_counts(void) {
     memvisor_backing *ram;
     memvisor_dma *dma;
     OK(memvisor_backing_new(MEMVISOR_BACKING_PRIVATE_ANON, 1 * MIB, &ram));
-    OK(memvisor_dma_new(&dma));
+    OK(memvisor_dma_new(0, &dma));
     const uint64_t iova = 64 * MIB;
     OK(memvisor_dma_map_backing(dma, iova, ram, 0, 1 * MIB, MEMVISOR_PROT_RW));
     CHECK(memvisor_dma_pinned_pages(dma) == 0);
@@ -49,7 +49,7 @@ static void dirty_log(void) {
     memvisor_backing *ram;
     memvisor_dma *dma;
     OK(memvisor_backing_new(MEMVISOR_BACKING_MEMFD, 1 * MIB, &ram));
-    OK(memvisor_dma_new(&dma));
+    OK(memvisor_dma_new(0, &dma));
     OK(memvisor_dma_map_backing(dma, 0, ram, 0, 1 * MIB, MEMVISOR_PROT_RW));
     uint64_t bitmap[4]; /* 256 pages */
     /* Off: reading the log is EINVAL. */

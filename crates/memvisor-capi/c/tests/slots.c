@@ -59,7 +59,7 @@ static void vaddr_update(void) {
     memvisor_dma *dma;
     OK(memvisor_backing_new(MEMVISOR_BACKING_MEMFD, 1 * MIB, &old));
     OK(memvisor_backing_new(MEMVISOR_BACKING_MEMFD, 1 * MIB, &new_));
-    OK(memvisor_dma_new(&dma));
+    OK(memvisor_dma_new(0, &dma));
     OK(memvisor_dma_map_backing(dma, 0, old, 0, 1 * MIB, MEMVISOR_PROT_RW));
     /* Updating a mapping that is not invalidated is EINVAL. */
     FAILS(memvisor_dma_update_vaddr(dma, 0, 1 * MIB, new_, 0), EINVAL, "");
@@ -85,7 +85,7 @@ static void discard_keeps_pinned(void) {
     OK(memvisor_backing_new(MEMVISOR_BACKING_MEMFD, 4 * MIB, &ram));
     OK(memvisor_slots_new(0, &slots));
     OK(memvisor_slots_insert(slots, 0, 0, ram, 0, 4 * MIB, 0));
-    OK(memvisor_dma_new(&dma));
+    OK(memvisor_dma_new(0, &dma));
     /* Without a vIOMMU the device's space is the identity over guest memory. */
     OK(memvisor_dma_map_guest(dma, 0, slots, 0, 4 * MIB, MEMVISOR_PROT_RW));
     OK(memvisor_discarder_new(slots, 0, &discarder));
