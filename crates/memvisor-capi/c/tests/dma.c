@@ -73,6 +73,13 @@ static void permissions_and_overlaps(void) {
     FAILS(memvisor_dma_map_backing(dma, 4 * KIB, ram, 0, PAGE, MEMVISOR_PROT_RW), EEXIST, "");
     FAILS(memvisor_dma_map_backing(dma, 2 * MIB + 1, ram, 0, PAGE, MEMVISOR_PROT_RW), EINVAL, "");
     memvisor_dma_free(dma);
+
+    /* max_mappings is type1's dma_entry_limit: past it, ENOSPC. */
+    OK(memvisor_dma_new(2, &dma));
+    OK(memvisor_dma_map_backing(dma, 0, ram, 0, PAGE, MEMVISOR_PROT_RW));
+    OK(memvisor_dma_map_backing(dma, 2 * PAGE, ram, 0, PAGE, MEMVISOR_PROT_RW));
+    FAILS(memvisor_dma_map_backing(dma, 4 * PAGE, ram, 0, PAGE, MEMVISOR_PROT_RW), ENOSPC, "limit");
+    memvisor_dma_free(dma);
     memvisor_backing_free(ram);
 }
 
