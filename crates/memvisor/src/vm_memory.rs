@@ -280,6 +280,10 @@ impl GuestMemoryRegion for SlotRegion {
                 | BackingKind::Received {
                     page_size: PageSize::Size2M | PageSize::Size1G
                 }
+                | BackingKind::Adopted {
+                    page_size: PageSize::Size2M | PageSize::Size1G,
+                    ..
+                }
         ))
     }
 }

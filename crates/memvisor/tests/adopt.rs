@@ -376,6 +376,14 @@ fn adopted_hugetlbfs_memory_discards_whole_huge_pages() {
     assert_eq!(b.huge_page_size(), Some(PageSize::Size2M));
     let slots = SlotTable::new();
     slots.insert(SlotSpec::new(0, Gpa(0), b.clone())).unwrap();
+    // The vm-memory view tells a device model (vhost-user's memory table, say) it is hugetlbfs.
+    #[cfg(feature = "vm-memory")]
+    {
+        use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+        let memory = memvisor::vm_memory::SlotMemory::from_table(&slots);
+        let region = memory.regions().find_region(GuestAddress(0)).unwrap();
+        assert_eq!(region.is_hugetlbfs(), Some(true));
+    }
     slots.write(Gpa(0), &[1; 8]).unwrap();
     slots.write(Gpa(2 * MIB), &[2; 8]).unwrap();
     let blocks = || allocated(&b.fd().unwrap().try_clone_to_owned().unwrap());
