@@ -414,6 +414,96 @@ impl Disk {
         ok
     }
 
+    /// Makes the ring's registered-buffer table: `slots` empty slots (sparse), filled one
+    /// chunk at a time by [`Disk::register_fixed`]. Only on the ring's thread.
+    pub fn fixed_table(&mut self, slots: u32) -> std::io::Result<()> {
+        let ring = self
+            .ring()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EOPNOTSUPP))?;
+        ring.submitter().register_buffers_sparse(slots)
+    }
+
+    /// Registers host bytes `[base, base + len)` as buffer `slot` (the kernel pins them,
+    /// charged to RLIMIT_MEMLOCK without CAP_IPC_LOCK).
+    ///
+    /// # Safety
+    /// The range must stay mapped until [`Disk::clear_fixed`] of the slot or the ring's end.
+    pub unsafe fn register_fixed(&mut self, slot: u32, base: u64, len: u64) -> std::io::Result<()> {
+        let ring = self
+            .ring()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EOPNOTSUPP))?;
+        let iov = [libc::iovec {
+            iov_base: base as usize as *mut libc::c_void,
+            iov_len: len as usize,
+        }];
+        // SAFETY: the caller keeps the range mapped while it is registered.
+        unsafe { ring.submitter().register_buffers_update(slot, &iov, None) }
+    }
+
+    /// Empties buffer `slot`; the kernel unpins its pages once no transfer uses them.
+    pub fn clear_fixed(&mut self, slot: u32) -> std::io::Result<()> {
+        let ring = self
+            .ring()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EOPNOTSUPP))?;
+        let iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }];
+        // SAFETY: an empty entry names no memory.
+        unsafe { ring.submitter().register_buffers_update(slot, &iov, None) }
+    }
+
+    /// As [`Disk::start`], through registered buffer `slot`, in which every entry of `iov`
+    /// lies (`READ_FIXED` / `WRITE_FIXED` for one entry, `READV_FIXED` / `WRITEV_FIXED`, Linux
+    /// 6.15, for more): the kernel pins nothing per transfer.
+    ///
+    /// # Safety
+    /// As [`Disk::start`]; and `slot` registered over memory holding every entry of `iov`.
+    pub unsafe fn start_fixed(
+        &mut self,
+        iov: &[libc::iovec],
+        offset: u64,
+        read: bool,
+        key: u64,
+        slot: u16,
+    ) -> bool {
+        if iov.len() > IOV_MAX || iov.is_empty() || self.in_flight >= IN_FLIGHT {
+            return false;
+        }
+        let fd = io_uring::types::Fd(self.file.as_raw_fd());
+        let Some(ring) = self.ring() else {
+            return false;
+        };
+        let n = iov.len() as u32;
+        use io_uring::opcode::{ReadFixed, ReadvFixed, WriteFixed, WritevFixed};
+        let entry = match (iov.len(), read) {
+            (1, true) => ReadFixed::new(fd, iov[0].iov_base.cast(), iov[0].iov_len as u32, slot)
+                .offset(offset)
+                .build(),
+            (1, false) => WriteFixed::new(fd, iov[0].iov_base.cast(), iov[0].iov_len as u32, slot)
+                .offset(offset)
+                .build(),
+            (_, true) => ReadvFixed::new(fd, iov.as_ptr(), n, slot)
+                .offset(offset)
+                .build(),
+            (_, false) => WritevFixed::new(fd, iov.as_ptr(), n, slot)
+                .offset(offset)
+                .build(),
+        }
+        .user_data(key);
+        // SAFETY: as `start`.
+        let ok = unsafe { ring.submission().push(&entry) }.is_ok();
+        self.in_flight += usize::from(ok);
+        self.queued += usize::from(ok);
+        ok
+    }
+
+    /// Another handle on the completion eventfd: a write to it wakes the ring's thread (a
+    /// discard asking it to give registered memory up).
+    pub fn waker(&self) -> Option<File> {
+        self.done_fd.as_ref()?.try_clone().ok()
+    }
+
     /// Passes the transfers [`Disk::start`] queued to the kernel (one system call for all);
     /// returns how many went.
     pub fn submit(&mut self) -> usize {

@@ -85,6 +85,9 @@ use memvisor::DmaSpace;
 mod capacity;
 mod config;
 mod device;
+// WIP (issue 48): registered buffers, not yet called by the launch path.
+#[cfg_attr(not(test), allow(dead_code))]
+mod fixed;
 mod io;
 mod ranges;
 mod request;
