@@ -229,3 +229,84 @@ fn a_chunk_with_a_transfer_in_flight_is_busy_and_kept() {
     assert!(evict_while_serving(&mut fixed, &mut disk, base).is_empty());
     assert!(gate.pinned_runs(base, base + CHUNK).is_empty());
 }
+
+/// End to end with a real discard: a free page report of a registered chunk, handled on
+/// another thread while the ring's thread serves, evicts the chunk before the hole is punched;
+/// the next READ_FIXED registers the chunk again over the new pages, and the guest sees the
+/// bytes read. Without the eviction (the fault) the read fills the orphaned pinned pages and
+/// the guest reads zeros.
+#[test]
+fn a_read_after_a_balloon_discard_lands_where_the_guest_looks() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let b = Arc::new(Backing::new(BackingKind::Memfd, 8 << 20).unwrap());
+    let region = (b.hva().0, b.hva().0 + b.size());
+    let base = region.0.next_multiple_of(CHUNK);
+    let slots = memvisor::SlotTable::new();
+    const GPA: u64 = 1 << 30;
+    slots
+        .insert(memvisor::SlotSpec::new(0, memvisor::Gpa(GPA), b.clone()))
+        .unwrap();
+    let registry = memvisor::PinRegistry::new(memvisor::LockLimit::Unlimited);
+    let discarder = memvisor::Discarder::with_options(
+        &slots,
+        memvisor::DiscardOptions {
+            registry: Some(registry.clone()),
+            ..Default::default()
+        },
+    );
+    let (file, bytes) = image();
+    let mut disk = Disk::new(file).unwrap();
+    let mut fixed = FixedChunks::new(no_evict());
+    let gate: Arc<dyn DiscardGate> = fixed.gate();
+    registry.register_gate(Arc::downgrade(&gate));
+    let iov = [libc::iovec {
+        iov_base: base as usize as *mut libc::c_void,
+        iov_len: 4096,
+    }];
+    let read = |fixed: &mut FixedChunks, disk: &mut Disk, offset: u64| {
+        let slot = fixed.acquire(disk, &iov, region)?;
+        // SAFETY: our own guest memory, reaped before it returns.
+        assert!(unsafe { disk.start_fixed(&iov, offset, true, 9, slot) });
+        disk.submit();
+        assert_eq!(*disk.finished(true)[0].1.as_ref().unwrap(), 4096);
+        fixed.release(base);
+        Some(())
+    };
+    if read(&mut fixed, &mut disk, 0).is_none() {
+        println!("skipped: a_read_after_a_balloon_discard: no registered buffers here");
+        return;
+    }
+    // The guest frees the chunk; the balloon reports it, from another thread.
+    let gpa = GPA + (base - region.0);
+    let done = Arc::new(AtomicBool::new(false));
+    let d2 = done.clone();
+    let t = std::thread::spawn(move || {
+        let out = discarder.report(&[(memvisor::Gpa(gpa), CHUNK)]);
+        d2.store(true, Ordering::SeqCst);
+        out
+    });
+    let fd = disk.completion_fd().unwrap();
+    while !done.load(Ordering::SeqCst) {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        if unsafe { libc::poll(&mut p, 1, 20) } > 0 {
+            disk.finished(false);
+            fixed.service(&mut disk);
+        }
+    }
+    let out = t.join().unwrap();
+    assert_eq!(out.discarded, CHUNK, "{out:?}");
+    // The guest reuses the page for a read of other bytes.
+    assert!(read(&mut fixed, &mut disk, 64 << 10).is_some());
+    let mut seen = vec![0u8; 4096];
+    b.read(base - region.0, &mut seen).unwrap();
+    assert!(
+        seen == bytes[64 << 10..(64 << 10) + 4096],
+        "the guest does not see the bytes read after the discard (first: {:?})",
+        &seen[..8]
+    );
+}
