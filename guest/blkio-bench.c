@@ -1,12 +1,16 @@
 // blkio-bench: the libblkio client of `memvisor bench blk` for what qemu-img bench cannot do:
-// random offsets and several queues. One blkio instance (a vhost-user-blk socket) started
-// with Q queues; one thread per queue keeps D requests of S bytes in flight on it, each
+// random offsets and several queues. One blkio instance started with Q queues: either
+// libblkio's virtio-blk-vhost-user driver on a back end's socket, or its io_uring driver
+// straight on the image file or block device (`path=`, `direct=0|1`), which is the limit row:
+// the same requests with no back end, what the kernel alone does. DIRECT is the io_uring
+// driver's O_DIRECT; with virtio-blk-vhost-user it must be 0 (the back end owns the cache mode). one thread per queue keeps D requests of S bytes in flight on it, each
 // request at a random S-aligned offset (or the next sequential one) of the device, read or
 // write, until the queue has completed N/Q of them. Buffers come from one libblkio memory
 // region (shared with the back end). Prints one line:
 //   ops=N secs=T ops_per_sec=R
 // and exits 1 on any failed request or libblkio error (the message on stderr).
-// usage: blkio-bench SOCK QUEUES DEPTH SIZE read|write|randread|randwrite COUNT
+// usage: blkio-bench virtio-blk-vhost-user|io_uring PATH DIRECT QUEUES DEPTH SIZE
+//                    read|write|randread|randwrite COUNT
 // Built by guest/build-client.sh against the QEMU root's libblkio-dev.
 #include <blkio.h>
 #include <errno.h>
@@ -91,18 +95,30 @@ static int fail(const char *what)
 
 int main(int argc, char **argv)
 {
-    if (argc != 7) {
-        fprintf(stderr, "usage: blkio-bench SOCK QUEUES DEPTH SIZE "
-                        "read|write|randread|randwrite COUNT\n");
+    if (argc != 9) {
+        fprintf(stderr, "usage: blkio-bench virtio-blk-vhost-user|io_uring PATH DIRECT QUEUES "
+                        "DEPTH SIZE read|write|randread|randwrite COUNT\n");
         return 2;
     }
-    int queues = atoi(argv[2]);
-    depth = strtoull(argv[3], NULL, 0);
-    size = strtoull(argv[4], NULL, 0);
-    const char *op = argv[5];
-    uint64_t count = strtoull(argv[6], NULL, 0);
+    const char *driver = argv[1];
+    const char *path = argv[2];
+    int direct = atoi(argv[3]);
+    int queues = atoi(argv[4]);
+    depth = strtoull(argv[5], NULL, 0);
+    size = strtoull(argv[6], NULL, 0);
+    const char *op = argv[7];
+    uint64_t count = strtoull(argv[8], NULL, 0);
     write_op = strstr(op, "write") != NULL;
     random_op = strncmp(op, "rand", 4) == 0;
+    int uring = strcmp(driver, "io_uring") == 0;
+    if (!uring && strcmp(driver, "virtio-blk-vhost-user") != 0) {
+        fprintf(stderr, "blkio-bench: driver %s: use virtio-blk-vhost-user or io_uring\n", driver);
+        return 2;
+    }
+    if ((direct != 0 && direct != 1) || (direct && !uring)) {
+        fprintf(stderr, "blkio-bench: DIRECT %s: 0 or 1, and 1 only with io_uring\n", argv[3]);
+        return 2;
+    }
     if (queues < 1 || queues > 64 || depth < 1 || depth > 1024 || size < 512 || size % 512 ||
         count < (uint64_t)queues || (!write_op && strstr(op, "read") == NULL)) {
         fprintf(stderr, "blkio-bench: bad arguments\n");
@@ -110,10 +126,12 @@ int main(int argc, char **argv)
     }
 
     struct blkio *b;
-    if (blkio_create("virtio-blk-vhost-user", &b) < 0)
+    if (blkio_create(driver, &b) < 0)
         return fail("blkio_create");
-    if (blkio_set_str(b, "path", argv[1]) < 0)
+    if (blkio_set_str(b, "path", path) < 0)
         return fail("path");
+    if (uring && blkio_set_bool(b, "direct", direct) < 0)
+        return fail("direct");
     if (blkio_connect(b) < 0)
         return fail("blkio_connect");
     if (blkio_set_int(b, "num-queues", queues) < 0)

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Builds guest/blkio-bench.c, the libblkio client of `memvisor-bench blk` (random offsets,
-# several queues: what qemu-img bench cannot do). It is compiled in the QEMU root
+# several queues: what qemu-img bench cannot do; and, with its io_uring driver, the limit row
+# straight on the image). It is compiled in the QEMU root
 # (guest/mkroot.sh) seen through an overlay whose upper layer is OUT/overlay, so the shared root
 # is never written: the root's apt installs gcc and libblkio-dev into the overlay, and the
 # binary is linked against the root's libblkio, among which it then runs (guest/qemu.sh).

@@ -9,15 +9,21 @@
 //! drives one queue; fio's libblkio engine could, but Debian's fio lacks it).
 //!
 //! Back ends: memvisor (`vhost-user-blk`, `--queues` as the row needs, `--direct` in the
-//! O_DIRECT mode), memvisor with `--long-term-pins` on the rows with 32 requests in flight, and
-//! qemu-storage-daemon with `aio=threads` and `aio=io_uring`, each through the host page cache
-//! (`cache.direct=off`) and O_DIRECT (`cache.direct=on`). Every row gets a freshly started back
-//! end, so the figures of one row are its own: ops/s from the client, the back end's CPU time
-//! per request (user + system time of its process over the row, from /proc), and for memvisor
-//! the time its data path spent in `DmaSpace::pin_pages` / `unpin_pages` per request (the
-//! `pin_cost` of its `--stats`). Rounds (`--runs N`) each run every row on every back end;
-//! figures are medians over the rounds, and each round starts every row with the next back end
-//! in turn. The image is read through before every page-cached run, so each starts warm.
+//! O_DIRECT mode) and qemu-storage-daemon with `aio=threads` and `aio=io_uring`, each through
+//! the host page cache (`cache.direct=off`) and O_DIRECT (`cache.direct=on`); and **the limit**:
+//! no back end, the same client making the same requests straight on the image through
+//! io_uring (blkio-bench's `io_uring` driver with `direct=0|1` and `num-queues=Q`; `qemu-img
+//! bench -f raw -i io_uring -t none|writeback`), what the kernel alone does. Every row gets a
+//! freshly started back end, so the figures of one row are its own: ops/s from the client; CPU
+//! per request of the back end (user + system time of its process over the row, from /proc)
+//! and of the client (the rusage of the reaped child); cores used, that CPU over the client's
+//! wall time (a row at 1.8 or more is marked core-bound: on 2 cores, client, back end and
+//! kernel then compete, while the limit is one process); and for memvisor the time its data
+//! path spent holding each request's buffers and letting them go (the device's `holds`,
+//! `hold_ns`, `release_ns` in its `--stats`, what `query-stats` reports). Rounds (`--runs N`)
+//! each run every row on every back end and the limit; figures are medians over the rounds,
+//! and each round starts every row with the next one in turn. The image is read through
+//! before every page-cached run, so each starts warm.
 //!
 //! Needs root and the QEMU root the real-guest trials build (`guest/mkroot.sh`, which this
 //! builds when missing): the clients and qemu-storage-daemon run from it. Not in the default
@@ -57,13 +63,6 @@ struct Case {
     write: bool,
     client: Client,
     count: u64,
-}
-
-impl Case {
-    /// Requests in flight over all queues.
-    fn in_flight(&self) -> u32 {
-        self.depth * u32::from(self.queues)
-    }
 }
 
 const fn seq(name: &'static str, size: u64, depth: u32, write: bool, count: u64) -> Case {
@@ -106,38 +105,137 @@ const CASES: [Case; 10] = [
 #[derive(Clone, Copy, PartialEq)]
 enum Server {
     Memvisor,
-    /// memvisor with `--long-term-pins`: run on the rows with 32 in flight only, for the pin
-    /// cost beside the lock cache's.
-    MemvisorLongTerm,
     QsdThreads,
     QsdIoUring,
+    /// No back end: the same client, the same requests, through libblkio's `io_uring` driver
+    /// (blkio-bench) or `qemu-img bench -i io_uring` straight on the image, with the row's cache
+    /// mode. What the kernel alone does; the bound every back end is measured against.
+    Limit,
 }
 
 impl Server {
     fn name(self) -> &'static str {
         match self {
             Server::Memvisor => "memvisor",
-            Server::MemvisorLongTerm => "memvisor long-term pins",
             Server::QsdThreads => "qsd aio=threads",
             Server::QsdIoUring => "qsd aio=io_uring",
+            Server::Limit => "limit (io_uring on the image)",
         }
-    }
-
-    fn runs(self, case: &Case) -> bool {
-        self != Server::MemvisorLongTerm || case.in_flight() >= 32
     }
 }
 
 const SERVERS: [Server; 4] = [
     Server::Memvisor,
-    Server::MemvisorLongTerm,
     Server::QsdThreads,
     Server::QsdIoUring,
+    Server::Limit,
 ];
 const MEMVISOR: usize = 0;
-const LONG_TERM: usize = 1;
-const QSD_THREADS: usize = 2;
-const QSD_IO_URING: usize = 3;
+const QSD_THREADS: usize = 1;
+const QSD_IO_URING: usize = 2;
+const LIMIT: usize = 3;
+
+/// Cores used at or above which a row is marked core-bound: client, back end and kernel share
+/// the machine's cores (2 on the project's machine), while the limit runs in one process.
+const CORE_BOUND: f64 = 1.8;
+
+/// What the rows are served from: the path every back end and the limit open (relative to the
+/// bench directory, which the QEMU root sees as /w) and QEMU's driver for it.
+struct Image {
+    /// Its name in the tables.
+    label: &'static str,
+    path: &'static str,
+    /// `file` for a regular file, `host_device` for a block device.
+    qemu_driver: &'static str,
+}
+
+const FILE: Image = Image {
+    label: "file",
+    path: IMAGE,
+    qemu_driver: "file",
+};
+
+/// The loop device's node in the bench directory, so the QEMU root (which has no /dev/loop*)
+/// sees it as /w/loop.dev.
+const LOOP_NODE: &str = "loop.dev";
+
+const LOOP: Image = Image {
+    label: "loop device",
+    path: LOOP_NODE,
+    qemu_driver: "host_device",
+};
+
+/// A loop device over the image for one cache mode's rows (`--direct-io=on` for O_DIRECT, so
+/// the loop itself does not go through the page cache either), with a node for it in the bench
+/// directory. It is detached on every exit path: right after attaching, `losetup -d` is run
+/// while this holds the device open, and the kernel then marks it autoclear, so it goes away
+/// when its last opener closes it: when this value is dropped, or when the process ends,
+/// however it ends.
+struct Loop {
+    node: PathBuf,
+    _open: std::fs::File,
+}
+
+impl Loop {
+    fn attach(dir: &Path, direct: bool) -> Result<Loop, String> {
+        let io = if direct {
+            "--direct-io=on"
+        } else {
+            "--direct-io=off"
+        };
+        let out = Command::new("losetup")
+            .args(["--find", "--show", io])
+            .arg(dir.join(IMAGE))
+            .output()
+            .map_err(|e| format!("cannot run losetup: {e}"))?;
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if !out.status.success() || dev.is_empty() {
+            return Err(format!(
+                "losetup --find --show {io} failed (no loop support?): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let open = std::fs::File::open(&dev).map_err(|e| format!("{dev}: {e}"));
+        let cleared = Command::new("losetup").args(["-d", &dev]).status();
+        let open = open?;
+        if !cleared.is_ok_and(|s| s.success()) {
+            return Err(format!(
+                "losetup -d {dev} (to make it autoclear) failed; detach it by hand"
+            ));
+        }
+        let name = dev.trim_start_matches("/dev/");
+        let dio =
+            std::fs::read_to_string(format!("/sys/block/{name}/loop/dio")).unwrap_or_default();
+        if direct && dio.trim() != "1" {
+            return Err(format!(
+                "{dev}: the kernel did not take --direct-io=on (loop/dio is {:?}): the image's \
+                 file system cannot do O_DIRECT",
+                dio.trim()
+            ));
+        }
+        use std::os::unix::fs::MetadataExt;
+        let rdev = open.metadata().map_err(|e| format!("{dev}: {e}"))?.rdev();
+        let node = dir.join(LOOP_NODE);
+        let _ = std::fs::remove_file(&node);
+        let made = Command::new("mknod")
+            .arg(&node)
+            .arg("b")
+            .arg(libc::major(rdev).to_string())
+            .arg(libc::minor(rdev).to_string())
+            .status();
+        if !made.is_ok_and(|s| s.success()) {
+            return Err(format!("mknod {} for {dev} failed", node.display()));
+        }
+        Ok(Loop { node, _open: open })
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.node);
+        // `_open` closes after this: the last opener, so the kernel detaches the device.
+    }
+}
 
 /// The tree's top directory (where guest/ and target/ are), absolute.
 fn top() -> Result<PathBuf, String> {
@@ -149,27 +247,26 @@ fn top() -> Result<PathBuf, String> {
     }
 }
 
-/// Starts one back end on `SOCK` in `dir` with `queues` queues; returns its process (whose pid
-/// is the server's own: qemu.sh execs down to qemu-storage-daemon).
+/// Starts one back end on `SOCK` in `dir` with `queues` queues, serving `image` (a path
+/// relative to `dir`); returns its process (whose pid is the server's own: qemu.sh execs down
+/// to qemu-storage-daemon). Not for [`Server::Limit`], which has none.
 fn start(
     top: &Path,
     dir: &Path,
     server: Server,
+    image: &Image,
     direct: bool,
     queues: u16,
 ) -> Result<Child, String> {
     let _ = std::fs::remove_file(dir.join(SOCK));
     let _ = std::fs::remove_file(dir.join(STATS));
     let mut cmd = match server {
-        Server::Memvisor | Server::MemvisorLongTerm => {
+        Server::Memvisor => {
             let mut c = Command::new(crate::server_binary(top)?);
-            c.args(["vhost-user-blk", "--socket", SOCK, "--disk", IMAGE])
+            c.args(["vhost-user-blk", "--socket", SOCK, "--disk", image.path])
                 .args(["--queues", &queues.to_string(), "--stats", STATS]);
             if direct {
                 c.arg("--direct");
-            }
-            if server == Server::MemvisorLongTerm {
-                c.arg("--long-term-pins");
             }
             c.env("RUST_LOG", "warn");
             c
@@ -185,7 +282,9 @@ fn start(
                 .arg(top.join("target/guest/root"))
                 .arg("--blockdev")
                 .arg(format!(
-                    "driver=file,node-name=file,filename={IMAGE},cache.direct={},aio={aio}",
+                    "driver={},node-name=file,filename={},cache.direct={},aio={aio}",
+                    image.qemu_driver,
+                    image.path,
                     if direct { "on" } else { "off" }
                 ))
                 .args(["--blockdev", "driver=raw,node-name=disk,file=file"])
@@ -196,8 +295,9 @@ fn start(
                 ));
             c
         }
+        Server::Limit => return Err("the limit row has no back end".into()),
     };
-    let child = cmd
+    let child = die_with_bench(&mut cmd)
         .current_dir(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -215,6 +315,24 @@ fn start(
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok(child)
+}
+
+/// Has the child (a back end or a client) get SIGTERM when the bench dies, however it dies, so
+/// none outlives it, holding the loop device open (guest/qemu.sh execs down to the program, and
+/// the signal setting survives exec).
+fn die_with_bench(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and makes one prctl call,
+    // which is async-signal-safe and touches only the child.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        })
+    }
 }
 
 fn stop(mut child: Child) {
@@ -242,27 +360,68 @@ fn cpu_ns(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / hz * 1e9
 }
 
-/// Runs one row's client against the back end in `dir`; returns its ops/s.
-fn run_client(top: &Path, dir: &Path, case: &Case, count: u64) -> Result<f64, String> {
+/// User + system CPU time of this process's reaped children so far, in ns.
+fn children_cpu_ns() -> f64 {
+    // SAFETY: getrusage writes only the struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_CHILDREN is always valid.
+    if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) } != 0 {
+        return f64::NAN;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 * 1e9 + t.tv_usec as f64 * 1e3;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// What one client run gave: its ops/s, its own CPU time (user + system of it and what it
+/// waited for: the mounts of guest/qemu.sh, a few ms) and its wall time, start to exit.
+struct ClientRun {
+    ops: f64,
+    cpu_ns: f64,
+    wall_ns: f64,
+}
+
+/// Runs one row's client, against the back end's socket in `dir` or, for [`Server::Limit`],
+/// straight on `image` with the row's cache mode (`direct`).
+fn run_client(
+    top: &Path,
+    dir: &Path,
+    case: &Case,
+    count: u64,
+    limit: Option<(&Image, bool)>,
+) -> Result<ClientRun, String> {
     let mut c = Command::new(top.join("guest/qemu.sh"));
     c.arg(top.join("target/guest/root"));
     match case.client {
         Client::QemuImg => {
-            c.env("BIN", "qemu-img")
-                .args(["bench", "--image-opts"])
-                .arg(format!(
-                    "driver=virtio-blk-vhost-user,path={SOCK},cache.direct=on"
-                ))
-                .args(["-c", &count.to_string()])
+            c.env("BIN", "qemu-img").arg("bench");
+            match limit {
+                None => {
+                    c.arg("--image-opts").arg(format!(
+                        "driver=virtio-blk-vhost-user,path={SOCK},cache.direct=on"
+                    ));
+                }
+                Some((_, direct)) => {
+                    c.args(["-f", "raw", "-i", "io_uring"])
+                        .args(["-t", if direct { "none" } else { "writeback" }]);
+                }
+            }
+            c.args(["-c", &count.to_string()])
                 .args(["-d", &case.depth.to_string()])
                 .args(["-s", &case.size.to_string()]);
             if case.write {
                 c.arg("-w");
             }
+            if let Some((image, _)) = limit {
+                c.arg(image.path);
+            }
         }
         Client::Blkio => {
+            let (driver, path, direct) = match limit {
+                None => ("virtio-blk-vhost-user", SOCK, false),
+                Some((image, direct)) => ("io_uring", image.path, direct),
+            };
             c.env("BIN", format!("/w/{CLIENT}"))
-                .arg(SOCK)
+                .args([driver, path, if direct { "1" } else { "0" }])
                 .arg(case.queues.to_string())
                 .arg(case.depth.to_string())
                 .arg(case.size.to_string())
@@ -270,10 +429,14 @@ fn run_client(top: &Path, dir: &Path, case: &Case, count: u64) -> Result<f64, St
                 .arg(count.to_string());
         }
     }
-    let out = c
+    let cpu0 = children_cpu_ns();
+    let t0 = Instant::now();
+    let out = die_with_bench(&mut c)
         .current_dir(dir)
         .output()
         .map_err(|e| format!("cannot run the client: {e}"))?;
+    let wall_ns = t0.elapsed().as_nanos() as f64;
+    let cpu_ns = children_cpu_ns() - cpu0;
     let text = String::from_utf8_lossy(&out.stdout);
     let failed = || {
         format!(
@@ -285,7 +448,7 @@ fn run_client(top: &Path, dir: &Path, case: &Case, count: u64) -> Result<f64, St
     if !out.status.success() {
         return Err(failed());
     }
-    match case.client {
+    let ops = match case.client {
         Client::QemuImg => text
             .lines()
             .find_map(|l| l.strip_prefix("Run completed in "))
@@ -298,19 +461,31 @@ fn run_client(top: &Path, dir: &Path, case: &Case, count: u64) -> Result<f64, St
             .find_map(|w| w.strip_prefix("ops_per_sec="))
             .and_then(|v| v.parse::<f64>().ok())
             .ok_or_else(failed),
-    }
+    }?;
+    Ok(ClientRun {
+        ops,
+        cpu_ns,
+        wall_ns,
+    })
 }
 
-/// memvisor's pin and unpin time per request from its `--stats` file: (pin ns, unpin ns).
-fn pin_cost(dir: &Path) -> Option<(f64, f64)> {
+/// memvisor's hold and release time per request from its `--stats` file: (hold ns, release
+/// ns). These are the device's own counters (`holds`, `hold_ns`, `release_ns` of
+/// `memvisor_vhost::blk::BlkStats`, flattened into the report's top level: the same names
+/// `query-stats` gives), not the `pin_cost` object kept for older readers.
+fn hold_cost(dir: &Path) -> Option<(f64, f64)> {
     let text = std::fs::read_to_string(dir.join(STATS)).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let c = v.get("pin_cost")?;
-    let get = |k: &str| c.get(k).and_then(|x| x.as_u64());
-    let per = |ns: u64, n: u64| (n > 0).then(|| ns as f64 / n as f64);
+    hold_cost_of(&v)
+}
+
+/// [`hold_cost`] of a parsed report.
+fn hold_cost_of(v: &serde_json::Value) -> Option<(f64, f64)> {
+    let get = |k: &str| v.get(k).and_then(|x| x.as_u64());
+    let holds = get("holds").filter(|&n| n > 0)?;
     Some((
-        per(get("pin_ns")?, get("pins")?)?,
-        per(get("unpin_ns")?, get("unpins")?)?,
+        get("hold_ns")? as f64 / holds as f64,
+        get("release_ns")? as f64 / holds as f64,
     ))
 }
 
@@ -318,9 +493,25 @@ fn pin_cost(dir: &Path) -> Option<(f64, f64)> {
 #[derive(Clone, Copy)]
 struct Sample {
     ops: f64,
-    cpu_ns: f64,
-    pin_ns: f64,
-    unpin_ns: f64,
+    /// The back end's CPU per request (NaN for the limit, which has none).
+    server_ns: f64,
+    /// The client's CPU per request.
+    client_ns: f64,
+    /// (back end + client CPU) / the client's wall time.
+    cores: f64,
+    hold_ns: f64,
+    release_ns: f64,
+}
+
+impl Sample {
+    /// Back end and client CPU per request (the client alone for the limit).
+    fn cpu_ns(&self) -> f64 {
+        if self.server_ns.is_nan() {
+            self.client_ns
+        } else {
+            self.server_ns + self.client_ns
+        }
+    }
 }
 
 /// A figure of the JSON rows: metric name, unit, and how to read it from a sample.
@@ -329,33 +520,47 @@ type Metric = (&'static str, &'static str, fn(&Sample) -> f64);
 /// One mode's samples: `[server][case]`, one per round.
 type PerServer = Vec<Vec<Vec<Sample>>>;
 
-/// Starts `server`, runs `case` against it, stops it; returns the row's figures.
+/// Starts `server` (none for the limit), runs `case` against it, stops it; returns the row's
+/// figures.
 fn run_row(
     top: &Path,
     dir: &Path,
     server: Server,
+    image: &Image,
     direct: bool,
     case: &Case,
     count: u64,
 ) -> Result<Sample, String> {
-    let child = start(top, dir, server, direct, case.queues)?;
+    if server == Server::Limit {
+        let run = run_client(top, dir, case, count, Some((image, direct)))?;
+        return Ok(Sample {
+            ops: run.ops,
+            server_ns: f64::NAN,
+            client_ns: run.cpu_ns / count as f64,
+            cores: run.cpu_ns / run.wall_ns,
+            hold_ns: f64::NAN,
+            release_ns: f64::NAN,
+        });
+    }
+    let child = start(top, dir, server, image, direct, case.queues)?;
     let pid = child.id();
     let cpu0 = cpu_ns(pid);
-    let ops = run_client(top, dir, case, count);
+    let run = run_client(top, dir, case, count, None);
     let cpu1 = cpu_ns(pid);
     stop(child);
-    let ops = ops?;
-    let (pin_ns, unpin_ns) = match server {
-        Server::Memvisor | Server::MemvisorLongTerm => {
-            pin_cost(dir).unwrap_or((f64::NAN, f64::NAN))
-        }
+    let run = run?;
+    let (hold_ns, release_ns) = match server {
+        Server::Memvisor => hold_cost(dir).unwrap_or((f64::NAN, f64::NAN)),
         _ => (f64::NAN, f64::NAN),
     };
+    let server_cpu = cpu1 - cpu0;
     Ok(Sample {
-        ops,
-        cpu_ns: (cpu1 - cpu0) / count as f64,
-        pin_ns,
-        unpin_ns,
+        ops: run.ops,
+        server_ns: server_cpu / count as f64,
+        client_ns: run.cpu_ns / count as f64,
+        cores: (server_cpu + run.cpu_ns) / run.wall_ns,
+        hold_ns,
+        release_ns,
     })
 }
 
@@ -376,9 +581,9 @@ fn make_image(dir: &Path) -> Result<(), String> {
     f.sync_all().map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// Reads the image once so the page-cached rows start warm.
-fn warm(dir: &Path) {
-    if let Ok(mut f) = std::fs::File::open(dir.join(IMAGE)) {
+/// Reads the image (file or device) once so the page-cached rows start warm.
+fn warm(path: &Path) {
+    if let Ok(mut f) = std::fs::File::open(path) {
         let _ = std::io::copy(&mut f, &mut std::io::sink());
     }
 }
@@ -413,12 +618,14 @@ impl Experiment for BlkBench {
         "libblkio clients (virtio-blk-vhost-user): qemu-img bench for sequential one-queue rows, \
          blkio-bench (guest/blkio-bench.c) for random offsets and two queues, against \
          memvisor's vhost-user-blk and qemu-storage-daemon's export (aio=threads, aio=io_uring), \
-         in turn, on one 1 GiB image, through the host page cache and O_DIRECT. Each row starts \
-         a fresh back end. ops/s are medians over rounds (--runs) that each run every row on \
-         every back end; CPU is the back end's user+system time per request; pin cost is the \
-         time memvisor's data path spent in pin_pages/unpin_pages per request (lock cache, and \
-         --long-term-pins on the rows with 32 in flight). Needs root and the QEMU root of the \
-         real-guest trials."
+         in turn, on one 1 GiB image, through the host page cache and O_DIRECT; and the limit: \
+         the same clients on the image through io_uring with no back end. Each row starts a \
+         fresh back end. ops/s are medians over rounds (--runs) that each run every row on \
+         every back end and the limit; CPU per request is the back end's and the client's \
+         user+system time; cores used is that CPU over wall time (>= 1.8: core-bound); hold + \
+         release is the time memvisor's data path spent holding and releasing each request's \
+         buffers (holds, hold_ns, release_ns of its --stats). Needs root and the QEMU root of \
+         the real-guest trials."
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {
@@ -461,42 +668,58 @@ impl Experiment for BlkBench {
             Mode::Quick => 4,
             Mode::Full => 1,
         };
-        // samples[mode][server][case]: one per round
-        let mut samples: Vec<PerServer> =
-            vec![vec![vec![Vec::new(); CASES.len()]; SERVERS.len()]; 2];
-        let runs_per_round: usize = SERVERS
-            .iter()
-            .map(|s| CASES.iter().filter(|c| s.runs(c)).count())
-            .sum();
-        let mut progress = ctx.progress("blk", (2 * rounds as usize * runs_per_round) as u64);
+        let images: [&Image; 2] = [&FILE, &LOOP];
+        // samples[mode][image][server][case]: one per round
+        let mut samples: Vec<Vec<PerServer>> =
+            vec![vec![vec![vec![Vec::new(); CASES.len()]; SERVERS.len()]; images.len()]; 2];
+        let total = 2 * rounds as usize * images.len() * SERVERS.len() * CASES.len();
+        let mut progress = ctx.progress("blk", total as u64);
         for round in 0..rounds {
             for (m, direct) in [false, true].into_iter().enumerate() {
-                for (c, case) in CASES.iter().enumerate() {
-                    // Each round starts the row with another back end, so what one leaves
-                    // behind (dirty pages being written back) does not always fall on the same
-                    // next one.
-                    for k in 0..SERVERS.len() {
-                        let s = (k + round as usize) % SERVERS.len();
-                        let server = SERVERS[s];
-                        if !server.runs(case) {
-                            continue;
+                for (i, image) in images.iter().enumerate() {
+                    // The loop rows: a device attached for this mode, or skipped visibly.
+                    let _device = if image.path == LOOP_NODE {
+                        match Loop::attach(&dir, direct) {
+                            Ok(l) => Some(l),
+                            Err(why) => {
+                                let why =
+                                    format!("blk: loop-device rows ({}): {why}", mode_name(direct));
+                                if !out.skipped.contains(&why) {
+                                    out.skipped.push(why);
+                                }
+                                progress.inc((SERVERS.len() * CASES.len()) as u64);
+                                continue;
+                            }
                         }
-                        // O_DIRECT rows drop what they write from the page cache, and other
-                        // work on the machine evicts it: every page-cached run starts warm, or
-                        // the first back end of a row pays the disk reads for the others.
-                        if !direct {
-                            warm(&dir);
+                    } else {
+                        None
+                    };
+                    for (c, case) in CASES.iter().enumerate() {
+                        // Each round starts the row with another back end, so what one leaves
+                        // behind (dirty pages being written back) does not always fall on the
+                        // same next one; the limit takes its turn among them.
+                        for k in 0..SERVERS.len() {
+                            let s = (k + round as usize) % SERVERS.len();
+                            let server = SERVERS[s];
+                            // O_DIRECT rows drop what they write from the page cache, and other
+                            // work on the machine evicts it: every page-cached run starts warm,
+                            // or the first back end of a row pays the disk reads for the others.
+                            if !direct {
+                                warm(&dir.join(image.path));
+                            }
+                            let count = case.count / scale;
+                            match run_row(&top, &dir, server, image, direct, case, count) {
+                                Ok(v) => samples[m][i][s][c].push(v),
+                                Err(why) => out.notes.push(format!(
+                                    "round {round}: {} {} {} {}: {why}",
+                                    server.name(),
+                                    image.label,
+                                    mode_name(direct),
+                                    case.name
+                                )),
+                            }
+                            progress.inc(1);
                         }
-                        match run_row(&top, &dir, server, direct, case, case.count / scale) {
-                            Ok(v) => samples[m][s][c].push(v),
-                            Err(why) => out.notes.push(format!(
-                                "round {round}: {} {} {}: {why}",
-                                server.name(),
-                                if direct { "O_DIRECT" } else { "page cache" },
-                                case.name
-                            )),
-                        }
-                        progress.inc(1);
                     }
                 }
             }
@@ -505,132 +728,238 @@ impl Experiment for BlkBench {
         let _ = std::fs::remove_file(dir.join(SOCK));
 
         for (m, mode) in ["page cache", "O_DIRECT"].into_iter().enumerate() {
-            let med = |s: usize, c: usize, f: fn(&Sample) -> f64| {
-                let v: Vec<f64> = samples[m][s][c]
+            for (i, image) in images.iter().enumerate() {
+                if samples[m][i]
                     .iter()
-                    .map(f)
-                    .filter(|x| x.is_finite())
-                    .collect();
-                (!v.is_empty()).then(|| Stats::from_samples(&v))
-            };
-            let metrics: [Metric; 4] = [
-                ("ops/s", "ops/s", |x| x.ops),
-                ("cpu per request", "ns", |x| x.cpu_ns),
-                ("pin per request", "ns", |x| x.pin_ns),
-                ("unpin per request", "ns", |x| x.unpin_ns),
-            ];
-            let cell =
-                |v: Option<f64>, prec: usize| v.map_or("-".into(), |x| format!("{x:.prec$}"));
-            let mut t = Table::new(
-                &format!(
-                    "vhost-user-blk, {mode}: ops/s (higher is better) and the back end's CPU µs \
-                     per request; medians of {rounds} rounds"
-                ),
-                &[
-                    "case",
-                    "memvisor",
-                    "qsd aio=threads",
-                    "qsd aio=io_uring",
-                    "memvisor / best qsd",
-                    "memvisor CPU µs",
-                    "qsd threads CPU µs",
-                    "qsd io_uring CPU µs",
-                ],
-            );
-            let mut pins = Table::new(
-                &format!(
-                    "vhost-user-blk, {mode}: what holding its pages costs memvisor per request, \
-                     the one walk (hold_sg) + release in ns; medians of {rounds} rounds"
-                ),
-                &[
-                    "case",
-                    "lock cache: pin + unpin ns",
-                    "share of memvisor CPU",
-                    "long-term: pin + unpin ns",
-                    "long-term ops/s",
-                    "long-term CPU µs",
-                ],
-            );
-            for (c, case) in CASES.iter().enumerate() {
-                for (s, server) in SERVERS.iter().enumerate() {
-                    for (metric, unit, f) in metrics {
-                        if let Some(st) = med(s, c, f) {
-                            out.rows.push(Row::new(
-                                "blk",
-                                &format!("{} {mode}", case.name),
-                                server.name(),
-                                metric,
-                                unit,
-                                &st,
-                            ));
-                        }
-                    }
+                    .all(|per_case| per_case.iter().all(Vec::is_empty))
+                {
+                    continue;
                 }
-                let ops = |s: usize| med(s, c, |x| x.ops).map(|st| st.median);
-                let cpu = |s: usize| med(s, c, |x| x.cpu_ns).map(|st| st.median / 1e3);
-                let pin = |s: usize| med(s, c, |x| x.pin_ns + x.unpin_ns).map(|st| st.median);
-                let best_qsd = ops(QSD_THREADS)
-                    .into_iter()
-                    .chain(ops(QSD_IO_URING))
-                    .reduce(f64::max);
-                // The ratio is the median of each round's own ratio (the back ends of a round
-                // ran the row one after another), so a slow spell of the machine that hit one
-                // round weighs once; without complete rounds, the ratio of the medians.
-                let mv: Vec<f64> = samples[m][MEMVISOR][c].iter().map(|x| x.ops).collect();
-                let best: Vec<f64> = samples[m][QSD_THREADS][c]
-                    .iter()
-                    .zip(&samples[m][QSD_IO_URING][c])
-                    .map(|(t, u)| t.ops.max(u.ops))
-                    .collect();
-                let ratio = if mv.len() == rounds as usize && best.len() == mv.len() {
-                    Some(super::ratio_cell(&super::ratio(&mv, &best)))
-                } else {
-                    ops(MEMVISOR)
-                        .zip(best_qsd)
-                        .map(|(a, b)| format!("{:.2}x", a / b))
-                };
-                t.push(vec![
-                    case.name.into(),
-                    cell(ops(MEMVISOR), 0),
-                    cell(ops(QSD_THREADS), 0),
-                    cell(ops(QSD_IO_URING), 0),
-                    ratio.unwrap_or_else(|| "-".into()),
-                    cell(cpu(MEMVISOR), 1),
-                    cell(cpu(QSD_THREADS), 1),
-                    cell(cpu(QSD_IO_URING), 1),
-                ]);
-                if case.in_flight() >= 32 {
-                    let share = pin(MEMVISOR)
-                        .zip(cpu(MEMVISOR))
-                        .map(|(p, c)| format!("{:.0}%", p / (c * 1e3) * 100.0));
-                    pins.push(vec![
-                        case.name.into(),
-                        cell(pin(MEMVISOR), 0),
-                        share.unwrap_or_else(|| "-".into()),
-                        cell(pin(LONG_TERM), 0),
-                        cell(ops(LONG_TERM), 0),
-                        cell(cpu(LONG_TERM), 1),
-                    ]);
-                }
+                let (ops_t, cpu_t) = tables(&samples[m][i], mode, image, rounds, &mut out.rows);
+                out.tables.push(ops_t);
+                out.tables.push(cpu_t);
             }
-            t.note = Some(
-                "Sequential rows: qemu-img bench through libblkio (one queue). Random and \
-                 two-queue rows: blkio-bench (libblkio, a thread per queue). Each row on a \
-                 freshly started back end. The ratio is the median over rounds of memvisor / the \
-                 better qsd of that round (lowest–highest in brackets); the target is 1.2x on \
-                 every row."
-                    .into(),
-            );
-            pins.note = Some(
-                "Wall time inside the request's one walk of the device space (DmaSpace::hold_sg: \
-                 hold and translate) and its release, per request, from memvisor's --stats \
-                 (pin_cost, from the device's hold counters); the share is of memvisor's CPU time per request in the \
-                 table above. Long-term: the same rows served with --long-term-pins."
-                    .into(),
-            );
-            out.tables.push(t);
-            out.tables.push(pins);
         }
         Ok(out)
+    }
+}
+
+/// The cache mode's name.
+fn mode_name(direct: bool) -> &'static str {
+    if direct { "O_DIRECT" } else { "page cache" }
+}
+
+/// A cell of `v` with `prec` decimals, or `-`.
+fn cell(v: Option<f64>, prec: usize) -> String {
+    v.map_or("-".into(), |x| format!("{x:.prec$}"))
+}
+
+/// Cores used, marked when the row is core-bound.
+fn cores_cell(v: Option<f64>) -> String {
+    match v {
+        Some(x) if x >= CORE_BOUND => format!("{x:.2} core-bound"),
+        other => cell(other, 2),
+    }
+}
+
+/// memvisor / `other` for one row: the median of each round's own ratio (the back ends of a
+/// round ran the row one after another, so a slow spell of the machine that hit one round
+/// weighs once); without complete rounds, the ratio of the medians.
+fn ratio_of(mv: &[f64], other: &[f64], rounds: u32) -> Option<String> {
+    if mv.len() == rounds as usize && other.len() == mv.len() && !mv.is_empty() {
+        return Some(super::ratio_cell(&super::ratio(mv, other)));
+    }
+    let med = |v: &[f64]| (!v.is_empty()).then(|| Stats::from_samples(v).median);
+    med(mv)
+        .zip(med(other))
+        .map(|(a, b)| format!("{:.2}x", a / b))
+}
+
+/// The two tables of one cache mode on one image (ops/s and ratios; CPU and cores), and the
+/// JSON rows of every figure.
+fn tables(
+    samples: &PerServer,
+    mode: &str,
+    image: &Image,
+    rounds: u32,
+    rows: &mut Vec<Row>,
+) -> (Table, Table) {
+    let med = |s: usize, c: usize, f: fn(&Sample) -> f64| {
+        let v: Vec<f64> = samples[s][c]
+            .iter()
+            .map(f)
+            .filter(|x| x.is_finite())
+            .collect();
+        (!v.is_empty()).then(|| Stats::from_samples(&v))
+    };
+    let metrics: [Metric; 7] = [
+        ("ops/s", "ops/s", |x| x.ops),
+        ("back end cpu per request", "ns", |x| x.server_ns),
+        ("client cpu per request", "ns", |x| x.client_ns),
+        ("cpu per request", "ns", Sample::cpu_ns),
+        ("cores used", "cores", |x| x.cores),
+        ("hold per request", "ns", |x| x.hold_ns),
+        ("release per request", "ns", |x| x.release_ns),
+    ];
+    let mut ops_t = Table::new(
+        &format!(
+            "vhost-user-blk on the {}, {mode}: ops/s (higher is better), memvisor against the \
+             limit and qsd's better configuration; medians of {rounds} rounds",
+            image.label
+        ),
+        &[
+            "case",
+            "memvisor",
+            "qsd aio=threads",
+            "qsd aio=io_uring",
+            "limit",
+            "memvisor / limit",
+            "memvisor / best qsd",
+        ],
+    );
+    let mut cpu_t = Table::new(
+        &format!(
+            "vhost-user-blk on the {}, {mode}: CPU µs per request (back end + client; the \
+             limit: the client alone) and cores used; medians of {rounds} rounds",
+            image.label
+        ),
+        &[
+            "case",
+            "memvisor back end + client µs",
+            "memvisor cores",
+            "best qsd back end + client µs",
+            "best qsd cores",
+            "limit µs",
+            "limit cores",
+            "memvisor hold + release ns",
+        ],
+    );
+    for (c, case) in CASES.iter().enumerate() {
+        for (s, server) in SERVERS.iter().enumerate() {
+            for (metric, unit, f) in metrics {
+                if let Some(st) = med(s, c, f) {
+                    rows.push(Row::new(
+                        "blk",
+                        &format!("{} {} {mode}", case.name, image.label),
+                        server.name(),
+                        metric,
+                        unit,
+                        &st,
+                    ));
+                }
+            }
+        }
+        let ops = |s: usize| med(s, c, |x| x.ops).map(|st| st.median);
+        let us = |s: usize, f: fn(&Sample) -> f64| med(s, c, f).map(|st| st.median / 1e3);
+        let cores = |s: usize| med(s, c, |x| x.cores).map(|st| st.median);
+        // qsd's better configuration on this row: the one with the higher median ops/s.
+        let best = match (ops(QSD_THREADS), ops(QSD_IO_URING)) {
+            (Some(t), Some(u)) if t > u => QSD_THREADS,
+            (Some(_), None) => QSD_THREADS,
+            _ => QSD_IO_URING,
+        };
+        let by_round = |s: usize| -> Vec<f64> { samples[s][c].iter().map(|x| x.ops).collect() };
+        let mv = by_round(MEMVISOR);
+        let best_qsd: Vec<f64> = samples[QSD_THREADS][c]
+            .iter()
+            .zip(&samples[QSD_IO_URING][c])
+            .map(|(t, u)| t.ops.max(u.ops))
+            .collect();
+        let hold = med(MEMVISOR, c, |x| x.hold_ns + x.release_ns).map(|st| st.median);
+        let cpu = |s: usize| {
+            let server = us(s, |x| x.server_ns);
+            let client = us(s, |x| x.client_ns);
+            match (server, client) {
+                (Some(a), Some(b)) => format!("{a:.1} + {b:.1}"),
+                _ => "-".into(),
+            }
+        };
+        ops_t.push(vec![
+            case.name.into(),
+            cell(ops(MEMVISOR), 0),
+            cell(ops(QSD_THREADS), 0),
+            cell(ops(QSD_IO_URING), 0),
+            cell(ops(LIMIT), 0),
+            ratio_of(&mv, &by_round(LIMIT), rounds).unwrap_or_else(|| "-".into()),
+            ratio_of(&mv, &best_qsd, rounds).unwrap_or_else(|| "-".into()),
+        ]);
+        cpu_t.push(vec![
+            case.name.into(),
+            cpu(MEMVISOR),
+            cores_cell(cores(MEMVISOR)),
+            format!(
+                "{} ({})",
+                cpu(best),
+                if best == QSD_THREADS {
+                    "threads"
+                } else {
+                    "io_uring"
+                }
+            ),
+            cores_cell(cores(best)),
+            cell(us(LIMIT, |x| x.client_ns), 1),
+            cores_cell(cores(LIMIT)),
+            cell(hold, 0),
+        ]);
+    }
+    ops_t.note = Some(
+        "Sequential rows: qemu-img bench (one queue); random and two-queue rows: blkio-bench \
+         (libblkio, a thread per queue). memvisor and qsd through libblkio's \
+         virtio-blk-vhost-user driver, each row on a freshly started back end; the limit is the \
+         same client and requests with no back end: blkio-bench's io_uring driver (path=, \
+         direct=, num-queues=) or qemu-img bench -f raw -i io_uring -t none|writeback, on the \
+         same image in the same round. Ratios are medians over rounds of that round's own ratio \
+         (lowest–highest in brackets); best qsd is the better of its two configurations in each \
+         round. Targets (issue 48): O_DIRECT >= 0.8x the limit, page cache >= 0.5x, and 1.2x \
+         the best qsd."
+            .into(),
+    );
+    cpu_t.note = Some(format!(
+        "CPU per request: the back end's user + system time over the row (/proc/PID/stat, clock \
+         ticks) + the client's (getrusage of the reaped child, with guest/qemu.sh's few ms of \
+         mounts), divided by requests. Cores used: that CPU over the client's wall time; at \
+         >= {CORE_BOUND} a row is core-bound (client, back end and kernel share the machine's \
+         cores while the limit is one process; kernel threads such as loop workers are not \
+         counted). Best qsd: the configuration with the higher median ops/s. Hold + release: \
+         memvisor's walk of the device space per request (DmaSpace::hold_sg) and its release, \
+         wall time from its --stats (holds, hold_ns, release_ns)."
+    ));
+    (ops_t, cpu_t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hold_cost_reads_the_device_counters() {
+        let v = serde_json::json!({
+            "holds": 4, "hold_ns": 2000, "release_ns": 1000,
+            "pin_cost": {"pins": 1, "pin_ns": 9, "unpins": 1, "unpin_ns": 9}
+        });
+        assert_eq!(hold_cost_of(&v), Some((500.0, 250.0)));
+        // No request held: no figure rather than a division by zero.
+        let idle = serde_json::json!({"holds": 0, "hold_ns": 0, "release_ns": 0});
+        assert_eq!(hold_cost_of(&idle), None);
+        assert_eq!(hold_cost_of(&serde_json::json!({"pin_cost": {}})), None);
+    }
+
+    #[test]
+    fn rows_at_the_core_bound_are_marked() {
+        assert_eq!(cores_cell(Some(1.79)), "1.79");
+        assert_eq!(cores_cell(Some(1.8)), "1.80 core-bound");
+        assert_eq!(cores_cell(None), "-");
+    }
+
+    #[test]
+    fn ratios_are_per_round_when_rounds_are_complete() {
+        // Per round: 2/1 and 1/1: median of the two ratios, not of the medians (1.5/1.0).
+        assert_eq!(
+            ratio_of(&[2.0, 1.0], &[1.0, 1.0], 2).as_deref(),
+            Some("1.50x (1.00–2.00)")
+        );
+        // A round missing on one side: the ratio of the medians.
+        assert_eq!(ratio_of(&[2.0, 4.0], &[2.0], 2).as_deref(), Some("1.50x"));
+        assert_eq!(ratio_of(&[], &[1.0], 1), None);
     }
 }

@@ -14,6 +14,12 @@
 //! are any: `--replay FILE`, else `target/guest/run/*/iotlb.rec` written by the vIOMMU trials
 //! (`memvisor vhost-user-blk --record-iotlb`).
 //!
+//! memvisor is replayed twice: on a bare space, and with guards in use, as in a real back end
+//! (blk takes a scatter-gather guard per request: `DmaSpace::hold_sg`): after each update the
+//! page is held once and let go, as a request would, outside the timings. A space whose guards
+//! were ever used must look at their holds on every invalidation, so that row shows what a
+//! real device pays.
+//!
 //! Reported per stream: ns per UPDATE, per INVALIDATE and per first translation after an update
 //! (the device's translate-after-miss), each timed one by one with the clock's own cost
 //! subtracted; messages per second for the whole stream replayed without timers; and, as the
@@ -25,6 +31,7 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use memvisor::dma::{SgBuf, SgWalk};
 use memvisor::{Backing, BackingKind, Iova, Prot};
 use memvisor_testkit::vhost::record::{self, Event};
 use memvisor_vhost::FrontendMemory;
@@ -123,18 +130,18 @@ impl Experiment for IotlbReplay {
                 label: s.name.clone(),
                 bars: Vec::new(),
             };
-            for peer in [false, true] {
-                let variant = if peer { "vm-memory Iotlb" } else { "memvisor" };
+            for kind in [Kind::Bare, Kind::Guards, Kind::Peer] {
+                let variant = kind.name();
                 let mut per = [Vec::new(), Vec::new(), Vec::new()];
                 for _ in 0..runs {
-                    let t = replay(&s.events, peer, Some(clock))?;
+                    let t = replay(&s.events, kind, Some(clock))?;
                     for (samples, v) in per.iter_mut().zip(t.per_op) {
                         samples.push(v);
                     }
                 }
                 let whole = measure(runs, || {
                     let t0 = Instant::now();
-                    replay(&s.events, peer, None).map(|_| ()).unwrap_or(());
+                    replay(&s.events, kind, None).map(|_| ()).unwrap_or(());
                     messages as f64 / t0.elapsed().as_secs_f64()
                 });
                 let stats: Vec<Stats> = per.iter().map(|v| Stats::from_samples(v)).collect();
@@ -314,6 +321,27 @@ struct Timings {
     per_op: [f64; 3],
 }
 
+/// Which IOTLB a replay runs on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// memvisor's device space, no guard ever taken.
+    Bare,
+    /// memvisor's, each updated page held by a guard once after its update (as a request).
+    Guards,
+    /// vm-memory's `Iotlb`.
+    Peer,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Bare => "memvisor",
+            Kind::Guards => "memvisor, guards in use",
+            Kind::Peer => "vm-memory Iotlb",
+        }
+    }
+}
+
 /// The IOTLB under test.
 enum Side {
     Memvisor(FrontendMemory),
@@ -423,7 +451,8 @@ fn permissions(perm: u8) -> Permissions {
 
 /// Replays `events` on a fresh IOTLB; with `clock` (the cost of one timer read, ns), times
 /// each operation.
-fn replay(events: &[Event], peer: bool, clock: Option<f64>) -> anyhow::Result<Timings> {
+fn replay(events: &[Event], kind: Kind, clock: Option<f64>) -> anyhow::Result<Timings> {
+    let peer = kind == Kind::Peer;
     let mut side: Option<Side> = None;
     let mut regions = Vec::new();
     let mut sum = [0f64; 3];
@@ -474,6 +503,9 @@ fn replay(events: &[Event], peer: bool, clock: Option<f64>) -> anyhow::Result<Ti
                 if hit.is_none() {
                     anyhow::bail!("iova {iova:#x} not translated right after its update");
                 }
+                if let (Kind::Guards, Side::Memvisor(mem)) = (kind, &*s) {
+                    request(mem, iova, size, perm)?;
+                }
             }
             Event::Invalidate { iova, size, .. } => {
                 if let Some(s) = side.as_mut() {
@@ -491,6 +523,26 @@ fn replay(events: &[Event], peer: bool, clock: Option<f64>) -> anyhow::Result<Ti
         }
     });
     Ok(Timings { per_op })
+}
+
+/// What a device's request does with a page just updated: holds it (one scatter-gather
+/// walk) and lets go.
+fn request(mem: &FrontendMemory, iova: u64, size: u64, perm: u8) -> anyhow::Result<()> {
+    let prot = if perm & 2 != 0 {
+        Prot::WRITE
+    } else {
+        Prot::READ
+    };
+    let buf = SgBuf {
+        iova: Iova(iova),
+        len: size,
+        prot,
+    };
+    match mem.dma().hold_sg(&[buf])? {
+        SgWalk::Held(guard) => drop(guard),
+        SgWalk::Missed(m) => anyhow::bail!("iova {iova:#x} missed right after its update: {m:?}"),
+    }
+    Ok(())
 }
 
 /// ns per round trip: a 64-byte message one way, an 8-byte ack back, between two threads.

@@ -76,7 +76,11 @@ impl Session {
     /// Sends `command` and reads its answer (no event can come: nothing connects to the
     /// device); an error answer is an error.
     fn round_trip(&mut self, command: &str) -> Result<(), String> {
-        writeln!(self.writer, "{command}").map_err(|e| e.to_string())?;
+        // One write per command, as a QMP client makes it (`writeln!` would write the newline
+        // on its own, a second system call inside the round trip measured).
+        (self.writer)
+            .write_all(format!("{command}\n").as_bytes())
+            .map_err(|e| e.to_string())?;
         self.line.clear();
         self.reader
             .read_line(&mut self.line)

@@ -65,8 +65,8 @@ struct ServeArgs {
     /// --fd, or the systemd socket named after the id in LISTEN_FDNAMES), disk=FILE (raw image or block device), id=NAME (for the control socket; default
     /// blk0, blk1, ...), queues=N (1-64, default 1), read-only=on, serial=TEXT (GET_ID, at most
     /// 20 bytes; default: the device's id), direct=on (open the image O_DIRECT; default: the
-    /// host page cache), poll-us=N (poll the rings N µs before sleeping; default 0),
-    /// locking=on|off|auto (QEMU's image locks, as its file.locking; default auto),
+    /// host page cache), poll-us=N (poll the rings up to N µs before sleeping, adapting;
+    /// default 0), locking=on|off|auto (QEMU's image locks, as its file.locking; default auto),
     /// format=raw (serve an image whose first bytes look like qcow2, VMDK, LUKS, ...)
     #[arg(long, value_name = "socket=PATH,disk=FILE[,OPTION=VALUE...]")]
     blk: Vec<memvisor_cli::devices::BlkSpec>,
@@ -224,9 +224,11 @@ struct BlkArgs {
     /// iommu_platform=on,ats=on on the device, -device intel-iommu,device-iotlb=on)
     #[arg(long)]
     iommu: bool,
-    /// After the last request, keep looking at the rings for new ones for this many
+    /// After work, keep looking at the rings for new requests for up to this many
     /// microseconds before sleeping until a kick: lower latency at low queue depth for a
-    /// busy core. Default 0: sleep at once
+    /// busy core. The maximum of a window that adapts: it drops to 0 when requests come
+    /// further apart than this (an idle queue sleeps) and grows back when they come closer.
+    /// Default 0: sleep at once
     #[arg(long, value_name = "US", default_value_t = 0,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     poll_us: u32,

@@ -44,7 +44,7 @@ use std::sync::atomic::AtomicBool;
 use memvisor::{Iova, PinRegistry, SharedMappings};
 use memvisor_vhost::device::Processed;
 use memvisor_vhost::{Backend, Device, FrontendMemory, ProcessState, Result, Ring};
-use virtio_queue::{QueueOwnedT, QueueT};
+use virtio_queue::QueueOwnedT;
 
 /// virtio-rng: fills every device-writable buffer of a chain with random bytes.
 #[derive(Default)]

@@ -110,9 +110,11 @@ pub trait Device: Send {
     }
     /// Back to the state before feature negotiation.
     fn reset(&mut self);
-    /// How long the serving loop keeps looking at the started rings for new requests after
-    /// the last one it found, before it sleeps until a kick: a request that arrives meanwhile
-    /// is served without the kick's wake-up, at the price of a busy core. `None`: never.
+    /// The most the serving loop keeps looking at the started rings for new requests after
+    /// its last work, before it sleeps until a kick: a request that arrives meanwhile is
+    /// served without the kick's wake-up, at the price of a busy core. The loop's window
+    /// adapts below it (`backend::service`): 0 once requests come further apart than this.
+    /// `None`: never.
     fn poll(&self) -> Option<std::time::Duration> {
         None
     }

@@ -32,8 +32,9 @@
 //!
 //! **Behind a vIOMMU** (`VIRTIO_F_IOMMU_PLATFORM`), the device's addresses are IOVAs the guest's
 //! IOMMU hands out, and the device space holds the frontend's IOTLB instead of the identity:
-//! [`FrontendMemory::iotlb_update`] maps an IOVA range to the guest physical memory behind the
-//! frontend's user address ([`DmaSpace::map_guest`], after removing whatever it overlapped),
+//! [`FrontendMemory::iotlb_update`] maps an IOVA range to the memory behind the frontend's user
+//! address, found in the region table (the region's slot, its backing and the offset in it),
+//! and removes whatever the range overlapped in the same step ([`DmaSpace::iotlb_map`]),
 //! [`FrontendMemory::iotlb_invalidate`] removes any range ([`DmaSpace::invalidate_range`], which
 //! cuts entries at its edges — IOTLB semantics, not type1's whole-mapping unmap). A new memory
 //! table empties the IOTLB: entries are a cache the frontend refills on a miss. For the same
@@ -204,7 +205,12 @@ impl FrontendMemory {
         let dma = self.fresh_space(on)?;
         self.iotlb = on;
         self.dma = dma;
-        self.updates.clear();
+        // A ring of fixed size: remembering an update never allocates (its pages are touched
+        // only as it fills).
+        self.updates = match on {
+            true => VecDeque::with_capacity(RETIRE_LIST_MAX + 1),
+            false => VecDeque::new(),
+        };
         Ok(())
     }
 
@@ -239,11 +245,29 @@ impl FrontendMemory {
                 "IOTLB update iova {iova:#x} size {size:#x} user address {uaddr:#x}: not whole 4 KiB pages"
             )));
         }
-        let gpa = self.user_to_gpa(uaddr, size, "IOTLB update")?;
-        self.dma.invalidate_range(Iova(iova), size)?;
+        let h = self.region_of(uaddr, size, "IOTLB update")?;
+        let gpa = h.region.gpa + (uaddr - h.region.user_addr);
         let snap = self.slots.snapshot();
+        let Some(slot) = snap.slot(h.slot) else {
+            // Regions and slots change together; a region without its slot is a bug here.
+            return Err(Error::Unmapped {
+                what: format!("IOTLB update: the slot {} of its region", h.slot),
+                addr: uaddr,
+                len: size,
+            });
+        };
+        if prot.contains(Prot::WRITE) && slot.flags().contains(SlotFlags::READ_ONLY) {
+            return Err(memvisor::Error::ReadOnly {
+                what: format!("slot {}", slot.id()),
+                addr: gpa,
+                start: gpa,
+                len: size,
+            }
+            .into());
+        }
+        let offset = slot.offset() + (gpa - slot.range().start().0);
         loop {
-            match self.dma.map_guest(Iova(iova), &snap, Gpa(gpa), size, prot) {
+            match (self.dma).iotlb_map(Iova(iova), slot.backing(), offset, size, prot) {
                 Ok(()) => break,
                 Err(memvisor::Error::NoSpace { .. }) => self.retire_oldest()?,
                 Err(e) => return Err(e.into()),
@@ -611,11 +635,18 @@ impl FrontendMemory {
     /// The guest physical address of `len` bytes at the frontend's user address `uaddr`; EFAULT
     /// ([`Error::Unmapped`]) if they are not inside one region.
     pub fn user_to_gpa(&self, uaddr: u64, len: u64, what: &str) -> Result<u64> {
+        let h = self.region_of(uaddr, len, what)?;
+        Ok(h.region.gpa + (uaddr - h.region.user_addr))
+    }
+
+    /// The region holding `len` bytes at the frontend's user address `uaddr`; EFAULT
+    /// ([`Error::Unmapped`]) if they are not inside one region.
+    fn region_of(&self, uaddr: u64, len: u64, what: &str) -> Result<&Held> {
         for h in &self.held {
             let r = &h.region;
             let off = uaddr.wrapping_sub(r.user_addr);
             if uaddr >= r.user_addr && off < r.size && len <= r.size - off {
-                return Ok(r.gpa + off);
+                return Ok(h);
             }
         }
         Err(Error::Unmapped {

@@ -22,7 +22,13 @@
 //!   available index is the used index plus their number.
 //!
 //! Each store is ordered after the one before it by a fence, so a back end killed between any
-//! two of them leaves a log the next one reads right. The log is the frontend's memory as much
+//! two of them leaves a log the next one reads right. Hence a ring with a log returns chains
+//! one used-index store each; only a ring without one publishes a batch with a single store
+//! ([`Ring::add_used_batch`]).
+//!
+//! **Polling.** While the serving thread polls a ring it keeps the driver's notifications off
+//! ([`Ring::start_polling`]); before it sleeps it turns them on and looks once more
+//! ([`Ring::stop_polling`]), so no request slips between the last look and the sleep. The log is the frontend's memory as much
 //! as ours: it is read through bounds-checked copies, and a head it names is just a request to
 //! read from the ring, checked like any other.
 //!
@@ -214,6 +220,13 @@ pub struct Ring {
     inflight: Option<InflightQueue>,
     /// Heads a predecessor left in flight, oldest first: redone before anything new.
     resubmit: VecDeque<u16>,
+    /// The serving thread is polling the ring: notifications stay off ([`Ring::start_polling`]).
+    polling: bool,
+    /// The used index when [`Ring::needs_notification`] last looked: the chains put back since
+    /// are those it asks about.
+    checked_used: u16,
+    /// Stores of the used index so far ([`Ring::used_index_stores`]).
+    index_stores: u64,
 }
 
 impl Ring {
@@ -227,11 +240,7 @@ impl Ring {
         mem: &M,
     ) -> Result<Ring> {
         let Some((region, index)) = log.filter(|(r, i)| *i < r.queues) else {
-            return Ok(Ring {
-                queue,
-                inflight: None,
-                resubmit: VecDeque::new(),
-            });
+            return Ok(Ring::assemble(queue, None, VecDeque::new()));
         };
         if queue.size() > region.queue_size {
             return Err(Error::BadRing(format!(
@@ -251,11 +260,7 @@ impl Ring {
             // A fresh log: nothing was ever in flight.
             q.write(10, &region.queue_size.to_le_bytes());
             q.write(8, &VERSION.to_le_bytes());
-            return Ok(Ring {
-                queue,
-                inflight: Some(q),
-                resubmit: VecDeque::new(),
-            });
+            return Ok(Ring::assemble(queue, Some(q), VecDeque::new()));
         }
         let used = queue
             .used_idx(mem, Ordering::Acquire)
@@ -287,20 +292,68 @@ impl Ring {
                 left.len()
             );
         }
-        Ok(Ring {
+        Ok(Ring::assemble(
             queue,
-            inflight: Some(q),
-            resubmit: left.into_iter().map(|(_, h)| h).collect(),
-        })
+            Some(q),
+            left.into_iter().map(|(_, h)| h).collect(),
+        ))
+    }
+
+    fn assemble(queue: Queue, inflight: Option<InflightQueue>, resubmit: VecDeque<u16>) -> Ring {
+        Ring {
+            checked_used: queue.next_used(),
+            queue,
+            inflight,
+            resubmit,
+            polling: false,
+            index_stores: 0,
+        }
     }
 
     /// A ring with no inflight log (tests, fuzzing, devices that need none).
     pub fn plain(queue: Queue) -> Ring {
-        Ring {
-            queue,
-            inflight: None,
-            resubmit: VecDeque::new(),
+        Ring::assemble(queue, None, VecDeque::new())
+    }
+
+    /// The serving thread polls the ring from now on: the driver is asked not to notify
+    /// (`VRING_USED_F_NO_NOTIFY` without event indexes; with them, `avail_event` is simply not
+    /// moved on, so the driver kicks at most once more), and [`Ring::enable_notification`] does
+    /// nothing until [`Ring::stop_polling`].
+    pub fn start_polling<M: GuestMemory>(&mut self, mem: &M) {
+        self.polling = true;
+        // A ring whose used flags cannot be written is broken: the next look at it says so.
+        let _ = self.queue.disable_notification(mem);
+    }
+
+    /// The serving thread stops polling the ring (before it sleeps): notifications on again,
+    /// then — after a full fence, so a driver that made a request available meanwhile either
+    /// sees them on and kicks or has its request seen here — one more look. Returns whether
+    /// the ring holds requests the device has not taken: they must be served now, as the driver
+    /// may never kick for them. False if the ring was not being polled.
+    pub fn stop_polling<M: GuestMemory>(&mut self, mem: &M) -> bool {
+        if !std::mem::take(&mut self.polling) {
+            return false;
         }
+        // An unreadable ring is broken, not busy: the next pass over it says so.
+        self.queue.enable_notification(mem).unwrap_or(false) || !self.resubmit.is_empty()
+    }
+
+    /// Whether the serving thread polls the ring ([`Ring::start_polling`]).
+    pub fn is_polling(&self) -> bool {
+        self.polling
+    }
+
+    /// Asks the driver to notify for its next request and looks once more for one made
+    /// available meanwhile (`true`: there is one), as [`QueueT::enable_notification`] does;
+    /// while the ring is polled, does nothing and says `false` (the poll looks again).
+    pub fn enable_notification<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+    ) -> std::result::Result<bool, virtio_queue::Error> {
+        if self.polling {
+            return Ok(false);
+        }
+        self.queue.enable_notification(mem)
     }
 
     /// The next head a predecessor left in flight, to be redone before the available ring is
@@ -343,10 +396,114 @@ impl Ring {
             q.before_used(head);
         }
         self.queue.add_used(mem, head, len)?;
+        self.index_stores += 1;
         if let Some(q) = self.inflight.as_ref() {
             q.after_used(head, self.queue.next_used());
         }
         Ok(())
+    }
+
+    /// Returns the chains `used` (head, bytes written) to the driver, in order. Without an
+    /// inflight log their elements are written and then published by one store of the used
+    /// index (with release order: the driver that reads the index sees every element). With a
+    /// log, each goes back as [`Ring::add_used`] does, index store and all: the log's recovery
+    /// (vhost-user, "Inflight I/O tracking") mends only `last_batch_head`, so a back end
+    /// killed after publishing several heads at once would have its successor — ours or
+    /// another implementation — redo heads the driver already had back. A head that cannot be
+    /// returned (out of range, its element unwritable) is handed to `failed` and the rest go
+    /// on. Ask [`Ring::needs_notification`] once after the batch.
+    pub fn add_used_batch<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        used: impl IntoIterator<Item = (u16, u32)>,
+        mut failed: impl FnMut(u16, virtio_queue::Error),
+    ) {
+        if self.inflight.is_some() {
+            for (head, len) in used {
+                if let Err(e) = self.add_used(mem, head, len) {
+                    failed(head, e);
+                }
+            }
+            return;
+        }
+        let size = self.queue.size();
+        let ring = self.queue.used_ring();
+        let start = self.queue.next_used();
+        let mut next = start;
+        let mut last = None;
+        for (head, len) in used {
+            if head >= size {
+                failed(head, virtio_queue::Error::InvalidDescriptorIndex);
+                continue;
+            }
+            // The used ring: flags, idx, then 8-byte elements (id: le32, len: le32).
+            let Some(at) = ring.checked_add(4 + 8 * u64::from(next % size)) else {
+                failed(head, virtio_queue::Error::AddressOverflow);
+                continue;
+            };
+            let mut element = [0u8; 8];
+            element[..4].copy_from_slice(&u32::from(head).to_le_bytes());
+            element[4..].copy_from_slice(&len.to_le_bytes());
+            if let Err(e) = mem.write_slice(&element, GuestAddress(at)) {
+                failed(head, virtio_queue::Error::GuestMemory(e));
+                continue;
+            }
+            next = next.wrapping_add(1);
+            last = Some(head);
+        }
+        let Some(last) = last else {
+            return;
+        };
+        let stored = ring
+            .checked_add(2)
+            .ok_or(virtio_queue::Error::AddressOverflow)
+            .and_then(|at| {
+                mem.store(u16::to_le(next), GuestAddress(at), Ordering::Release)
+                    .map_err(virtio_queue::Error::GuestMemory)
+            });
+        match stored {
+            Ok(()) => {
+                self.index_stores += 1;
+                self.queue.set_next_used(next);
+            }
+            // Nothing was published: the ring is unusable (its next pass says so).
+            Err(e) => failed(last, e),
+        }
+    }
+
+    /// Whether the driver wants an interrupt for the chains put back since the last time this
+    /// was asked: always without event indexes; with them, when the used index passed the
+    /// driver's `used_event` meanwhile (the test Linux's `virtqueue_kick_prepare` and
+    /// virtio-queue make, over however many chains a batch returned).
+    pub fn needs_notification<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+    ) -> std::result::Result<bool, virtio_queue::Error> {
+        let used = std::num::Wrapping(self.queue.next_used());
+        let old = std::num::Wrapping(std::mem::replace(&mut self.checked_used, used.0));
+        // The used index's store comes before the read of `used_event` (the driver does the
+        // opposite pair: a missed interrupt otherwise).
+        fence(Ordering::SeqCst);
+        if !self.queue.event_idx_enabled() {
+            return Ok(true);
+        }
+        // `used_event` follows the available ring's entries.
+        let at = self
+            .queue
+            .avail_ring()
+            .checked_add(4 + 2 * u64::from(self.queue.size()))
+            .ok_or(virtio_queue::Error::AddressOverflow)?;
+        let event: u16 = mem
+            .load(GuestAddress(at), Ordering::Relaxed)
+            .map_err(virtio_queue::Error::GuestMemory)?;
+        let event = std::num::Wrapping(u16::from_le(event));
+        Ok(used - event - std::num::Wrapping(1) < used - old)
+    }
+
+    /// How many times the used index was stored since the ring started: with batches
+    /// ([`Ring::add_used_batch`]), fewer than the chains put back.
+    pub fn used_index_stores(&self) -> u64 {
+        self.index_stores
     }
 
     /// The descriptors of the chain at `head`, read from the descriptor table (and an indirect

@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use memvisor::SharedLog;
 
-use crate::backend::service::{self, Rings};
+use crate::backend::service::{self, Rings, Step};
 use crate::device::{Device, Processed};
 use crate::error::{Error, Result};
 use crate::live::{BackendLive, RingCounters};
@@ -161,18 +161,25 @@ fn serve<D: Device>(lent: Lent<D>, stop: File) -> Returned<D> {
     };
     let stats = live.ring(usize::from(index));
     let mut broken = false;
-    let poll_budget = device.poll();
-    let mut spin_after_kick = false;
+    let mut window = device.poll().map(service::PollWindow::new);
+    let mut spin_after_work = false;
     loop {
-        if let (Some(budget), true) = (poll_budget, std::mem::take(&mut spin_after_kick)) {
-            let spun = service::spin(budget, stop.as_raw_fd(), || {
-                service::complete(&mut device, &mut one, &memory, false);
-                if !service::has_requests(&one.ring, &memory) {
-                    return Ok(false);
+        if let (Some(w), true) = (window.as_mut(), std::mem::take(&mut spin_after_work)) {
+            let spun = service::spin(w, stop.as_raw_fd(), |step| match step {
+                Step::Round => {
+                    let ended = service::complete(&mut device, &mut one, &memory, false);
+                    if !service::has_requests(&one.ring, &memory) {
+                        return Ok(ended);
+                    }
+                    stats.poll_hits.add(1);
+                    process(&mut device, &mut one, &memory, stats, &mut err)?;
+                    Ok(true)
                 }
-                stats.poll_hits.add(1);
-                process(&mut device, &mut one, &memory, stats, &mut err)?;
-                Ok(true)
+                Step::Quiet => {
+                    one.ring.start_polling(&memory.dma().memory());
+                    Ok(false)
+                }
+                Step::Rearm => Ok(one.ring.stop_polling(&memory.dma().memory())),
             });
             if spun.is_err() {
                 broken = true;
@@ -194,15 +201,19 @@ fn serve<D: Device>(lent: Lent<D>, stop: File) -> Returned<D> {
         if fds[0].revents != 0 {
             break;
         }
+        // Whether this wake-up brought work (a kick may be one the driver sent for a request
+        // the poll already served): only then does the window follow it and the poll start.
+        let mut work = false;
         if fds[2].revents & libc::POLLIN != 0 {
-            service::complete(&mut device, &mut one, &memory, false);
+            work |= service::complete(&mut device, &mut one, &memory, false);
             // Chains left on the ring while the device had as many out as it keeps: the
             // driver made them available long ago and will not kick for them again.
-            if service::has_requests(&one.ring, &memory)
-                && process(&mut device, &mut one, &memory, stats, &mut err).is_err()
-            {
-                broken = true;
-                break;
+            if service::has_requests(&one.ring, &memory) {
+                work = true;
+                if process(&mut device, &mut one, &memory, stats, &mut err).is_err() {
+                    broken = true;
+                    break;
+                }
             }
         }
         if fds[1].revents & libc::POLLIN != 0 {
@@ -210,11 +221,15 @@ fn serve<D: Device>(lent: Lent<D>, stop: File) -> Returned<D> {
             let _ = kick.read(&mut b);
             stats.kicks.add(1);
             stats.worker_kicks.add(1);
-            spin_after_kick = true;
+            work |= service::has_requests(&one.ring, &memory);
             if process(&mut device, &mut one, &memory, stats, &mut err).is_err() {
                 broken = true;
                 break;
             }
+        }
+        if let (Some(w), true) = (window.as_mut(), work) {
+            w.woke_to_work();
+            spin_after_work = true;
         }
     }
     service::complete(&mut device, &mut one, &memory, true);

@@ -124,17 +124,19 @@ fn a_throttled_device_serves_at_its_limit_and_freely_once_lifted() {
         within(got, iops as f64),
         "iops {iops}: measured {got:.1} requests/s, not within 10%"
     );
+    let write_limit = 200;
     throttle
         .set(ThrottleConfig {
-            iops_wr: 200,
+            iops_wr: write_limit,
             ..Default::default()
         })
         .unwrap();
-    // Reads are not limited by a write limit.
+    // Reads are not limited by a write limit: they run far above it (compared with the write
+    // limit, not with the 2,000/s above, which a loaded 2-core machine may not reach unthrottled).
     let (_, reads) = drive(&mut g, false, 4096, 0.3);
     assert!(
-        reads > 2.0 * iops as f64,
-        "reads at {reads:.0}/s under a write limit"
+        reads > 5.0 * write_limit as f64,
+        "reads at {reads:.0}/s under a write limit of {write_limit}/s"
     );
 
     // Lifted: back to free running.

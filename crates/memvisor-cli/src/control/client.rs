@@ -86,7 +86,10 @@ impl Client {
         self.next_id += 1;
         let id = self.next_id;
         let request = json!({"execute": command, "arguments": arguments, "id": id});
-        writeln!(self.writer, "{request}")?;
+        // One write for the whole line: the server acts on a command as soon as its JSON object
+        // is complete (QMP needs no newline), so after `quit` it may close before a newline
+        // written on its own arrives, and that second write would fail with EPIPE.
+        self.writer.write_all(format!("{request}\n").as_bytes())?;
         loop {
             let v = self.line(Some(Duration::from_secs(30)))?;
             if v.get("event").is_some() {

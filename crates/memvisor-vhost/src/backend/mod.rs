@@ -128,8 +128,6 @@ pub struct Backend<D: Device> {
     /// Called when a frontend has connected, and when it has left and everything it had is
     /// released ([`Backend::on_connection`]).
     on_connection: Vec<Box<dyn FnMut(bool) + Send>>,
-    /// A kick was served since the loop last slept: poll before sleeping ([`Device::poll`]).
-    kicked_since_sleep: bool,
     /// What it counted, readable from other threads ([`Backend::live`]).
     live: BackendLive,
     /// Test-only ([`Faults::leak_on_hangup`](memvisor::faults::Faults::leak_on_hangup)): what
@@ -142,7 +140,7 @@ impl<D: Device + 'static> Backend<D> {
     /// A back end for `device`, mapping frontends' memory through `state` (the process's
     /// mappings and pin registry, which the server makes once for all its back ends; in a
     /// test-hooks build also the faults it injects, acted on here and handed to the device
-    /// through its memory: [`FrontendMemory::faults`]).
+    /// through its memory: `FrontendMemory::faults`, a test-hooks-only method).
     pub fn new(mut device: D, state: &ProcessState) -> Result<Self> {
         let n = device.queues() as usize;
         let memory = FrontendMemory::new(state)?;
@@ -168,7 +166,6 @@ impl<D: Device + 'static> Backend<D> {
             record: None,
             on_disconnect: Vec::new(),
             on_connection: Vec::new(),
-            kicked_since_sleep: false,
             live: BackendLive::new(n),
             #[cfg(feature = "test-hooks")]
             leaked: Vec::new(),
@@ -309,6 +306,9 @@ impl<D: Device + 'static> Backend<D> {
     }
 
     fn serve_connection(&mut self, sock: &UnixStream, stop: &AtomicBool) -> Result<()> {
+        let mut window: Option<service::PollWindow> = None;
+        // Whether the last wake-up brought work: then the window follows it and polling starts.
+        let mut work = false;
         while !stop.load(Ordering::Relaxed) {
             if self.device.config_changed() {
                 self.notify_config_change()?;
@@ -333,10 +333,12 @@ impl<D: Device + 'static> Backend<D> {
                     r?;
                 }
             }
-            if let Some(budget) = self.device.poll() {
-                if std::mem::take(&mut self.kicked_since_sleep) {
-                    self.poll_rings(sock, budget)?;
-                }
+            // The polling window: made when the device polls (its maximum is fixed).
+            if window.as_ref().map(|w| w.max()) != self.device.poll() {
+                window = self.device.poll().map(service::PollWindow::new);
+            }
+            if let (Some(w), true) = (window.as_mut(), std::mem::take(&mut work)) {
+                self.poll_rings(sock, w)?;
             }
             let mut fds = vec![libc::pollfd {
                 fd: sock.as_raw_fd(),
@@ -379,18 +381,24 @@ impl<D: Device + 'static> Backend<D> {
                 });
             }
             if done_fd.is_some() && fds[1].revents & libc::POLLIN != 0 {
-                self.reap(false);
+                work |= self.reap(false);
                 // Chains left on a ring while the device had as many out as it keeps.
                 for i in 0..self.vrings.len() {
                     if self.has_requests(i) {
+                        work = true;
                         self.process(i)?;
                     }
                 }
             }
             for (slot, &ring) in fds[first_ring..].iter().zip(&rings) {
                 if slot.revents & libc::POLLIN != 0 {
+                    // A kick for a request the poll already served brings no work.
+                    work |= self.has_requests(ring);
                     self.kicked(ring)?;
                 }
+            }
+            if let (Some(w), true) = (window.as_mut(), work) {
+                w.woke_to_work();
             }
             if fds[0].revents != 0 {
                 let msg = wire::recv(sock)?;
@@ -400,21 +408,41 @@ impl<D: Device + 'static> Backend<D> {
         Ok(())
     }
 
-    /// After a kick: serves rings with new requests, looking again and again until `budget`
-    /// passed since the last one found or a message arrives (messages come first: one may take
-    /// memory away; [`service::spin`]).
-    fn poll_rings(&mut self, sock: &UnixStream, budget: std::time::Duration) -> Result<()> {
-        service::spin(budget, sock.as_raw_fd(), || {
-            self.reap(false);
-            let mut found = false;
-            for i in 0..self.vrings.len() {
-                if self.has_requests(i) {
-                    self.live.ring(i).poll_hits.add(1);
-                    self.process(i)?;
-                    found = true;
+    /// After work: serves rings with new requests and ends finished transfers, looking again
+    /// and again until the window passed since the last work or a message arrives (messages
+    /// come first: one may take memory away; [`service::spin`]).
+    fn poll_rings(&mut self, sock: &UnixStream, window: &mut service::PollWindow) -> Result<()> {
+        service::spin(window, sock.as_raw_fd(), |step| match step {
+            service::Step::Round => {
+                let mut found = self.reap(false);
+                for i in 0..self.vrings.len() {
+                    if self.has_requests(i) {
+                        self.live.ring(i).poll_hits.add(1);
+                        self.process(i)?;
+                        found = true;
+                    }
                 }
+                Ok(found)
             }
-            Ok(found)
+            service::Step::Quiet => {
+                let mem = self.memory.dma().memory();
+                for v in &mut self.vrings {
+                    if let (true, true, Some(q)) = (v.started, v.enabled, v.queue.as_mut()) {
+                        q.start_polling(&mem);
+                    }
+                }
+                Ok(false)
+            }
+            service::Step::Rearm => {
+                let mem = self.memory.dma().memory();
+                let mut late = false;
+                for v in &mut self.vrings {
+                    if let Some(q) = v.queue.as_mut() {
+                        late |= q.stop_polling(&mem);
+                    }
+                }
+                Ok(late)
+            }
         })
     }
 
@@ -437,9 +465,10 @@ impl<D: Device + 'static> Backend<D> {
 
     /// Ends the device's work that has ended (with `wait`, all of it): chains go back to their
     /// rings, what they wrote into the frontend's dirty log, and their drivers are notified.
-    fn reap(&mut self, wait: bool) {
+    /// Returns whether anything ended.
+    fn reap(&mut self, wait: bool) -> bool {
         let (device, mut held, memory) = self.split();
-        service::complete(device, &mut held, memory, wait);
+        service::complete(device, &mut held, memory, wait)
     }
 
     /// The frontend's memory, to change: no worker holds it between messages.
@@ -846,7 +875,6 @@ impl<D: Device + 'static> Backend<D> {
             let _ = k.read(&mut b);
         }
         self.live.ring(i).kicks.add(1);
-        self.kicked_since_sleep = true;
         self.process(i)
     }
 

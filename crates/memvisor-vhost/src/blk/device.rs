@@ -502,7 +502,11 @@ impl Blk {
         }
     }
 
-    /// Walks the buffers of a chain once ([`DmaSpace::hold_sg`]), timing it.
+    /// Walks the buffers of a chain once ([`DmaSpace::hold_sg_into`]), timing it. The pages
+    /// are counted in queue `q`'s own shard of the hold table, so two queues never share one.
+    /// The guard goes with the transfer and is dropped when it completes, so its vectors are
+    /// not kept for the next request yet (that needs the completion to give it back to a
+    /// per-queue [`SgScratch`](memvisor::dma::SgScratch)).
     fn hold(&self, q: u16, dma: &DmaSpace, bufs: &[Buf]) -> memvisor::Result<SgWalk> {
         let sg: Vec<SgBuf> = bufs
             .iter()
@@ -517,7 +521,7 @@ impl Blk {
             })
             .collect();
         let start = Instant::now();
-        let walk = dma.hold_sg(&sg);
+        let walk = dma.hold_sg_into(&sg, &mut memvisor::dma::SgScratch::for_queue(q));
         let c = self.count(q);
         c.holds.add(1);
         c.hold_ns.add(elapsed_ns(start));

@@ -7,8 +7,14 @@
 //! entries. [`DmaSpace::invalidate_range`] gives a space that semantic: every translation inside
 //! the range goes, and a mapping that reaches past an edge is replaced by its part outside, with
 //! the same host memory, protection and dirty bits, in the same published step — a device never
-//! sees the outside part unmapped. Updates are ordinary [`DmaSpace::map_guest`] /
-//! [`DmaSpace::map_backing`] calls (an IOTLB user invalidates a range before it maps it again).
+//! sees the outside part unmapped.
+//!
+//! An update is [`DmaSpace::iotlb_map`]: whatever the range held goes, and the new entry is
+//! made, as one step. A guest hands out IOVAs it invalidated, so the range is nearly always
+//! empty: the update then takes the writer lock once, looks the range up once and makes one
+//! insert on the writer's spare copy, in place (`publish`) — no invalidation, no second trip
+//! through the lock, no vector. Only a range that still holds something goes the long way, an
+//! invalidation (which waits for devices as below) and then the insert.
 //!
 //! The range is closed to devices at once, and the invalidation returns only once copies in
 //! flight there ended and pins devices held there were released, asked back through the unmap
@@ -22,11 +28,47 @@ use std::sync::Arc;
 
 use super::index::Index;
 use super::retire::Plan;
-use super::{DmaSpace, Host, Mapping, Memory, whole_mappings};
+use super::{DmaSpace, Host, Mapping, Memory, NewMapping, Prot, whole_mappings_into};
 use crate::addr::{Hva, Iova, Range};
+use crate::backing::Backing;
 use crate::error::Result;
 
 impl DmaSpace {
+    /// An IOTLB update: `[iova, iova + size)` maps `size` bytes of `backing` from `offset`
+    /// with `prot`, after whatever the range held was removed (as [`DmaSpace::invalidate_range`]
+    /// removes it, waiting for devices). One step under the writer lock when the range is empty
+    /// (see the module documentation). Errors as [`DmaSpace::map_backing`]'s (EINVAL for a bad
+    /// range or window, ENOSPC when the space is full: nothing changed then), and EBUSY from
+    /// the invalidation.
+    pub fn iotlb_map(
+        &self,
+        iova: Iova,
+        backing: &Arc<Backing>,
+        offset: u64,
+        size: u64,
+        prot: Prot,
+    ) -> Result<()> {
+        let range = self.check_new_range(iova, size, prot)?;
+        let host = self.backing_host(backing, offset, size)?;
+        let new = [NewMapping {
+            iova: range,
+            memory: Memory::Local(host),
+        }];
+        let (first, last) = (range.start().0, range.last().0);
+        let writer = self.settled_writer()?;
+        let held = {
+            let map = &self.shared.current.load().map;
+            map.first_ending_at_or_after(first)
+                .is_some_and(|p| map.bounds(p).0 <= last)
+        };
+        if !held {
+            return self.insert_with(writer, range, prot, &new, true);
+        }
+        drop(writer);
+        self.invalidate_range(iova, size)?;
+        self.insert(range, prot, &new)
+    }
+
     /// Removes every translation in `[iova, iova + size)` (IOTLB semantics, see the module
     /// documentation); returns the bytes removed (0 if nothing was mapped there). EINVAL if the
     /// range is empty, wraps or is not page aligned; EBUSY, nothing changed, if devices keep
@@ -44,42 +86,44 @@ impl DmaSpace {
                 let Some((lo, hi)) = touched(map, first, last) else {
                     return Ok(Plan::default());
                 };
-                let hit = whole_mappings(map, lo, hi)?;
-                let mut keep = Vec::new();
-                for (start, m) in &hit {
-                    let end = m.iova.last().0;
+                // The writer's vectors, for their capacity: an invalidation allocates nothing.
+                let mut plan = std::mem::take(&mut writer.scratch);
+                whole_mappings_into(map, lo, hi, &mut plan.old)?;
+                // Only the first mapping can start before the range, only the last end after it.
+                let mut keep: [Option<Mapping>; 2] = [None, None];
+                if let (Some((start, m)), Some((_, end_m))) = (plan.old.first(), plan.old.last()) {
                     if *start < first {
-                        keep.push(piece(m, *start, first - 1, writer.next_id, page)?);
+                        keep[0] = Some(piece(m, *start, first - 1, writer.next_id, page)?);
                         writer.next_id += 1;
                     }
+                    let end = end_m.iova.last().0;
                     if end > last {
-                        keep.push(piece(m, last + 1, end, writer.next_id, page)?);
+                        keep[1] = Some(piece(end_m, last + 1, end, writer.next_id, page)?);
                         writer.next_id += 1;
                     }
                 }
                 if writer.mode == super::PinMode::Eager {
-                    let pinned = self.pin_all(keep.iter().filter(|m| m.memory.host().is_some()))?;
+                    let kept = keep.iter().flatten();
+                    let pinned = self.pin_all(kept.filter(|m| m.memory.host().is_some()))?;
                     writer.eager.extend(pinned);
                 }
-                writer.invalid -= hit
-                    .iter()
+                writer.invalid -= (plan.old.iter())
                     .filter(|(_, m)| m.memory.is_invalidated())
                     .count() as u64;
-                writer.invalid += keep.iter().filter(|m| m.memory.is_invalidated()).count() as u64;
-                let ranges = hit
+                writer.invalid += keep
                     .iter()
-                    .map(|(s, m)| ((*s).max(first), m.iova.last().0.min(last)))
-                    .collect();
-                let made = keep.iter().map(|m| m.id).collect();
-                map.remove_all(&hit);
-                for m in keep {
+                    .flatten()
+                    .filter(|m| m.memory.is_invalidated())
+                    .count() as u64;
+                let ranges =
+                    (plan.old.iter()).map(|(s, m)| ((*s).max(first), m.iova.last().0.min(last)));
+                plan.ranges.extend(ranges);
+                plan.made.extend(keep.iter().flatten().map(|m| m.id));
+                map.remove_all(&plan.old);
+                for m in keep.into_iter().flatten() {
                     map.insert(m);
                 }
-                Ok(Plan {
-                    ranges,
-                    old: hit,
-                    made,
-                })
+                Ok(plan)
             },
             |_, _| {},
         )?;

@@ -82,7 +82,7 @@ pub use dirty::{DIRTY_BITMAP_PAGES_MAX, DirtyScope, UnloggedDevice};
 pub use mode::{Extent, PinMode};
 // The pin registry lives in `crate::pin`; these names stay here too, where users first met them.
 pub use crate::pin::{HostExtent, KernelCheck, LockLimit, LongTermCounts, PIN_BATCH, PinRegistry};
-pub use sg::{Miss, SG_MISSES_MAX, SgBuf, SgGuard, SgWalk};
+pub use sg::{Miss, SG_MISSES_MAX, SgBuf, SgGuard, SgScratch, SgWalk};
 pub use translate::{DmaCursor, Segment, Translation};
 #[cfg(feature = "vm-memory")]
 pub use vm_memory::{DmaMemory, DmaSlices};
@@ -262,7 +262,18 @@ struct Writer {
     /// The snapshot the last change replaced, kept to be edited in place by the next one
     /// (see [`DmaSpace::publish`]).
     spare: Option<publish::Spare>,
+    /// The records an insert makes, kept for its capacity (an IOTLB update allocates none).
+    made: Vec<Arc<Mapping>>,
+    /// Records of removed mappings that nothing else held any more, emptied (no memory, no
+    /// bitmap), for the next inserts to fill in place: an IOTLB in strict mode makes and
+    /// removes one mapping per message. At most [`FREE_RECORDS`].
+    free: Vec<Arc<Mapping>>,
+    /// What an invalidation takes away ([`retire::Plan`]), kept for its vectors' capacity.
+    scratch: retire::Plan,
 }
+
+/// The most removed mapping records the writer keeps for reuse.
+const FREE_RECORDS: usize = 16;
 
 /// What every translation reads first, on a cache line of its own: the generation (bumped
 /// after each published change) and the space's process-unique id (per-thread caches of
@@ -362,6 +373,9 @@ impl DmaSpace {
                     device_pins: RunCounts::default(),
                     retiring: None,
                     spare: None,
+                    made: Vec::new(),
+                    free: Vec::new(),
+                    scratch: retire::Plan::default(),
                 }),
                 updated: (Mutex::new(()), Condvar::new()),
                 settled: Condvar::new(),
@@ -441,14 +455,11 @@ impl DmaSpace {
     /// Makes one mapping of `memory` at `[iova, iova + size)` after type1's checks.
     fn insert_one(&self, iova: Iova, size: u64, prot: Prot, memory: Memory) -> Result<()> {
         let range = self.check_new_range(iova, size, prot)?;
-        self.insert(
-            range,
-            prot,
-            vec![NewMapping {
-                iova: range,
-                memory,
-            }],
-        )
+        let new = [NewMapping {
+            iova: range,
+            memory,
+        }];
+        self.insert(range, prot, &new)
     }
 
     /// Maps the guest range `[gpa, gpa + size)` of `slots` at `iova`: one mapping per slot the
@@ -481,7 +492,7 @@ impl DmaSpace {
                 memory: Memory::Local(host),
             });
         }
-        self.insert(range, prot, new)
+        self.insert(range, prot, &new)
     }
 
     /// Maps `size` bytes of host memory at `hva` that the caller manages itself.
@@ -767,10 +778,24 @@ impl DmaSpace {
     /// Checks and inserts new mappings, the pieces of `range`, in one publish. The checks run
     /// in type1's order (`vfio_dma_do_map`): overlap (EEXIST), then the mapping count (ENOSPC),
     /// then the allowed IOVA ranges (EINVAL).
-    fn insert(&self, range: Range<Iova>, prot: Prot, new: Vec<NewMapping>) -> Result<()> {
+    fn insert(&self, range: Range<Iova>, prot: Prot, new: &[NewMapping]) -> Result<()> {
+        let writer = self.settled_writer()?;
+        self.insert_with(writer, range, prot, new, false)
+    }
+
+    /// [`DmaSpace::insert`] under `writer` (settled); with `free`, the caller saw that nothing
+    /// is mapped in `range` under this lock, and the overlap check is not made again.
+    fn insert_with(
+        &self,
+        writer: std::sync::MutexGuard<'_, Writer>,
+        range: Range<Iova>,
+        prot: Prot,
+        new: &[NewMapping],
+        free: bool,
+    ) -> Result<()> {
         let limit = self.shared.config.max_mappings;
-        self.change(|map, writer| {
-            for n in &new {
+        self.change_with(writer, |map, writer| {
+            for n in new.iter().filter(|_| !free) {
                 if let Some(pos) = map.first_ending_at_or_after(n.iova.start().0) {
                     let (start, last, _, _) = map.get(pos);
                     if start <= n.iova.last().0 {
@@ -795,7 +820,8 @@ impl DmaSpace {
                 });
             }
             self.check_allowed(range)?;
-            let mut made = Vec::with_capacity(new.len());
+            let mut made = std::mem::take(&mut writer.made);
+            made.clear();
             for n in new {
                 let dirty = match writer.tracking {
                     true => Some(self.new_bitmap(n.iova)?),
@@ -803,21 +829,31 @@ impl DmaSpace {
                 };
                 let id = writer.next_id;
                 writer.next_id += 1;
-                made.push(Mapping {
+                let record = Mapping {
                     id,
                     iova: n.iova,
                     prot,
-                    memory: n.memory,
+                    memory: n.memory.clone(),
                     dirty,
+                };
+                made.push(match writer.free.pop() {
+                    Some(mut free) => {
+                        *Arc::get_mut(&mut free).expect("a free record is the writer's alone") =
+                            record;
+                        free
+                    }
+                    None => Arc::new(record),
                 });
             }
             if writer.mode == PinMode::Eager {
-                let pinned = self.pin_all(made.iter().filter(|m| m.memory.host().is_some()))?;
+                let made = made.iter().map(|m| &**m);
+                let pinned = self.pin_all(made.filter(|m| m.memory.host().is_some()))?;
                 writer.eager.extend(pinned);
             }
-            for m in made {
+            for m in made.drain(..) {
                 map.insert(m);
             }
+            writer.made = made;
             Ok(((), true))
         })
     }
@@ -844,6 +880,19 @@ impl DmaSpace {
     fn writer(&self) -> std::sync::MutexGuard<'_, Writer> {
         lock(&self.shared.writer)
     }
+
+    /// Keeps `record`, a removed mapping's, for reuse if nothing else holds it and the writer
+    /// has room; emptied first, so it keeps no memory mapped and no bitmap.
+    fn keep_record(writer: &mut Writer, mut record: Arc<Mapping>) {
+        if writer.free.len() >= FREE_RECORDS {
+            return;
+        }
+        if let Some(m) = Arc::get_mut(&mut record) {
+            m.memory = Memory::Remote;
+            m.dirty = None;
+            writer.free.push(record);
+        }
+    }
 }
 
 impl Drop for Shared {
@@ -862,6 +911,17 @@ impl Drop for Shared {
 /// either end.
 fn whole_mappings(map: &Index, first: u64, last: u64) -> Result<Vec<(u64, Arc<Mapping>)>> {
     let mut out = Vec::new();
+    whole_mappings_into(map, first, last, &mut out)?;
+    Ok(out)
+}
+
+/// [`whole_mappings`], appended to `out`.
+fn whole_mappings_into(
+    map: &Index,
+    first: u64,
+    last: u64,
+    out: &mut Vec<(u64, Arc<Mapping>)>,
+) -> Result<()> {
     let mut pos = map.first_ending_at_or_after(first);
     while let Some(p) = pos {
         let (start, end, _, m) = map.get(p);
@@ -879,7 +939,7 @@ fn whole_mappings(map: &Index, first: u64, last: u64) -> Result<Vec<(u64, Arc<Ma
         out.push((start, m.clone()));
         pos = map.next(p);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// The aperture `[lo, hi]` minus the reserved ranges, as sorted disjoint inclusive pairs.

@@ -20,8 +20,11 @@
 //! the spare, which is published, and the snapshot it replaces becomes the spare. Once both
 //! copies have their own chunk, leaf and path where the IOTLB churns (after the first change
 //! there), a change costs two small edits in place (a few entries moved in one chunk, a word
-//! in one leaf) and no allocation but its mapping record. Whatever the two copies still share
-//! is copied on write as before, so a reader holding either sees it unchanged.
+//! in one leaf) and no allocation: the writer fills a removed mapping's record again when
+//! nothing else holds it (`keep_record`), and keeps its vectors between changes (while the
+//! index holds something: an emptied index lets go of its chunk list). Whatever the two
+//! copies still share is copied on write as before, so a reader holding either sees it
+//! unchanged.
 //!
 //! The rules that keep that safe:
 //! * A snapshot is changed in place only when the writer holds the only reference to it
@@ -37,6 +40,10 @@
 //!   snapshot as before.
 //! * An edit that fails may have changed its working copy part way: the copy is dropped. An
 //!   undo (`retire`) publishes a snapshot of its own, with no log: the spare is dropped.
+//! * A change that takes memory back (`retire`) is published first and recycled only once it
+//!   stands: while devices or guards may hold what it took, the snapshot it replaced is the
+//!   one to publish again if they keep it (and it is not the spare then). Guards that hold
+//!   nothing there cost the spare nothing.
 //! * A change of more than `index::REPLAY_MAX` entries, or one that empties the index (an
 //!   unmap of many mappings, a whole-space IOTLB flush), is not made twice: the spare is let go, as the old snapshot
 //!   was before, and the next change copies the current one. Made twice, such a change cost
@@ -46,8 +53,8 @@
 //! IOTLB of a few hundred pages, two chunks and two leaves), and each change made twice, in
 //! place.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 
 use super::index::{self, DmaSnapshot, Index};
 use super::{DmaSpace, Writer, grace};
@@ -69,7 +76,16 @@ impl DmaSpace {
         &self,
         edit: impl FnOnce(&mut Index, &mut Writer) -> Result<(T, bool)>,
     ) -> Result<T> {
-        let mut writer = self.settled_writer()?;
+        let writer = self.settled_writer()?;
+        self.change_with(writer, edit)
+    }
+
+    /// [`DmaSpace::change`] under `writer`, taken with `settled_writer`.
+    pub(super) fn change_with<T>(
+        &self,
+        mut writer: MutexGuard<'_, Writer>,
+        edit: impl FnOnce(&mut Index, &mut Writer) -> Result<(T, bool)>,
+    ) -> Result<T> {
         let mut next = self.working_copy(&mut writer);
         let (value, changed) = edit(working_map(&mut next), &mut writer)?;
         if changed {
@@ -122,7 +138,22 @@ impl DmaSpace {
     /// (4 KiB) and the path to them for each change and frees the old ones when the old
     /// snapshot goes; made twice in place, on two copies that take turns, the change costs
     /// two small edits and no allocation.
-    pub(super) fn publish(&self, writer: &mut Writer, mut next: Arc<DmaSnapshot>, recycle: bool) {
+    pub(super) fn publish(&self, writer: &mut Writer, next: Arc<DmaSnapshot>, recycle: bool) {
+        let (old, ops) = self.swap_in(writer, next);
+        if recycle {
+            self.recycle(writer, old, ops);
+        }
+    }
+
+    /// The first half of [`DmaSpace::publish`]: publishes `next` and waits until no copy can
+    /// still be on the snapshot it replaces; returns that snapshot and the log of the change,
+    /// for [`DmaSpace::recycle`] (or, for a change that may yet be undone, to publish again).
+    /// The writer has no spare until then.
+    pub(super) fn swap_in(
+        &self,
+        writer: &mut Writer,
+        mut next: Arc<DmaSnapshot>,
+    ) -> (Arc<DmaSnapshot>, Vec<index::Op>) {
         let generation = self.shared.head.0.generation.load(Ordering::Relaxed) + 1;
         let ops = {
             let snap = Arc::get_mut(&mut next).expect("a working copy is the writer's alone");
@@ -131,9 +162,9 @@ impl DmaSpace {
             snap.invalid = writer.invalid;
             snap.map.take_log()
         };
-        // Kept until the end: it may be the last holder of memory the change gave back, which
+        // Kept by the caller: it may be the last holder of memory the change gave back, which
         // copies announced before the change may still be using.
-        let mut old = self.shared.current.swap(next);
+        let old = self.shared.current.swap(next);
         // After the snapshot: a reader that sees this generation loads this snapshot or a
         // later one, so what it caches under a generation is that generation's.
         self.shared
@@ -145,7 +176,19 @@ impl DmaSpace {
         // memory only it still maps) can go, wait for those that may be on it.
         grace::wait_for_copies(self.shared.head.0.id);
         writer.spare = None;
-        if !recycle || ops.len() > index::REPLAY_MAX || ops.iter().any(index::Op::is_clear) {
+        (old, ops)
+    }
+
+    /// The second half of [`DmaSpace::publish`]: `old`, the snapshot a change published by
+    /// [`DmaSpace::swap_in`] replaced, becomes the spare, with `ops`, that change's log, made
+    /// to it in place (or pending, see `publish`), or is dropped.
+    pub(super) fn recycle(
+        &self,
+        writer: &mut Writer,
+        mut old: Arc<DmaSnapshot>,
+        ops: Vec<index::Op>,
+    ) {
+        if ops.len() > index::REPLAY_MAX || ops.iter().any(index::Op::is_clear) {
             return;
         }
         // `swap` has waited for the readers that loaded `old` without counting it, so the
@@ -304,6 +347,83 @@ mod tests {
             1,
             "neither the spare nor a log keeps it"
         );
+    }
+
+    fn hold(d: &DmaSpace, page: u64) -> crate::dma::SgGuard {
+        let buf = crate::dma::SgBuf {
+            iova: Iova(page * PAGE),
+            len: PAGE,
+            prot: Prot::READ,
+        };
+        match d.hold_sg(&[buf]).unwrap() {
+            crate::dma::SgWalk::Held(g) => g,
+            crate::dma::SgWalk::Missed(m) => panic!("page {page} missed: {m:?}"),
+        }
+    }
+
+    /// A back end's requests take guards all the time: an invalidation where none holds
+    /// anything keeps the spare, as on a space that never saw a guard.
+    #[test]
+    fn guards_that_hold_nothing_in_the_range_cost_the_spare_nothing() {
+        let (d, b) = space();
+        d.map_backing(Iova(0), &b, 0, PAGE, Prot::RW).unwrap();
+        // A request in flight on page 0, and one taken and let go on page 1.
+        let in_flight = hold(&d, 0);
+        d.map_backing(Iova(PAGE), &b, PAGE, PAGE, Prot::RW).unwrap();
+        drop(hold(&d, 1));
+        for k in 1..20u64 {
+            d.invalidate_range(Iova(k * PAGE), PAGE).unwrap();
+            let current = contents(&d.shared.current.load());
+            assert_eq!(
+                spare_state(&d),
+                Some((current, 0)),
+                "after invalidation {k}"
+            );
+            d.map_backing(Iova((k + 1) * PAGE), &b, k * PAGE, PAGE, Prot::RW)
+                .unwrap();
+        }
+        assert_eq!(d.guard_held_pages(), 1);
+        drop(in_flight);
+    }
+
+    /// A guard another thread holds (so in another shard) over an invalidated page still
+    /// holds the invalidation back: EBUSY past `unpin_wait`, nothing changed; once it is let
+    /// go, the invalidation goes through and the spare is back.
+    #[test]
+    fn a_guard_on_another_thread_still_holds_an_invalidation_back() {
+        let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 16 * PAGE).unwrap());
+        let config = crate::dma::DmaConfig {
+            page_table_from: 0,
+            unpin_wait: std::time::Duration::from_millis(30),
+            ..crate::dma::DmaConfig::default()
+        };
+        let d = DmaSpace::new(config).unwrap();
+        for k in 0..4u64 {
+            d.map_backing(Iova(k * PAGE), &b, k * PAGE, PAGE, Prot::RW)
+                .unwrap();
+        }
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let d2 = &d;
+            s.spawn(move || {
+                let g = hold(d2, 2);
+                held_tx.send(()).unwrap();
+                done_rx.recv().unwrap();
+                drop(g);
+            });
+            held_rx.recv().unwrap();
+            let before = contents(&d.shared.current.load());
+            let e = d.invalidate_range(Iova(PAGE), 2 * PAGE).unwrap_err();
+            assert_eq!(e.errno(), libc::EBUSY, "{e}");
+            assert_eq!(contents(&d.shared.current.load()), before, "undone whole");
+            assert!(d.translate(Iova(PAGE), 8, Prot::READ).is_ok());
+            done_tx.send(()).unwrap();
+        });
+        assert_eq!(d.invalidate_range(Iova(PAGE), 2 * PAGE).unwrap(), 2 * PAGE);
+        assert!(d.translate(Iova(2 * PAGE), 8, Prot::READ).is_err());
+        let current = contents(&d.shared.current.load());
+        assert_eq!(spare_state(&d), Some((current, 0)));
     }
 
     struct StopOnDrop<'a>(&'a AtomicBool);

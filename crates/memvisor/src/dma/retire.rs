@@ -9,9 +9,11 @@
 //! 1. **Close the range.** Under the writer lock the change is published at once, so from then
 //!    on the range is a hole for translations (EFAULT), `pin_pages` and copies (EINVAL), or, for
 //!    a vaddr invalidation, an invalidated mapping. Copies that started before it (each
-//!    announces itself, `grace`) are waited for. What the change took out is kept aside as a
-//!    [`Retiring`]: the old mappings, through which the pins devices still hold there are
-//!    released, and the snapshot before, through which the change can be undone.
+//!    announces itself, `grace`) are waited for. If devices or guards still hold something
+//!    there, what the change took out is kept aside as a [`Retiring`]: the old mappings,
+//!    through which the pins devices still hold there are released, and the snapshot before,
+//!    through which the change can be undone. Otherwise (nearly always) the snapshot before
+//!    becomes the writer's spare at once (`publish`).
 //! 2. **Ask, and wait.** With no lock held, every unmap notifier is called with each range taken
 //!    where devices still hold pins; then the change waits for `unpin_pages` to release them,
 //!    asking again now and then (a device may have been about to pin when first asked; its
@@ -112,23 +114,25 @@ impl DmaSpace {
         }
         let invalid = writer.invalid;
         let mut next = self.working_copy(&mut writer);
-        let plan = edit(super::working_map(&mut next), &mut writer)?;
+        let mut plan = edit(super::working_map(&mut next), &mut writer)?;
         if plan.old.is_empty() {
             self.keep_unchanged(&mut writer, next);
+            plan.ranges.clear();
+            plan.made.clear();
+            writer.scratch = plan;
             return Ok((0, finish(&writer, &[])));
         }
         // Pins change only under the writer lock, held since the edit: whether devices hold
-        // pins in the ranges is known now, and only then is the snapshot before kept, to undo
-        // the change if they keep them (it then cannot serve as the spare).
-        // Guards' holds change without the writer lock: they are looked at only once the
-        // range is closed (a guard walking after that misses it), so the snapshot before is
-        // kept whenever a guard may hold something, and dropped if none does.
-        let guards = self.shared.holds.used();
+        // pins in the ranges is known now. Guards' holds change without the writer lock: they
+        // are looked at only once the range is closed (a guard walking after that misses it).
+        // Either way the snapshot before is kept until then, to undo the change if they keep
+        // what it took; if nothing holds it, it becomes the spare as for any change.
         let pinned = held_by_devices(&writer, &plan.ranges);
-        let before = (pinned || guards).then(|| self.shared.current.load_full());
-        self.publish(&mut writer, next, before.is_none());
+        let (before, ops) = self.swap_in(&mut writer, next);
+        // After the publication (and the fence of its grace wait): see `Holds::my_shard`.
+        let guards = self.shared.holds.used();
         let hold = pinned || (guards && self.held_by_guards(&plan.ranges));
-        if let Some(before) = before.filter(|_| hold) {
+        if hold {
             writer.retiring = Some(Retiring {
                 ranges: plan.ranges.clone(),
                 old: plan.old.clone(),
@@ -145,6 +149,8 @@ impl DmaSpace {
                 return Err(self.undo(writer, &before.map, invalid, &plan));
             }
         }
+        // The change stands: what it replaced is the next change's working copy.
+        self.recycle(&mut writer, before, ops);
         for (_, m) in &plan.old {
             self.shared.release_cached(m);
         }
@@ -153,6 +159,14 @@ impl DmaSpace {
             self.unpin_mapping(&mut writer, m.id);
         }
         let bytes = plan.ranges.iter().map(|&(s, l)| l - s + 1).sum();
+        // The records the change removed, for the next inserts, and the plan's vectors for the
+        // next change's plan.
+        for (_, m) in plan.old.drain(..) {
+            Self::keep_record(&mut writer, m);
+        }
+        plan.ranges.clear();
+        plan.made.clear();
+        writer.scratch = plan;
         Ok((bytes, value))
     }
 

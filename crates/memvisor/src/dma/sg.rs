@@ -27,10 +27,19 @@
 //! unmap notifiers as for `pin_pages`): a walk either counted its pages before the unmap looked
 //! or ran on a snapshot where the range is closed. [`DmaSpace::pin_sg`] locks the pages as
 //! well, through the registry, as `pin_pages` does, for devices that want them resident.
+//!
+//! **Per queue, no allocation.** A queue thread keeps an [`SgScratch`]: its shard (by queue
+//! number, so two queues never share one) and the vectors of its last guard, given back with
+//! [`SgScratch::recycle`]. Walking with it ([`DmaSpace::hold_sg_into`],
+//! [`DmaCursor::hold_sg_into`]) allocates nothing once the vectors have grown to the
+//! requests' size (a miss, an error, a dirty log or a pin still may). A device that only
+//! needs the host addresses (its pages kept by other means) translates into the scratch with
+//! [`DmaCursor::translate_sg_into`]: no hold, no allocation.
 
 use std::sync::Arc;
 
-use super::{DmaSpace, Mapping, Prot};
+use super::index::Hot;
+use super::{DmaCursor, DmaSpace, Mapping, Prot};
 use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
 use crate::pin::PinRequest;
@@ -167,6 +176,59 @@ impl Drop for SgGuard {
     }
 }
 
+/// A queue's reusable state for its walks (see the module documentation): its shard of the
+/// hold table and the vectors a guard needs, kept between requests.
+#[derive(Debug, Default)]
+pub struct SgScratch {
+    /// The queue it belongs to (its shard: [`Holds::shard_for`](crate::pin::holds::Holds)).
+    queue: usize,
+    counted: Vec<Counted>,
+    segments: Vec<Segment>,
+    ends: Vec<usize>,
+}
+
+impl SgScratch {
+    /// The scratch of queue `queue` (any number; queues below 16 each get a shard of their
+    /// own). Allocates nothing until used.
+    pub fn for_queue(queue: u16) -> SgScratch {
+        SgScratch {
+            queue: usize::from(queue),
+            ..SgScratch::default()
+        }
+    }
+
+    /// The host segments of every buffer of the last [`DmaCursor::translate_sg_into`], in
+    /// order (adjacent pieces contiguous on the host merged within a buffer).
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    /// The host segments of buffer `i` of the last [`DmaCursor::translate_sg_into`] (empty
+    /// for a buffer of 0 bytes).
+    pub fn buffer(&self, i: usize) -> &[Segment] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.segments[start..self.ends[i]]
+    }
+
+    /// Lets go of `guard` (as dropping it does) and keeps its vectors for the next walk.
+    pub fn recycle(&mut self, mut guard: SgGuard) {
+        guard.release();
+        // Keep the bigger of each pair: a walk's vectors grow to the biggest request's size.
+        if guard.segments.capacity() > self.segments.capacity() {
+            std::mem::swap(&mut self.segments, &mut guard.segments);
+        }
+        if guard.counted.capacity() > self.counted.capacity() {
+            std::mem::swap(&mut self.counted, &mut guard.counted);
+        }
+        if guard.ends.capacity() > self.ends.capacity() {
+            std::mem::swap(&mut self.ends, &mut guard.ends);
+        }
+        self.segments.clear();
+        self.counted.clear();
+        self.ends.clear();
+    }
+}
+
 /// Why one try of a walk stopped.
 enum Stop {
     Failed(Error),
@@ -181,34 +243,35 @@ impl DmaSpace {
     /// [`SgWalk::Missed`] with nothing held; the errors are in the module documentation. Takes
     /// no lock another thread's requests need.
     pub fn hold_sg(&self, bufs: &[SgBuf]) -> Result<SgWalk> {
-        self.walk_sg(bufs, false)
+        self.walk_sg(bufs, false, None)
+    }
+
+    /// [`DmaSpace::hold_sg`] with a queue's `scratch`: its pages counted in the queue's own
+    /// shard, and the guard's vectors taken from the scratch (give them back with
+    /// [`SgScratch::recycle`]), so that a walk allocates nothing once they have grown.
+    pub fn hold_sg_into(&self, bufs: &[SgBuf], scratch: &mut SgScratch) -> Result<SgWalk> {
+        self.walk_sg(bufs, false, Some(scratch))
     }
 
     /// [`DmaSpace::hold_sg`], and the pages locked and charged as [`DmaSpace::pin_pages`]
     /// locks them (ENOMEM past the locked-memory limit, with nothing held): for a device that
     /// needs its pages resident. The locking goes through the process's pin registry.
     pub fn pin_sg(&self, bufs: &[SgBuf]) -> Result<SgWalk> {
-        self.walk_sg(bufs, true)
+        self.walk_sg(bufs, true, None)
     }
 
-    fn walk_sg(&self, bufs: &[SgBuf], lock: bool) -> Result<SgWalk> {
+    fn walk_sg(
+        &self,
+        bufs: &[SgBuf],
+        lock: bool,
+        mut scratch: Option<&mut SgScratch>,
+    ) -> Result<SgWalk> {
         for b in bufs {
-            if b.prot == Prot::default() {
-                return Err(Error::NoAccess {
-                    what: format!("buffer at iova {} of {:#x} bytes", b.iova, b.len),
-                });
-            }
-            if b.len > 0 && b.iova.0.checked_add(b.len - 1).is_none() {
-                return Err(Error::RangeWraps {
-                    what: "scatter-gather buffer",
-                    start: b.iova.0,
-                    len: b.len,
-                });
-            }
+            check_buf(b)?;
         }
         let mut deadline = None;
         loop {
-            match self.try_walk(bufs, lock) {
+            match self.try_walk(bufs, lock, scratch.as_deref_mut()) {
                 Ok(walk) => return Ok(walk),
                 Err(Stop::Failed(e)) => return Err(e),
                 Err(Stop::Invalidated(iova)) => {
@@ -226,17 +289,33 @@ impl DmaSpace {
         }
     }
 
-    fn try_walk(&self, bufs: &[SgBuf], lock: bool) -> std::result::Result<SgWalk, Stop> {
+    fn try_walk(
+        &self,
+        bufs: &[SgBuf],
+        lock: bool,
+        scratch: Option<&mut SgScratch>,
+    ) -> std::result::Result<SgWalk, Stop> {
         let holds = &self.shared.holds;
         let min_page = self.shared.min_page;
-        let mut guard = SgGuard {
-            space: self.clone(),
-            shard: holds.my_shard(),
-            counted: Vec::new(),
-            segments: Vec::new(),
-            ends: Vec::with_capacity(bufs.len()),
-            pins: Vec::new(),
-            dirty: Vec::new(),
+        let mut guard = match scratch {
+            Some(s) => SgGuard {
+                space: self.clone(),
+                shard: holds.shard_for(s.queue),
+                counted: std::mem::take(&mut s.counted),
+                segments: std::mem::take(&mut s.segments),
+                ends: std::mem::take(&mut s.ends),
+                pins: Vec::new(),
+                dirty: Vec::new(),
+            },
+            None => SgGuard {
+                space: self.clone(),
+                shard: holds.my_shard(),
+                counted: Vec::new(),
+                segments: Vec::new(),
+                ends: Vec::with_capacity(bufs.len()),
+                pins: Vec::new(),
+                dirty: Vec::new(),
+            },
         };
         let mut misses: Vec<Miss> = Vec::new();
         let mut lock_pieces: Vec<(Arc<Mapping>, u64, u64)> = Vec::new();
@@ -255,7 +334,19 @@ impl DmaSpace {
                     }
                     let iova = b.iova.0 + at_off;
                     let end = b.iova.0 + (b.len - 1);
-                    let Some((start, last, hot, m)) = snap.entry(iova) else {
+                    // The page table first (a small mapping's page, a big one's whole
+                    // granule): it answers only for host memory allowed to the buffer that
+                    // logs no dirty pages, so the record is not needed. Pinning needs it.
+                    let fast = if lock {
+                        None
+                    } else {
+                        snap.page_answer(iova, 1, b.prot)
+                    };
+                    let found = match fast {
+                        Some((hot, start, last)) => Some((start, last, hot, None)),
+                        None => snap.entry(iova).map(|(s, l, h, m)| (s, l, h, Some(m))),
+                    };
+                    let Some((start, last, hot, m)) = found else {
                         if misses.len() < SG_MISSES_MAX {
                             misses.push(Miss {
                                 iova: Iova(iova),
@@ -318,11 +409,11 @@ impl DmaSpace {
                             len: n,
                         }),
                     }
-                    if write && hot.dirty() {
+                    if let (true, Some(m)) = (write && hot.dirty(), m) {
                         mark_dirty(m, iova, n, min_page);
                         guard.dirty.push((m.clone(), iova, n));
                     }
-                    if lock {
+                    if let (true, Some(m)) = (lock, m) {
                         lock_pieces.push((
                             m.clone(),
                             first.wrapping_add(hot.delta()),
@@ -362,5 +453,86 @@ impl DmaSpace {
     /// IOVA pages (4 KiB) held by scatter-gather guards now, counted once per shard.
     pub fn guard_held_pages(&self) -> u64 {
         self.shared.holds.iova_pages()
+    }
+}
+
+/// A buffer's own errors, before any walk: no access asked (EINVAL), a wrapping range
+/// (EINVAL).
+fn check_buf(b: &SgBuf) -> Result<()> {
+    if b.prot == Prot::default() {
+        return Err(Error::NoAccess {
+            what: format!("buffer at iova {} of {:#x} bytes", b.iova, b.len),
+        });
+    }
+    if b.len > 0 && b.iova.0.checked_add(b.len - 1).is_none() {
+        return Err(Error::RangeWraps {
+            what: "scatter-gather buffer",
+            start: b.iova.0,
+            len: b.len,
+        });
+    }
+    Ok(())
+}
+
+impl DmaCursor {
+    /// [`DmaSpace::hold_sg_into`]. The hold walks the space's current snapshot, not the
+    /// cursor's: an unmap must see the pages counted or the walk see the range closed.
+    pub fn hold_sg_into(&mut self, bufs: &[SgBuf], scratch: &mut SgScratch) -> Result<SgWalk> {
+        self.space.hold_sg_into(bufs, scratch)
+    }
+
+    /// Translates a request's buffers into `scratch` ([`SgScratch::buffer`] per buffer) from
+    /// the cursor's snapshot (refreshed first), holding nothing and allocating nothing once
+    /// the scratch has grown: for a device that keeps the pages from a discard and an unmap by
+    /// other means. Fails whole, like [`DmaSpace::translate_sg`], if any byte is unmapped
+    /// (EFAULT), not allowed (EPERM) or invalidated (EBUSY at once, no wait), and on the
+    /// buffer errors of [`DmaSpace::hold_sg`]; written pages are marked dirty when tracking
+    /// is on.
+    pub fn translate_sg_into(&mut self, bufs: &[SgBuf], scratch: &mut SgScratch) -> Result<()> {
+        scratch.segments.clear();
+        scratch.ends.clear();
+        self.refresh();
+        let snap = &*self.snapshot;
+        let min_page = self.space.shared.min_page;
+        for b in bufs {
+            check_buf(b)?;
+            if b.len == 0 {
+                scratch.ends.push(scratch.segments.len());
+                continue;
+            }
+            let from = scratch.segments.len();
+            let segments = &mut scratch.segments;
+            let mut add = |hva: u64, n: u64| {
+                let merge = segments.len() > from;
+                match segments.last_mut() {
+                    Some(s) if merge && s.hva.0.wrapping_add(s.len) == hva => s.len += n,
+                    _ => segments.push(Segment {
+                        hva: Hva(hva),
+                        len: n,
+                    }),
+                }
+            };
+            // The page table first: one word for a buffer inside a small mapping or a granule.
+            match snap.page_answer(b.iova.0, b.len, b.prot) {
+                Some((hot, _, last)) if b.len - 1 <= last - b.iova.0 => {
+                    add(b.iova.0.wrapping_add(hot.delta()), b.len)
+                }
+                _ => {
+                    snap.for_each_piece(
+                        b.iova.0,
+                        b.len,
+                        b.prot,
+                        min_page,
+                        Hot::VALID,
+                        |_, hva, n, _| {
+                            add(hva.expect("only host memory passes Hot::VALID"), n);
+                            true
+                        },
+                    )?;
+                }
+            }
+            scratch.ends.push(scratch.segments.len());
+        }
+        Ok(())
     }
 }

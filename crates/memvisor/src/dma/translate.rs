@@ -2,9 +2,10 @@
 //!
 //! A device model turns each descriptor's IOVA into a host address it can copy to or from.
 //! [`DmaSpace::translate`] answers from the current snapshot: for a small mapping (what a
-//! vIOMMU makes, up to 127 pages) from the snapshot's page table — a few loads indexed by the
-//! address's bits, no search — and otherwise from the sorted index (a lookup that reads a few
-//! cache lines); neither reads the mapping record. [`DmaSpace::translate_sg`] turns a range that
+//! vIOMMU makes, up to 127 pages) or a whole 2 MiB granule of a big one (guest RAM) from the
+//! snapshot's page table — a few loads indexed by the address's bits, no search — and
+//! otherwise from the sorted index (a lookup that reads a few cache lines); neither reads the
+//! mapping record. [`DmaSpace::translate_sg`] turns a range that
 //! spans mappings into a scatter-gather list; a [`DmaCursor`], one per device thread, remembers
 //! the last mapping it hit and the snapshot generation, so a repeated hit costs one load of a
 //! counter only writers write and a bounds check — like the memslot cursor (KVM's
@@ -22,9 +23,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::index::{DmaSnapshot, Hot, Pos, Region, WINDOW, word_answer};
+use super::index::{DmaSnapshot, Hot, Pos, Region, WINDOW, Word, word_answer};
 use super::{DmaSpace, Head, Mapping, Prot, VaddrRule, grace};
-use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
+use crate::addr::{Hva, Iova};
 use crate::copy;
 use crate::error::{Error, Result};
 
@@ -150,7 +151,9 @@ pub(super) struct Found {
     /// Its place in the sorted index; a placeholder when the page table answered, which it
     /// never does for a mapping that logs dirty pages (the only users of the place).
     pos: Pos,
-    /// Where the answer starts: the mapping's start, or the page's when the page table answered.
+    /// Where the answer starts: the mapping's start, or the page's (the granule's for a huge
+    /// word) when the page table answered; `last` is then the mapping's last byte, or the
+    /// granule's.
     start: u64,
     last: u64,
     hot: Hot,
@@ -170,10 +173,10 @@ impl DmaSnapshot {
     /// would pass the result through memory.
     #[inline(always)]
     fn resolve(&self, iova: u64, len: u64, need: Prot) -> Result<Found> {
-        if let Some((hot, last)) = self.page_answer(iova, need) {
+        if let Some((hot, start, last)) = self.page_answer(iova, len, need) {
             return Ok(Found {
                 pos: Pos::FIRST,
-                start: iova & !(PAGE - 1),
+                start,
                 last,
                 hot,
             });
@@ -574,8 +577,8 @@ impl Hit {
 /// Holds the snapshot it last used (and so the memory of mappings removed since) until its next
 /// translation; [`DmaCursor::refresh`] lets go sooner.
 pub struct DmaCursor {
-    space: DmaSpace,
-    snapshot: Arc<DmaSnapshot>,
+    pub(super) space: DmaSpace,
+    pub(super) snapshot: Arc<DmaSnapshot>,
     generation: u64,
     /// Whether `read` / `write` may copy from the snapshot ([`DmaSpace::copies_allowed`]).
     copies: bool,
@@ -640,14 +643,14 @@ impl DmaCursor {
         // table's loads and no call.
         if current & (len != 0) {
             let word = if self.region.holds(iova.0) {
-                self.region.get(iova.0)
+                self.region.word(iova.0)
             } else {
                 self.enter_region(iova.0)
             };
-            if let Some((hot, last)) = word_answer(iova.0, word, access) {
+            if let Some((hot, start, last)) = word_answer(iova.0, len, word, access) {
                 // Not `pos`: it is read only while DIRTY is set, and the table never answers
                 // for a mapping that logs dirty pages.
-                self.hit.start = iova.0 & !(PAGE - 1);
+                self.hit.start = start;
                 self.hit.last = last;
                 self.hit.delta = hot.delta();
                 self.hit.prot = hot.prot().0;
@@ -662,12 +665,15 @@ impl DmaCursor {
 
     /// The page-table word for `iova`, which the cursor's region does not hold: the region
     /// becomes `iova`'s (one reference count), if the table covers it.
-    fn enter_region(&mut self, iova: u64) -> u64 {
+    fn enter_region(&mut self, iova: u64) -> Word {
         if iova >= WINDOW {
-            return 0;
+            return Word {
+                bits: 0,
+                huge: false,
+            };
         }
         self.region = self.snapshot.map.pages.region(iova);
-        self.region.get(iova)
+        self.region.word(iova)
     }
 
     fn translate_slow(&mut self, iova: Iova, len: u64, access: Prot) -> Result<Translation> {
@@ -795,5 +801,118 @@ impl DmaCursor {
         // A read translation: it remembers the mapping without marking a page twice.
         let _ = self.translate(iova, 1, Prot::READ);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Big mappings answered from the page table's huge words: every path gives what the
+    //! sorted index gives, at the granules' and the mapping's edges, and never while the
+    //! mapping logs dirty pages.
+    use super::*;
+    use crate::addr::PAGE_4K as PAGE;
+    use crate::backing::{Backing, BackingKind};
+    use crate::dma::{DmaConfig, SgBuf, SgWalk};
+
+    const MIB: u64 = 1 << 20;
+
+    /// A space with one big mapping, `[2 MiB - 4 KiB, 9 MiB - 4 KiB)`: three whole granules
+    /// and a part of one at each end. Returns it, its backing, and its host address of the
+    /// mapping's start (from the sorted index: the start is in a part granule).
+    fn space() -> (DmaSpace, Arc<Backing>, u64) {
+        let backing = Arc::new(Backing::new(BackingKind::PrivateAnon, 8 * MIB).unwrap());
+        let d = DmaSpace::new(DmaConfig::default()).unwrap();
+        d.map_backing(Iova(START), &backing, PAGE, LEN, Prot::RW)
+            .unwrap();
+        let base = d.translate(Iova(START), 1, Prot::READ).unwrap().hva.0;
+        (d, backing, base)
+    }
+
+    const START: u64 = 2 * MIB - PAGE;
+    const LEN: u64 = 7 * MIB;
+
+    fn huge_at(d: &DmaSpace, iova: u64) -> bool {
+        d.shared.current.load().map.pages.word(iova).huge
+    }
+
+    /// Checks every path at addresses around the edges, for lengths up to past the end.
+    fn agree(d: &DmaSpace, base: u64, access: Prot) {
+        let end = START + LEN;
+        let mut cursor = d.cursor();
+        let edges = [START, 2 * MIB, 4 * MIB, 6 * MIB, 8 * MIB, end];
+        let iovas = edges
+            .iter()
+            .flat_map(|&e| [e.wrapping_sub(64), e - 1, e, e + 8])
+            .filter(|&a| (START..end).contains(&a));
+        for iova in iovas {
+            for len in [1, 64, PAGE, 2 * MIB, LEN] {
+                let want = Translation {
+                    hva: Hva(base + (iova - START)),
+                    len: len.min(end - iova),
+                };
+                let what = format!("iova {iova:#x}, len {len:#x}");
+                assert_eq!(
+                    d.translate(Iova(iova), len, access).unwrap(),
+                    want,
+                    "{what}"
+                );
+                assert_eq!(
+                    cursor.translate(Iova(iova), len, access).unwrap(),
+                    want,
+                    "{what}"
+                );
+                let segs = d.translate_sg(Iova(iova), want.len, access).unwrap();
+                let one = [Segment {
+                    hva: want.hva,
+                    len: want.len,
+                }];
+                assert_eq!(segs, one, "translate_sg: {what}");
+                let buf = SgBuf {
+                    iova: Iova(iova),
+                    len: want.len,
+                    prot: access,
+                };
+                match d.hold_sg(&[buf]).unwrap() {
+                    SgWalk::Held(g) => assert_eq!(g.segments(), one, "hold_sg: {what}"),
+                    SgWalk::Missed(m) => panic!("hold_sg missed {m:?}: {what}"),
+                }
+            }
+        }
+        assert!(d.translate(Iova(end), 1, access).is_err(), "past the end");
+    }
+
+    #[test]
+    fn a_big_mapping_answers_from_huge_words_as_from_the_sorted_index() {
+        let (d, _b, base) = space();
+        for g in [2, 4, 6] {
+            assert!(huge_at(&d, g * MIB), "granule at {g} MiB holds a huge word");
+        }
+        assert!(
+            !huge_at(&d, START) && !huge_at(&d, 8 * MIB),
+            "part granules hold none"
+        );
+        agree(&d, base, Prot::READ);
+        agree(&d, base, Prot::WRITE);
+    }
+
+    #[test]
+    fn no_huge_word_answers_while_the_mapping_logs_dirty_pages() {
+        let (d, _b, base) = space();
+        d.start_dirty_tracking().unwrap();
+        assert!(
+            !huge_at(&d, 4 * MIB),
+            "dirty logging takes the huge words out"
+        );
+        agree(&d, base, Prot::WRITE);
+        // Every page `agree` wrote through is dirty, those in whole granules too.
+        let bits = d.get_and_clear_dirty(Iova(START), LEN, PAGE).unwrap();
+        let dirty = |iova: u64| {
+            let page = (iova - START) / PAGE;
+            bits[(page / 64) as usize] >> (page % 64) & 1 == 1
+        };
+        assert!(dirty(4 * MIB) && dirty(4 * MIB - PAGE) && dirty(6 * MIB + PAGE));
+        d.stop_dirty_tracking();
+        assert!(huge_at(&d, 4 * MIB), "back once the log stops");
+        agree(&d, base, Prot::READ);
     }
 }

@@ -6,8 +6,11 @@
 //! pages under it. Counting every request's holds in the registry's one table would make every
 //! request of every queue take the registry's one lock twice. So a DMA space keeps the holds of
 //! its scatter-gather guards (`dma::sg`) in a [`Holds`] table of its own, split into shards:
-//! each thread counts into its own shard (chosen once per thread, round robin), so two queue
-//! threads never wait for each other, and each shard's lock is held for one request's few runs.
+//! a queue that walks with its own scratch (`dma::SgScratch`) counts into the shard of its
+//! queue number ([`Holds::shard_for`]), so two queues (of the first [`SHARDS`]) never share
+//! one; a walk without one counts into its thread's shard (chosen once per thread, round
+//! robin). Either way queue threads rarely wait for each other, and each shard's lock is held
+//! for one request's few runs.
 //!
 //! Who looks: a discard goes through [`PinRegistry::with_unheld_in`](super::PinRegistry),
 //! which, under the registry's lock, also takes every shard of every table registered with it
@@ -16,13 +19,17 @@
 //! (`dma::retire`). Locking order: the registry's lock, then the table list, then a shard;
 //! a guard takes a shard alone, never the registry's lock while it holds one.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering, fence};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::sync::lock;
 
 /// Shards per table: more than the queues a device runs, so threads rarely share one.
-const SHARDS: usize = 16;
+pub(crate) const SHARDS: usize = 16;
+const _: () = assert!(
+    SHARDS <= u32::BITS as usize,
+    "a bit of `Holds::in_use` per shard"
+);
 
 /// One piece a guard holds: 4 KiB IOVA pages `[iova, iova + pages)` over host pages from
 /// `host`.
@@ -79,9 +86,11 @@ struct Padded(Mutex<Shard>);
 /// The holds of one DMA space's guards, by shard.
 pub(crate) struct Holds {
     shards: Box<[Padded]>,
-    /// Set once a guard was taken: until then a change need not look (nor keep its old
-    /// snapshot to undo with).
-    used: AtomicBool,
+    /// Bit `i` set once a guard was taken on shard `i` (never cleared): a change looks at
+    /// those shards only, and at none (nor keeps its old snapshot to undo with) while it is 0.
+    /// One thread or two take guards on a device's table, so an unmap locks one shard or two
+    /// instead of all sixteen.
+    in_use: AtomicU32,
     /// Set while a change waits for holds to go: a guard that lets go must wake it.
     pub waiting: AtomicBool,
 }
@@ -92,7 +101,7 @@ impl Default for Holds {
             shards: (0..SHARDS)
                 .map(|_| Padded(Mutex::new(Shard::default())))
                 .collect(),
-            used: AtomicBool::new(false),
+            in_use: AtomicU32::new(0),
             waiting: AtomicBool::new(false),
         }
     }
@@ -108,15 +117,40 @@ thread_local! {
 impl Holds {
     /// The calling thread's shard number.
     pub fn my_shard(&self) -> usize {
-        if !self.used.load(Ordering::Relaxed) {
-            self.used.store(true, Ordering::SeqCst);
+        self.mark_in_use(MY_SHARD.with(|s| *s))
+    }
+
+    /// The shard of queue `queue`: queues below [`SHARDS`] each have their own.
+    pub fn shard_for(&self, queue: usize) -> usize {
+        self.mark_in_use(queue % SHARDS)
+    }
+
+    /// Records that guards are taken on shard `i` (before the walk that takes them), and
+    /// returns `i`.
+    fn mark_in_use(&self, i: usize) -> usize {
+        let bit = 1u32 << i;
+        if self.in_use.load(Ordering::Relaxed) & bit == 0 {
+            self.in_use.fetch_or(bit, Ordering::SeqCst);
+            // Store, fence, then (in the walk) load the snapshot; a change publishes, fences
+            // (`grace`) and then reads `in_use`. In the single order of the two fences either
+            // the change sees this shard, or this thread's walks load what it published (and
+            // so never hold what it took away). Once per shard and table.
+            fence(Ordering::SeqCst);
         }
-        MY_SHARD.with(|s| *s)
+        i
     }
 
     /// Whether any guard was ever taken on the table.
     pub fn used(&self) -> bool {
-        self.used.load(Ordering::SeqCst)
+        self.in_use.load(Ordering::SeqCst) != 0
+    }
+
+    /// The shards guards were ever taken on.
+    fn shards_in_use(&self) -> impl Iterator<Item = &Padded> {
+        let in_use = self.in_use.load(Ordering::SeqCst);
+        (self.shards.iter().enumerate())
+            .filter(move |(i, _)| in_use & (1 << i) != 0)
+            .map(|(_, s)| s)
     }
 
     /// Runs `f` on shard `i`, under its lock.
@@ -125,9 +159,9 @@ impl Holds {
     }
 
     /// Whether any shard holds an IOVA page of `[start, end)` (4 KiB page numbers).
+    /// Locks only the shards in use (see [`Holds::my_shard`]).
     pub fn any_iova(&self, start: u64, end: u64) -> bool {
-        self.shards
-            .iter()
+        self.shards_in_use()
             .any(|s| (lock(&s.0).held.iter()).any(|h| h.iova < end && start < h.iova + h.pages))
     }
 
@@ -202,4 +236,19 @@ pub(crate) fn host_gaps(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queues_below_the_shard_count_never_share_a_shard_and_taking_one_marks_the_table_used() {
+        let h = Holds::default();
+        assert!(!h.used());
+        let shards: std::collections::HashSet<usize> =
+            (0..SHARDS).map(|q| h.shard_for(q)).collect();
+        assert_eq!(shards.len(), SHARDS);
+        assert!(h.used(), "a change must look at the shards from now on");
+    }
 }

@@ -6,7 +6,10 @@
 //!   its [`Hot`] word and its record, found by a search that reads a few cache lines;
 //! * for the small mappings a vIOMMU makes, in a persistent page table (`pagetable`): one word
 //!   per 4 KiB page, the mapping's hot word plus the pages left to its end, found by indexing
-//!   with the address's bits, no search.
+//!   with the address's bits, no search;
+//! * for big mappings (guest RAM), in the same table: one **huge word** per whole 2 MiB granule
+//!   the mapping covers, its hot word, like a PMD block entry; the granules at its ends that it
+//!   covers only in part are left to the sorted index.
 //!
 //! The hot word packs what every translation needs — `hva - iova`, the protection, whether the
 //! memory is the host's, a peer's or invalidated, and whether it logs dirty pages — so a lookup
@@ -35,7 +38,8 @@ use crate::addr::PAGE_4K as PAGE;
 use pagetable::PageTable;
 use rangemap::RangeMap;
 
-pub(super) use pagetable::{Region, WINDOW};
+use pagetable::HUGE_SPAN;
+pub(super) use pagetable::{Region, WINDOW, Word};
 pub(super) use rangemap::Pos;
 
 /// What the index keeps inline per mapping, packed in one word: the fields every translation
@@ -152,8 +156,11 @@ pub(super) struct Index {
     /// Mappings held of at most [`TABLE_PAGES_MAX`] pages ([`table_pages`]), whether or not
     /// the window and the budget let the table take them.
     small: u64,
-    /// Whether the page table is kept (else it is empty).
+    /// Whether the page table keeps the small mappings' words (else it holds none).
     paged: bool,
+    /// Mappings of more than [`TABLE_PAGES_MAX`] pages: their whole granules hold huge words,
+    /// whether or not `paged`.
+    big: u64,
     /// [`DmaConfig::page_table_from`].
     table_from: u64,
 }
@@ -252,8 +259,8 @@ impl Index {
     }
 
     /// Puts `mapping` into the index.
-    pub(super) fn insert(&mut self, mapping: Mapping) {
-        let mapping = Arc::new(mapping);
+    pub(super) fn insert(&mut self, mapping: impl Into<Arc<Mapping>>) {
+        let mapping = mapping.into();
         self.log.push(Op::Insert(mapping.clone()));
         self.apply_insert(mapping);
     }
@@ -263,6 +270,8 @@ impl Index {
         let hot = Hot::of(&mapping);
         self.ranges.insert(start, last, hot, mapping);
         if table_pages(start, last).is_none() {
+            self.big += 1;
+            enter_huge(&mut self.pages, start, last, hot);
             return;
         }
         self.small += 1;
@@ -272,7 +281,9 @@ impl Index {
             // Start the table with every small mapping there is, this one included.
             self.paged = true;
             for (start, last, hot, _) in self.ranges.iter() {
-                enter_pages(&mut self.pages, start, last, hot);
+                if table_pages(start, last).is_some() {
+                    enter_pages(&mut self.pages, start, last, hot);
+                }
             }
         }
     }
@@ -288,7 +299,9 @@ impl Index {
     fn apply_set(&mut self, pos: Pos, mapping: Arc<Mapping>) {
         let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
         let hot = Hot::of(&mapping);
-        if self.paged {
+        if table_pages(start, last).is_none() {
+            enter_huge(&mut self.pages, start, last, hot);
+        } else if self.paged {
             enter_pages(&mut self.pages, start, last, hot);
         }
         self.ranges.set(pos, hot, mapping);
@@ -309,13 +322,25 @@ impl Index {
         }
         if let Some(pages) = table_pages(start, last) {
             self.small -= 1;
-            // A table not kept is empty: nothing to clear then.
+            // A table not kept holds no page words: nothing to clear then.
             if self.paged && self.small * 4 < self.table_from {
-                // Too few left: drop the table whole.
+                // Too few left: drop the page words whole, keeping the huge words.
                 self.paged = false;
                 self.pages = PageTable::default();
+                if self.big > 0 {
+                    for (s, l, hot, _) in self.ranges.iter() {
+                        if s != start && table_pages(s, l).is_none() {
+                            enter_huge(&mut self.pages, s, l, hot);
+                        }
+                    }
+                }
             } else if self.paged {
                 self.pages.clear(start, pages);
+            }
+        } else {
+            self.big -= 1;
+            if let Some((first, granules)) = huge_granules(start, last) {
+                self.pages.clear_huge(first, granules);
             }
         }
         Some(self.ranges.remove_at(pos))
@@ -365,6 +390,27 @@ fn table_pages(start: u64, last: u64) -> Option<u64> {
     (pages <= TABLE_PAGES_MAX).then_some(pages)
 }
 
+/// The whole 2 MiB granules of a mapping `[start, last]`, as (first, count), if any.
+fn huge_granules(start: u64, last: u64) -> Option<(u64, u64)> {
+    // In granule numbers, so that nothing overflows at the top of the address space.
+    let first = start.div_ceil(HUGE_SPAN);
+    let end = last / HUGE_SPAN + u64::from(last % HUGE_SPAN == HUGE_SPAN - 1);
+    (end > first).then(|| (first * HUGE_SPAN, end - first))
+}
+
+/// Writes the huge words of a big mapping `[start, last]` with `hot` where they can answer (a
+/// host address, no dirty log); else clears them, so the sorted index answers.
+fn enter_huge(table: &mut PageTable, start: u64, last: u64, hot: Hot) {
+    let Some((first, granules)) = huge_granules(start, last) else {
+        return;
+    };
+    if hot.valid() && !hot.dirty() {
+        table.fill_huge(first, granules, |_| hot.0);
+    } else {
+        table.clear_huge(first, granules);
+    }
+}
+
 /// Writes the page-table words of a mapping `[start, last]` with `hot`, if it is small; where
 /// the table refuses, clears them, so the sorted index answers.
 fn enter_pages(table: &mut PageTable, start: u64, last: u64, hot: Hot) {
@@ -385,14 +431,17 @@ pub(super) struct DmaSnapshot {
 }
 
 impl DmaSnapshot {
-    /// The page table's answer for an access needing `need` at `iova`, (hot word, last byte of
-    /// the mapping), when it answers outright: the page is a small mapping's, allowed, with a
-    /// host address, and not logging dirty pages (whose marking needs the sorted index's
-    /// position). Anything else — no entry, a refusal and its exact error — is the sorted
+    /// The page table's answer for an access of `len` bytes (> 0) needing `need` at `iova`,
+    /// as (hot word, first byte, last byte) of a part of the mapping holding `iova`, when it
+    /// answers outright: the page is a small mapping's or in a big one's whole granule,
+    /// allowed, with a host address, and not logging dirty pages (whose marking needs the
+    /// sorted index's position). A small mapping's answer runs to the mapping's end; a huge
+    /// word's is its granule, and it answers only an access that ends in it. Anything else —
+    /// no entry, a refusal and its exact error, an access past a granule — is the sorted
     /// index's, the record.
     #[inline(always)]
-    pub(super) fn page_answer(&self, iova: u64, need: Prot) -> Option<(Hot, u64)> {
-        word_answer(iova, self.map.pages.get(iova), need)
+    pub(super) fn page_answer(&self, iova: u64, len: u64, need: Prot) -> Option<(Hot, u64, u64)> {
+        word_answer(iova, len, self.map.pages.word(iova), need)
     }
 
     /// The index entry holding `iova`, as (start, last, hot word, mapping).
@@ -401,13 +450,19 @@ impl DmaSnapshot {
     }
 }
 
-/// [`DmaSnapshot::page_answer`] from the page's table `word`.
+/// [`DmaSnapshot::page_answer`] from the table's `word` for `iova`.
 #[inline(always)]
-pub(super) fn word_answer(iova: u64, word: u64, need: Prot) -> Option<(Hot, u64)> {
-    let hot = Index::page_hot(word);
+pub(super) fn word_answer(iova: u64, len: u64, word: Word, need: Prot) -> Option<(Hot, u64, u64)> {
+    let hot = Index::page_hot(word.bits);
     if !(hot.prot().contains(need) & hot.valid() & !hot.dirty()) {
         return None;
     }
+    if word.huge {
+        // A huge word holds no count of what is left: it answers for its granule alone.
+        let first = iova & !(HUGE_SPAN - 1);
+        let last = first + (HUGE_SPAN - 1);
+        return (len.wrapping_sub(1) <= last - iova).then_some((hot, first, last));
+    }
     // Valid, so the word is a page's (an empty word is 0): the pages left are at least one.
-    Some((hot, Index::page_last(iova, word)))
+    Some((hot, iova & !(PAGE - 1), Index::page_last(iova, word.bits)))
 }

@@ -15,6 +15,14 @@
 //! table. A lookup is a window check and four dependent loads, the last the only one likely to
 //! miss the cache.
 //!
+//! **Huge words.** A mapping bigger than a leaf (guest RAM) would cost a leaf per 2 MiB of
+//! words all alike. Instead, each whole 2 MiB granule it covers holds one **huge word** at the
+//! mid level, beside the leaf pointer, like a PMD block entry in a CPU's page table: a lookup
+//! that finds one stops there, three dependent loads from the table (two from a [`Region`]).
+//! A granule holds a huge word or a leaf, never both (mappings do not overlap, and only a
+//! mapping covering the whole granule gets a huge word). Huge words need no leaf, so they are
+//! outside the budget. [`PageTable::word`] says which kind of word answered.
+//!
 //! **Persistence.** Every node is behind an `Arc`, as the sorted index's chunks are: cloning the
 //! table is one reference count; changing a clone copies the path to the leaf it touches
 //! (`Arc::make_mut`: a 4 KiB leaf and up to three 64-pointer nodes, whose children's counts are
@@ -45,6 +53,8 @@ pub const LEAF_SHARE: u64 = 16;
 const PAGE_SHIFT: u32 = 12;
 const LEAF_WORDS: usize = 512;
 const LEAF_SPAN: u64 = (LEAF_WORDS as u64) << PAGE_SHIFT;
+/// The bytes one huge word covers: a granule, what one leaf would cover.
+pub const HUGE_SPAN: u64 = LEAF_SPAN;
 const FANOUT: usize = 64;
 /// Shifts of the index bits of the mid, upper and root levels.
 const MID_SHIFT: u32 = 21;
@@ -74,7 +84,65 @@ impl<C> Node<C> {
     }
 }
 
-type Mid = Node<Leaf>;
+/// One granule's place in a mid node: its leaf, or its huge word (non-zero), or neither.
+#[derive(Clone, Default)]
+struct Slot {
+    leaf: Option<Arc<Leaf>>,
+    huge: u64,
+}
+
+/// The mid level: per 2 MiB granule, a leaf or a huge word, side by side in one 16-byte slot
+/// so that a lookup reads one line for both.
+#[derive(Clone)]
+struct Mid {
+    slots: [Slot; FANOUT],
+    /// Slots holding a leaf or a huge word.
+    used: u32,
+}
+
+impl Mid {
+    fn new() -> Self {
+        Mid {
+            slots: std::array::from_fn(|_| Slot::default()),
+            used: 0,
+        }
+    }
+
+    #[inline(always)]
+    fn word(&self, addr: u64) -> Word {
+        let slot = &self.slots[child(addr, MID_SHIFT)];
+        if slot.huge != 0 {
+            return Word {
+                bits: slot.huge,
+                huge: true,
+            };
+        }
+        Word {
+            bits: slot
+                .leaf
+                .as_deref()
+                .map_or(0, |l| l.words[word_index(addr)]),
+            huge: false,
+        }
+    }
+}
+
+/// What a lookup found: a page's word, or the huge word of its 2 MiB granule; `bits` 0 for
+/// nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Word {
+    pub bits: u64,
+    /// Whether `bits` is a huge word (it answers for the whole granule).
+    pub huge: bool,
+}
+
+impl Word {
+    const NONE: Word = Word {
+        bits: 0,
+        huge: false,
+    };
+}
+
 type Upper = Node<Mid>;
 type Root = Node<Upper>;
 
@@ -109,6 +177,8 @@ pub struct PageTable {
     root: Arc<Root>,
     leaves: u64,
     words: u64,
+    /// Huge words held.
+    huge: u64,
 }
 
 impl Default for PageTable {
@@ -117,6 +187,7 @@ impl Default for PageTable {
             root: Arc::new(Root::new()),
             leaves: 0,
             words: 0,
+            huge: 0,
         }
     }
 }
@@ -126,6 +197,7 @@ impl std::fmt::Debug for PageTable {
         f.debug_struct("PageTable")
             .field("leaves", &self.leaves)
             .field("words", &self.words)
+            .field("huge", &self.huge)
             .finish()
     }
 }
@@ -155,23 +227,38 @@ impl Region {
         addr >> ROOT_SHIFT == self.tag
     }
 
-    /// The word of the page holding `addr`, which the region holds; 0 if none.
+    /// [`PageTable::word`] for `addr`, which the region holds.
     #[inline(always)]
-    pub fn get(&self, addr: u64) -> u64 {
+    pub fn word(&self, addr: u64) -> Word {
         debug_assert!(self.holds(addr));
-        let mid = self.upper.as_deref().and_then(|upper| {
-            let mid = upper.children[child(addr, UPPER_SHIFT)].as_deref()?;
-            mid.children[child(addr, MID_SHIFT)].as_deref()
-        });
-        mid.map_or(0, |l| l.words[word_index(addr)])
+        let mid = self
+            .upper
+            .as_deref()
+            .and_then(|upper| upper.children[child(addr, UPPER_SHIFT)].as_deref());
+        mid.map_or(Word::NONE, |m| m.word(addr))
     }
 }
 
 impl PageTable {
-    /// The word of the page holding `addr`; 0 if none.
-    #[inline(always)]
+    /// The word of the page holding `addr` in its leaf; 0 if none (a huge word is not read:
+    /// see [`PageTable::word`]). For tests: lookups use [`PageTable::word`].
+    #[cfg(test)]
     pub fn get(&self, addr: u64) -> u64 {
         self.leaf(addr).map_or(0, |l| l.words[word_index(addr)])
+    }
+
+    /// The word that answers for `addr`: its granule's huge word if it has one, else its
+    /// page's word (0 if none).
+    #[inline(always)]
+    pub fn word(&self, addr: u64) -> Word {
+        self.mid(addr).map_or(Word::NONE, |m| m.word(addr))
+    }
+
+    /// The huge word of the granule holding `addr`; 0 if none.
+    #[cfg(test)]
+    pub fn huge_word(&self, addr: u64) -> u64 {
+        self.mid(addr)
+            .map_or(0, |m| m.slots[child(addr, MID_SHIFT)].huge)
     }
 
     /// The region holding `addr`: [`Region::NONE`] above the window.
@@ -186,13 +273,19 @@ impl PageTable {
     }
 
     #[inline(always)]
-    fn leaf(&self, addr: u64) -> Option<&Leaf> {
+    fn mid(&self, addr: u64) -> Option<&Mid> {
         if addr >= WINDOW {
             return None;
         }
         let upper = self.root.children[child(addr, ROOT_SHIFT)].as_deref()?;
-        let mid = upper.children[child(addr, UPPER_SHIFT)].as_deref()?;
-        mid.children[child(addr, MID_SHIFT)].as_deref()
+        upper.children[child(addr, UPPER_SHIFT)].as_deref()
+    }
+
+    #[inline(always)]
+    fn leaf(&self, addr: u64) -> Option<&Leaf> {
+        self.mid(addr)?.slots[child(addr, MID_SHIFT)]
+            .leaf
+            .as_deref()
     }
 
     /// Leaves allocated.
@@ -205,6 +298,12 @@ impl PageTable {
     #[cfg(test)]
     pub fn words(&self) -> u64 {
         self.words
+    }
+
+    /// Huge words held.
+    #[cfg(test)]
+    pub fn huge_words(&self) -> u64 {
+        self.huge
     }
 
     /// The leaf-sized pieces of `[first, first + pages * 4 KiB)`: (start, pages) each.
@@ -248,7 +347,13 @@ impl PageTable {
             let root = Arc::make_mut(&mut self.root);
             let upper = child_mut(root, child(at, ROOT_SHIFT), Upper::new, &mut false);
             let mid = child_mut(upper, child(at, UPPER_SHIFT), Mid::new, &mut false);
-            let leaf = child_mut(mid, child(at, MID_SHIFT), Leaf::new, &mut created);
+            let slot = &mut mid.slots[child(at, MID_SHIFT)];
+            debug_assert_eq!(slot.huge, 0, "pages in a granule with a huge word");
+            if slot.leaf.is_none() {
+                mid.used += 1;
+                created = true;
+            }
+            let leaf = Arc::make_mut(slot.leaf.get_or_insert_with(|| Arc::new(Leaf::new())));
             self.leaves += u64::from(created);
             let i = word_index(at);
             for slot in &mut leaf.words[i..i + n as usize] {
@@ -299,7 +404,7 @@ impl PageTable {
         let Some(mid) = upper.children[ui].as_mut().map(Arc::make_mut) else {
             return;
         };
-        let Some(leaf) = mid.children[mi].as_mut().map(Arc::make_mut) else {
+        let Some(leaf) = mid.slots[mi].leaf.as_mut().map(Arc::make_mut) else {
             return;
         };
         for slot in &mut leaf.words[range] {
@@ -312,7 +417,7 @@ impl PageTable {
         if leaf.used > 0 {
             return;
         }
-        mid.children[mi] = None;
+        mid.slots[mi].leaf = None;
         mid.used -= 1;
         self.leaves -= 1;
         if mid.used > 0 {
@@ -323,6 +428,78 @@ impl PageTable {
         if upper.used == 0 {
             root.children[ri] = None;
             root.used -= 1;
+        }
+    }
+
+    /// Sets the huge words of the `granules` 2 MiB granules from `first` (aligned to 2 MiB):
+    /// the `k`-th one's to `word(k)`, which must not be 0. Granules at or above [`WINDOW`]
+    /// are left out; the others must hold no leaf (their pages belong to one mapping).
+    pub fn fill_huge(&mut self, first: u64, granules: u64, word: impl Fn(u64) -> u64) {
+        debug_assert_eq!(first % HUGE_SPAN, 0);
+        for k in 0..granules {
+            let Some(at) = (k.checked_mul(HUGE_SPAN))
+                .and_then(|o| first.checked_add(o))
+                .filter(|&a| a < WINDOW)
+            else {
+                return;
+            };
+            let w = word(k);
+            debug_assert_ne!(w, 0, "a huge word is never 0");
+            let root = Arc::make_mut(&mut self.root);
+            let upper = child_mut(root, child(at, ROOT_SHIFT), Upper::new, &mut false);
+            let mid = child_mut(upper, child(at, UPPER_SHIFT), Mid::new, &mut false);
+            let slot = &mut mid.slots[child(at, MID_SHIFT)];
+            debug_assert!(slot.leaf.is_none(), "a huge word over a granule with pages");
+            if slot.huge == 0 {
+                mid.used += 1;
+                self.huge += 1;
+            }
+            slot.huge = w;
+        }
+    }
+
+    /// Sets the huge words of the `granules` granules from `first` (aligned) to 0, freeing
+    /// nodes left empty. Granules outside the table are ignored.
+    pub fn clear_huge(&mut self, first: u64, granules: u64) {
+        debug_assert_eq!(first % HUGE_SPAN, 0);
+        for k in 0..granules {
+            let Some(at) = (k.checked_mul(HUGE_SPAN))
+                .and_then(|o| first.checked_add(o))
+                .filter(|&a| a < WINDOW)
+            else {
+                return;
+            };
+            // Untouched nodes are not copied.
+            if self
+                .mid(at)
+                .is_none_or(|m| m.slots[child(at, MID_SHIFT)].huge == 0)
+            {
+                continue;
+            }
+            let (ri, ui, mi) = (
+                child(at, ROOT_SHIFT),
+                child(at, UPPER_SHIFT),
+                child(at, MID_SHIFT),
+            );
+            let root = Arc::make_mut(&mut self.root);
+            let Some(upper) = root.children[ri].as_mut().map(Arc::make_mut) else {
+                continue;
+            };
+            let Some(mid) = upper.children[ui].as_mut().map(Arc::make_mut) else {
+                continue;
+            };
+            mid.slots[mi].huge = 0;
+            mid.used -= 1;
+            self.huge -= 1;
+            if mid.used > 0 {
+                continue;
+            }
+            upper.children[ui] = None;
+            upper.used -= 1;
+            if upper.used == 0 {
+                root.children[ri] = None;
+                root.used -= 1;
+            }
         }
     }
 }
@@ -366,8 +543,18 @@ mod tests {
             assert_eq!(upper.used as usize, upper.children.iter().flatten().count());
             for mid in upper.children.iter().flatten() {
                 assert!(mid.used > 0, "an empty node is freed");
-                assert_eq!(mid.used as usize, mid.children.iter().flatten().count());
-                for leaf in mid.children.iter().flatten() {
+                let held = mid.slots.iter();
+                assert_eq!(
+                    mid.used as usize,
+                    held.filter(|s| s.leaf.is_some() || s.huge != 0).count()
+                );
+                for slot in &mid.slots {
+                    assert!(
+                        slot.leaf.is_none() || slot.huge == 0,
+                        "a leaf or a huge word"
+                    );
+                }
+                for leaf in mid.slots.iter().filter_map(|s| s.leaf.as_deref()) {
                     let n = leaf.words.iter().filter(|&&w| w != 0).count() as u32;
                     assert!(n > 0, "an empty leaf is freed");
                     assert_eq!(leaf.used, n);
@@ -455,6 +642,59 @@ mod tests {
             model.insert(dense + k * P, 8);
         }
         check(&t, &model, &[]);
+    }
+
+    #[test]
+    fn huge_words_answer_for_their_granule_and_keep_nodes_right() {
+        let mut t = PageTable::default();
+        // Pages in the granule below, then 3 huge words across an upper boundary (128 MiB).
+        let first = (128 << 20) - 2 * HUGE_SPAN;
+        assert!(t.fill(first - P, 1, |_| 5));
+        t.fill_huge(first, 3, |k| (0x10_0000 * (k + 1)) | 3);
+        let old = t.clone();
+        assert_eq!(t.huge_words(), 3);
+        for k in 0..3 {
+            for a in [first + k * HUGE_SPAN, first + (k + 1) * HUGE_SPAN - 1] {
+                let w = t.word(a);
+                assert_eq!(
+                    w,
+                    Word {
+                        bits: (0x10_0000 * (k + 1)) | 3,
+                        huge: true
+                    },
+                    "{a:#x}"
+                );
+                assert_eq!(t.region(a).word(a), w, "the region's answer at {a:#x}");
+                assert_eq!(t.get(a), 0, "no leaf under a huge word");
+            }
+        }
+        assert_eq!(
+            t.word(first - P),
+            Word {
+                bits: 5,
+                huge: false
+            }
+        );
+        assert_eq!(t.word(first + 3 * HUGE_SPAN), Word::NONE);
+        // Past the window: left out, no panic.
+        t.fill_huge(WINDOW - HUGE_SPAN, 2, |_| 7);
+        assert_eq!(t.huge_words(), 4);
+        assert_eq!(t.word(WINDOW).bits, 0);
+        t.clear_huge(WINDOW - HUGE_SPAN, 2);
+        t.clear_huge(first, 2);
+        assert_eq!(t.huge_words(), 1);
+        assert_eq!(t.word(first).bits, 0);
+        assert!(t.word(first + 2 * HUGE_SPAN).huge);
+        t.clear_huge(first + 2 * HUGE_SPAN, 1);
+        t.clear(first - P, 1);
+        // Every node freed: the root has no child left.
+        assert_eq!(
+            (t.root.used, t.leaves(), t.words(), t.huge_words()),
+            (0, 0, 0, 0)
+        );
+        // The clone taken before is a snapshot.
+        assert!(old.word(first).huge && old.word(first - P).bits == 5);
+        check(&old, &BTreeMap::from([(first - P, 5)]), &[]);
     }
 
     #[derive(Debug, Clone)]

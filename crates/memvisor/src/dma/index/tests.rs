@@ -1,5 +1,7 @@
 //! The page table against the sorted index: after every change the table holds exactly the
-//! words of the small mappings below its window, and copies taken on the way do not change.
+//! words of the small mappings below its window and the huge words of the big mappings' whole
+//! granules, no table answer reaches past its mapping, and copies taken on the way do not
+//! change.
 
 use super::*;
 use crate::addr::{Hva, Iova, Range};
@@ -24,8 +26,34 @@ enum Op {
     Remove { slot: u64 },
     /// Remove `n` mappings from the one at or after `slot`, as an unmap does.
     RemoveRun { slot: u64, n: usize },
+    /// Map a big mapping (128 to 2,048 pages, so 0 to 3 whole granules) at big slot `slot`
+    /// (16 MiB apart; slot 0 `high` straddles the window's end), `offset` pages into it.
+    InsertBig {
+        slot: u64,
+        offset: u64,
+        pages: u64,
+        high: bool,
+        kind: u8,
+        host: u64,
+    },
+    /// Replace the big mapping at or after big slot `slot` (same range): host page `host`,
+    /// memory kind `kind`, logging dirty pages if `dirty`.
+    SetBig {
+        slot: u64,
+        host: u64,
+        kind: u8,
+        dirty: bool,
+    },
+    /// Remove the big mapping at or after big slot `slot`.
+    RemoveBig { slot: u64 },
     /// Keep a copy: later checks verify it did not change.
     Snapshot,
+}
+
+/// Big slot `slot`'s IOVA: 16 MiB apart, from 8 GiB, or across the window's end if `high`.
+fn big_iova(slot: u64, high: bool) -> u64 {
+    let base = if high { WINDOW - (6 << 20) } else { 8 << 30 };
+    base + slot * (16 << 20)
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -44,7 +72,44 @@ fn op() -> impl Strategy<Value = Op> {
         3 => slot.clone().prop_map(|slot| Op::Remove { slot }),
         1 => (slot, 1usize..30).prop_map(|(slot, n)| Op::RemoveRun { slot, n }),
         1 => Just(Op::Snapshot),
+        2 => (0u64..6, 0u64..600, 128u64..=2048, any::<bool>(), prop_oneof![4 => Just(0u8), 1 => 1u8..3], 0u64..1024)
+            .prop_map(|(slot, offset, pages, high, kind, host)| Op::InsertBig {
+                slot,
+                offset,
+                pages,
+                high: high && slot < 2,
+                kind,
+                host,
+            }),
+        1 => (0u64..6, 0u64..1024, prop_oneof![3 => Just(0u8), 1 => 1u8..3], any::<bool>())
+            .prop_map(|(slot, host, kind, dirty)| Op::SetBig { slot, host, kind, dirty }),
+        1 => (0u64..6).prop_map(|slot| Op::RemoveBig { slot }),
     ]
+}
+
+/// Makes an `InsertBig` on `index` if its range is free; whether it did.
+fn insert_big(index: &mut Index, op: &Op, id: &mut u64) -> bool {
+    let Op::InsertBig {
+        slot,
+        offset,
+        pages,
+        high,
+        kind,
+        host,
+    } = *op
+    else {
+        return false;
+    };
+    let start = big_iova(slot, high) + offset * PAGE;
+    let last = start + pages * PAGE - 1;
+    let free = index
+        .first_ending_at_or_after(start)
+        .is_none_or(|p| index.get(p).0 > last);
+    if free {
+        *id += 1;
+        index.insert(mapping(*id, start, pages, kind, host));
+    }
+    free
 }
 
 /// Slot `slot`'s IOVA: slots 256 pages apart, room for the largest mapping inserted (200
@@ -104,8 +169,83 @@ fn change(index: &mut Index, op: &Op) -> std::result::Result<(), TestCaseError> 
                 .collect();
             index.remove_all(&hit);
         }
-        Op::Insert { .. } | Op::Snapshot => {}
+        Op::SetBig {
+            slot,
+            host,
+            kind,
+            dirty,
+        } => {
+            let p = index.first_ending_at_or_after(big_iova(slot, false));
+            if let Some(p) = p.filter(|&p| table_pages(index.get(p).0, index.get(p).1).is_none()) {
+                let (start, last, _, m) = index.get(p);
+                let mut m = mapping(m.id, start, (last - start) / PAGE + 1, kind, host);
+                if dirty {
+                    m.dirty = Some(Arc::new(crate::bitmap::DirtyBitmap::new(1)));
+                }
+                index.set(p, m);
+            }
+        }
+        Op::RemoveBig { slot } => {
+            let p = index.first_ending_at_or_after(big_iova(slot, false));
+            if let Some(p) = p.filter(|&p| table_pages(index.get(p).0, index.get(p).1).is_none()) {
+                let start = index.get(p).0;
+                prop_assert!(index.remove(start).is_some());
+            }
+        }
+        Op::Insert { .. } | Op::InsertBig { .. } | Op::Snapshot => {}
     }
+    Ok(())
+}
+
+/// The huge words `index` must hold, from the sorted index, and that every table answer lies
+/// in the mapping holding the address, with its hot word: probed at each mapping's edges and
+/// granule edges.
+fn check_huge(index: &Index) -> std::result::Result<(), TestCaseError> {
+    let mut huge = 0;
+    for (start, last, hot, _) in index.ranges.iter() {
+        let mut probes = vec![start, last, start.wrapping_sub(1), last.wrapping_add(1)];
+        if table_pages(start, last).is_none() {
+            if let Some((first, granules)) = huge_granules(start, last) {
+                for g in 0..granules {
+                    let at = first + g * HUGE_SPAN;
+                    let answers = hot.valid() && !hot.dirty() && at < WINDOW;
+                    huge += u64::from(answers);
+                    let want = if answers { hot.0 } else { 0 };
+                    prop_assert_eq!(index.pages.huge_word(at), want, "huge word at {:#x}", at);
+                    probes.extend([at, at + HUGE_SPAN - 1, at.wrapping_sub(1), at + HUGE_SPAN]);
+                }
+            }
+        }
+        for iova in probes {
+            for len in [1, PAGE, HUGE_SPAN] {
+                let Some((h, s, l)) = word_answer(iova, len, index.pages.word(iova), Prot::READ)
+                else {
+                    continue;
+                };
+                let Some(p) = index.find(iova) else {
+                    return Err(TestCaseError::fail(format!("answer at unmapped {iova:#x}")));
+                };
+                let (ms, ml, mh) = index.bounds(p);
+                prop_assert!(
+                    ms <= s && s <= iova && iova <= l && l <= ml,
+                    "answer [{:#x}, {:#x}] for {:#x} in mapping [{:#x}, {:#x}]",
+                    s,
+                    l,
+                    iova,
+                    ms,
+                    ml
+                );
+                prop_assert!(
+                    len - 1 <= l - iova || !index.pages.word(iova).huge,
+                    "a huge word answered an access past its granule at {:#x}",
+                    iova
+                );
+                prop_assert_eq!(h.0, mh.0 & !Hot::LEFT, "hot word at {:#x}", iova);
+                prop_assert!(!mh.dirty());
+            }
+        }
+    }
+    prop_assert_eq!(index.pages.huge_words(), huge, "huge words held");
     Ok(())
 }
 
@@ -138,7 +278,7 @@ fn check(index: &Index, paged: bool) -> std::result::Result<(), TestCaseError> {
     }
     prop_assert_eq!(index.small, small, "small mappings counted");
     prop_assert_eq!(index.pages.words(), words, "words held");
-    Ok(())
+    check_huge(index)
 }
 
 proptest! {
@@ -170,9 +310,11 @@ proptest! {
                         }
                     }
                 }
-                Op::Set { .. } | Op::Remove { .. } | Op::RemoveRun { .. } => {
-                    change(&mut index, &op)?
+                Op::InsertBig { .. } => {
+                    insert_big(&mut index, &op, &mut id);
                 }
+                Op::Set { .. } | Op::Remove { .. } | Op::RemoveRun { .. } | Op::SetBig { .. }
+                | Op::RemoveBig { .. } => change(&mut index, &op)?,
                 Op::Snapshot => {
                     index.reindex();
                     snapshots.push((index.clone(), paged));
@@ -221,9 +363,11 @@ proptest! {
                         index.insert(mapping(id, start, pages, kind, host));
                     }
                 }
-                Op::Set { .. } | Op::Remove { .. } | Op::RemoveRun { .. } => {
-                    change(index, &op)?
+                Op::InsertBig { .. } => {
+                    insert_big(index, &op, &mut id);
                 }
+                Op::Set { .. } | Op::Remove { .. } | Op::RemoveRun { .. } | Op::SetBig { .. }
+                | Op::RemoveBig { .. } => change(index, &op)?,
                 Op::Snapshot => {
                     index.reindex();
                     let seen = words(index);
@@ -237,8 +381,8 @@ proptest! {
             prop_assert!(copies[edit].log.is_empty() && copies[1 - edit].log.is_empty());
             prop_assert_eq!(words(&copies[0]), words(&copies[1]), "after change {}", k);
             prop_assert_eq!(
-                (copies[0].small, copies[0].paged),
-                (copies[1].small, copies[1].paged)
+                (copies[0].small, copies[0].paged, copies[0].big),
+                (copies[1].small, copies[1].paged, copies[1].big)
             );
             check(&copies[1 - edit], copies[edit].paged)?;
         }
@@ -256,7 +400,10 @@ fn words(index: &Index) -> Vec<(u64, u64, u64, usize, Vec<u64>)> {
         .iter()
         .map(|(s, l, h, m)| {
             let pages = ((l - s) / PAGE + 1).min(TABLE_PAGES_MAX + 1);
-            let w = (0..pages).map(|k| index.pages.get(s + k * PAGE)).collect();
+            let mut w: Vec<u64> = (0..pages).map(|k| index.pages.get(s + k * PAGE)).collect();
+            // And the huge words of its granules.
+            let granules = (l / HUGE_SPAN).saturating_sub(s / HUGE_SPAN) + 1;
+            w.extend((0..granules.min(8)).map(|g| index.pages.huge_word(s + g * HUGE_SPAN)));
             (s, l, h.0, Arc::as_ptr(m) as usize, w)
         })
         .collect()

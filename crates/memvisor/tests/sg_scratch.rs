@@ -1,0 +1,185 @@
+//! A queue's walk with its own scratch (`SgScratch`): the same segments as the plain walk and
+//! `translate_sg`, the holds counted and let go, and no allocation per request once the
+//! scratch has grown, counted by a global allocator that counts this thread's allocations.
+//!
+//! This file holds the allocator, so its tests run here alone.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::Arc;
+
+use memvisor::dma::{SgBuf, SgGuard, SgScratch, SgWalk};
+use memvisor::{Backing, BackingKind, DmaConfig, DmaSpace, Iova, Prot};
+
+const PAGE: u64 = 4096;
+const MIB: u64 = 1 << 20;
+
+/// The system allocator, counting the allocations of threads that turned counting on.
+struct Counting;
+
+thread_local! {
+    /// This thread's allocations while counting, or `None` while not counting.
+    static COUNT: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
+// SAFETY: every call goes straight to the system allocator with the caller's arguments; the
+// count is a thread-local `Cell` with a const initializer, which never allocates.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count();
+        // SAFETY: the caller's contract is `System.alloc`'s.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract is `System.dealloc`'s.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count();
+        // SAFETY: the caller's contract is `System.realloc`'s.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+fn count() {
+    // `try_with`: the slot may be gone while the thread is torn down.
+    let _ = COUNT.try_with(|c| c.set(c.get().map(|n| n + 1)));
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Allocations `f` made on this thread.
+fn allocations(f: impl FnOnce()) -> u64 {
+    COUNT.with(|c| c.set(Some(0)));
+    f();
+    COUNT.with(|c| c.replace(None)).expect("counting")
+}
+
+/// A space with 64 small mappings (one page each, every other page a hole, from 1 GiB) and
+/// one big one (8 MiB at 16 MiB): what a vIOMMU maps, and guest RAM.
+fn space() -> (DmaSpace, Arc<Backing>) {
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 16 * MIB).unwrap());
+    let d = DmaSpace::new(DmaConfig::default()).unwrap();
+    for i in 0..64 {
+        d.map_backing(Iova((1 << 30) + 2 * i * PAGE), &b, i * PAGE, PAGE, Prot::RW)
+            .unwrap();
+    }
+    d.map_backing(Iova(16 * MIB), &b, 8 * MIB, 8 * MIB, Prot::RW)
+        .unwrap();
+    (d, b)
+}
+
+/// Request `i`'s buffers: a header, a data buffer (sometimes two) and a status byte, as a
+/// block request's, in the big mapping and in the small ones.
+fn request(i: u64, out: &mut Vec<SgBuf>) {
+    out.clear();
+    let small = |k: u64| (1 << 30) + 2 * (k % 64) * PAGE;
+    let big = 16 * MIB + (i * 7919 % 2040) * PAGE;
+    let buf = |iova: u64, len: u64, prot: Prot| SgBuf {
+        iova: Iova(iova),
+        len,
+        prot,
+    };
+    out.push(buf(small(i), 16, Prot::READ));
+    out.push(buf(big, 4 * PAGE, Prot::WRITE));
+    if i % 3 == 0 {
+        out.push(buf(small(i + 1), PAGE, Prot::WRITE));
+    }
+    out.push(buf(small(i + 2) + PAGE - 1, 1, Prot::WRITE));
+}
+
+fn held(walk: memvisor::Result<SgWalk>) -> SgGuard {
+    match walk.unwrap() {
+        SgWalk::Held(g) => g,
+        SgWalk::Missed(m) => panic!("unexpected misses {m:?}"),
+    }
+}
+
+#[test]
+fn the_scratch_walk_gives_the_plain_walks_segments_and_counts_back_to_zero() {
+    let (d, _b) = space();
+    let mut cursor = d.cursor();
+    let mut scratch = SgScratch::for_queue(0);
+    let mut bufs = Vec::new();
+    for i in 0..200 {
+        request(i, &mut bufs);
+        let plain = held(d.hold_sg(&bufs));
+        let mine = held(cursor.hold_sg_into(&bufs, &mut scratch));
+        cursor.translate_sg_into(&bufs, &mut scratch).unwrap();
+        for (k, b) in bufs.iter().enumerate() {
+            let want = d.translate_sg(b.iova, b.len, b.prot).unwrap();
+            assert_eq!(plain.buffer(k), want, "request {i}, buffer {k}: hold_sg");
+            assert_eq!(
+                mine.buffer(k),
+                want,
+                "request {i}, buffer {k}: hold_sg_into"
+            );
+            assert_eq!(
+                scratch.buffer(k),
+                want,
+                "request {i}, buffer {k}: translate_sg_into"
+            );
+        }
+        assert_eq!(mine.pages(), plain.pages());
+        assert!(d.guard_held_pages() > 0);
+        drop(plain);
+        scratch.recycle(mine);
+        assert_eq!(d.guard_held_pages(), 0, "request {i}: all let go");
+    }
+    // The errors of the plain walk: unmapped, and no access asked.
+    let hole = [SgBuf {
+        iova: Iova((1 << 30) + PAGE),
+        len: 8,
+        prot: Prot::READ,
+    }];
+    assert!(cursor.translate_sg_into(&hole, &mut scratch).is_err());
+    assert!(matches!(
+        cursor.hold_sg_into(&hole, &mut scratch).unwrap(),
+        SgWalk::Missed(_)
+    ));
+    let none = [SgBuf {
+        prot: Prot::default(),
+        ..hole[0]
+    }];
+    assert!(cursor.translate_sg_into(&none, &mut scratch).is_err());
+    assert!(cursor.hold_sg_into(&none, &mut scratch).is_err());
+}
+
+#[test]
+fn a_thousand_requests_allocate_nothing_after_warm_up() {
+    let (d, _b) = space();
+    let mut cursor = d.cursor();
+    let mut scratch = SgScratch::for_queue(1);
+    let mut bufs = Vec::with_capacity(8);
+    let mut run = |from: u64, to: u64| {
+        for i in from..to {
+            request(i, &mut bufs);
+            let guard = held(cursor.hold_sg_into(&bufs, &mut scratch));
+            scratch.recycle(guard);
+            cursor.translate_sg_into(&bufs, &mut scratch).unwrap();
+        }
+    };
+    // Warm-up: the vectors grow to the biggest request's size (a data buffer across a
+    // granule's edge is two pieces, one more to count), and the shard's list to its own.
+    run(0, 1000);
+    let n = allocations(|| run(1000, 2000));
+    assert_eq!(n, 0, "allocations in 1,000 requests after warm-up");
+    // The counter counts: the plain walk allocates its guard's vectors every time.
+    let plain = allocations(|| {
+        for i in 0..10 {
+            request(i, &mut Vec::with_capacity(8));
+            drop(held(d.hold_sg(&[SgBuf {
+                iova: Iova(16 * MIB),
+                len: PAGE,
+                prot: Prot::READ,
+            }])));
+        }
+    });
+    assert!(
+        plain >= 10,
+        "the plain walk allocated {plain} times in 10 requests"
+    );
+}
