@@ -67,7 +67,13 @@ struct ServeArgs {
     /// 20 bytes; default: the device's id), direct=on (open the image O_DIRECT; default: the
     /// host page cache), poll-us=N (poll the rings up to N µs before sleeping, adapting;
     /// default 0), locking=on|off|auto (QEMU's image locks, as its file.locking; default auto),
-    /// format=raw (serve an image whose first bytes look like qcow2, VMDK, LUKS, ...)
+    /// format=raw (serve an image whose first bytes look like qcow2, VMDK, LUKS, ...),
+    /// fixed-buffers=on (reads and writes go out as io_uring READ_FIXED/WRITE_FIXED through
+    /// guest memory registered in 2 MiB chunks as the guest touches them: no pinning per
+    /// request, but the chunks stay pinned, charged to RLIMIT_MEMLOCK without CAP_IPC_LOCK;
+    /// only memfd, hugetlbfs or shared-descriptor memory, never while migrating; a chunk the
+    /// host refuses goes the ordinary way. Opt-in: see docs/blk-bench.md for why a balloon in
+    /// the frontend makes it unsafe; memvisor's own balloon evicts chunks first)
     #[arg(long, value_name = "socket=PATH,disk=FILE[,OPTION=VALUE...]")]
     blk: Vec<memvisor_cli::devices::BlkSpec>,
     /// A virtio-balloon device (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,
@@ -340,6 +346,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
             iommu: false,
             poll_us: args.poll_us,
             guard_first_sector: false,
+            fixed_buffers: false,
         },
         direct: args.direct,
         locking: args.locking,

@@ -159,6 +159,8 @@ pub struct Disk {
     /// Transfers started and not reaped; of them, queued and not yet submitted.
     in_flight: usize,
     queued: usize,
+    /// Rings made so far: a registered-buffer table belongs to the ring it was made on.
+    epoch: u64,
 }
 
 impl std::fmt::Debug for Disk {
@@ -202,6 +204,7 @@ impl Disk {
             setups: &RingSetup::ALL,
             in_flight: 0,
             queued: 0,
+            epoch: 0,
         })
     }
 
@@ -412,6 +415,14 @@ impl Disk {
         self.in_flight += usize::from(ok);
         self.queued += usize::from(ok);
         ok
+    }
+
+    /// Which ring this thread would use (made now if it is not yet, or made again if the
+    /// `Disk` moved to this thread with nothing out): a number that changes with every new
+    /// ring, whose registered buffers start empty. `None` without io_uring.
+    pub fn ring_epoch(&mut self) -> Option<u64> {
+        self.ring()?;
+        Some(self.epoch)
     }
 
     /// Makes the ring's registered-buffer table: `slots` empty slots (sparse), filled one
@@ -660,6 +671,7 @@ impl Disk {
                     self.done_fd = Some(f);
                     self.setup = Some(setup);
                     self.owner = Some(std::thread::current().id());
+                    self.epoch += 1;
                     Some(r)
                 }
                 Err(e) => {

@@ -85,8 +85,6 @@ use memvisor::DmaSpace;
 mod capacity;
 mod config;
 mod device;
-// WIP (issue 48): registered buffers, not yet called by the launch path.
-#[cfg_attr(not(test), allow(dead_code))]
 mod fixed;
 mod io;
 mod ranges;
@@ -95,6 +93,7 @@ mod stats;
 mod throttle;
 
 pub use capacity::{BlkCapacity, Resized};
+pub use fixed::probe as probe_fixed_buffers;
 use io::Out;
 use stats::BlkCounters;
 pub use stats::{BlkLive, BlkStats, Histogram, LATENCY_BOUNDS_NS, Op, QueueLatency};
@@ -139,6 +138,15 @@ pub struct BlkOptions {
     /// its raw disk into an image that the next program to probe it reads as qcow2, with a
     /// backing file of the guest's choosing.
     pub guard_first_sector: bool,
+    /// Reads and writes go out as io_uring fixed transfers (`READ_FIXED` / `WRITE_FIXED`)
+    /// through guest memory registered in 2 MiB chunks ([`fixed`]): no page pinning per
+    /// request in the kernel, at the cost of keeping the chunks the guest used pinned (charged
+    /// to `RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`). Only memfd, hugetlbfs and received shared
+    /// memory is registered, never while dirty pages are logged; a chunk the host refuses goes
+    /// the ordinary way, counted. Opt-in: memory the frontend discards on its own side (a
+    /// balloon in the frontend punching holes in the memfd) would leave the registered pages
+    /// orphaned; discards in this process (memvisor's balloon) evict the chunk first.
+    pub fixed_buffers: bool,
 }
 
 impl Default for BlkOptions {
@@ -150,6 +158,7 @@ impl Default for BlkOptions {
             iommu: false,
             poll_us: 0,
             guard_first_sector: false,
+            fixed_buffers: false,
         }
     }
 }
@@ -183,6 +192,9 @@ pub struct Blk {
     looked: bool,
     /// Safety timers fired with no ring looked at since the last deferral.
     idle_fires: u8,
+    /// Registered buffers on this device's ring, with `fixed_buffers`: made on the first pass
+    /// (on the ring's thread).
+    fixed: Option<fixed::BlkFixed>,
 }
 
 impl Blk {
@@ -226,6 +238,7 @@ impl Blk {
             deferred: 0,
             looked: false,
             idle_fires: 0,
+            fixed: None,
         })
     }
 
