@@ -509,6 +509,35 @@ impl Disk {
         ok
     }
 
+    /// One transfer through registered buffer `slot` carried out at once, as
+    /// [`Disk::rw_vectored`] does for a lone request: started on the ring and waited for.
+    /// Returns the bytes moved (possibly short: the caller goes on from there). `None` when it
+    /// cannot go this way (other transfers out, no ring), nothing having moved.
+    ///
+    /// # Safety
+    /// As [`Disk::start_fixed`], for the length of this call.
+    pub unsafe fn rw_fixed_now(
+        &mut self,
+        iov: &[libc::iovec],
+        offset: u64,
+        read: bool,
+        slot: u16,
+    ) -> Option<Result<u64>> {
+        const KEY: u64 = u64::MAX;
+        // SAFETY: the caller's contract, and the transfer is reaped below before returning.
+        if self.in_flight > 0 || !unsafe { self.start_fixed(iov, offset, read, KEY, slot) } {
+            return None;
+        }
+        loop {
+            for (key, r) in self.finished(true) {
+                if key == KEY {
+                    return Some(r);
+                }
+                log::error!("blk: a transfer ended under key {key} while none other was out");
+            }
+        }
+    }
+
     /// Another handle on the completion eventfd: a write to it wakes the ring's thread (a
     /// discard asking it to give registered memory up).
     pub fn waker(&self) -> Option<File> {

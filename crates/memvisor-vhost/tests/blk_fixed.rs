@@ -166,3 +166,43 @@ fn while_dirty_pages_are_logged_nothing_goes_fixed() {
         "the transfers were not looked at: {s:?}"
     );
 }
+
+/// A driver at queue depth 1: each request alone, carried out at once through its registered
+/// chunk once the chunk is warm, moving the same bytes.
+#[test]
+fn lone_requests_go_fixed_too() {
+    let disk = memfd(4 * MIB);
+    let seed: Vec<u8> = (0..4 * MIB as u32).map(|i| (i * 11 % 241) as u8).collect();
+    disk.write_all_at(&seed, 0).unwrap();
+    let mut g = Guest::new(16 * MIB);
+    let options = BlkOptions {
+        fixed_buffers: true,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), options).unwrap());
+    connect(&c, &g, false);
+    let at = 4 * MIB + 4096;
+    for i in 0..20u64 {
+        let sector = i * 16;
+        g.add_request(0, 0, sector, HDR, at, 8192, STATUS);
+        g.kick();
+        g.wait_used();
+        let mut s = [0u8];
+        g.mem.read(Gpa(STATUS), &mut s).unwrap();
+        assert_eq!(s[0], 0, "read {i}");
+        let mut got = vec![0u8; 8192];
+        g.mem.read(Gpa(at), &mut got).unwrap();
+        let o = (sector * 512) as usize;
+        assert!(got[..] == seed[o..o + 8192], "read {i}: the bytes");
+    }
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = backend.device().stats();
+    assert_eq!((s.failed, s.batches), (0, 0), "{s:?}");
+    if s.fixed == 0 && s.fixed_fallbacks > 0 {
+        println!("skipped: lone_requests_go_fixed_too: the host refused registration");
+        return;
+    }
+    // The first goes the ordinary way (its chunk cold), the rest through the chunk.
+    assert_eq!((s.fixed, s.fixed_ordinary), (19, 1), "{s:?}");
+}

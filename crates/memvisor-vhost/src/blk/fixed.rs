@@ -512,6 +512,16 @@ impl BlkFixed {
         self.chunks.release(first);
     }
 
+    /// A transfer [`BlkFixed::acquire`] counted as fixed did not go so after all.
+    pub fn uncount_fixed(&mut self) {
+        self.chunks.counts.fixed = self.chunks.counts.fixed.saturating_sub(1);
+    }
+
+    /// A transfer went the ordinary way because the kernel refused it as a fixed one.
+    pub fn count_fallback(&mut self) {
+        self.chunks.counts.fallbacks += 1;
+    }
+
     /// See [`FixedChunks::refuse_vectored`].
     pub fn refuse_vectored(&mut self) {
         self.chunks.refuse_vectored();

@@ -284,10 +284,13 @@ impl Blk {
                     self.free.push(key);
                 }
             }
-            // SAFETY: as above, for the length of this call.
-            let moved = unsafe {
-                self.disk
-                    .rw_vectored(&mut ready.iov, offset, ready.to_guest)
+            let moved = match alone.then(|| self.fixed_now(&mut ready, offset)).flatten() {
+                Some(moved) => moved,
+                // SAFETY: as above, for the length of this call.
+                None => unsafe {
+                    self.disk
+                        .rw_vectored(&mut ready.iov, offset, ready.to_guest)
+                },
             };
             let written = self.end_transfer(index, dma, ready, moved);
             if let Err(e) = queue.add_used(&mem, head, written) {
@@ -305,6 +308,57 @@ impl Blk {
             f.after_pass(&mut self.disk);
         }
         self.count_fixed(index);
+    }
+
+    /// A lone read or write through its registered chunk, carried out at once (a driver at
+    /// queue depth 1): what it moved, or `None` if it did not go that way (nothing moved). A
+    /// short transfer is finished the ordinary way; one the kernel refuses as a fixed
+    /// transfer goes again the ordinary way, counted as a fallback.
+    fn fixed_now(&mut self, ready: &mut Ready, offset: u64) -> Option<Result<u64>> {
+        let f = self.fixed.as_mut()?;
+        let slot = f.acquire(&mut self.disk, &ready.iov)?;
+        let first = ready.iov.first().map_or(0, |v| v.iov_base as u64);
+        // SAFETY: the iovecs name guest memory this request's guard holds, inside the slot's
+        // registered chunk (`acquire`), for the length of this call.
+        let moved = unsafe {
+            self.disk
+                .rw_fixed_now(&ready.iov, offset, ready.to_guest, slot)
+        };
+        match moved {
+            None => {
+                f.release(first);
+                f.uncount_fixed();
+                None
+            }
+            Some(Err(Error::Os { source, .. }))
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::EINVAL | libc::EOPNOTSUPP | libc::EFAULT)
+                ) =>
+            {
+                if ready.iov.len() > 1 {
+                    f.refuse_vectored();
+                }
+                f.release(first);
+                f.uncount_fixed();
+                f.count_fallback();
+                None
+            }
+            Some(Ok(n)) if n > 0 && n < ready.total => {
+                ready.fixed = Some((first, slot));
+                crate::disk::advance(&mut ready.iov, n as usize);
+                // SAFETY: as above: the rest of the same held memory.
+                let rest = unsafe {
+                    self.disk
+                        .rw_vectored(&mut ready.iov, offset + n, ready.to_guest)
+                };
+                Some(rest.map(|m| n + m))
+            }
+            Some(r) => {
+                ready.fixed = Some((first, slot));
+                Some(r)
+            }
+        }
     }
 
     /// Adds what the registered buffers did since the last call to queue `q`'s counters.

@@ -44,6 +44,12 @@
 //! refused pin to wait for. The holds' page counts go into [`BlkStats::npage_histogram`], the
 //! time the walks and releases take into [`BlkStats::hold_ns`] and [`BlkStats::release_ns`].
 //!
+//! **Registered buffers** (opt-in, [`BlkOptions::fixed_buffers`]): a transfer whose buffers lie
+//! in one 2 MiB chunk of guest memory registered with the queue's io_uring goes out as
+//! `READ_FIXED` / `WRITE_FIXED`, and the kernel pins nothing for it; its guard still holds its
+//! pages, and its chunk counts it in flight until it ends, so a balloon discard in this process
+//! evicts the chunk first and skips it while busy (`fixed`).
+//!
 //! **Misses.** Behind a vIOMMU the walk runs before the chain is taken off the ring: a buffer
 //! the IOTLB does not map yet comes back as misses (every unmapped page of the chain at once,
 //! [`crate::miss`]), the chain is put back and the back end asks the frontend; nothing is held
