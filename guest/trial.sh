@@ -1131,10 +1131,18 @@ blk_fixed_trial() {
   start=$(date +%s.%N)
   qemu "t=blk blk_mib=$mib blk_wait=1 blk_random=300 blk_serial=blk0" \
     -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
+  # What registration holds, sampled until QEMU ends: the back end's pinned and resident memory.
+  local vmpin=0 rss=0 p r
+  while kill -0 "$qpid" 2>/dev/null; do
+    p=$(awk '/^VmPin:/ { print $2 }' /proc/$bpid/status 2>/dev/null || echo 0); [ "${p:-0}" -le "$vmpin" ] || vmpin=$p
+    r=$(awk '/^VmRSS:/ { print $2 }' /proc/$bpid/status 2>/dev/null || echo 0); [ "${r:-0}" -le "$rss" ] || rss=$r
+    sleep 0.5
+  done
   wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
   end=$(date +%s.%N)
   kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
   { grep -a '^GUEST' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
+  echo "  back end at most: VmPin $vmpin kB, VmRSS $rss kB"
   local result want have host fixedck
   result=$(grep -a '^RESULT blk' "$log" | tail -1 | tr -d '\r' || true)
   want=$(grep -a 'PATTERN sha256=' "$log" | sed 's/.*sha256=\([0-9a-f]*\).*/\1/' | tr -d '\r' || true)

@@ -145,7 +145,7 @@ pub struct BlkOptions {
     /// backing file of the guest's choosing.
     pub guard_first_sector: bool,
     /// Reads and writes go out as io_uring fixed transfers (`READ_FIXED` / `WRITE_FIXED`)
-    /// through guest memory registered in 2 MiB chunks ([`fixed`]): no page pinning per
+    /// through guest memory registered in 2 MiB chunks (module `blk::fixed`): no page pinning per
     /// request in the kernel, at the cost of keeping the chunks the guest used pinned (charged
     /// to `RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`). Only memfd, hugetlbfs and received shared
     /// memory is registered, never while dirty pages are logged; a chunk the host refuses goes
