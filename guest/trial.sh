@@ -17,6 +17,7 @@
 #                      | blk --loop[=4096] [--negative]
 #                      | locks [--negative]
 #                      | qmp [--negative-throttle | --negative-resize]
+#                      | blk --fixed [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -238,6 +239,14 @@
 #   qmp --negative-resize: blk-resize changes the capacity and tells the frontend nothing
 #               (MEMVISOR_TEST_SILENT_RESIZE; needs MEMVISOR= a test-hooks build): step 3
 #               must FAIL.
+#   blk --fixed: the blk trial (sequential O_DIRECT, page cache, random 4 KiB O_DIRECT) against
+#               `memvisor serve --blk ...,fixed-buffers=on` (guest RAM a memfd): the guest's
+#               checks and the host image check must pass, and the back end's --stats must show
+#               reads and writes gone out through registered buffers (fixed > 0,
+#               chunks_registered > 0) and none refused by the host (fixed_fallbacks == 0,
+#               failed == 0). About 1 minute.
+#   blk --fixed --negative: the back end never uses registered buffers (MEMVISOR_TEST_NO_FIXED;
+#               needs MEMVISOR= a test-hooks build); the fixed check must then FAIL.
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300), RUST_LOG
 #   (the back ends' log filter, default info; warn for vfio-user).
 set -euo pipefail
@@ -253,6 +262,8 @@ if [ $qcap = 1 ] && [ -z "$qsize" ]; then echo "--queue-cap needs --queue-size=N
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
 # --negative-throttle and --negative-resize (qmp; see the qmp case below) likewise.
 qmp_neg=""; rest=(); for a in "$@"; do case $a in --negative-throttle) qmp_neg=throttle;; --negative-resize) qmp_neg=resize;; *) rest+=("$a");; esac; done; set -- ${rest[@]+"${rest[@]}"}
+# --fixed (blk; see blk_fixed_trial below) likewise.
+fixed=0; rest=(); for a in "$@"; do if [ "$a" = --fixed ]; then fixed=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
 # --loop (blk; see blk_loop_trial below) likewise.
 loop=0; loop_sector=512; rest=(); for a in "$@"; do case $a in --loop) loop=1;; --loop=4096) loop=1; loop_sector=4096;; *) rest+=("$a");; esac; done; set -- ${rest[@]+"${rest[@]}"}
 for a in "$@"; do case $a in --stats) balloon_stats=1;; --negative) negative=1;; --crash) crash=1;; --reorder) reorder=1;; --disk-fault) disk_fault=1;; --memlock) memlock=1;; --client-dies) client_dies=1;; --unmap-busy) unmap_busy=1; negative=1;; --no-summary) no_summary=1; negative=1;; --peer) peer=1;; --after-fuzz) fuzz=1;; --private) private=1;; --long-term) long_term=1;; --queues=[1-8]) queues=${a#--queues=};; --iommu=strict|--iommu=lazy) iommu=${a#--iommu=};; *) echo "unknown option $a" >&2; exit 2;; esac; done
@@ -304,6 +315,7 @@ fresh=1; for f in guest/init guest/mkguest.sh guest/progs/*.c; do [ "$work/vm/in
 [ $fresh = 1 ] || guest/mkguest.sh "$work/vm" >/dev/null
 cd "$work"
 name=$trial; [ $peer = 0 ] || name=$name-peer; [ $negative = 0 ] || name=$name-negative; [ $unmap_busy = 0 ] || name=$name-unmap-busy; [ $fuzz = 0 ] || name=$name-after-fuzz; [ -z "$iommu" ] || name=$name-iommu-$iommu; [ $private = 0 ] || name=$name-private; [ $long_term = 0 ] || name=$name-long-term; [ $queues = 1 ] || name=$name-queues$queues
+[ $fixed = 0 ] || name=$name-fixed
 [ $frontend_dies = 0 ] || name=$name-frontend-dies; [ $leak = 0 ] || name=$name-negative; [ $client_dies = 0 ] || name=$name-client-dies
 [ $balloon_stats = 0 ] || name=${name/balloon/balloon-stats}
 [ $disk_fault = 0 ] || name=${name/blk/blk-disk-fault}; [ $memlock = 0 ] || { name=${name/blk/blk-memlock}; name=${name/balloon/balloon-memlock}; }
@@ -1102,6 +1114,57 @@ PY
   exit 0
 }
 if [ "$trial" = blk ] && [ $loop = 1 ]; then blk_loop_trial; fi
+
+# --- blk --fixed --------------------------------------------------------------------------------
+# The blk trial against `serve --blk ...,fixed-buffers=on`; see the usage at the top. With
+# --negative the back end never uses registered buffers (test-hooks build): the fixed check must
+# then fail.
+blk_fixed_trial() {
+  # serve names the device blk0, the serial GET_ID answers with when none is given.
+  local mib=32 sock=$run/blk.sock hook_env=()
+  if [ $negative = 1 ]; then need_hooks MEMVISOR_TEST_NO_FIXED; hook_env=(MEMVISOR_TEST_NO_FIXED=1); fi
+  truncate -s 0 "$run/disk.img"; truncate -s 64M "$run/disk.img"
+  env ${hook_env[@]+"${hook_env[@]}"} RUST_LOG=${RUST_LOG:-info} "$bin" serve --blk "socket=$sock,disk=$run/disk.img,direct=on,fixed-buffers=on" \
+    --stats "$run/stats.json" > "$run/backend.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  wait_socket "$sock"
+  start=$(date +%s.%N)
+  qemu "t=blk blk_mib=$mib blk_wait=1 blk_random=300 blk_serial=blk0" \
+    -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=1
+  # What registration holds, sampled until QEMU ends: the back end's pinned and resident memory.
+  local vmpin=0 rss=0 p r
+  while kill -0 "$qpid" 2>/dev/null; do
+    p=$(awk '/^VmPin:/ { print $2 }' /proc/$bpid/status 2>/dev/null || echo 0); [ "${p:-0}" -le "$vmpin" ] || vmpin=$p
+    r=$(awk '/^VmRSS:/ { print $2 }' /proc/$bpid/status 2>/dev/null || echo 0); [ "${r:-0}" -le "$rss" ] || rss=$r
+    sleep 0.5
+  done
+  wait "$qpid" || { echo "QEMU exited with $? (timeout?); console:"; tail -20 "$log"; }
+  end=$(date +%s.%N)
+  kill -TERM "$bpid" 2>/dev/null; wait "$bpid" 2>/dev/null || true
+  { grep -a '^GUEST' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
+  echo "  back end at most: VmPin $vmpin kB, VmRSS $rss kB"
+  local result want have host fixedck
+  result=$(grep -a '^RESULT blk' "$log" | tail -1 | tr -d '\r' || true)
+  want=$(grep -a 'PATTERN sha256=' "$log" | sed 's/.*sha256=\([0-9a-f]*\).*/\1/' | tr -d '\r' || true)
+  have=$(head -c $((mib << 20)) "$run/disk.img" | sha256sum | cut -d' ' -f1)
+  host=FAIL; [ -z "$want" ] || [ "$want" != "$have" ] || host=PASS
+  echo "  host image check: $host (guest pattern ${want:-none}, image $have)"
+  fixedck=$(python3 -c 'import json,sys
+s = json.load(open(sys.argv[1])); s = s["blk"][0] if "blk" in s else s
+ok = s["fixed"] > 0 and s["chunks_registered"] > 0 and s["fixed_fallbacks"] == 0 and s["failed"] == 0
+print(("PASS" if ok else "FAIL"), "reads=%(reads)d writes=%(writes)d fixed=%(fixed)d fixed_ordinary=%(fixed_ordinary)d fixed_fallbacks=%(fixed_fallbacks)d chunks_registered=%(chunks_registered)d register_ns=%(register_ns)d failed=%(failed)d" % s)' "$run/stats.json" 2>/dev/null || echo "FAIL no back end stats")
+  echo "  registered buffers: $fixedck"
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
+  echo "$name: ${result:-RESULT blk FAIL no verdict (see $work/$log)}"
+  local ok=0; case "$result/$host/$fixedck" in *PASS*/PASS/PASS*) ok=1;; esac
+  if [ $negative = 1 ]; then
+    [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
+    echo "$name: the fixed check passed with registered buffers turned off"; exit 1
+  fi
+  [ $ok = 1 ] || exit 1
+  exit 0
+}
+if [ "$trial" = blk ] && [ $fixed = 1 ]; then blk_fixed_trial; fi
 
 case $trial in
 blk)

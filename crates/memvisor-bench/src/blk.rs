@@ -268,6 +268,11 @@ fn start(
             if direct {
                 c.arg("--direct");
             }
+            // BENCH_BLK_FIXED=1: the memvisor rows with registered buffers (--fixed-buffers),
+            // to set side by side with a run without.
+            if std::env::var_os("BENCH_BLK_FIXED").is_some_and(|v| v == "1") {
+                c.arg("--fixed-buffers");
+            }
             c.env("RUST_LOG", "warn");
             c
         }

@@ -160,7 +160,8 @@ impl Options {
 }
 
 /// One block device: `socket=PATH|fd=N,disk=FILE[,id=NAME][,queues=N][,read-only=on|off]
-/// [,serial=TEXT][,direct=on|off][,poll-us=N][,locking=on|off|auto][,format=raw]`.
+/// [,serial=TEXT][,direct=on|off][,poll-us=N][,locking=on|off|auto][,format=raw]
+/// [,fixed-buffers=on|off]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlkSpec {
     /// The name the control socket knows it by (default `blk0`, `blk1`, ... in order).
@@ -181,8 +182,8 @@ pub struct BlkSpec {
 }
 
 impl BlkSpec {
-    const KNOWN: &'static str =
-        "socket, fd, disk, id, queues, read-only, serial, direct, poll-us, locking, format";
+    const KNOWN: &'static str = "socket, fd, disk, id, queues, read-only, serial, direct, poll-us, locking, format, \
+         fixed-buffers";
     const EXAMPLE: &'static str =
         "e.g. --blk socket=run/blk.sock,disk=disk.img,queues=2,serial=disk0,direct=on";
 
@@ -202,6 +203,12 @@ impl BlkSpec {
         }
         if let Some(p) = o.number("poll-us", 0..=1_000_000u32, "microseconds")? {
             options.poll_us = p;
+        }
+        if o.on_off("fixed-buffers")?.unwrap_or(false) {
+            if let Err(why) = memvisor_vhost::blk::probe_fixed_buffers() {
+                bail!("{}: fixed-buffers=on: {why}; leave it off", o.origin);
+            }
+            options.fixed_buffers = true;
         }
         if let Some(s) = o.take("serial")? {
             if s.len() > 20 {

@@ -67,7 +67,15 @@ struct ServeArgs {
     /// 20 bytes; default: the device's id), direct=on (open the image O_DIRECT; default: the
     /// host page cache), poll-us=N (poll the rings up to N µs before sleeping, adapting;
     /// default 0), locking=on|off|auto (QEMU's image locks, as its file.locking; default auto),
-    /// format=raw (serve an image whose first bytes look like qcow2, VMDK, LUKS, ...)
+    /// format=raw (serve an image whose first bytes look like qcow2, VMDK, LUKS, ...),
+    /// fixed-buffers=on (reads and writes go out as io_uring READ_FIXED/WRITE_FIXED through
+    /// guest memory registered in 2 MiB chunks as the guest touches them: no pinning per
+    /// request, but the chunks stay pinned, charged to RLIMIT_MEMLOCK without CAP_IPC_LOCK;
+    /// only memfd, hugetlbfs or shared-descriptor memory, never while migrating; a chunk the
+    /// host refuses goes the ordinary way. Opt-in: QEMU does not disable RAM discard for
+    /// vhost-user (hw/virtio/vhost-user.c has no ram_block_discard_disable), so a balloon or
+    /// virtio-mem in the frontend would orphan registered pages; memvisor's own balloon evicts
+    /// chunks first. See docs/blk-bench.md)
     #[arg(long, value_name = "socket=PATH,disk=FILE[,OPTION=VALUE...]")]
     blk: Vec<memvisor_cli::devices::BlkSpec>,
     /// A virtio-balloon device (repeatable; QEMU: vhost-user-test-device-pci,virtio-id=5,
@@ -220,6 +228,10 @@ struct BlkArgs {
     /// cache, as qemu-storage-daemon's default cache.direct=off
     #[arg(long)]
     direct: bool,
+    /// Reads and writes go out as io_uring READ_FIXED/WRITE_FIXED through guest memory
+    /// registered in 2 MiB chunks (as serve's --blk fixed-buffers=on; see there)
+    #[arg(long)]
+    fixed_buffers: bool,
     /// Offer VIRTIO_F_IOMMU_PLATFORM: the device may sit behind a vIOMMU (QEMU:
     /// iommu_platform=on,ats=on on the device, -device intel-iommu,device-iotlb=on)
     #[arg(long)]
@@ -329,6 +341,11 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
         );
     }
     log::info!("{}: serial {serial:?} (GET_ID)", disk.display());
+    if args.fixed_buffers {
+        if let Err(why) = memvisor_vhost::blk::probe_fixed_buffers() {
+            bail!("--fixed-buffers: {why}; leave it off");
+        }
+    }
     let spec = memvisor_cli::devices::BlkSpec {
         id: None,
         socket: args.socket.spec(),
@@ -340,6 +357,7 @@ fn run_blk(args: &BlkArgs) -> Result<()> {
             iommu: false,
             poll_us: args.poll_us,
             guard_first_sector: false,
+            fixed_buffers: args.fixed_buffers,
         },
         direct: args.direct,
         locking: args.locking,

@@ -84,6 +84,7 @@ impl Device {
                 v["serial"] = json!(o.serial);
                 v["direct"] = json!(spec.direct);
                 v["poll-us"] = json!(o.poll_us);
+                v["fixed-buffers"] = json!(o.fixed_buffers);
                 v["iommu"] = json!(iommu);
                 v["locking"] = json!(spec.locking.to_string());
                 if spec.format == memvisor_vhost::image_format::FormatChoice::Raw {

@@ -159,6 +159,8 @@ pub struct Disk {
     /// Transfers started and not reaped; of them, queued and not yet submitted.
     in_flight: usize,
     queued: usize,
+    /// Rings made so far: a registered-buffer table belongs to the ring it was made on.
+    epoch: u64,
 }
 
 impl std::fmt::Debug for Disk {
@@ -202,6 +204,7 @@ impl Disk {
             setups: &RingSetup::ALL,
             in_flight: 0,
             queued: 0,
+            epoch: 0,
         })
     }
 
@@ -414,6 +417,133 @@ impl Disk {
         ok
     }
 
+    /// Which ring this thread would use (made now if it is not yet, or made again if the
+    /// `Disk` moved to this thread with nothing out): a number that changes with every new
+    /// ring, whose registered buffers start empty. `None` without io_uring.
+    pub fn ring_epoch(&mut self) -> Option<u64> {
+        self.ring()?;
+        Some(self.epoch)
+    }
+
+    /// Makes the ring's registered-buffer table: `slots` empty slots (sparse), filled one
+    /// chunk at a time by [`Disk::register_fixed`]. Only on the ring's thread.
+    pub fn fixed_table(&mut self, slots: u32) -> std::io::Result<()> {
+        let ring = self
+            .ring()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EOPNOTSUPP))?;
+        ring.submitter().register_buffers_sparse(slots)
+    }
+
+    /// Registers host bytes `[base, base + len)` as buffer `slot` (the kernel pins them,
+    /// charged to RLIMIT_MEMLOCK without CAP_IPC_LOCK).
+    ///
+    /// # Safety
+    /// The range must stay mapped until [`Disk::clear_fixed`] of the slot or the ring's end.
+    pub unsafe fn register_fixed(&mut self, slot: u32, base: u64, len: u64) -> std::io::Result<()> {
+        let ring = self
+            .ring()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EOPNOTSUPP))?;
+        let iov = [libc::iovec {
+            iov_base: base as usize as *mut libc::c_void,
+            iov_len: len as usize,
+        }];
+        // SAFETY: the caller keeps the range mapped while it is registered.
+        unsafe { ring.submitter().register_buffers_update(slot, &iov, None) }
+    }
+
+    /// Empties buffer `slot`; the kernel unpins its pages once no transfer uses them.
+    pub fn clear_fixed(&mut self, slot: u32) -> std::io::Result<()> {
+        let ring = self
+            .ring()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EOPNOTSUPP))?;
+        let iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }];
+        // SAFETY: an empty entry names no memory.
+        unsafe { ring.submitter().register_buffers_update(slot, &iov, None) }
+    }
+
+    /// As [`Disk::start`], through registered buffer `slot`, in which every entry of `iov`
+    /// lies (`READ_FIXED` / `WRITE_FIXED` for one entry, `READV_FIXED` / `WRITEV_FIXED`, Linux
+    /// 6.15, for more): the kernel pins nothing per transfer.
+    ///
+    /// # Safety
+    /// As [`Disk::start`]; and `slot` registered over memory holding every entry of `iov`.
+    pub unsafe fn start_fixed(
+        &mut self,
+        iov: &[libc::iovec],
+        offset: u64,
+        read: bool,
+        key: u64,
+        slot: u16,
+    ) -> bool {
+        if iov.len() > IOV_MAX || iov.is_empty() || self.in_flight >= IN_FLIGHT {
+            return false;
+        }
+        let fd = io_uring::types::Fd(self.file.as_raw_fd());
+        let Some(ring) = self.ring() else {
+            return false;
+        };
+        let n = iov.len() as u32;
+        use io_uring::opcode::{ReadFixed, ReadvFixed, WriteFixed, WritevFixed};
+        let entry = match (iov.len(), read) {
+            (1, true) => ReadFixed::new(fd, iov[0].iov_base.cast(), iov[0].iov_len as u32, slot)
+                .offset(offset)
+                .build(),
+            (1, false) => WriteFixed::new(fd, iov[0].iov_base.cast(), iov[0].iov_len as u32, slot)
+                .offset(offset)
+                .build(),
+            (_, true) => ReadvFixed::new(fd, iov.as_ptr(), n, slot)
+                .offset(offset)
+                .build(),
+            (_, false) => WritevFixed::new(fd, iov.as_ptr(), n, slot)
+                .offset(offset)
+                .build(),
+        }
+        .user_data(key);
+        // SAFETY: as `start`.
+        let ok = unsafe { ring.submission().push(&entry) }.is_ok();
+        self.in_flight += usize::from(ok);
+        self.queued += usize::from(ok);
+        ok
+    }
+
+    /// One transfer through registered buffer `slot` carried out at once, as
+    /// [`Disk::rw_vectored`] does for a lone request: started on the ring and waited for.
+    /// Returns the bytes moved (possibly short: the caller goes on from there). `None` when it
+    /// cannot go this way (other transfers out, no ring), nothing having moved.
+    ///
+    /// # Safety
+    /// As [`Disk::start_fixed`], for the length of this call.
+    pub unsafe fn rw_fixed_now(
+        &mut self,
+        iov: &[libc::iovec],
+        offset: u64,
+        read: bool,
+        slot: u16,
+    ) -> Option<Result<u64>> {
+        const KEY: u64 = u64::MAX;
+        // SAFETY: the caller's contract, and the transfer is reaped below before returning.
+        if self.in_flight > 0 || !unsafe { self.start_fixed(iov, offset, read, KEY, slot) } {
+            return None;
+        }
+        loop {
+            for (key, r) in self.finished(true) {
+                if key == KEY {
+                    return Some(r);
+                }
+                log::error!("blk: a transfer ended under key {key} while none other was out");
+            }
+        }
+    }
+
+    /// Another handle on the completion eventfd: a write to it wakes the ring's thread (a
+    /// discard asking it to give registered memory up).
+    pub fn waker(&self) -> Option<File> {
+        self.done_fd.as_ref()?.try_clone().ok()
+    }
+
     /// Passes the transfers [`Disk::start`] queued to the kernel (one system call for all);
     /// returns how many went.
     pub fn submit(&mut self) -> usize {
@@ -570,6 +700,7 @@ impl Disk {
                     self.done_fd = Some(f);
                     self.setup = Some(setup);
                     self.owner = Some(std::thread::current().id());
+                    self.epoch += 1;
                     Some(r)
                 }
                 Err(e) => {

@@ -42,6 +42,12 @@
 //! pinned some other way — another process mapping the same memfd, a second mapping of the same
 //! file — is not protected.
 //!
+//! **Pages an engine pinned on its own** — an io_uring's registered buffers, which the
+//! kernel keeps pinned outside the registry's counts — are asked for first: each
+//! [`DiscardGate`](crate::pin::DiscardGate) registered with the registry takes the chunk out of
+//! its tables before the discard (waiting a bounded time for its thread), and what it cannot
+//! give up (I/O in flight) or still holds is skipped like a pinned page.
+//!
 //! **How other VMMs do it.** QEMU turns ballooning (and free page reporting) off entirely as soon
 //! as a VFIO device is attached, so a guest with one passthrough device never gives memory back.
 //! Firecracker and Cloud Hypervisor discard whatever is reported without looking at pins: if the
@@ -78,7 +84,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::addr::{Gpa, PAGE_4K as PAGE, PageSize};
 use crate::backing::{Backing, BackingKind};
-use crate::pin::PinRegistry;
+use crate::pin::{PinRegistry, subtract_kept};
 use crate::slots::{Slot, SlotFlags, SlotId, SlotTable};
 
 /// Memory discarded per hold of the pin registry's lock, so a pin waits at most about that long:
@@ -88,6 +94,10 @@ const CHUNK: u64 = PageSize::Size2M.bytes();
 /// ...and 64 MiB of huge pages (THP or hugetlbfs), which the kernel frees 512 times fewer of for
 /// the same bytes (about as long for THP) — at least one huge page. One system call per chunk.
 const HUGE_CHUNK: u64 = 64 << 20;
+/// How long a discard waits for an engine's thread to give a chunk up
+/// ([`crate::pin::DiscardGate::evict`]); a chunk not given up in time is skipped (a discard is
+/// a hint).
+const EVICT_WAIT: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// How a [`Discarder`] works.
 #[derive(Clone, Debug, Default)]
@@ -388,7 +398,27 @@ impl Discarder {
             // touches, and keep every unit holding a pin, even where the report covers
             // only part of it.
             let (w0, w1) = (at / unit * unit, chunk_end.div_ceil(unit) * unit);
+            // Engines pinning memory on their own (io_uring fixed buffers) give the chunk up
+            // first; what they cannot (I/O in flight, no answer in time) or still hold while
+            // the registry is locked stays.
+            let gates = self.registry.discard_gates();
+            let busy: Vec<(u64, u64)> = gates
+                .iter()
+                .flat_map(|g| g.evict(w0, w1 - w0, EVICT_WAIT))
+                .collect();
             self.registry.with_unheld_in(w0, w1, |free| {
+                let gated;
+                let free = if gates.is_empty() {
+                    free
+                } else {
+                    let kept: Vec<(u64, u64)> = gates
+                        .iter()
+                        .flat_map(|g| g.pinned_runs(w0, w1))
+                        .chain(busy.iter().copied())
+                        .collect();
+                    gated = subtract_kept(free, &kept);
+                    &gated[..]
+                };
                 for &(s, e) in free {
                     let (mut s, mut e) = (s * PAGE, e * PAGE);
                     if s > w0 {
@@ -407,6 +437,9 @@ impl Discarder {
                     }
                 }
             });
+            for g in &gates {
+                g.reopen(w0, w1 - w0);
+            }
             let mut gone = 0;
             for &(s, e, err) in &done {
                 match err {

@@ -80,6 +80,14 @@ pub struct Faults {
     /// `MEMVISOR_TEST_IGNORE_THROTTLE`: `blk-set-throttle` is accepted and shown, and the blk
     /// device never holds a request back for it (the throttle trial's negative control).
     pub ignore_throttle: bool,
+    /// `MEMVISOR_TEST_FIXED_NO_EVICT`: the blk device's io_uring fixed buffers ignore a
+    /// discard's request to give a chunk up and claim nothing pinned, so a balloon discard frees
+    /// pages the kernel keeps pinned for I/O (the eviction test's and the `balloon --fixed`
+    /// trial's negative control).
+    pub fixed_no_evict: bool,
+    /// `MEMVISOR_TEST_NO_FIXED`: the blk device never uses fixed buffers, even when asked (the
+    /// `blk --fixed` trial's negative control).
+    pub no_fixed: bool,
 }
 
 /// The pause between two completions of a batch under [`Faults::reorder`].
@@ -171,6 +179,11 @@ impl Faults {
                 "MEMVISOR_TEST_IGNORE_THROTTLE",
                 "blk throttles are accepted and never delay a request",
             ),
+            fixed_no_evict: flag(
+                "MEMVISOR_TEST_FIXED_NO_EVICT",
+                "fixed buffers are not evicted before a discard",
+            ),
+            no_fixed: flag("MEMVISOR_TEST_NO_FIXED", "blk fixed buffers are never used"),
         }
     }
 }

@@ -57,7 +57,7 @@ pub use discard::{DiscardOptions, Discarder, RejectReason, Rejected, ReportOutco
 pub use dma::DmaMemory;
 pub use dma::{DmaConfig, DmaCursor, DmaInfo, DmaSpace, Prot};
 pub use error::{Error, Result};
-pub use pin::{LockLimit, PinRegistry};
+pub use pin::{DiscardGate, LockLimit, PinRegistry};
 pub use slots::{GpaTranslation, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable, Snapshot};
 
 /// The README's library example, compiled and run as a doctest so it cannot go stale.

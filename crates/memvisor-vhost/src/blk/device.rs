@@ -80,6 +80,7 @@ impl Device for Blk {
         self.deferred &= !ring_bit(index);
         self.looked = true;
         let dma = memory.dma().clone();
+        self.follow_fixed(index, memory);
         let mut batch = Vec::new();
         let mut any = false;
         let taken = self.take(index, queue, memory, &mut batch, &mut any);
@@ -154,13 +155,60 @@ impl Device for Blk {
                     continue;
                 };
                 let (offset, read) = (o.ready.sector * SECTOR, o.ready.to_guest);
+                let result = match result {
+                    Err(Error::Os { source, .. })
+                        if o.ready.fixed.is_some()
+                            && matches!(
+                                source.raw_os_error(),
+                                Some(libc::EINVAL | libc::EOPNOTSUPP | libc::EFAULT)
+                            ) =>
+                    {
+                        // The kernel refused the fixed transfer itself (no READV_FIXED before
+                        // Linux 6.15): nothing moved; it goes again the ordinary way, counted.
+                        if o.ready.iov.len() > 1 {
+                            if let Some(f) = self.fixed.as_mut() {
+                                f.refuse_vectored();
+                            }
+                        }
+                        if let (Some((first, _)), Some(f)) =
+                            (o.ready.fixed.take(), self.fixed.as_ref())
+                        {
+                            f.release(first);
+                        }
+                        self.count(o.ring).fixed.sub(1);
+                        self.count(o.ring).fixed_fallbacks.add(1);
+                        // SAFETY: as in `launch`: the same held memory.
+                        if unsafe { self.disk.start(&o.ready.iov, offset + o.done, read, key) } {
+                            self.out[slot] = Some(o);
+                            continue;
+                        }
+                        // SAFETY: as above, for the length of this call.
+                        unsafe {
+                            self.disk
+                                .rw_vectored(&mut o.ready.iov, offset + o.done, read)
+                        }
+                    }
+                    r => r,
+                };
                 let moved = match result {
                     Ok(n) if n > 0 && o.done + n < o.ready.total => {
-                        // Short: go on from where it stopped.
+                        // Short: go on from where it stopped (through the same registered
+                        // buffer, whose chunk still counts it in flight, if it went so).
                         o.done += n;
                         advance(&mut o.ready.iov, n as usize);
-                        // SAFETY: as in `launch`: the same held memory, the rest of it.
-                        if unsafe { self.disk.start(&o.ready.iov, offset + o.done, read, key) } {
+                        let again = match o.ready.fixed {
+                            // SAFETY: as in `launch`: the same held memory, the rest of it,
+                            // inside the same registered chunk.
+                            Some((_, s)) => unsafe {
+                                self.disk
+                                    .start_fixed(&o.ready.iov, offset + o.done, read, key, s)
+                            },
+                            // SAFETY: as in `launch`: the same held memory, the rest of it.
+                            None => unsafe {
+                                self.disk.start(&o.ready.iov, offset + o.done, read, key)
+                            },
+                        };
+                        if again {
                             self.out[slot] = Some(o);
                             continue;
                         }
@@ -196,6 +244,12 @@ impl Device for Blk {
             if !wait || self.disk.in_flight() == 0 {
                 break;
             }
+        }
+        // A discard may have woken this thread to give registered chunks up.
+        if let Some(f) = self.fixed.as_mut() {
+            f.service(&mut self.disk);
+            let q = f.queue;
+            self.count_fixed(q);
         }
         Ok(used)
     }
@@ -239,6 +293,29 @@ impl Device for Blk {
 }
 
 impl Blk {
+    /// With `fixed_buffers`: makes the registered-buffer table on the first pass (on the
+    /// ring's thread), and empties it when the memory table changed since the last pass.
+    fn follow_fixed(&mut self, index: u16, memory: &FrontendMemory) {
+        if !self.options.fixed_buffers {
+            return;
+        }
+        if self.fixed.is_none() {
+            #[cfg(feature = "test-hooks")]
+            if memory.faults().no_fixed {
+                return;
+            }
+            #[cfg(feature = "test-hooks")]
+            let no_evict = memory.faults().fixed_no_evict;
+            #[cfg(not(feature = "test-hooks"))]
+            let no_evict = false;
+            self.fixed = Some(super::fixed::BlkFixed::new(no_evict));
+        }
+        if let Some(f) = self.fixed.as_mut() {
+            f.queue = index;
+            f.follow(&mut self.disk, memory);
+        }
+    }
+
     /// Takes the available chains of queue `index`: requests done at once go back to the used
     /// ring, reads and writes ready for the kernel into `batch` (run when it is full, and by
     /// the caller at the end). Sets `any` when something went back. Behind a vIOMMU, returns

@@ -37,6 +37,9 @@ pub(super) struct Ready {
     pub status_at: u64,
     /// When its buffers were held (its latency runs from here).
     started: Instant,
+    /// Went out through registered buffer `.1`, whose chunk holds host address `.0` and
+    /// counts the transfer in flight until it ends ([`super::fixed`]).
+    pub fixed: Option<(u64, u16)>,
     /// TEST ONLY: the locked pins the blk hook took on top of the guard's holds
     /// ([`Faults::locked_blk_pins`](memvisor::faults::Faults::locked_blk_pins)).
     #[cfg(feature = "test-hooks")]
@@ -138,6 +141,7 @@ impl Blk {
             total,
             status_at,
             started,
+            fixed: None,
             #[cfg(feature = "test-hooks")]
             _hook: hook,
         };
@@ -177,8 +181,13 @@ impl Blk {
             to_guest,
             total,
             started,
+            fixed,
             ..
         } = ready;
+        // Its chunk may be given up to a discard from now on.
+        if let (Some((first, _)), Some(f)) = (fixed, self.fixed.as_ref()) {
+            f.release(first);
+        }
         let start = Instant::now();
         drop(guard);
         let c = self.count(q);
@@ -233,15 +242,37 @@ impl Blk {
             let offset = ready.sector * SECTOR;
             if !alone {
                 if let Some(key) = self.free.pop() {
+                    let first = ready.iov.first().map_or(0, |v| v.iov_base as u64);
+                    let slot = match self.fixed.as_mut() {
+                        Some(f) => f.acquire(&mut self.disk, &ready.iov),
+                        None => None,
+                    };
                     // SAFETY: the iovecs name guest memory this request's guard holds (`Ready`);
                     // the guard goes only when the transfer comes back from the kernel
                     // (`Device::complete`), an unmap waits for it, and the back end waits for
                     // every transfer before any message may unmap the memory; the iovecs stay
-                    // in `Out` meanwhile; no Rust reference covers that memory.
-                    if unsafe {
-                        self.disk
-                            .start(&ready.iov, offset, ready.to_guest, key as u64)
-                    } {
+                    // in `Out` meanwhile; no Rust reference covers that memory. Through a
+                    // registered slot, every iovec lies in the slot's chunk (`acquire`).
+                    let started = unsafe {
+                        match slot {
+                            Some(s) => self.disk.start_fixed(
+                                &ready.iov,
+                                offset,
+                                ready.to_guest,
+                                key as u64,
+                                s,
+                            ),
+                            None => self
+                                .disk
+                                .start(&ready.iov, offset, ready.to_guest, key as u64),
+                        }
+                    };
+                    if let (Some(s), true) = (slot, started) {
+                        ready.fixed = Some((first, s));
+                    } else if let (Some(f), Some(_)) = (self.fixed.as_ref(), slot) {
+                        f.release(first);
+                    }
+                    if started {
                         self.out[key] = Some(Out {
                             ring: index,
                             head,
@@ -253,10 +284,13 @@ impl Blk {
                     self.free.push(key);
                 }
             }
-            // SAFETY: as above, for the length of this call.
-            let moved = unsafe {
-                self.disk
-                    .rw_vectored(&mut ready.iov, offset, ready.to_guest)
+            let moved = match alone.then(|| self.fixed_now(&mut ready, offset)).flatten() {
+                Some(moved) => moved,
+                // SAFETY: as above, for the length of this call.
+                None => unsafe {
+                    self.disk
+                        .rw_vectored(&mut ready.iov, offset, ready.to_guest)
+                },
             };
             let written = self.end_transfer(index, dma, ready, moved);
             if let Err(e) = queue.add_used(&mem, head, written) {
@@ -269,6 +303,78 @@ impl Blk {
             c.batches.add(1);
         }
         c.most_in_flight.raise(self.disk.in_flight() as u64);
+        // The batch is out: chunks it found cold are registered now, off its requests.
+        if let Some(f) = self.fixed.as_mut() {
+            f.after_pass(&mut self.disk);
+        }
+        self.count_fixed(index);
+    }
+
+    /// A lone read or write through its registered chunk, carried out at once (a driver at
+    /// queue depth 1): what it moved, or `None` if it did not go that way (nothing moved). A
+    /// short transfer is finished the ordinary way; one the kernel refuses as a fixed
+    /// transfer goes again the ordinary way, counted as a fallback.
+    fn fixed_now(&mut self, ready: &mut Ready, offset: u64) -> Option<Result<u64>> {
+        let f = self.fixed.as_mut()?;
+        let slot = f.acquire(&mut self.disk, &ready.iov)?;
+        let first = ready.iov.first().map_or(0, |v| v.iov_base as u64);
+        // SAFETY: the iovecs name guest memory this request's guard holds, inside the slot's
+        // registered chunk (`acquire`), for the length of this call.
+        let moved = unsafe {
+            self.disk
+                .rw_fixed_now(&ready.iov, offset, ready.to_guest, slot)
+        };
+        match moved {
+            None => {
+                f.release(first);
+                f.uncount_fixed();
+                None
+            }
+            Some(Err(Error::Os { source, .. }))
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::EINVAL | libc::EOPNOTSUPP | libc::EFAULT)
+                ) =>
+            {
+                if ready.iov.len() > 1 {
+                    f.refuse_vectored();
+                }
+                f.release(first);
+                f.uncount_fixed();
+                f.count_fallback();
+                None
+            }
+            Some(Ok(n)) if n > 0 && n < ready.total => {
+                ready.fixed = Some((first, slot));
+                crate::disk::advance(&mut ready.iov, n as usize);
+                // SAFETY: as above: the rest of the same held memory.
+                let rest = unsafe {
+                    self.disk
+                        .rw_vectored(&mut ready.iov, offset + n, ready.to_guest)
+                };
+                Some(rest.map(|m| n + m))
+            }
+            Some(r) => {
+                ready.fixed = Some((first, slot));
+                Some(r)
+            }
+        }
+    }
+
+    /// Adds what the registered buffers did since the last call to queue `q`'s counters.
+    pub(super) fn count_fixed(&mut self, q: u16) {
+        let Some(f) = self.fixed.as_mut() else {
+            return;
+        };
+        let d = f.take_counts();
+        let c = self.live.queue(q);
+        c.fixed.add(d.fixed);
+        c.fixed_fallbacks.add(d.fallbacks);
+        c.fixed_ordinary.add(d.ordinary);
+        c.chunks_registered.add(d.chunks_registered);
+        c.register_ns.add(d.register_ns);
+        c.evictions.add(d.evictions);
+        c.evict_busy.add(d.evict_busy);
     }
 
     /// Moves a transfer whose buffers `O_DIRECT` cannot take as they are through an aligned

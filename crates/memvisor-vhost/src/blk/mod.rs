@@ -44,6 +44,12 @@
 //! refused pin to wait for. The holds' page counts go into [`BlkStats::npage_histogram`], the
 //! time the walks and releases take into [`BlkStats::hold_ns`] and [`BlkStats::release_ns`].
 //!
+//! **Registered buffers** (opt-in, [`BlkOptions::fixed_buffers`]): a transfer whose buffers lie
+//! in one 2 MiB chunk of guest memory registered with the queue's io_uring goes out as
+//! `READ_FIXED` / `WRITE_FIXED`, and the kernel pins nothing for it; its guard still holds its
+//! pages, and its chunk counts it in flight until it ends, so a balloon discard in this process
+//! evicts the chunk first and skips it while busy (`fixed`).
+//!
 //! **Misses.** Behind a vIOMMU the walk runs before the chain is taken off the ring: a buffer
 //! the IOTLB does not map yet comes back as misses (every unmapped page of the chain at once,
 //! [`crate::miss`]), the chain is put back and the back end asks the frontend; nothing is held
@@ -85,6 +91,7 @@ use memvisor::DmaSpace;
 mod capacity;
 mod config;
 mod device;
+mod fixed;
 mod io;
 mod ranges;
 mod request;
@@ -92,6 +99,7 @@ mod stats;
 mod throttle;
 
 pub use capacity::{BlkCapacity, Resized};
+pub use fixed::probe as probe_fixed_buffers;
 use io::Out;
 use stats::BlkCounters;
 pub use stats::{BlkLive, BlkStats, Histogram, LATENCY_BOUNDS_NS, Op, QueueLatency};
@@ -136,6 +144,15 @@ pub struct BlkOptions {
     /// its raw disk into an image that the next program to probe it reads as qcow2, with a
     /// backing file of the guest's choosing.
     pub guard_first_sector: bool,
+    /// Reads and writes go out as io_uring fixed transfers (`READ_FIXED` / `WRITE_FIXED`)
+    /// through guest memory registered in 2 MiB chunks (module `blk::fixed`): no page pinning per
+    /// request in the kernel, at the cost of keeping the chunks the guest used pinned (charged
+    /// to `RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`). Only memfd, hugetlbfs and received shared
+    /// memory is registered, never while dirty pages are logged; a chunk the host refuses goes
+    /// the ordinary way, counted. Opt-in: memory the frontend discards on its own side (a
+    /// balloon in the frontend punching holes in the memfd) would leave the registered pages
+    /// orphaned; discards in this process (memvisor's balloon) evict the chunk first.
+    pub fixed_buffers: bool,
 }
 
 impl Default for BlkOptions {
@@ -147,6 +164,7 @@ impl Default for BlkOptions {
             iommu: false,
             poll_us: 0,
             guard_first_sector: false,
+            fixed_buffers: false,
         }
     }
 }
@@ -180,6 +198,9 @@ pub struct Blk {
     looked: bool,
     /// Safety timers fired with no ring looked at since the last deferral.
     idle_fires: u8,
+    /// Registered buffers on this device's ring, with `fixed_buffers`: made on the first pass
+    /// (on the ring's thread).
+    fixed: Option<fixed::BlkFixed>,
 }
 
 impl Blk {
@@ -223,6 +244,7 @@ impl Blk {
             deferred: 0,
             looked: false,
             idle_fires: 0,
+            fixed: None,
         })
     }
 

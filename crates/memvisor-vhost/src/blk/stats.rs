@@ -149,6 +149,24 @@ pub struct BlkStats {
     pub hold_ns: u64,
     /// Nanoseconds spent letting them go.
     pub release_ns: u64,
+    /// Reads and writes that went out as io_uring fixed transfers through a registered chunk
+    /// of guest memory (`fixed_buffers`).
+    pub fixed: u64,
+    /// With `fixed_buffers`, reads and writes that went the ordinary way because the host
+    /// refused registration (RLIMIT_MEMLOCK, ENOMEM, EFAULT, EOPNOTSUPP, EPERM, an old kernel).
+    pub fixed_fallbacks: u64,
+    /// With `fixed_buffers`, reads and writes that went the ordinary way for another reason:
+    /// their chunk not registered yet (cold, or evicted and waiting), buffers over two chunks,
+    /// memory that is not registered (private anonymous), dirty logging on.
+    pub fixed_ordinary: u64,
+    /// 2 MiB chunks of guest memory registered with the io_uring (each pinned while it stays).
+    pub chunks_registered: u64,
+    /// Nanoseconds spent registering them.
+    pub register_ns: u64,
+    /// Registered chunks given up before a discard (the balloon, free page reporting).
+    pub evictions: u64,
+    /// Chunks a discard found with a transfer in flight (or not given up in time): kept.
+    pub evict_busy: u64,
     /// Pinned 4 KiB pages per read/write request: entry `i` counts requests of `2^(i-1) < n <=
     /// 2^i` pages (entry 0: one page).
     #[serde(serialize_with = "histogram_pairs")]
@@ -179,11 +197,25 @@ impl BlkStats {
             holds,
             hold_ns,
             release_ns,
+            fixed,
+            fixed_fallbacks,
+            fixed_ordinary,
+            chunks_registered,
+            register_ns,
+            evictions,
+            evict_busy,
             npage_histogram,
         } = o;
         self.holds += holds;
         self.hold_ns += hold_ns;
         self.release_ns += release_ns;
+        self.fixed += fixed;
+        self.fixed_fallbacks += fixed_fallbacks;
+        self.fixed_ordinary += fixed_ordinary;
+        self.chunks_registered += chunks_registered;
+        self.register_ns += register_ns;
+        self.evictions += evictions;
+        self.evict_busy += evict_busy;
         self.reads += reads;
         self.writes += writes;
         self.flushes += flushes;
@@ -241,6 +273,13 @@ pub(super) struct BlkCounters {
     pub holds: Counter,
     pub hold_ns: Counter,
     pub release_ns: Counter,
+    pub fixed: Counter,
+    pub fixed_fallbacks: Counter,
+    pub fixed_ordinary: Counter,
+    pub chunks_registered: Counter,
+    pub register_ns: Counter,
+    pub evictions: Counter,
+    pub evict_busy: Counter,
     npage_histogram: [Counter; BUCKETS],
     latency: [Latency; 3],
 }
@@ -285,6 +324,13 @@ impl BlkCounters {
             holds: self.holds.get(),
             hold_ns: self.hold_ns.get(),
             release_ns: self.release_ns.get(),
+            fixed: self.fixed.get(),
+            fixed_fallbacks: self.fixed_fallbacks.get(),
+            fixed_ordinary: self.fixed_ordinary.get(),
+            chunks_registered: self.chunks_registered.get(),
+            register_ns: self.register_ns.get(),
+            evictions: self.evictions.get(),
+            evict_busy: self.evict_busy.get(),
             npage_histogram,
         }
     }

@@ -102,6 +102,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 mod account;
 pub(crate) mod counts;
+mod gate;
 pub(crate) mod holds;
 mod locked;
 mod longterm;
@@ -116,6 +117,8 @@ use locked::{Idle, Locked};
 use longterm::LongTerm;
 
 pub use account::LockLimit;
+pub use gate::DiscardGate;
+pub(crate) use gate::subtract as subtract_kept;
 
 /// Pages per step when pinning: one 4 KiB page of pagemap entries, as in the kernel patch
 /// "vfio/type1: Batch page pinning".
@@ -660,6 +663,8 @@ pub struct PinRegistry {
     pagemap: OnceLock<std::result::Result<File, String>>,
     /// The hold tables of the spaces' guards (`holds`): discards look at them too.
     holds: Mutex<Vec<Weak<Holds>>>,
+    /// Engines that keep memory pinned on their own and give it up before a discard.
+    gates: gate::Gates,
 }
 
 impl std::fmt::Debug for PinRegistry {
@@ -711,6 +716,7 @@ impl PinRegistry {
             }),
             pagemap: OnceLock::new(),
             holds: Mutex::new(Vec::new()),
+            gates: gate::Gates::default(),
         });
         let mut all = lock(&REGISTRIES);
         all.retain(|r| r.strong_count() > 0);
@@ -895,6 +901,17 @@ impl PinRegistry {
         let mut all = lock(&self.holds);
         all.retain(|h| h.strong_count() > 0);
         all.push(std::sync::Arc::downgrade(holds));
+    }
+
+    /// Makes a [`DiscardGate`] asked before every discard of this registry's memory, for as
+    /// long as it lives.
+    pub fn register_gate(&self, gate: Weak<dyn DiscardGate>) {
+        self.gates.register(gate);
+    }
+
+    /// The live discard gates.
+    pub(crate) fn discard_gates(&self) -> Vec<std::sync::Arc<dyn DiscardGate>> {
+        self.gates.live()
     }
 
     /// The live hold tables.

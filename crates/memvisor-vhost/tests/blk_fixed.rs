@@ -1,0 +1,208 @@
+//! `fixed_buffers` through the whole vhost-user path: the same batches of reads and writes,
+//! served once the ordinary way (hold + `READV`/`WRITEV`) and once through registered chunks
+//! (`READ_FIXED`/`WRITE_FIXED`), leave the same bytes in guest memory and on the image, with
+//! every status OK; the fixed run did go fixed (counted), the ordinary one did not. And a new
+//! memory table empties the registered slots (the kernel's own listing says so).
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+
+use common::*;
+use memvisor::Gpa;
+use memvisor_testkit::vhost::client::Client;
+use memvisor_vhost::proto::{self, protocol, req};
+use memvisor_vhost::{Blk, BlkOptions, BlkStats};
+
+/// VHOST_F_LOG_ALL: the frontend logs dirty pages (migration).
+const F_LOG_ALL: u64 = 1 << 26;
+
+/// Requests posted together (3 descriptors each in a 16-entry ring).
+const N: u16 = 5;
+const HDR: u64 = 0x10000;
+const STATUS: u64 = 0x11000;
+/// Data buffers: spread over the guest's 2 MiB chunks, some at a chunk's end.
+const DATA: u64 = 0x100000;
+
+/// Buffer of request `k` in round `round`: length and guest address.
+fn buffer(round: u32, k: u16) -> (u64, u32) {
+    let len = 4096u32 << ((u32::from(k) + round) % 5); // 4 KiB .. 64 KiB
+    let at = DATA + (u64::from(k) * 3 + u64::from(round)) % 7 * (2 * MIB) + 8192;
+    (at, len)
+}
+
+fn pattern(round: u32, k: u16, len: u32) -> Vec<u8> {
+    let mut x = 0x2545_f491_4f6c_dd1du64 ^ (u64::from(round) << 16) ^ u64::from(k);
+    (0..len / 8)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect()
+}
+
+/// Posts `N` requests of `kind` before one kick; returns their statuses.
+fn batch(g: &mut Guest, kind: u32, round: u32, sector: impl Fn(u16) -> u64) -> Vec<u8> {
+    for k in 0..N {
+        let (at, len) = buffer(round, k);
+        let hdr = HDR + u64::from(k) * 16;
+        g.add_request(k, kind, sector(k), hdr, at, len, STATUS + u64::from(k));
+    }
+    g.kick();
+    for _ in 0..N {
+        g.wait_used();
+    }
+    (0..N)
+        .map(|k| {
+            let mut s = [0u8];
+            g.mem.read(Gpa(STATUS + u64::from(k)), &mut s).unwrap();
+            s[0]
+        })
+        .collect()
+}
+
+/// Features (with or without dirty logging), protocol features, the memory table, the ring.
+fn connect(c: &Client, g: &Guest, log_all: bool) {
+    let f = c.get_u64(req::GET_FEATURES).unwrap();
+    let f = if log_all { f } else { f & !F_LOG_ALL };
+    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
+    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
+    assert_ne!(pf & protocol::REPLY_ACK, 0);
+    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
+        .unwrap();
+    let table = proto::mem_table_bytes(&[g.region()]);
+    assert_eq!(
+        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
+            .unwrap(),
+        0
+    );
+    start_ring(c, g);
+}
+
+/// Runs the rounds with or without fixed buffers (and dirty logging); returns the guest
+/// memory read back, the image, and the device's counters.
+fn run(fixed: bool, log_all: bool) -> (Vec<u8>, Vec<u8>, BlkStats) {
+    let disk = memfd(16 * MIB);
+    let seed: Vec<u8> = (0..16 * MIB as u32).map(|i| (i * 7 % 253) as u8).collect();
+    disk.write_all_at(&seed, 0).unwrap();
+    let mut g = Guest::new(16 * MIB);
+    let options = BlkOptions {
+        fixed_buffers: fixed,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), options).unwrap());
+    connect(&c, &g, log_all);
+    let mut seen = Vec::new();
+    for round in 0..12u32 {
+        let sector = |k: u16| (u64::from(round) * 97 + u64::from(k) * 211) % 30_000;
+        // Reads of the image into guest memory, then writes of new bytes from it.
+        assert_eq!(batch(&mut g, 0, round, sector), vec![0; N as usize]);
+        for k in 0..N {
+            let (at, len) = buffer(round, k);
+            let mut got = vec![0u8; len as usize];
+            g.mem.read(Gpa(at), &mut got).unwrap();
+            seen.extend_from_slice(&got);
+            g.mem.write(Gpa(at), &pattern(round, k, len)).unwrap();
+        }
+        let wsector = |k: u16| 16_000 + sector(k) / 2;
+        assert_eq!(batch(&mut g, 1, round, wsector), vec![0; N as usize]);
+    }
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let mut image = vec![0u8; 16 * MIB as usize];
+    disk.read_exact_at(&mut image, 0).unwrap();
+    (seen, image, backend.device().stats())
+}
+
+#[test]
+fn fixed_and_ordinary_transfers_move_the_same_bytes() {
+    let (seen_plain, image_plain, plain) = run(false, false);
+    let (seen_fixed, image_fixed, fixed) = run(true, false);
+    assert_eq!(
+        plain.fixed + plain.fixed_fallbacks + plain.fixed_ordinary,
+        0
+    );
+    assert!(seen_plain == seen_fixed, "reads brought different bytes");
+    assert!(image_plain == image_fixed, "writes left different images");
+    assert_eq!(fixed.failed, 0);
+    if fixed.fixed == 0 && fixed.fixed_fallbacks > 0 {
+        println!(
+            "skipped: fixed_and_ordinary_transfers_move_the_same_bytes: the host refused \
+             every registration ({} fallbacks; RLIMIT_MEMLOCK?)",
+            fixed.fixed_fallbacks
+        );
+        return;
+    }
+    assert!(
+        fixed.fixed > 0 && fixed.chunks_registered > 0,
+        "nothing went fixed: {fixed:?}"
+    );
+    // Every transfer that went out through io_uring was counted one way or the other.
+    assert!(
+        fixed.fixed + fixed.fixed_fallbacks + fixed.fixed_ordinary <= fixed.reads + fixed.writes
+    );
+    assert!(fixed.register_ns > 0);
+    println!(
+        "fixed {} ordinary {} fallbacks {} chunks {} ({} us registering)",
+        fixed.fixed,
+        fixed.fixed_ordinary,
+        fixed.fixed_fallbacks,
+        fixed.chunks_registered,
+        fixed.register_ns / 1000
+    );
+}
+
+#[test]
+fn while_dirty_pages_are_logged_nothing_goes_fixed() {
+    let (seen_plain, image_plain, _) = run(false, true);
+    let (seen, image, s) = run(true, true);
+    assert!(seen == seen_plain && image == image_plain);
+    assert_eq!((s.fixed, s.chunks_registered, s.failed), (0, 0, 0), "{s:?}");
+    assert!(
+        s.fixed_ordinary > 0,
+        "the transfers were not looked at: {s:?}"
+    );
+}
+
+/// A driver at queue depth 1: each request alone, carried out at once through its registered
+/// chunk once the chunk is warm, moving the same bytes.
+#[test]
+fn lone_requests_go_fixed_too() {
+    let disk = memfd(4 * MIB);
+    let seed: Vec<u8> = (0..4 * MIB as u32).map(|i| (i * 11 % 241) as u8).collect();
+    disk.write_all_at(&seed, 0).unwrap();
+    let mut g = Guest::new(16 * MIB);
+    let options = BlkOptions {
+        fixed_buffers: true,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), options).unwrap());
+    connect(&c, &g, false);
+    let at = 4 * MIB + 4096;
+    for i in 0..20u64 {
+        let sector = i * 16;
+        g.add_request(0, 0, sector, HDR, at, 8192, STATUS);
+        g.kick();
+        g.wait_used();
+        let mut s = [0u8];
+        g.mem.read(Gpa(STATUS), &mut s).unwrap();
+        assert_eq!(s[0], 0, "read {i}");
+        let mut got = vec![0u8; 8192];
+        g.mem.read(Gpa(at), &mut got).unwrap();
+        let o = (sector * 512) as usize;
+        assert!(got[..] == seed[o..o + 8192], "read {i}: the bytes");
+    }
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = backend.device().stats();
+    assert_eq!((s.failed, s.batches), (0, 0), "{s:?}");
+    if s.fixed == 0 && s.fixed_fallbacks > 0 {
+        println!("skipped: lone_requests_go_fixed_too: the host refused registration");
+        return;
+    }
+    // The first goes the ordinary way (its chunk cold), the rest through the chunk.
+    assert_eq!((s.fixed, s.fixed_ordinary), (19, 1), "{s:?}");
+}

@@ -1,0 +1,168 @@
+//! `fixed_buffers` under a locked-memory limit: without `CAP_IPC_LOCK` and with
+//! `RLIMIT_MEMLOCK` at 8 MiB (systemd's default, CI's unprivileged run), a guest whose requests
+//! touch 28 MiB of memory gets at most 4 chunks registered; every other transfer goes the
+//! ordinary way, counted as a fallback, and every request succeeds with its data.
+//!
+//! The limit is the process's, so this file is its own test binary with this one test.
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+
+use common::*;
+use memvisor::Gpa;
+use memvisor_testkit::vhost::client::Client;
+use memvisor_vhost::proto::{self, protocol, req};
+use memvisor_vhost::{Blk, BlkOptions};
+
+const LIMIT: u64 = 8 << 20;
+const CHUNK: u64 = 2 << 20;
+/// Requests posted together (3 descriptors each in a 16-entry ring).
+const N: u16 = 5;
+const LEN: u32 = 64 << 10;
+const HDR: u64 = 0x10000;
+const STATUS: u64 = 0x11000;
+
+/// Drops CAP_IPC_LOCK from the calling thread's effective set; returns whether it had it.
+fn drop_ipc_lock() -> bool {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget writes two Data words (version 3) into `data`, which we own.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_capget,
+            &mut header as *mut Header,
+            data.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
+    const IPC_LOCK: u32 = 1 << 14;
+    if data[0].effective & IPC_LOCK == 0 {
+        return false;
+    }
+    data[0].effective &= !IPC_LOCK;
+    // SAFETY: capset reads the header and two Data words; it changes only this thread's set.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) };
+    assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
+    true
+}
+
+/// Sets RLIMIT_MEMLOCK's soft limit for the whole process (this binary runs this test alone).
+fn set_memlock(bytes: u64) {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `rl`, setrlimit reads one.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl), 0);
+        rl.rlim_cur = bytes.min(rl.rlim_max);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl), 0);
+    }
+}
+
+/// Features without dirty logging, protocol features, the memory table, the ring.
+fn connect(c: &Client, g: &Guest) {
+    let f = c.get_u64(req::GET_FEATURES).unwrap() & !(1 << 26);
+    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
+    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
+    assert_ne!(pf & protocol::REPLY_ACK, 0);
+    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
+        .unwrap();
+    let table = proto::mem_table_bytes(&[g.region()]);
+    assert_eq!(
+        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
+            .unwrap(),
+        0
+    );
+    start_ring(c, g);
+}
+
+/// Guest address of request `k` of batch `b`: chunk `2 + 5b + k` (chunks 2 to 15), 8 KiB in.
+fn data_at(b: u64, k: u16) -> u64 {
+    (2 + 5 * b + u64::from(k)) % 14 * CHUNK + 2 * CHUNK + 8192
+}
+
+#[test]
+fn past_the_locked_memory_limit_fixed_transfers_fall_back_and_all_succeed() {
+    if !drop_ipc_lock() {
+        eprintln!("(no CAP_IPC_LOCK to drop: running under the process's own rlimit)");
+    }
+    set_memlock(LIMIT);
+    let disk = memfd(16 * MIB);
+    let seed: Vec<u8> = (0..16 * MIB as u32).map(|i| (i * 13 % 251) as u8).collect();
+    disk.write_all_at(&seed, 0).unwrap();
+    let mut g = Guest::new(32 * MIB);
+    let options = BlkOptions {
+        fixed_buffers: true,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk.try_clone().unwrap(), options).unwrap());
+    connect(&c, &g);
+    for round in 0..4u64 {
+        for b in 0..3u64 {
+            let sector = |k: u16| (round * 131 + b * 17 + u64::from(k) * 29) % 200 * 128;
+            for k in 0..N {
+                let hdr = HDR + u64::from(k) * 16;
+                g.add_request(
+                    k,
+                    0,
+                    sector(k),
+                    hdr,
+                    data_at(b, k),
+                    LEN,
+                    STATUS + u64::from(k),
+                );
+            }
+            g.kick();
+            for _ in 0..N {
+                g.wait_used();
+            }
+            for k in 0..N {
+                let mut s = [0u8];
+                g.mem.read(Gpa(STATUS + u64::from(k)), &mut s).unwrap();
+                assert_eq!(s[0], 0, "round {round} batch {b} request {k}: status");
+                let mut got = vec![0u8; LEN as usize];
+                g.mem.read(Gpa(data_at(b, k)), &mut got).unwrap();
+                let at = (sector(k) * 512) as usize;
+                assert!(
+                    got[..] == seed[at..at + LEN as usize],
+                    "round {round} batch {b} request {k}: the bytes read"
+                );
+            }
+        }
+    }
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = backend.device().stats();
+    println!(
+        "fixed {} fallbacks {} ordinary {} chunks {}",
+        s.fixed, s.fixed_fallbacks, s.fixed_ordinary, s.chunks_registered
+    );
+    assert_eq!((s.failed, s.pin_errors), (0, 0));
+    assert!(
+        s.chunks_registered * CHUNK <= LIMIT,
+        "{} chunks registered under an {LIMIT}-byte limit",
+        s.chunks_registered
+    );
+    assert!(
+        s.fixed_fallbacks > 0,
+        "14 chunks of 2 MiB went through an 8 MiB limit with no fallback: {s:?}"
+    );
+}
