@@ -231,7 +231,7 @@ mod tests {
                             .wrapping_mul(6364136223846793005)
                             .wrapping_add(1442695040888963407);
                         let p = (x >> 33) % PAGES;
-                        let off = (x >> 20) % PAGE & !7;
+                        let off = ((x >> 20) % PAGE) & !7;
                         let iova = Iova(p * PAGE + off);
                         if let Ok(t) = d.translate(iova, 8, Prot::READ) {
                             assert_eq!(t.hva.0, host(p) + off, "translate of page {p}");
