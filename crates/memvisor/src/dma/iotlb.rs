@@ -195,7 +195,7 @@ mod tests {
     /// snapshot freed, or edited in place, under a reader shows; and every change returns.
     /// Between requests a reader does other work, as a device thread does (a writer waits for
     /// readers announced on the snapshot it replaces, `current`: readers that never leave
-    /// their reads would starve it on a loaded machine).
+    /// their reads could hold it up on a loaded machine).
     #[test]
     fn readers_see_only_right_answers_while_a_million_iotlb_changes_churn() {
         const PAGES: u64 = 64;
