@@ -23,6 +23,11 @@
 //! the fault resolves would never end: such a handler must not map or unmap in the space whose
 //! memory faulted (resolving the fault, `UFFDIO_COPY`, is no change of the space).
 //!
+//! Reads of the published snapshot (`current`) announce themselves in the same slot
+//! ([`enter_nested`]): a read inside a copy or another read of the same space is covered by
+//! the announcement already made, and the writer's wait after a publication covers reads as it
+//! covers copies.
+//!
 //! Slots are leaked, cache-line sized nodes on a push-only list, so a writer walks them without
 //! a lock; a thread claims one at its first shortcut copy and gives it back when it exits, for
 //! the next thread to reuse. A thread that cannot keep a slot (its thread-locals are being torn
@@ -106,6 +111,46 @@ pub(super) fn enter(space: u64) -> Option<InFlight> {
     slot.space.store(space, Ordering::Relaxed);
     slot.count.swap(count + 1, Ordering::SeqCst);
     Some(InFlight {
+        slot,
+        count: count + 1,
+    })
+}
+
+/// How a read of the published snapshot (`current`) is covered.
+pub(super) enum Entry {
+    /// Announced now; the announcement ends when this is dropped.
+    Entered(InFlight),
+    /// This thread is already announced in the same space (a copy, an outer read): that
+    /// announcement covers the read, which must end before it.
+    Inside,
+    /// No announcement possible: no slot, or announced in another space.
+    Outside,
+}
+
+/// [`enter`] for a read of a space's published snapshot, which may be nested in a copy or an
+/// outer read of the same space.
+#[inline(always)]
+pub(super) fn enter_nested(space: u64) -> Entry {
+    let mut slot = MINE.with(Cell::get);
+    if slot.is_null() {
+        match claim() {
+            Some(s) => slot = s,
+            None => return Entry::Outside,
+        }
+    }
+    // SAFETY: slots are leaked, so the pointer is valid forever; this thread owns the slot.
+    let slot = unsafe { &*slot };
+    let count = slot.count.load(Ordering::Relaxed);
+    if count & 1 != 0 {
+        // Written by this thread when it announced.
+        return match slot.space.load(Ordering::Relaxed) == space {
+            true => Entry::Inside,
+            false => Entry::Outside,
+        };
+    }
+    slot.space.store(space, Ordering::Relaxed);
+    slot.count.swap(count + 1, Ordering::SeqCst);
+    Entry::Entered(InFlight {
         slot,
         count: count + 1,
     })

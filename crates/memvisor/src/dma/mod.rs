@@ -30,8 +30,9 @@
 //!
 //! Readers never lock. The mappings live in an immutable snapshot (`index`) — a persistent
 //! two-level range map, so one change copies O(n / 256) pointers, not the whole table —
-//! swapped in atomically after every change; writers serialize among themselves, and edit in
-//! place the snapshot they last replaced once no reader holds it (`publish`). A mapping holds
+//! swapped in atomically after every change (`current`: readers announce themselves, the
+//! writer waits for them); writers serialize among themselves, and edit in place the snapshot
+//! they last replaced once no reader holds it (`publish`). A mapping holds
 //! an `Arc` to the memory it maps, so memory a reader can still reach through an old snapshot
 //! stays mapped (a plain copy on its thread's last hit holds none: a change waits for those
 //! instead, `grace`).
@@ -41,6 +42,7 @@
 //! (`dma_read` / `dma_write`, as Linux's `vfio_dma_rw`) and dirty tracking are in the submodules.
 
 mod config;
+mod current;
 mod device_pins;
 mod dirty;
 mod grace;
@@ -62,8 +64,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
-
 use crate::addr::{Gpa, Hva, Iova, PageSize, Range};
 use crate::backing::Backing;
 use crate::bitmap::DirtyBitmap;
@@ -72,6 +72,7 @@ use crate::pin::counts::RunCounts;
 use crate::pin::holds::Holds;
 use crate::slots::{SlotFlags, Snapshot};
 use crate::sync::lock;
+use current::{Current, WriteToken};
 use device_pins::Notifiers;
 use index::{DmaSnapshot, Index};
 use publish::working_map;
@@ -245,6 +246,8 @@ impl Mapping {
 struct Padded<T>(T);
 
 struct Writer {
+    /// The right to publish a snapshot (`current`).
+    token: WriteToken,
     next_id: u64,
     tracking: bool,
     /// Devices attached that write memory without telling the space ([`UnloggedDevice`]).
@@ -288,7 +291,7 @@ static NEXT_SPACE_ID: AtomicU64 = AtomicU64::new(1);
 
 struct Shared {
     head: Padded<Head>,
-    current: ArcSwap<DmaSnapshot>,
+    current: Current<DmaSnapshot>,
     writer: Mutex<Writer>,
     /// Signalled after every vaddr update, for translations waiting on an invalidated range.
     updated: (Mutex<()>, Condvar),
@@ -352,18 +355,22 @@ impl DmaSpace {
         let registry = config.registry.clone().unwrap_or_else(PinRegistry::global);
         let holds = Arc::new(Holds::default());
         registry.register_holds(&holds);
+        let id = NEXT_SPACE_ID.fetch_add(1, Ordering::Relaxed);
+        let first = Arc::new(DmaSnapshot {
+            generation: 0,
+            map: Index::new(config.page_table_from.into()),
+            invalid: 0,
+        });
+        let (current, token) = Current::new(first, id);
         Ok(DmaSpace {
             shared: Arc::new(Shared {
                 head: Padded(Head {
                     generation: AtomicU64::new(0),
-                    id: NEXT_SPACE_ID.fetch_add(1, Ordering::Relaxed),
+                    id,
                 }),
-                current: ArcSwap::from_pointee(DmaSnapshot {
-                    generation: 0,
-                    map: Index::new(config.page_table_from.into()),
-                    invalid: 0,
-                }),
+                current,
                 writer: Mutex::new(Writer {
+                    token,
                     next_id: 1,
                     tracking: false,
                     unlogged: 0,
@@ -684,11 +691,14 @@ impl DmaSpace {
         let (mutex, cv) = &self.shared.updated;
         let mut guard = lock(mutex);
         loop {
-            let snap = self.shared.current.load();
-            match snap.map.find(iova.0) {
-                None => return true, // unmapped meanwhile: let the caller report it
-                Some(pos) if snap.map.get(pos).2.valid() => return true,
-                Some(_) => {}
+            // The read ends before the wait: a reader holds up publication (`current`).
+            let valid = {
+                let snap = self.shared.current.load();
+                // Unmapped meanwhile: let the caller report it.
+                (snap.map.find(iova.0)).is_none_or(|pos| snap.map.get(pos).2.valid())
+            };
+            if valid {
+                return true;
             }
             guard = match deadline {
                 None => cv.wait(guard).unwrap_or_else(|e| e.into_inner()),

@@ -1,9 +1,10 @@
 //! Publishing a change: the writer's working copy, and the spare that makes an IOTLB cheap.
 //!
-//! Readers never lock: they load the current [`DmaSnapshot`] (an `ArcSwap`) and keep it as
-//! long as they like (a cursor until its next translation, a vm-memory view for its life). A
-//! change is made to a working copy, the copy is published with a new generation, and the
-//! writer waits for copies announced on the old one (`grace`) before the old one may go.
+//! Readers never lock: they read the current [`DmaSnapshot`] (`current`, an atomic pointer)
+//! announced, or take a counted `Arc` of it and keep it as long as they like (a cursor until
+//! its next translation, a vm-memory view for its life). A change is made to a working copy,
+//! the copy is published with a new generation, and the writer waits for the readers and
+//! copies announced on the old one (`grace`) before the old one may go or be edited.
 //!
 //! **The working copy.** The index is persistent (`index`): a copy of it costs a few pointers,
 //! and a change to a copy copies what it touches — the chunk of the sorted index (6.8 KiB), the
@@ -28,8 +29,8 @@
 //!
 //! The rules that keep that safe:
 //! * A snapshot is changed in place only when the writer holds the only reference to it
-//!   (`Arc::get_mut`): `ArcSwap::swap` returns only after the readers that loaded it without
-//!   counting have paid their debts, so the count is exact. A snapshot a reader holds is never
+//!   (`Arc::get_mut`): `Current::publish` returns only after the readers that read it without
+//!   counting have ended, so the count is exact. A snapshot a reader holds is never
 //!   changed, whatever its age.
 //! * It is changed only after the grace wait, as dropping it was: copies announced before the
 //!   change may still use memory only it maps.
@@ -57,7 +58,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
 use super::index::{self, DmaSnapshot, Index};
-use super::{DmaSpace, Writer, grace};
+use super::{DmaSpace, Writer};
 use crate::error::Result;
 
 /// A published snapshot no longer current, kept by the writer as the next change's working
@@ -109,7 +110,7 @@ impl DmaSpace {
         }
         Arc::new(DmaSnapshot {
             generation: 0,
-            map: self.shared.current.load().map.clone(),
+            map: self.shared.current.peek(&writer.token).map.clone(),
             invalid: 0,
         })
     }
@@ -164,17 +165,14 @@ impl DmaSpace {
         };
         // Kept by the caller: it may be the last holder of memory the change gave back, which
         // copies announced before the change may still be using.
-        let old = self.shared.current.swap(next);
-        // After the snapshot: a reader that sees this generation loads this snapshot or a
-        // later one, so what it caches under a generation is that generation's.
-        self.shared
-            .head
-            .0
-            .generation
-            .store(generation, Ordering::Release);
-        // Copies announce themselves and hold no lock: before the old snapshot (and the
-        // memory only it still maps) can go, wait for those that may be on it.
-        grace::wait_for_copies(self.shared.head.0.id);
+        let head = &self.shared.head.0;
+        // The generation after the snapshot: a reader that sees this generation loads this
+        // snapshot or a later one, so what it caches under a generation is that generation's.
+        // Copies and readers announce themselves and hold no lock: `publish` returns once
+        // none that may be on the old snapshot (and the memory only it still maps) is left.
+        let old = (self.shared.current).publish(&mut writer.token, next, || {
+            head.generation.store(generation, Ordering::Release)
+        });
         writer.spare = None;
         (old, ops)
     }
@@ -191,7 +189,7 @@ impl DmaSpace {
         if ops.len() > index::REPLAY_MAX || ops.iter().any(index::Op::is_clear) {
             return;
         }
-        // `swap` has waited for the readers that loaded `old` without counting it, so the
+        // `publish` has waited for the readers that read `old` without counting it, so the
         // count is exact: 1 means no reader can reach it, and it may be changed in place.
         if let Some(snap) = Arc::get_mut(&mut old) {
             snap.map.replay(ops);

@@ -109,7 +109,7 @@ impl DmaSpace {
         finish: impl FnOnce(&Writer, &[(u64, Arc<Mapping>)]) -> T,
     ) -> Result<(u64, T)> {
         let mut writer = self.settled_writer()?;
-        if !touches(&self.shared.current.load().map) {
+        if !touches(&self.shared.current.peek(&writer.token).map) {
             return Ok((0, finish(&writer, &[])));
         }
         let invalid = writer.invalid;
@@ -155,8 +155,11 @@ impl DmaSpace {
             self.shared.release_cached(m);
         }
         let value = finish(&writer, &plan.old);
-        for (_, m) in &plan.old {
-            self.unpin_mapping(&mut writer, m.id);
+        // Only Eager mode pins whole mappings: a Lazy space (an IOTLB) looks nothing up.
+        if !writer.eager.is_empty() {
+            for (_, m) in &plan.old {
+                self.unpin_mapping(&mut writer, m.id);
+            }
         }
         let bytes = plan.ranges.iter().map(|&(s, l)| l - s + 1).sum();
         // The records the change removed, for the next inserts, and the plan's vectors for the
@@ -221,7 +224,7 @@ impl DmaSpace {
         invalid: u64,
         plan: &Plan,
     ) -> Error {
-        let now = self.shared.current.load_full();
+        let now = self.shared.current.peek_full(&writer.token);
         for (_, _, _, m) in now.map.iter() {
             if plan.made.contains(&m.id) {
                 if let Some((_, old)) = plan
