@@ -18,6 +18,8 @@
 //! knows nothing of KVM. See `docs/kvm.md` for a walk-through and `examples/kvm_vmm.rs` for a
 //! VMM in a few dozen lines.
 #![cfg(target_os = "linux")]
+// docs.rs (`--cfg docsrs`): each feature-gated item is labelled with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod error;
 pub mod memslots;

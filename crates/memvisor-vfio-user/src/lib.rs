@@ -24,6 +24,8 @@
 //! the stream out of step, and malformed input can panic it.
 
 #![cfg(target_os = "linux")]
+// docs.rs (`--cfg docsrs`): each feature-gated item is labelled with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod conn;
 pub mod dmadev;

@@ -45,6 +45,8 @@
 //! ring.
 
 #![cfg(target_os = "linux")]
+// docs.rs (`--cfg docsrs`): each feature-gated item is labelled with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
 pub mod balloon;

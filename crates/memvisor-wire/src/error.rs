@@ -17,6 +17,7 @@ use std::io;
 
 /// How many bytes a payload's layout needs; the `want` of [`WireError::BadSize`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Size {
     /// Exactly this many.
     Exactly(usize),

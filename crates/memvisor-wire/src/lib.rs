@@ -17,6 +17,8 @@
 //! Each protocol keeps its own header layout, request names and message meanings.
 
 #![cfg(target_os = "linux")]
+// docs.rs (`--cfg docsrs`): each feature-gated item is labelled with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod error;
 pub mod fds;

@@ -23,6 +23,8 @@
 //! return for the same mistake. Guest memory is only ever copied through raw pointers; memvisor
 //! never hands out `&[u8]` over memory the guest or a device can change underneath it.
 #![cfg(target_os = "linux")]
+// docs.rs (`--cfg docsrs`): each feature-gated item is labelled with the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod adapt;
 pub mod addr;
