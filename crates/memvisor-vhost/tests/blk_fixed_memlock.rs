@@ -24,59 +24,6 @@ const LEN: u32 = 64 << 10;
 const HDR: u64 = 0x10000;
 const STATUS: u64 = 0x11000;
 
-/// Drops CAP_IPC_LOCK from the calling thread's effective set; returns whether it had it.
-fn drop_ipc_lock() -> bool {
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: i32,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy, Default)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    let mut header = Header {
-        version: 0x2008_0522,
-        pid: 0,
-    };
-    let mut data = [Data::default(); 2];
-    // SAFETY: capget writes two Data words (version 3) into `data`, which we own.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_capget,
-            &mut header as *mut Header,
-            data.as_mut_ptr(),
-        )
-    };
-    assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
-    const IPC_LOCK: u32 = 1 << 14;
-    if data[0].effective & IPC_LOCK == 0 {
-        return false;
-    }
-    data[0].effective &= !IPC_LOCK;
-    // SAFETY: capset reads the header and two Data words; it changes only this thread's set.
-    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) };
-    assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
-    true
-}
-
-/// Sets RLIMIT_MEMLOCK's soft limit for the whole process (this binary runs this test alone).
-fn set_memlock(bytes: u64) {
-    let mut rl = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit into `rl`, setrlimit reads one.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl), 0);
-        rl.rlim_cur = bytes.min(rl.rlim_max);
-        assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl), 0);
-    }
-}
-
 /// Features without dirty logging, protocol features, the memory table, the ring.
 fn connect(c: &Client, g: &Guest) {
     let f = c.get_u64(req::GET_FEATURES).unwrap() & !(1 << 26);
