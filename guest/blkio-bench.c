@@ -6,7 +6,11 @@
 // driver's O_DIRECT; with virtio-blk-vhost-user it must be 0 (the back end owns the cache mode). one thread per queue keeps D requests of S bytes in flight on it, each
 // request at a random S-aligned offset (or the next sequential one) of the device, read or
 // write, until the queue has completed N/Q of them. Buffers come from one libblkio memory
-// region (shared with the back end). Prints one line:
+// region (shared with the back end), placed so that a back end which registers guest memory
+// in 2 MiB chunks of its own addresses (memvisor's fixed buffers) finds every buffer in a
+// whole chunk, as it would in a guest's RAM: the region has 2 MiB of slack before and after
+// the buffers (rounded up to 2 MiB). Wherever the back end maps it, the chunk holding any
+// buffer byte then lies inside the region. Prints one line:
 //   ops=N secs=T ops_per_sec=R
 // and exits 1 on any failed request or libblkio error (the message on stderr).
 // usage: blkio-bench virtio-blk-vhost-user|io_uring PATH DIRECT QUEUES DEPTH SIZE
@@ -150,7 +154,9 @@ int main(int argc, char **argv)
         return 1;
     }
     size_t per_queue = depth * size;
-    size_t len = per_queue * (size_t)queues;
+    const size_t chunk = 2u << 20;
+    size_t used = per_queue * (size_t)queues;
+    size_t len = chunk + (used + chunk - 1) / chunk * chunk + chunk;
     len = (len + align - 1) / align * align;
     struct blkio_mem_region region;
     if (blkio_alloc_mem_region(b, &region, len) < 0)
@@ -158,13 +164,14 @@ int main(int argc, char **argv)
     if (blkio_map_mem_region(b, &region) < 0)
         return fail("blkio_map_mem_region");
     memset(region.addr, 0x5a, len);
+    char *bufs = (char *)region.addr + chunk;
 
     struct job jobs[64];
     pthread_t threads[64];
     for (int i = 0; i < queues; i++) {
         jobs[i] = (struct job){
             .q = blkio_get_queue(b, i),
-            .buf = (char *)region.addr + (size_t)i * per_queue,
+            .buf = bufs + (size_t)i * per_queue,
             .count = count / (uint64_t)queues,
             .next_seq = (blocks / (uint64_t)queues) * (uint64_t)i * size,
             .rng = 0x9e3779b97f4a7c15ULL * (uint64_t)(i + 1),

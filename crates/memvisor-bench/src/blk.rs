@@ -20,7 +20,11 @@
 //! wall time (a row at 1.8 or more is marked core-bound: on 2 cores, client, back end and
 //! kernel then compete, while the limit is one process); and for memvisor the time its data
 //! path spent holding each request's buffers and letting them go (the device's `holds`,
-//! `hold_ns`, `release_ns` in its `--stats`, what `query-stats` reports). Rounds (`--runs N`)
+//! `hold_ns`, `release_ns` in its `--stats`, what `query-stats` reports) and, with registered
+//! buffers (`BENCH_BLK_FIXED=1`: `--fixed-buffers`), the share of its reads and writes that
+//! went out as io_uring fixed transfers, the share that went the ordinary way and why, and the
+//! chunks it registered (`fixed`, `fixed_ordinary`, `fixed_fallbacks`, `chunks_registered`,
+//! `register_ns`). Rounds (`--runs N`)
 //! each run every row on every back end and the limit; figures are medians over the rounds,
 //! and each round starts every row with the next one in turn. The image is read through
 //! before every page-cached run, so each starts warm.
@@ -34,6 +38,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::{Ctx, Experiment, Mode, Outcome, Row, Stats, Table, is_root};
+
+mod counts;
+use counts::{DeviceCounts, device_counts};
 
 pub struct BlkBench;
 
@@ -474,26 +481,6 @@ fn run_client(
     })
 }
 
-/// memvisor's hold and release time per request from its `--stats` file: (hold ns, release
-/// ns). These are the device's own counters (`holds`, `hold_ns`, `release_ns` of
-/// `memvisor_vhost::blk::BlkStats`, flattened into the report's top level: the same names
-/// `query-stats` gives), not the `pin_cost` object kept for older readers.
-fn hold_cost(dir: &Path) -> Option<(f64, f64)> {
-    let text = std::fs::read_to_string(dir.join(STATS)).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    hold_cost_of(&v)
-}
-
-/// [`hold_cost`] of a parsed report.
-fn hold_cost_of(v: &serde_json::Value) -> Option<(f64, f64)> {
-    let get = |k: &str| v.get(k).and_then(|x| x.as_u64());
-    let holds = get("holds").filter(|&n| n > 0)?;
-    Some((
-        get("hold_ns")? as f64 / holds as f64,
-        get("release_ns")? as f64 / holds as f64,
-    ))
-}
-
 /// One row on one back end.
 #[derive(Clone, Copy)]
 struct Sample {
@@ -504,8 +491,8 @@ struct Sample {
     client_ns: f64,
     /// (back end + client CPU) / the client's wall time.
     cores: f64,
-    hold_ns: f64,
-    release_ns: f64,
+    /// memvisor's own counters ([`DeviceCounts::NONE`] for the others).
+    device: DeviceCounts,
 }
 
 impl Sample {
@@ -543,8 +530,7 @@ fn run_row(
             server_ns: f64::NAN,
             client_ns: run.cpu_ns / count as f64,
             cores: run.cpu_ns / run.wall_ns,
-            hold_ns: f64::NAN,
-            release_ns: f64::NAN,
+            device: DeviceCounts::NONE,
         });
     }
     let child = start(top, dir, server, image, direct, case.queues)?;
@@ -554,9 +540,9 @@ fn run_row(
     let cpu1 = cpu_ns(pid);
     stop(child);
     let run = run?;
-    let (hold_ns, release_ns) = match server {
-        Server::Memvisor => hold_cost(dir).unwrap_or((f64::NAN, f64::NAN)),
-        _ => (f64::NAN, f64::NAN),
+    let device = match server {
+        Server::Memvisor => device_counts(dir).unwrap_or(DeviceCounts::NONE),
+        _ => DeviceCounts::NONE,
     };
     let server_cpu = cpu1 - cpu0;
     Ok(Sample {
@@ -564,8 +550,7 @@ fn run_row(
         server_ns: server_cpu / count as f64,
         client_ns: run.cpu_ns / count as f64,
         cores: (server_cpu + run.cpu_ns) / run.wall_ns,
-        hold_ns,
-        release_ns,
+        device,
     })
 }
 
@@ -629,7 +614,9 @@ impl Experiment for BlkBench {
          every back end and the limit; CPU per request is the back end's and the client's \
          user+system time; cores used is that CPU over wall time (>= 1.8: core-bound); hold + \
          release is the time memvisor's data path spent holding and releasing each request's \
-         buffers (holds, hold_ns, release_ns of its --stats). Needs root and the QEMU root of \
+         buffers (holds, hold_ns, release_ns of its --stats); fixed / ordinary / fallback is \
+         the share of its reads and writes sent through registered buffers or not \
+         (BENCH_BLK_FIXED=1 turns them on), with the chunks registered. Needs root and the QEMU root of \
          the real-guest trials."
     }
 
@@ -797,14 +784,20 @@ fn tables(
             .collect();
         (!v.is_empty()).then(|| Stats::from_samples(&v))
     };
-    let metrics: [Metric; 7] = [
+    let metrics: [Metric; 13] = [
         ("ops/s", "ops/s", |x| x.ops),
         ("back end cpu per request", "ns", |x| x.server_ns),
         ("client cpu per request", "ns", |x| x.client_ns),
         ("cpu per request", "ns", Sample::cpu_ns),
         ("cores used", "cores", |x| x.cores),
-        ("hold per request", "ns", |x| x.hold_ns),
-        ("release per request", "ns", |x| x.release_ns),
+        ("hold per request", "ns", |x| x.device.hold_ns),
+        ("release per request", "ns", |x| x.device.release_ns),
+        ("fixed share", "%", |x| x.device.fixed_pct),
+        ("fixed ordinary share", "%", |x| x.device.ordinary_pct),
+        ("fixed fallback share", "%", |x| x.device.fallback_pct),
+        ("chunks registered", "chunks", |x| x.device.chunks),
+        ("register time", "ns", |x| x.device.register_ns),
+        ("evictions", "chunks", |x| x.device.evictions),
     ];
     let mut ops_t = Table::new(
         &format!(
@@ -837,6 +830,8 @@ fn tables(
             "limit µs",
             "limit cores",
             "memvisor hold + release ns",
+            "memvisor fixed / ordinary / fallback %",
+            "memvisor chunks (register ms)",
         ],
     );
     for (c, case) in CASES.iter().enumerate() {
@@ -870,7 +865,20 @@ fn tables(
             .zip(&samples[QSD_IO_URING][c])
             .map(|(t, u)| t.ops.max(u.ops))
             .collect();
-        let hold = med(MEMVISOR, c, |x| x.hold_ns + x.release_ns).map(|st| st.median);
+        let hold = med(MEMVISOR, c, |x| x.device.hold_ns + x.device.release_ns).map(|st| st.median);
+        let share = |f: fn(&Sample) -> f64| med(MEMVISOR, c, f).map(|st| st.median);
+        let fixed = match (
+            share(|x| x.device.fixed_pct),
+            share(|x| x.device.ordinary_pct),
+            share(|x| x.device.fallback_pct),
+        ) {
+            (Some(f), Some(o), Some(b)) => format!("{f:.1} / {o:.1} / {b:.1}"),
+            _ => "-".into(),
+        };
+        let chunks = match (share(|x| x.device.chunks), share(|x| x.device.register_ns)) {
+            (Some(n), Some(ns)) => format!("{n:.0} ({:.1})", ns / 1e6),
+            _ => "-".into(),
+        };
         let cpu = |s: usize| {
             let server = us(s, |x| x.server_ns);
             let client = us(s, |x| x.client_ns);
@@ -905,6 +913,8 @@ fn tables(
             cell(us(LIMIT, |x| x.client_ns), 1),
             cores_cell(cores(LIMIT)),
             cell(hold, 0),
+            fixed,
+            chunks,
         ]);
     }
     ops_t.note = Some(
@@ -927,7 +937,13 @@ fn tables(
          cores while the limit is one process; kernel threads such as loop workers are not \
          counted). Best qsd: the configuration with the higher median ops/s. Hold + release: \
          memvisor's walk of the device space per request (DmaSpace::hold_sg) and its release, \
-         wall time from its --stats (holds, hold_ns, release_ns)."
+         wall time from its --stats (holds, hold_ns, release_ns). Fixed / ordinary / \
+         fallback: the shares of memvisor's reads and writes sent as io_uring fixed transfers \
+         through a registered chunk, sent the ordinary way for want of one (cold, evicted, over \
+         two chunks), and sent the ordinary way because the host refused registration (fixed, \
+         fixed_ordinary, fixed_fallbacks over reads + writes); all 0 with fixed buffers off \
+         (BENCH_BLK_FIXED=1 turns them on). Chunks: 2 MiB chunks registered over the row and \
+         the time that took (chunks_registered, register_ns)."
     ));
     (ops_t, cpu_t)
 }
@@ -935,19 +951,6 @@ fn tables(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hold_cost_reads_the_device_counters() {
-        let v = serde_json::json!({
-            "holds": 4, "hold_ns": 2000, "release_ns": 1000,
-            "pin_cost": {"pins": 1, "pin_ns": 9, "unpins": 1, "unpin_ns": 9}
-        });
-        assert_eq!(hold_cost_of(&v), Some((500.0, 250.0)));
-        // No request held: no figure rather than a division by zero.
-        let idle = serde_json::json!({"holds": 0, "hold_ns": 0, "release_ns": 0});
-        assert_eq!(hold_cost_of(&idle), None);
-        assert_eq!(hold_cost_of(&serde_json::json!({"pin_cost": {}})), None);
-    }
 
     #[test]
     fn rows_at_the_core_bound_are_marked() {
