@@ -1335,7 +1335,9 @@ balloon)
   echo report > "$run/phase"
   ( t0=$(date +%s.%N); qp=""
     while kill -0 "$qpid" 2>/dev/null; do
-      [ -n "$qp" ] || qp=$(pgrep -n -f 'qemu-system-x86_64.*t=balloon' || true)
+      # QEMU is timeout's child once the wrapper (guest/qemu.sh) has exec'd into it; its forks
+      # (mount) carry the same command line, and another trial's QEMU may be running too.
+      [ -n "$qp" ] || qp=$(pgrep -P "$qpid" -f '^qemu-system-x86_64 ' || true)
       if [ -n "$qp" ]; then
         for f in /proc/$qp/fd/*; do
           case $(readlink "$f" 2>/dev/null) in /memfd:*) echo "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}'),$(( $(stat -L -c %b "$f" 2>/dev/null || echo 0) * 512 )),$(cat "$run/phase")"; break;; esac
