@@ -17,7 +17,7 @@
 #                      | blk --loop[=4096] [--negative]
 #                      | locks [--negative]
 #                      | qmp [--negative-throttle | --negative-resize]
-#                      | blk --fixed [--negative]
+#                      | blk --fixed [--negative] | balloon --fixed [--negative]
 #   blk         the guest writes a random pattern, drops caches, reads it back (sequential
 #               O_DIRECT, through the page cache, random 4 KiB O_DIRECT) and compares; the host
 #               then checks the image holds the pattern.
@@ -247,6 +247,19 @@
 #               failed == 0). About 1 minute.
 #   blk --fixed --negative: the back end never uses registered buffers (MEMVISOR_TEST_NO_FIXED;
 #               needs MEMVISOR= a test-hooks build); the fixed check must then FAIL.
+#   balloon --fixed: the balloon trial with the blk device's registered buffers on
+#               (fixed-buffers=on), then guest/progs/fixreuse.c: FIX_ROUNDS (4) rounds, each
+#               mapping a fresh FIX_BUF_MIB (320) MiB buffer that lands on memory freed and
+#               reported before (the balloon in the same process discarded it), reading the
+#               disk into it with 64 KiB O_DIRECT reads and checking every 4 KiB block, then
+#               writing the next generation, freeing the buffer and waiting 5 s for reporting.
+#               Must see: the balloon trial's checks, no bad block, and in the back end's stats
+#               fixed > 0, chunks_registered > 0, evictions > 0 (chunks the discard gate took out
+#               of the table before a discard) and memory discarded. About 100 s.
+#   balloon --fixed --negative: the discard gate evicts nothing (MEMVISOR_TEST_FIXED_NO_EVICT;
+#               needs MEMVISOR= a test-hooks build), so discarded pages stay pinned behind
+#               registered chunks and fixed reads fill them instead of the guest's pages: the
+#               guest must find bad blocks (exit 0 only if it does).
 # Env: MEMVISOR (binary, default target/release/memvisor), TIMEOUT (s, default 300), RUST_LOG
 #   (the back ends' log filter, default info; warn for vfio-user).
 set -euo pipefail
@@ -262,7 +275,7 @@ if [ $qcap = 1 ] && [ -z "$qsize" ]; then echo "--queue-cap needs --queue-size=N
 frontend_dies=0; rest=(); for a in "$@"; do if [ "$a" = --frontend-dies ]; then frontend_dies=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
 # --negative-throttle and --negative-resize (qmp; see the qmp case below) likewise.
 qmp_neg=""; rest=(); for a in "$@"; do case $a in --negative-throttle) qmp_neg=throttle;; --negative-resize) qmp_neg=resize;; *) rest+=("$a");; esac; done; set -- ${rest[@]+"${rest[@]}"}
-# --fixed (blk; see blk_fixed_trial below) likewise.
+# --fixed (blk, balloon; see blk_fixed_trial and balloon_fixed_check below) likewise.
 fixed=0; rest=(); for a in "$@"; do if [ "$a" = --fixed ]; then fixed=1; else rest+=("$a"); fi; done; set -- ${rest[@]+"${rest[@]}"}
 # --loop (blk; see blk_loop_trial below) likewise.
 loop=0; loop_sector=512; rest=(); for a in "$@"; do case $a in --loop) loop=1;; --loop=4096) loop=1; loop_sector=4096;; *) rest+=("$a");; esac; done; set -- ${rest[@]+"${rest[@]}"}
@@ -1166,6 +1179,36 @@ print(("PASS" if ok else "FAIL"), "reads=%(reads)d writes=%(writes)d fixed=%(fix
 }
 if [ "$trial" = blk ] && [ $fixed = 1 ]; then blk_fixed_trial; fi
 
+# --- balloon --fixed ----------------------------------------------------------------------------
+# The balloon trial with the blk device's registered buffers on (fixed-buffers=on) and, after
+# the balloon's steps, guest/progs/fixreuse.c: rounds of O_DIRECT reads into fresh buffers that
+# land on memory the guest freed and reported a round before (the balloon in the same process
+# discarded it), every block checked. Called from the balloon case with its verdict in $ok; adds
+# its own: the guest's checks, registered transfers and chunks, memory discarded, and chunks the
+# discard gate evicted. With --negative (MEMVISOR_TEST_FIXED_NO_EVICT) the gate evicts nothing,
+# discarded pages stay behind registered chunks, and fixed reads land where the guest no longer
+# looks: the trial passes only if the guest found bad blocks.
+balloon_fixed_check() {
+  local fres fbad ck end
+  end=$(date +%s.%N)
+  fres=$(grep -a '^RESULT fixreuse' "$log" | tail -1 | tr -d '\r' || true)
+  { grep -a '^FIXREUSE' "$log" || true; } | tr -d '\r' | sed 's/^/  /'
+  echo "$name: ${fres:-RESULT fixreuse FAIL no verdict}"
+  fbad=$(echo "$fres" | sed -n 's/.* bad=\([0-9]*\).*/\1/p')
+  ck=$(python3 -c 'import json,sys
+s = json.load(open(sys.argv[1])); k = s["blk"][0]; b = s["balloon"][0]
+ok = k["fixed"] > 0 and k["chunks_registered"] > 0 and k["evictions"] > 0 and b.get("discarded", 0) > 0
+print(("PASS" if ok else "FAIL"), "fixed=%d fixed_ordinary=%d fixed_fallbacks=%d chunks_registered=%d evictions=%d evict_busy=%d" % (k["fixed"], k["fixed_ordinary"], k["fixed_fallbacks"], k["chunks_registered"], k["evictions"], k["evict_busy"]), "discarded_mib=%d" % (b.get("discarded", 0) >> 20))' "$run/stats.json" 2>/dev/null || echo "FAIL no back end stats")
+  echo "  registered buffers and discards (want fixed, chunks_registered, evictions, discarded > 0): $ck"
+  echo "  wall time $(awk -v a="$start" -v b="$end" 'BEGIN{printf "%.1f", b-a}') s"
+  case "$fres" in *PASS*) ;; *) ok=0;; esac
+  case "$ck" in PASS*) ;; *) ok=0;; esac
+  if [ $negative = 1 ]; then
+    if [ "${fbad:-0}" -gt 0 ]; then echo "$name: the trial failed as it must: $fbad blocks read wrong"; exit 0; fi
+    echo "$name: no block read wrong with the discard gate's eviction off (ok=$ok)"; exit 1
+  fi
+}
+
 case $trial in
 blk)
   mib=32
@@ -1269,13 +1312,22 @@ blk)
 balloon)
   if [ $balloon_stats = 1 ]; then balloon_stats_trial; exit $?; fi
   truncate -s 64M "$run/disk.img"
-  "$bin" serve --blk "socket=$run/blk.sock,disk=$run/disk.img" --balloon "$run/balloon.sock,reporting=$([ $negative = 1 ] && echo off || echo on)" \
+  # --fixed: registered buffers on, and the guest's fixreuse step after the balloon's (see
+  # balloon_fixed_check); its --negative keeps reporting on and turns the eviction off.
+  blkopt=""; reporting=on; hook_env=(); fx=""
+  [ $negative = 0 ] || reporting=off
+  if [ $fixed = 1 ]; then
+    blkopt=,fixed-buffers=on; reporting=on; fx=",fixreuse fx_off=32 fx_pat=16 fx_buf=${FIX_BUF_MIB:-320} fx_rounds=${FIX_ROUNDS:-4} fx_wait=5"
+    if [ $negative = 1 ]; then need_hooks MEMVISOR_TEST_FIXED_NO_EVICT; hook_env=(MEMVISOR_TEST_FIXED_NO_EVICT=1); fi
+  fi
+  env ${hook_env[@]+"${hook_env[@]}"} "$bin" serve --blk "socket=$run/blk.sock,disk=$run/disk.img$blkopt" --balloon "$run/balloon.sock,reporting=$reporting" \
     --control "$run/control.sock" --stats "$run/stats.json" $([ $long_term = 1 ] && echo --long-term-pins) \
     > "$run/backend.log" 2>&1 &
   bpid=$!; pids+=("$bpid")
   wait_socket "$run/blk.sock"; wait_socket "$run/balloon.sock"; wait_socket "$run/control.sock"
   control() { "$bin" ctl --control "$run/control.sock" balloon-set-target target-mib="$1" | tr -d ' \n'; }
-  qemu "t=balloon,blk bal_mib=512 bal_wait=15 bal_target=256 blk_mib=16 blk_random=50 blk_serial=blk0" \
+  start=$(date +%s.%N)
+  qemu "t=balloon,blk$fx bal_mib=512 bal_wait=15 bal_target=256 blk_mib=16 blk_random=50 blk_serial=blk0" \
     -chardev socket,id=c0,path=$run/blk.sock -device vhost-user-blk-pci,chardev=c0,num-queues=1 \
     -chardev socket,id=c1,path=$run/balloon.sock -device vhost-user-test-device-pci,chardev=c1,virtio-id=5,num_vqs=3,config_size=16
   # Sample the guest memory's allocated bytes: QEMU's memfd, through /proc; the phase column
@@ -1283,7 +1335,9 @@ balloon)
   echo report > "$run/phase"
   ( t0=$(date +%s.%N); qp=""
     while kill -0 "$qpid" 2>/dev/null; do
-      [ -n "$qp" ] || qp=$(pgrep -n -f 'qemu-system-x86_64.*t=balloon' || true)
+      # QEMU is timeout's child once the wrapper (guest/qemu.sh) has exec'd into it; its forks
+      # (mount) carry the same command line, and another trial's QEMU may be running too.
+      [ -n "$qp" ] || qp=$(pgrep -P "$qpid" -f '^qemu-system-x86_64 ' || true)
       if [ -n "$qp" ]; then
         for f in /proc/$qp/fd/*; do
           case $(readlink "$f" 2>/dev/null) in /memfd:*) echo "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}'),$(( $(stat -L -c %b "$f" 2>/dev/null || echo 0) * 512 )),$(cat "$run/phase")"; break;; esac
@@ -1318,6 +1372,7 @@ balloon)
   [ $dropped -ge $((freed * 8 / 10)) ] || ok=0
   # The blk device's pins were held long-term, and none outlived the devices.
   [ $long_term = 0 ] || check_long_term
+  [ $fixed = 0 ] || balloon_fixed_check
   if [ $negative = 1 ]; then
     [ $ok = 0 ] && { echo "$name: the trial failed as it must"; exit 0; }
     echo "$name: memory came back without free page reporting"; exit 1
