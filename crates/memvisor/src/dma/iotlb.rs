@@ -27,8 +27,7 @@
 use std::sync::Arc;
 
 use super::index::Index;
-use super::retire::Plan;
-use super::{DmaSpace, Host, Mapping, Memory, NewMapping, Prot, whole_mappings_into};
+use super::{DmaSpace, Host, Mapping, Memory, NewMapping, Prot};
 use crate::addr::{Hva, Iova, Range};
 use crate::backing::Backing;
 use crate::error::Result;
@@ -50,7 +49,7 @@ impl DmaSpace {
     ) -> Result<()> {
         let range = self.check_new_range(iova, size, prot)?;
         let host = self.backing_host(backing, offset, size)?;
-        let new = [NewMapping {
+        let mut new = [NewMapping {
             iova: range,
             memory: Memory::Local(host),
         }];
@@ -62,11 +61,11 @@ impl DmaSpace {
                 .is_some_and(|p| map.bounds(p).0 <= last)
         };
         if !held {
-            return self.insert_with(writer, range, prot, &new, true);
+            return self.insert_with(writer, range, prot, &mut new, true);
         }
         drop(writer);
         self.invalidate_range(iova, size)?;
-        self.insert(range, prot, &new)
+        self.insert(range, prot, &mut new)
     }
 
     /// Removes every translation in `[iova, iova + size)` (IOTLB semantics, see the module
@@ -83,12 +82,13 @@ impl DmaSpace {
                     .is_some_and(|p| map.bounds(p).0 <= last)
             },
             |map, writer| {
-                let Some((lo, hi)) = touched(map, first, last) else {
-                    return Ok(Plan::default());
-                };
                 // The writer's vectors, for their capacity: an invalidation allocates nothing.
+                // With none touched, `retire` gives them back.
                 let mut plan = std::mem::take(&mut writer.scratch);
-                whole_mappings_into(map, lo, hi, &mut plan.old)?;
+                touched_into(map, first, last, &mut plan.old);
+                if plan.old.is_empty() {
+                    return Ok(plan);
+                }
                 // Only the first mapping can start before the range, only the last end after it.
                 let mut keep: [Option<Mapping>; 2] = [None, None];
                 if let (Some((start, m)), Some((_, end_m))) = (plan.old.first(), plan.old.last()) {
@@ -131,19 +131,18 @@ impl DmaSpace {
     }
 }
 
-/// The span `[lo, hi]` of the whole mappings that `[first, last]` touches, if any.
-fn touched(map: &Index, first: u64, last: u64) -> Option<(u64, u64)> {
+/// Appends to `out` every whole mapping that `[first, last]` touches, as (start, mapping), in
+/// address order: one lookup and a walk (the span of those mappings holds no others).
+fn touched_into(map: &Index, first: u64, last: u64, out: &mut Vec<(u64, Arc<Mapping>)>) {
     let mut pos = map.first_ending_at_or_after(first);
-    let mut span: Option<(u64, u64)> = None;
     while let Some(p) = pos {
-        let (start, end, _, _) = map.get(p);
+        let (start, _, _, m) = map.get(p);
         if start > last {
             break;
         }
-        span = Some(span.map_or((start, end), |(lo, _)| (lo, end)));
+        out.push((start, m.clone()));
         pos = map.next(p);
     }
-    span
 }
 
 /// The part `[from, to]` of `m` as a new mapping with id `id` (dirty bits per `page` bytes): same host memory at the same

@@ -462,11 +462,11 @@ impl DmaSpace {
     /// Makes one mapping of `memory` at `[iova, iova + size)` after type1's checks.
     fn insert_one(&self, iova: Iova, size: u64, prot: Prot, memory: Memory) -> Result<()> {
         let range = self.check_new_range(iova, size, prot)?;
-        let new = [NewMapping {
+        let mut new = [NewMapping {
             iova: range,
             memory,
         }];
-        self.insert(range, prot, &new)
+        self.insert(range, prot, &mut new)
     }
 
     /// Maps the guest range `[gpa, gpa + size)` of `slots` at `iova`: one mapping per slot the
@@ -499,7 +499,7 @@ impl DmaSpace {
                 memory: Memory::Local(host),
             });
         }
-        self.insert(range, prot, &new)
+        self.insert(range, prot, &mut new)
     }
 
     /// Maps `size` bytes of host memory at `hva` that the caller manages itself.
@@ -788,7 +788,8 @@ impl DmaSpace {
     /// Checks and inserts new mappings, the pieces of `range`, in one publish. The checks run
     /// in type1's order (`vfio_dma_do_map`): overlap (EEXIST), then the mapping count (ENOSPC),
     /// then the allowed IOVA ranges (EINVAL).
-    fn insert(&self, range: Range<Iova>, prot: Prot, new: &[NewMapping]) -> Result<()> {
+    /// Each new mapping's memory is moved into its record: its owner is not counted twice.
+    fn insert(&self, range: Range<Iova>, prot: Prot, new: &mut [NewMapping]) -> Result<()> {
         let writer = self.settled_writer()?;
         self.insert_with(writer, range, prot, new, false)
     }
@@ -800,7 +801,7 @@ impl DmaSpace {
         writer: std::sync::MutexGuard<'_, Writer>,
         range: Range<Iova>,
         prot: Prot,
-        new: &[NewMapping],
+        new: &mut [NewMapping],
         free: bool,
     ) -> Result<()> {
         let limit = self.shared.config.max_mappings;
@@ -832,7 +833,7 @@ impl DmaSpace {
             self.check_allowed(range)?;
             let mut made = std::mem::take(&mut writer.made);
             made.clear();
-            for n in new {
+            for n in new.iter_mut() {
                 let dirty = match writer.tracking {
                     true => Some(self.new_bitmap(n.iova)?),
                     false => None,
@@ -843,7 +844,7 @@ impl DmaSpace {
                     id,
                     iova: n.iova,
                     prot,
-                    memory: n.memory.clone(),
+                    memory: std::mem::replace(&mut n.memory, Memory::Invalidated),
                     dirty,
                 };
                 made.push(match writer.free.pop() {

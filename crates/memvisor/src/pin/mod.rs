@@ -98,6 +98,7 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 mod account;
@@ -660,6 +661,11 @@ static REGISTRIES: Mutex<Vec<Weak<PinRegistry>>> = Mutex::new(Vec::new());
 /// registries are safe only over memory no other registry pins (tests, benchmarks).
 pub struct PinRegistry {
     state: Mutex<State>,
+    /// Whether the lock cache held anything when `state` was last unlocked (written under the
+    /// lock, by [`StateGuard`]'s drop): [`PinRegistry::release_cached_in`] reads it first
+    /// and skips the lock when the cache is empty, as it nearly always is for an IOTLB (whose
+    /// every invalidated mapping asks).
+    cached: AtomicBool,
     pagemap: OnceLock<std::result::Result<File, String>>,
     /// The hold tables of the spaces' guards (`holds`): discards look at them too.
     holds: Mutex<Vec<Weak<Holds>>>,
@@ -689,6 +695,35 @@ impl Drop for PinRegistry {
     }
 }
 
+/// The registry's state, locked; on unlocking it records whether the lock cache holds
+/// anything (`PinRegistry::cached`), so that a release over memory with nothing cached takes
+/// no lock.
+struct StateGuard<'a> {
+    state: MutexGuard<'a, State>,
+    cached: &'a AtomicBool,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.state
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    /// Runs before the mutex is unlocked (the guard field drops after this).
+    fn drop(&mut self) {
+        self.cached
+            .store(!self.state.idle.is_empty(), Ordering::Release);
+    }
+}
+
 impl PinRegistry {
     /// A registry of its own, held to `limit`, with the lock cache at its default bounds
     /// (64 MiB, 64 entries; see [`PinRegistry::set_lock_cache`]).
@@ -714,6 +749,7 @@ impl PinRegistry {
                 #[cfg(feature = "test-hooks")]
                 count_refused_locks: false,
             }),
+            cached: AtomicBool::new(false),
             pagemap: OnceLock::new(),
             holds: Mutex::new(Vec::new()),
             gates: gate::Gates::default(),
@@ -874,6 +910,12 @@ impl PinRegistry {
     /// Unlocks the cached locks overlapping host bytes `[start, end)`: their memory is about to
     /// be unmapped or changed.
     pub(crate) fn release_cached_in(&self, start: u64, end: u64) {
+        // Acquire: pairs with the store made under the lock when an entry came in, so an entry
+        // cached before this call (by an unpin that happened before it) is seen. An entry
+        // cached concurrently could as well have come just after the locked release.
+        if !self.cached.load(Ordering::Acquire) {
+            return;
+        }
         let mut st = self.lock();
         st.release_cached_in(start / PAGE, end.div_ceil(PAGE));
         st.check_account();
@@ -970,8 +1012,11 @@ impl PinRegistry {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        lock(&self.state)
+    fn lock(&self) -> StateGuard<'_> {
+        StateGuard {
+            state: lock(&self.state),
+            cached: &self.cached,
+        }
     }
 
     /// Pins `req` in steps, all or nothing, and returns its extents: one for the whole range

@@ -266,7 +266,7 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
         self.items[i] = Item { start, hot };
         self.head.slot[i] = self.head.take_slot(value);
         self.head.len += 1;
-        self.fix_tops();
+        self.fix_tops_in(i, len + 1);
     }
 
     fn remove(&mut self, i: usize) -> V {
@@ -277,7 +277,7 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
         self.head.slot.copy_within(i + 1..len, i);
         self.clear(len - 1..len);
         self.head.len -= 1;
-        self.fix_tops();
+        self.fix_tops_in(i, len);
         value
     }
 
@@ -309,8 +309,15 @@ impl<H: Copy + Default, V: Clone> Chunk<H, V> {
     }
 
     fn fix_tops(&mut self) {
-        for (g, top) in self.tops.iter_mut().enumerate() {
-            *top = self.lasts[g * GROUP + GROUP - 1];
+        self.fix_tops_in(0, MAX_CHUNK);
+    }
+
+    /// [`Chunk::fix_tops`] for the groups of slots `[from, to)` only, the slots an insert or a
+    /// removal moved (`from < to`): the other groups' tops stand. An IOTLB's chunk holds a few
+    /// dozen entries: rewriting all 32 tops was a good part of each edit.
+    fn fix_tops_in(&mut self, from: usize, to: usize) {
+        for g in from / GROUP..to.div_ceil(GROUP).min(GROUPS) {
+            self.tops[g] = self.lasts[g * GROUP + GROUP - 1];
         }
     }
 }
