@@ -589,12 +589,19 @@ impl Disk {
     /// logged and the wait tried again.
     pub fn finished(&mut self, wait: bool) -> Vec<(u64, Result<u64>)> {
         let mut out = Vec::new();
+        self.finished_into(wait, &mut out);
+        out
+    }
+
+    /// [`Disk::finished`] into `out` (emptied first), which the caller keeps between calls.
+    pub fn finished_into(&mut self, wait: bool, out: &mut Vec<(u64, Result<u64>)>) {
+        out.clear();
         if self.in_flight > 0 && !self.on_owner() {
             log::error!(
                 "blk: {} transfers out on another thread's io_uring cannot be reaped here",
                 self.in_flight
             );
-            return out;
+            return;
         }
         if let Some(f) = self.done_fd.as_ref() {
             let mut b = [0u8; 8];
@@ -605,7 +612,7 @@ impl Disk {
         let in_flight = self.in_flight;
         let deferred = self.setup == Some(RingSetup::DeferTaskrun);
         let Some(Some(ring)) = self.ring.as_mut() else {
-            return out;
+            return;
         };
         loop {
             let want = usize::from(wait && out.is_empty() && in_flight > 0);
@@ -655,7 +662,6 @@ impl Disk {
             }
         }
         self.in_flight -= out.len();
-        out
     }
 
     /// The io_uring, made on first use on this thread with an eventfd for its completions, with

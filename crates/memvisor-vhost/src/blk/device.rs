@@ -82,12 +82,15 @@ impl Device for Blk {
         self.looked = true;
         let dma = memory.dma().clone();
         self.follow_fixed(index, memory);
-        let mut batch = Vec::new();
+        let mut batch = std::mem::take(&mut self.batch);
         let mut any = false;
-        let taken = self.take(index, queue, memory, &mut batch, &mut any);
+        let mut bufs = std::mem::take(&mut self.chain);
+        let taken = self.take(index, queue, memory, &mut batch, &mut any, &mut bufs);
+        self.chain = bufs;
         // Whatever stopped the taking (the ring empty, a miss to ask about, a broken ring),
         // what it prepared goes to the kernel.
         self.launch(index, queue, &dma, &mut batch, &mut any);
+        self.batch = batch;
         if let Some(misses) = taken? {
             return Ok(Processed::Missed { misses });
         }
@@ -136,12 +139,23 @@ impl Device for Blk {
     }
 
     fn complete(&mut self, memory: &FrontendMemory, wait: bool) -> Result<Vec<Used>> {
-        self.throttle_woke();
-        let dma = memory.dma().clone();
         let mut used = Vec::new();
+        self.complete_into(memory, wait, &mut used)?;
+        Ok(used)
+    }
+
+    fn complete_into(
+        &mut self,
+        memory: &FrontendMemory,
+        wait: bool,
+        used: &mut Vec<Used>,
+    ) -> Result<()> {
+        self.throttle_woke();
+        used.clear();
+        let dma = memory.dma().clone();
+        let mut ended = std::mem::take(&mut self.ended);
         loop {
-            #[allow(unused_mut)]
-            let mut ended = self.disk.finished(wait);
+            self.disk.finished_into(wait, &mut ended);
             #[cfg(feature = "test-hooks")]
             let reorder = memory.faults().reorder;
             #[cfg(feature = "test-hooks")]
@@ -149,7 +163,7 @@ impl Device for Blk {
                 ended.reverse();
             }
             // (With `reorder`, the ring service pauses between the chains it puts back.)
-            for (key, result) in ended {
+            for (key, result) in ended.drain(..) {
                 let slot = key as usize;
                 let Some(mut o) = self.out.get_mut(slot).and_then(Option::take) else {
                     log::error!("blk: a transfer ended under key {key}, which names none");
@@ -251,7 +265,8 @@ impl Device for Blk {
             let q = f.queue;
             self.count_fixed(q);
         }
-        Ok(used)
+        self.ended = ended;
+        Ok(())
     }
 
     fn join_worker(&mut self, worker: Blk) {
@@ -320,6 +335,7 @@ impl Blk {
     /// ring, reads and writes ready for the kernel into `batch` (run when it is full, and by
     /// the caller at the end). Sets `any` when something went back. Behind a vIOMMU, returns
     /// the unmapped pages a request needs (the chain put back, for the back end to ask about).
+    /// Each chain's buffers are read into `bufs`, kept between passes.
     fn take(
         &mut self,
         index: u16,
@@ -327,6 +343,7 @@ impl Blk {
         memory: &FrontendMemory,
         batch: &mut Vec<(u16, Ready)>,
         any: &mut bool,
+        bufs: &mut Vec<Buf>,
     ) -> Result<Option<Vec<memvisor::dma::Miss>>> {
         // Rings, descriptors and indirect tables are all read at device addresses, through
         // the device space (the IOTLB behind a vIOMMU).
@@ -339,9 +356,12 @@ impl Blk {
             // Heads a back end before this one left in flight come first (the driver kicked
             // for them long ago), then the available ring.
             let redo = queue.resubmit();
-            let (head, bufs, indirect, cut) = match redo {
+            let (head, indirect, cut) = match redo {
                 Some(head) => match queue.chain(&mem, head) {
-                    Ok((bufs, indirect)) => (head, bufs, indirect, mem.take_miss()),
+                    Ok((got, indirect)) => {
+                        *bufs = got;
+                        (head, indirect, mem.take_miss())
+                    }
                     Err(e) => {
                         if let (true, Some(m)) = (ask, mem.take_miss()) {
                             queue.resubmit_later(head);
@@ -383,16 +403,15 @@ impl Blk {
                     let indirect = mem
                         .read_obj::<u16>(GuestAddress(flags_at))
                         .is_ok_and(|f| u32::from(f) & VRING_DESC_F_INDIRECT != 0);
-                    let bufs: Vec<Buf> = chain
-                        .map(|d| Buf {
-                            addr: d.addr().0,
-                            len: d.len(),
-                            write: d.is_write_only(),
-                        })
-                        .collect();
+                    bufs.clear();
+                    bufs.extend(chain.map(|d| Buf {
+                        addr: d.addr().0,
+                        len: d.len(),
+                        write: d.is_write_only(),
+                    }));
                     // virtio-queue ends a chain at a descriptor it cannot read: a miss in the
                     // table (or an indirect table) cut it short.
-                    (head, bufs, indirect, mem.take_miss())
+                    (head, indirect, mem.take_miss())
                 }
             };
             // One walk of the device space per request: it holds the buffers' pages and
@@ -405,7 +424,7 @@ impl Blk {
             // It is counted only once it goes, not when put back for a miss.
             let mut admitted = None;
             if cut.is_none() {
-                match self.throttled(&dma, &bufs) {
+                match self.throttled(&dma, bufs) {
                     Err(wait) => {
                         match redo {
                             Some(head) => queue.resubmit_later(head),
@@ -418,12 +437,12 @@ impl Blk {
                 }
             }
             let claimed = match (&mut cursor, cut) {
-                (Some(cursor), None) => self.claim_fixed(cursor, &bufs),
+                (Some(cursor), None) => self.claim_fixed(cursor, bufs),
                 _ => None,
             };
             let walk = match claimed {
                 Some((claim, iov)) => Ok(Walk::Chunk(claim, iov)),
-                None => self.hold(index, &dma, &bufs).map(|w| match w {
+                None => self.hold(index, &dma, bufs).map(|w| match w {
                     SgWalk::Held(g) => Walk::Held(g),
                     SgWalk::Missed(m) => Walk::Missed(m),
                 }),
@@ -469,7 +488,7 @@ impl Blk {
                         )))),
                         Err(e) => Err(Failure::Hold(e.into())),
                     };
-                    match self.request(index, &dma, &bufs, held) {
+                    match self.request(index, &dma, bufs, held) {
                         (_, Outcome::Ready(ready)) => {
                             batch.push((head, ready));
                             if batch.len() + self.disk.in_flight() >= IN_FLIGHT {
@@ -653,24 +672,24 @@ impl Blk {
 
     /// Walks the buffers of a chain once ([`DmaSpace::hold_sg_into`]), timing it. The pages
     /// are counted in queue `q`'s own shard of the hold table, so two queues never share one.
-    /// The guard goes with the transfer and is dropped when it completes, so its vectors are
-    /// not kept for the next request yet (that needs the completion to give it back to a
-    /// per-queue [`SgScratch`](memvisor::dma::SgScratch)).
-    fn hold(&self, q: u16, dma: &DmaSpace, bufs: &[Buf]) -> memvisor::Result<SgWalk> {
-        let sg: Vec<SgBuf> = bufs
-            .iter()
-            .map(|b| SgBuf {
-                iova: memvisor::Iova(b.addr),
-                len: u64::from(b.len),
-                prot: if b.write {
-                    memvisor::Prot::WRITE
-                } else {
-                    memvisor::Prot::READ
-                },
-            })
-            .collect();
+    /// The guard's vectors come from a scratch the device keeps; the guard goes with the
+    /// transfer and gives them back when it ends (`Blk::settle`), so a walk allocates nothing
+    /// once as many have grown as transfers are out.
+    fn hold(&mut self, q: u16, dma: &DmaSpace, bufs: &[Buf]) -> memvisor::Result<SgWalk> {
+        let sg = &mut self.sg;
+        sg.clear();
+        sg.extend(bufs.iter().map(|b| SgBuf {
+            iova: memvisor::Iova(b.addr),
+            len: u64::from(b.len),
+            prot: if b.write { Prot::WRITE } else { Prot::READ },
+        }));
+        let mut scratch = self
+            .scratches
+            .pop()
+            .unwrap_or_else(|| memvisor::dma::SgScratch::for_queue(q));
+        scratch.set_queue(q);
         let start = Instant::now();
-        let walk = dma.hold_sg_into(&sg, &mut memvisor::dma::SgScratch::for_queue(q));
+        let walk = dma.hold_sg_into(sg, &mut scratch);
         let c = self.count(q);
         c.holds.add(1);
         c.hold_ns.add(elapsed_ns(start));

@@ -19,9 +19,9 @@ use super::fixed::Claim;
 use super::request::{Failure, Outcome};
 use super::stats::Op;
 use super::{Blk, S_OK, SECTOR};
-use crate::disk::AlignedBuf;
 #[cfg(doc)]
 use crate::disk::Disk;
+use crate::disk::{AlignedBuf, IN_FLIGHT};
 use crate::error::{Error, Result};
 use crate::ring::{Desc as Buf, Ring};
 
@@ -252,7 +252,12 @@ impl Blk {
         drop(fixed);
         if let Some(guard) = guard {
             let start = Instant::now();
-            drop(guard);
+            // Let go, its vectors kept for the next walk (`Blk::hold`).
+            let mut scratch = memvisor::dma::SgScratch::for_queue(q);
+            scratch.recycle(guard);
+            if self.scratches.len() < IN_FLIGHT {
+                self.scratches.push(scratch);
+            }
             self.count(q).release_ns.add(elapsed_ns(start));
         }
         let c = self.count(q);

@@ -209,6 +209,12 @@ pub struct Blk {
     xlate: memvisor::dma::SgScratch,
     /// iovec vectors of requests that ended, for the next ones.
     iovs: io::Iovs,
+    /// Walk vectors of guards that ended, for the next walks (`Blk::hold`).
+    scratches: Vec<memvisor::dma::SgScratch>,
+    /// Reused for each pass: the chain being taken, the transfers made ready, those ended.
+    chain: Vec<crate::ring::Desc>,
+    batch: Vec<(u16, io::Ready)>,
+    ended: Vec<(u64, Result<u64>)>,
 }
 
 impl Blk {
@@ -256,6 +262,10 @@ impl Blk {
             sg: Vec::new(),
             xlate: memvisor::dma::SgScratch::default(),
             iovs: io::Iovs::default(),
+            scratches: Vec::new(),
+            chain: Vec::new(),
+            batch: Vec::new(),
+            ended: Vec::new(),
         })
     }
 
