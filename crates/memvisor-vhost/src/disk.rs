@@ -98,8 +98,8 @@ impl Topology {
 /// How a ring was set up: the io_uring setup flags the kernel took, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RingSetup {
-    /// `SINGLE_ISSUER | DEFER_TASKRUN`: completions run only when the owner enters with
-    /// `GETEVENTS` (Linux 6.1).
+    /// `SINGLE_ISSUER | DEFER_TASKRUN | TASKRUN_FLAG`: completions run only when the owner
+    /// enters with `GETEVENTS`, which it does only while the kernel says some wait (Linux 6.1).
     DeferTaskrun,
     /// `COOP_TASKRUN`: completions run at the owner's next kernel entry, without interrupting
     /// it (Linux 5.19).
@@ -120,7 +120,11 @@ impl RingSetup {
         let mut b = io_uring::IoUring::builder();
         match self {
             RingSetup::DeferTaskrun => {
-                b.setup_single_issuer().setup_defer_taskrun();
+                // TASKRUN_FLAG: the kernel raises IORING_SQ_TASKRUN while deferred completions
+                // wait to be posted, so `finished` enters only then (Linux 5.19).
+                b.setup_single_issuer()
+                    .setup_defer_taskrun()
+                    .setup_taskrun_flag();
             }
             RingSetup::CoopTaskrun => {
                 b.setup_coop_taskrun();
@@ -616,10 +620,15 @@ impl Disk {
         };
         loop {
             let want = usize::from(wait && out.is_empty() && in_flight > 0);
-            let entered = if deferred && in_flight > 0 && want == 0 {
-                // Deferred completions are posted only by an enter with GETEVENTS, which the
-                // crate's `submit` adds only while IORING_SQ_TASKRUN is up (a flag this ring
-                // does not ask for): enter so, waiting for none.
+            // Deferred completions are posted only by an enter with GETEVENTS; the kernel
+            // raises IORING_SQ_TASKRUN (TASKRUN_FLAG) as soon as one waits, so a look that
+            // finds it down and nothing to submit enters not at all: one system call per
+            // completion batch rather than one per look (a polling loop looks often).
+            let pending = ring.submission().taskrun();
+            let entered = if deferred && in_flight > 0 && want == 0 && !pending && queued == 0 {
+                None
+            } else if deferred && in_flight > 0 && want == 0 {
+                // Enter with GETEVENTS, waiting for none, submitting what is queued.
                 let to_submit = ring.submission().len() as u32;
                 // SAFETY: no argument is passed; the entries queued are the caller's, kept
                 // valid until reaped (`start`'s contract).
