@@ -1,7 +1,8 @@
 //! The blk data path allocates nothing per request once warm: 1,000 reads and writes through
 //! the whole back end (socket, ring, device, io_uring), after a warm-up, make no heap
 //! allocation in the back end's thread — the ordinary way (hold + `READV`/`WRITEV`) and through
-//! registered buffers alike. The device reuses its chain, walk and iovec vectors and its lists
+//! registered buffers alike, on a memfd image (transfers complete at submission) and on an
+//! `O_DIRECT` file (they complete later). The device reuses its chain, walk and iovec vectors and its lists
 //! of ended transfers (`blk::device`, `blk::io`, `disk`).
 //!
 //! A counting global allocator counts every thread's allocations but the test's own (the
@@ -104,11 +105,34 @@ fn connect(c: &memvisor_testkit::vhost::client::Client, g: &Guest) {
     start_ring(c, g);
 }
 
+/// The image: a memfd (its transfers complete as they are submitted), or with `direct` a
+/// file under the target directory opened `O_DIRECT` (completions come later, from the
+/// kernel's deferred work); `None` where the file system refuses `O_DIRECT`.
+fn image(direct: bool) -> Option<std::fs::File> {
+    let fill = |f: &std::fs::File| f.write_all_at(&vec![7u8; 16 * MIB as usize], 0).unwrap();
+    if !direct {
+        let d = memfd(16 * MIB);
+        fill(&d);
+        return Some(d);
+    }
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("blk_alloc.img");
+    let f = std::fs::File::create(&path).unwrap();
+    fill(&f);
+    f.sync_all().unwrap();
+    let d = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .ok();
+    let _ = std::fs::remove_file(&path);
+    d
+}
+
 /// Serves warm-up then measured requests; returns the measured requests' allocations in the
 /// back end and the device's counters.
-fn run(fixed: bool) -> (u64, BlkStats) {
-    let disk = memfd(16 * MIB);
-    disk.write_all_at(&vec![7u8; 16 * MIB as usize], 0).unwrap();
+fn run(fixed: bool, disk: std::fs::File) -> (u64, BlkStats) {
     let mut g = Guest::new(16 * MIB);
     let options = BlkOptions {
         fixed_buffers: fixed,
@@ -134,16 +158,26 @@ fn run(fixed: bool) -> (u64, BlkStats) {
 #[test]
 fn a_blk_request_allocates_nothing_once_warm() {
     DRIVER.with(|d| d.set(true));
-    let (plain, s) = run(false);
-    assert_eq!(s.failed, 0, "{s:?}");
-    let (fixed, f) = run(true);
-    assert_eq!(f.failed, 0, "{f:?}");
-    println!(
-        "allocations over {MEASURED} requests: ordinary {plain}, registered buffers {fixed} \
-         ({} of {} went fixed)",
-        f.fixed,
-        f.reads + f.writes
-    );
-    assert_eq!(plain, 0, "the ordinary way allocates per request");
-    assert_eq!(fixed, 0, "the fixed way allocates per request");
+    for direct in [false, true] {
+        let what = if direct { "O_DIRECT file" } else { "memfd" };
+        let (Some(a), Some(b)) = (image(direct), image(direct)) else {
+            println!(
+                "skipped: a_blk_request_allocates_nothing_once_warm ({what}): the target \
+                 directory's file system refuses O_DIRECT"
+            );
+            continue;
+        };
+        let (plain, s) = run(false, a);
+        assert_eq!(s.failed, 0, "{s:?}");
+        let (fixed, f) = run(true, b);
+        assert_eq!(f.failed, 0, "{f:?}");
+        println!(
+            "{what}: allocations over {MEASURED} requests: ordinary {plain}, registered \
+             buffers {fixed} ({} of {} went fixed)",
+            f.fixed,
+            f.reads + f.writes
+        );
+        assert_eq!(plain, 0, "{what}: the ordinary way allocates per request");
+        assert_eq!(fixed, 0, "{what}: the fixed way allocates per request");
+    }
 }
