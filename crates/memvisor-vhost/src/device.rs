@@ -92,6 +92,17 @@ pub trait Device: Send {
         let _ = (memory, wait);
         Ok(Vec::new())
     }
+    /// [`Device::complete`] into `used` (emptied first), which the back end keeps between
+    /// calls: a device that overrides it ends its requests with no allocation once warm.
+    fn complete_into(
+        &mut self,
+        memory: &FrontendMemory,
+        wait: bool,
+        used: &mut Vec<Used>,
+    ) -> Result<()> {
+        *used = self.complete(memory, wait)?;
+        Ok(())
+    }
     /// For a device whose queues are independent: a device of the same kind, sharing what
     /// this one shares (an image, its live counters), to serve one queue on a thread of its own ([`crate::backend`] lends it a ring between messages). `None` (the default):
     /// every queue is served on the back end's thread.

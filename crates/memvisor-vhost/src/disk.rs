@@ -98,8 +98,8 @@ impl Topology {
 /// How a ring was set up: the io_uring setup flags the kernel took, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RingSetup {
-    /// `SINGLE_ISSUER | DEFER_TASKRUN`: completions run only when the owner enters with
-    /// `GETEVENTS` (Linux 6.1).
+    /// `SINGLE_ISSUER | DEFER_TASKRUN | TASKRUN_FLAG`: completions run only when the owner
+    /// enters with `GETEVENTS`, which it does only while the kernel says some wait (Linux 6.1).
     DeferTaskrun,
     /// `COOP_TASKRUN`: completions run at the owner's next kernel entry, without interrupting
     /// it (Linux 5.19).
@@ -120,7 +120,11 @@ impl RingSetup {
         let mut b = io_uring::IoUring::builder();
         match self {
             RingSetup::DeferTaskrun => {
-                b.setup_single_issuer().setup_defer_taskrun();
+                // TASKRUN_FLAG: the kernel raises IORING_SQ_TASKRUN while deferred completions
+                // wait to be posted, so `finished` enters only then (Linux 5.19).
+                b.setup_single_issuer()
+                    .setup_defer_taskrun()
+                    .setup_taskrun_flag();
             }
             RingSetup::CoopTaskrun => {
                 b.setup_coop_taskrun();
@@ -589,12 +593,19 @@ impl Disk {
     /// logged and the wait tried again.
     pub fn finished(&mut self, wait: bool) -> Vec<(u64, Result<u64>)> {
         let mut out = Vec::new();
+        self.finished_into(wait, &mut out);
+        out
+    }
+
+    /// [`Disk::finished`] into `out` (emptied first), which the caller keeps between calls.
+    pub fn finished_into(&mut self, wait: bool, out: &mut Vec<(u64, Result<u64>)>) {
+        out.clear();
         if self.in_flight > 0 && !self.on_owner() {
             log::error!(
                 "blk: {} transfers out on another thread's io_uring cannot be reaped here",
                 self.in_flight
             );
-            return out;
+            return;
         }
         if let Some(f) = self.done_fd.as_ref() {
             let mut b = [0u8; 8];
@@ -605,14 +616,19 @@ impl Disk {
         let in_flight = self.in_flight;
         let deferred = self.setup == Some(RingSetup::DeferTaskrun);
         let Some(Some(ring)) = self.ring.as_mut() else {
-            return out;
+            return;
         };
         loop {
             let want = usize::from(wait && out.is_empty() && in_flight > 0);
-            let entered = if deferred && in_flight > 0 && want == 0 {
-                // Deferred completions are posted only by an enter with GETEVENTS, which the
-                // crate's `submit` adds only while IORING_SQ_TASKRUN is up (a flag this ring
-                // does not ask for): enter so, waiting for none.
+            // Deferred completions are posted only by an enter with GETEVENTS; the kernel
+            // raises IORING_SQ_TASKRUN (TASKRUN_FLAG) as soon as one waits, so a look that
+            // finds it down and nothing to submit enters not at all: one system call per
+            // completion batch rather than one per look (a polling loop looks often).
+            let pending = ring.submission().taskrun();
+            let entered = if deferred && in_flight > 0 && want == 0 && !pending && queued == 0 {
+                None
+            } else if deferred && in_flight > 0 && want == 0 {
+                // Enter with GETEVENTS, waiting for none, submitting what is queued.
                 let to_submit = ring.submission().len() as u32;
                 // SAFETY: no argument is passed; the entries queued are the caller's, kept
                 // valid until reaped (`start`'s contract).
@@ -655,7 +671,6 @@ impl Disk {
             }
         }
         self.in_flight -= out.len();
-        out
     }
 
     /// The io_uring, made on first use on this thread with an eventfd for its completions, with

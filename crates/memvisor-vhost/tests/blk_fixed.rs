@@ -205,4 +205,28 @@ fn lone_requests_go_fixed_too() {
     }
     // The first goes the ordinary way (its chunk cold), the rest through the chunk.
     assert_eq!((s.fixed, s.fixed_ordinary), (19, 1), "{s:?}");
+    // Only the one that went the ordinary way was held.
+    assert_eq!(s.holds, 1, "{s:?}");
+}
+
+/// A transfer through a registered chunk is translated and counted in flight on its chunk,
+/// never held: the device's hold counter counts only the transfers that went the ordinary way.
+/// (Were the hold put back on the fixed path, `holds` would count every request.)
+#[test]
+fn fixed_transfers_take_no_hold() {
+    let (_, _, s) = run(true, false);
+    assert_eq!(s.failed, 0, "{s:?}");
+    if s.fixed == 0 && s.fixed_fallbacks > 0 {
+        println!("skipped: fixed_transfers_take_no_hold: the host refused registration");
+        return;
+    }
+    assert!(s.fixed > 0, "nothing went fixed: {s:?}");
+    assert_eq!(
+        s.holds + s.fixed,
+        s.reads + s.writes,
+        "every transfer is either held or fixed, not both: {s:?}"
+    );
+    // The plain run holds every one.
+    let (_, _, p) = run(false, false);
+    assert_eq!((p.holds, p.fixed), (p.reads + p.writes, 0), "{p:?}");
 }

@@ -309,6 +309,9 @@ impl<D: Device + 'static> Backend<D> {
         let mut window: Option<service::PollWindow> = None;
         // Whether the last wake-up brought work: then the window follows it and polling starts.
         let mut work = false;
+        // What each wake-up polls, kept between wake-ups (no allocation per wake-up).
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut rings: Vec<usize> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             if self.device.config_changed() {
                 self.notify_config_change()?;
@@ -340,11 +343,12 @@ impl<D: Device + 'static> Backend<D> {
             if let (Some(w), true) = (window.as_mut(), std::mem::take(&mut work)) {
                 self.poll_rings(sock, w)?;
             }
-            let mut fds = vec![libc::pollfd {
+            fds.clear();
+            fds.push(libc::pollfd {
                 fd: sock.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
-            }];
+            });
             // The device's completions, if it has work out.
             let done_fd = self.device.completion_fd();
             if let Some(fd) = done_fd {
@@ -356,7 +360,7 @@ impl<D: Device + 'static> Backend<D> {
             }
             self.publish_rings();
             let first_ring = fds.len();
-            let mut rings = Vec::new();
+            rings.clear();
             for (i, v) in self.vrings.iter().enumerate() {
                 // A ring lent to a worker (no queue here) is the worker's to wake.
                 if let (true, true, Some(k)) = (v.started, v.queue.is_some(), &v.kick) {

@@ -36,13 +36,14 @@
 //! IOTLB misses (a worker is never lent a ring behind a vIOMMU) and stops a broken ring itself;
 //! a worker tells the frontend through the ring's error descriptor and hands the ring back.
 
+use std::cell::Cell;
 use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use virtio_queue::QueueT;
 
-use crate::device::{Device, Processed};
+use crate::device::{Device, Processed, Used};
 use crate::error::Result;
 use crate::live::RingCounters;
 use crate::memory::FrontendMemory;
@@ -286,6 +287,21 @@ struct Ended {
     tell: Vec<u16>,
 }
 
+thread_local! {
+    /// The chains a device ended and the rings to interrupt, kept between passes on this
+    /// thread: ending requests allocates nothing once they have grown.
+    static USED: Cell<Vec<Used>> = const { Cell::new(Vec::new()) };
+    static TELL: Cell<Vec<u16>> = const { Cell::new(Vec::new()) };
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        let mut tell = std::mem::take(&mut self.tell);
+        tell.clear();
+        let _ = TELL.try_with(|t| t.set(tell));
+    }
+}
+
 /// Takes what the device finished and puts each chain back on its ring, one ring at a time.
 fn finish<D: Device, R: Rings>(
     device: &mut D,
@@ -293,18 +309,19 @@ fn finish<D: Device, R: Rings>(
     memory: &FrontendMemory,
     wait: bool,
 ) -> Ended {
-    let mut used = match device.complete(memory, wait) {
-        Ok(u) => u,
-        Err(e) => {
-            log::error!("{}: ending requests: {e}", device.name());
-            Vec::new()
-        }
-    };
+    let mut used = USED.take();
+    if let Err(e) = device.complete_into(memory, wait, &mut used) {
+        log::error!("{}: ending requests: {e}", device.name());
+        used.clear();
+    }
     let any = !used.is_empty();
-    // Stable: each ring's chains stay in the order they ended.
-    used.sort_by_key(|u| u.ring);
+    // Stable: each ring's chains stay in the order they ended (a stable sort allocates: not
+    // for chains of one ring, already in order).
+    if !used.is_sorted_by_key(|u| u.ring) {
+        used.sort_by_key(|u| u.ring);
+    }
     let mem = memory.dma().memory();
-    let mut tell = Vec::new();
+    let mut tell = TELL.take();
     for chunk in used.chunk_by(|a, b| a.ring == b.ring) {
         let index = chunk[0].ring;
         let Some(ring) = rings.ring(index) else {
@@ -344,6 +361,8 @@ fn finish<D: Device, R: Rings>(
             tell.push(index);
         }
     }
+    used.clear();
+    USED.set(used);
     Ended { any, tell }
 }
 

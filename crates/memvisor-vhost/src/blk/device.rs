@@ -5,14 +5,15 @@
 
 use std::time::Instant;
 
-use memvisor::DmaSpace;
-use memvisor::dma::{SgBuf, SgWalk};
+use memvisor::dma::{DmaCursor, Miss, SgBuf, SgGuard, SgWalk};
+use memvisor::{DmaSpace, Prot};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT;
 use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
-use super::io::{Ready, elapsed_ns};
+use super::fixed::Claim;
+use super::io::{Pages, Ready, elapsed_ns};
 use super::request::{Failure, Outcome};
 use super::throttle::Wake;
 use super::{Blk, SECTOR};
@@ -81,12 +82,15 @@ impl Device for Blk {
         self.looked = true;
         let dma = memory.dma().clone();
         self.follow_fixed(index, memory);
-        let mut batch = Vec::new();
+        let mut batch = std::mem::take(&mut self.batch);
         let mut any = false;
-        let taken = self.take(index, queue, memory, &mut batch, &mut any);
+        let mut bufs = std::mem::take(&mut self.chain);
+        let taken = self.take(index, queue, memory, &mut batch, &mut any, &mut bufs);
+        self.chain = bufs;
         // Whatever stopped the taking (the ring empty, a miss to ask about, a broken ring),
         // what it prepared goes to the kernel.
         self.launch(index, queue, &dma, &mut batch, &mut any);
+        self.batch = batch;
         if let Some(misses) = taken? {
             return Ok(Processed::Missed { misses });
         }
@@ -135,12 +139,23 @@ impl Device for Blk {
     }
 
     fn complete(&mut self, memory: &FrontendMemory, wait: bool) -> Result<Vec<Used>> {
-        self.throttle_woke();
-        let dma = memory.dma().clone();
         let mut used = Vec::new();
+        self.complete_into(memory, wait, &mut used)?;
+        Ok(used)
+    }
+
+    fn complete_into(
+        &mut self,
+        memory: &FrontendMemory,
+        wait: bool,
+        used: &mut Vec<Used>,
+    ) -> Result<()> {
+        self.throttle_woke();
+        used.clear();
+        let dma = memory.dma().clone();
+        let mut ended = std::mem::take(&mut self.ended);
         loop {
-            #[allow(unused_mut)]
-            let mut ended = self.disk.finished(wait);
+            self.disk.finished_into(wait, &mut ended);
             #[cfg(feature = "test-hooks")]
             let reorder = memory.faults().reorder;
             #[cfg(feature = "test-hooks")]
@@ -148,7 +163,7 @@ impl Device for Blk {
                 ended.reverse();
             }
             // (With `reorder`, the ring service pauses between the chains it puts back.)
-            for (key, result) in ended {
+            for (key, result) in ended.drain(..) {
                 let slot = key as usize;
                 let Some(mut o) = self.out.get_mut(slot).and_then(Option::take) else {
                     log::error!("blk: a transfer ended under key {key}, which names none");
@@ -157,7 +172,7 @@ impl Device for Blk {
                 let (offset, read) = (o.ready.sector * SECTOR, o.ready.to_guest);
                 let result = match result {
                     Err(Error::Os { source, .. })
-                        if o.ready.fixed.is_some()
+                        if o.ready.fixed.as_ref().is_some_and(|c| c.usable)
                             && matches!(
                                 source.raw_os_error(),
                                 Some(libc::EINVAL | libc::EOPNOTSUPP | libc::EFAULT)
@@ -170,10 +185,9 @@ impl Device for Blk {
                                 f.refuse_vectored();
                             }
                         }
-                        if let (Some((first, _)), Some(f)) =
-                            (o.ready.fixed.take(), self.fixed.as_ref())
-                        {
-                            f.release(first);
+                        // Its claim stays: it keeps the pages from a discard until the end.
+                        if let Some(c) = o.ready.fixed.as_mut() {
+                            c.usable = false;
                         }
                         self.count(o.ring).fixed.sub(1);
                         self.count(o.ring).fixed_fallbacks.add(1);
@@ -196,10 +210,10 @@ impl Device for Blk {
                         // buffer, whose chunk still counts it in flight, if it went so).
                         o.done += n;
                         advance(&mut o.ready.iov, n as usize);
-                        let again = match o.ready.fixed {
+                        let again = match o.ready.fixed.as_ref().and_then(|c| c.slot()) {
                             // SAFETY: as in `launch`: the same held memory, the rest of it,
                             // inside the same registered chunk.
-                            Some((_, s)) => unsafe {
+                            Some(s) => unsafe {
                                 self.disk
                                     .start_fixed(&o.ready.iov, offset + o.done, read, key, s)
                             },
@@ -251,7 +265,8 @@ impl Device for Blk {
             let q = f.queue;
             self.count_fixed(q);
         }
-        Ok(used)
+        self.ended = ended;
+        Ok(())
     }
 
     fn join_worker(&mut self, worker: Blk) {
@@ -320,6 +335,7 @@ impl Blk {
     /// ring, reads and writes ready for the kernel into `batch` (run when it is full, and by
     /// the caller at the end). Sets `any` when something went back. Behind a vIOMMU, returns
     /// the unmapped pages a request needs (the chain put back, for the back end to ask about).
+    /// Each chain's buffers are read into `bufs`, kept between passes.
     fn take(
         &mut self,
         index: u16,
@@ -327,19 +343,25 @@ impl Blk {
         memory: &FrontendMemory,
         batch: &mut Vec<(u16, Ready)>,
         any: &mut bool,
+        bufs: &mut Vec<Buf>,
     ) -> Result<Option<Vec<memvisor::dma::Miss>>> {
         // Rings, descriptors and indirect tables are all read at device addresses, through
         // the device space (the IOTLB behind a vIOMMU).
         let dma = memory.dma().clone();
         let mem = dma.memory();
         let ask = memory.is_iotlb() && !self.fail_misses;
+        // With registered buffers, requests are translated on this pass's cursor.
+        let mut cursor = self.fixed.is_some().then(|| dma.cursor());
         loop {
             // Heads a back end before this one left in flight come first (the driver kicked
             // for them long ago), then the available ring.
             let redo = queue.resubmit();
-            let (head, bufs, indirect, cut) = match redo {
+            let (head, indirect, cut) = match redo {
                 Some(head) => match queue.chain(&mem, head) {
-                    Ok((bufs, indirect)) => (head, bufs, indirect, mem.take_miss()),
+                    Ok((got, indirect)) => {
+                        *bufs = got;
+                        (head, indirect, mem.take_miss())
+                    }
                     Err(e) => {
                         if let (true, Some(m)) = (ask, mem.take_miss()) {
                             queue.resubmit_later(head);
@@ -381,16 +403,15 @@ impl Blk {
                     let indirect = mem
                         .read_obj::<u16>(GuestAddress(flags_at))
                         .is_ok_and(|f| u32::from(f) & VRING_DESC_F_INDIRECT != 0);
-                    let bufs: Vec<Buf> = chain
-                        .map(|d| Buf {
-                            addr: d.addr().0,
-                            len: d.len(),
-                            write: d.is_write_only(),
-                        })
-                        .collect();
+                    bufs.clear();
+                    bufs.extend(chain.map(|d| Buf {
+                        addr: d.addr().0,
+                        len: d.len(),
+                        write: d.is_write_only(),
+                    }));
                     // virtio-queue ends a chain at a descriptor it cannot read: a miss in the
                     // table (or an indirect table) cut it short.
-                    (head, bufs, indirect, mem.take_miss())
+                    (head, indirect, mem.take_miss())
                 }
             };
             // One walk of the device space per request: it holds the buffers' pages and
@@ -403,7 +424,7 @@ impl Blk {
             // It is counted only once it goes, not when put back for a miss.
             let mut admitted = None;
             if cut.is_none() {
-                match self.throttled(&dma, &bufs) {
+                match self.throttled(&dma, bufs) {
                     Err(wait) => {
                         match redo {
                             Some(head) => queue.resubmit_later(head),
@@ -415,10 +436,20 @@ impl Blk {
                     Ok(go) => admitted = go,
                 }
             }
-            let walk = self.hold(index, &dma, &bufs);
+            let claimed = match (&mut cursor, cut) {
+                (Some(cursor), None) => self.claim_fixed(cursor, bufs),
+                _ => None,
+            };
+            let walk = match claimed {
+                Some((claim, iov)) => Ok(Walk::Chunk(claim, iov)),
+                None => self.hold(index, &dma, bufs).map(|w| match w {
+                    SgWalk::Held(g) => Walk::Held(g),
+                    SgWalk::Missed(m) => Walk::Missed(m),
+                }),
+            };
             if ask {
                 let mut misses: Vec<memvisor::dma::Miss> = cut.into_iter().collect();
-                if let Ok(SgWalk::Missed(m)) = &walk {
+                if let Ok(Walk::Missed(m)) = &walk {
                     let room = crate::miss::MAX_MISSES.saturating_sub(misses.len());
                     misses.extend(m.iter().take(room));
                 }
@@ -449,14 +480,15 @@ impl Blk {
                 }
                 None => {
                     let held = match walk {
-                        Ok(SgWalk::Held(guard)) => Ok(guard),
-                        Ok(SgWalk::Missed(m)) => Err(Failure::Hold(Error::BadChain(format!(
+                        Ok(Walk::Held(guard)) => Ok(Pages::Held(guard)),
+                        Ok(Walk::Chunk(claim, iov)) => Ok(Pages::Chunk(claim, iov)),
+                        Ok(Walk::Missed(m)) => Err(Failure::Hold(Error::BadChain(format!(
                             "buffer at iova {:#x} is not in guest memory",
                             m[0].iova.0
                         )))),
                         Err(e) => Err(Failure::Hold(e.into())),
                     };
-                    match self.request(index, &dma, &bufs, held) {
+                    match self.request(index, &dma, bufs, held) {
                         (_, Outcome::Ready(ready)) => {
                             batch.push((head, ready));
                             if batch.len() + self.disk.in_flight() >= IN_FLIGHT {
@@ -579,29 +611,96 @@ impl Blk {
         }
     }
 
+    /// With registered buffers: the chain's data buffers translated, with no hold and no walk
+    /// of the hold table, and counted in flight on the registered chunk they all lie in, with
+    /// their iovecs; `None` (the chain goes the ordinary way, [`Blk::hold`]) when they span two
+    /// chunks, the chunk is cold, evicting or refused, dirty pages are logged, or a buffer does
+    /// not translate (a miss or a bad buffer, which the hold's walk reports).
+    ///
+    /// Why no hold is needed: a hold keeps a request's pages from two things, an unmap and a
+    /// discard, and re-marks its written pages dirty when it ends.
+    /// - **Unmap.** Guest memory leaves this process's space only through a vhost-user message
+    ///   (a new memory table, an IOTLB invalidation, a log base or features change), and the
+    ///   back end waits for every transfer out before it handles any message (module `blk`
+    ///   and `crate::backend`), so no unmap can meet a transfer in flight; and the chunk is
+    ///   keyed by host address, so a later IOTLB change cannot make it name other memory. A
+    ///   new memory table empties every slot before the next transfer ([`BlkFixed::follow`]).
+    /// - **Discard.** The only discard that can reach pinned guest memory in this process is
+    ///   the balloon's (free page reporting included), and it asks the chunk's gate first: the
+    ///   gate skips a chunk whose in-flight count is above 0 (busy), and the count and the
+    ///   eviction are taken under one lock, so either the claim sees the chunk evicting (and
+    ///   the chain goes the ordinary way) or the discard sees it busy (`blk::fixed`).
+    /// - **Dirty pages.** While dirty pages are logged nothing is claimed (`may_claim`): the
+    ///   ordinary way's guard marks them.
+    ///
+    /// [`BlkFixed::follow`]: super::fixed::BlkFixed::follow
+    fn claim_fixed(
+        &mut self,
+        cursor: &mut DmaCursor,
+        bufs: &[Buf],
+    ) -> Option<(Claim, Vec<libc::iovec>)> {
+        let f = self.fixed.as_mut()?;
+        // A header, data buffers, a status byte: nothing else moves data.
+        if bufs.len() < 3 || !f.may_claim() {
+            return None;
+        }
+        let sg = &mut self.sg;
+        sg.clear();
+        sg.extend(bufs.iter().map(|b| SgBuf {
+            iova: memvisor::Iova(b.addr),
+            len: u64::from(b.len),
+            prot: if b.write { Prot::WRITE } else { Prot::READ },
+        }));
+        cursor.translate_sg_into(sg, &mut self.xlate).ok()?;
+        let mut iov = self.iovs.take();
+        iov.extend(
+            (1..bufs.len() - 1)
+                .flat_map(|i| self.xlate.buffer(i))
+                .map(|s| libc::iovec {
+                    iov_base: s.hva.0 as usize as *mut libc::c_void,
+                    iov_len: s.len as usize,
+                }),
+        );
+        match f.claim(&mut self.disk, &iov) {
+            Some(c) => Some((c, iov)),
+            None => {
+                self.iovs.give(iov);
+                None
+            }
+        }
+    }
+
     /// Walks the buffers of a chain once ([`DmaSpace::hold_sg_into`]), timing it. The pages
     /// are counted in queue `q`'s own shard of the hold table, so two queues never share one.
-    /// The guard goes with the transfer and is dropped when it completes, so its vectors are
-    /// not kept for the next request yet (that needs the completion to give it back to a
-    /// per-queue [`SgScratch`](memvisor::dma::SgScratch)).
-    fn hold(&self, q: u16, dma: &DmaSpace, bufs: &[Buf]) -> memvisor::Result<SgWalk> {
-        let sg: Vec<SgBuf> = bufs
-            .iter()
-            .map(|b| SgBuf {
-                iova: memvisor::Iova(b.addr),
-                len: u64::from(b.len),
-                prot: if b.write {
-                    memvisor::Prot::WRITE
-                } else {
-                    memvisor::Prot::READ
-                },
-            })
-            .collect();
+    /// The guard's vectors come from a scratch the device keeps; the guard goes with the
+    /// transfer and gives them back when it ends (`Blk::settle`), so a walk allocates nothing
+    /// once as many have grown as transfers are out.
+    fn hold(&mut self, q: u16, dma: &DmaSpace, bufs: &[Buf]) -> memvisor::Result<SgWalk> {
+        let sg = &mut self.sg;
+        sg.clear();
+        sg.extend(bufs.iter().map(|b| SgBuf {
+            iova: memvisor::Iova(b.addr),
+            len: u64::from(b.len),
+            prot: if b.write { Prot::WRITE } else { Prot::READ },
+        }));
+        let mut scratch = self
+            .scratches
+            .pop()
+            .unwrap_or_else(|| memvisor::dma::SgScratch::for_queue(q));
+        scratch.set_queue(q);
         let start = Instant::now();
-        let walk = dma.hold_sg_into(&sg, &mut memvisor::dma::SgScratch::for_queue(q));
+        let walk = dma.hold_sg_into(sg, &mut scratch);
         let c = self.count(q);
         c.holds.add(1);
         c.hold_ns.add(elapsed_ns(start));
         walk
     }
+}
+
+/// What the walk of a chain found: its pages held, or claimed in a registered chunk
+/// ([`Blk::claim_fixed`]), or the misses to ask about.
+enum Walk {
+    Held(SgGuard),
+    Chunk(Claim, Vec<libc::iovec>),
+    Missed(Vec<Miss>),
 }

@@ -157,7 +157,7 @@ impl FixedChunks {
     }
 
     /// On the ring's thread: the slot a transfer of `iov` goes through, inside host memory
-    /// `[region.0, region.1)`; the chunk counts it in flight until [`FixedChunks::release`].
+    /// `[region.0, region.1)`; the chunk counts it in flight until released ([`Claim`]).
     /// `None`: it goes the ordinary way (counted); a cold chunk is queued for
     /// [`FixedChunks::register_cold`].
     pub fn acquire(
@@ -323,12 +323,11 @@ impl FixedChunks {
         self.no_vectored = true;
     }
 
-    /// A transfer through the chunk holding host address `first` ended.
+    /// A transfer through the chunk holding host address `first` ended (the device's
+    /// transfers let go by dropping their [`Claim`]).
+    #[cfg(test)]
     pub fn release(&self, first: u64) {
-        let mut t = lock(&self.shared.table);
-        if let Some(ch) = t.chunks.get_mut(&(first / CHUNK)) {
-            ch.in_flight = ch.in_flight.saturating_sub(1);
-        }
+        self.shared.release(first);
     }
 
     /// On the ring's thread, when woken: empties the slots discards asked for.
@@ -507,9 +506,26 @@ impl BlkFixed {
         }
     }
 
-    /// The transfer through the chunk holding `first` ended.
-    pub fn release(&self, first: u64) {
-        self.chunks.release(first);
+    /// [`BlkFixed::acquire`] as a [`Claim`], which lets the chunk go when dropped.
+    pub fn claim(&mut self, disk: &mut Disk, iov: &[libc::iovec]) -> Option<Claim> {
+        let slot = self.acquire(disk, iov)?;
+        Some(Claim {
+            gate: self.chunks.gate(),
+            first: iov.first().map_or(0, |v| v.iov_base as u64),
+            slot,
+            usable: true,
+        })
+    }
+
+    /// Whether a transfer may go through a registered chunk at all now (not while dirty
+    /// pages are logged, nor without memory that may be registered); if not, it is counted
+    /// as going the ordinary way.
+    pub fn may_claim(&mut self) -> bool {
+        let ok = !self.logging && !self.regions.is_empty();
+        if !ok {
+            self.chunks.counts.ordinary += 1;
+        }
+        ok
     }
 
     /// A transfer [`BlkFixed::acquire`] counted as fixed did not go so after all.
@@ -543,7 +559,40 @@ impl BlkFixed {
     }
 }
 
+/// A transfer counted in flight on its registered chunk ([`BlkFixed::claim`]) until dropped:
+/// while it lives the chunk stays registered and a discard skips it (busy). Through `slot`
+/// while `usable`; a transfer the kernel refused as a fixed one goes on the ordinary way with
+/// the claim kept, since the claim, not a hold, is what keeps its pages from a discard.
+pub struct Claim {
+    gate: Arc<Shared>,
+    /// A host address inside the chunk.
+    first: u64,
+    pub slot: u16,
+    pub usable: bool,
+}
+
+impl Claim {
+    /// The registered buffer the transfer goes through, unless the kernel refused that.
+    pub fn slot(&self) -> Option<u16> {
+        self.usable.then_some(self.slot)
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.gate.release(self.first);
+    }
+}
+
 impl Shared {
+    /// A transfer through the chunk holding host address `first` ended.
+    fn release(&self, first: u64) {
+        let mut t = lock(&self.table);
+        if let Some(ch) = t.chunks.get_mut(&(first / CHUNK)) {
+            ch.in_flight = ch.in_flight.saturating_sub(1);
+        }
+    }
+
     /// [`DiscardGate::evict`]'s work: the busy runs.
     fn evict_range(&self, hva: u64, len: u64, wait: Duration) -> Vec<(u64, u64)> {
         let (first, last) = (hva / CHUNK, (hva + len).div_ceil(CHUNK));

@@ -1,33 +1,49 @@
 //! A read or write moving between guest memory and the image.
 //!
 //! The request's buffers come held, with their host segments, from the one walk the device
-//! made of them ([`SgGuard`]). The data buffers' segments become iovecs for the kernel; a
+//! made of them ([`SgGuard`]) — or, with registered buffers, translated only and counted in
+//! flight on the registered chunk they lie in ([`Claim`], no hold: `device` says why none is
+//! needed). The data buffers' segments become iovecs for the kernel; a
 //! transfer an `O_DIRECT` image cannot take as it is (buffers not aligned as it needs) is
 //! copied through an aligned buffer of ours instead ([`Blk::bounce`]). Ready transfers go to
 //! the kernel together (io_uring, [`Disk::start`]) or, alone, at once (`preadv` / `pwritev`);
-//! each ends in [`Blk::end_transfer`], where its guard drops and lets the pages go.
+//! each ends in [`Blk::end_transfer`], where its guard (or its claim) drops and lets the pages
+//! go.
 
 use std::time::Instant;
 
 use memvisor::dma::SgGuard;
 use memvisor::{DmaSpace, Iova};
 
+use super::fixed::Claim;
 use super::request::{Failure, Outcome};
 use super::stats::Op;
 use super::{Blk, S_OK, SECTOR};
-use crate::disk::AlignedBuf;
 #[cfg(doc)]
 use crate::disk::Disk;
+use crate::disk::{AlignedBuf, IN_FLIGHT};
 use crate::error::{Error, Result};
 use crate::ring::{Desc as Buf, Ring};
 
-/// A read or write whose pages are held and whose iovecs point at them: ready for the
+/// How a request's pages are kept from a discard and an unmap while the kernel moves them.
+pub(super) enum Pages {
+    /// Held by the walk's guard (the ordinary way).
+    Held(SgGuard),
+    /// Counted in flight on the registered chunk they all lie in, with the data buffers'
+    /// iovecs: nothing held.
+    Chunk(Claim, Vec<libc::iovec>),
+}
+
+/// A read or write whose pages are kept and whose iovecs point at them: ready for the
 /// kernel, which carries it out at once or in a batch through io_uring.
 pub(super) struct Ready {
-    /// Holds the request's pages until it ends.
-    guard: SgGuard,
-    /// 4 KiB pages the guard holds.
+    /// Holds the request's pages until it ends (`None`: it went through a registered chunk,
+    /// which `fixed` keeps).
+    guard: Option<SgGuard>,
+    /// 4 KiB pages under its data buffers.
     pages: u64,
+    /// Of them, held by the guard.
+    held: u64,
     /// Host addresses of its data buffers.
     pub iov: Vec<libc::iovec>,
     pub sector: u64,
@@ -37,9 +53,9 @@ pub(super) struct Ready {
     pub status_at: u64,
     /// When its buffers were held (its latency runs from here).
     started: Instant,
-    /// Went out through registered buffer `.1`, whose chunk holds host address `.0` and
-    /// counts the transfer in flight until it ends ([`super::fixed`]).
-    pub fixed: Option<(u64, u16)>,
+    /// Goes through a registered buffer, whose chunk counts the transfer in flight until it
+    /// ends ([`super::fixed`]).
+    pub fixed: Option<Claim>,
     /// TEST ONLY: the locked pins the blk hook took on top of the guard's holds
     /// ([`Faults::locked_blk_pins`](memvisor::faults::Faults::locked_blk_pins)).
     #[cfg(feature = "test-hooks")]
@@ -51,6 +67,27 @@ pub(super) struct Ready {
 // mapped and held until the request ends (its guard) and the back end lets no memory go while
 // transfers are out.
 unsafe impl Send for Ready {}
+
+/// iovec vectors of requests that ended, kept empty for the next ones (no allocation per
+/// request once they have grown).
+#[derive(Default)]
+pub(super) struct Iovs(Vec<Vec<libc::iovec>>);
+
+// SAFETY: the vectors kept are empty: no address in them is ever read again.
+unsafe impl Send for Iovs {}
+
+impl Iovs {
+    /// An empty vector, from the kept ones if there is one.
+    pub fn take(&mut self) -> Vec<libc::iovec> {
+        self.0.pop().unwrap_or_default()
+    }
+
+    /// Keeps `v`, emptied, for a later request.
+    pub fn give(&mut self, mut v: Vec<libc::iovec>) {
+        v.clear();
+        self.0.push(v);
+    }
+}
 
 /// A read or write handed to the kernel: where its chain goes back, and what it holds.
 pub(super) struct Out {
@@ -70,7 +107,7 @@ impl Blk {
         q: u16,
         dma: &DmaSpace,
         data: &[Buf],
-        guard: SgGuard,
+        kept: Pages,
         sector: u64,
         to_guest: bool,
         status_at: u64,
@@ -120,28 +157,47 @@ impl Blk {
             Ok(h) => h,
             Err(e) => return Outcome::Failed(Failure::Hold(e.into())),
         };
-        // The data buffers are the chain's second to last but one: the guard's buffers 1..
-        let iov: Vec<libc::iovec> = (1..=data.len())
-            .flat_map(|i| guard.buffer(i))
-            .map(|s| libc::iovec {
-                iov_base: s.hva.0 as usize as *mut libc::c_void,
-                iov_len: s.len as usize,
-            })
-            .collect();
-        let pages = guard.buffer_pages(1..data.len() + 1);
+        let (guard, fixed, iov, pages, held) = match kept {
+            Pages::Held(guard) => {
+                // The data buffers are the chain's second to last but one: the guard's
+                // buffers 1..
+                let mut iov = self.iovs.take();
+                iov.extend(
+                    (1..=data.len())
+                        .flat_map(|i| guard.buffer(i))
+                        .map(|s| libc::iovec {
+                            iov_base: s.hva.0 as usize as *mut libc::c_void,
+                            iov_len: s.len as usize,
+                        }),
+                );
+                let pages = guard.buffer_pages(1..data.len() + 1);
+                (Some(guard), None, iov, pages, pages)
+            }
+            Pages::Chunk(claim, iov) => {
+                let pages = iov
+                    .iter()
+                    .map(|v| {
+                        let s = v.iov_base as u64;
+                        (s + v.iov_len as u64).div_ceil(memvisor::PAGE_4K) - s / memvisor::PAGE_4K
+                    })
+                    .sum();
+                (None, Some(claim), iov, pages, 0)
+            }
+        };
         let c = self.count(q);
-        c.pinned_pages.add(pages);
+        c.pinned_pages.add(held);
         c.most_pinned_pages.raise(c.pinned_pages.get());
         let ready = Ready {
             guard,
             pages,
+            held,
             iov,
             sector,
             to_guest,
             total,
             status_at,
             started,
-            fixed: None,
+            fixed,
             #[cfg(feature = "test-hooks")]
             _hook: hook,
         };
@@ -151,6 +207,11 @@ impl Blk {
         }
         let offset = sector * SECTOR;
         if !self.disk.fits(&ready.iov, offset, total) {
+            if ready.fixed.is_some() {
+                if let Some(f) = self.fixed.as_mut() {
+                    f.uncount_fixed();
+                }
+            }
             let moved = self.bounce(q, dma, data, offset, to_guest, total);
             return self.settle(q, ready, moved);
         }
@@ -177,24 +238,32 @@ impl Blk {
         let Ready {
             guard,
             pages,
+            held,
             sector,
             to_guest,
             total,
             started,
             fixed,
+            iov,
             ..
         } = ready;
+        self.iovs.give(iov);
         // Its chunk may be given up to a discard from now on.
-        if let (Some((first, _)), Some(f)) = (fixed, self.fixed.as_ref()) {
-            f.release(first);
+        drop(fixed);
+        if let Some(guard) = guard {
+            let start = Instant::now();
+            // Let go, its vectors kept for the next walk (`Blk::hold`).
+            let mut scratch = memvisor::dma::SgScratch::for_queue(q);
+            scratch.recycle(guard);
+            if self.scratches.len() < IN_FLIGHT {
+                self.scratches.push(scratch);
+            }
+            self.count(q).release_ns.add(elapsed_ns(start));
         }
-        let start = Instant::now();
-        drop(guard);
         let c = self.count(q);
-        c.release_ns.add(elapsed_ns(start));
         let op = if to_guest { Op::Read } else { Op::Write };
         c.record_latency(op, elapsed_ns(started));
-        c.pinned_pages.sub(pages);
+        c.pinned_pages.sub(held);
         match moved {
             Ok(n) => {
                 debug_assert_eq!(n, total);
@@ -242,17 +311,14 @@ impl Blk {
             let offset = ready.sector * SECTOR;
             if !alone {
                 if let Some(key) = self.free.pop() {
-                    let first = ready.iov.first().map_or(0, |v| v.iov_base as u64);
-                    let slot = match self.fixed.as_mut() {
-                        Some(f) => f.acquire(&mut self.disk, &ready.iov),
-                        None => None,
-                    };
-                    // SAFETY: the iovecs name guest memory this request's guard holds (`Ready`);
-                    // the guard goes only when the transfer comes back from the kernel
-                    // (`Device::complete`), an unmap waits for it, and the back end waits for
-                    // every transfer before any message may unmap the memory; the iovecs stay
-                    // in `Out` meanwhile; no Rust reference covers that memory. Through a
-                    // registered slot, every iovec lies in the slot's chunk (`acquire`).
+                    let slot = ready.fixed.as_ref().and_then(Claim::slot);
+                    // SAFETY: the iovecs name guest memory this request's guard holds, or its
+                    // claim keeps (`Ready`); either goes only when the transfer comes back from
+                    // the kernel (`Device::complete`), an unmap waits for a guard, a discard
+                    // skips a claimed chunk, and the back end waits for every transfer before
+                    // any message may unmap the memory; the iovecs stay in `Out` meanwhile; no
+                    // Rust reference covers that memory. Through a registered slot, every iovec
+                    // lies in the slot's chunk (`BlkFixed::claim`).
                     let started = unsafe {
                         match slot {
                             Some(s) => self.disk.start_fixed(
@@ -267,11 +333,6 @@ impl Blk {
                                 .start(&ready.iov, offset, ready.to_guest, key as u64),
                         }
                     };
-                    if let (Some(s), true) = (slot, started) {
-                        ready.fixed = Some((first, s));
-                    } else if let (Some(f), Some(_)) = (self.fixed.as_ref(), slot) {
-                        f.release(first);
-                    }
                     if started {
                         self.out[key] = Some(Out {
                             ring: index,
@@ -282,6 +343,13 @@ impl Blk {
                         continue;
                     }
                     self.free.push(key);
+                }
+                // Done at once below, the ordinary way (its claim still keeps its pages).
+                if let (Some(f), Some(c)) = (self.fixed.as_mut(), ready.fixed.as_mut()) {
+                    if c.usable {
+                        c.usable = false;
+                        f.uncount_fixed();
+                    }
                 }
             }
             let moved = match alone.then(|| self.fixed_now(&mut ready, offset)).flatten() {
@@ -316,17 +384,18 @@ impl Blk {
     /// transfer goes again the ordinary way, counted as a fallback.
     fn fixed_now(&mut self, ready: &mut Ready, offset: u64) -> Option<Result<u64>> {
         let f = self.fixed.as_mut()?;
-        let slot = f.acquire(&mut self.disk, &ready.iov)?;
-        let first = ready.iov.first().map_or(0, |v| v.iov_base as u64);
-        // SAFETY: the iovecs name guest memory this request's guard holds, inside the slot's
-        // registered chunk (`acquire`), for the length of this call.
+        let claim = ready.fixed.as_mut()?;
+        let slot = claim.slot()?;
+        // SAFETY: the iovecs name guest memory this request's claim keeps, inside the slot's
+        // registered chunk (`BlkFixed::claim`), for the length of this call.
         let moved = unsafe {
             self.disk
                 .rw_fixed_now(&ready.iov, offset, ready.to_guest, slot)
         };
         match moved {
             None => {
-                f.release(first);
+                // Done the ordinary way by the caller; the claim still keeps the pages.
+                claim.usable = false;
                 f.uncount_fixed();
                 None
             }
@@ -339,13 +408,12 @@ impl Blk {
                 if ready.iov.len() > 1 {
                     f.refuse_vectored();
                 }
-                f.release(first);
+                claim.usable = false;
                 f.uncount_fixed();
                 f.count_fallback();
                 None
             }
             Some(Ok(n)) if n > 0 && n < ready.total => {
-                ready.fixed = Some((first, slot));
                 crate::disk::advance(&mut ready.iov, n as usize);
                 // SAFETY: as above: the rest of the same held memory.
                 let rest = unsafe {
@@ -354,10 +422,7 @@ impl Blk {
                 };
                 Some(rest.map(|m| n + m))
             }
-            Some(r) => {
-                ready.fixed = Some((first, slot));
-                Some(r)
-            }
+            Some(r) => Some(r),
         }
     }
 

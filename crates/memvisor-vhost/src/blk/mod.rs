@@ -46,9 +46,11 @@
 //!
 //! **Registered buffers** (opt-in, [`BlkOptions::fixed_buffers`]): a transfer whose buffers lie
 //! in one 2 MiB chunk of guest memory registered with the queue's io_uring goes out as
-//! `READ_FIXED` / `WRITE_FIXED`, and the kernel pins nothing for it; its guard still holds its
-//! pages, and its chunk counts it in flight until it ends, so a balloon discard in this process
-//! evicts the chunk first and skips it while busy (`fixed`).
+//! `READ_FIXED` / `WRITE_FIXED`, and the kernel pins nothing for it; memvisor holds nothing
+//! either: its buffers are only translated, and its chunk counts it in flight until it ends, so
+//! a balloon discard in this process evicts the chunk first and skips it while busy (`fixed`;
+//! why that is enough: `device`, `claim_fixed`). Any other transfer (two chunks, a cold chunk,
+//! dirty logging on, a chunk the host refused) is held and walked the ordinary way.
 //!
 //! **Misses.** Behind a vIOMMU the walk runs before the chain is taken off the ring: a buffer
 //! the IOTLB does not map yet comes back as misses (every unmapped page of the chain at once,
@@ -201,6 +203,18 @@ pub struct Blk {
     /// Registered buffers on this device's ring, with `fixed_buffers`: made on the first pass
     /// (on the ring's thread).
     fixed: Option<fixed::BlkFixed>,
+    /// Reused for each request: the chain's buffers as the space sees them.
+    sg: Vec<memvisor::dma::SgBuf>,
+    /// Reused for each request: its translation, with registered buffers.
+    xlate: memvisor::dma::SgScratch,
+    /// iovec vectors of requests that ended, for the next ones.
+    iovs: io::Iovs,
+    /// Walk vectors of guards that ended, for the next walks (`Blk::hold`).
+    scratches: Vec<memvisor::dma::SgScratch>,
+    /// Reused for each pass: the chain being taken, the transfers made ready, those ended.
+    chain: Vec<crate::ring::Desc>,
+    batch: Vec<(u16, io::Ready)>,
+    ended: Vec<(u64, Result<u64>)>,
 }
 
 impl Blk {
@@ -245,6 +259,13 @@ impl Blk {
             looked: false,
             idle_fires: 0,
             fixed: None,
+            sg: Vec::new(),
+            xlate: memvisor::dma::SgScratch::default(),
+            iovs: io::Iovs::default(),
+            scratches: Vec::new(),
+            chain: Vec::new(),
+            batch: Vec::new(),
+            ended: Vec::new(),
         })
     }
 

@@ -6,14 +6,13 @@
 //! header and carries out what it names, or hands a read or write to `io`. Whatever happens
 //! becomes one [`Outcome`]; [`Blk::finish`] counts it and writes the status byte.
 
-use memvisor::dma::SgGuard;
 use memvisor::{DmaSpace, Iova};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID,
     VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
 };
 
-use super::io::{Ready, elapsed_ns};
+use super::io::{Pages, Ready, elapsed_ns};
 use super::stats::Op;
 use super::{Blk, S_IOERR, S_OK, S_UNSUPP, SECTOR};
 use crate::error::Error;
@@ -26,7 +25,8 @@ pub(super) enum Outcome {
     /// Done: its status and the bytes written into the chain (the status byte not among
     /// them).
     Done(u8, u32),
-    /// A read or write whose buffers are held, ready for the kernel.
+    /// A read or write whose buffers are kept (held, or claimed in a registered chunk), ready
+    /// for the kernel.
     Ready(Ready),
     /// Failed: answered `IOERR`.
     Failed(Failure),
@@ -47,14 +47,14 @@ impl From<Error> for Outcome {
 }
 
 impl Blk {
-    /// Starts one request chain whose buffers `held` holds (or could not hold). Returns the
+    /// Starts one request chain whose buffers `held` keeps (or could not hold). Returns the
     /// address of its status byte (`None`: the chain has none) and what became of it.
     pub(super) fn request(
         &mut self,
         q: u16,
         dma: &DmaSpace,
         bufs: &[Buf],
-        held: Result<SgGuard, Failure>,
+        held: Result<Pages, Failure>,
     ) -> (Option<u64>, Outcome) {
         // The status byte is the last byte of the last descriptor; a descriptor that runs past
         // the top of the address space has none (its end would wrap to a low address the chain
@@ -84,7 +84,7 @@ impl Blk {
         dma: &DmaSpace,
         hdr_buf: &Buf,
         data: &[Buf],
-        guard: SgGuard,
+        kept: Pages,
         status_at: u64,
     ) -> Outcome {
         if hdr_buf.write || hdr_buf.len < 16 {
@@ -105,6 +105,14 @@ impl Blk {
         }
         let kind = u32::from_le_bytes(hdr[0..4].try_into().expect("4"));
         let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8"));
+        if let (Pages::Chunk(..), false, Some(f)) = (
+            &kept,
+            matches!(kind, VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT),
+            self.fixed.as_mut(),
+        ) {
+            // Claimed before the header was read, for no transfer: not counted as one.
+            f.uncount_fixed();
+        }
         match kind {
             VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT => {
                 let to_guest = kind == VIRTIO_BLK_T_IN;
@@ -125,7 +133,7 @@ impl Blk {
                         Err(e) => return e.into(),
                     }
                 }
-                self.transfer(q, dma, data, guard, sector, to_guest, status_at)
+                self.transfer(q, dma, data, kept, sector, to_guest, status_at)
             }
             VIRTIO_BLK_T_FLUSH => {
                 let flush_start = std::time::Instant::now();

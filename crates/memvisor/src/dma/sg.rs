@@ -126,20 +126,22 @@ impl SgGuard {
     /// Distinct 4 KiB IOVA pages under buffers `buffers` (a page two of them share counted
     /// once).
     pub fn buffer_pages(&self, buffers: std::ops::Range<usize>) -> u64 {
+        let pieces = || {
+            (self.counted.iter())
+                .filter(|c| buffers.contains(&c.buffer))
+                .map(|c| (c.held.iova, c.held.iova + c.held.pages))
+        };
+        // Pieces in ascending order (the usual request: buffers one after another) are
+        // counted as they come, with no list sorted.
+        if pieces().is_sorted() {
+            return count_runs(pieces());
+        }
         let mut runs: Vec<(u64, u64)> = (self.counted.iter())
             .filter(|c| buffers.contains(&c.buffer))
             .map(|c| (c.held.iova, c.held.iova + c.held.pages))
             .collect();
         runs.sort_unstable();
-        let (mut pages, mut covered) = (0, 0);
-        for (s, e) in runs {
-            let s = s.max(covered);
-            if e > s {
-                pages += e - s;
-                covered = e;
-            }
-        }
-        pages
+        count_runs(runs)
     }
 
     /// Lets go of everything counted so far (a walk that failed or missed).
@@ -197,6 +199,12 @@ impl SgScratch {
         }
     }
 
+    /// Makes it queue `queue`'s (its shard), keeping its vectors: a pool of scratches can
+    /// serve any queue.
+    pub fn set_queue(&mut self, queue: u16) {
+        self.queue = usize::from(queue);
+    }
+
     /// The host segments of every buffer of the last [`DmaCursor::translate_sg_into`], in
     /// order (adjacent pieces contiguous on the host merged within a buffer).
     pub fn segments(&self) -> &[Segment] {
@@ -227,6 +235,19 @@ impl SgScratch {
         self.counted.clear();
         self.ends.clear();
     }
+}
+
+/// Pages under `runs` (`[start, end)` page numbers in ascending order), each counted once.
+fn count_runs(runs: impl IntoIterator<Item = (u64, u64)>) -> u64 {
+    let (mut pages, mut covered) = (0, 0);
+    for (s, e) in runs {
+        let s = s.max(covered);
+        if e > s {
+            pages += e - s;
+            covered = e;
+        }
+    }
+    pages
 }
 
 /// Why one try of a walk stopped.
