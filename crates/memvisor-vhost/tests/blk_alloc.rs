@@ -91,17 +91,7 @@ fn batch(g: &mut Guest, round: u32) {
 /// Features without dirty logging (`VHOST_F_LOG_ALL`, which keeps registered buffers off),
 /// protocol features, the memory table, the ring.
 fn connect(c: &memvisor_testkit::vhost::client::Client, g: &Guest) {
-    use memvisor_vhost::proto::{self, protocol, req};
-    use std::os::fd::AsRawFd;
-    let f = c.get_u64(req::GET_FEATURES).unwrap() & !(1 << 26);
-    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
-    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
-    assert_ne!(pf & protocol::REPLY_ACK, 0);
-    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
-        .unwrap();
-    let table = proto::mem_table_bytes(&[g.region()]);
-    let fd = g.file.as_raw_fd();
-    assert_eq!(c.ack(req::SET_MEM_TABLE, &table, &[fd]).unwrap(), 0);
+    negotiate_without(c, g, F_LOG_ALL);
     start_ring(c, g);
 }
 

@@ -6,17 +6,12 @@
 
 mod common;
 
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 use common::*;
 use memvisor::Gpa;
 use memvisor_testkit::vhost::client::Client;
-use memvisor_vhost::proto::{self, protocol, req};
 use memvisor_vhost::{Blk, BlkOptions, BlkStats};
-
-/// VHOST_F_LOG_ALL: the frontend logs dirty pages (migration).
-const F_LOG_ALL: u64 = 1 << 26;
 
 /// Requests posted together (3 descriptors each in a 16-entry ring).
 const N: u16 = 5;
@@ -66,19 +61,7 @@ fn batch(g: &mut Guest, kind: u32, round: u32, sector: impl Fn(u16) -> u64) -> V
 
 /// Features (with or without dirty logging), protocol features, the memory table, the ring.
 fn connect(c: &Client, g: &Guest, log_all: bool) {
-    let f = c.get_u64(req::GET_FEATURES).unwrap();
-    let f = if log_all { f } else { f & !F_LOG_ALL };
-    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
-    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
-    assert_ne!(pf & protocol::REPLY_ACK, 0);
-    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
-        .unwrap();
-    let table = proto::mem_table_bytes(&[g.region()]);
-    assert_eq!(
-        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
-            .unwrap(),
-        0
-    );
+    negotiate_without(c, g, if log_all { 0 } else { F_LOG_ALL });
     start_ring(c, g);
 }
 

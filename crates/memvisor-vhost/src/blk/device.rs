@@ -645,12 +645,7 @@ impl Blk {
             return None;
         }
         let sg = &mut self.sg;
-        sg.clear();
-        sg.extend(bufs.iter().map(|b| SgBuf {
-            iova: memvisor::Iova(b.addr),
-            len: u64::from(b.len),
-            prot: if b.write { Prot::WRITE } else { Prot::READ },
-        }));
+        sg_from(sg, bufs);
         cursor.translate_sg_into(sg, &mut self.xlate).ok()?;
         let mut iov = self.iovs.take();
         iov.extend(
@@ -677,12 +672,7 @@ impl Blk {
     /// once as many have grown as transfers are out.
     fn hold(&mut self, q: u16, dma: &DmaSpace, bufs: &[Buf]) -> memvisor::Result<SgWalk> {
         let sg = &mut self.sg;
-        sg.clear();
-        sg.extend(bufs.iter().map(|b| SgBuf {
-            iova: memvisor::Iova(b.addr),
-            len: u64::from(b.len),
-            prot: if b.write { Prot::WRITE } else { Prot::READ },
-        }));
+        sg_from(sg, bufs);
         let mut scratch = self
             .scratches
             .pop()
@@ -703,4 +693,15 @@ enum Walk {
     Held(SgGuard),
     Chunk(Claim, Vec<libc::iovec>),
     Missed(Vec<Miss>),
+}
+
+/// The chain's buffers as the walk's input, in `sg` (emptied first, kept by the device so a
+/// request allocates nothing).
+fn sg_from(sg: &mut Vec<SgBuf>, bufs: &[Buf]) {
+    sg.clear();
+    sg.extend(bufs.iter().map(|b| SgBuf {
+        iova: memvisor::Iova(b.addr),
+        len: u64::from(b.len),
+        prot: if b.write { Prot::WRITE } else { Prot::READ },
+    }));
 }

@@ -248,7 +248,17 @@ pub fn setup(c: &Client, g: &Guest) {
 
 /// Features, protocol features and the memory table, no ring.
 pub fn negotiate(c: &Client, g: &Guest) {
-    let f = c.get_u64(req::GET_FEATURES).unwrap();
+    negotiate_without(c, g, 0)
+}
+
+/// VHOST_F_LOG_ALL: the frontend logs dirty pages (migration).
+#[allow(dead_code)]
+pub const F_LOG_ALL: u64 = 1 << 26;
+
+/// [`negotiate`] with the feature bits `clear` left out (e.g. [`F_LOG_ALL`], which keeps
+/// registered buffers off).
+pub fn negotiate_without(c: &Client, g: &Guest, clear: u64) {
+    let f = c.get_u64(req::GET_FEATURES).unwrap() & !clear;
     c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
     let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
     assert_ne!(pf & protocol::REPLY_ACK, 0);
