@@ -556,19 +556,30 @@ fn a_guest_that_never_exits_with_dirty_rings_ends_typed_not_hung() {
     if !rings_or_skip(&kvm, name, 1024) {
         return;
     }
-    let out = migrate(&kvm, ring(), Log::Merged, &WRITER_NO_EXIT);
     if pvm() {
-        println!(
-            "migration negative control, rings let through on PVM (must not migrate cleanly): {}",
-            out.line
+        // PVM overruns a ring only when a batch of emulated writes crosses its soft limit,
+        // which depends on timing: most migrations show it, some do not (a CI run on
+        // 2026-11-29 migrated cleanly once). One overrun in a few tries shows the refusal
+        // matters; a clean migration every time would say PVM keeps its ring reserve.
+        const TRIES: usize = 3;
+        let mut lines = Vec::new();
+        for _ in 0..TRIES {
+            let out = migrate(&kvm, ring(), Log::Merged, &WRITER_NO_EXIT);
+            println!(
+                "migration negative control, rings let through on PVM (must not migrate cleanly): {}",
+                out.line
+            );
+            if out.error.is_some() || out.differing > 0 {
+                return;
+            }
+            lines.push(out.line);
+        }
+        panic!(
+            "PVM kept its ring reserve in {TRIES} migrations; the refusal was not shown to matter: {}",
+            lines.join("; ")
         );
-        assert!(
-            out.error.is_some() || out.differing > 0,
-            "PVM kept its ring reserve this time; the refusal was not shown to matter: {}",
-            out.line
-        );
-        return;
     }
+    let out = migrate(&kvm, ring(), Log::Merged, &WRITER_NO_EXIT);
     println!("migration, guest without exits, dirty rings: {}", out.line);
     match &out.error {
         // A KVM that overran the ring and was caught: the vCPU and the log say so (EOVERFLOW).
