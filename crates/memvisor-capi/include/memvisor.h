@@ -287,6 +287,29 @@ int memvisor_dma_invalidate_vaddr(const memvisor_dma *dma, uint64_t iova, uint64
 int memvisor_dma_update_vaddr(const memvisor_dma *dma, uint64_t iova, uint64_t size,
                               const memvisor_backing *backing, uint64_t offset);
 
+/*
+ * An IOTLB update (vhost's VHOST_IOTLB_UPDATE, a vIOMMU's map): [iova, iova + size) maps
+ * `size` bytes of `backing` from `offset` with MEMVISOR_PROT_* `prot`, after whatever the
+ * range held was removed as memvisor_dma_invalidate_range removes it, in one step: unlike
+ * memvisor_dma_map_backing, an overlap is replaced, not -EEXIST. -EINVAL if misaligned,
+ * empty or past the backing, -ENOSPC past the mapping limit (nothing changed), -EBUSY from
+ * the removal.
+ */
+int memvisor_dma_iotlb_map(const memvisor_dma *dma, uint64_t iova,
+                           const memvisor_backing *backing, uint64_t offset, uint64_t size,
+                           uint32_t prot);
+
+/*
+ * An IOTLB invalidation (VHOST_IOTLB_INVALIDATE, a page-selective IOMMU invalidation):
+ * removes every translation in [iova, iova + size), cutting mappings at its edges (the parts
+ * outside stay mapped, with the same host memory, protection and dirty bits), and stores the
+ * bytes removed in *removed (may be NULL; 0 if nothing was mapped there). Returns once no
+ * device can reach the range; -EBUSY, nothing changed, if a device keeps pins there past 1 s.
+ * -EINVAL if the range is empty, wraps or is not page aligned.
+ */
+int memvisor_dma_invalidate_range(const memvisor_dma *dma, uint64_t iova, uint64_t size,
+                                  uint64_t *removed);
+
 /* Starts dirty page tracking (VFIO_IOMMU_DIRTY_PAGES_FLAG_START): every mapping gets a clear
  * bitmap; pages written by memvisor_dma_write, translated for WRITE (memvisor_dma_translate,
  * _translate_sg, cursors, held WRITE buffers) or pinned are marked. Starting twice keeps the
@@ -304,6 +327,17 @@ int memvisor_dma_dirty_stop(const memvisor_dma *dma);
  */
 int memvisor_dma_dirty_get_and_clear(const memvisor_dma *dma, uint64_t iova, uint64_t size,
                                      uint64_t page_size, uint64_t *bitmap, size_t words);
+
+/*
+ * Unmaps every mapping inside [iova, iova + size) as memvisor_dma_unmap does, storing the
+ * bytes unmapped in *unmapped (may be NULL), and reads the removed range's dirty bitmap in
+ * the same step (VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP), laid out as in
+ * memvisor_dma_dirty_get_and_clear. -EINVAL, nothing unmapped, if tracking is off, the bitmap
+ * arguments are wrong or `words` is too small for the range.
+ */
+int memvisor_dma_unmap_get_dirty(const memvisor_dma *dma, uint64_t iova, uint64_t size,
+                                 uint64_t page_size, uint64_t *bitmap, size_t words,
+                                 uint64_t *unmapped);
 
 /* ---- cursors: a thread's fast path -------------------------------------------------------- */
 

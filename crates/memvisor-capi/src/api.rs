@@ -717,6 +717,49 @@ pub unsafe extern "C" fn memvisor_dma_update_vaddr(
     })
 }
 
+/// `memvisor_dma_iotlb_map`: its contract (arguments, ownership, threads) is in include/memvisor.h.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memvisor_dma_iotlb_map(
+    dma: *const MemvisorDma,
+    iova: u64,
+    backing: *const MemvisorBacking,
+    offset: u64,
+    size: u64,
+    prot_bits: u32,
+) -> c_int {
+    call("memvisor_dma_iotlb_map", || {
+        // SAFETY: NULL or live handles.
+        let (dma, backing) = unsafe { (handle(dma, "dma")?, handle(backing, "backing")?) };
+        dma.0.iotlb_map(
+            Iova(iova),
+            &backing.0,
+            offset,
+            size,
+            prot(prot_bits, "prot")?,
+        )?;
+        Ok(0)
+    })
+}
+
+/// `memvisor_dma_invalidate_range`: its contract (arguments, ownership, threads) is in include/memvisor.h.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memvisor_dma_invalidate_range(
+    dma: *const MemvisorDma,
+    iova: u64,
+    size: u64,
+    removed: *mut u64,
+) -> c_int {
+    call("memvisor_dma_invalidate_range", || {
+        // SAFETY: NULL or a live handle.
+        let bytes = unsafe { handle(dma, "dma") }?
+            .0
+            .invalidate_range(Iova(iova), size)?;
+        // SAFETY: NULL or writable (the header's contract).
+        unsafe { put_opt(removed, bytes) };
+        Ok(0)
+    })
+}
+
 /// `memvisor_dma_dirty_start`: its contract (arguments, ownership, threads) is in include/memvisor.h.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn memvisor_dma_dirty_start(dma: *const MemvisorDma) -> c_int {
@@ -757,6 +800,43 @@ pub unsafe extern "C" fn memvisor_dma_dirty_get_and_clear(
         };
         dma.0
             .get_and_clear_dirty_into(Iova(iova), size, page_size, bitmap)?;
+        Ok(0)
+    })
+}
+
+/// `memvisor_dma_unmap_get_dirty`: its contract (arguments, ownership, threads) is in include/memvisor.h.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memvisor_dma_unmap_get_dirty(
+    dma: *const MemvisorDma,
+    iova: u64,
+    size: u64,
+    page_size: u64,
+    bitmap: *mut u64,
+    words: usize,
+    unmapped: *mut u64,
+) -> c_int {
+    call("memvisor_dma_unmap_get_dirty", || {
+        // SAFETY: a live handle; `bitmap` is the caller's `words` words.
+        let (dma, bitmap) = unsafe {
+            (
+                handle(dma, "dma")?,
+                array_mut(bitmap, words, "bitmap", "words")?,
+            )
+        };
+        // The bitmap must hold the range before anything is unmapped: a failed call changes
+        // nothing. A zero or wrong page size is left to the space, which names it.
+        if let Some(pages) = size.checked_div(page_size) {
+            let need = pages.div_ceil(64);
+            if (bitmap.len() as u64) < need {
+                return Err(Failure::invalid(format!(
+                    "bitmap of {words} words is too small for {pages:#x} pages ({need} words): nothing unmapped"
+                )));
+            }
+        }
+        let (bytes, bits) = dma.0.unmap_get_dirty(Iova(iova), size, page_size)?;
+        bitmap[..bits.len()].copy_from_slice(&bits);
+        // SAFETY: NULL or writable (the header's contract).
+        unsafe { put_opt(unmapped, bytes) };
         Ok(0)
     })
 }
