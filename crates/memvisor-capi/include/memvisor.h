@@ -56,9 +56,10 @@ const char *memvisor_last_error(void);
 /* ---- backings: host memory ------------------------------------------------------------ */
 
 /*
- * A backing: host memory mapped by memvisor. Made by memvisor_backing_new or
- * memvisor_backing_from_fd, freed by memvisor_backing_free (which drops the caller's
- * reference: slots and DMA mappings that use it keep it mapped). Thread-safe.
+ * A backing: host memory guest RAM lives in. Made by memvisor_backing_new,
+ * memvisor_backing_from_fd or memvisor_backing_adopt, freed by memvisor_backing_free (which
+ * drops the caller's reference: slots and DMA mappings that use it keep it mapped).
+ * Thread-safe.
  */
 typedef struct memvisor_backing memvisor_backing;
 
@@ -84,6 +85,43 @@ int memvisor_backing_new(int kind, uint64_t size, memvisor_backing **backing);
  */
 int memvisor_backing_from_fd(int fd, uint64_t file_offset, uint64_t size,
                              memvisor_backing **backing);
+
+/* Called once with its `opaque` when an adopted backing's last user is gone, from whichever
+ * thread let go of it last (memvisor_backing_free, an unmap, a slot removed): unmap there. */
+typedef void (*memvisor_release_fn)(void *opaque);
+
+/* Flags for memvisor_adopt. */
+#define MEMVISOR_ADOPT_SHARED 1u /* the mapping is MAP_SHARED (otherwise MAP_PRIVATE) */
+#define MEMVISOR_ADOPT_FD 2u     /* `fd` and `file_offset` name the file mapped */
+
+/* Memory the caller mapped itself (its own NUMA binding, huge pages, KSM advice), for
+ * memvisor_backing_adopt. Zero what is not used: 0 page_size is 4096, no flags is private
+ * memory without a file, NULL release calls nothing. */
+typedef struct memvisor_adopt {
+    void *ptr;            /* the mapping's first byte, page aligned */
+    uint64_t size;        /* bytes: whole pages */
+    uint64_t page_size;   /* what the kernel backs it with: 4096, or the hugetlbfs page size */
+    uint32_t flags;       /* MEMVISOR_ADOPT_* */
+    int fd;               /* with MEMVISOR_ADOPT_FD: the file mapped (memvisor keeps a dup) */
+    uint64_t file_offset; /* with MEMVISOR_ADOPT_FD: where the mapping starts in it */
+    memvisor_release_fn release; /* called once the backing's last user is gone (may be NULL) */
+    void *opaque;         /* handed to release */
+} memvisor_adopt;
+
+/*
+ * Adopts memory the caller mapped: a backing over it that slots, DMA mappings, pins and
+ * discards use like one memvisor made, and that memvisor never unmaps. With a file (a memfd,
+ * hugetlbfs), its fd can go to a vhost-user back end and discards punch holes in it.
+ * Checked, each -EINVAL naming the bad value and nothing adopted (release not called): a
+ * NULL or unaligned ptr, a size of no or part pages, a range that wraps or is not wholly
+ * mapped in this process, an unknown flag or page size; with a file, one that is not regular,
+ * on a file system of another page size, or shorter than the range from file_offset.
+ * The caller promises, until release is called: the range stays mapped read-write (no
+ * munmap, mremap, MAP_FIXED over it or mprotect), the description is true (shared, page
+ * size, the file mapped from that offset), and it reads and writes the memory only as memory
+ * shared with a running guest.
+ */
+int memvisor_backing_adopt(const memvisor_adopt *memory, memvisor_backing **backing);
 
 /* Frees the caller's reference to `backing` (NULL: nothing). */
 void memvisor_backing_free(memvisor_backing *backing);
@@ -179,6 +217,14 @@ int memvisor_dma_map_backing(const memvisor_dma *dma, uint64_t iova,
  * and `prot` has WRITE. */
 int memvisor_dma_map_guest(const memvisor_dma *dma, uint64_t iova, const memvisor_slots *slots,
                            uint64_t gpa, uint64_t size, uint32_t prot);
+
+/* Maps [iova, iova + size) to `size` bytes of host memory at `hva` that the caller manages
+ * itself, with MEMVISOR_PROT_* `prot`; errors as memvisor_dma_map_backing's. The caller
+ * promises the memory stays mapped readable (and writable, for WRITE) until the mapping is
+ * unmapped; memvisor reads and writes it for devices. Prefer memvisor_backing_adopt, whose
+ * backing pins and discards know. */
+int memvisor_dma_map_raw(const memvisor_dma *dma, uint64_t iova, void *hva, uint64_t size,
+                         uint32_t prot);
 
 /*
  * Unmaps every mapping inside [iova, iova + size) and stores the bytes unmapped in *unmapped
@@ -287,6 +333,29 @@ int memvisor_dma_invalidate_vaddr(const memvisor_dma *dma, uint64_t iova, uint64
 int memvisor_dma_update_vaddr(const memvisor_dma *dma, uint64_t iova, uint64_t size,
                               const memvisor_backing *backing, uint64_t offset);
 
+/*
+ * An IOTLB update (vhost's VHOST_IOTLB_UPDATE, a vIOMMU's map): [iova, iova + size) maps
+ * `size` bytes of `backing` from `offset` with MEMVISOR_PROT_* `prot`, after whatever the
+ * range held was removed as memvisor_dma_invalidate_range removes it, in one step: unlike
+ * memvisor_dma_map_backing, an overlap is replaced, not -EEXIST. -EINVAL if misaligned,
+ * empty or past the backing, -ENOSPC past the mapping limit (nothing changed), -EBUSY from
+ * the removal.
+ */
+int memvisor_dma_iotlb_map(const memvisor_dma *dma, uint64_t iova,
+                           const memvisor_backing *backing, uint64_t offset, uint64_t size,
+                           uint32_t prot);
+
+/*
+ * An IOTLB invalidation (VHOST_IOTLB_INVALIDATE, a page-selective IOMMU invalidation):
+ * removes every translation in [iova, iova + size), cutting mappings at its edges (the parts
+ * outside stay mapped, with the same host memory, protection and dirty bits), and stores the
+ * bytes removed in *removed (may be NULL; 0 if nothing was mapped there). Returns once no
+ * device can reach the range; -EBUSY, nothing changed, if a device keeps pins there past 1 s.
+ * -EINVAL if the range is empty, wraps or is not page aligned.
+ */
+int memvisor_dma_invalidate_range(const memvisor_dma *dma, uint64_t iova, uint64_t size,
+                                  uint64_t *removed);
+
 /* Starts dirty page tracking (VFIO_IOMMU_DIRTY_PAGES_FLAG_START): every mapping gets a clear
  * bitmap; pages written by memvisor_dma_write, translated for WRITE (memvisor_dma_translate,
  * _translate_sg, cursors, held WRITE buffers) or pinned are marked. Starting twice keeps the
@@ -304,6 +373,17 @@ int memvisor_dma_dirty_stop(const memvisor_dma *dma);
  */
 int memvisor_dma_dirty_get_and_clear(const memvisor_dma *dma, uint64_t iova, uint64_t size,
                                      uint64_t page_size, uint64_t *bitmap, size_t words);
+
+/*
+ * Unmaps every mapping inside [iova, iova + size) as memvisor_dma_unmap does, storing the
+ * bytes unmapped in *unmapped (may be NULL), and reads the removed range's dirty bitmap in
+ * the same step (VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP), laid out as in
+ * memvisor_dma_dirty_get_and_clear. -EINVAL, nothing unmapped, if tracking is off, the bitmap
+ * arguments are wrong or `words` is too small for the range.
+ */
+int memvisor_dma_unmap_get_dirty(const memvisor_dma *dma, uint64_t iova, uint64_t size,
+                                 uint64_t page_size, uint64_t *bitmap, size_t words,
+                                 uint64_t *unmapped);
 
 /* ---- cursors: a thread's fast path -------------------------------------------------------- */
 

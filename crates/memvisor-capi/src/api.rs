@@ -7,16 +7,20 @@
 //! hold a cloneable handle ([`SlotTable`], [`DmaSpace`]) or a per-thread object ([`DmaCursor`],
 //! an `SgGuard`). Which may be shared between threads is asserted at compile time at the end of
 //! this file, and written in the header.
+//!
+//! Long because `tests/header.rs` compares this one file with the header: every exported
+//! function and C struct stays here, each a few lines over the library's own call.
 #![allow(clippy::missing_safety_doc)] // every function's contract is in include/memvisor.h
 
 use std::ffi::{c_char, c_int, c_void};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use memvisor::dma::{SgBuf, SgGuard, SgWalk};
 use memvisor::{
-    Backing, BackingKind, DiscardOptions, Discarder, DmaConfig, DmaCursor, DmaSpace, Gpa, Iova,
-    PageSize, Prot, SlotFlags, SlotSpec, SlotTable,
+    AdoptedMemory, Backing, BackingKind, DiscardOptions, Discarder, DmaConfig, DmaCursor, DmaSpace,
+    Gpa, Hva, Iova, PageSize, Prot, SlotFlags, SlotSpec, SlotTable,
 };
 
 use crate::args::{
@@ -62,6 +66,32 @@ pub struct MemvisorSgBuf {
     pub prot: u32,
 }
 
+/// What `memvisor_backing_adopt` calls once an adopted backing's last user is gone
+/// (`memvisor_release_fn`).
+pub type MemvisorReleaseFn = Option<unsafe extern "C" fn(opaque: *mut c_void)>;
+
+/// Memory the caller mapped itself, for `memvisor_backing_adopt` (`memvisor_adopt`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MemvisorAdopt {
+    /// The mapping's first byte, page aligned.
+    pub ptr: *mut c_void,
+    /// Bytes: whole pages.
+    pub size: u64,
+    /// The page size the kernel backs it with: 4096 (or 0, meaning 4096) or a hugetlbfs size.
+    pub page_size: u64,
+    /// `MEMVISOR_ADOPT_*`.
+    pub flags: u32,
+    /// With `MEMVISOR_ADOPT_FD`: the file mapped (memvisor keeps a duplicate).
+    pub fd: c_int,
+    /// With `MEMVISOR_ADOPT_FD`: where in the file the mapping starts.
+    pub file_offset: u64,
+    /// Called once with `opaque` when the backing's last user is gone (NULL: nothing called).
+    pub release: MemvisorReleaseFn,
+    /// Handed to `release`.
+    pub opaque: *mut c_void,
+}
+
 /// A guest range reported free (`memvisor_range`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -91,6 +121,10 @@ const BACKING_MEMFD: c_int = 2;
 const BACKING_THP: c_int = 3;
 const BACKING_HUGETLB_2M: c_int = 4;
 const BACKING_HUGETLB_1G: c_int = 5;
+
+/// `MEMVISOR_ADOPT_*` of the header.
+const ADOPT_SHARED: u32 = 1;
+const ADOPT_FD: u32 = 2;
 
 /// `MEMVISOR_PROT_*` of the header.
 const PROT_READ: u32 = 1;
@@ -185,27 +219,112 @@ pub unsafe extern "C" fn memvisor_backing_from_fd(
 ) -> c_int {
     call("memvisor_backing_from_fd", || {
         let backing = out(backing, "backing")?;
-        if fd < 0 {
-            return Err(Failure::invalid(format!(
-                "fd {fd} is not a file descriptor"
-            )));
-        }
         // The caller keeps its fd: memvisor maps and keeps a duplicate of its own.
-        // SAFETY: F_DUPFD_CLOEXEC reads no memory; a bad fd is EBADF.
-        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-        if dup < 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(Failure {
-                errno: e.raw_os_error().unwrap_or(libc::EBADF),
-                message: format!("fd {fd} cannot be duplicated: {e}"),
-            });
-        }
-        // SAFETY: `dup` is a new descriptor this function alone owns.
-        let owned = unsafe { OwnedFd::from_raw_fd(dup) };
-        let made = Backing::from_fd(owned, file_offset, size)?;
+        let made = Backing::from_fd(duplicate(fd)?, file_offset, size)?;
         // SAFETY: `backing` is a checked out pointer.
         unsafe { put(backing, into_handle(MemvisorBacking(Arc::new(made)))) };
         Ok(0)
+    })
+}
+
+/// A duplicate of the caller's `fd` (the caller keeps its own).
+fn duplicate(fd: c_int) -> Result<OwnedFd, Failure> {
+    if fd < 0 {
+        return Err(Failure::invalid(format!(
+            "fd {fd} is not a file descriptor"
+        )));
+    }
+    // SAFETY: F_DUPFD_CLOEXEC reads no memory; a bad fd is EBADF.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(Failure {
+            errno: e.raw_os_error().unwrap_or(libc::EBADF),
+            message: format!("fd {fd} cannot be duplicated: {e}"),
+        });
+    }
+    // SAFETY: `dup` is a new descriptor this function alone owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(dup) })
+}
+
+/// An adopted backing's keeper: calls the caller's release function when the backing drops
+/// it, unless adoption failed (disarmed: the caller still owns its memory then).
+struct Release {
+    release: unsafe extern "C" fn(*mut c_void),
+    opaque: *mut c_void,
+    armed: AtomicBool,
+}
+
+// SAFETY: the header's contract: `release` may be called from any thread, and `opaque` is only
+// handed back to it, never read here.
+unsafe impl Send for Release {}
+// SAFETY: as for Send; `&Release` only reads `armed`, an atomic.
+unsafe impl Sync for Release {}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if *self.armed.get_mut() {
+            // SAFETY: the caller's function with the caller's pointer, called once (the
+            // header's contract).
+            unsafe { (self.release)(self.opaque) }
+        }
+    }
+}
+
+/// `memvisor_backing_adopt`: its contract (arguments, ownership, threads) is in include/memvisor.h.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memvisor_backing_adopt(
+    memory: *const MemvisorAdopt,
+    backing: *mut *mut MemvisorBacking,
+) -> c_int {
+    call("memvisor_backing_adopt", || {
+        let backing = out(backing, "backing")?;
+        // SAFETY: NULL or the caller's description (the header's contract).
+        let m = *unsafe { handle(memory, "memory") }?;
+        if m.flags & !(ADOPT_SHARED | ADOPT_FD) != 0 {
+            return Err(Failure::invalid(format!(
+                "flags {:#x} has bits other than MEMVISOR_ADOPT_SHARED and MEMVISOR_ADOPT_FD",
+                m.flags
+            )));
+        }
+        let page_size = match m.page_size {
+            0 => PageSize::Size4K,
+            b => PageSize::from_bytes(b).ok_or_else(|| {
+                Failure::invalid(format!("page_size {b:#x} is not 4096, 2 MiB or 1 GiB"))
+            })?,
+        };
+        let mut adopted = AdoptedMemory::new(m.ptr.cast(), m.size)
+            .shared(m.flags & ADOPT_SHARED != 0)
+            .page_size(page_size);
+        if m.flags & ADOPT_FD != 0 {
+            adopted = adopted.file(duplicate(m.fd)?, m.file_offset);
+        }
+        let keeper = m.release.map(|release| {
+            Arc::new(Release {
+                release,
+                opaque: m.opaque,
+                armed: AtomicBool::new(true),
+            })
+        });
+        if let Some(k) = &keeper {
+            adopted = adopted.keep(k.clone());
+        }
+        // SAFETY: the caller's promises of the header (memvisor_backing_adopt), the same as
+        // Backing::adopt's: the mapping stays mapped and read-write until `release` is called.
+        match unsafe { Backing::adopt(adopted) } {
+            Ok(made) => {
+                // SAFETY: `backing` is a checked out pointer.
+                unsafe { put(backing, into_handle(MemvisorBacking(Arc::new(made)))) };
+                Ok(0)
+            }
+            Err(e) => {
+                // Not adopted: the memory is still the caller's; do not call its release.
+                if let Some(k) = &keeper {
+                    k.armed.store(false, Ordering::Relaxed);
+                }
+                Err(e.into())
+            }
+        }
     })
 }
 
@@ -433,6 +552,26 @@ pub unsafe extern "C" fn memvisor_dma_map_guest(
             size,
             prot(prot_bits, "prot")?,
         )?;
+        Ok(0)
+    })
+}
+
+/// `memvisor_dma_map_raw`: its contract (arguments, ownership, threads) is in include/memvisor.h.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memvisor_dma_map_raw(
+    dma: *const MemvisorDma,
+    iova: u64,
+    hva: *mut c_void,
+    size: u64,
+    prot_bits: u32,
+) -> c_int {
+    call("memvisor_dma_map_raw", || {
+        // SAFETY: NULL or a live handle.
+        let dma = unsafe { handle(dma, "dma") }?;
+        let prot = prot(prot_bits, "prot")?;
+        // SAFETY: the caller's promise of the header (memvisor_dma_map_raw), map_raw's own:
+        // the memory stays mapped until the mapping is unmapped.
+        unsafe { dma.0.map_raw(Iova(iova), Hva(hva as u64), size, prot) }?;
         Ok(0)
     })
 }
@@ -717,6 +856,49 @@ pub unsafe extern "C" fn memvisor_dma_update_vaddr(
     })
 }
 
+/// `memvisor_dma_iotlb_map`: its contract (arguments, ownership, threads) is in include/memvisor.h.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memvisor_dma_iotlb_map(
+    dma: *const MemvisorDma,
+    iova: u64,
+    backing: *const MemvisorBacking,
+    offset: u64,
+    size: u64,
+    prot_bits: u32,
+) -> c_int {
+    call("memvisor_dma_iotlb_map", || {
+        // SAFETY: NULL or live handles.
+        let (dma, backing) = unsafe { (handle(dma, "dma")?, handle(backing, "backing")?) };
+        dma.0.iotlb_map(
+            Iova(iova),
+            &backing.0,
+            offset,
+            size,
+            prot(prot_bits, "prot")?,
+        )?;
+        Ok(0)
+    })
+}
+
+/// `memvisor_dma_invalidate_range`: its contract (arguments, ownership, threads) is in include/memvisor.h.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memvisor_dma_invalidate_range(
+    dma: *const MemvisorDma,
+    iova: u64,
+    size: u64,
+    removed: *mut u64,
+) -> c_int {
+    call("memvisor_dma_invalidate_range", || {
+        // SAFETY: NULL or a live handle.
+        let bytes = unsafe { handle(dma, "dma") }?
+            .0
+            .invalidate_range(Iova(iova), size)?;
+        // SAFETY: NULL or writable (the header's contract).
+        unsafe { put_opt(removed, bytes) };
+        Ok(0)
+    })
+}
+
 /// `memvisor_dma_dirty_start`: its contract (arguments, ownership, threads) is in include/memvisor.h.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn memvisor_dma_dirty_start(dma: *const MemvisorDma) -> c_int {
@@ -757,6 +939,43 @@ pub unsafe extern "C" fn memvisor_dma_dirty_get_and_clear(
         };
         dma.0
             .get_and_clear_dirty_into(Iova(iova), size, page_size, bitmap)?;
+        Ok(0)
+    })
+}
+
+/// `memvisor_dma_unmap_get_dirty`: its contract (arguments, ownership, threads) is in include/memvisor.h.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memvisor_dma_unmap_get_dirty(
+    dma: *const MemvisorDma,
+    iova: u64,
+    size: u64,
+    page_size: u64,
+    bitmap: *mut u64,
+    words: usize,
+    unmapped: *mut u64,
+) -> c_int {
+    call("memvisor_dma_unmap_get_dirty", || {
+        // SAFETY: a live handle; `bitmap` is the caller's `words` words.
+        let (dma, bitmap) = unsafe {
+            (
+                handle(dma, "dma")?,
+                array_mut(bitmap, words, "bitmap", "words")?,
+            )
+        };
+        // The bitmap must hold the range before anything is unmapped: a failed call changes
+        // nothing. A zero or wrong page size is left to the space, which names it.
+        if let Some(pages) = size.checked_div(page_size) {
+            let need = pages.div_ceil(64);
+            if (bitmap.len() as u64) < need {
+                return Err(Failure::invalid(format!(
+                    "bitmap of {words} words is too small for {pages:#x} pages ({need} words): nothing unmapped"
+                )));
+            }
+        }
+        let (bytes, bits) = dma.0.unmap_get_dirty(Iova(iova), size, page_size)?;
+        bitmap[..bits.len()].copy_from_slice(&bits);
+        // SAFETY: NULL or writable (the header's contract).
+        unsafe { put_opt(unmapped, bytes) };
         Ok(0)
     })
 }

@@ -132,6 +132,66 @@ static void scatter_gather(void) {
     memvisor_backing_free(b);
 }
 
+/* A vIOMMU's traffic: updates replace what their range held, invalidations cut mappings at
+ * their edges and keep the parts outside, with the same host memory. */
+static void iotlb_updates_and_invalidations(void) {
+    memvisor_backing *a, *b;
+    memvisor_dma *dma;
+    OK(memvisor_backing_new(MEMVISOR_BACKING_MEMFD, 2 * MIB, &a));
+    OK(memvisor_backing_new(MEMVISOR_BACKING_MEMFD, 1 * MIB, &b));
+    OK(memvisor_dma_new(0, &dma));
+    const uint64_t iova = 1ull << 32;
+    char *base = memvisor_backing_ptr(a);
+    OK(memvisor_dma_iotlb_map(dma, iova, a, 0, 2 * MIB, MEMVISOR_PROT_RW));
+
+    /* 4 KiB out of the middle: that page is gone, its neighbours translate as before. */
+    uint64_t removed = 99;
+    OK(memvisor_dma_invalidate_range(dma, iova + 10 * PAGE, PAGE, &removed));
+    CHECK(removed == PAGE);
+    void *hva;
+    uint64_t avail;
+    FAILS(memvisor_dma_translate(dma, iova + 10 * PAGE, 8, MEMVISOR_PROT_READ, &hva, NULL), EFAULT, "");
+    OK(memvisor_dma_translate(dma, iova + 9 * PAGE + 8, 8, MEMVISOR_PROT_WRITE, &hva, &avail));
+    CHECK((char *)hva == base + 9 * PAGE + 8);
+    OK(memvisor_dma_translate(dma, iova + 11 * PAGE, 8, MEMVISOR_PROT_WRITE, &hva, NULL));
+    CHECK((char *)hva == base + 11 * PAGE);
+    /* The left part ends where the invalidation began. */
+    OK(memvisor_dma_translate(dma, iova + 9 * PAGE, 2 * PAGE, MEMVISOR_PROT_READ, &hva, &avail));
+    CHECK(avail == PAGE);
+    /* Nothing there: 0 bytes, success (removed may be NULL). */
+    OK(memvisor_dma_invalidate_range(dma, iova + 10 * PAGE, PAGE, &removed));
+    CHECK(removed == 0);
+    OK(memvisor_dma_invalidate_range(dma, 0, PAGE, NULL));
+
+    /* An update over mapped pages replaces them (map_backing would be EEXIST). */
+    FAILS(memvisor_dma_map_backing(dma, iova + 8 * PAGE, b, 0, 4 * PAGE, MEMVISOR_PROT_READ), EEXIST, "");
+    OK(memvisor_dma_iotlb_map(dma, iova + 8 * PAGE, b, 0, 4 * PAGE, MEMVISOR_PROT_READ));
+    OK(memvisor_dma_translate(dma, iova + 9 * PAGE, 8, MEMVISOR_PROT_READ, &hva, NULL));
+    CHECK((char *)hva == (char *)memvisor_backing_ptr(b) + PAGE);
+    FAILS(memvisor_dma_translate(dma, iova + 9 * PAGE, 8, MEMVISOR_PROT_WRITE, &hva, NULL), EPERM, "");
+    OK(memvisor_dma_translate(dma, iova + 12 * PAGE, 8, MEMVISOR_PROT_WRITE, &hva, NULL));
+    CHECK((char *)hva == base + 12 * PAGE);
+    OK(memvisor_dma_translate(dma, iova + 7 * PAGE, 8, MEMVISOR_PROT_WRITE, &hva, NULL));
+    CHECK((char *)hva == base + 7 * PAGE);
+
+    /* Bad ranges are EINVAL and change nothing. */
+    FAILS(memvisor_dma_invalidate_range(dma, iova + 1, PAGE, NULL), EINVAL, "");
+    FAILS(memvisor_dma_invalidate_range(dma, iova, 0, NULL), EINVAL, "");
+    FAILS(memvisor_dma_iotlb_map(dma, iova, b, 0, 2 * MIB, MEMVISOR_PROT_RW), EINVAL, "");
+    FAILS(memvisor_dma_iotlb_map(dma, iova, a, 0, PAGE, 8), EINVAL, "prot 0x8");
+    FAILS(memvisor_dma_iotlb_map(dma, iova, NULL, 0, PAGE, MEMVISOR_PROT_RW), EINVAL, "backing is NULL");
+    OK(memvisor_dma_translate(dma, iova, 8, MEMVISOR_PROT_WRITE, &hva, NULL));
+    CHECK((char *)hva == base);
+
+    /* Everything at once (a lazy guest's global flush). */
+    OK(memvisor_dma_invalidate_range(dma, 0, 1ull << 40, &removed));
+    CHECK(removed == 2 * MIB);
+    FAILS(memvisor_dma_translate(dma, iova, 8, MEMVISOR_PROT_READ, &hva, NULL), EFAULT, "");
+    memvisor_dma_free(dma);
+    memvisor_backing_free(a);
+    memvisor_backing_free(b);
+}
+
 static void bad_arguments_are_einval_naming_them(void) {
     memvisor_backing *ram;
     memvisor_dma *dma;
@@ -178,6 +238,7 @@ int main(void) {
     map_translate_read_write();
     permissions_and_overlaps();
     scatter_gather();
+    iotlb_updates_and_invalidations();
     bad_arguments_are_einval_naming_them();
     puts("ok: dma");
     return 0;

@@ -98,9 +98,47 @@ static void dirty_log(void) {
     memvisor_backing_free(ram);
 }
 
+/* An unmap that returns the range's dirty bits (VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP): the
+ * bits of the mappings removed, nothing unmapped when the call fails. */
+static void unmap_with_dirty_bits(void) {
+    memvisor_backing *ram;
+    memvisor_dma *dma;
+    OK(memvisor_backing_new(MEMVISOR_BACKING_MEMFD, 1 * MIB, &ram));
+    OK(memvisor_dma_new(0, &dma));
+    OK(memvisor_dma_map_backing(dma, 0, ram, 0, 512 * KIB, MEMVISOR_PROT_RW));
+    OK(memvisor_dma_map_backing(dma, 512 * KIB, ram, 512 * KIB, 512 * KIB, MEMVISOR_PROT_RW));
+    uint64_t bitmap[4], unmapped = 99;
+    /* Tracking off: EINVAL, both mappings still there. */
+    FAILS(memvisor_dma_unmap_get_dirty(dma, 0, 1 * MIB, PAGE, bitmap, 4, &unmapped), EINVAL, "");
+    CHECK(unmapped == 99);
+    OK(memvisor_dma_dirty_start(dma));
+    OK(memvisor_dma_write(dma, 5 * PAGE, "a", 1));
+    OK(memvisor_dma_write(dma, 130 * PAGE + 7, "b", 1));
+    /* A bitmap too small for the range: EINVAL naming it, nothing unmapped. */
+    FAILS(memvisor_dma_unmap_get_dirty(dma, 0, 1 * MIB, PAGE, bitmap, 3, &unmapped), EINVAL, "too small");
+    void *hva;
+    OK(memvisor_dma_translate(dma, 5 * PAGE, 1, MEMVISOR_PROT_READ, &hva, NULL));
+    /* The first mapping goes with its bits: page 5 only. */
+    memset(bitmap, 0xff, sizeof bitmap);
+    OK(memvisor_dma_unmap_get_dirty(dma, 0, 512 * KIB, PAGE, bitmap, 2, &unmapped));
+    CHECK(unmapped == 512 * KIB);
+    CHECK(bitmap[0] == (1ull << 5) && bitmap[1] == 0);
+    FAILS(memvisor_dma_translate(dma, 5 * PAGE, 1, MEMVISOR_PROT_READ, &hva, NULL), EFAULT, "");
+    /* The second one's bit counts from the range's start: page 130 is bit 2 of word 0. */
+    OK(memvisor_dma_unmap_get_dirty(dma, 512 * KIB, 512 * KIB, PAGE, bitmap, 2, NULL));
+    CHECK(bitmap[0] == (1ull << 2) && bitmap[1] == 0);
+    /* Cutting a mapping is EINVAL as memvisor_dma_unmap's. */
+    OK(memvisor_dma_map_backing(dma, 0, ram, 0, 1 * MIB, MEMVISOR_PROT_RW));
+    FAILS(memvisor_dma_unmap_get_dirty(dma, 0, 4 * PAGE, PAGE, bitmap, 1, &unmapped), EINVAL, "");
+    OK(memvisor_dma_translate(dma, 0, 1, MEMVISOR_PROT_READ, &hva, NULL));
+    memvisor_dma_free(dma);
+    memvisor_backing_free(ram);
+}
+
 int main(void) {
     pin_counts();
     dirty_log();
+    unmap_with_dirty_bits();
     puts("ok: pin");
     return 0;
 }
