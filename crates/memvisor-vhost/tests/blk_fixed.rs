@@ -203,3 +203,57 @@ fn fixed_transfers_take_no_hold() {
     let (_, _, p) = run(false, false);
     assert_eq!((p.holds, p.fixed), (p.reads + p.writes, 0), "{p:?}");
 }
+
+/// The fixed / ordinary / fallback shares describe the data path: a `GET_ID`, `DISCARD` or
+/// `WRITE_ZEROES` whose buffer lies in a chunk (cold here, which would send a read the ordinary
+/// way) moves no data through it and is counted in none of them; a read is.
+#[test]
+fn requests_that_move_no_data_are_not_in_the_fixed_shares() {
+    const GET_ID: u32 = 8;
+    const DISCARD: u32 = 11;
+    const WRITE_ZEROES: u32 = 13;
+    let disk = memfd(4 * MIB);
+    disk.write_all_at(&vec![5u8; 4 * MIB as usize], 0).unwrap();
+    let mut g = Guest::new(16 * MIB);
+    let options = BlkOptions {
+        fixed_buffers: true,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk, options).unwrap());
+    connect(&c, &g, false);
+    // Each request's one buffer in a chunk of its own, never touched before.
+    for (i, kind) in [GET_ID, DISCARD, WRITE_ZEROES].into_iter().enumerate() {
+        let at = 4 * MIB + i as u64 * 2 * MIB + 4096;
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        g.mem.write(Gpa(HDR), &h).unwrap();
+        g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
+        let buf = if kind == GET_ID {
+            (at, 20, true)
+        } else {
+            // One range: sector 8, 8 sectors, no flags.
+            let mut seg = [0u8; 16];
+            seg[0..8].copy_from_slice(&8u64.to_le_bytes());
+            seg[8..12].copy_from_slice(&8u32.to_le_bytes());
+            g.mem.write(Gpa(at), &seg).unwrap();
+            (at, 16, false)
+        };
+        g.post(&[(HDR, 16, false), buf, (STATUS, 1, true)]);
+        g.wait_used();
+        let mut s = [0xffu8];
+        g.mem.read(Gpa(STATUS), &mut s).unwrap();
+        assert_eq!(s[0], 0, "request type {kind}: status");
+    }
+    // A read into a cold chunk of its own goes the ordinary way, counted.
+    g.add_request(0, 0, 0, HDR, 10 * MIB + 4096, 4096, STATUS);
+    assert_eq!(g.kick_and_wait(1, STATUS), vec![0]);
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = backend.device().stats();
+    assert_eq!((s.discards, s.write_zeroes, s.reads), (1, 1, 1), "{s:?}");
+    assert_eq!(
+        (s.fixed, s.fixed_ordinary, s.fixed_fallbacks),
+        (0, 1, 0),
+        "only the read is in the shares: {s:?}"
+    );
+}

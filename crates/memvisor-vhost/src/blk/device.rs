@@ -640,6 +640,7 @@ impl Blk {
         bufs: &[Buf],
     ) -> Option<(Claim, Vec<libc::iovec>)> {
         let f = self.fixed.as_mut()?;
+        f.begin();
         // A header, data buffers, a status byte: nothing else moves data.
         if bufs.len() < 3 || !f.may_claim() {
             return None;

@@ -105,14 +105,6 @@ impl Blk {
         }
         let kind = u32::from_le_bytes(hdr[0..4].try_into().expect("4"));
         let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8"));
-        if let (Pages::Chunk(..), false, Some(f)) = (
-            &kept,
-            matches!(kind, VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT),
-            self.fixed.as_mut(),
-        ) {
-            // Claimed before the header was read, for no transfer: not counted as one.
-            f.uncount_fixed();
-        }
         match kind {
             VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT => {
                 let to_guest = kind == VIRTIO_BLK_T_IN;
@@ -132,6 +124,11 @@ impl Blk {
                         Ok(None) => {}
                         Err(e) => return e.into(),
                     }
+                }
+                // A read or write that goes: its claim (made before the header was read)
+                // counts in the fixed / ordinary / fallback shares; no other request's does.
+                if let Some(f) = self.fixed.as_mut() {
+                    f.tally();
                 }
                 self.transfer(q, dma, data, kept, sector, to_guest, status_at)
             }
