@@ -78,6 +78,11 @@ pub trait Device: Send {
         ring: &mut Ring,
         memory: &FrontendMemory,
     ) -> Result<Processed>;
+    /// Called on the serving thread at the end of each pass, once the chains it finished are
+    /// on their used rings and their drivers interrupted: for work that must not delay a
+    /// reply (the blk device registers here the memory its requests found cold). By default
+    /// nothing.
+    fn after_replies(&mut self) {}
     /// A descriptor that becomes readable when work `process` handed to the kernel has ended
     /// (an io_uring's eventfd): the back end then calls [`Device::complete`]. `None`: the
     /// device finishes everything within `process`.

@@ -257,3 +257,64 @@ fn requests_that_move_no_data_are_not_in_the_fixed_shares() {
         "only the read is in the shares: {s:?}"
     );
 }
+
+/// A lone request whose chunk is cold has its reply out — the used index published and the
+/// driver called — before the chunk is registered (~2 ms a chunk): registration runs once the
+/// pass's replies are out (`Device::after_replies`), never ahead of them. The hook sees what
+/// the driver would see when the registration starts; the test reads nothing from the call
+/// descriptor until then.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_cold_chunk_is_registered_after_the_reply_that_found_it() {
+    use std::os::fd::AsRawFd;
+    let mut g = Guest::new(16 * MIB);
+    let options = BlkOptions {
+        fixed_buffers: true,
+        ..BlkOptions::default()
+    };
+    let mut blk = Blk::new(memfd(4 * MIB), options).unwrap();
+    let memory = g.file.try_clone().unwrap();
+    let used_idx_at = g.vring_addr().used - USER + 2;
+    let call = g.call.try_clone().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    blk.on_register(move || {
+        let mut idx = [0u8; 2];
+        memory.read_exact_at(&mut idx, used_idx_at).unwrap();
+        let mut p = libc::pollfd {
+            fd: call.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        let called = unsafe { libc::poll(&mut p, 1, 0) } > 0;
+        let _ = tx.send((u16::from_le_bytes(idx), called));
+    });
+    let (c, t) = serve(blk);
+    connect(&c, &g, false);
+    // A call the setup left pending would read as this request's.
+    let mut p = libc::pollfd {
+        fd: g.call.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    if unsafe { libc::poll(&mut p, 1, 0) } > 0 {
+        let mut b = [0u8; 8];
+        std::io::Read::read(&mut g.call, &mut b).unwrap();
+    }
+    g.add_request(0, 0, 0, HDR, 4 * MIB + 4096, 4096, STATUS);
+    g.kick();
+    let seen = rx.recv_timeout(std::time::Duration::from_secs(5));
+    g.wait_used();
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = backend.device().stats();
+    assert_eq!(s.failed, 0, "{s:?}");
+    // (A host that refuses the registration still has it tried here, after the reply.)
+    let seen = seen.expect("no cold chunk was registered");
+    assert_eq!(
+        seen,
+        (1, true),
+        "(used index, driver called) as the chunk the request found cold was registered"
+    );
+}

@@ -69,7 +69,8 @@ pub(crate) struct Pass {
 
 /// One pass over ring `index`: the device processes it, the chains it finished meanwhile go
 /// back on their rings, the dirty log is drained, then the drivers are interrupted (ring
-/// `index`'s when the device says so). An error means the ring is broken: the caller stops it.
+/// `index`'s when the device says so), and last the device does what must not delay a reply
+/// ([`Device::after_replies`]). An error means the ring is broken: the caller stops it.
 pub(crate) fn pass<D: Device, R: Rings>(
     device: &mut D,
     rings: &mut R,
@@ -94,10 +95,12 @@ pub(crate) fn pass<D: Device, R: Rings>(
     for &i in &ended.tell {
         rings.notify(i);
     }
-    let processed = r?;
-    if processed == Processed::served(true) && !ended.tell.contains(&index) {
+    if r.as_ref().is_ok_and(|p| *p == Processed::served(true)) && !ended.tell.contains(&index) {
         rings.notify(index);
     }
+    // Every reply of the pass is out: what would have delayed one comes now.
+    device.after_replies();
+    let processed = r?;
     let again = matches!(processed, Processed::Served { .. })
         && ended.any
         && rings.ring(index).is_some_and(|q| has_requests(q, memory));

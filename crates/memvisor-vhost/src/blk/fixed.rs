@@ -6,9 +6,10 @@
 //! touch the table) goes out as `READ_FIXED` / `WRITE_FIXED` (`READV_FIXED` / `WRITEV_FIXED`
 //! for more than one buffer) through the chunk's slot. Chunks are registered **lazily** and
 //! **off the request**: the first transfer that touches a chunk goes the ordinary way (hold +
-//! `READV`) and names the chunk cold; after the pass has handed its batch to the kernel, the
-//! ring's thread registers the cold chunks ([`FixedChunks::register_cold`], a few per pass: a
-//! cold chunk costs ~2 ms to fault in and pin). Registering all of RAM up front would fault it
+//! `READV`) and names the chunk cold; once the pass's replies are on the used ring and its
+//! drivers told (`Device::after_replies`), the ring's thread registers the cold chunks
+//! ([`FixedChunks::register_cold`], a few per pass: a cold chunk costs ~2 ms to fault in and
+//! pin), so no reply waits for a registration. Registering all of RAM up front would fault it
 //! in and pin it, defeating the balloon.
 //!
 //! **What goes the ordinary way, counted.** A refusal of the host — the ring's table or a
@@ -249,8 +250,8 @@ impl FixedChunks {
         Err(Why::Other)
     }
 
-    /// On the ring's thread, after a pass handed its transfers to the kernel: registers up to
-    /// a few of the chunks transfers found cold. A refusal is remembered (the chunk stays on the
+    /// On the ring's thread, after a pass's replies went out: registers up to a few of the
+    /// chunks transfers found cold. A refusal is remembered (the chunk stays on the
     /// ordinary way, counted as a fallback) and logged.
     pub fn register_cold(&mut self, disk: &mut Disk) {
         let mut t = lock(&self.shared.table);
@@ -582,9 +583,15 @@ impl BlkFixed {
         self.chunks.refuse_vectored();
     }
 
-    /// After a pass handed its transfers to the kernel: registers cold chunks.
-    pub fn after_pass(&mut self, disk: &mut Disk) {
+    /// After a pass's replies went out (`Device::after_replies`): registers cold chunks.
+    pub fn after_replies(&mut self, disk: &mut Disk) {
         self.chunks.register_cold(disk);
+    }
+
+    /// TEST ONLY: whether chunks wait to be registered.
+    #[cfg(feature = "test-hooks")]
+    pub fn has_cold(&self) -> bool {
+        !lock(&self.chunks.shared.table).cold.is_empty()
     }
 
     /// When the ring's thread wakes: evictions discards asked for.

@@ -371,10 +371,8 @@ impl Blk {
             c.batches.add(1);
         }
         c.most_in_flight.raise(self.disk.in_flight() as u64);
-        // The batch is out: chunks it found cold are registered now, off its requests.
-        if let Some(f) = self.fixed.as_mut() {
-            f.after_pass(&mut self.disk);
-        }
+        // Chunks the batch found cold are registered once the pass's replies are out
+        // (`Device::after_replies`), not here, where they would delay them.
         self.count_fixed(index);
     }
 

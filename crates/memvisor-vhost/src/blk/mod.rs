@@ -189,6 +189,9 @@ pub struct Blk {
     /// capacity change is not told to the frontend.
     #[cfg(feature = "test-hooks")]
     silent_resize: bool,
+    /// TEST ONLY ([`Blk::on_register`]): called before cold chunks are registered.
+    #[cfg(feature = "test-hooks")]
+    before_register: Option<Box<dyn FnMut() + Send>>,
     /// Wakes the serving loop when a request the throttle deferred may go (made on the first
     /// deferral; [`throttle`]).
     wake: Option<throttle::Wake>,
@@ -253,6 +256,8 @@ impl Blk {
             live,
             #[cfg(feature = "test-hooks")]
             silent_resize: false,
+            #[cfg(feature = "test-hooks")]
+            before_register: None,
             wake: None,
             no_wake: false,
             deferred: 0,
@@ -292,6 +297,14 @@ impl Blk {
     /// The image (for tests).
     pub fn disk(&self) -> &File {
         self.disk.file()
+    }
+
+    /// TEST ONLY (feature `test-hooks`): `f` runs on the ring's thread each time registered
+    /// buffers are about to register the chunks requests found cold, so a test can see what
+    /// the driver sees at that moment (its replies published or not).
+    #[cfg(feature = "test-hooks")]
+    pub fn on_register(&mut self, f: impl FnMut() + Send + 'static) {
+        self.before_register = Some(Box::new(f));
     }
 
     /// Reads image bytes (for tests).
