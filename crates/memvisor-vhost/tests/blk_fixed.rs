@@ -318,3 +318,42 @@ fn a_cold_chunk_is_registered_after_the_reply_that_found_it() {
         "(used index, driver called) as the chunk the request found cold was registered"
     );
 }
+
+/// Clock reads per request (feature `test-hooks` counts the device's own): a read or write
+/// starts from its pass's clock (the serving loop's, handed to the device) and ends at one
+/// read shared by the requests that end together, so it reads the clock at most once for its
+/// latency; a held one adds the two that time its walk (`hold_ns`) and at most one for its
+/// release (the guards that end together are let go and timed together). Before issue 48:
+/// two a request for the latency, and two more for each walk and each release.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_request_reads_the_clock_at_most_once_beyond_its_walk() {
+    for fixed in [true, false] {
+        let mut g = Guest::new(16 * MIB);
+        let options = BlkOptions {
+            fixed_buffers: fixed,
+            ..BlkOptions::default()
+        };
+        let (c, t) = serve(Blk::new(memfd(16 * MIB), options).unwrap());
+        connect(&c, &g, false);
+        for round in 0..12u32 {
+            let sector = |k: u16| (u64::from(round) * 97 + u64::from(k) * 211) % 30_000;
+            assert_eq!(batch(&mut g, round % 2, round, sector), vec![0; N as usize]);
+        }
+        drop(c);
+        let (backend, _) = t.join().unwrap();
+        let (s, reads) = (backend.device().stats(), backend.device().clock_reads());
+        let requests = s.reads + s.writes;
+        println!(
+            "fixed buffers {fixed}: {reads} clock reads over {requests} requests ({} fixed, {} \
+             held)",
+            s.fixed, s.holds
+        );
+        assert_eq!(requests, 12 * u64::from(N), "{s:?}");
+        assert!(
+            reads <= requests + 3 * s.holds,
+            "{reads} clock reads for {requests} requests, {} of them held",
+            s.holds
+        );
+    }
+}

@@ -85,6 +85,8 @@ pub(crate) fn pass<D: Device, R: Rings>(
         });
     };
     let t0 = Instant::now();
+    // The pass's one clock read before its requests: the device may start them from it.
+    device.pass_began(t0);
     let r = device.process(index, ring, memory);
     stats.process_ns.add(t0.elapsed().as_nanos() as u64);
     // Transfers the kernel finished at once (the page cache) end now, not a poll later; they
