@@ -78,6 +78,17 @@ pub trait Device: Send {
         ring: &mut Ring,
         memory: &FrontendMemory,
     ) -> Result<Processed>;
+    /// The serving thread read the clock at `at` as it began the pass whose
+    /// [`Device::process`] comes next (it times each pass): a device that times its requests
+    /// may start them from it rather than read the clock again for each. By default ignored.
+    fn pass_began(&mut self, at: std::time::Instant) {
+        let _ = at;
+    }
+    /// Called on the serving thread at the end of each pass, once the chains it finished are
+    /// on their used rings and their drivers interrupted: for work that must not delay a
+    /// reply (the blk device registers here the memory its requests found cold). By default
+    /// nothing.
+    fn after_replies(&mut self) {}
     /// A descriptor that becomes readable when work `process` handed to the kernel has ended
     /// (an io_uring's eventfd): the back end then calls [`Device::complete`]. `None`: the
     /// device finishes everything within `process`.

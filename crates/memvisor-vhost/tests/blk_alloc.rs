@@ -17,7 +17,6 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use common::*;
-use memvisor::Gpa;
 use memvisor_vhost::{Blk, BlkOptions, BlkStats};
 
 struct Counting;
@@ -77,15 +76,11 @@ fn batch(g: &mut Guest, round: u32) {
         let (hdr, status) = (HDR + u64::from(k) * 16, STATUS + u64::from(k));
         g.add_request(k, kind, sector, hdr, at, len, status);
     }
-    g.kick();
-    for _ in 0..N {
-        g.wait_used();
-    }
-    for k in 0..N {
-        let mut s = [0u8];
-        g.mem.read(Gpa(STATUS + u64::from(k)), &mut s).unwrap();
-        assert_eq!(s[0], 0, "round {round} request {k}");
-    }
+    assert_eq!(
+        g.kick_and_wait(N, STATUS),
+        vec![0; usize::from(N)],
+        "round {round}: statuses"
+    );
 }
 
 /// Features without dirty logging (`VHOST_F_LOG_ALL`, which keeps registered buffers off),

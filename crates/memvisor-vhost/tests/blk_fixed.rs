@@ -46,17 +46,7 @@ fn batch(g: &mut Guest, kind: u32, round: u32, sector: impl Fn(u16) -> u64) -> V
         let hdr = HDR + u64::from(k) * 16;
         g.add_request(k, kind, sector(k), hdr, at, len, STATUS + u64::from(k));
     }
-    g.kick();
-    for _ in 0..N {
-        g.wait_used();
-    }
-    (0..N)
-        .map(|k| {
-            let mut s = [0u8];
-            g.mem.read(Gpa(STATUS + u64::from(k)), &mut s).unwrap();
-            s[0]
-        })
-        .collect()
+    g.kick_and_wait(N, STATUS)
 }
 
 /// Features (with or without dirty logging), protocol features, the memory table, the ring.
@@ -212,4 +202,158 @@ fn fixed_transfers_take_no_hold() {
     // The plain run holds every one.
     let (_, _, p) = run(false, false);
     assert_eq!((p.holds, p.fixed), (p.reads + p.writes, 0), "{p:?}");
+}
+
+/// The fixed / ordinary / fallback shares describe the data path: a `GET_ID`, `DISCARD` or
+/// `WRITE_ZEROES` whose buffer lies in a chunk (cold here, which would send a read the ordinary
+/// way) moves no data through it and is counted in none of them; a read is.
+#[test]
+fn requests_that_move_no_data_are_not_in_the_fixed_shares() {
+    const GET_ID: u32 = 8;
+    const DISCARD: u32 = 11;
+    const WRITE_ZEROES: u32 = 13;
+    let disk = memfd(4 * MIB);
+    disk.write_all_at(&vec![5u8; 4 * MIB as usize], 0).unwrap();
+    let mut g = Guest::new(16 * MIB);
+    let options = BlkOptions {
+        fixed_buffers: true,
+        ..BlkOptions::default()
+    };
+    let (c, t) = serve(Blk::new(disk, options).unwrap());
+    connect(&c, &g, false);
+    // Each request's one buffer in a chunk of its own, never touched before.
+    for (i, kind) in [GET_ID, DISCARD, WRITE_ZEROES].into_iter().enumerate() {
+        let at = 4 * MIB + i as u64 * 2 * MIB + 4096;
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        g.mem.write(Gpa(HDR), &h).unwrap();
+        g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
+        let buf = if kind == GET_ID {
+            (at, 20, true)
+        } else {
+            // One range: sector 8, 8 sectors, no flags.
+            let mut seg = [0u8; 16];
+            seg[0..8].copy_from_slice(&8u64.to_le_bytes());
+            seg[8..12].copy_from_slice(&8u32.to_le_bytes());
+            g.mem.write(Gpa(at), &seg).unwrap();
+            (at, 16, false)
+        };
+        g.post(&[(HDR, 16, false), buf, (STATUS, 1, true)]);
+        g.wait_used();
+        let mut s = [0xffu8];
+        g.mem.read(Gpa(STATUS), &mut s).unwrap();
+        assert_eq!(s[0], 0, "request type {kind}: status");
+    }
+    // A read into a cold chunk of its own goes the ordinary way, counted.
+    g.add_request(0, 0, 0, HDR, 10 * MIB + 4096, 4096, STATUS);
+    assert_eq!(g.kick_and_wait(1, STATUS), vec![0]);
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = backend.device().stats();
+    assert_eq!((s.discards, s.write_zeroes, s.reads), (1, 1, 1), "{s:?}");
+    assert_eq!(
+        (s.fixed, s.fixed_ordinary, s.fixed_fallbacks),
+        (0, 1, 0),
+        "only the read is in the shares: {s:?}"
+    );
+}
+
+/// A lone request whose chunk is cold has its reply out — the used index published and the
+/// driver called — before the chunk is registered (~2 ms a chunk): registration runs once the
+/// pass's replies are out (`Device::after_replies`), never ahead of them. The hook sees what
+/// the driver would see when the registration starts; the test reads nothing from the call
+/// descriptor until then.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_cold_chunk_is_registered_after_the_reply_that_found_it() {
+    use std::os::fd::AsRawFd;
+    let mut g = Guest::new(16 * MIB);
+    let options = BlkOptions {
+        fixed_buffers: true,
+        ..BlkOptions::default()
+    };
+    let mut blk = Blk::new(memfd(4 * MIB), options).unwrap();
+    let memory = g.file.try_clone().unwrap();
+    let used_idx_at = g.vring_addr().used - USER + 2;
+    let call = g.call.try_clone().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    blk.on_register(move || {
+        let mut idx = [0u8; 2];
+        memory.read_exact_at(&mut idx, used_idx_at).unwrap();
+        let mut p = libc::pollfd {
+            fd: call.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        let called = unsafe { libc::poll(&mut p, 1, 0) } > 0;
+        let _ = tx.send((u16::from_le_bytes(idx), called));
+    });
+    let (c, t) = serve(blk);
+    connect(&c, &g, false);
+    // A call the setup left pending would read as this request's.
+    let mut p = libc::pollfd {
+        fd: g.call.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    if unsafe { libc::poll(&mut p, 1, 0) } > 0 {
+        let mut b = [0u8; 8];
+        std::io::Read::read(&mut g.call, &mut b).unwrap();
+    }
+    g.add_request(0, 0, 0, HDR, 4 * MIB + 4096, 4096, STATUS);
+    g.kick();
+    let seen = rx.recv_timeout(std::time::Duration::from_secs(5));
+    g.wait_used();
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    let s = backend.device().stats();
+    assert_eq!(s.failed, 0, "{s:?}");
+    // (A host that refuses the registration still has it tried here, after the reply.)
+    let seen = seen.expect("no cold chunk was registered");
+    assert_eq!(
+        seen,
+        (1, true),
+        "(used index, driver called) as the chunk the request found cold was registered"
+    );
+}
+
+/// Clock reads per request (feature `test-hooks` counts the device's own): a read or write
+/// starts from its pass's clock (the serving loop's, handed to the device) and ends at one
+/// read shared by the requests that end together, so it reads the clock at most once for its
+/// latency; a held one adds the two that time its walk (`hold_ns`) and at most one for its
+/// release (the guards that end together are let go and timed together). Before issue 48:
+/// two a request for the latency, and two more for each walk and each release.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_request_reads_the_clock_at_most_once_beyond_its_walk() {
+    for fixed in [true, false] {
+        let mut g = Guest::new(16 * MIB);
+        let options = BlkOptions {
+            fixed_buffers: fixed,
+            ..BlkOptions::default()
+        };
+        let (c, t) = serve(Blk::new(memfd(16 * MIB), options).unwrap());
+        connect(&c, &g, false);
+        for round in 0..12u32 {
+            let sector = |k: u16| (u64::from(round) * 97 + u64::from(k) * 211) % 30_000;
+            assert_eq!(batch(&mut g, round % 2, round, sector), vec![0; N as usize]);
+        }
+        drop(c);
+        let (backend, _) = t.join().unwrap();
+        let (s, reads) = (backend.device().stats(), backend.device().clock_reads());
+        let requests = s.reads + s.writes;
+        println!(
+            "fixed buffers {fixed}: {reads} clock reads over {requests} requests ({} fixed, {} \
+             held)",
+            s.fixed, s.holds
+        );
+        assert_eq!(requests, 12 * u64::from(N), "{s:?}");
+        assert!(
+            reads <= requests + 3 * s.holds,
+            "{reads} clock reads for {requests} requests, {} of them held",
+            s.holds
+        );
+    }
 }

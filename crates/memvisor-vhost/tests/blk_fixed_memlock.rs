@@ -7,13 +7,11 @@
 
 mod common;
 
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 use common::*;
 use memvisor::Gpa;
 use memvisor_testkit::vhost::client::Client;
-use memvisor_vhost::proto::{self, protocol, req};
 use memvisor_vhost::{Blk, BlkOptions};
 
 const LIMIT: u64 = 8 << 20;
@@ -26,18 +24,7 @@ const STATUS: u64 = 0x11000;
 
 /// Features without dirty logging, protocol features, the memory table, the ring.
 fn connect(c: &Client, g: &Guest) {
-    let f = c.get_u64(req::GET_FEATURES).unwrap() & !(1 << 26);
-    c.send(req::SET_FEATURES, 0, &f.to_le_bytes(), &[]).unwrap();
-    let pf = c.get_u64(req::GET_PROTOCOL_FEATURES).unwrap();
-    assert_ne!(pf & protocol::REPLY_ACK, 0);
-    c.send(req::SET_PROTOCOL_FEATURES, 0, &pf.to_le_bytes(), &[])
-        .unwrap();
-    let table = proto::mem_table_bytes(&[g.region()]);
-    assert_eq!(
-        c.ack(req::SET_MEM_TABLE, &table, &[g.file.as_raw_fd()])
-            .unwrap(),
-        0
-    );
+    negotiate_without(c, g, F_LOG_ALL);
     start_ring(c, g);
 }
 
@@ -77,14 +64,13 @@ fn past_the_locked_memory_limit_fixed_transfers_fall_back_and_all_succeed() {
                     STATUS + u64::from(k),
                 );
             }
-            g.kick();
-            for _ in 0..N {
-                g.wait_used();
-            }
+            let statuses = g.kick_and_wait(N, STATUS);
             for k in 0..N {
-                let mut s = [0u8];
-                g.mem.read(Gpa(STATUS + u64::from(k)), &mut s).unwrap();
-                assert_eq!(s[0], 0, "round {round} batch {b} request {k}: status");
+                assert_eq!(
+                    statuses[usize::from(k)],
+                    0,
+                    "round {round} batch {b} request {k}: status"
+                );
                 let mut got = vec![0u8; LEN as usize];
                 g.mem.read(Gpa(data_at(b, k)), &mut got).unwrap();
                 let at = (sector(k) * 512) as usize;

@@ -59,17 +59,7 @@ fn batch(g: &mut Guest, kind: u32, sector: impl Fn(u16) -> u64, data: u64) -> Ve
         let hdr = HDR + u64::from(k) * 16;
         g.add_request(k, kind, sector(k), hdr, at, REQ, STATUS + u64::from(k));
     }
-    g.kick();
-    for _ in 0..N {
-        g.wait_used();
-    }
-    (0..N)
-        .map(|k| {
-            let mut s = [0u8];
-            g.mem.read(Gpa(STATUS + u64::from(k)), &mut s).unwrap();
-            s[0]
-        })
-        .collect()
+    g.kick_and_wait(N, STATUS)
 }
 
 #[test]

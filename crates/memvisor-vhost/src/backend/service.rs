@@ -69,7 +69,8 @@ pub(crate) struct Pass {
 
 /// One pass over ring `index`: the device processes it, the chains it finished meanwhile go
 /// back on their rings, the dirty log is drained, then the drivers are interrupted (ring
-/// `index`'s when the device says so). An error means the ring is broken: the caller stops it.
+/// `index`'s when the device says so), and last the device does what must not delay a reply
+/// ([`Device::after_replies`]). An error means the ring is broken: the caller stops it.
 pub(crate) fn pass<D: Device, R: Rings>(
     device: &mut D,
     rings: &mut R,
@@ -84,6 +85,8 @@ pub(crate) fn pass<D: Device, R: Rings>(
         });
     };
     let t0 = Instant::now();
+    // The pass's one clock read before its requests: the device may start them from it.
+    device.pass_began(t0);
     let r = device.process(index, ring, memory);
     stats.process_ns.add(t0.elapsed().as_nanos() as u64);
     // Transfers the kernel finished at once (the page cache) end now, not a poll later; they
@@ -94,10 +97,12 @@ pub(crate) fn pass<D: Device, R: Rings>(
     for &i in &ended.tell {
         rings.notify(i);
     }
-    let processed = r?;
-    if processed == Processed::served(true) && !ended.tell.contains(&index) {
+    if r.as_ref().is_ok_and(|p| *p == Processed::served(true)) && !ended.tell.contains(&index) {
         rings.notify(index);
     }
+    // Every reply of the pass is out: what would have delayed one comes now.
+    device.after_replies();
+    let processed = r?;
     let again = matches!(processed, Processed::Served { .. })
         && ended.any
         && rings.ring(index).is_some_and(|q| has_requests(q, memory));

@@ -13,7 +13,7 @@ use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::fixed::Claim;
-use super::io::{Pages, Ready, elapsed_ns};
+use super::io::{Pages, Ready, ns_between};
 use super::request::{Failure, Outcome};
 use super::throttle::Wake;
 use super::{Blk, SECTOR};
@@ -91,6 +91,10 @@ impl Device for Blk {
         // what it prepared goes to the kernel.
         self.launch(index, queue, &dma, &mut batch, &mut any);
         self.batch = batch;
+        // What ended during the pass lets its pages go before its chains are handed back; the
+        // next pass reads its own clock.
+        self.release_ended();
+        self.pass_at = None;
         if let Some(misses) = taken? {
             return Ok(Processed::Missed { misses });
         }
@@ -136,6 +140,10 @@ impl Device for Blk {
             Some(w) => Some(w.fd(self.disk.completion_fd())),
             None => self.disk.completion_fd(),
         }
+    }
+
+    fn pass_began(&mut self, at: Instant) {
+        self.pass_at = Some(at);
     }
 
     fn complete(&mut self, memory: &FrontendMemory, wait: bool) -> Result<Vec<Used>> {
@@ -259,6 +267,9 @@ impl Device for Blk {
                 break;
             }
         }
+        // Every guard of what ended goes before the chains are handed back, and the batch's
+        // one clock read (two with guards) ends their latencies.
+        self.release_ended();
         // A discard may have woken this thread to give registered chunks up.
         if let Some(f) = self.fixed.as_mut() {
             f.service(&mut self.disk);
@@ -299,6 +310,21 @@ impl Device for Blk {
             }
         }
         Some(b)
+    }
+
+    fn after_replies(&mut self) {
+        // Off the request: the pass's replies are out, so registering the chunks its
+        // transfers found cold (~2 ms each) delays none of them (`blk::fixed`).
+        let Some(f) = self.fixed.as_mut() else {
+            return;
+        };
+        #[cfg(feature = "test-hooks")]
+        if let (true, Some(hook)) = (f.has_cold(), self.before_register.as_mut()) {
+            hook();
+        }
+        f.after_replies(&mut self.disk);
+        let q = f.queue;
+        self.count_fixed(q);
     }
 
     fn poll(&self) -> Option<std::time::Duration> {
@@ -506,6 +532,8 @@ impl Blk {
                     }
                 }
             };
+            // A transfer done here (bounced) lets its pages go before its chain goes back.
+            self.release_ended();
             if let Err(e) = queue.add_used(&mem, head, written) {
                 log::warn!("blk: queue {index}: cannot return head {head}: {e}");
             }
@@ -522,8 +550,7 @@ impl Blk {
         dma: &DmaSpace,
         bufs: &[Buf],
     ) -> std::result::Result<Option<(bool, u64)>, std::time::Duration> {
-        let throttle = self.live.throttle();
-        if !throttle.is_on() {
+        if !self.live.throttle().is_on() {
             return Ok(None);
         }
         // TEST ONLY: the throttle is accepted and shown, and never holds a request back.
@@ -545,7 +572,9 @@ impl Blk {
         };
         let data = bufs.get(1..bufs.len() - 1).unwrap_or_default();
         let bytes = data.iter().map(|b| u64::from(b.len)).sum();
-        let Some(wait) = throttle.wait(write) else {
+        // At the pass's clock: no clock read of its own.
+        let now = self.pass_clock();
+        let Some(wait) = self.live.throttle().wait_at(write, now) else {
             return Ok(Some((write, bytes)));
         };
         self.ensure_wake();
@@ -640,6 +669,7 @@ impl Blk {
         bufs: &[Buf],
     ) -> Option<(Claim, Vec<libc::iovec>)> {
         let f = self.fixed.as_mut()?;
+        f.begin();
         // A header, data buffers, a status byte: nothing else moves data.
         if bufs.len() < 3 || !f.may_claim() {
             return None;
@@ -668,21 +698,21 @@ impl Blk {
     /// Walks the buffers of a chain once ([`DmaSpace::hold_sg_into`]), timing it. The pages
     /// are counted in queue `q`'s own shard of the hold table, so two queues never share one.
     /// The guard's vectors come from a scratch the device keeps; the guard goes with the
-    /// transfer and gives them back when it ends (`Blk::settle`), so a walk allocates nothing
-    /// once as many have grown as transfers are out.
+    /// transfer and gives them back when it ends (`Blk::release_ended`), so a walk allocates
+    /// nothing once as many have grown as transfers are out.
     fn hold(&mut self, q: u16, dma: &DmaSpace, bufs: &[Buf]) -> memvisor::Result<SgWalk> {
-        let sg = &mut self.sg;
-        sg_from(sg, bufs);
+        sg_from(&mut self.sg, bufs);
         let mut scratch = self
             .scratches
             .pop()
             .unwrap_or_else(|| memvisor::dma::SgScratch::for_queue(q));
         scratch.set_queue(q);
-        let start = Instant::now();
-        let walk = dma.hold_sg_into(sg, &mut scratch);
+        let start = self.now();
+        let walk = dma.hold_sg_into(&self.sg, &mut scratch);
+        let ns = ns_between(start, self.now());
         let c = self.count(q);
         c.holds.add(1);
-        c.hold_ns.add(elapsed_ns(start));
+        c.hold_ns.add(ns);
         walk
     }
 }

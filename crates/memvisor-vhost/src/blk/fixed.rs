@@ -6,17 +6,20 @@
 //! touch the table) goes out as `READ_FIXED` / `WRITE_FIXED` (`READV_FIXED` / `WRITEV_FIXED`
 //! for more than one buffer) through the chunk's slot. Chunks are registered **lazily** and
 //! **off the request**: the first transfer that touches a chunk goes the ordinary way (hold +
-//! `READV`) and names the chunk cold; after the pass has handed its batch to the kernel, the
-//! ring's thread registers the cold chunks ([`FixedChunks::register_cold`], a few per pass: a
-//! cold chunk costs ~2 ms to fault in and pin). Registering all of RAM up front would fault it
+//! `READV`) and names the chunk cold; once the pass's replies are on the used ring and its
+//! drivers told (`Device::after_replies`), the ring's thread registers the cold chunks
+//! ([`FixedChunks::register_cold`], a few per pass: a cold chunk costs ~2 ms to fault in and
+//! pin), so no reply waits for a registration. Registering all of RAM up front would fault it
 //! in and pin it, defeating the balloon.
 //!
 //! **What goes the ordinary way, counted.** A refusal of the host — the ring's table or a
 //! chunk's registration refused (RLIMIT_MEMLOCK, ENOMEM, EFAULT, EOPNOTSUPP, EPERM), a kernel
 //! without vectored fixed transfers — is a *fallback* ([`FixedCounts::fallbacks`]); the rest —
 //! buffers over two chunks, a chunk cold, being evicted or waiting to come back, memory that may
-//! not be registered, dirty logging on — is *ordinary* ([`FixedCounts::ordinary`]). No host
-//! limit ever fails a request.
+//! not be registered, dirty logging on — is *ordinary* ([`FixedCounts::ordinary`]). Only reads
+//! and writes are counted, once the request's header says it is one ([`BlkFixed::tally`]): a
+//! `GET_ID`, `DISCARD` or `WRITE_ZEROES` whose buffer was claimed moves no data through it, so
+//! the shares describe the data path. No host limit ever fails a request.
 //!
 //! **Discard.** A registered chunk stays pinned in the kernel whether or not a transfer uses
 //! it, so a discard of it would orphan the pinned page. [`Shared`] is the ring's
@@ -119,6 +122,15 @@ enum Why {
     Other,
 }
 
+/// How a claim went, counted once the request's header says it moves data
+/// ([`BlkFixed::tally`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tally {
+    Fixed,
+    Fallback,
+    Ordinary,
+}
+
 /// A ring's registered chunks.
 pub struct FixedChunks {
     shared: Arc<Shared>,
@@ -160,6 +172,7 @@ impl FixedChunks {
     /// `[region.0, region.1)`; the chunk counts it in flight until released ([`Claim`]).
     /// `None`: it goes the ordinary way (counted); a cold chunk is queued for
     /// [`FixedChunks::register_cold`].
+    #[cfg(test)]
     pub fn acquire(
         &mut self,
         disk: &mut Disk,
@@ -182,6 +195,8 @@ impl FixedChunks {
         }
     }
 
+    /// `FixedChunks::acquire` without counting: the slot, or why the transfer goes the
+    /// ordinary way.
     fn try_acquire(
         &mut self,
         disk: &mut Disk,
@@ -235,8 +250,8 @@ impl FixedChunks {
         Err(Why::Other)
     }
 
-    /// On the ring's thread, after a pass handed its transfers to the kernel: registers up to
-    /// a few of the chunks transfers found cold. A refusal is remembered (the chunk stays on the
+    /// On the ring's thread, after a pass's replies went out: registers up to a few of the
+    /// chunks transfers found cold. A refusal is remembered (the chunk stays on the
     /// ordinary way, counted as a fallback) and logged.
     pub fn register_cold(&mut self, disk: &mut Disk) {
         let mut t = lock(&self.shared.table);
@@ -437,6 +452,8 @@ pub struct BlkFixed {
     regions: Vec<(u64, u64)>,
     /// Dirty logging is on: every transfer goes the ordinary way, whose guard marks the pages.
     logging: bool,
+    /// How the last claim went, not counted until the request is known to be a read or write.
+    pending: Option<Tally>,
     /// The queue whose counters its counts go to.
     pub queue: u16,
 }
@@ -453,6 +470,7 @@ impl BlkFixed {
             generation: None,
             regions: Vec::new(),
             logging: false,
+            pending: None,
             queue: 0,
         }
     }
@@ -489,7 +507,8 @@ impl BlkFixed {
             .collect();
     }
 
-    /// The slot a transfer of `iov` goes through, or `None` (counted).
+    /// The slot a transfer of `iov` goes through, or `None`; how it went is counted by
+    /// [`BlkFixed::tally`].
     pub fn acquire(&mut self, disk: &mut Disk, iov: &[libc::iovec]) -> Option<u16> {
         let first = iov.first().map_or(0, |v| v.iov_base as u64);
         let region = self
@@ -497,13 +516,16 @@ impl BlkFixed {
             .iter()
             .find(|r| first >= r.0 && first < r.1)
             .copied();
-        match region {
-            Some(region) if !self.logging => self.chunks.acquire(disk, iov, region),
-            _ => {
-                self.chunks.counts.ordinary += 1;
-                None
-            }
-        }
+        let (slot, tally) = match region {
+            Some(region) if !self.logging => match self.chunks.try_acquire(disk, iov, region) {
+                Ok(slot) => (Some(slot), Tally::Fixed),
+                Err(Why::Host) => (None, Tally::Fallback),
+                Err(Why::Other) => (None, Tally::Ordinary),
+            },
+            _ => (None, Tally::Ordinary),
+        };
+        self.pending = Some(tally);
+        slot
     }
 
     /// [`BlkFixed::acquire`] as a [`Claim`], which lets the chunk go when dropped.
@@ -517,15 +539,33 @@ impl BlkFixed {
         })
     }
 
+    /// A new request: whatever the last claim was, it is not this request's.
+    pub fn begin(&mut self) {
+        self.pending = None;
+    }
+
     /// Whether a transfer may go through a registered chunk at all now (not while dirty
-    /// pages are logged, nor without memory that may be registered); if not, it is counted
-    /// as going the ordinary way.
+    /// pages are logged, nor without memory that may be registered); if not, it goes the
+    /// ordinary way ([`BlkFixed::tally`] counts it).
     pub fn may_claim(&mut self) -> bool {
         let ok = !self.logging && !self.regions.is_empty();
         if !ok {
-            self.chunks.counts.ordinary += 1;
+            self.pending = Some(Tally::Ordinary);
         }
         ok
+    }
+
+    /// The request claimed for last is a read or write about to go: counts how its claim
+    /// went (fixed, fallback or ordinary). A request that moves no data (`GET_ID`, `DISCARD`,
+    /// `WRITE_ZEROES`, a refused write) is never tallied: its claim is forgotten at the next
+    /// [`BlkFixed::begin`].
+    pub fn tally(&mut self) {
+        match self.pending.take() {
+            Some(Tally::Fixed) => self.chunks.counts.fixed += 1,
+            Some(Tally::Fallback) => self.chunks.counts.fallbacks += 1,
+            Some(Tally::Ordinary) => self.chunks.counts.ordinary += 1,
+            None => {}
+        }
     }
 
     /// A transfer [`BlkFixed::acquire`] counted as fixed did not go so after all.
@@ -543,9 +583,15 @@ impl BlkFixed {
         self.chunks.refuse_vectored();
     }
 
-    /// After a pass handed its transfers to the kernel: registers cold chunks.
-    pub fn after_pass(&mut self, disk: &mut Disk) {
+    /// After a pass's replies went out (`Device::after_replies`): registers cold chunks.
+    pub fn after_replies(&mut self, disk: &mut Disk) {
         self.chunks.register_cold(disk);
+    }
+
+    /// TEST ONLY: whether chunks wait to be registered.
+    #[cfg(feature = "test-hooks")]
+    pub fn has_cold(&self) -> bool {
+        !lock(&self.chunks.shared.table).cold.is_empty()
     }
 
     /// When the ring's thread wakes: evictions discards asked for.

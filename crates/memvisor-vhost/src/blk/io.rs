@@ -7,8 +7,8 @@
 //! transfer an `O_DIRECT` image cannot take as it is (buffers not aligned as it needs) is
 //! copied through an aligned buffer of ours instead ([`Blk::bounce`]). Ready transfers go to
 //! the kernel together (io_uring, [`Disk::start`]) or, alone, at once (`preadv` / `pwritev`);
-//! each ends in [`Blk::end_transfer`], where its guard (or its claim) drops and lets the pages
-//! go.
+//! each ends in [`Blk::end_transfer`], where its claim drops, and its guard goes with those of
+//! the transfers that ended with it ([`Blk::release_ended`]), before their chains go back.
 
 use std::time::Instant;
 
@@ -51,7 +51,8 @@ pub(super) struct Ready {
     pub total: u64,
     /// Where the status byte goes.
     pub status_at: u64,
-    /// When its buffers were held (its latency runs from here).
+    /// When the pass that took it off its ring began (its latency runs from here: one clock
+    /// read a pass, [`Blk::pass_clock`]).
     started: Instant,
     /// Goes through a registered buffer, whose chunk counts the transfer in flight until it
     /// ends ([`super::fixed`]).
@@ -112,7 +113,7 @@ impl Blk {
         to_guest: bool,
         status_at: u64,
     ) -> Outcome {
-        let started = Instant::now();
+        let started = self.pass_clock();
         let mut total: u64 = 0;
         for b in data {
             if b.write != to_guest {
@@ -218,9 +219,10 @@ impl Blk {
         Outcome::Ready(ready)
     }
 
-    /// Ends a read or write the kernel has carried out (`moved`: its bytes, or why not): lets
-    /// its pages go, counts it, writes its status byte; returns the bytes written into the
-    /// chain, status byte included.
+    /// Ends a read or write the kernel has carried out (`moved`: its bytes, or why not):
+    /// counts it, writes its status byte, and leaves its pages to be let go, and its latency
+    /// to be recorded, with the others that end with it ([`Blk::release_ended`]); returns the
+    /// bytes written into the chain, status byte included.
     pub(super) fn end_transfer(
         &mut self,
         q: u16,
@@ -233,7 +235,8 @@ impl Blk {
         self.finish(q, dma, Some(status_at), outcome)
     }
 
-    /// What a read or write that moved `moved` came to: its pages let go, counted.
+    /// What a read or write that moved `moved` came to: counted, its guard (if held) and its
+    /// latency left for [`Blk::release_ended`].
     fn settle(&mut self, q: u16, ready: Ready, moved: Result<u64>) -> Outcome {
         let Ready {
             guard,
@@ -251,19 +254,10 @@ impl Blk {
         // Its chunk may be given up to a discard from now on.
         drop(fixed);
         if let Some(guard) = guard {
-            let start = Instant::now();
-            // Let go, its vectors kept for the next walk (`Blk::hold`).
-            let mut scratch = memvisor::dma::SgScratch::for_queue(q);
-            scratch.recycle(guard);
-            if self.scratches.len() < IN_FLIGHT {
-                self.scratches.push(scratch);
-            }
-            self.count(q).release_ns.add(elapsed_ns(start));
+            self.ending.push((q, held, guard));
         }
-        let c = self.count(q);
         let op = if to_guest { Op::Read } else { Op::Write };
-        c.record_latency(op, elapsed_ns(started));
-        c.pinned_pages.sub(held);
+        self.latencies.push((q, op, started));
         match moved {
             Ok(n) => {
                 debug_assert_eq!(n, total);
@@ -275,6 +269,60 @@ impl Blk {
                 if to_guest { "read" } else { "write" },
             )))),
             Err(e) => e.into(),
+        }
+    }
+
+    /// Ends the reads and writes that ended since the last call, together: lets their guards
+    /// go, their vectors kept for the next walks (`Blk::hold`), and records their latencies.
+    /// Called before their chains go back (on the used ring at once, or handed to the back end
+    /// at the end of [`Device::complete_into`](crate::Device::complete_into)), so, as when
+    /// each guard dropped as its transfer ended, every guard is gone (its written pages marked
+    /// dirty) before its chain is on the used ring, the dirty log drained or a message handled.
+    /// The clock is read once for them all, after the guards went (their latencies end there),
+    /// and once before when there are guards: the time letting them go takes goes to each
+    /// queue's `release_ns`, a run of one queue's guards timed at once (one more read for each
+    /// change of queue), not two clock reads a request.
+    pub(super) fn release_ended(&mut self) {
+        if self.ending.is_empty() {
+            if !self.latencies.is_empty() {
+                let end = self.now();
+                self.record_latencies(end);
+            }
+            return;
+        }
+        let mut ending = std::mem::take(&mut self.ending);
+        let mut from = self.now();
+        let mut run = None;
+        for (q, held, guard) in ending.drain(..) {
+            if let Some(r) = run.filter(|&r| r != q) {
+                let to = self.now();
+                self.count(r).release_ns.add(ns_between(from, to));
+                from = to;
+            }
+            run = Some(q);
+            let mut scratch = memvisor::dma::SgScratch::for_queue(q);
+            scratch.recycle(guard);
+            if self.scratches.len() < IN_FLIGHT {
+                self.scratches.push(scratch);
+            }
+            self.count(q).pinned_pages.sub(held);
+        }
+        if let Some(r) = run {
+            let to = self.now();
+            self.count(r).release_ns.add(ns_between(from, to));
+            from = to;
+        }
+        self.ending = ending;
+        self.record_latencies(from);
+    }
+
+    /// Records the latencies of the reads and writes that ended, each from its pass's start
+    /// to `end`.
+    fn record_latencies(&mut self, end: Instant) {
+        for (q, op, started) in self.latencies.drain(..) {
+            self.live
+                .queue(q)
+                .record_latency(op, ns_between(started, end));
         }
     }
 
@@ -360,7 +408,10 @@ impl Blk {
                         .rw_vectored(&mut ready.iov, offset, ready.to_guest)
                 },
             };
+            // Done at once: its pages let go and its latency ended (its one clock read, two
+            // with a guard) before its chain goes back.
             let written = self.end_transfer(index, dma, ready, moved);
+            self.release_ended();
             if let Err(e) = queue.add_used(&mem, head, written) {
                 log::warn!("blk: queue {index}: cannot return head {head}: {e}");
             }
@@ -371,10 +422,8 @@ impl Blk {
             c.batches.add(1);
         }
         c.most_in_flight.raise(self.disk.in_flight() as u64);
-        // The batch is out: chunks it found cold are registered now, off its requests.
-        if let Some(f) = self.fixed.as_mut() {
-            f.after_pass(&mut self.disk);
-        }
+        // Chunks the batch found cold are registered once the pass's replies are out
+        // (`Device::after_replies`), not here, where they would delay them.
         self.count_fixed(index);
     }
 
@@ -493,9 +542,9 @@ impl Blk {
     }
 }
 
-/// Nanoseconds since `start`.
-pub(super) fn elapsed_ns(start: Instant) -> u64 {
-    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+/// Nanoseconds from `from` to `to` (0 if `to` is earlier).
+pub(super) fn ns_between(from: Instant, to: Instant) -> u64 {
+    u64::try_from(to.saturating_duration_since(from).as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// TEST ONLY (feature `test-hooks`): with

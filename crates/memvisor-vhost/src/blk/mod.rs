@@ -189,6 +189,9 @@ pub struct Blk {
     /// capacity change is not told to the frontend.
     #[cfg(feature = "test-hooks")]
     silent_resize: bool,
+    /// TEST ONLY ([`Blk::on_register`]): called before cold chunks are registered.
+    #[cfg(feature = "test-hooks")]
+    before_register: Option<Box<dyn FnMut() + Send>>,
     /// Wakes the serving loop when a request the throttle deferred may go (made on the first
     /// deferral; [`throttle`]).
     wake: Option<throttle::Wake>,
@@ -215,6 +218,17 @@ pub struct Blk {
     chain: Vec<crate::ring::Desc>,
     batch: Vec<(u16, io::Ready)>,
     ended: Vec<(u64, Result<u64>)>,
+    /// The clock as the pass being served began ([`Blk::pass_clock`]); `None` between passes.
+    pass_at: Option<std::time::Instant>,
+    /// Guards of reads and writes that ended, with their queue and held pages, let go
+    /// together ([`Blk::release_ended`]).
+    ending: Vec<(u16, u64, memvisor::dma::SgGuard)>,
+    /// Reads and writes that ended, with their queue and start, whose latencies are recorded
+    /// at the same clock read ([`Blk::release_ended`]).
+    latencies: Vec<(u16, stats::Op, std::time::Instant)>,
+    /// TEST ONLY: the device's clock reads ([`Blk::clock_reads`]).
+    #[cfg(feature = "test-hooks")]
+    clock_reads: crate::live::Counter,
 }
 
 impl Blk {
@@ -253,6 +267,8 @@ impl Blk {
             live,
             #[cfg(feature = "test-hooks")]
             silent_resize: false,
+            #[cfg(feature = "test-hooks")]
+            before_register: None,
             wake: None,
             no_wake: false,
             deferred: 0,
@@ -266,7 +282,42 @@ impl Blk {
             chain: Vec::new(),
             batch: Vec::new(),
             ended: Vec::new(),
+            pass_at: None,
+            ending: Vec::new(),
+            latencies: Vec::new(),
+            #[cfg(feature = "test-hooks")]
+            clock_reads: crate::live::Counter::default(),
         })
+    }
+
+    /// Reads the clock (every clock read of the device's own goes through here: a test can
+    /// count them, [`Blk::clock_reads`]).
+    #[inline]
+    fn now(&self) -> std::time::Instant {
+        #[cfg(feature = "test-hooks")]
+        self.clock_reads.add(1);
+        std::time::Instant::now()
+    }
+
+    /// The clock as the pass being served began: the serving loop's own read of it
+    /// ([`Device::pass_began`]), or, without one, a read made here once a pass. Requests the
+    /// pass takes start from it, and the throttle weighs them at it.
+    fn pass_clock(&mut self) -> std::time::Instant {
+        match self.pass_at {
+            Some(t) => t,
+            None => {
+                let t = self.now();
+                self.pass_at = Some(t);
+                t
+            }
+        }
+    }
+
+    /// TEST ONLY (feature `test-hooks`): the clock reads the device made itself so far (not
+    /// the serving loop's one a pass, which it is handed): to count them per request.
+    #[cfg(feature = "test-hooks")]
+    pub fn clock_reads(&self) -> u64 {
+        self.clock_reads.get()
     }
 
     /// Queue `q`'s counters.
@@ -292,6 +343,14 @@ impl Blk {
     /// The image (for tests).
     pub fn disk(&self) -> &File {
         self.disk.file()
+    }
+
+    /// TEST ONLY (feature `test-hooks`): `f` runs on the ring's thread each time registered
+    /// buffers are about to register the chunks requests found cold, so a test can see what
+    /// the driver sees at that moment (its replies published or not).
+    #[cfg(feature = "test-hooks")]
+    pub fn on_register(&mut self, f: impl FnMut() + Send + 'static) {
+        self.before_register = Some(Box::new(f));
     }
 
     /// Reads image bytes (for tests).

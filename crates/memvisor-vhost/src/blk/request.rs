@@ -12,7 +12,7 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
 };
 
-use super::io::{Pages, Ready, elapsed_ns};
+use super::io::{Pages, Ready, ns_between};
 use super::stats::Op;
 use super::{Blk, S_IOERR, S_OK, S_UNSUPP, SECTOR};
 use crate::error::Error;
@@ -105,14 +105,6 @@ impl Blk {
         }
         let kind = u32::from_le_bytes(hdr[0..4].try_into().expect("4"));
         let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8"));
-        if let (Pages::Chunk(..), false, Some(f)) = (
-            &kept,
-            matches!(kind, VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT),
-            self.fixed.as_mut(),
-        ) {
-            // Claimed before the header was read, for no transfer: not counted as one.
-            f.uncount_fixed();
-        }
         match kind {
             VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT => {
                 let to_guest = kind == VIRTIO_BLK_T_IN;
@@ -133,15 +125,23 @@ impl Blk {
                         Err(e) => return e.into(),
                     }
                 }
+                // A read or write that goes: its claim (made before the header was read)
+                // counts in the fixed / ordinary / fallback shares; no other request's does.
+                if let Some(f) = self.fixed.as_mut() {
+                    f.tally();
+                }
                 self.transfer(q, dma, data, kept, sector, to_guest, status_at)
             }
             VIRTIO_BLK_T_FLUSH => {
-                let flush_start = std::time::Instant::now();
+                // Timed on its own (two clock reads): a flush is its fdatasync, which takes
+                // far longer than they do.
+                let flush_start = self.now();
                 match self.disk.sync_data() {
                     Ok(()) => {
+                        let ns = ns_between(flush_start, self.now());
                         let c = self.count(q);
                         c.flushes.add(1);
-                        c.record_latency(Op::Flush, elapsed_ns(flush_start));
+                        c.record_latency(Op::Flush, ns);
                         Outcome::Done(S_OK, 0)
                     }
                     Err(e) => Outcome::Failed(Failure::Io(e)),

@@ -10,9 +10,16 @@
 //! fixed log-scale buckets, bucket `i` counting requests that took at most `2^(10+i)` ns (1 µs
 //! to 8.6 s, [`LATENCY_BOUNDS_NS`]) and one more for longer, with their count and total time.
 //! Recording is two plain relaxed stores by the queue's own thread (no atomic read-modify-write,
-//! no lock): one clock read when a request's buffers are held and one when it ends. A read or
-//! write is timed from its buffers being held to its end; a flush is its `fdatasync`. Time a
-//! request waited on the ring for the throttle is not in it ([`super::throttle`]).
+//! no lock), and a read or write reads no clock of its own for it: it is timed from the start
+//! of the pass that took it off its ring (the serving loop reads the clock once a pass and hands
+//! it to the device, `Device::pass_began`) to when the device ended it, together with the
+//! others that ended with it (one clock read for them all, after their pages were let go, just
+//! before their chains go back). So it counts the walk of its buffers and the requests taken
+//! before it in the same pass, as a driver would see them, and not the time it waited on the
+//! ring before the pass (until issue 48 it ran from its buffers being held to its own end, two
+//! clock reads a request). A flush
+//! is its `fdatasync`, timed on its own. Time a request waited on the ring for the throttle is
+//! not in it ([`super::throttle`]).
 
 use std::sync::Arc;
 
@@ -147,7 +154,8 @@ pub struct BlkStats {
     pub holds: u64,
     /// Nanoseconds spent walking and holding those requests' buffers.
     pub hold_ns: u64,
-    /// Nanoseconds spent letting them go.
+    /// Nanoseconds spent letting them go (the guards of the transfers that end together are let
+    /// go together, and timed so).
     pub release_ns: u64,
     /// Reads and writes that went out as io_uring fixed transfers through a registered chunk
     /// of guest memory (`fixed_buffers`).

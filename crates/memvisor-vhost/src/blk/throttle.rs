@@ -430,9 +430,22 @@ impl Throttle {
         if !self.is_on() {
             return None;
         }
-        let now = self.now_ns();
+        self.wait_ns_at(write, self.now_ns())
+    }
+
+    /// [`Throttle::wait`] at `now`, a clock read the caller made already (a blk queue's pass
+    /// weighs all its requests at the pass's start: no clock read per request).
+    pub fn wait_at(&self, write: bool, now: Instant) -> Option<Duration> {
+        if !self.is_on() {
+            return None;
+        }
+        let ns = now.saturating_duration_since(self.0.epoch).as_nanos() as u64;
+        self.wait_ns_at(write, ns)
+    }
+
+    fn wait_ns_at(&self, write: bool, now_ns: u64) -> Option<Duration> {
         let mut s = self.0.state.lock().unwrap_or_else(|p| p.into_inner());
-        match s.1.wait_ns(write, now) {
+        match s.1.wait_ns(write, now_ns) {
             0 => None,
             ns => Some(Duration::from_nanos(ns)),
         }

@@ -178,6 +178,24 @@ impl Guest {
         self.kick.write_all(&1u64.to_le_bytes()).unwrap();
     }
 
+    /// Kicks requests `0..n` made available with [`Guest::add_request`] (the statuses of
+    /// request `k` at `status + k`), waits for all `n` chains to come back, and returns their
+    /// status bytes.
+    #[allow(dead_code)]
+    pub fn kick_and_wait(&mut self, n: u16, status: u64) -> Vec<u8> {
+        self.kick();
+        for _ in 0..n {
+            self.wait_used();
+        }
+        (0..n)
+            .map(|k| {
+                let mut s = [0u8];
+                self.mem.read(Gpa(status + u64::from(k)), &mut s).unwrap();
+                s[0]
+            })
+            .collect()
+    }
+
     /// Waits for the device to return a chain; returns (head, bytes written).
     pub fn wait_used(&mut self) -> (u16, u32) {
         for _ in 0..500 {
