@@ -217,6 +217,9 @@ pub struct Ranges<H, V> {
     flat_max: usize,
 }
 
+/// The flat form is held by value, on purpose: a lookup reaches it with no pointer to follow,
+/// and an index is made (a new space, a flush) with no allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 enum Repr<H, V> {
     Flat(Flat<H, V>),
