@@ -2,8 +2,10 @@
 //!
 //! A [`DmaSnapshot`] is one generation of a space's mappings. Its [`Index`] keeps them twice:
 //!
-//! * in the sorted index, a persistent range map (`rangemap`): every mapping's IOVA range,
-//!   its [`Hot`] word and its record, found by a search that reads a few cache lines;
+//! * in the sorted index (`flat`): every mapping's IOVA range, its [`Hot`] word and its
+//!   record, found by a search that reads a few cache lines; a flat array edited in place
+//!   while the space holds few mappings (an IOTLB), a persistent range map (`rangemap`) when
+//!   it holds many;
 //! * for the small mappings a vIOMMU makes, in a persistent page table (`pagetable`): one word
 //!   per 4 KiB page, the mapping's hot word plus the pages left to its end, found by indexing
 //!   with the address's bits, no search;
@@ -24,6 +26,7 @@
 //! checks for overlap. The property tests (`tests`) hold the page table against the sorted
 //! index.
 
+mod flat;
 mod pagetable;
 mod rangemap;
 #[cfg(test)]
@@ -35,8 +38,8 @@ use std::sync::Arc;
 use super::Host;
 use super::{Mapping, Memory, Prot};
 use crate::addr::PAGE_4K as PAGE;
+use flat::Ranges;
 use pagetable::PageTable;
-use rangemap::RangeMap;
 
 use pagetable::HUGE_SPAN;
 pub(super) use pagetable::{Region, WINDOW, Word};
@@ -126,7 +129,7 @@ impl Hot {
     const LEFT: u64 = 0x7f << Hot::LEFT_SHIFT;
 }
 
-/// The index: every mapping's IOVA range, hot word and record in the sorted [`RangeMap`]; and,
+/// The index: every mapping's IOVA range, hot word and record in the sorted [`Ranges`]; and,
 /// for the small mappings a vIOMMU makes (at most [`TABLE_PAGES_MAX`] pages, below the page
 /// table's window, while its budget allows), one word per 4 KiB page in a [`PageTable`]: the
 /// mapping's hot word plus the pages left to its end. A translation reads the page table first
@@ -146,7 +149,7 @@ impl Hot {
 /// again on its spare copy ([`Index::replay`]); a published index's log is empty.
 #[derive(Clone, Default)]
 pub(super) struct Index {
-    ranges: RangeMap<Hot, Arc<Mapping>>,
+    ranges: Ranges<Hot, Arc<Mapping>>,
     /// The changes made to this copy since [`Index::take_log`], for the writer to make the
     /// same changes to its spare copy ([`Index::replay`]); empty in a published snapshot.
     log: Vec<Op>,
@@ -196,7 +199,7 @@ impl Op {
 }
 
 impl std::ops::Deref for Index {
-    type Target = RangeMap<Hot, Arc<Mapping>>;
+    type Target = Ranges<Hot, Arc<Mapping>>;
     fn deref(&self) -> &Self::Target {
         &self.ranges
     }
@@ -212,6 +215,16 @@ impl Index {
         }
     }
 
+    /// [`Index::new`] whose sorted index turns from flat to chunked at `flat_max` mappings,
+    /// for tests that cross both ways with a few.
+    #[cfg(test)]
+    pub(super) fn with_flat_max(table_from: u64, flat_max: usize) -> Index {
+        Index {
+            ranges: Ranges::with_flat_max(flat_max),
+            ..Index::new(table_from)
+        }
+    }
+
     /// Drops every mapping.
     pub(super) fn clear(&mut self) {
         self.apply_clear();
@@ -220,7 +233,11 @@ impl Index {
 
     fn apply_clear(&mut self) {
         let log = std::mem::take(&mut self.log);
-        *self = Index::new(self.table_from);
+        let ranges = Ranges::with_flat_max(self.ranges.flat_max());
+        *self = Index {
+            ranges,
+            ..Index::new(self.table_from)
+        };
         self.log = log;
     }
 
@@ -362,7 +379,7 @@ impl Index {
         }
     }
 
-    /// See [`RangeMap::reindex`].
+    /// See [`Ranges::reindex`].
     pub(super) fn reindex(&mut self) {
         self.ranges.reindex();
     }

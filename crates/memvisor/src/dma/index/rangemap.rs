@@ -62,6 +62,21 @@ pub struct Pos {
 impl Pos {
     /// The first position; a placeholder that is only valid in a non-empty map.
     pub const FIRST: Pos = Pos { chunk: 0, index: 0 };
+
+    /// Entry `index` of a map of one array (`flat`).
+    #[inline(always)]
+    pub fn at(index: usize) -> Pos {
+        Pos {
+            chunk: 0,
+            index: index as u32,
+        }
+    }
+
+    /// The entry's place in its chunk (or flat array).
+    #[inline(always)]
+    pub fn index(self) -> usize {
+        self.index as usize
+    }
 }
 
 /// An entry's start and hot value, side by side: the lines a lookup reads last.
@@ -174,13 +189,13 @@ impl<V: Clone> Head<V> {
 /// latency; this form stays a chain of compare and add-with-carry. (Checked on the `find`
 /// machine code; `cfg!(target_feature = "sse4.2")` builds get vector compares either way.)
 #[inline(always)]
-fn below(keys: &[u64; GROUP], key: u64) -> usize {
+pub fn below(keys: &[u64; GROUP], key: u64) -> usize {
     GROUP - keys.iter().map(|&k| usize::from(k >= key)).sum::<usize>()
 }
 
 /// How many of a group's 8 sorted `keys` are at or below `key`.
 #[inline(always)]
-fn at_or_below(keys: &[u64; GROUP], key: u64) -> usize {
+pub fn at_or_below(keys: &[u64; GROUP], key: u64) -> usize {
     GROUP - keys.iter().map(|&k| usize::from(k > key)).sum::<usize>()
 }
 
@@ -463,6 +478,7 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     }
 
     /// Whether there are none.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -543,7 +559,7 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
     }
 
     /// The position of the range holding `key`.
-    #[inline]
+    #[cfg(test)]
     pub fn find(&self, key: u64) -> Option<Pos> {
         self.lookup(key).map(|(pos, ..)| pos)
     }

@@ -1,7 +1,9 @@
 //! The page table against the sorted index: after every change the table holds exactly the
 //! words of the small mappings below its window and the huge words of the big mappings' whole
 //! granules, no table answer reaches past its mapping, and copies taken on the way do not
-//! change.
+//! change. Each property runs with the sorted index converting between its flat and chunked
+//! forms (`flat`) at a few mappings as well as at the product's threshold, so both forms and
+//! the conversions both ways are held against the same checks.
 
 use super::*;
 use crate::addr::{Hva, Iova, Range};
@@ -290,8 +292,9 @@ proptest! {
     fn the_page_table_holds_exactly_the_small_mappings_words(
         ops in proptest::collection::vec(op(), 1..60),
         from in prop_oneof![Just(0u64), Just(4u64), Just(8u64)],
+        flat_max in prop_oneof![Just(flat::CAP), Just(1usize), Just(3), Just(8)],
     ) {
-        let mut index = Index::new(from);
+        let mut index = Index::with_flat_max(from, flat_max);
         let mut paged = from == 0;
         let mut id = 0;
         let mut snapshots = Vec::new();
@@ -342,10 +345,12 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..60),
         from in prop_oneof![Just(0u64), Just(4u64), Just(8u64)],
         turns in proptest::collection::vec(any::<bool>(), 60),
+        flat_max in prop_oneof![Just(flat::CAP), Just(1usize), Just(3), Just(8)],
     ) {
-        let mut copies = [Index::new(from), Index::new(from)];
+        let mut copies = [Index::with_flat_max(from, flat_max), Index::with_flat_max(from, flat_max)];
         let mut id = 0;
         let mut held = Vec::new();
+        let mut flat_seen = true;
         for (k, op) in ops.into_iter().enumerate() {
             // Which copy is edited this time: usually the other one (they take turns), and
             // sometimes a clone of the current one (a reader held the spare).
@@ -380,6 +385,13 @@ proptest! {
             copies[1 - edit].reindex();
             prop_assert!(copies[edit].log.is_empty() && copies[1 - edit].log.is_empty());
             prop_assert_eq!(words(&copies[0]), words(&copies[1]), "after change {}", k);
+            prop_assert_eq!(copies[0].ranges.is_flat(), copies[1].ranges.is_flat());
+            prop_assert_eq!(
+                copies[0].ranges.is_flat(),
+                copies[0].len() <= flat_max / 2 || (copies[0].len() <= flat_max && flat_seen),
+                "form at {} mappings", copies[0].len()
+            );
+            flat_seen = copies[0].ranges.is_flat();
             prop_assert_eq!(
                 (copies[0].small, copies[0].paged, copies[0].big),
                 (copies[1].small, copies[1].paged, copies[1].big)

@@ -1,0 +1,634 @@
+//! The sorted index in two forms: a flat array for a space with few mappings, the persistent
+//! chunks of [`RangeMap`] for a big one, behind one set of lookups ([`Ranges`]).
+//!
+//! **Why a flat form.** [`RangeMap`] is built so that a change to a space of 100,000 mappings
+//! copies O(n / 256) pointers: every level (the piece list, the chunk, the value group) sits
+//! behind an `Arc`, and an edit goes through `Arc::make_mut` at each one, an atomic
+//! compare-and-swap even when nothing shares it. An IOTLB in strict mode holds few mappings
+//! (the requests in flight and the rings: tens) and changes one per message, each change made
+//! twice, on the writer's working copy and on its spare (`publish`). There the sharing buys
+//! nothing — the writer edits a snapshot in place only when it holds the only reference to the
+//! whole snapshot (`Arc::get_mut` after the grace wait), so no inner level is ever shared
+//! while it is edited — and the atomics, the value slots and the levels were most of an edit.
+//!
+//! So a small index is a [`Flat`]: the same sorted arrays as one of [`RangeMap`]'s chunks
+//! (ends, starts and hot values in fixed arrays, padded with `u64::MAX`, plus `tops`, the end
+//! of each group of [`GROUP`] entries), at most [`CAP`] entries, with the values in slots
+//! beside them (a byte per entry says which; a word says which slots are free), all held by
+//! value inside the snapshot. An edit is a binary search and a move of the entries after it,
+//! no atomic and no allocation; copying the index (a working copy taken while
+//! a reader holds the spare) copies the array and counts the values, as the first edit of a
+//! copied chunk did. A lookup reads the same lines in the same order as a one-chunk
+//! [`RangeMap`]'s, one pointer less: the array is in the snapshot.
+//!
+//! **When it converts.** An insert into a flat index holding `flat_max` entries ([`CAP`] in
+//! the product) makes it chunked; a removal that leaves a chunked index with `flat_max / 2` or
+//! fewer makes it flat again. The gap between the two is the hysteresis: a space that hovers
+//! around one threshold converts at most once per `flat_max / 2` changes, each conversion a
+//! copy of its entries. Both copies of the writer see the same changes in the same order, so
+//! they convert at the same step. Readers see neither form: every lookup answers the same in
+//! both (the property tests in `tests` and here hold each against a model).
+//!
+//! A position ([`Pos`]) is valid only in the index it came from, in the form it had then.
+
+use super::rangemap::{GROUP, Pos, RangeMap, at_or_below, below};
+
+/// Most entries a flat index holds: eight groups, so that `tops` is one cache line and the
+/// free value slots one word. A strict guest's IOTLB holds fewer at most updates (the
+/// recorded `blk` stream: at most 64 live entries at 75% of its updates). A bigger array was
+/// tried (256, a chunk's worth) and cost more: a guest hands out IOVAs top down, so most
+/// inserts go at the front and move every entry, and a lazy guest's space, which grows to
+/// thousands between flushes, crossed it on every flush with more to copy.
+pub const CAP: usize = 64;
+const GROUPS: usize = CAP / GROUP;
+
+/// At most [`CAP`] disjoint ranges, sorted, in slots `0..len`; unused slots end and start at
+/// `u64::MAX`. Aligned so that `tops` and every group's ends and starts start a cache line.
+#[derive(Clone, Debug)]
+#[repr(C, align(64))]
+pub struct Flat<H, V> {
+    /// `tops[g]` = `lasts[g * GROUP + GROUP - 1]`.
+    tops: [u64; GROUPS],
+    len: usize,
+    lasts: [u64; CAP],
+    starts: [u64; CAP],
+    hots: [H; CAP],
+    /// `slot[i]`: where the `i`th range's value is in `values`. The values stay in their
+    /// slots while the ranges move around them: an edit moves a byte per entry, not a value.
+    slot: [u8; CAP],
+    /// Bit `s`: `values[s]` holds a value.
+    used: u64,
+    values: [Option<V>; CAP],
+}
+
+/// Group `g`'s ends (`lasts`) or starts.
+#[inline(always)]
+fn line(keys: &[u64; CAP], g: usize) -> &[u64; GROUP] {
+    keys[g * GROUP..][..GROUP].try_into().expect("8 keys")
+}
+
+/// `tops` is one line of [`GROUP`] keys, and `used` one bit per slot.
+const _: () = assert!(GROUPS == GROUP && CAP == u64::BITS as usize);
+
+impl<H: Copy + Default, V: Clone> Flat<H, V> {
+    fn new() -> Self {
+        Flat {
+            tops: [u64::MAX; GROUPS],
+            len: 0,
+            lasts: [u64::MAX; CAP],
+            starts: [u64::MAX; CAP],
+            hots: [H::default(); CAP],
+            slot: [0; CAP],
+            used: 0,
+            values: std::array::from_fn(|_| None),
+        }
+    }
+
+    /// The group holding the first range that ends at or after `key`; `GROUPS` if none.
+    #[inline(always)]
+    fn group(&self, key: u64) -> usize {
+        below(&self.tops, key)
+    }
+
+    /// See [`RangeMap::lookup`]: with at most [`GROUP`] ranges it skips the group search.
+    #[inline(always)]
+    pub fn lookup(&self, key: u64) -> Option<(Pos, u64, u64, H)> {
+        let g = if self.len <= GROUP {
+            0
+        } else {
+            self.group(key)
+        };
+        if g == GROUPS {
+            return None;
+        }
+        // As `Chunk::find_in`: the first range of the group ending at or after `key` holds it
+        // iff more of the group's starts are at or below `key` than ends are below it.
+        let j = below(line(&self.lasts, g), key);
+        let s = at_or_below(line(&self.starts, g), key);
+        let i = g * GROUP + j;
+        // Unused slots start at u64::MAX: for that key alone the count can point at one.
+        (j < s && (key != u64::MAX || i < self.len))
+            .then(|| (Pos::at(i), self.starts[i], self.lasts[i], self.hots[i]))
+    }
+
+    /// The position of the first range that ends at or after `key`.
+    pub fn first_ending_at_or_after(&self, key: u64) -> Option<Pos> {
+        let g = self.group(key);
+        if g == GROUPS {
+            return None;
+        }
+        // Unused slots end at u64::MAX and never count: past `len` only if none ends there.
+        let i = g * GROUP + below(line(&self.lasts, g), key);
+        (i < self.len).then(|| Pos::at(i))
+    }
+
+    #[inline]
+    pub fn bounds(&self, pos: Pos) -> (u64, u64, H) {
+        let i = pos.index();
+        debug_assert!(i < self.len, "a position in this map");
+        (self.starts[i], self.lasts[i], self.hots[i])
+    }
+
+    #[inline]
+    pub fn get(&self, pos: Pos) -> (u64, u64, H, &V) {
+        let i = pos.index();
+        (self.starts[i], self.lasts[i], self.hots[i], self.value(i))
+    }
+
+    #[inline]
+    fn value(&self, i: usize) -> &V {
+        self.values[usize::from(self.slot[i])]
+            .as_ref()
+            .expect("a range's slot holds its value")
+    }
+
+    /// Takes the value of the `i`th range out of its slot, which is free then.
+    fn take_value(&mut self, i: usize) -> V {
+        let s = self.slot[i];
+        self.used &= !(1 << s);
+        self.values[usize::from(s)]
+            .take()
+            .expect("a range's slot holds its value")
+    }
+
+    #[inline]
+    pub fn next(&self, pos: Pos) -> Option<Pos> {
+        let i = pos.index() + 1;
+        (i < self.len).then(|| Pos::at(i))
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64, H, &V)> {
+        (0..self.len).map(|i| (self.starts[i], self.lasts[i], self.hots[i], self.value(i)))
+    }
+
+    /// Adds `[start, last]` (overlapping nothing); the caller checked there is room.
+    fn insert(&mut self, start: u64, last: u64, hot: H, value: V) {
+        let len = self.len;
+        debug_assert!(len < CAP && start <= last);
+        let i = self.starts[..len].partition_point(|&s| s < start);
+        self.lasts.copy_within(i..len, i + 1);
+        self.starts.copy_within(i..len, i + 1);
+        self.hots.copy_within(i..len, i + 1);
+        self.slot.copy_within(i..len, i + 1);
+        // Fewer than CAP values: a slot is free.
+        let s = (!self.used).trailing_zeros();
+        self.used |= 1 << s;
+        self.values[s as usize] = Some(value);
+        self.slot[i] = s as u8;
+        self.lasts[i] = last;
+        self.starts[i] = start;
+        self.hots[i] = hot;
+        self.len = len + 1;
+        self.fix_tops(i, len + 1);
+    }
+
+    /// Removes the range at slot `i` and returns its value.
+    fn remove(&mut self, i: usize) -> V {
+        let len = self.len;
+        debug_assert!(i < len);
+        let value = self.take_value(i);
+        self.slot.copy_within(i + 1..len, i);
+        self.lasts.copy_within(i + 1..len, i);
+        self.starts.copy_within(i + 1..len, i);
+        self.hots.copy_within(i + 1..len, i);
+        self.lasts[len - 1] = u64::MAX;
+        self.starts[len - 1] = u64::MAX;
+        self.hots[len - 1] = H::default();
+        self.len = len - 1;
+        self.fix_tops(i, len);
+        value
+    }
+
+    /// Rewrites the tops of the groups of slots `[from, to)`, the ones an edit moved.
+    fn fix_tops(&mut self, from: usize, to: usize) {
+        for g in from / GROUP..to.div_ceil(GROUP) {
+            self.tops[g] = self.lasts[g * GROUP + GROUP - 1];
+        }
+    }
+}
+
+/// Disjoint inclusive ranges with a hot value `H` and a value `V` each: [`Flat`] while they are
+/// few, [`RangeMap`] when they are many (see the module documentation).
+#[derive(Clone, Debug)]
+pub struct Ranges<H, V> {
+    repr: Repr<H, V>,
+    /// An insert into a flat form holding this many makes it chunked; at half of it, a
+    /// removal makes it flat again. [`CAP`] but in tests, which convert at a few entries.
+    flat_max: usize,
+}
+
+/// The flat form is held by value, on purpose: a lookup reaches it with no pointer to follow,
+/// and an index is made (a new space, a flush) with no allocation.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug)]
+enum Repr<H, V> {
+    Flat(Flat<H, V>),
+    Chunked(RangeMap<H, V>),
+}
+
+impl<H: Copy + Default, V: Clone> Default for Ranges<H, V> {
+    fn default() -> Self {
+        Ranges::with_flat_max(CAP)
+    }
+}
+
+impl<H: Copy + Default, V: Clone> Ranges<H, V> {
+    /// Empty, flat, converting at `flat_max` entries (1 to [`CAP`]).
+    pub fn with_flat_max(flat_max: usize) -> Self {
+        assert!((1..=CAP).contains(&flat_max), "flat_max {flat_max}");
+        Ranges {
+            repr: Repr::Flat(Flat::new()),
+            flat_max,
+        }
+    }
+
+    /// See [`Ranges::with_flat_max`].
+    pub fn flat_max(&self) -> usize {
+        self.flat_max
+    }
+
+    /// Whether the flat form holds the ranges; if it does, checks its own invariants
+    /// (padding, tops, value slots).
+    #[cfg(test)]
+    pub fn is_flat(&self) -> bool {
+        let Repr::Flat(f) = &self.repr else {
+            return false;
+        };
+        let mut slots: Vec<u8> = f.slot[..f.len].to_vec();
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(slots.len(), f.len, "two ranges share a value slot");
+        for s in 0..CAP {
+            let used = f.used & 1 << s != 0;
+            assert_eq!(used, slots.contains(&(s as u8)), "slot {s} in use");
+            assert_eq!(
+                f.values[s].is_some(),
+                used,
+                "slot {s} holds a value iff in use"
+            );
+        }
+        for i in f.len..CAP {
+            assert_eq!((f.starts[i], f.lasts[i]), (u64::MAX, u64::MAX), "padding");
+        }
+        for g in 0..GROUPS {
+            assert_eq!(
+                f.tops[g],
+                f.lasts[g * GROUP + GROUP - 1],
+                "top of group {g}"
+            );
+        }
+        true
+    }
+
+    pub fn len(&self) -> usize {
+        match &self.repr {
+            Repr::Flat(f) => f.len,
+            Repr::Chunked(m) => m.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The position of the range holding `key`.
+    #[inline]
+    pub fn find(&self, key: u64) -> Option<Pos> {
+        self.lookup(key).map(|(pos, ..)| pos)
+    }
+
+    /// The range holding `key`: its position, start, last and hot value (see
+    /// [`RangeMap::lookup`]).
+    #[inline(always)]
+    pub fn lookup(&self, key: u64) -> Option<(Pos, u64, u64, H)> {
+        match &self.repr {
+            Repr::Flat(f) => f.lookup(key),
+            Repr::Chunked(m) => m.lookup(key),
+        }
+    }
+
+    /// The position of the first range that ends at or after `key`.
+    #[inline]
+    pub fn first_ending_at_or_after(&self, key: u64) -> Option<Pos> {
+        match &self.repr {
+            Repr::Flat(f) => f.first_ending_at_or_after(key),
+            Repr::Chunked(m) => m.first_ending_at_or_after(key),
+        }
+    }
+
+    /// The range at `pos`: start, last, hot value.
+    #[inline]
+    pub fn bounds(&self, pos: Pos) -> (u64, u64, H) {
+        match &self.repr {
+            Repr::Flat(f) => f.bounds(pos),
+            Repr::Chunked(m) => m.bounds(pos),
+        }
+    }
+
+    /// The range at `pos`: start, last, hot value, value.
+    #[inline]
+    pub fn get(&self, pos: Pos) -> (u64, u64, H, &V) {
+        match &self.repr {
+            Repr::Flat(f) => f.get(pos),
+            Repr::Chunked(m) => m.get(pos),
+        }
+    }
+
+    /// The position after `pos`, in address order.
+    #[inline]
+    pub fn next(&self, pos: Pos) -> Option<Pos> {
+        match &self.repr {
+            Repr::Flat(f) => f.next(pos),
+            Repr::Chunked(m) => m.next(pos),
+        }
+    }
+
+    /// All ranges in address order: start, last, hot value, value.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64, H, &V)> {
+        let (flat, chunked) = match &self.repr {
+            Repr::Flat(f) => (Some(f), None),
+            Repr::Chunked(m) => (None, Some(m)),
+        };
+        (flat.into_iter().flat_map(Flat::iter)).chain(chunked.into_iter().flat_map(RangeMap::iter))
+    }
+
+    /// Adds `[start, last]`. The caller guarantees it overlaps nothing already there.
+    pub fn insert(&mut self, start: u64, last: u64, hot: H, value: V) {
+        match &mut self.repr {
+            Repr::Flat(f) if f.len < self.flat_max => f.insert(start, last, hot, value),
+            Repr::Flat(f) => {
+                // Full: the entries move, in order, into chunks (ascending inserts fill them).
+                let mut map = RangeMap::default();
+                for i in 0..f.len {
+                    let value = f.take_value(i);
+                    map.insert(f.starts[i], f.lasts[i], f.hots[i], value);
+                }
+                map.insert(start, last, hot, value);
+                self.repr = Repr::Chunked(map);
+            }
+            Repr::Chunked(m) => m.insert(start, last, hot, value),
+        }
+    }
+
+    /// Removes the range at `pos` and returns its value.
+    pub fn remove_at(&mut self, pos: Pos) -> V {
+        match &mut self.repr {
+            Repr::Flat(f) => f.remove(pos.index()),
+            Repr::Chunked(m) => {
+                let value = m.remove_at(pos);
+                if m.len() <= self.flat_max / 2 {
+                    // Few left: back to the flat form (its values counted again, the chunks'
+                    // dropped with the map unless a snapshot shares them).
+                    let mut flat = Flat::new();
+                    for (start, last, hot, v) in m.iter() {
+                        flat.insert(start, last, hot, v.clone());
+                    }
+                    self.repr = Repr::Flat(flat);
+                }
+                value
+            }
+        }
+    }
+
+    /// Replaces the hot value and value of the range at `pos`.
+    pub fn set(&mut self, pos: Pos, hot: H, value: V) {
+        match &mut self.repr {
+            Repr::Flat(f) => {
+                let i = pos.index();
+                f.hots[i] = hot;
+                f.values[usize::from(f.slot[i])] = Some(value);
+            }
+            Repr::Chunked(m) => m.set(pos, hot, value),
+        }
+    }
+
+    /// See [`RangeMap::reindex`]; a flat form has no index to build.
+    pub fn reindex(&mut self) {
+        if let Repr::Chunked(m) = &mut self.repr {
+            m.reindex();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    /// start -> (last, value); the hot value is always `start ^ 0x5a5a`.
+    type Model = BTreeMap<u64, (u64, u32)>;
+
+    /// Everything `map` answers against `model`: its ranges in order (by `iter` and by walking
+    /// with `next`), and `find`, `lookup` and `first_ending_at_or_after` at every range's
+    /// edges, middle and neighbours and at `probes`.
+    fn check(map: &Ranges<u64, u32>, model: &Model, probes: &[u64]) {
+        assert_eq!(map.len(), model.len());
+        assert_eq!(map.is_empty(), model.is_empty());
+        let expected: Vec<_> = model.iter().map(|(&s, &(l, v))| (s, l, v)).collect();
+        let listed: Vec<_> = map.iter().map(|(s, l, _, &v)| (s, l, v)).collect();
+        assert_eq!(listed, expected);
+        let mut walked = Vec::new();
+        let mut pos = map.first_ending_at_or_after(0);
+        while let Some(p) = pos {
+            let (s, l, h, &v) = map.get(p);
+            assert_eq!(map.bounds(p), (s, l, h));
+            walked.push((s, l, v));
+            pos = map.next(p);
+        }
+        assert_eq!(walked, expected);
+        let mut keys = probes.to_vec();
+        for (&s, &(l, _)) in model {
+            keys.extend([s, l, s + (l - s) / 2, s.wrapping_sub(1), l.wrapping_add(1)]);
+        }
+        for key in keys {
+            let holder = model
+                .range(..=key)
+                .next_back()
+                .filter(|(_, (l, _))| *l >= key)
+                .map(|(&s, &(l, v))| (s, l, v));
+            let found = map.lookup(key).map(|(p, s, l, h)| {
+                assert_eq!(h, s ^ 0x5a5a, "hot value follows its range");
+                assert_eq!(map.bounds(p), (s, l, h));
+                (s, l, *map.get(p).3)
+            });
+            assert_eq!(found, holder, "lookup({key:#x})");
+            assert_eq!(map.find(key).map(|p| map.get(p).0), holder.map(|h| h.0));
+            let first_end = holder.or_else(|| {
+                let (&s, &(l, v)) = model.range(key.checked_add(1)?..).next()?;
+                Some((s, l, v))
+            });
+            let got = map.first_ending_at_or_after(key).map(|p| {
+                let (s, l, _, &v) = map.get(p);
+                (s, l, v)
+            });
+            assert_eq!(got, first_end, "first_ending_at_or_after({key:#x})");
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// Insert a range of `width + 1` keys at `slot * 8` if it overlaps nothing.
+        Insert { slot: u64, width: u64 },
+        /// Insert ranges of one key at `n` consecutive slots from `slot`, where free.
+        Run { slot: u64, n: u64 },
+        /// Remove the range starting at (or after) `slot * 8`.
+        Remove { slot: u64 },
+        /// Remove `n` ranges from the one at (or after) `slot * 8`.
+        RemoveRun { slot: u64, n: usize },
+        /// Give the range at (or after) `slot * 8` a new value.
+        Set { slot: u64 },
+        /// Keep a clone; later checks verify it did not change.
+        Snapshot,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let slot = 0u64..160;
+        prop_oneof![
+            6 => (slot.clone(), 0u64..8).prop_map(|(slot, width)| Op::Insert { slot, width }),
+            1 => (slot.clone(), 1u64..80).prop_map(|(slot, n)| Op::Run { slot, n }),
+            5 => slot.clone().prop_map(|slot| Op::Remove { slot }),
+            1 => (slot.clone(), 1usize..80).prop_map(|(slot, n)| Op::RemoveRun { slot, n }),
+            1 => slot.prop_map(|slot| Op::Set { slot }),
+            1 => Just(Op::Snapshot),
+        ]
+    }
+
+    /// The form `map` must have: flat until an insert finds `flat_max` entries, chunked until
+    /// a removal leaves `flat_max / 2` or fewer.
+    struct Form {
+        flat: bool,
+        flat_max: usize,
+        conversions: [u32; 2],
+    }
+
+    impl Form {
+        fn inserted(&mut self, len_before: usize) {
+            if self.flat && len_before == self.flat_max {
+                self.flat = false;
+                self.conversions[0] += 1;
+            }
+        }
+        fn removed(&mut self, len_after: usize) {
+            if !self.flat && len_after <= self.flat_max / 2 {
+                self.flat = true;
+                self.conversions[1] += 1;
+            }
+        }
+    }
+
+    fn insert(map: &mut Ranges<u64, u32>, model: &mut Model, form: &mut Form, s: u64, l: u64) {
+        let free = model
+            .range(..=l)
+            .next_back()
+            .is_none_or(|(_, (e, _))| *e < s);
+        if free {
+            let v = (model.len() as u32 * 7).wrapping_add(s as u32);
+            form.inserted(map.len());
+            map.insert(s, l, s ^ 0x5a5a, v);
+            model.insert(s, (l, v));
+        }
+    }
+
+    fn remove(map: &mut Ranges<u64, u32>, model: &mut Model, form: &mut Form, s: u64) {
+        let pos = map.find(s).expect("a range of the map");
+        assert_eq!(map.bounds(pos).0, s);
+        assert_eq!(Some(map.remove_at(pos)), model.remove(&s).map(|(_, v)| v));
+        form.removed(map.len());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+        /// Both forms, and the conversions between them both ways, against a model; the form
+        /// follows the thresholds, and clones taken on the way do not change.
+        #[test]
+        fn both_forms_and_their_conversions_answer_as_a_btree_map(
+            ops in proptest::collection::vec(op(), 1..80),
+            flat_max in prop_oneof![Just(1usize), Just(2), Just(5), Just(8), Just(9), Just(40), Just(CAP)],
+        ) {
+            let mut map = Ranges::with_flat_max(flat_max);
+            let mut model = Model::new();
+            let mut form = Form { flat: true, flat_max, conversions: [0; 2] };
+            let mut held = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Insert { slot, width } => {
+                        insert(&mut map, &mut model, &mut form, slot * 8, slot * 8 + width);
+                    }
+                    Op::Run { slot, n } => {
+                        for k in 0..n {
+                            let s = (slot + k) * 8;
+                            insert(&mut map, &mut model, &mut form, s, s);
+                        }
+                    }
+                    Op::Remove { slot } => {
+                        if let Some(&s) = model.range(slot * 8..).next().map(|(s, _)| s) {
+                            remove(&mut map, &mut model, &mut form, s);
+                        }
+                        prop_assert!(map.find(slot * 8 + 1).is_none_or(|p| map.bounds(p).0 != slot * 8 + 1));
+                    }
+                    Op::RemoveRun { slot, n } => {
+                        let starts: Vec<u64> = model.range(slot * 8..).take(n).map(|(&s, _)| s).collect();
+                        for s in starts {
+                            remove(&mut map, &mut model, &mut form, s);
+                        }
+                    }
+                    Op::Set { slot } => {
+                        if let Some((&s, &(l, v))) = model.range(slot * 8..).next() {
+                            let pos = map.find(s).expect("a range of the map");
+                            map.set(pos, s ^ 0x5a5a, v + 1_000_000);
+                            model.insert(s, (l, v + 1_000_000));
+                        }
+                    }
+                    Op::Snapshot => held.push((map.clone(), model.clone())),
+                }
+                map.reindex();
+                prop_assert_eq!(map.is_flat(), form.flat, "form after {} entries", map.len());
+                check(&map, &model, &[0, u64::MAX]);
+            }
+            for (snap, model) in &held {
+                check(snap, model, &[]);
+            }
+        }
+    }
+
+    /// A full flat form, and ranges at the very top of the space (`u64::MAX` is also what
+    /// unused slots hold), in both forms.
+    #[test]
+    fn a_full_flat_form_and_ranges_at_the_top_of_the_space() {
+        for flat_max in [CAP, 4] {
+            let mut map = Ranges::with_flat_max(flat_max);
+            let mut model = Model::new();
+            let mut form = Form {
+                flat: true,
+                flat_max,
+                conversions: [0; 2],
+            };
+            insert(&mut map, &mut model, &mut form, u64::MAX - 9, u64::MAX);
+            insert(&mut map, &mut model, &mut form, 0, 0);
+            check(&map, &model, &[1, u64::MAX, u64::MAX - 10]);
+            for k in 1..CAP as u64 - 2 {
+                insert(&mut map, &mut model, &mut form, k * 16, k * 16 + 3);
+                check(&map, &model, &[u64::MAX]);
+            }
+            assert_eq!(map.len(), CAP - 1);
+            insert(
+                &mut map,
+                &mut model,
+                &mut form,
+                u64::MAX - 20,
+                u64::MAX - 11,
+            );
+            assert_eq!(map.is_flat(), flat_max == CAP);
+            check(&map, &model, &[u64::MAX, u64::MAX - 10]);
+            remove(&mut map, &mut model, &mut form, u64::MAX - 9);
+            check(&map, &model, &[u64::MAX, u64::MAX - 9]);
+            while let Some(&s) = model.keys().next() {
+                remove(&mut map, &mut model, &mut form, s);
+                check(&map, &model, &[u64::MAX]);
+            }
+            assert!(map.is_flat());
+            assert_eq!(form.conversions, [u32::from(flat_max < CAP); 2]);
+        }
+    }
+}
