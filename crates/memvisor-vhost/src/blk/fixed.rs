@@ -131,6 +131,28 @@ enum Tally {
     Ordinary,
 }
 
+impl Tally {
+    /// How a claim that came to `got` goes into the counts.
+    fn of(got: &std::result::Result<u16, Why>) -> Tally {
+        match got {
+            Ok(_) => Tally::Fixed,
+            Err(Why::Host) => Tally::Fallback,
+            Err(Why::Other) => Tally::Ordinary,
+        }
+    }
+}
+
+impl FixedCounts {
+    /// Counts one transfer as `how` went.
+    fn add(&mut self, how: Tally) {
+        match how {
+            Tally::Fixed => self.fixed += 1,
+            Tally::Fallback => self.fallbacks += 1,
+            Tally::Ordinary => self.ordinary += 1,
+        }
+    }
+}
+
 /// A ring's registered chunks.
 pub struct FixedChunks {
     shared: Arc<Shared>,
@@ -179,20 +201,9 @@ impl FixedChunks {
         iov: &[libc::iovec],
         region: (u64, u64),
     ) -> Option<u16> {
-        match self.try_acquire(disk, iov, region) {
-            Ok(slot) => {
-                self.counts.fixed += 1;
-                Some(slot)
-            }
-            Err(Why::Host) => {
-                self.counts.fallbacks += 1;
-                None
-            }
-            Err(Why::Other) => {
-                self.counts.ordinary += 1;
-                None
-            }
-        }
+        let got = self.try_acquire(disk, iov, region);
+        self.counts.add(Tally::of(&got));
+        got.ok()
     }
 
     /// `FixedChunks::acquire` without counting: the slot, or why the transfer goes the
@@ -517,11 +528,10 @@ impl BlkFixed {
             .find(|r| first >= r.0 && first < r.1)
             .copied();
         let (slot, tally) = match region {
-            Some(region) if !self.logging => match self.chunks.try_acquire(disk, iov, region) {
-                Ok(slot) => (Some(slot), Tally::Fixed),
-                Err(Why::Host) => (None, Tally::Fallback),
-                Err(Why::Other) => (None, Tally::Ordinary),
-            },
+            Some(region) if !self.logging => {
+                let got = self.chunks.try_acquire(disk, iov, region);
+                (got.as_ref().ok().copied(), Tally::of(&got))
+            }
             _ => (None, Tally::Ordinary),
         };
         self.pending = Some(tally);
@@ -560,11 +570,8 @@ impl BlkFixed {
     /// `WRITE_ZEROES`, a refused write) is never tallied: its claim is forgotten at the next
     /// [`BlkFixed::begin`].
     pub fn tally(&mut self) {
-        match self.pending.take() {
-            Some(Tally::Fixed) => self.chunks.counts.fixed += 1,
-            Some(Tally::Fallback) => self.chunks.counts.fallbacks += 1,
-            Some(Tally::Ordinary) => self.chunks.counts.ordinary += 1,
-            None => {}
+        if let Some(how) = self.pending.take() {
+            self.chunks.counts.add(how);
         }
     }
 
