@@ -27,7 +27,10 @@
 //! `register_ns`). Rounds (`--runs N`)
 //! each run every row on every back end and the limit; figures are medians over the rounds,
 //! and each round starts every row with the next one in turn. The image is read through
-//! before every page-cached run, so each starts warm.
+//! before every page-cached run, so each starts warm. Before each round's rows it measures the
+//! process hop ([`hop`]): what one thread's wake-up by another costs here, and with it the
+//! ceiling two such hops leave any back end on each QD1 row (the table "QD1 and the process
+//! hop").
 //!
 //! Needs root and the QEMU root the real-guest trials build (`guest/mkroot.sh`, which this
 //! builds when missing): the clients and qemu-storage-daemon run from it. Not in the default
@@ -40,6 +43,7 @@ use std::time::{Duration, Instant};
 use super::{Ctx, Experiment, Mode, Outcome, Row, Stats, Table, is_root};
 
 mod counts;
+mod hop;
 use counts::{DeviceCounts, device_counts};
 
 pub struct BlkBench;
@@ -616,8 +620,9 @@ impl Experiment for BlkBench {
          release is the time memvisor's data path spent holding and releasing each request's \
          buffers (holds, hold_ns, release_ns of its --stats); fixed / ordinary / fallback is \
          the share of its reads and writes sent through registered buffers or not \
-         (BENCH_BLK_FIXED=1 turns them on), with the chunks registered. Needs root and the QEMU root of \
-         the real-guest trials."
+         (BENCH_BLK_FIXED=1 turns them on), with the chunks registered; the process hop (one \
+         thread waking another, sleeping and spinning) and the ceiling two sleeping hops leave a \
+         back end on each QD1 row. Needs root and the QEMU root of the real-guest trials."
     }
 
     fn run(&self, ctx: &mut Ctx) -> anyhow::Result<Outcome> {
@@ -666,7 +671,16 @@ impl Experiment for BlkBench {
             vec![vec![vec![vec![Vec::new(); CASES.len()]; SERVERS.len()]; images.len()]; 2];
         let total = 2 * rounds as usize * images.len() * SERVERS.len() * CASES.len();
         let mut progress = ctx.progress("blk", total as u64);
+        // The process hop, once a round before its rows (a fraction of a second): the physical
+        // limit under the QD1 rows, measured in the same run as they are.
+        let mut hops = Vec::new();
         for round in 0..rounds {
+            match hop::measure() {
+                Some(h) => hops.push(h),
+                None => out.notes.push(format!(
+                    "round {round}: the process hop could not be measured"
+                )),
+            }
             for (m, direct) in [false, true].into_iter().enumerate() {
                 for (i, image) in images.iter().enumerate() {
                     // The loop rows: a device attached for this mode, or skipped visibly.
@@ -731,6 +745,10 @@ impl Experiment for BlkBench {
                 out.tables.push(ops_t);
                 out.tables.push(cpu_t);
             }
+        }
+        if !hops.is_empty() {
+            let qd1 = hop::table(&samples, &images, &hops, &mut out.rows);
+            out.tables.push(qd1);
         }
         Ok(out)
     }
