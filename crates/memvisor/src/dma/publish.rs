@@ -106,7 +106,10 @@ impl DmaSpace {
     pub(super) fn working_copy(&self, writer: &mut Writer) -> Arc<DmaSnapshot> {
         if let Some(mut spare) = writer.spare.take() {
             if let Some(snap) = Arc::get_mut(&mut spare.snap) {
-                snap.map.replay(spare.pending);
+                // Nearly always made already (`recycle`): nothing to replay then.
+                if !spare.pending.is_empty() {
+                    snap.map.replay(spare.pending);
+                }
                 return spare.snap;
             }
             // Still held by a reader: let go of it.

@@ -249,21 +249,14 @@ impl Index {
     /// Makes `ops`, the log of a copy that held the same mappings as this one, here too (not
     /// logged), then keeps the emptied vector as this copy's log, for its capacity.
     pub(super) fn replay(&mut self, mut ops: Vec<Op>) {
-        for op in ops.drain(..) {
-            match op {
-                Op::Insert(m) => self.apply_insert(m),
-                Op::Set(start, m) => {
-                    let pos = self
-                        .ranges
-                        .find(start)
-                        .expect("the same mappings as the log's");
-                    self.apply_set(pos, m);
-                }
-                Op::Remove(start) => {
-                    self.apply_remove(start)
-                        .expect("the same mappings as the log's");
-                }
-                Op::Clear => self.apply_clear(),
+        // An IOTLB's change is nearly always one op: taken with `pop`, which costs less than
+        // a `drain`'s set-up and tail handling.
+        if ops.len() == 1 {
+            let op = ops.pop().expect("one op");
+            self.apply(op);
+        } else {
+            for op in ops.drain(..) {
+                self.apply(op);
             }
         }
         debug_assert!(
@@ -272,6 +265,25 @@ impl Index {
         );
         if ops.capacity() > self.log.capacity() {
             self.log = ops;
+        }
+    }
+
+    /// Makes one logged change here (not logged again).
+    fn apply(&mut self, op: Op) {
+        match op {
+            Op::Insert(m) => self.apply_insert(m),
+            Op::Set(start, m) => {
+                let pos = self
+                    .ranges
+                    .find(start)
+                    .expect("the same mappings as the log's");
+                self.apply_set(pos, m);
+            }
+            Op::Remove(start) => {
+                self.apply_remove(start)
+                    .expect("the same mappings as the log's");
+            }
+            Op::Clear => self.apply_clear(),
         }
     }
 
