@@ -225,6 +225,25 @@ impl<H: Copy + Default, V: Clone> Flat<H, V> {
         value
     }
 
+    /// Removes the `n` ranges at slots `i..i + n` (their values dropped) in one move of the
+    /// entries after them.
+    fn remove_run(&mut self, i: usize, n: usize) {
+        let len = self.len;
+        debug_assert!(n > 0 && i + n <= len);
+        for k in i..i + n {
+            drop(self.take_value(k));
+        }
+        self.slot.copy_within(i + n..len, i);
+        self.lasts.copy_within(i + n..len, i);
+        self.starts.copy_within(i + n..len, i);
+        self.hots.copy_within(i + n..len, i);
+        self.lasts[len - n..len].fill(u64::MAX);
+        self.starts[len - n..len].fill(u64::MAX);
+        self.hots[len - n..len].fill(H::default());
+        self.len = len - n;
+        self.fix_tops(i, len);
+    }
+
     /// Rewrites the tops of the groups of slots `[from, to)`, the ones an edit moved.
     fn fix_tops(&mut self, from: usize, to: usize) {
         for g in from / GROUP..to.div_ceil(GROUP) {
@@ -413,6 +432,27 @@ impl<H: Copy + Default, V: Clone> Ranges<H, V> {
                 }
                 value
             }
+        }
+    }
+
+    /// In the flat form, the `n` ranges from the one starting at `first` on, as (their first
+    /// slot, their starts, their lasts); `None` in the chunked form, or if no range starts at
+    /// `first` or fewer than `n` follow it. For [`Ranges::remove_flat_run`].
+    pub fn flat_run(&self, first: u64, n: usize) -> Option<(usize, &[u64], &[u64])> {
+        let Repr::Flat(f) = &self.repr else {
+            return None;
+        };
+        let (pos, start, ..) = f.lookup(first)?;
+        let i = pos.index();
+        (start == first && i + n <= f.len).then(|| (i, &f.starts[i..i + n], &f.lasts[i..i + n]))
+    }
+
+    /// Removes the `n` ranges at slots `i..i + n` of the flat form (as [`Ranges::flat_run`]
+    /// found them) in one move, dropping their values: a flat form stays flat.
+    pub fn remove_flat_run(&mut self, i: usize, n: usize) {
+        match &mut self.repr {
+            Repr::Flat(f) => f.remove_run(i, n),
+            Repr::Chunked(_) => unreachable!("a run found in the flat form"),
         }
     }
 
