@@ -76,12 +76,15 @@ use crate::proto::Region;
 /// Regions a frontend may add with `ADD_MEM_REG` (answered to `GET_MAX_MEM_SLOTS`).
 pub const MAX_REGIONS: usize = 32;
 
-/// One region as received, the whole pages under it, and the slot they became.
+/// One region as received, the whole pages under it, and the slot they became, with the
+/// slot's memory: an IOTLB update maps from it without a look at the slot table (the slot
+/// starts at the cover's first page, offset 0 in this memory, and is never read-only).
 #[derive(Clone, Debug)]
 struct Held {
     region: Region,
     cover: Region,
     slot: u32,
+    backing: Arc<Backing>,
 }
 
 /// The frontend's memory: regions, slots, and the device address space over them.
@@ -245,29 +248,13 @@ impl FrontendMemory {
                 "IOTLB update iova {iova:#x} size {size:#x} user address {uaddr:#x}: not whole 4 KiB pages"
             )));
         }
-        let h = self.region_of(uaddr, size, "IOTLB update")?;
-        let gpa = h.region.gpa + (uaddr - h.region.user_addr);
-        let snap = self.slots.snapshot();
-        let Some(slot) = snap.slot(h.slot) else {
-            // Regions and slots change together; a region without its slot is a bug here.
-            return Err(Error::Unmapped {
-                what: format!("IOTLB update: the slot {} of its region", h.slot),
-                addr: uaddr,
-                len: size,
-            });
-        };
-        if prot.contains(Prot::WRITE) && slot.flags().contains(SlotFlags::READ_ONLY) {
-            return Err(memvisor::Error::ReadOnly {
-                what: format!("slot {}", slot.id()),
-                addr: gpa,
-                start: gpa,
-                len: size,
-            }
-            .into());
-        }
-        let offset = slot.offset() + (gpa - slot.range().start().0);
+        let i = self.region_index(uaddr, size, "IOTLB update")?;
+        let h = &self.held[i];
+        // The region's slot maps its cover from offset 0 of the region's memory (`Held`).
+        let offset = h.region.gpa + (uaddr - h.region.user_addr) - h.cover.gpa;
         loop {
-            match (self.dma).iotlb_map(Iova(iova), slot.backing(), offset, size, prot) {
+            let backing = &self.held[i].backing;
+            match (self.dma).iotlb_map(Iova(iova), backing, offset, size, prot) {
                 Ok(()) => break,
                 Err(memvisor::Error::NoSpace { .. }) => self.retire_oldest()?,
                 Err(e) => return Err(e.into()),
@@ -470,28 +457,33 @@ impl FrontendMemory {
                 fds.len()
             )));
         }
-        let mut held: Vec<Held> = Vec::with_capacity(regions.len());
-        for (i, r) in regions.iter().enumerate() {
-            let h = Held {
-                region: *r,
-                cover: page_cover(r)?,
-                slot: i as u32,
-            };
-            if let Some(o) = held.iter().find(|o| overlaps(o, &h)) {
-                return Err(overlap_error(r, &o.region));
+        let mut places: Vec<(Region, Region)> = Vec::with_capacity(regions.len());
+        for r in regions {
+            let p = (*r, page_cover(r)?);
+            if let Some(o) = places.iter().find(|o| overlaps(o, &p)) {
+                return Err(overlap_error(r, &o.0));
             }
-            held.push(h);
+            places.push(p);
         }
-        let covers: Vec<Region> = held.iter().map(|h| h.cover).collect();
+        let covers: Vec<Region> = places.iter().map(|p| p.1).collect();
         let backings = map_all(&self.state.mappings, &covers, fds)?;
+        let held: Vec<Held> = (places.into_iter().zip(backings).enumerate())
+            .map(|(i, ((region, cover), backing))| Held {
+                region,
+                cover,
+                slot: i as u32,
+                backing,
+            })
+            .collect();
         let old: Vec<u32> = self.held.iter().map(|h| h.slot).collect();
         let flags = self.slot_flags();
         self.slots.update(|edit| {
             for id in &old {
                 edit.remove(*id)?;
             }
-            for (h, b) in held.iter().zip(&backings) {
-                edit.insert(SlotSpec::new(h.slot, Gpa(h.cover.gpa), b.clone()).flags(flags))?;
+            for h in &held {
+                let spec = SlotSpec::new(h.slot, Gpa(h.cover.gpa), h.backing.clone());
+                edit.insert(spec.flags(flags))?;
             }
             Ok(())
         })?;
@@ -549,12 +541,9 @@ impl FrontendMemory {
     /// `ADD_MEM_REG`: one more region.
     pub fn add(&mut self, region: Region, fd: OwnedFd) -> Result<()> {
         let cover = page_cover(&region)?;
-        let new = Held {
-            region,
-            cover,
-            slot: 0,
-        };
-        if let Some(o) = self.held.iter().find(|h| overlaps(h, &new)) {
+        if let Some(o) =
+            (self.held.iter()).find(|h| overlaps(&(h.region, h.cover), &(region, cover)))
+        {
             return Err(overlap_error(&region, &o.region));
         }
         if self.held.len() >= MAX_REGIONS {
@@ -566,8 +555,8 @@ impl FrontendMemory {
             .find(|id| self.held.iter().all(|h| h.slot != *id))
             .expect("fewer regions than slots");
         let backing = map_all(&self.state.mappings, &[cover], vec![fd])?.remove(0);
-        self.slots
-            .insert(SlotSpec::new(slot, Gpa(cover.gpa), backing).flags(self.slot_flags()))?;
+        let spec = SlotSpec::new(slot, Gpa(cover.gpa), backing.clone());
+        self.slots.insert(spec.flags(self.slot_flags()))?;
         let snap = self.slots.snapshot();
         if !self.iotlb {
             if let Err(e) =
@@ -582,6 +571,7 @@ impl FrontendMemory {
             region,
             cover,
             slot,
+            backing,
         });
         Ok(())
     }
@@ -642,11 +632,16 @@ impl FrontendMemory {
     /// The region holding `len` bytes at the frontend's user address `uaddr`; EFAULT
     /// ([`Error::Unmapped`]) if they are not inside one region.
     fn region_of(&self, uaddr: u64, len: u64, what: &str) -> Result<&Held> {
-        for h in &self.held {
+        Ok(&self.held[self.region_index(uaddr, len, what)?])
+    }
+
+    /// [`FrontendMemory::region_of`], as the region's place in `held`.
+    fn region_index(&self, uaddr: u64, len: u64, what: &str) -> Result<usize> {
+        for (i, h) in self.held.iter().enumerate() {
             let r = &h.region;
             let off = uaddr.wrapping_sub(r.user_addr);
             if uaddr >= r.user_addr && off < r.size && len <= r.size - off {
-                return Ok(h);
+                return Ok(i);
             }
         }
         Err(Error::Unmapped {
@@ -706,18 +701,13 @@ fn page_cover(r: &Region) -> Result<Region> {
     })
 }
 
-/// Whether two held regions overlap in guest physical or user address space, or share a guest
-/// page (their covers overlap).
-fn overlaps(a: &Held, b: &Held) -> bool {
+/// Whether two regions, each as (region, cover), overlap in guest physical or user address
+/// space, or share a guest page (their covers overlap).
+fn overlaps((a, a_cover): &(Region, Region), (b, b_cover): &(Region, Region)) -> bool {
     let cross = |x: u64, xs: u64, y: u64, ys: u64| x < y + ys && y < x + xs;
-    cross(a.region.gpa, a.region.size, b.region.gpa, b.region.size)
-        || cross(
-            a.region.user_addr,
-            a.region.size,
-            b.region.user_addr,
-            b.region.size,
-        )
-        || cross(a.cover.gpa, a.cover.size, b.cover.gpa, b.cover.size)
+    cross(a.gpa, a.size, b.gpa, b.size)
+        || cross(a.user_addr, a.size, b.user_addr, b.size)
+        || cross(a_cover.gpa, a_cover.size, b_cover.gpa, b_cover.size)
 }
 
 fn overlap_error(r: &Region, o: &Region) -> Error {

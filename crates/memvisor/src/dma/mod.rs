@@ -275,8 +275,8 @@ struct Writer {
     scratch: retire::Plan,
 }
 
-/// The most removed mapping records the writer keeps for reuse.
-const FREE_RECORDS: usize = 16;
+/// The most removed records kept for reuse: a flat index's worth (a strict 64-page buffer's).
+const FREE_RECORDS: usize = 64;
 
 /// What every translation reads first, on a cache line of its own: the generation (bumped
 /// after each published change) and the space's process-unique id (per-thread caches of

@@ -48,7 +48,8 @@
 //!   stands: while devices or guards may hold what it took, the snapshot it replaced is the
 //!   one to publish again if they keep it (and it is not the spare then). Guards that hold
 //!   nothing there cost the spare nothing.
-//! * A change of more than `index::REPLAY_MAX` entries, or one that empties the index (an
+//! * A change of more than `index::REPLAY_MAX` logged ops (mappings side by side removed from
+//!   a flat index are one op, one move), or one that empties the index (an
 //!   unmap of many mappings, a whole-space IOTLB flush), is not made twice: the spare is let go, as the old snapshot
 //!   was before, and the next change copies the current one. Made twice, such a change cost
 //!   a fifth more than a copy of what it touches.
@@ -106,7 +107,10 @@ impl DmaSpace {
     pub(super) fn working_copy(&self, writer: &mut Writer) -> Arc<DmaSnapshot> {
         if let Some(mut spare) = writer.spare.take() {
             if let Some(snap) = Arc::get_mut(&mut spare.snap) {
-                snap.map.replay(spare.pending);
+                // Nearly always made already (`recycle`): nothing to replay then.
+                if !spare.pending.is_empty() {
+                    snap.map.replay(spare.pending);
+                }
                 return spare.snap;
             }
             // Still held by a reader: let go of it.

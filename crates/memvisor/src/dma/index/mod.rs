@@ -176,6 +176,9 @@ pub(super) enum Op {
     /// Replace the record of the mapping starting there (same range).
     Set(u64, Arc<Mapping>),
     Remove(u64),
+    /// Remove the mappings side by side from the one starting there, this many, in one move
+    /// (the flat form only).
+    RemoveRun(u64, usize),
     Clear,
 }
 
@@ -249,21 +252,14 @@ impl Index {
     /// Makes `ops`, the log of a copy that held the same mappings as this one, here too (not
     /// logged), then keeps the emptied vector as this copy's log, for its capacity.
     pub(super) fn replay(&mut self, mut ops: Vec<Op>) {
-        for op in ops.drain(..) {
-            match op {
-                Op::Insert(m) => self.apply_insert(m),
-                Op::Set(start, m) => {
-                    let pos = self
-                        .ranges
-                        .find(start)
-                        .expect("the same mappings as the log's");
-                    self.apply_set(pos, m);
-                }
-                Op::Remove(start) => {
-                    self.apply_remove(start)
-                        .expect("the same mappings as the log's");
-                }
-                Op::Clear => self.apply_clear(),
+        // An IOTLB's change is nearly always one op: taken with `pop`, which costs less than
+        // a `drain`'s set-up and tail handling.
+        if ops.len() == 1 {
+            let op = ops.pop().expect("one op");
+            self.apply(op);
+        } else {
+            for op in ops.drain(..) {
+                self.apply(op);
             }
         }
         debug_assert!(
@@ -272,6 +268,31 @@ impl Index {
         );
         if ops.capacity() > self.log.capacity() {
             self.log = ops;
+        }
+    }
+
+    /// Makes one logged change here (not logged again).
+    fn apply(&mut self, op: Op) {
+        match op {
+            Op::Insert(m) => self.apply_insert(m),
+            Op::Set(start, m) => {
+                let pos = self
+                    .ranges
+                    .find(start)
+                    .expect("the same mappings as the log's");
+                self.apply_set(pos, m);
+            }
+            Op::Remove(start) => {
+                self.apply_remove(start)
+                    .expect("the same mappings as the log's");
+            }
+            Op::RemoveRun(first, n) => {
+                assert!(
+                    self.apply_remove_run(first, n, None),
+                    "the same mappings as the log's"
+                );
+            }
+            Op::Clear => self.apply_clear(),
         }
     }
 
@@ -364,19 +385,67 @@ impl Index {
     }
 
     /// Removes the mappings `hit` (as (start, mapping), in address order, each in the index):
-    /// all at once if they are all there is and more than [`REPLAY_MAX`], else from the last
-    /// down, so that no removal shifts the entries the next ones take out. A few are removed
-    /// one by one even when they are all: the copy keeps its chunk (and the writer's spare,
-    /// which makes the same removals, its own) for the next insert, where starting again from
-    /// nothing allocates both anew — what an IOTLB in strict mode does after each request.
+    /// all at once if they are all there is and more than [`REPLAY_MAX`]; in one move (one
+    /// logged op) if they sit side by side in the flat form, as the mappings an invalidation
+    /// or unmap finds in its range do (an IOTLB buffer's pages); else from the last down, so
+    /// that no removal shifts the entries the next ones take out. A few are removed one by one
+    /// even when they are all: the copy keeps its chunk (and the writer's spare, which makes
+    /// the same removals, its own) for the next insert, where starting again from nothing
+    /// allocates both anew — what an IOTLB in strict mode does after each request.
     pub(super) fn remove_all(&mut self, hit: &[(u64, Arc<Mapping>)]) {
         if hit.len() == self.len() && hit.len() > REPLAY_MAX {
             self.clear();
             return;
         }
+        if let [(first, _), _, ..] = hit {
+            if self.apply_remove_run(*first, hit.len(), Some(hit)) {
+                self.log.push(Op::RemoveRun(*first, hit.len()));
+                return;
+            }
+        }
         for (start, _) in hit.iter().rev() {
             self.remove(*start).expect("a mapping of the index");
         }
+    }
+
+    /// Removes the `n` mappings side by side from the one starting at `first` in one move, if
+    /// the sorted index is flat and holds them (and, with `hit`, they are those, in order), and
+    /// the removals would not drop the page table (which [`Index::apply_remove`] rebuilds from
+    /// the ranges); returns whether it did. The counts and page-table words go entry by entry,
+    /// as in [`Index::apply_remove`].
+    fn apply_remove_run(
+        &mut self,
+        first: u64,
+        n: usize,
+        hit: Option<&[(u64, Arc<Mapping>)]>,
+    ) -> bool {
+        let Some((i, starts, lasts)) = self.ranges.flat_run(first, n) else {
+            return false;
+        };
+        if hit.is_some_and(|hit| !hit.iter().map(|h| &h.0).eq(starts)) {
+            return false;
+        }
+        let small = (starts.iter().zip(lasts))
+            .filter(|&(&s, &l)| table_pages(s, l).is_some())
+            .count() as u64;
+        if self.paged && (self.small - small) * 4 < self.table_from {
+            return false;
+        }
+        for (&start, &last) in starts.iter().zip(lasts) {
+            if let Some(pages) = table_pages(start, last) {
+                if self.paged {
+                    self.pages.clear(start, pages);
+                }
+            } else {
+                self.big -= 1;
+                if let Some((first, granules)) = huge_granules(start, last) {
+                    self.pages.clear_huge(first, granules);
+                }
+            }
+        }
+        self.small -= small;
+        self.ranges.remove_flat_run(i, n);
+        true
     }
 
     /// See [`Ranges::reindex`].
