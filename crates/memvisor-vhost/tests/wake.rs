@@ -126,23 +126,15 @@ fn thread_state(name: &str) -> Option<char> {
     None
 }
 
-/// Whether the thread named `name` was seen running or runnable (`R`) at least once in
-/// `samples` looks over `span`.
-fn seen_running(name: &str, samples: u32, span: Duration) -> bool {
+/// Whether the thread named `name` was seen in `state` at least once in `samples` looks over
+/// `span`: `R` (running or runnable), or `S` (asleep). A thread that spins is never seen
+/// asleep, however busy the machine (preempted, it is still `R`); one that sleeps is seen so at
+/// once, or at the next look if it was runnable for a moment: one look alone failed on a
+/// loaded machine.
+fn seen_in(name: &str, state: char, samples: u32, span: Duration) -> bool {
     (0..samples).any(|_| {
         std::thread::sleep(span / samples);
-        thread_state(name) == Some('R')
-    })
-}
-
-/// Whether the thread named `name` was seen asleep (`S`) at least once in `samples` looks
-/// over `span`. A thread that spins is never seen so, however busy the machine (preempted, it
-/// is still `R`); one that sleeps is seen so at once, or at the next look if it was runnable
-/// for a moment: one look alone failed on a loaded machine.
-fn seen_sleeping(name: &str, samples: u32, span: Duration) -> bool {
-    (0..samples).any(|_| {
-        std::thread::sleep(span / samples);
-        thread_state(name) == Some('S')
+        thread_state(name) == Some(state)
     })
 }
 
@@ -177,14 +169,14 @@ fn a_polling_worker_whose_queue_goes_quiet_sleeps() {
     read_once(&mut g);
     let done = Instant::now();
     assert!(
-        seen_running("memvisor-q1", 10, Duration::from_millis(200)),
+        seen_in("memvisor-q1", 'R', 10, Duration::from_millis(200)),
         "the worker does not poll after its first request (state {:?})",
         thread_state("memvisor-q1")
     );
     // Past the maximum: the worker went to sleep by itself.
     std::thread::sleep(Duration::from_millis(1300).saturating_sub(done.elapsed()));
     assert!(
-        seen_sleeping("memvisor-q1", 20, Duration::from_millis(400)),
+        seen_in("memvisor-q1", 'S', 20, Duration::from_millis(400)),
         "still polling 1.3-1.7 s after its first request (state {:?})",
         thread_state("memvisor-q1")
     );
@@ -193,7 +185,7 @@ fn a_polling_worker_whose_queue_goes_quiet_sleeps() {
     read_once(&mut g);
     std::thread::sleep(Duration::from_millis(200));
     assert!(
-        seen_sleeping("memvisor-q1", 20, Duration::from_millis(400)),
+        seen_in("memvisor-q1", 'S', 20, Duration::from_millis(400)),
         "200-600 ms after a request that came after a long quiet, the worker still polls (state {:?})",
         thread_state("memvisor-q1")
     );
