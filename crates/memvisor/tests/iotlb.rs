@@ -148,3 +148,56 @@ fn in_eager_mode_the_kept_parts_stay_locked_and_the_removed_part_is_unlocked() {
     dma.unmap_all().unwrap();
     assert_eq!(common::vm_lck(), before);
 }
+
+#[test]
+fn an_update_maps_an_empty_range_beside_its_neighbours_and_replaces_what_a_held_one_held() {
+    let (dma, b) = space(64);
+    // Empty ranges, in the order a guest hands IOVAs out (top down) and in gaps between
+    // entries: each maps its page and leaves the others as they were.
+    for p in [40u64, 30, 20, 25, 35, 10] {
+        dma.iotlb_map(Iova(p * P), &b, p * P, P, Prot::RW).unwrap();
+    }
+    let base = b.hva().0;
+    for p in 0..48 {
+        let want = [10u64, 20, 25, 30, 35, 40]
+            .contains(&p)
+            .then_some(base + p * P);
+        assert_eq!(hva(&dma, p), want, "page {p}");
+    }
+    // A held range: an update over the middle of an 8-page mapping cuts it, keeps both ends
+    // where they were, and maps the new page where it says.
+    dma.map_backing(Iova(0), &b, 0, 8 * P, Prot::READ).unwrap();
+    dma.iotlb_map(Iova(3 * P), &b, 60 * P, P, Prot::RW).unwrap();
+    for p in 0..8 {
+        let want = if p == 3 { 60 } else { p };
+        assert_eq!(hva(&dma, p), Some(base + want * P), "page {p}");
+    }
+    assert!(dma.translate(Iova(3 * P), 1, Prot::WRITE).is_ok());
+    assert!(dma.translate(Iova(2 * P), 1, Prot::WRITE).is_err());
+    // The same page again (an update over itself): replaced.
+    dma.iotlb_map(Iova(3 * P), &b, 61 * P, P, Prot::READ)
+        .unwrap();
+    assert_eq!(hva(&dma, 3), Some(base + 61 * P));
+    assert!(dma.translate(Iova(3 * P), 1, Prot::WRITE).is_err());
+}
+
+#[test]
+fn a_full_space_takes_an_update_over_a_held_range_and_refuses_one_over_an_empty_range() {
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 8 * P).unwrap());
+    let dma = DmaSpace::new(DmaConfig {
+        max_mappings: 4,
+        ..DmaConfig::default()
+    })
+    .unwrap();
+    for p in 0..4 {
+        dma.iotlb_map(Iova(p * P), &b, p * P, P, Prot::RW).unwrap();
+    }
+    // Held: what it holds goes first, so there is room.
+    dma.iotlb_map(Iova(2 * P), &b, 7 * P, P, Prot::RW).unwrap();
+    assert_eq!(hva(&dma, 2), Some(b.hva().0 + 7 * P));
+    // Empty: ENOSPC, nothing changed.
+    let e = dma.iotlb_map(Iova(9 * P), &b, 0, P, Prot::RW).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOSPC, "{e}");
+    assert_eq!(hva(&dma, 9), None);
+    assert_eq!(dma.len(), 4);
+}

@@ -11,10 +11,11 @@
 //!
 //! An update is [`DmaSpace::iotlb_map`]: whatever the range held goes, and the new entry is
 //! made, as one step. A guest hands out IOVAs it invalidated, so the range is nearly always
-//! empty: the update then takes the writer lock once, looks the range up once and makes one
-//! insert on the writer's spare copy, in place (`publish`) — no invalidation, no second trip
-//! through the lock, no vector. Only a range that still holds something goes the long way, an
-//! invalidation (which waits for devices as below) and then the insert.
+//! empty: the update then takes the writer lock once, looks the range up once on the writer's
+//! spare copy (the search that finds it empty also finds where the entry goes) and inserts
+//! there, in place (`publish`) — no invalidation, no second trip through the lock, no vector.
+//! Only a range that still holds something goes the long way, an invalidation (which waits for
+//! devices as below) and then the insert.
 //!
 //! The range is closed to devices at once, and the invalidation returns only once copies in
 //! flight there ended and pins devices held there were released, asked back through the unmap
@@ -27,7 +28,7 @@
 use std::sync::Arc;
 
 use super::index::Index;
-use super::{DmaSpace, Host, Mapping, Memory, NewMapping, Prot};
+use super::{DmaSpace, Host, Mapping, Memory, NewMapping, OnOverlap, Prot};
 use crate::addr::{Hva, Iova, Range};
 use crate::backing::Backing;
 use crate::error::Result;
@@ -53,17 +54,12 @@ impl DmaSpace {
             iova: range,
             memory: Memory::Local(host),
         }];
-        let (first, last) = (range.start().0, range.last().0);
         let writer = self.settled_writer()?;
-        let held = {
-            let map = &self.shared.current.peek(&writer.token).map;
-            map.first_ending_at_or_after(first)
-                .is_some_and(|p| map.bounds(p).0 <= last)
-        };
-        if !held {
-            return self.insert_with(writer, range, prot, &mut new, true);
+        // An empty range (nearly always): inserted in one step, with one search for the check
+        // and the place. Else nothing changed, and the range is emptied first.
+        if self.insert_with(writer, range, prot, &mut new, OnOverlap::Report)? {
+            return Ok(());
         }
-        drop(writer);
         self.invalidate_range(iova, size)?;
         self.insert(range, prot, &mut new)
     }

@@ -336,6 +336,15 @@ struct NewMapping {
     memory: Memory,
 }
 
+/// What inserting new mappings does when one overlaps a mapping already there.
+#[derive(Clone, Copy)]
+enum OnOverlap {
+    /// Fail with EEXIST, as type1's map does.
+    Fail,
+    /// Change nothing and say so (an IOTLB update, which then removes what is there first).
+    Report,
+}
+
 impl DmaSpace {
     /// A space with these limits. EINVAL if the page size bitmap is empty or lacks 4 KiB-multiple
     /// sizes, or the aperture is empty.
@@ -791,25 +800,33 @@ impl DmaSpace {
     /// Each new mapping's memory is moved into its record: its owner is not counted twice.
     fn insert(&self, range: Range<Iova>, prot: Prot, new: &mut [NewMapping]) -> Result<()> {
         let writer = self.settled_writer()?;
-        self.insert_with(writer, range, prot, new, false)
+        self.insert_with(writer, range, prot, new, OnOverlap::Fail)
+            .map(|_| ())
     }
 
-    /// [`DmaSpace::insert`] under `writer` (settled); with `free`, the caller saw that nothing
-    /// is mapped in `range` under this lock, and the overlap check is not made again.
+    /// [`DmaSpace::insert`] under `writer` (settled). Returns whether it inserted: with
+    /// [`OnOverlap::Report`], a new mapping that overlaps one already there is no error but
+    /// `false`, nothing changed (an IOTLB update over an entry, which removes it first).
     fn insert_with(
         &self,
         writer: std::sync::MutexGuard<'_, Writer>,
         range: Range<Iova>,
         prot: Prot,
         new: &mut [NewMapping],
-        free: bool,
-    ) -> Result<()> {
+        on_overlap: OnOverlap,
+    ) -> Result<bool> {
         let limit = self.shared.config.max_mappings;
         self.change_with(writer, |map, writer| {
-            for n in new.iter().filter(|_| !free) {
-                if let Some(pos) = map.first_ending_at_or_after(n.iova.start().0) {
-                    let (start, last, _, _) = map.get(pos);
-                    if start <= n.iova.last().0 {
+            // The search that finds an overlap also finds where a lone new mapping goes (the
+            // pieces of a longer one go in one by one, each moving the others' places).
+            let mut place = index::Place::UNKNOWN;
+            for n in new.iter() {
+                let (first, last) = (n.iova.start().0, n.iova.last().0);
+                match (map.place(first, last), on_overlap) {
+                    (Ok(p), _) => place = p,
+                    (Err(_), OnOverlap::Report) => return Ok((false, false)),
+                    (Err(pos), OnOverlap::Fail) => {
+                        let (start, last, _) = map.bounds(pos);
                         return Err(Error::Overlap {
                             what: "dma mapping",
                             start: n.iova.start().0,
@@ -820,6 +837,9 @@ impl DmaSpace {
                         });
                     }
                 }
+            }
+            if new.len() != 1 {
+                place = index::Place::UNKNOWN;
             }
             let count = map.len() as u64 + new.len() as u64;
             if count > limit as u64 {
@@ -862,10 +882,10 @@ impl DmaSpace {
                 writer.eager.extend(pinned);
             }
             for m in made.drain(..) {
-                map.insert(m);
+                map.insert_at(place, m);
             }
             writer.made = made;
-            Ok(((), true))
+            Ok((true, true))
         })
     }
 

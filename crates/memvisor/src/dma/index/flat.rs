@@ -47,6 +47,17 @@ const GROUPS: usize = CAP / GROUP;
 /// near the end of the array (a guest reuses the IOVAs it freed last).
 const SHORT_MOVE: usize = 8;
 
+/// Where a range goes in a [`Ranges`], as [`Ranges::place`] found it: a slot of the flat
+/// form, or [`Place::UNKNOWN`]. A hint, never trusted: an insert checks it against the
+/// neighbours it names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place(usize);
+
+impl Place {
+    /// No place known: an insert searches.
+    pub const UNKNOWN: Place = Place(usize::MAX);
+}
+
 /// At most [`CAP`] disjoint ranges, sorted, in slots `0..len`; unused slots end and start at
 /// `u64::MAX`. Aligned so that `tops` and every group's ends and starts start a cache line.
 #[derive(Clone, Debug)]
@@ -166,11 +177,35 @@ impl<H: Copy + Default, V: Clone> Flat<H, V> {
         (0..self.len).map(|i| (self.starts[i], self.lasts[i], self.hots[i], self.value(i)))
     }
 
-    /// Adds `[start, last]` (overlapping nothing); the caller checked there is room.
-    fn insert(&mut self, start: u64, last: u64, hot: H, value: V) {
+    /// Where `[start, last]` goes: `Ok(i)`, the slot an insert puts it in, if it overlaps no
+    /// range; else `Err(i)`, the first range it overlaps. One search answers both.
+    fn place(&self, start: u64, last: u64) -> Result<usize, usize> {
+        let len = self.len;
+        let i = self.starts[..len].partition_point(|&s| s < start);
+        if i > 0 && self.lasts[i - 1] >= start {
+            return Err(i - 1);
+        }
+        if i < len && self.starts[i] <= last {
+            return Err(i);
+        }
+        Ok(i)
+    }
+
+    /// Adds `[start, last]` (overlapping nothing); the caller checked there is room. `hint`
+    /// is where it goes if the caller knows ([`Flat::place`] on this array or on one holding
+    /// the same ranges): taken only if the neighbours there say so, so that any other hint
+    /// costs a search and never misplaces a range.
+    #[inline(always)]
+    fn insert(&mut self, hint: usize, start: u64, last: u64, hot: H, value: V) {
         let len = self.len;
         debug_assert!(len < CAP && start <= last);
-        let i = self.starts[..len].partition_point(|&s| s < start);
+        let fits = hint <= len
+            && (hint == 0 || self.lasts[hint - 1] < start)
+            && (hint == len || last < self.starts[hint]);
+        let i = match fits {
+            true => hint,
+            false => self.starts[..len].partition_point(|&s| s < start),
+        };
         if len - i <= SHORT_MOVE {
             // A few entries (an IOTLB's usual insert): moved one by one, all four arrays in
             // one loop, instead of four calls to `memmove`.
@@ -397,10 +432,25 @@ impl<H: Copy + Default, V: Clone> Ranges<H, V> {
         (flat.into_iter().flat_map(Flat::iter)).chain(chunked.into_iter().flat_map(RangeMap::iter))
     }
 
-    /// Adds `[start, last]`. The caller guarantees it overlaps nothing already there.
-    pub fn insert(&mut self, start: u64, last: u64, hot: H, value: V) {
+    /// Whether `[start, last]` overlaps no range: `Ok` with where it goes, to pass to
+    /// [`Ranges::insert_at`], or `Err` with the first range it overlaps.
+    pub fn place(&self, start: u64, last: u64) -> Result<Place, Pos> {
+        match &self.repr {
+            Repr::Flat(f) => f.place(start, last).map(Place).map_err(Pos::at),
+            Repr::Chunked(m) => match m.first_ending_at_or_after(start) {
+                Some(pos) if m.bounds(pos).0 <= last => Err(pos),
+                _ => Ok(Place::UNKNOWN),
+            },
+        }
+    }
+
+    /// Adds `[start, last]`; the caller guarantees it overlaps nothing already there. `place`
+    /// is what [`Ranges::place`] said for it on this map, or on one holding the same ranges (a
+    /// copy the same changes were made to), and spares the search; any other place
+    /// ([`Place::UNKNOWN`]) is checked against its neighbours and found again.
+    pub fn insert_at(&mut self, place: Place, start: u64, last: u64, hot: H, value: V) {
         match &mut self.repr {
-            Repr::Flat(f) if f.len < self.flat_max => f.insert(start, last, hot, value),
+            Repr::Flat(f) if f.len < self.flat_max => f.insert(place.0, start, last, hot, value),
             Repr::Flat(f) => {
                 // Full: the entries move, in order, into chunks (ascending inserts fill them).
                 let mut map = RangeMap::default();
@@ -425,8 +475,8 @@ impl<H: Copy + Default, V: Clone> Ranges<H, V> {
                     // Few left: back to the flat form (its values counted again, the chunks'
                     // dropped with the map unless a snapshot shares them).
                     let mut flat = Flat::new();
-                    for (start, last, hot, v) in m.iter() {
-                        flat.insert(start, last, hot, v.clone());
+                    for (i, (start, last, hot, v)) in m.iter().enumerate() {
+                        flat.insert(i, start, last, hot, v.clone());
                     }
                     self.repr = Repr::Flat(flat);
                 }
@@ -583,16 +633,27 @@ mod tests {
         }
     }
 
+    /// Inserts `[s, l]` if it overlaps nothing, at the place `place` found or, for a third of
+    /// the keys, at a wrong one (which the insert must find out and search past); checks what
+    /// `place` says against the model.
     fn insert(map: &mut Ranges<u64, u32>, model: &mut Model, form: &mut Form, s: u64, l: u64) {
-        let free = model
-            .range(..=l)
-            .next_back()
-            .is_none_or(|(_, (e, _))| *e < s);
-        if free {
-            let v = (model.len() as u32 * 7).wrapping_add(s as u32);
-            form.inserted(map.len());
-            map.insert(s, l, s ^ 0x5a5a, v);
-            model.insert(s, (l, v));
+        let overlapped = (model.iter())
+            .find(|(_, (e, _))| *e >= s)
+            .filter(|(start, _)| **start <= l)
+            .map(|(&start, _)| start);
+        match map.place(s, l) {
+            Err(pos) => assert_eq!(Some(map.bounds(pos).0), overlapped, "place({s}, {l})"),
+            Ok(place) => {
+                assert_eq!(overlapped, None, "place({s}, {l})");
+                let place = match s % 3 {
+                    0 => Place((s as usize / 8) % (CAP + 2)),
+                    _ => place,
+                };
+                let v = (model.len() as u32 * 7).wrapping_add(s as u32);
+                form.inserted(map.len());
+                map.insert_at(place, s, l, s ^ 0x5a5a, v);
+                model.insert(s, (l, v));
+            }
         }
     }
 

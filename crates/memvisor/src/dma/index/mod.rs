@@ -38,6 +38,7 @@ use std::sync::Arc;
 use super::Host;
 use super::{Mapping, Memory, Prot};
 use crate::addr::PAGE_4K as PAGE;
+pub(super) use flat::Place;
 use flat::Ranges;
 use pagetable::PageTable;
 
@@ -172,7 +173,8 @@ pub(super) struct Index {
 /// can be made again on another copy holding the same mappings.
 #[derive(Clone)]
 pub(super) enum Op {
-    Insert(Arc<Mapping>),
+    /// Insert the mapping; the place is where the logging copy put it (a hint, checked).
+    Insert(Arc<Mapping>, Place),
     /// Replace the record of the mapping starting there (same range).
     Set(u64, Arc<Mapping>),
     Remove(u64),
@@ -192,7 +194,7 @@ impl Op {
     /// Whether the change drops no mapping: a copy that has not made it yet holds no mapping
     /// the copy that has made it does not.
     pub(super) fn drops_nothing(&self) -> bool {
-        matches!(self, Op::Insert(_))
+        matches!(self, Op::Insert(..))
     }
 
     /// Whether the change empties the index.
@@ -274,7 +276,7 @@ impl Index {
     /// Makes one logged change here (not logged again).
     fn apply(&mut self, op: Op) {
         match op {
-            Op::Insert(m) => self.apply_insert(m),
+            Op::Insert(m, place) => self.apply_insert(m, place),
             Op::Set(start, m) => {
                 let pos = self
                     .ranges
@@ -298,15 +300,20 @@ impl Index {
 
     /// Puts `mapping` into the index.
     pub(super) fn insert(&mut self, mapping: impl Into<Arc<Mapping>>) {
-        let mapping = mapping.into();
-        self.log.push(Op::Insert(mapping.clone()));
-        self.apply_insert(mapping);
+        self.insert_at(Place::UNKNOWN, mapping.into());
     }
 
-    fn apply_insert(&mut self, mapping: Arc<Mapping>) {
+    /// [`Index::insert`] at `place`, which `place` (of the sorted index) gave for its range
+    /// in this index: no second search, here or in the copy the log is replayed on.
+    pub(super) fn insert_at(&mut self, place: Place, mapping: Arc<Mapping>) {
+        self.log.push(Op::Insert(mapping.clone(), place));
+        self.apply_insert(mapping, place);
+    }
+
+    fn apply_insert(&mut self, mapping: Arc<Mapping>, place: Place) {
         let (start, last) = (mapping.iova.start().0, mapping.iova.last().0);
         let hot = Hot::of(&mapping);
-        self.ranges.insert(start, last, hot, mapping);
+        self.ranges.insert_at(place, start, last, hot, mapping);
         if table_pages(start, last).is_none() {
             self.big += 1;
             enter_huge(&mut self.pages, start, last, hot);
