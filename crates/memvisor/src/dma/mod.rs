@@ -300,6 +300,7 @@ struct Shared {
     settled: Condvar,
     config: DmaConfig,
     allowed: Vec<(Iova, Iova)>,
+    /// The smallest page size of the bitmap: a power of two.
     min_page: u64,
     registry: Arc<PinRegistry>,
     notifiers: Notifiers,
@@ -728,7 +729,8 @@ impl DmaSpace {
         let page = self.shared.min_page;
         let range = Range::new("dma range", iova, size)?;
         for (what, value) in [("iova", iova.0), ("size", size)] {
-            if value % page != 0 {
+            // A power of two: a mask, not a division (tens of cycles on an IOTLB's path).
+            if value & (page - 1) != 0 {
                 return Err(Error::Misaligned {
                     what,
                     value,
@@ -783,7 +785,7 @@ impl DmaSpace {
     }
 
     fn raw_host(&self, hva: Hva, size: u64) -> Result<Host> {
-        if hva.0 % self.shared.min_page != 0 {
+        if hva.0 & (self.shared.min_page - 1) != 0 {
             return Err(Error::Misaligned {
                 what: "host address",
                 value: hva.0,
