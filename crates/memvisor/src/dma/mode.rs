@@ -193,7 +193,7 @@ impl Shared {
     /// The request for part of `m` that a device pins through `pin_pages`: `len` bytes from host
     /// address `hva`, without frames (devices get host addresses). Its locks go to the lock
     /// cache when it is unpinned: an unmap or vaddr invalidation of `m` empties the cache over
-    /// `m`'s memory ([`DmaSpace::take_back_from_devices`]), as does dropping the space.
+    /// `m`'s memory (`retire`, `release_cached`), as does dropping the space.
     pub(super) fn device_request(&self, m: &Mapping, hva: u64, len: u64) -> PinRequest {
         PinRequest {
             hva,

@@ -138,7 +138,7 @@ impl Hot {
 /// reads the sorted index, which is the record. The two change together, only here.
 ///
 /// The page table is kept only while the space holds many small mappings: from
-/// [`DmaConfig::page_table_from`] of them on (it starts filled with all of them that its window
+/// [`DmaConfig::page_table_from`](super::DmaConfig::page_table_from) of them on (it starts filled with all of them that its window
 /// and budget allow) until they fall below a quarter of that (it is dropped whole). The table
 /// is persistent, so a change to a kept one copies a 4 KiB leaf unless the writer edits its
 /// spare copy in place (`publish`): that made an update in a small table that churns (a vIOMMU
@@ -165,7 +165,7 @@ pub(super) struct Index {
     /// Mappings of more than [`TABLE_PAGES_MAX`] pages: their whole granules hold huge words,
     /// whether or not `paged`.
     big: u64,
-    /// [`DmaConfig::page_table_from`].
+    /// [`DmaConfig::page_table_from`](super::DmaConfig::page_table_from).
     table_from: u64,
 }
 
