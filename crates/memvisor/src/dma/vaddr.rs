@@ -27,7 +27,8 @@ impl DmaSpace {
     /// if the range cuts a mapping or any mapping in it is already invalidated. The old memory
     /// is unpinned; pins devices hold there are asked back and waited for as for
     /// [`DmaSpace::unmap`] (EBUSY, nothing changed, if they stay past
-    /// [`DmaConfig::unpin_wait`](super::DmaConfig::unpin_wait)). In Eager mode `update_vaddr` pins the new memory.
+    /// [`DmaConfig::unpin_wait`](super::DmaConfig::unpin_wait)). In Eager mode `update_vaddr`
+    /// pins the new memory.
     pub fn invalidate_vaddr(&self, iova: Iova, size: u64) -> Result<u64> {
         if self.shared.config.vaddr_rule == VaddrRule::Refuse && self.has_unmap_notifiers() {
             return Err(Error::Busy {

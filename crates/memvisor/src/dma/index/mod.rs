@@ -138,13 +138,13 @@ impl Hot {
 /// reads the sorted index, which is the record. The two change together, only here.
 ///
 /// The page table is kept only while the space holds many small mappings: from
-/// [`DmaConfig::page_table_from`](super::DmaConfig::page_table_from) of them on (it starts filled with all of them that its window
-/// and budget allow) until they fall below a quarter of that (it is dropped whole). The table
-/// is persistent, so a change to a kept one copies a 4 KiB leaf unless the writer edits its
-/// spare copy in place (`publish`): that made an update in a small table that churns (a vIOMMU
-/// in strict mode, mapping and unmapping a buffer's pages around each request) dearer, for
-/// most of the cost of each cursor miss saved (figures: `docs/measurements.md`, "DMA page
-/// table"). Kept or not, every word the table holds is current.
+/// [`DmaConfig::page_table_from`](super::DmaConfig::page_table_from) of them on (it starts
+/// filled with all of them that its window and budget allow) until they fall below a quarter
+/// of that (it is dropped whole). The table is persistent, so a change to a kept one copies a
+/// 4 KiB leaf unless the writer edits its spare copy in place (`publish`): that made an update
+/// in a small table that churns (a vIOMMU in strict mode, mapping and unmapping a buffer's
+/// pages around each request) dearer, for most of the cost of each cursor miss saved (figures:
+/// `docs/measurements.md`, "DMA page table"). Kept or not, every word the table holds is current.
 ///
 /// Every change goes through a method that logs it ([`Op`]), so that the writer can make it
 /// again on its spare copy ([`Index::replay`]); a published index's log is empty.
