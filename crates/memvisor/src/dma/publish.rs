@@ -26,7 +26,7 @@
 //! index holds something: an emptied index lets go of its chunk list). Whatever the two
 //! copies still share is copied on write as before, so a reader holding either sees it
 //! unchanged.
-//! A small index (up to 64 mappings, an IOTLB's usual size) is a flat array held inside the
+//! A small index (up to 256 mappings, an IOTLB's usual size) is a flat array held inside the
 //! snapshot itself (`index::flat`): nothing in it is shared between the copies, so its edit
 //! is a move of a few entries and no atomic at all.
 //!

@@ -1,46 +1,56 @@
-//! The sorted index in two forms: a flat array for a space with few mappings, the persistent
-//! chunks of [`RangeMap`] for a big one, behind one set of lookups ([`Ranges`]).
+//! The sorted index in two forms: a flat array for a space with few mappings, the persistent chunks
+//! of [`RangeMap`] for a big one, behind one set of lookups ([`Ranges`]).
 //!
 //! **Why a flat form.** [`RangeMap`] is built so that a change to a space of 100,000 mappings
-//! copies O(n / 256) pointers: every level (the piece list, the chunk, the value group) sits
-//! behind an `Arc`, and an edit goes through `Arc::make_mut` at each one, an atomic
-//! compare-and-swap even when nothing shares it. An IOTLB in strict mode holds few mappings
-//! (the requests in flight and the rings: tens) and changes one per message, each change made
-//! twice, on the writer's working copy and on its spare (`publish`). There the sharing buys
-//! nothing — the writer edits a snapshot in place only when it holds the only reference to the
-//! whole snapshot (`Arc::get_mut` after the grace wait), so no inner level is ever shared
-//! while it is edited — and the atomics, the value slots and the levels were most of an edit.
+//! copies O(n / 256) pointers: every level (the piece list, the chunk, the value group) sits behind
+//! an `Arc`, and an edit goes through `Arc::make_mut` at each one, an atomic compare-and-swap even
+//! when nothing shares it. An IOTLB in strict mode holds few mappings (the requests in flight and
+//! the rings: tens to a few hundred) and changes one per message, each change made twice, on the
+//! writer's working copy and on its spare (`publish`). There the sharing buys nothing — the writer
+//! edits a snapshot in place only when it holds the only reference to the whole snapshot
+//! (`Arc::get_mut` after the grace wait), so no inner level is ever shared while it is edited — and
+//! the atomics, the value slots and the levels were most of an edit.
 //!
-//! So a small index is a [`Flat`]: the same sorted arrays as one of [`RangeMap`]'s chunks
-//! (ends, starts and hot values in fixed arrays, padded with `u64::MAX`, plus `tops`, the end
-//! of each group of [`GROUP`] entries), at most [`CAP`] entries, with the values in slots
-//! beside them (a byte per entry says which; a word says which slots are free), all held by
-//! value inside the snapshot. An edit is a binary search and a move of the entries after it,
-//! no atomic and no allocation; copying the index (a working copy taken while
-//! a reader holds the spare) copies the array and counts the values, as the first edit of a
-//! copied chunk did. A lookup reads the same lines in the same order as a one-chunk
-//! [`RangeMap`]'s, one pointer less: the array is in the snapshot.
+//! So a small index is a [`Flat`]: the same sorted arrays as one of [`RangeMap`]'s chunks (ends,
+//! starts and hot values in fixed arrays, padded with `u64::MAX`, plus `tops`, the end of each
+//! group of [`GROUP`] entries), at most [`CAP`] entries, with the values in slots beside them (a
+//! byte per entry says which; four words say which slots are free), all held by value inside the
+//! snapshot (8.6 KiB with memvisor's 8-byte hot word and `Arc` value). An edit is a binary search
+//! and a move of the entries after it, no atomic and no allocation; copying the index (a working
+//! copy taken while a reader holds the spare) copies the array and counts the values, as the first
+//! edit of a copied chunk did. A lookup reads the same lines in the same order as a one-chunk
+//! [`RangeMap`]'s, one pointer less: the array is in the snapshot; with at most 64 entries it reads
+//! one line of `tops`, not four.
 //!
 //! **When it converts.** An insert into a flat index holding `flat_max` entries ([`CAP`] in
 //! the product) makes it chunked; a removal that leaves a chunked index with `flat_max / 2` or
-//! fewer makes it flat again. The gap between the two is the hysteresis: a space that hovers
-//! around one threshold converts at most once per `flat_max / 2` changes, each conversion a
-//! copy of its entries. Both copies of the writer see the same changes in the same order, so
-//! they convert at the same step. Readers see neither form: every lookup answers the same in
-//! both (the property tests in `tests` and here hold each against a model).
+//! fewer makes it flat again. The gap between the two is the hysteresis: a space that hovers around
+//! one threshold converts at most once per `flat_max / 2` changes, each conversion a copy of its
+//! entries: into chunks half full in one pass ([`RangeMap::from_sorted`]), or back into a new flat
+//! array. Both copies of the writer see the same changes in the same order, so they convert at the
+//! same step. Readers see neither form: every lookup answers the same in both (the property tests
+//! in `tests` and here hold each against a model).
 //!
 //! A position ([`Pos`]) is valid only in the index it came from, in the form it had then.
 
 use super::rangemap::{GROUP, Pos, RangeMap, at_or_below, below};
 
-/// Most entries a flat index holds: eight groups, so that `tops` is one cache line and the
-/// free value slots one word. A strict guest's IOTLB holds fewer at most updates (the
-/// recorded `blk` stream: at most 64 live entries at 75% of its updates). A bigger array was
-/// tried (256, a chunk's worth) and cost more: a guest hands out IOVAs top down, so most
-/// inserts go at the front and move every entry, and a lazy guest's space, which grows to
-/// thousands between flushes, crossed it on every flush with more to copy.
-pub const CAP: usize = 64;
+/// Most entries a flat index holds: 32 groups, so that `tops` is four cache lines (as in a
+/// [`RangeMap`] chunk) and the free value slots four words. A strict guest's IOTLB holds fewer
+/// at nearly every update: the recorded `blk` stream holds at most 267 live entries, more than
+/// 256 at 1% of its updates, more than 64 at 25% of them, which 64 (this constant until
+/// session 31) sent to the chunked form and its `Arc::make_mut`s. An insert or a removal moves
+/// the entries after its slot, and a guest reuses the IOVAs it freed last, just below the ones
+/// it keeps: 69% of that stream's inserts have 1 to 3 entries after them, whatever the size.
+/// (A first 256, in session 26, cost more than 64: it converted by inserting each entry into a
+/// chunk, at ~770 instructions each, where [`RangeMap::from_sorted`] now writes them in one
+/// pass, and searched again where an insert now takes the place [`Ranges::place`] found.)
+pub const CAP: usize = 256;
 const GROUPS: usize = CAP / GROUP;
+/// Lines of `tops`.
+const LINES: usize = GROUPS / GROUP;
+/// Words of `used`, one bit per value slot.
+const WORDS: usize = CAP / u64::BITS as usize;
 
 /// Entries an insert or removal moves with a loop of its own rather than four `memmove`s:
 /// each call costs about as much as moving a few entries by hand, and an IOTLB's edits land
@@ -72,8 +82,8 @@ pub struct Flat<H, V> {
     /// `slot[i]`: where the `i`th range's value is in `values`. The values stay in their
     /// slots while the ranges move around them: an edit moves a byte per entry, not a value.
     slot: [u8; CAP],
-    /// Bit `s`: `values[s]` holds a value.
-    used: u64,
+    /// Bit `s % 64` of word `s / 64`: `values[s]` holds a value.
+    used: [u64; WORDS],
     values: [Option<V>; CAP],
 }
 
@@ -83,8 +93,9 @@ fn line(keys: &[u64; CAP], g: usize) -> &[u64; GROUP] {
     keys[g * GROUP..][..GROUP].try_into().expect("8 keys")
 }
 
-/// `tops` is one line of [`GROUP`] keys, and `used` one bit per slot.
-const _: () = assert!(GROUPS == GROUP && CAP == u64::BITS as usize);
+/// `tops` is four lines of [`GROUP`] keys (the group search reads the top of each of the first
+/// three), and a slot's number fits the byte `slot` keeps.
+const _: () = assert!(GROUPS == LINES * GROUP && CAP <= u8::MAX as usize + 1);
 
 impl<H: Copy + Default, V: Clone> Flat<H, V> {
     fn new() -> Self {
@@ -95,15 +106,28 @@ impl<H: Copy + Default, V: Clone> Flat<H, V> {
             starts: [u64::MAX; CAP],
             hots: [H::default(); CAP],
             slot: [0; CAP],
-            used: 0,
+            used: [0; WORDS],
             values: std::array::from_fn(|_| None),
         }
     }
 
-    /// The group holding the first range that ends at or after `key`; `GROUPS` if none.
+    /// The group holding the first range that ends at or after `key`; `GROUPS` if none. As a
+    /// [`RangeMap`] chunk's: three compares on the top of every 8th group pick a line of
+    /// `tops` (their loads overlap), then its 8 tops are counted. With at most `GROUP * GROUP`
+    /// ranges the line is the first (a branch the lookups of a small space always take): the
+    /// other three lines are not read.
     #[inline(always)]
     fn group(&self, key: u64) -> usize {
-        below(&self.tops, key)
+        let t = &self.tops;
+        let q = if self.len <= GROUP * GROUP {
+            0
+        } else {
+            (1..LINES)
+                .map(|q| usize::from(t[q * GROUP - 1] < key))
+                .sum()
+        };
+        let line: &[u64; GROUP] = t[q * GROUP..][..GROUP].try_into().expect("8 tops");
+        q * GROUP + below(line, key)
     }
 
     /// See [`RangeMap::lookup`]: with at most [`GROUP`] ranges it skips the group search.
@@ -160,9 +184,9 @@ impl<H: Copy + Default, V: Clone> Flat<H, V> {
 
     /// Takes the value of the `i`th range out of its slot, which is free then.
     fn take_value(&mut self, i: usize) -> V {
-        let s = self.slot[i];
-        self.used &= !(1 << s);
-        self.values[usize::from(s)]
+        let s = usize::from(self.slot[i]);
+        self.used[s / 64] &= !(1 << (s % 64));
+        self.values[s]
             .take()
             .expect("a range's slot holds its value")
     }
@@ -221,16 +245,43 @@ impl<H: Copy + Default, V: Clone> Flat<H, V> {
             self.hots.copy_within(i..len, i + 1);
             self.slot.copy_within(i..len, i + 1);
         }
-        // Fewer than CAP values: a slot is free.
-        let s = (!self.used).trailing_zeros();
-        self.used |= 1 << s;
-        self.values[s as usize] = Some(value);
-        self.slot[i] = s as u8;
+        let s = self.free_slot();
+        self.values[usize::from(s)] = Some(value);
+        self.slot[i] = s;
         self.lasts[i] = last;
         self.starts[i] = start;
         self.hots[i] = hot;
         self.len = len + 1;
         self.fix_tops(i, len + 1);
+    }
+
+    /// Drops every range and value, resetting only the slots that held one.
+    fn clear(&mut self) {
+        for (w, used) in self.used.iter_mut().enumerate() {
+            while *used != 0 {
+                let b = used.trailing_zeros() as usize;
+                self.values[w * 64 + b] = None;
+                *used &= *used - 1;
+            }
+        }
+        let len = std::mem::take(&mut self.len);
+        self.lasts[..len].fill(u64::MAX);
+        self.starts[..len].fill(u64::MAX);
+        self.hots[..len].fill(H::default());
+        self.tops[..len.div_ceil(GROUP)].fill(u64::MAX);
+    }
+
+    /// Takes a free value slot; there is one, as fewer than [`CAP`] ranges are held.
+    #[inline(always)]
+    fn free_slot(&mut self) -> u8 {
+        let w = self
+            .used
+            .iter()
+            .position(|&u| u != u64::MAX)
+            .expect("a free slot");
+        let b = (!self.used[w]).trailing_zeros();
+        self.used[w] |= 1 << b;
+        (w * 64 + b as usize) as u8
     }
 
     /// Removes the range at slot `i` and returns its value.
@@ -322,9 +373,13 @@ impl<H: Copy + Default, V: Clone> Ranges<H, V> {
         }
     }
 
-    /// See [`Ranges::with_flat_max`].
-    pub fn flat_max(&self) -> usize {
-        self.flat_max
+    /// Drops every range: a flat form is emptied where it is, a chunked one replaced by an
+    /// empty flat form.
+    pub fn clear(&mut self) {
+        match &mut self.repr {
+            Repr::Flat(f) => f.clear(),
+            Repr::Chunked(_) => self.repr = Repr::Flat(Flat::new()),
+        }
     }
 
     /// Whether the flat form holds the ranges; if it does, checks its own invariants
@@ -339,7 +394,7 @@ impl<H: Copy + Default, V: Clone> Ranges<H, V> {
         slots.dedup();
         assert_eq!(slots.len(), f.len, "two ranges share a value slot");
         for s in 0..CAP {
-            let used = f.used & 1 << s != 0;
+            let used = f.used[s / 64] & 1 << (s % 64) != 0;
             assert_eq!(used, slots.contains(&(s as u8)), "slot {s} in use");
             assert_eq!(
                 f.values[s].is_some(),
@@ -452,14 +507,15 @@ impl<H: Copy + Default, V: Clone> Ranges<H, V> {
         match &mut self.repr {
             Repr::Flat(f) if f.len < self.flat_max => f.insert(place.0, start, last, hot, value),
             Repr::Flat(f) => {
-                // Full: the entries move, in order, into chunks (ascending inserts fill them).
-                let mut map = RangeMap::default();
-                for i in 0..f.len {
-                    let value = f.take_value(i);
-                    map.insert(f.starts[i], f.lasts[i], f.hots[i], value);
-                }
-                map.insert(start, last, hot, value);
-                self.repr = Repr::Chunked(map);
+                // Full: the entries and the new one move, in order, into full chunks, built
+                // in one pass (inserted one by one, each would cost a chunk insert).
+                let len = f.len;
+                let i = f.starts[..len].partition_point(|&s| s < start);
+                let mut all = Vec::with_capacity(len + 1);
+                all.extend((0..i).map(|k| (f.starts[k], f.lasts[k], f.hots[k], f.take_value(k))));
+                all.push((start, last, hot, value));
+                all.extend((i..len).map(|k| (f.starts[k], f.lasts[k], f.hots[k], f.take_value(k))));
+                self.repr = Repr::Chunked(RangeMap::from_sorted(all));
             }
             Repr::Chunked(m) => m.insert(start, last, hot, value),
         }
@@ -596,17 +652,20 @@ mod tests {
         Set { slot: u64 },
         /// Keep a clone; later checks verify it did not change.
         Snapshot,
+        /// Drop every range.
+        Clear,
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        let slot = 0u64..160;
+        let slot = 0u64..400;
         prop_oneof![
             6 => (slot.clone(), 0u64..8).prop_map(|(slot, width)| Op::Insert { slot, width }),
-            1 => (slot.clone(), 1u64..80).prop_map(|(slot, n)| Op::Run { slot, n }),
+            1 => (slot.clone(), 1u64..160).prop_map(|(slot, n)| Op::Run { slot, n }),
             5 => slot.clone().prop_map(|slot| Op::Remove { slot }),
             1 => (slot.clone(), 1usize..80).prop_map(|(slot, n)| Op::RemoveRun { slot, n }),
             1 => slot.prop_map(|slot| Op::Set { slot }),
             1 => Just(Op::Snapshot),
+            1 => Just(Op::Clear),
         ]
     }
 
@@ -671,7 +730,7 @@ mod tests {
         #[test]
         fn both_forms_and_their_conversions_answer_as_a_btree_map(
             ops in proptest::collection::vec(op(), 1..80),
-            flat_max in prop_oneof![Just(1usize), Just(2), Just(5), Just(8), Just(9), Just(40), Just(CAP)],
+            flat_max in prop_oneof![Just(1usize), Just(2), Just(5), Just(8), Just(9), Just(40), Just(70), Just(CAP)],
         ) {
             let mut map = Ranges::with_flat_max(flat_max);
             let mut model = Model::new();
@@ -708,6 +767,11 @@ mod tests {
                         }
                     }
                     Op::Snapshot => held.push((map.clone(), model.clone())),
+                    Op::Clear => {
+                        map.clear();
+                        model.clear();
+                        form.flat = true;
+                    }
                 }
                 map.reindex();
                 prop_assert_eq!(map.is_flat(), form.flat, "form after {} entries", map.len());

@@ -148,7 +148,7 @@ impl Hot {
 ///
 /// Every change goes through a method that logs it ([`Op`]), so that the writer can make it
 /// again on its spare copy ([`Index::replay`]); a published index's log is empty.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub(super) struct Index {
     ranges: Ranges<Hot, Arc<Mapping>>,
     /// The changes made to this copy since [`Index::take_log`], for the writer to make the
@@ -214,9 +214,13 @@ impl Index {
     /// An empty index that keeps a page table from `table_from` small mappings on.
     pub(super) fn new(table_from: u64) -> Index {
         Index {
+            ranges: Ranges::default(),
+            log: Vec::new(),
+            pages: PageTable::default(),
+            small: 0,
             paged: table_from == 0,
+            big: 0,
             table_from,
-            ..Index::default()
         }
     }
 
@@ -236,14 +240,14 @@ impl Index {
         self.log.push(Op::Clear);
     }
 
+    /// Empties the index where it is: the flat form's arrays are reset over the entries it
+    /// held, not made anew (a lazy guest's flush empties the whole space each time).
     fn apply_clear(&mut self) {
-        let log = std::mem::take(&mut self.log);
-        let ranges = Ranges::with_flat_max(self.ranges.flat_max());
-        *self = Index {
-            ranges,
-            ..Index::new(self.table_from)
-        };
-        self.log = log;
+        self.ranges.clear();
+        self.pages = PageTable::default();
+        self.small = 0;
+        self.big = 0;
+        self.paged = self.table_from == 0;
     }
 
     /// The changes made since the last call, in order; the log is left empty.

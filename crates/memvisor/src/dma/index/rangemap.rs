@@ -665,6 +665,62 @@ impl<H: Copy + Default, V: Clone> RangeMap<H, V> {
         })
     }
 
+    /// A map of `ranges`, sorted and disjoint (start, last, hot value, value), built in one
+    /// pass into chunks half full, as splits leave them, so that the inserts that follow do
+    /// not split at once; each chunk's values fill its value groups in order, each group made
+    /// whole and shared once. For a flat index converting: one insert per range would cost a
+    /// chunk insert each, and the first insert into the middle of a full chunk a split.
+    pub fn from_sorted(ranges: impl IntoIterator<Item = (u64, u64, H, V)>) -> Self {
+        const FILL: usize = MAX_CHUNK / 2;
+        let mut chunks: Vec<Arc<Chunk<H, V>>> = Vec::new();
+        let mut chunk: Option<Chunk<H, V>> = None;
+        let mut group: ValueGroup<V> = std::array::from_fn(|_| None);
+        let mut after = None;
+        let mut len = 0;
+        for (start, last, hot, value) in ranges {
+            debug_assert!(
+                start <= last && after.is_none_or(|a| start > a),
+                "sorted, disjoint"
+            );
+            after = Some(last);
+            if chunk.as_ref().is_some_and(|c| c.head.len == FILL) {
+                chunks.push(Arc::new(chunk.take().expect("a filled chunk")));
+            }
+            let c = chunk.get_or_insert_with(Chunk::new);
+            let i = c.head.len;
+            c.lasts[i] = last;
+            c.items[i] = Item { start, hot };
+            c.head.slot[i] = i as u8;
+            c.head.used[i / VALUE_GROUP] |= 1 << (i % VALUE_GROUP);
+            group[i % VALUE_GROUP] = Some(value);
+            c.head.len = i + 1;
+            if (i + 1) % VALUE_GROUP == 0 {
+                c.head.groups[i / VALUE_GROUP] = Some(Arc::new(std::mem::replace(
+                    &mut group,
+                    std::array::from_fn(|_| None),
+                )));
+            }
+            len += 1;
+        }
+        if let Some(mut c) = chunk {
+            let n = c.head.len;
+            if n % VALUE_GROUP != 0 {
+                c.head.groups[n / VALUE_GROUP] = Some(Arc::new(group));
+            }
+            chunks.push(Arc::new(c));
+        }
+        for c in &mut chunks {
+            Arc::get_mut(c).expect("a new chunk").fix_tops();
+        }
+        RangeMap {
+            firsts: chunks.iter().map(|c| c.items[0].start).collect(),
+            pieces: chunks.chunks(PIECE).map(Arc::from).collect(),
+            len,
+            top: None,
+            empty: None,
+        }
+    }
+
     /// Adds `[start, last]`. The caller guarantees it overlaps nothing already there.
     pub fn insert(&mut self, start: u64, last: u64, hot: H, value: V) {
         debug_assert!(start <= last);
@@ -904,6 +960,44 @@ mod tests {
             insert(&mut map, &mut model, i * 4, i * 4 + 2, i as u32);
         }
         (map, model)
+    }
+
+    /// A map built in one pass answers as the same ranges inserted one by one, holds chunks
+    /// half full but the last, and takes changes after (a flat index converting, then edited).
+    #[test]
+    fn a_map_built_from_sorted_ranges() {
+        for n in [
+            0u64,
+            1,
+            8,
+            15,
+            16,
+            17,
+            127,
+            128,
+            129,
+            257,
+            600,
+            32 * 128,
+            32 * 128 + 1,
+        ] {
+            let model: Model = (0..n).map(|i| (i * 4, (i * 4 + 2, i as u32))).collect();
+            let mut map =
+                RangeMap::from_sorted(model.iter().map(|(&s, &(l, v))| (s, l, s ^ 0x5a5a, v)));
+            let sizes: Vec<usize> = map.chunks().map(|c| c.head.len).collect();
+            let full = sizes
+                .split_last()
+                .is_none_or(|(_, full)| full.iter().all(|&len| len == MAX_CHUNK / 2));
+            assert!(full, "{n} ranges: chunks of {sizes:?}");
+            check(&map, &model, &[u64::MAX]);
+            let mut model = model;
+            insert(&mut map, &mut model, n * 4 + 10, n * 4 + 10, 7);
+            insert(&mut map, &mut model, 3, 3, 8);
+            if n > 2 {
+                assert_eq!(map.remove(4), model.remove(&4).map(|(_, v)| v));
+            }
+            check(&map, &model, &[]);
+        }
     }
 
     #[test]

@@ -50,6 +50,8 @@ enum Op {
     RemoveBig { slot: u64 },
     /// Keep a copy: later checks verify it did not change.
     Snapshot,
+    /// Drop every mapping (a whole-space IOTLB flush).
+    Clear,
 }
 
 /// Big slot `slot`'s IOVA: 16 MiB apart, from 8 GiB, or across the window's end if `high`.
@@ -74,6 +76,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => slot.clone().prop_map(|slot| Op::Remove { slot }),
         1 => (slot, 1usize..30).prop_map(|(slot, n)| Op::RemoveRun { slot, n }),
         1 => Just(Op::Snapshot),
+        1 => Just(Op::Clear),
         2 => (0u64..6, 0u64..600, 128u64..=2048, any::<bool>(), prop_oneof![4 => Just(0u8), 1 => 1u8..3], 0u64..1024)
             .prop_map(|(slot, offset, pages, high, kind, host)| Op::InsertBig {
                 slot,
@@ -194,6 +197,7 @@ fn change(index: &mut Index, op: &Op) -> std::result::Result<(), TestCaseError> 
                 prop_assert!(index.remove(start).is_some());
             }
         }
+        Op::Clear => index.clear(),
         Op::Insert { .. } | Op::InsertBig { .. } | Op::Snapshot => {}
     }
     Ok(())
@@ -318,6 +322,10 @@ proptest! {
                 }
                 Op::Set { .. } | Op::Remove { .. } | Op::RemoveRun { .. } | Op::SetBig { .. }
                 | Op::RemoveBig { .. } => change(&mut index, &op)?,
+                Op::Clear => {
+                    change(&mut index, &op)?;
+                    paged = from == 0;
+                }
                 Op::Snapshot => {
                     index.reindex();
                     snapshots.push((index.clone(), paged));
@@ -372,7 +380,7 @@ proptest! {
                     insert_big(index, &op, &mut id);
                 }
                 Op::Set { .. } | Op::Remove { .. } | Op::RemoveRun { .. } | Op::SetBig { .. }
-                | Op::RemoveBig { .. } => change(index, &op)?,
+                | Op::RemoveBig { .. } | Op::Clear => change(index, &op)?,
                 Op::Snapshot => {
                     index.reindex();
                     let seen = words(index);
