@@ -196,11 +196,6 @@ impl Op {
     pub(super) fn drops_nothing(&self) -> bool {
         matches!(self, Op::Insert(..))
     }
-
-    /// Whether the change empties the index.
-    pub(super) fn is_clear(&self) -> bool {
-        matches!(self, Op::Clear)
-    }
 }
 
 impl std::ops::Deref for Index {
