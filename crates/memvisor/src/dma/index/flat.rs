@@ -507,8 +507,8 @@ impl<H: Copy + Default, V: Clone> Ranges<H, V> {
         match &mut self.repr {
             Repr::Flat(f) if f.len < self.flat_max => f.insert(place.0, start, last, hot, value),
             Repr::Flat(f) => {
-                // Full: the entries and the new one move, in order, into full chunks, built
-                // in one pass (inserted one by one, each would cost a chunk insert).
+                // Full: the entries and the new one move, in order, into chunks half full,
+                // built in one pass (inserted one by one, each would cost a chunk insert).
                 let len = f.len;
                 let i = f.starts[..len].partition_point(|&s| s < start);
                 let mut all = Vec::with_capacity(len + 1);
