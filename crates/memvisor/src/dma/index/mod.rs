@@ -185,9 +185,9 @@ pub(super) enum Op {
 }
 
 /// The most changes a log may hold for the writer to make them again on its spare
-/// (`publish`); a longer change (an unmap of many mappings, a whole-space IOTLB flush) costs
-/// as much as a copy of the nodes it touches, so the spare is let go instead, and the next
-/// change copies the current snapshot.
+/// (`publish`); a longer change (an unmap of many mappings apart) costs as much as a copy of
+/// the nodes it touches, so the spare is let go instead, and the next change copies the
+/// current snapshot. Emptying the index is one op ([`Op::Clear`]) whatever it held.
 pub(super) const REPLAY_MAX: usize = 16;
 
 impl Op {
