@@ -326,6 +326,16 @@ impl PageTable {
     /// [`WINDOW`] or would take the table past its budget.
     pub fn fill(&mut self, first: u64, pages: u64, word: impl Fn(u64) -> u64) -> bool {
         debug_assert_eq!(first % (1 << PAGE_SHIFT), 0);
+        let i = word_index(first);
+        if first < WINDOW && pages > 0 && pages <= (LEAF_WORDS - i) as u64 {
+            // Inside one leaf (a vIOMMU's page, nearly always): one walk to read whether the
+            // leaf is there, one to write.
+            if self.leaf(first).is_none() && !self.may_add_leaves(1, pages) {
+                return false;
+            }
+            self.fill_piece(first, pages as usize, 0, &word);
+            return true;
+        }
         let fits = pages
             .checked_shl(PAGE_SHIFT)
             .and_then(|len| first.checked_add(len))
@@ -336,58 +346,77 @@ impl PageTable {
         let new_leaves = Self::pieces(first, pages)
             .filter(|&(at, _)| self.leaf(at).is_none())
             .count() as u64;
-        if new_leaves > 0
-            && self.leaves + new_leaves > LEAF_FLOOR + (self.words + pages) / LEAF_SHARE
-        {
+        if new_leaves > 0 && !self.may_add_leaves(new_leaves, pages) {
             return false;
         }
         let mut k = 0;
         for (at, n) in Self::pieces(first, pages) {
-            let mut created = false;
-            let root = Arc::make_mut(&mut self.root);
-            let upper = child_mut(root, child(at, ROOT_SHIFT), Upper::new, &mut false);
-            let mid = child_mut(upper, child(at, UPPER_SHIFT), Mid::new, &mut false);
-            let slot = &mut mid.slots[child(at, MID_SHIFT)];
-            debug_assert_eq!(slot.huge, 0, "pages in a granule with a huge word");
-            if slot.leaf.is_none() {
-                mid.used += 1;
-                created = true;
-            }
-            let leaf = Arc::make_mut(slot.leaf.get_or_insert_with(|| Arc::new(Leaf::new())));
-            self.leaves += u64::from(created);
-            let i = word_index(at);
-            for slot in &mut leaf.words[i..i + n as usize] {
-                let w = word(k);
-                debug_assert_ne!(w, 0, "a filled word is never 0");
-                if *slot == 0 {
-                    leaf.used += 1;
-                    self.words += 1;
-                }
-                *slot = w;
-                k += 1;
-            }
+            self.fill_piece(at, n as usize, k, &word);
+            k += n;
         }
         true
+    }
+
+    /// Whether the budget allows `new` more leaves for `pages` more words.
+    fn may_add_leaves(&self, new: u64, pages: u64) -> bool {
+        self.leaves + new <= LEAF_FLOOR + (self.words + pages) / LEAF_SHARE
+    }
+
+    /// Sets the words of the `n` pages from `at`, all in one leaf (made if missing), the
+    /// `j`-th to `word(k + j)`.
+    #[inline(always)]
+    fn fill_piece(&mut self, at: u64, n: usize, k: u64, word: &impl Fn(u64) -> u64) {
+        let root = Arc::make_mut(&mut self.root);
+        let upper = child_mut(root, child(at, ROOT_SHIFT), Upper::new, &mut false);
+        let mid = child_mut(upper, child(at, UPPER_SHIFT), Mid::new, &mut false);
+        let slot = &mut mid.slots[child(at, MID_SHIFT)];
+        debug_assert_eq!(slot.huge, 0, "pages in a granule with a huge word");
+        if slot.leaf.is_none() {
+            mid.used += 1;
+            self.leaves += 1;
+        }
+        let leaf = Arc::make_mut(slot.leaf.get_or_insert_with(|| Arc::new(Leaf::new())));
+        let i = word_index(at);
+        for (j, slot) in leaf.words[i..i + n].iter_mut().enumerate() {
+            let w = word(k + j as u64);
+            debug_assert_ne!(w, 0, "a filled word is never 0");
+            if *slot == 0 {
+                leaf.used += 1;
+                self.words += 1;
+            }
+            *slot = w;
+        }
     }
 
     /// Sets the words of the `pages` pages from `first` to 0, freeing leaves and nodes left
     /// empty. Pages outside the table are ignored.
     pub fn clear(&mut self, first: u64, pages: u64) {
-        let end = first.saturating_add(pages.saturating_mul(1 << PAGE_SHIFT));
         if first >= WINDOW || pages == 0 {
             return;
         }
+        let i = word_index(first);
+        if pages <= (LEAF_WORDS - i) as u64 {
+            // Inside one leaf (a vIOMMU's page, nearly always).
+            self.clear_held(first, i..i + pages as usize);
+            return;
+        }
+        let end = first.saturating_add(pages.saturating_mul(1 << PAGE_SHIFT));
         let pages = (end.min(WINDOW) - first) >> PAGE_SHIFT;
         for (at, n) in Self::pieces(first, pages) {
             let i = word_index(at);
-            let range = i..i + n as usize;
-            // Untouched leaves are not copied.
-            let held = self
-                .leaf(at)
-                .is_some_and(|l| l.words[range.clone()].iter().any(|&w| w != 0));
-            if held {
-                self.clear_piece(at, range);
-            }
+            self.clear_held(at, i..i + n as usize);
+        }
+    }
+
+    /// Clears the words `range` of the leaf holding `at` if any of them is set: untouched
+    /// leaves are not copied.
+    #[inline(always)]
+    fn clear_held(&mut self, at: u64, range: std::ops::Range<usize>) {
+        let held = self
+            .leaf(at)
+            .is_some_and(|l| l.words[range.clone()].iter().any(|&w| w != 0));
+        if held {
+            self.clear_piece(at, range);
         }
     }
 
