@@ -895,6 +895,32 @@ mod tests {
         agree(&d, base, Prot::WRITE);
     }
 
+    /// The page table answers whenever it holds words (a big mapping's whole granules; small
+    /// mappings once there are `page_table_from` of them), and a space whose table holds none
+    /// is not asked (the sorted index answers, as it must).
+    #[test]
+    fn the_page_table_is_asked_whenever_it_holds_words() {
+        let asked = |d: &DmaSpace, iova: u64| {
+            let snap = d.shared.current.load();
+            snap.page_answer(iova, 64, Prot::READ).is_some()
+        };
+        let (d, _b, _) = space();
+        assert!(asked(&d, 4 * MIB), "a big mapping's whole granule");
+        assert!(!asked(&d, START), "a part granule holds no word");
+        let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 64 * PAGE).unwrap());
+        let d = DmaSpace::new(DmaConfig {
+            page_table_from: 4,
+            ..DmaConfig::default()
+        })
+        .unwrap();
+        for k in 0..4u64 {
+            d.map_backing(Iova(k * 2 * PAGE), &b, k * PAGE, PAGE, Prot::RW)
+                .unwrap();
+            assert_eq!(asked(&d, 0), k == 3, "after {} small mappings", k + 1);
+            assert!(d.translate(Iova(0), 64, Prot::READ).is_ok());
+        }
+    }
+
     #[test]
     fn no_huge_word_answers_while_the_mapping_logs_dirty_pages() {
         let (d, _b, base) = space();

@@ -533,6 +533,11 @@ impl DmaSnapshot {
     /// index's, the record.
     #[inline(always)]
     pub(super) fn page_answer(&self, iova: u64, len: u64, need: Prot) -> Option<(Hot, u64, u64)> {
+        // A table not kept holds no page words, and huge words only for big mappings: with
+        // neither, the sorted index answers without a walk to an empty root first.
+        if !self.map.paged && self.map.big == 0 {
+            return None;
+        }
         word_answer(iova, len, self.map.pages.word(iova), need)
     }
 
