@@ -7,12 +7,12 @@
 //! would (features, memory table, one ring) and drives it from this thread as a guest driver
 //! does at queue depth 1, a request at a time (the test kit's driver-side ring). For each limit
 //! (`bps` 8 MiB/s and 32 MiB/s with 64 KiB reads, `iops` 500 with 4 KiB reads) the device is
-//! throttled through its shared [`Throttle`], the driver runs for a while, and the measured
-//! rate is set against the limit. QEMU's model lets a tenth of a second at the average rate
-//! through before it throttles (over a run of `T` seconds counted from the start, up to
-//! `0.1 / T` above the limit is the model, not an error), so each run first drives the device
-//! for 0.2 s uncounted and then measures the steady rate. Unthrottled, the same loop gives the
-//! ceiling the limits sit under.
+//! throttled through its shared [`Throttle`](memvisor_vhost::Throttle), the driver runs for a
+//! while, and the measured rate is set against the limit. QEMU's model lets a tenth of a second
+//! at the average rate through before it throttles (over a run of `T` seconds counted from the
+//! start, up to `0.1 / T` above the limit is the model, not an error), so each run first drives
+//! the device for 0.2 s uncounted and then measures the steady rate. Unthrottled, the same loop
+//! gives the ceiling the limits sit under.
 //!
 //! **Histogram cost.** What the latency histograms add to each request: a clock read when the
 //! request's buffers are held, one when it ends, and the record (a bucket computed, two

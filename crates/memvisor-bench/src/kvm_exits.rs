@@ -32,7 +32,7 @@ const COUNTS: [u64; 3] = [1, 100, 10_000];
 const SLOTS_AT: u64 = 0x10_0000;
 const EXITS: u32 = 20_000;
 
-/// mov ax, 0xF000; mov es, ax; loop: mov es:[0], ax; jmp loop.
+/// mov ax, 0xF000; mov es, ax; loop: mov es:\[0\], ax; jmp loop.
 const MMIO_LOOP: [u8; 11] = [
     0xB8, 0x00, 0xF0, 0x8E, 0xC0, 0x26, 0xA3, 0x00, 0x00, 0xEB, 0xFA,
 ];
