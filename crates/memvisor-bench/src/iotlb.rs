@@ -135,7 +135,7 @@ impl Experiment for IotlbReplay {
             Better::Lower,
             false,
         );
-        let mut progress = ctx.progress("iotlb", streams.len() as u64 * 2);
+        let mut progress = ctx.progress("iotlb", (streams.len() * KINDS.len()) as u64);
         for s in &streams {
             let messages = s
                 .events
@@ -146,13 +146,7 @@ impl Experiment for IotlbReplay {
                 label: s.name.clone(),
                 bars: Vec::new(),
             };
-            for kind in [
-                Kind::Bare,
-                Kind::Guards,
-                Kind::Peer,
-                Kind::GuardsCold,
-                Kind::PeerCold,
-            ] {
+            for kind in KINDS {
                 let variant = kind.name();
                 let mut per = [Vec::new(), Vec::new(), Vec::new()];
                 for _ in 0..runs {
@@ -161,7 +155,7 @@ impl Experiment for IotlbReplay {
                         samples.push(v);
                     }
                 }
-                // The whole stream without timers runs warm whatever the kind: measured once.
+                // Without timers a cold kind replays as its warm twin does: not measured again.
                 let whole = match kind.cold() {
                     true => None,
                     false => Some(measure(runs, || {
@@ -225,8 +219,9 @@ impl Experiment for IotlbReplay {
              between two threads, {:.0} ns, paid by every message before any \
              back end work. Caches cold: one update or invalidation in {COLD_EVERY} timed, each \
              after {} MiB were written a byte per cache line, as the guest's run between two \
-             messages leaves them (the first translation after it is not timed). vm-memory's Iotlb maps IOVA to guest physical addresses only (no host \
-             address, permissions per entry, no pins or dirty log).",
+             messages leaves them (the first translation after it is not timed). vm-memory's \
+             Iotlb maps IOVA to guest physical addresses only (no host address, permissions per \
+             entry, no pins or dirty log).",
             floor.median,
             COLD_BYTES >> 20
         ));
@@ -351,6 +346,15 @@ fn synthetic(strict: bool, buffers: usize) -> Stream {
 struct Timings {
     per_op: [f64; 3],
 }
+
+/// Every kind, in the table's order.
+const KINDS: [Kind; 5] = [
+    Kind::Bare,
+    Kind::Guards,
+    Kind::Peer,
+    Kind::GuardsCold,
+    Kind::PeerCold,
+];
 
 /// Which IOTLB a replay runs on, and how.
 #[derive(Clone, Copy, PartialEq, Eq)]
