@@ -201,3 +201,27 @@ fn a_full_space_takes_an_update_over_a_held_range_and_refuses_one_over_an_empty_
     assert_eq!(hva(&dma, 9), None);
     assert_eq!(dma.len(), 4);
 }
+
+#[test]
+fn the_oldest_mappings_are_the_first_made_and_a_cut_makes_its_parts_new() {
+    let (dma, b) = space(16);
+    let ranges = |v: Vec<memvisor::Range<Iova>>| -> Vec<(u64, u64)> {
+        v.iter().map(|r| (r.start().0 / P, r.len() / P)).collect()
+    };
+    assert!(dma.oldest(4).is_empty(), "an empty space has nothing old");
+    // Made in an order that is not the IOVAs': pages 8-11, then 0, then 4-5, then 12.
+    dma.iotlb_map(Iova(8 * P), &b, 0, 4 * P, Prot::RW).unwrap();
+    dma.iotlb_map(Iova(0), &b, 0, P, Prot::RW).unwrap();
+    dma.iotlb_map(Iova(4 * P), &b, 0, 2 * P, Prot::READ)
+        .unwrap();
+    dma.iotlb_map(Iova(12 * P), &b, 0, P, Prot::RW).unwrap();
+    assert_eq!(ranges(dma.oldest(2)), [(8, 4), (0, 1)]);
+    assert_eq!(ranges(dma.oldest(0)), []);
+    assert_eq!(ranges(dma.oldest(9)), [(8, 4), (0, 1), (4, 2), (12, 1)]);
+    // Cutting page 9 out of 8-11 leaves two parts, made now: the newest two.
+    dma.invalidate_range(Iova(9 * P), P).unwrap();
+    assert_eq!(
+        ranges(dma.oldest(9)),
+        [(0, 1), (4, 2), (12, 1), (8, 1), (10, 2)]
+    );
+}

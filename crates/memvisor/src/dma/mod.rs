@@ -445,6 +445,24 @@ impl DmaSpace {
             .collect()
     }
 
+    /// The IOVA ranges of the `count` mappings made longest ago, oldest first: what an IOTLB
+    /// that must make room retires, as Linux's vhost retires its oldest entry. Age is the
+    /// order mappings were made in (their ids): the parts an invalidation leaves of a
+    /// mapping it cut are new mappings, and a vaddr update keeps a mapping's age. One pass
+    /// over every mapping, on a counted snapshot (no change waits for it): for a full space,
+    /// not for a hot path.
+    pub fn oldest(&self, count: usize) -> Vec<Range<Iova>> {
+        let snap = self.shared.current.load_full();
+        let mut all: Vec<(u64, Range<Iova>)> =
+            snap.map.iter().map(|(_, _, _, m)| (m.id, m.iova)).collect();
+        if count < all.len() {
+            all.select_nth_unstable_by_key(count, |&(id, _)| id);
+            all.truncate(count);
+        }
+        all.sort_unstable_by_key(|&(id, _)| id);
+        all.into_iter().map(|(_, range)| range).collect()
+    }
+
     /// Maps `size` bytes of `backing` from `offset` at `iova`.
     pub fn map_backing(
         &self,
