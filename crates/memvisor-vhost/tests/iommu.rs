@@ -509,6 +509,74 @@ fn post_wide_read(g: &mut Guest) {
 }
 
 /// The MISS messages that arrive on the back-end channel within `wait` of each other.
+/// A frontend whose IOTLB holds one data page: it answers each MISS with an UPDATE, after an
+/// INVALIDATE of the other page of the request (as a full IOTLB retiring its oldest entry
+/// would), so the request never finds both mapped at once. The request fails once the miss
+/// wait ran out over all its retries, instead of asking without end; the ring then serves the
+/// next request.
+#[test]
+fn a_request_whose_answered_pages_are_taken_away_again_fails_instead_of_asking_forever() {
+    let (c, t, mut g, ours) = blk_behind_iommu(0x5a);
+    assert_eq!(update(&c, IO + RING_AT, RING_AT, 4096, 3), 0);
+    assert_eq!(update(&c, IO + HDR, HDR, 4096, 1), 0);
+    assert_eq!(update(&c, IO + STATUS, STATUS, 4096, 3), 0);
+    start_ring_behind_iommu(&c, &g);
+    let pages = [IO + DATA, IO + DATA + 4096];
+    let post = |g: &mut Guest| {
+        g.mem.write(Gpa(HDR), &[0u8; 16]).unwrap(); // IN, sector 0
+        g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
+        g.post(&[
+            (IO + HDR, 16, false),
+            (pages[0], 8192, true),
+            (IO + STATUS, 1, true),
+        ]);
+    };
+    post(&mut g);
+    let start = std::time::Instant::now();
+    let mut answered = 0;
+    ours.set_read_timeout(Some(std::time::Duration::from_millis(50)))
+        .unwrap();
+    let mut msg = [0u8; 12 + 32];
+    while read_status(&g) == 0xff && start.elapsed() < std::time::Duration::from_secs(20) {
+        if (&ours).read_exact(&mut msg).is_err() {
+            continue;
+        }
+        let m = IotlbMsg::parse(&msg[12..]).unwrap();
+        assert_eq!(m.kind, iotlb::MISS, "{m:?}");
+        let other = pages[usize::from(m.iova == pages[0])];
+        let inv = IotlbMsg {
+            iova: other,
+            size: 4096,
+            uaddr: 0,
+            perm: 0,
+            kind: iotlb::INVALIDATE,
+        };
+        assert_eq!(c.ack(req::IOTLB_MSG, &inv.bytes(), &[]).unwrap(), 0);
+        assert_eq!(update(&c, m.iova, m.iova - IO, 4096, 3), 0);
+        answered += 1;
+    }
+    let took = start.elapsed();
+    assert_eq!(
+        read_status(&g),
+        1,
+        "after {took:?} and {answered} answers the request is still waiting"
+    );
+    g.wait_used();
+    assert!(answered > 4, "the request went round only {answered} times");
+    assert!(
+        took >= std::time::Duration::from_millis(1500),
+        "failed after {took:?}"
+    );
+    // Both pages mapped: the next request is served.
+    assert_eq!(update(&c, pages[0], DATA, 8192, 3), 0);
+    post(&mut g);
+    g.wait_used();
+    assert_eq!(read_status(&g), 0);
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert!(backend.stats().iotlb_misses >= answered);
+}
+
 fn read_misses(ours: &UnixStream, wait: std::time::Duration) -> Vec<IotlbMsg> {
     ours.set_read_timeout(Some(wait)).unwrap();
     let mut out = Vec::new();

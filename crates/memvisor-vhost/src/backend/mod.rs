@@ -60,7 +60,9 @@ use memvisor::{Backing, SharedLog};
 use service::Pass;
 use std::sync::Arc;
 
-/// How long a ring waits for the frontend to answer an IOTLB miss before the request fails.
+/// How long a ring waits for the frontend to answer an IOTLB miss before the request fails:
+/// in all, over every retry that misses again before the ring puts a chain back
+/// ([`Vring::miss_deadline_now`]).
 const MISS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What the back end offers by itself.
@@ -82,6 +84,12 @@ struct Vring {
     pending_kick: Option<File>,
     /// A request missed in the IOTLB: the ring waits for updates until this deadline.
     miss_deadline: Option<std::time::Instant>,
+    /// When the ring's current run of misses began, and its used-index stores then: until
+    /// the ring puts a chain back, every retry that misses again shares one [`MISS_WAIT`]. So
+    /// a request whose pages cannot all be in the IOTLB at once (each update answering one
+    /// makes a full IOTLB retire another) fails, rather than asking without end. Cleared when
+    /// a pass misses nothing and when the ring starts.
+    missing_since: Option<(std::time::Instant, u64)>,
     /// The pages the waiting request needs and no update has covered yet: the ring retries
     /// when this is empty ([`crate::miss`]).
     awaiting: Vec<u64>,
@@ -92,6 +100,23 @@ struct Vring {
     enabled: bool,
     started: bool,
     queue: Option<Ring>,
+}
+
+impl Vring {
+    /// The deadline for the miss just met: [`MISS_WAIT`] after the first miss since the ring
+    /// last put a chain back (its used-index stores unchanged), or from now.
+    fn miss_deadline_now(&mut self) -> std::time::Instant {
+        let now = std::time::Instant::now();
+        let stores = self.queue.as_ref().map_or(0, Ring::used_index_stores);
+        let since = match self.missing_since {
+            Some((since, at)) if at == stores => since,
+            _ => {
+                self.missing_since = Some((now, stores));
+                now
+            }
+        };
+        since + MISS_WAIT
+    }
 }
 
 /// One socket's back end.
@@ -854,6 +879,7 @@ impl<D: Device + 'static> Backend<D> {
         );
         let redo = ring.pending_resubmits() > 0;
         v.queue = Some(ring);
+        v.missing_since = None;
         v.kick = Some(kick);
         v.started = true;
         // A back end before this one may have returned chains and died before it told the
@@ -906,7 +932,7 @@ impl<D: Device + 'static> Backend<D> {
             let misses = self.ring_misses(i);
             if !misses.is_empty() {
                 let v = &mut self.vrings[i];
-                v.miss_deadline = Some(std::time::Instant::now() + MISS_WAIT);
+                v.miss_deadline = Some(v.miss_deadline_now());
                 self.send_misses(Some(i), &misses);
                 return Ok(false);
             }
@@ -923,14 +949,17 @@ impl<D: Device + 'static> Backend<D> {
                 // The chain was put back; ask for the translations (all its pages at once) and
                 // wait for them. Chains completed before it may be waiting for their interrupt:
                 // send it (a spurious one costs the driver a look at the used ring).
-                v.miss_deadline = Some(std::time::Instant::now() + MISS_WAIT);
+                v.miss_deadline = Some(v.miss_deadline_now());
                 if let Some(c) = &mut v.call {
                     let _ = c.write(&1u64.to_le_bytes());
                 }
                 self.send_misses(Some(i), &misses);
                 Ok(false)
             }
-            Ok(pass) => Ok(pass.again),
+            Ok(pass) => {
+                v.missing_since = None;
+                Ok(pass.again)
+            }
             Err(e) => {
                 // The ring is broken (corrupt indexes): stop it and tell the frontend.
                 log::warn!("{}: ring {i} stopped: {e}", self.device.name());
