@@ -423,13 +423,16 @@ impl DmaSpace {
     /// again from the start.
     #[inline(never)]
     fn translate_slow(&self, iova: Iova, len: u64, access: Prot) -> Result<Translation> {
-        // A statement of its own: the snapshot's guard (a grace announcement) ends here, before
-        // the wait, which waits for a change that waits for announcements to end.
-        let first = self.translate_at(&self.shared.current.load(), iova, len, access);
-        match first {
-            Err(Error::Busy { .. }) => self.translate_waiting(iova, len, access),
-            other => other,
+        {
+            let snap = self.shared.current.load();
+            match self.translate_at(&snap, iova, len, access) {
+                Err(Error::Busy { .. }) => {}
+                other => return other,
+            }
         }
+        // The snapshot's guard (a grace announcement) has ended: the wait below waits for a
+        // change, which waits for announcements to end.
+        self.translate_waiting(iova, len, access)
     }
 
     /// [`DmaSpace::translate`] after it found the mapping invalidated: waits for the update.
