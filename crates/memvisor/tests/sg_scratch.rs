@@ -183,3 +183,59 @@ fn a_thousand_requests_allocate_nothing_after_warm_up() {
         "the plain walk allocated {plain} times in 10 requests"
     );
 }
+
+/// A cursor's `translate_sg_into` after the cursor hit a mapping: a write in a read-only
+/// mapping is refused (EPERM), a buffer that runs past the mapping's end takes the next
+/// mapping's host page, and a write in a mapping that logs dirty pages is marked.
+#[test]
+fn translate_sg_into_checks_each_buffer_whatever_the_cursor_hit_last() {
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 16 * MIB).unwrap());
+    let d = DmaSpace::new(DmaConfig::default()).unwrap();
+    // Two IOVA-adjacent pages on host pages apart: a read-only one, then a writable one.
+    let ro = 1u64 << 30;
+    d.map_backing(Iova(ro), &b, 5 * PAGE, PAGE, Prot::READ)
+        .unwrap();
+    d.map_backing(Iova(ro + PAGE), &b, 9 * PAGE, PAGE, Prot::RW)
+        .unwrap();
+    let big = 16 * MIB;
+    d.map_backing(Iova(big), &b, 8 * MIB, 8 * MIB, Prot::RW)
+        .unwrap();
+    let buf = |iova: u64, len: u64, prot: Prot| SgBuf {
+        iova: Iova(iova),
+        len,
+        prot,
+    };
+    let mut cursor = d.cursor();
+    let mut scratch = SgScratch::for_queue(0);
+    // A read in the read-only page makes it the hit; a write there is still refused (EPERM).
+    let read = [buf(ro, 16, Prot::READ), buf(ro + 64, 16, Prot::READ)];
+    cursor.translate_sg_into(&read, &mut scratch).unwrap();
+    let want = d.translate_sg(Iova(ro + 64), 16, Prot::READ).unwrap();
+    assert_eq!(scratch.buffer(1), want, "a second buffer in the hit");
+    let write = [buf(ro, 16, Prot::READ), buf(ro + 8, 8, Prot::WRITE)];
+    let err = cursor.translate_sg_into(&write, &mut scratch).unwrap_err();
+    assert_eq!(
+        err.errno(),
+        libc::EPERM,
+        "a write in the read-only hit: {err}"
+    );
+    // A read that starts in the hit and runs into the next mapping: two segments, the second
+    // on the other mapping's host page, not the hit's page extended.
+    let across = [buf(ro, 16, Prot::READ), buf(ro + PAGE - 8, 16, Prot::READ)];
+    cursor.translate_sg_into(&across, &mut scratch).unwrap();
+    let want = d.translate_sg(Iova(ro + PAGE - 8), 16, Prot::READ).unwrap();
+    assert_eq!(want.len(), 2, "the two pages are apart on the host");
+    assert_eq!(scratch.buffer(1), &want[..], "a buffer past the hit's end");
+    // While dirty pages are logged, a write inside the mapping a translation just hit is
+    // still marked.
+    d.start_dirty_tracking().unwrap();
+    cursor.translate(Iova(big), 16, Prot::READ).unwrap();
+    let wrote = [buf(big + 3 * PAGE, 64, Prot::WRITE)];
+    cursor.translate_sg_into(&wrote, &mut scratch).unwrap();
+    let bits = d.get_and_clear_dirty(Iova(big), 8 * MIB, PAGE).unwrap();
+    assert_eq!(bits[0], 1 << 3, "only the page written is dirty");
+    assert!(
+        bits[1..].iter().all(|&w| w == 0),
+        "only the page written is dirty"
+    );
+}
