@@ -26,6 +26,9 @@
 //!   queue's scratch (`hold_sg_into`, the guard given back with `SgScratch::recycle`: no
 //!   allocation), `DmaSpace::translate_sg`, and a cursor's `translate_sg_into` (no hold, no
 //!   allocation).
+//! * **a block request's walk** (a third table): a 16-byte header and a status byte in one
+//!   mapping, 4 KiB of data in another, through a cursor's `translate_sg_into`, beside the
+//!   SPDK-style map asked for the same three buffers.
 
 use std::collections::HashSet;
 use std::hint::black_box;
@@ -372,7 +375,8 @@ impl Experiment for Translate {
          (runs of 16 in one mapping) and miss-heavy (random mapping each time) address \
          patterns of 65,536 addresses; one thread. 'loop only' reads the address list and \
          nothing else. Beside them on the random pattern: an SPDK-style two-level map over \
-         the same mappings, and one 4 KiB request's walk (hold_sg, translate_sg). Targets: \
+         the same mappings, one 4 KiB request's walk (hold_sg, translate_sg) and a block \
+         request's (header, data, status) beside three lookups in that map. Targets: \
          cursor hit <= 5 ns, miss <= 40 ns at 100 000 mappings; translate and the walk <= \
          1.2x the SPDK-style map."
     }
