@@ -186,11 +186,17 @@ fn a_thousand_requests_allocate_nothing_after_warm_up() {
 
 /// A cursor's `translate_sg_into` after the cursor hit a mapping: a write in a read-only
 /// mapping is refused (EPERM), a buffer that runs past the mapping's end takes the next
-/// mapping's host page, and a write in a mapping that logs dirty pages is marked.
+/// mapping's host page (or fails where nothing is mapped), a buffer that asks for no access
+/// is refused, and a write in a mapping that logs dirty pages is marked.
 #[test]
 fn translate_sg_into_checks_each_buffer_whatever_the_cursor_hit_last() {
     let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 16 * MIB).unwrap());
-    let d = DmaSpace::new(DmaConfig::default()).unwrap();
+    // The page table kept from the first small mapping: its words answer for them.
+    let d = DmaSpace::new(DmaConfig {
+        page_table_from: 0,
+        ..DmaConfig::default()
+    })
+    .unwrap();
     // Two IOVA-adjacent pages on host pages apart: a read-only one, then a writable one.
     let ro = 1u64 << 30;
     d.map_backing(Iova(ro), &b, 5 * PAGE, PAGE, Prot::READ)
@@ -226,6 +232,22 @@ fn translate_sg_into_checks_each_buffer_whatever_the_cursor_hit_last() {
     let want = d.translate_sg(Iova(ro + PAGE - 8), 16, Prot::READ).unwrap();
     assert_eq!(want.len(), 2, "the two pages are apart on the host");
     assert_eq!(scratch.buffer(1), &want[..], "a buffer past the hit's end");
+    // In guest RAM (the page table's huge words answer there): a buffer that asks for no
+    // access is refused (EINVAL), an empty one has no segment, and one that runs past the
+    // mapping's end is refused (EFAULT) rather than answered from its granule.
+    let none = [buf(big, 8, Prot::default())];
+    let err = cursor.translate_sg_into(&none, &mut scratch).unwrap_err();
+    assert_eq!(err.errno(), libc::EINVAL, "no access asked: {err}");
+    let empty = [buf(big, 0, Prot::READ), buf(big + 8, 8, Prot::READ)];
+    cursor.translate_sg_into(&empty, &mut scratch).unwrap();
+    assert!(
+        scratch.buffer(0).is_empty(),
+        "an empty buffer has no segment"
+    );
+    assert_eq!(scratch.buffer(1).len(), 1);
+    let past = [buf(big + 8 * MIB - 8, 16, Prot::READ)];
+    let err = cursor.translate_sg_into(&past, &mut scratch).unwrap_err();
+    assert_eq!(err.errno(), libc::EFAULT, "past the mapping's end: {err}");
     // While dirty pages are logged, a write inside the mapping a translation just hit is
     // still marked.
     d.start_dirty_tracking().unwrap();

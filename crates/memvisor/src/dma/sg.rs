@@ -38,7 +38,7 @@
 
 use std::sync::Arc;
 
-use super::index::Hot;
+use super::index::{Hot, word_answer};
 use super::{DmaCursor, DmaSpace, Mapping, Prot};
 use crate::addr::{Hva, Iova, PAGE_4K as PAGE};
 use crate::error::{Error, Result};
@@ -513,9 +513,26 @@ impl DmaCursor {
         scratch.segments.clear();
         scratch.ends.clear();
         self.refresh();
-        let snap = &*self.snapshot;
         let min_page = self.space.shared.min_page;
         for b in bufs {
+            // Most buffers lie in one small mapping or one granule of a big one: the page
+            // table's word, read through the cursor's region, answers for all of it, and the
+            // buffer is one segment. Its checks are in the answer: an access asked (`prot` not
+            // empty), allowed, on a valid mapping that logs no dirty pages, and the whole
+            // length inside (which also refuses length 0 and a wrapping range, the table
+            // ending below 512 GiB).
+            let word = self.table_word(b.iova.0);
+            if let Some((hot, _, last)) = word_answer(b.iova.0, b.len, word, b.prot) {
+                if (b.len.wrapping_sub(1) <= last - b.iova.0) & (b.prot != Prot::default()) {
+                    scratch.segments.push(Segment {
+                        hva: Hva(b.iova.0.wrapping_add(hot.delta())),
+                        len: b.len,
+                    });
+                    scratch.ends.push(scratch.segments.len());
+                    continue;
+                }
+            }
+            // Everything else: the buffer's own errors, then the sorted index, piece by piece.
             check_buf(b)?;
             if b.len == 0 {
                 scratch.ends.push(scratch.segments.len());
@@ -523,35 +540,26 @@ impl DmaCursor {
             }
             let from = scratch.segments.len();
             let segments = &mut scratch.segments;
-            let mut add = |hva: u64, n: u64| {
-                let merge = segments.len() > from;
-                match segments.last_mut() {
-                    Some(s) if merge && s.hva.0.wrapping_add(s.len) == hva => s.len += n,
-                    _ => segments.push(Segment {
-                        hva: Hva(hva),
-                        len: n,
-                    }),
-                }
-            };
-            // The page table first: one word for a buffer inside a small mapping or a granule.
-            match snap.page_answer(b.iova.0, b.len, b.prot) {
-                Some((hot, _, last)) if b.len - 1 <= last - b.iova.0 => {
-                    add(b.iova.0.wrapping_add(hot.delta()), b.len)
-                }
-                _ => {
-                    snap.for_each_piece(
-                        b.iova.0,
-                        b.len,
-                        b.prot,
-                        min_page,
-                        Hot::VALID,
-                        |_, hva, n, _| {
-                            add(hva.expect("only host memory passes Hot::VALID"), n);
-                            true
-                        },
-                    )?;
-                }
-            }
+            self.snapshot.for_each_piece(
+                b.iova.0,
+                b.len,
+                b.prot,
+                min_page,
+                Hot::VALID,
+                |_, hva, n, _| {
+                    let hva = hva.expect("only host memory passes Hot::VALID");
+                    // Merged only with a piece of the same buffer.
+                    let merge = segments.len() > from;
+                    match segments.last_mut() {
+                        Some(s) if merge && s.hva.0.wrapping_add(s.len) == hva => s.len += n,
+                        _ => segments.push(Segment {
+                            hva: Hva(hva),
+                            len: n,
+                        }),
+                    }
+                    true
+                },
+            )?;
             scratch.ends.push(scratch.segments.len());
         }
         Ok(())

@@ -715,6 +715,18 @@ impl DmaCursor {
         self.translate_slow(iova, len, access)
     }
 
+    /// The page-table word for `iova` in the cursor's snapshot, through the cursor's region
+    /// (two levels), which becomes `iova`'s if it did not hold it. For a walk right after
+    /// [`DmaCursor::refresh`]: the region is the snapshot's.
+    #[inline(always)]
+    pub(super) fn table_word(&mut self, iova: u64) -> Word {
+        if self.region.holds(iova) {
+            self.region.word(iova)
+        } else {
+            self.enter_region(iova)
+        }
+    }
+
     /// The page-table word for `iova`, which the cursor's region does not hold: the region
     /// becomes `iova`'s (one reference count), if the table covers it.
     fn enter_region(&mut self, iova: u64) -> Word {
