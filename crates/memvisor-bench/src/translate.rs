@@ -439,60 +439,44 @@ impl Experiment for Translate {
             for pattern in patterns {
                 let addrs = addresses(&space, pattern);
                 let case = format!("{count} mappings, {}", pattern.name());
-                let mut medians = Vec::new();
-                for (variant, name) in [
+                // Times each variant, reports it as a row, and gives its median.
+                let mut measure = |variants: &[(Variant, &str)]| -> Vec<f64> {
+                    variants
+                        .iter()
+                        .map(|&(variant, name)| {
+                            let stats =
+                                ns_per_op(runs, |iters| time(&space, variant, &addrs, iters));
+                            out.rows.push(Row::new(
+                                "translate",
+                                &case,
+                                name,
+                                "translate",
+                                "ns",
+                                &stats,
+                            ));
+                            stats.median
+                        })
+                        .collect()
+                };
+                let mut medians = measure(&[
                     (Variant::LoopOnly, "loop-only"),
                     (Variant::Space, "translate"),
                     (Variant::Cursor, "cursor"),
-                ] {
-                    let stats = ns_per_op(runs, |iters| time(&space, variant, &addrs, iters));
-                    out.rows.push(Row::new(
-                        "translate",
-                        &case,
-                        name,
-                        "translate",
-                        "ns",
-                        &stats,
-                    ));
-                    medians.push(stats.median);
-                }
+                ]);
                 if pattern == Pattern::MissHeavy && count >= 64 {
                     check_spdk(&space, &addrs)?;
-                    for (variant, name) in [
+                    medians.extend(measure(&[
                         (Variant::Spdk, "spdk-map"),
                         (Variant::HoldSg, "hold-sg"),
                         (Variant::HoldSgInto, "hold-sg-into"),
                         (Variant::TranslateSg, "translate-sg"),
                         (Variant::TranslateSgInto, "cursor-translate-sg-into"),
-                    ] {
-                        let stats = ns_per_op(runs, |iters| time(&space, variant, &addrs, iters));
-                        out.rows.push(Row::new(
-                            "translate",
-                            &case,
-                            name,
-                            "translate",
-                            "ns",
-                            &stats,
-                        ));
-                        medians.push(stats.median);
-                    }
+                    ]));
                     check_request(&space, &addrs)?;
-                    let mut pair = Vec::new();
-                    for (variant, name) in [
+                    let pair = measure(&[
                         (Variant::SpdkRequest, "spdk-map-request"),
                         (Variant::Request, "cursor-translate-sg-into-request"),
-                    ] {
-                        let stats = ns_per_op(runs, |iters| time(&space, variant, &addrs, iters));
-                        out.rows.push(Row::new(
-                            "translate",
-                            &case,
-                            name,
-                            "translate",
-                            "ns",
-                            &stats,
-                        ));
-                        pair.push(stats.median);
-                    }
+                    ]);
                     requests.push(vec![
                         count.to_string(),
                         format!("{:.1}", pair[0]),

@@ -17,6 +17,9 @@
 //! fails on unmapped IOVAs (EFAULT) and on invalidated host addresses (EBUSY, after waiting up to
 //! [`DmaConfig::vaddr_wait`](super::DmaConfig::vaddr_wait)), and marks written pages dirty when
 //! tracking is on.
+//!
+//! The file is long because the plain path and the cursor share their private parts (`Found`,
+//! the page-table answer, the checks) and one set of tests of huge words through every path.
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -694,12 +697,9 @@ impl DmaCursor {
         // that logs no dirty pages): inlined where the compiler sees fit, so it costs the
         // table's loads and no call.
         if current & (len != 0) {
-            let word = if self.region.holds(iova.0) {
-                self.region.word(iova.0)
-            } else {
-                self.enter_region(iova.0)
-            };
-            if let Some((hot, start, last)) = word_answer(iova.0, len, word, access) {
+            if let Some((hot, start, last)) =
+                word_answer(iova.0, len, self.table_word(iova.0), access)
+            {
                 // Not `pos`: it is read only while DIRTY is set, and the table never answers
                 // for a mapping that logs dirty pages.
                 self.hit.start = start;
@@ -716,8 +716,7 @@ impl DmaCursor {
     }
 
     /// The page-table word for `iova` in the cursor's snapshot, through the cursor's region
-    /// (two levels), which becomes `iova`'s if it did not hold it. For a walk right after
-    /// [`DmaCursor::refresh`]: the region is the snapshot's.
+    /// (two levels), which becomes `iova`'s if it did not hold it.
     #[inline(always)]
     pub(super) fn table_word(&mut self, iova: u64) -> Word {
         if self.region.holds(iova) {
