@@ -547,8 +547,8 @@ impl Experiment for Translate {
             "{runs} runs of about 30 ms each, in the same run, on the miss-heavy addresses: \
              request i has its header at the start of address i's mapping and its status 16 \
              bytes after, and 4 KiB of data filling address i+1's mapping (the shape of a \
-             Linux virtio-blk request behind a vIOMMU); one cursor over the run, so a buffer \
-             in the mapping the one before it hit answers from the hit. Checked to give the \
+             Linux virtio-blk request behind a vIOMMU); one cursor over the run, which reads \
+             each buffer's page-table word through its region. Checked to give the \
              SPDK-style map's host addresses"
         ));
         out.tables.push(table);
