@@ -239,27 +239,8 @@ fn time(space: &Space, variant: Variant, addrs: &[u64], iters: u64) -> f64 {
             prot: Prot::READ,
         }]
     };
-    let request = |i: usize| {
-        let head = black_box(addrs[i & mask]) & !(PAGE - 1);
-        let data = black_box(addrs[(i + 1) & mask]) & !(PAGE - 1);
-        [
-            SgBuf {
-                iova: Iova(head),
-                len: 16,
-                prot: Prot::READ,
-            },
-            SgBuf {
-                iova: Iova(data),
-                len: PAGE,
-                prot: Prot::WRITE,
-            },
-            SgBuf {
-                iova: Iova(head + 16),
-                len: 1,
-                prot: Prot::WRITE,
-            },
-        ]
-    };
+    let request =
+        |i: usize| request_bufs(black_box(addrs[i & mask]), black_box(addrs[(i + 1) & mask]));
     let mut sum = 0u64;
     let start = Instant::now();
     for i in 0..iters as usize {
@@ -327,23 +308,29 @@ fn check_spdk(space: &Space, addrs: &[u64]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// [`Variant::Request`]'s buffers: a 16-byte header at the start of `head`'s page and a status
+/// byte 16 bytes after it, 4 KiB of data filling `data`'s page.
+fn request_bufs(head: u64, data: u64) -> [SgBuf; 3] {
+    let (head, data) = (head & !(PAGE - 1), data & !(PAGE - 1));
+    [
+        (head, 16, Prot::READ),
+        (data, PAGE, Prot::WRITE),
+        (head + 16, 1, Prot::WRITE),
+    ]
+    .map(|(iova, len, prot)| SgBuf {
+        iova: Iova(iova),
+        len,
+        prot,
+    })
+}
+
 /// Checks that a cursor's `translate_sg_into` of [`Variant::Request`]'s buffers gives the
 /// SPDK-style map's host addresses, one segment per buffer.
 fn check_request(space: &Space, addrs: &[u64]) -> anyhow::Result<()> {
     let mut cursor = space.dma.cursor();
     let mut scratch = SgScratch::for_queue(0);
     for w in addrs.windows(2).take(1024) {
-        let (head, data) = (w[0] & !(PAGE - 1), w[1] & !(PAGE - 1));
-        let bufs = [
-            (head, 16, Prot::READ),
-            (data, PAGE, Prot::WRITE),
-            (head + 16, 1, Prot::WRITE),
-        ]
-        .map(|(iova, len, prot)| SgBuf {
-            iova: Iova(iova),
-            len,
-            prot,
-        });
+        let bufs = request_bufs(w[0], w[1]);
         cursor.translate_sg_into(&bufs, &mut scratch)?;
         for (k, b) in bufs.iter().enumerate() {
             let got = scratch.buffer(k);
