@@ -1,21 +1,25 @@
 //! Guest memory as io_uring registered (fixed) buffers, per ring, in 2 MiB chunks of host
 //! addresses, and the discard gate that takes a chunk out before the balloon frees it.
 //!
-//! **Model.** A ring's table has [`SLOTS`] slots, empty at first (sparse). A transfer whose
-//! buffers lie in one 2 MiB chunk of host memory (keyed by host address, so IOTLB changes never
-//! touch the table) goes out as `READ_FIXED` / `WRITE_FIXED` (`READV_FIXED` / `WRITEV_FIXED`
-//! for more than one buffer) through the chunk's slot. Chunks are registered **lazily** and
-//! **off the request**: the first transfer that touches a chunk goes the ordinary way (hold +
-//! `READV`) and names the chunk cold; once the pass's replies are on the used ring and its
-//! drivers told (`Device::after_replies`), the ring's thread registers the cold chunks
-//! ([`FixedChunks::register_cold`], a few per pass: a cold chunk costs ~2 ms to fault in and
-//! pin), so no reply waits for a registration. Registering all of RAM up front would fault it
-//! in and pin it, defeating the balloon.
+//! **Model.** A ring's table has [`SLOTS`] slots, empty at first (sparse). Host memory is cut
+//! into 2 MiB chunks (by host address, so IOTLB changes never touch the table), and what is
+//! registered is a chunk's **span**: the part of the chunk inside one region of guest memory,
+//! the whole chunk inside a big region, less at a region's edges, and all of a region smaller
+//! than a chunk (a libblkio client's bounce buffer of 128 KiB, a region the back end mapped at
+//! an address not 2 MiB aligned). Two regions sharing a chunk have a span each. A transfer
+//! whose buffers lie in one span goes out as `READ_FIXED` / `WRITE_FIXED` (`READV_FIXED` /
+//! `WRITEV_FIXED` for more than one buffer) through the span's slot. Spans are registered
+//! **lazily** and **off the request**: the first transfer that touches a span goes the
+//! ordinary way (hold + `READV`) and names the span cold; once the pass's replies are on the
+//! used ring and its drivers told (`Device::after_replies`), the ring's thread registers the
+//! cold spans ([`FixedChunks::register_cold`], a few per pass: a cold chunk costs ~2 ms to
+//! fault in and pin), so no reply waits for a registration. Registering all of RAM up front
+//! would fault it in and pin it, defeating the balloon.
 //!
 //! **What goes the ordinary way, counted.** A refusal of the host — the ring's table or a
 //! chunk's registration refused (RLIMIT_MEMLOCK, ENOMEM, EFAULT, EOPNOTSUPP, EPERM), a kernel
 //! without vectored fixed transfers — is a *fallback* ([`FixedCounts::fallbacks`]); the rest —
-//! buffers over two chunks, a chunk cold, being evicted or waiting to come back, memory that may
+//! buffers over two spans, a span cold, being evicted or waiting to come back, memory that may
 //! not be registered, dirty logging on — is *ordinary* ([`FixedCounts::ordinary`]). Only reads
 //! and writes are counted, once the request's header says it is one ([`BlkFixed::tally`]): a
 //! `GET_ID`, `DISCARD` or `WRITE_ZEROES` whose buffer was claimed moves no data through it, so
@@ -38,7 +42,7 @@
 //! the page — followed from the slot table's generation, every slot emptied when it changes
 //! (a new memory table, dirty logging turned on or off).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -60,28 +64,33 @@ pub const REREGISTER_AFTER: u32 = 16;
 /// stall the ring for long.
 const REGISTER_PER_PASS: usize = 8;
 
+/// A registered span, keyed in [`Table::chunks`] by its first byte.
 #[derive(Debug)]
 struct Chunk {
+    /// One past its last byte: the span never reaches past its chunk.
+    end: u64,
     slot: u32,
     in_flight: u32,
     evicting: bool,
 }
 
+/// Spans are keyed by their first byte (a host address); `closed` by chunk number, the unit a
+/// discard closes.
 #[derive(Default)]
 struct Table {
-    chunks: HashMap<u64, Chunk>,
+    chunks: BTreeMap<u64, Chunk>,
     free: Vec<u32>,
     /// Chunks a discard is working on, with how many discards: not registered meanwhile.
     closed: HashMap<u64, u32>,
-    /// Chunks to empty, for the ring's thread.
+    /// Spans to empty, for the ring's thread.
     pending: Vec<u64>,
-    /// Chunks whose registration the host refused: not tried again until the memory changes.
+    /// Spans whose registration the host refused: not tried again until the memory changes.
     refused: HashSet<u64>,
-    /// Chunks a transfer found cold, to register after the pass, with the host range each lies
-    /// in; and the same chunks as a set.
-    cold: Vec<(u64, (u64, u64))>,
+    /// Spans a transfer found cold, to register after the pass, as `(first byte, end)`; and
+    /// their first bytes as a set.
+    cold: Vec<(u64, u64)>,
     queued: HashSet<u64>,
-    /// Chunks evicted, with the transfers that touched them since.
+    /// Spans evicted, with the transfers that touched them since.
     cooling: HashMap<u64, u32>,
     /// The ring the table was made on ([`Disk::ring_epoch`]); `None`: no table yet.
     epoch: Option<u64>,
@@ -161,8 +170,17 @@ pub struct FixedChunks {
     no_vectored: bool,
 }
 
-fn chunk_range(c: u64) -> (u64, u64) {
-    (c * CHUNK, CHUNK)
+/// The span holding host address `at` in `region` (`[start, end)`, which holds `at`): its
+/// chunk cut to the region.
+fn span(at: u64, region: (u64, u64)) -> (u64, u64) {
+    let base = at / CHUNK * CHUNK;
+    (base.max(region.0), base.saturating_add(CHUNK).min(region.1))
+}
+
+/// The spans registered in chunks `[first, last)`, as `(first byte, end)`.
+fn spans_in(t: &Table, first: u64, last: u64) -> Vec<(u64, u64)> {
+    let keys = first.saturating_mul(CHUNK)..last.saturating_mul(CHUNK);
+    t.chunks.range(keys).map(|(&s, ch)| (s, ch.end)).collect()
 }
 
 fn lock(t: &Mutex<Table>) -> std::sync::MutexGuard<'_, Table> {
@@ -191,8 +209,8 @@ impl FixedChunks {
     }
 
     /// On the ring's thread: the slot a transfer of `iov` goes through, inside host memory
-    /// `[region.0, region.1)`; the chunk counts it in flight until released ([`Claim`]).
-    /// `None`: it goes the ordinary way (counted); a cold chunk is queued for
+    /// `[region.0, region.1)`; the span counts it in flight until released ([`Claim`]).
+    /// `None`: it goes the ordinary way (counted); a cold span is queued for
     /// [`FixedChunks::register_cold`].
     #[cfg(test)]
     pub fn acquire(
@@ -218,13 +236,16 @@ impl FixedChunks {
         if iov.len() > 1 && self.no_vectored {
             return Err(Why::Host);
         }
+        if first < region.0 || first >= region.1 {
+            return Err(Why::Other);
+        }
         let c = first / CHUNK;
-        let (base, len) = chunk_range(c);
+        let (start, end) = span(first, region);
         let inside = iov.iter().all(|v| {
             let s = v.iov_base as u64;
-            s >= base && s + v.iov_len as u64 <= base + len
+            s >= start && s.checked_add(v.iov_len as u64).is_some_and(|e| e <= end)
         });
-        if !inside || base < region.0 || base + len > region.1 {
+        if !inside {
             return Err(Why::Other);
         }
         let epoch = disk.ring_epoch().ok_or(Why::Host)?;
@@ -235,35 +256,35 @@ impl FixedChunks {
             forget(&mut t);
             self.shared.emptied.notify_all();
         }
-        if let Some(ch) = t.chunks.get_mut(&c) {
-            if ch.evicting {
+        if let Some(ch) = t.chunks.get_mut(&start) {
+            if ch.evicting || ch.end != end {
                 return Err(Why::Other);
             }
             ch.in_flight += 1;
             return u16::try_from(ch.slot).map_err(|_| Why::Other);
         }
-        if t.no_table || t.refused.contains(&c) {
+        if t.no_table || t.refused.contains(&start) {
             return Err(Why::Host);
         }
         if t.closed.contains_key(&c) {
             return Err(Why::Other);
         }
-        if let Some(n) = t.cooling.get_mut(&c) {
+        if let Some(n) = t.cooling.get_mut(&start) {
             *n += 1;
             if *n < REREGISTER_AFTER {
                 return Err(Why::Other);
             }
-            t.cooling.remove(&c);
+            t.cooling.remove(&start);
         }
-        if t.queued.insert(c) {
-            t.cold.push((c, region));
+        if t.queued.insert(start) {
+            t.cold.push((start, end));
         }
         Err(Why::Other)
     }
 
     /// On the ring's thread, after a pass's replies went out: registers up to a few of the
-    /// chunks transfers found cold. A refusal is remembered (the chunk stays on the
-    /// ordinary way, counted as a fallback) and logged.
+    /// spans transfers found cold. A refusal is remembered (the span stays on the ordinary
+    /// way, counted as a fallback) and logged.
     pub fn register_cold(&mut self, disk: &mut Disk) {
         let mut t = lock(&self.shared.table);
         if t.cold.is_empty() {
@@ -292,32 +313,33 @@ impl FixedChunks {
             *self.shared.waker.lock().unwrap_or_else(|e| e.into_inner()) = disk.waker();
         }
         let n = t.cold.len().min(REGISTER_PER_PASS);
-        let batch: Vec<(u64, (u64, u64))> = t.cold.drain(..n).collect();
-        for (c, region) in batch {
-            t.queued.remove(&c);
-            if t.chunks.contains_key(&c) || t.closed.contains_key(&c) || t.refused.contains(&c) {
-                continue;
-            }
-            let (base, len) = chunk_range(c);
-            if base < region.0 || base + len > region.1 {
+        let batch: Vec<(u64, u64)> = t.cold.drain(..n).collect();
+        for (base, end) in batch {
+            t.queued.remove(&base);
+            if t.chunks.contains_key(&base)
+                || t.closed.contains_key(&(base / CHUNK))
+                || t.refused.contains(&base)
+            {
                 continue;
             }
             let Some(slot) = t.free.pop() else {
-                // A full table: the chunk stays on the ordinary way.
+                // A full table: the span stays on the ordinary way.
                 continue;
             };
             let start = Instant::now();
-            // SAFETY: the chunk lies in guest memory `region`, which stays mapped until the
-            // memory table changes, and every slot is emptied before the next transfer after
-            // that ([`BlkFixed::follow`]); the ring's end empties them all.
-            let r = unsafe { disk.register_fixed(slot, base, len) };
+            // SAFETY: the span lies in one region of guest memory (`try_acquire` cut it to
+            // the region), which stays mapped until the memory table changes, and every slot
+            // is emptied before the next transfer after that ([`BlkFixed::follow`]); the
+            // ring's end empties them all.
+            let r = unsafe { disk.register_fixed(slot, base, end - base) };
             self.counts.register_ns += u64::try_from(start.elapsed().as_nanos()).unwrap_or(0);
             match r {
                 Ok(()) => {
                     self.counts.chunks_registered += 1;
                     t.chunks.insert(
-                        c,
+                        base,
                         Chunk {
+                            end,
                             slot,
                             in_flight: 0,
                             evicting: false,
@@ -332,7 +354,7 @@ impl FixedChunks {
                         );
                     }
                     t.free.push(slot);
-                    t.refused.insert(c);
+                    t.refused.insert(base);
                 }
             }
         }
@@ -349,7 +371,7 @@ impl FixedChunks {
         self.no_vectored = true;
     }
 
-    /// A transfer through the chunk holding host address `first` ended (the device's
+    /// A transfer through the span holding host address `first` ended (the device's
     /// transfers let go by dropping their [`Claim`]).
     #[cfg(test)]
     pub fn release(&self, first: u64) {
@@ -363,17 +385,19 @@ impl FixedChunks {
             return;
         }
         let pending = std::mem::take(&mut t.pending);
-        for c in pending {
-            let Some(ch) = t.chunks.get(&c) else { continue };
+        for base in pending {
+            let Some(ch) = t.chunks.get(&base) else {
+                continue;
+            };
             if ch.in_flight > 0 {
                 continue;
             }
             let slot = ch.slot;
             match disk.clear_fixed(slot) {
                 Ok(()) => {
-                    t.chunks.remove(&c);
+                    t.chunks.remove(&base);
                     t.free.push(slot);
-                    t.cooling.insert(c, 0);
+                    t.cooling.insert(base, 0);
                     self.counts.evictions += 1;
                 }
                 Err(e) => log::error!("blk: cannot empty registered slot {slot}: {e}"),
@@ -638,11 +662,13 @@ impl Drop for Claim {
 }
 
 impl Shared {
-    /// A transfer through the chunk holding host address `first` ended.
+    /// A transfer through the span holding host address `first` ended.
     fn release(&self, first: u64) {
         let mut t = lock(&self.table);
-        if let Some(ch) = t.chunks.get_mut(&(first / CHUNK)) {
-            ch.in_flight = ch.in_flight.saturating_sub(1);
+        if let Some((_, ch)) = t.chunks.range_mut(..=first).next_back() {
+            if first < ch.end {
+                ch.in_flight = ch.in_flight.saturating_sub(1);
+            }
         }
     }
 
@@ -651,21 +677,23 @@ impl Shared {
         let (first, last) = (hva / CHUNK, (hva + len).div_ceil(CHUNK));
         let mut busy = Vec::new();
         let mut t = lock(&self.table);
-        let mut asked = Vec::new();
         for c in first..last {
             *t.closed.entry(c).or_default() += 1;
-            let Some(ch) = t.chunks.get_mut(&c) else {
+        }
+        let mut asked = Vec::new();
+        for (base, end) in spans_in(&t, first, last) {
+            let Some(ch) = t.chunks.get_mut(&base) else {
                 continue;
             };
             if ch.in_flight > 0 {
-                busy.push(chunk_range(c));
+                busy.push((base, end - base));
                 continue;
             }
             if !ch.evicting {
                 ch.evicting = true;
-                t.pending.push(c);
+                t.pending.push(base);
             }
-            asked.push(c);
+            asked.push((base, end - base));
         }
         if asked.is_empty() {
             return busy;
@@ -680,14 +708,14 @@ impl Shared {
         }
         let deadline = Instant::now() + wait;
         loop {
-            let left: Vec<u64> = asked
+            let left: Vec<(u64, u64)> = asked
                 .iter()
                 .copied()
-                .filter(|c| t.chunks.contains_key(c))
+                .filter(|(base, _)| t.chunks.contains_key(base))
                 .collect();
             let now = Instant::now();
             if left.is_empty() || now >= deadline {
-                busy.extend(left.into_iter().map(chunk_range));
+                busy.extend(left);
                 return busy;
             }
             t = self
@@ -715,9 +743,9 @@ impl DiscardGate for Shared {
             return Vec::new();
         }
         let t = lock(&self.table);
-        (start / CHUNK..end.div_ceil(CHUNK))
-            .filter(|c| t.chunks.contains_key(c))
-            .map(chunk_range)
+        spans_in(&t, start / CHUNK, end.div_ceil(CHUNK))
+            .into_iter()
+            .map(|(base, end)| (base, end - base))
             .collect()
     }
 

@@ -275,6 +275,85 @@ fn a_chunk_with_a_transfer_in_flight_is_busy_and_kept() {
     );
 }
 
+/// Regions smaller than a chunk are registered too: each as its span, the part of the chunk
+/// inside it, two regions side by side in one chunk with a span each (a libblkio client's
+/// bounce buffer of 128 KiB, small regions the back end mapped next to each other). A transfer
+/// over a span's edge goes the ordinary way, and a discard of the chunk evicts the idle span
+/// and calls the busy one busy, by its own bytes.
+#[test]
+fn regions_smaller_than_a_chunk_are_registered_as_spans_of_their_own() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (b, whole, base) = guest();
+    let (file, bytes) = image();
+    let mut disk = Disk::new(file).unwrap();
+    let mut fixed = FixedChunks::new(no_evict());
+    // Two regions of 128 KiB in one chunk, the first 12 KiB past the chunk's start.
+    let a = (base + 0x3000, base + 0x23000);
+    let c = (a.1, a.1 + 0x20000);
+    let at = |addr: u64, len: usize| {
+        [libc::iovec {
+            iov_base: addr as usize as *mut libc::c_void,
+            iov_len: len,
+        }]
+    };
+    // Whether this host registers at all: a whole chunk, the next one.
+    let next = at(base + CHUNK, 4096);
+    if warm(&mut fixed, &mut disk, &next, whole).is_none() {
+        println!("skipped: regions_smaller_than_a_chunk: no registered buffers here");
+        return;
+    }
+    fixed.release(base + CHUNK);
+    let in_a = at(a.0 + 4096, 8192);
+    let slot_a = warm(&mut fixed, &mut disk, &in_a, a).expect("the first region's span");
+    assert!(
+        kernel_buffers().contains(&(a.0, 0x20000)),
+        "the first region's span is registered: {:?}",
+        kernel_buffers()
+    );
+    // SAFETY: guest memory of our own backing, mapped for the test; reaped below.
+    assert!(unsafe { disk.start_fixed(&in_a, 4096, true, 1, slot_a) });
+    disk.submit();
+    assert_eq!(*disk.finished(true)[0].1.as_ref().unwrap(), 8192);
+    fixed.release(a.0 + 4096);
+    let mut back = vec![0u8; 8192];
+    b.read(a.0 + 4096 - whole.0, &mut back).unwrap();
+    assert!(
+        back == bytes[4096..4096 + 8192],
+        "READ_FIXED filled the span"
+    );
+    // Over the first region's end: not inside its span.
+    let ordinary = fixed.counts.ordinary;
+    assert_eq!(fixed.acquire(&mut disk, &at(a.1 - 4096, 8192), a), None);
+    assert_eq!(fixed.counts.ordinary, ordinary + 1);
+    let in_c = at(c.0, 4096);
+    let slot_c = warm(&mut fixed, &mut disk, &in_c, c).expect("the second region's span");
+    assert_ne!(slot_a, slot_c);
+    fixed.release(c.0);
+    assert!(kernel_buffers().contains(&(c.0, 0x20000)));
+    let gate = fixed.gate();
+    assert_eq!(
+        gate.pinned_runs(base, base + CHUNK),
+        vec![(a.0, 0x20000), (c.0, 0x20000)]
+    );
+    // A transfer out in the first span; the discard of the chunk keeps that span alone.
+    assert_eq!(fixed.acquire(&mut disk, &in_a, a), Some(slot_a));
+    let busy = evict_while_serving(&mut fixed, &mut disk, base);
+    assert_eq!(
+        busy,
+        vec![(a.0, 0x20000)],
+        "the busy span, by its own bytes"
+    );
+    assert!(kernel_buffers().contains(&(a.0, 0x20000)));
+    assert!(
+        !kernel_buffers().contains(&(c.0, 0x20000)),
+        "the idle span is still registered after the discard's eviction"
+    );
+    fixed.release(a.0 + 4096);
+    gate.reopen(base, CHUNK);
+    fixed.clear_all(&mut disk);
+    assert!(!kernel_buffers().contains(&(a.0, 0x20000)));
+}
+
 /// End to end with a real discard: a free page report of a registered chunk, handled on
 /// another thread while the ring's thread serves, evicts the chunk before the hole is punched;
 /// the next READ_FIXED registers the chunk again over the new pages, and the guest sees the
