@@ -177,10 +177,13 @@ fn span(at: u64, region: (u64, u64)) -> (u64, u64) {
     (base.max(region.0), base.saturating_add(CHUNK).min(region.1))
 }
 
-/// The spans registered in chunks `[first, last)`, as `(first byte, end)`.
+/// The spans registered in chunks `[first, last)`, as runs `(first byte, bytes)`.
 fn spans_in(t: &Table, first: u64, last: u64) -> Vec<(u64, u64)> {
     let keys = first.saturating_mul(CHUNK)..last.saturating_mul(CHUNK);
-    t.chunks.range(keys).map(|(&s, ch)| (s, ch.end)).collect()
+    t.chunks
+        .range(keys)
+        .map(|(&s, ch)| (s, ch.end - s))
+        .collect()
 }
 
 fn lock(t: &Mutex<Table>) -> std::sync::MutexGuard<'_, Table> {
@@ -681,19 +684,19 @@ impl Shared {
             *t.closed.entry(c).or_default() += 1;
         }
         let mut asked = Vec::new();
-        for (base, end) in spans_in(&t, first, last) {
-            let Some(ch) = t.chunks.get_mut(&base) else {
+        for run in spans_in(&t, first, last) {
+            let Some(ch) = t.chunks.get_mut(&run.0) else {
                 continue;
             };
             if ch.in_flight > 0 {
-                busy.push((base, end - base));
+                busy.push(run);
                 continue;
             }
             if !ch.evicting {
                 ch.evicting = true;
-                t.pending.push(base);
+                t.pending.push(run.0);
             }
-            asked.push((base, end - base));
+            asked.push(run);
         }
         if asked.is_empty() {
             return busy;
@@ -744,9 +747,6 @@ impl DiscardGate for Shared {
         }
         let t = lock(&self.table);
         spans_in(&t, start / CHUNK, end.div_ceil(CHUNK))
-            .into_iter()
-            .map(|(base, end)| (base, end - base))
-            .collect()
     }
 
     fn reopen(&self, hva: u64, len: u64) {
