@@ -261,3 +261,106 @@ fn translate_sg_into_checks_each_buffer_whatever_the_cursor_hit_last() {
         "only the page written is dirty"
     );
 }
+
+/// The same checks where the page table cannot answer: a client whose device addresses are its
+/// own process addresses (libblkio's, far above the table's 512 GiB), so each buffer that
+/// neither of the cursor's last two hits holds goes to the sorted index, and the mapping found
+/// there becomes the last hit. A hit answers only a buffer inside it, allowed, while no dirty
+/// pages are logged, and only in the generation it was found in.
+#[test]
+fn translate_sg_into_above_the_page_table_answers_from_its_last_two_mappings_alone() {
+    let b = Arc::new(Backing::new(BackingKind::PrivateAnon, 16 * MIB).unwrap());
+    let d = DmaSpace::new(DmaConfig::default()).unwrap();
+    let high = 0x7f12_3400_0000u64;
+    // Two IOVA-adjacent 16 KiB mappings on host memory apart: read-only, then writable; and
+    // a 6 MiB one, as libblkio's ring region and buffer region are.
+    d.map_backing(Iova(high), &b, 0, 4 * PAGE, Prot::READ)
+        .unwrap();
+    d.map_backing(Iova(high + 4 * PAGE), &b, 8 * PAGE, 4 * PAGE, Prot::RW)
+        .unwrap();
+    let big = high + 4 * MIB;
+    d.map_backing(Iova(big), &b, 8 * MIB, 6 * MIB, Prot::RW)
+        .unwrap();
+    let buf = |iova: u64, len: u64, prot: Prot| SgBuf {
+        iova: Iova(iova),
+        len,
+        prot,
+    };
+    let mut cursor = d.cursor();
+    let mut scratch = SgScratch::for_queue(0);
+    // A request's shape: header, data, status; header and status in one mapping.
+    let request = [
+        buf(high + 4 * PAGE + 0x100, 16, Prot::READ),
+        buf(big + 3 * PAGE, PAGE, Prot::WRITE),
+        buf(high + 4 * PAGE + 0x110, 1, Prot::WRITE),
+    ];
+    cursor.translate_sg_into(&request, &mut scratch).unwrap();
+    for (i, r) in request.iter().enumerate() {
+        let want = d.translate_sg(r.iova, r.len, r.prot).unwrap();
+        assert_eq!(scratch.buffer(i), &want[..], "buffer {i} of the request");
+    }
+    // A read in the read-only mapping makes it the hit; a write there is still refused.
+    let read = [buf(high, 16, Prot::READ), buf(high + 64, 16, Prot::READ)];
+    cursor.translate_sg_into(&read, &mut scratch).unwrap();
+    let want = d.translate_sg(Iova(high + 64), 16, Prot::READ).unwrap();
+    assert_eq!(scratch.buffer(1), want, "a second buffer in the hit");
+    let write = [buf(high, 16, Prot::READ), buf(high + 8, 8, Prot::WRITE)];
+    let err = cursor.translate_sg_into(&write, &mut scratch).unwrap_err();
+    assert_eq!(
+        err.errno(),
+        libc::EPERM,
+        "a write in the read-only hit: {err}"
+    );
+    // From the hit into the next mapping: two segments, on the next mapping's host memory.
+    let across = [
+        buf(high, 16, Prot::READ),
+        buf(high + 4 * PAGE - 8, 16, Prot::READ),
+    ];
+    cursor.translate_sg_into(&across, &mut scratch).unwrap();
+    let want = d
+        .translate_sg(Iova(high + 4 * PAGE - 8), 16, Prot::READ)
+        .unwrap();
+    assert_eq!(want.len(), 2, "the two mappings are apart on the host");
+    assert_eq!(scratch.buffer(1), &want[..], "a buffer past the hit's end");
+    // Inside the hit: no access asked is refused, an empty buffer has no segment, and a buffer
+    // past the mapping's end is refused.
+    let hit_big = [buf(big, 8, Prot::READ)];
+    cursor.translate_sg_into(&hit_big, &mut scratch).unwrap();
+    let none = [buf(big, 8, Prot::READ), buf(big + 8, 8, Prot::default())];
+    let err = cursor.translate_sg_into(&none, &mut scratch).unwrap_err();
+    assert_eq!(err.errno(), libc::EINVAL, "no access asked: {err}");
+    let empty = [buf(big, 8, Prot::READ), buf(big + 8, 0, Prot::READ)];
+    cursor.translate_sg_into(&empty, &mut scratch).unwrap();
+    assert!(
+        scratch.buffer(1).is_empty(),
+        "an empty buffer has no segment"
+    );
+    let past = [
+        buf(big, 8, Prot::READ),
+        buf(big + 6 * MIB - 8, 16, Prot::READ),
+    ];
+    let err = cursor.translate_sg_into(&past, &mut scratch).unwrap_err();
+    assert_eq!(err.errno(), libc::EFAULT, "past the mapping's end: {err}");
+    // While dirty pages are logged, a write in the mapping the last buffer was found in is
+    // marked.
+    d.start_dirty_tracking().unwrap();
+    let wrote = [
+        buf(big, 16, Prot::READ),
+        buf(big + 3 * PAGE, 64, Prot::WRITE),
+    ];
+    cursor.translate_sg_into(&wrote, &mut scratch).unwrap();
+    let bits = d.get_and_clear_dirty(Iova(big), 6 * MIB, PAGE).unwrap();
+    assert_eq!(bits[0], 1 << 3, "only the page written is dirty");
+    assert!(
+        bits[1..].iter().all(|&w| w == 0),
+        "only the page written is dirty"
+    );
+    // A change to the space ends the hit: a buffer in a mapping since unmapped is refused.
+    d.stop_dirty_tracking();
+    cursor.translate_sg_into(&hit_big, &mut scratch).unwrap();
+    d.unmap(Iova(big), 6 * MIB).unwrap();
+    let err = cursor
+        .translate_sg_into(&hit_big, &mut scratch)
+        .unwrap_err();
+    assert_eq!(err.errno(), libc::EFAULT, "unmapped since the hit: {err}");
+}

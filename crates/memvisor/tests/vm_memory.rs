@@ -538,3 +538,51 @@ fn writes_through_the_device_view_are_device_writes_for_the_dirty_log() {
     let words = dma.get_and_clear_dirty(Iova(0), 64 * KIB, 4096).unwrap();
     assert_eq!(words[0], 1 << 3, "the page written, not the page read");
 }
+
+/// A view answers a repeated access from the thread's last hit, and only a hit taken in the
+/// snapshot it holds may answer: not one from an older view of a mapping since replaced, nor
+/// one a newer view took, nor a read's hit for a write the dirty log must see.
+#[test]
+fn a_views_repeated_accesses_answer_only_from_its_own_generation() {
+    const IO: u64 = 0x2_0000_0000;
+    let table = slots([SlotFlags::NONE; 3]);
+    let snap = table.snapshot();
+    table.write(Gpa(0x100), &[1u8; 8]).unwrap();
+    table.write(Gpa(256 * KIB + 0x100), &[2u8; 8]).unwrap();
+    let dma = DmaSpace::new(DmaConfig::default()).unwrap();
+    dma.map_guest(Iova(IO), &snap, Gpa(0), 64 * KIB, Prot::RW)
+        .unwrap();
+    let old = dma.memory();
+    let at = GuestAddress(IO + 0x100);
+    // Twice: the second is answered from the hit the first left.
+    assert_eq!(old.read_obj::<u64>(at).unwrap(), 0x0101_0101_0101_0101);
+    assert_eq!(old.read_obj::<u64>(at).unwrap(), 0x0101_0101_0101_0101);
+    // The same IOVA now names slot 2's memory.
+    dma.unmap(Iova(IO), 64 * KIB).unwrap();
+    dma.map_guest(Iova(IO), &snap, Gpa(256 * KIB), 64 * KIB, Prot::RW)
+        .unwrap();
+    let new = dma.memory();
+    assert_eq!(
+        new.read_obj::<u64>(at).unwrap(),
+        0x0202_0202_0202_0202,
+        "a new view is not answered by the old view's hit"
+    );
+    assert_eq!(
+        old.read_obj::<u64>(at).unwrap(),
+        0x0101_0101_0101_0101,
+        "the old view keeps its snapshot, whatever hit the new one left"
+    );
+    let mut plain = [0u8; 8];
+    dma.dma_read(Iova(IO + 0x100), &mut plain).unwrap();
+    assert_eq!(
+        plain, [2u8; 8],
+        "a plain read after the old view's hit sees the space as it is"
+    );
+    // With the dirty log on, a read's hit does not answer a write: the write marks its page.
+    dma.start_dirty_tracking().unwrap();
+    let tracked = dma.memory();
+    tracked.read_obj::<u64>(GuestAddress(IO + 0x3000)).unwrap();
+    tracked.write_obj(9u8, GuestAddress(IO + 0x3008)).unwrap();
+    let words = dma.get_and_clear_dirty(Iova(IO), 64 * KIB, 4096).unwrap();
+    assert_eq!(words[0], 1 << 3, "the page written after a read in it");
+}

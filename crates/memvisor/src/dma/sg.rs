@@ -532,6 +532,17 @@ impl DmaCursor {
                     continue;
                 }
             }
+            // Not in the table (a mapping above its window, as a client's own addresses are
+            // for libblkio, or a mid-sized one): the mappings the last two buffers the table
+            // did not answer were found in, as a request's header and status share one.
+            if let Some(hva) = self.hit_answer(b.iova.0, b.len, b.prot) {
+                scratch.segments.push(Segment {
+                    hva: Hva(hva),
+                    len: b.len,
+                });
+                scratch.ends.push(scratch.segments.len());
+                continue;
+            }
             // Everything else: the buffer's own errors, then the sorted index, piece by piece.
             check_buf(b)?;
             if b.len == 0 {
@@ -540,7 +551,7 @@ impl DmaCursor {
             }
             let from = scratch.segments.len();
             let segments = &mut scratch.segments;
-            self.snapshot.for_each_piece(
+            let found = self.snapshot.for_each_piece(
                 b.iova.0,
                 b.len,
                 b.prot,
@@ -560,6 +571,7 @@ impl DmaCursor {
                     true
                 },
             )?;
+            self.remember(&found);
             scratch.ends.push(scratch.segments.len());
         }
         Ok(())

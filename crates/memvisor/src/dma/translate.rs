@@ -445,6 +445,37 @@ impl DmaSpace {
         self.with_snapshot(|snap| self.translate_in(snap, iova, len, access))
     }
 
+    /// [`DmaSpace::translate_at`] after the thread's last hit, for a caller that holds `snap`
+    /// (a view): a hit taken in that snapshot's generation answers with no walk. The hit is
+    /// checked against the held snapshot's generation, not the space's current one: the
+    /// mapping it names is in `snap` whatever the space has done since, and `snap` keeps its
+    /// memory. Rings, descriptors and request headers are read this way, many times a request,
+    /// nearly always in the mapping read last.
+    #[cfg(feature = "vm-memory")]
+    #[inline]
+    pub(super) fn translate_held(
+        &self,
+        snap: &DmaSnapshot,
+        iova: Iova,
+        len: u64,
+        access: Prot,
+    ) -> Result<Translation> {
+        let h = LAST_HIT.with(Cell::get);
+        // As in `translate`: the conditions joined without short-circuits, one branch.
+        if (h.space == self.shared.head.0.id)
+            & (h.generation == snap.generation)
+            & (iova.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
+            & (h.prot & access.0 == access.0)
+            & (len != 0)
+        {
+            return Ok(Translation {
+                hva: Hva(iova.0.wrapping_add(h.delta)),
+                len: len.min(h.last - iova.0 + 1),
+            });
+        }
+        self.translate_at(snap, iova, len, access)
+    }
+
     /// [`DmaSpace::translate`] in `snap`, a snapshot the caller holds (a view's), without
     /// waiting for an invalidated host address: EBUSY at once.
     ///
@@ -580,6 +611,7 @@ impl DmaSpace {
             space: self.clone(),
             snapshot,
             hit: Hit::NONE,
+            hit_before: Hit::NONE,
             region: Region::NONE,
         }
     }
@@ -638,6 +670,8 @@ pub struct DmaCursor {
     /// Whether `read` / `write` may copy from the snapshot ([`DmaSpace::copies_allowed`]).
     copies: bool,
     hit: Hit,
+    /// The hit before `hit`, which a request's walk asks too ([`DmaCursor::hit_answer`]).
+    hit_before: Hit,
     /// The page table's part over the 8 GiB region of the last miss, from `snapshot`: a miss
     /// in it walks two levels, not four.
     region: Region,
@@ -715,6 +749,40 @@ impl DmaCursor {
         self.translate_slow(iova, len, access)
     }
 
+    /// Makes `found`, a mapping of the cursor's snapshot with a host address, the last hit;
+    /// the last one becomes the one before.
+    #[inline(always)]
+    pub(super) fn remember(&mut self, found: &Found) {
+        self.hit_before = self.hit;
+        self.hit = Hit {
+            start: found.start,
+            last: found.last,
+            delta: found.hot.delta(),
+            prot: found.hot.prot().0 | if found.hot.dirty() { Hit::DIRTY } else { 0 },
+            pos: found.pos,
+        };
+    }
+
+    /// The host address of `[iova, iova + len)` if it lies whole in the last hit or the one
+    /// before, which allows `need` (not empty) and logs no dirty pages; for a caller that has
+    /// refreshed the cursor. Length 0 and a wrapping range never answer. Two, because a block
+    /// request's header and status byte lie in one mapping (the driver's request memory) and
+    /// its data in another (the buffer's).
+    #[inline(always)]
+    pub(super) fn hit_answer(&self, iova: u64, len: u64, need: Prot) -> Option<u64> {
+        let answers = |h: &Hit| {
+            (iova.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
+                & (len.wrapping_sub(1) <= h.last.wrapping_sub(iova))
+                & (h.prot & need.0 == need.0)
+                & (need != Prot::default())
+                & (h.prot & Hit::DIRTY == 0)
+        };
+        if answers(&self.hit) {
+            return Some(iova.wrapping_add(self.hit.delta));
+        }
+        answers(&self.hit_before).then(|| iova.wrapping_add(self.hit_before.delta))
+    }
+
     /// The page-table word for `iova` in the cursor's snapshot, through the cursor's region
     /// (two levels), which becomes `iova`'s if it did not hold it.
     #[inline(always)]
@@ -752,13 +820,7 @@ impl DmaCursor {
             Err(Error::Busy { .. }) => return self.space.translate(iova, len, access),
             Err(e) => return Err(e),
         };
-        self.hit = Hit {
-            start: found.start,
-            last: found.last,
-            delta: found.hot.delta(),
-            prot: found.hot.prot().0 | if found.hot.dirty() { Hit::DIRTY } else { 0 },
-            pos: found.pos,
-        };
+        self.remember(&found);
         let n = len.min(found.last - iova.0 + 1);
         if access == Prot::WRITE && found.hot.dirty() {
             let m = self.snapshot.map.get(found.pos).3;
@@ -785,6 +847,7 @@ impl DmaCursor {
         self.generation = self.snapshot.generation;
         self.copies = self.space.copies_allowed(&self.snapshot);
         self.hit = Hit::NONE;
+        self.hit_before = Hit::NONE;
         self.region = Region::NONE;
     }
 

@@ -112,7 +112,7 @@ impl DmaMemory {
     fn translate(&self, iova: u64, len: u64, access: Prot) -> crate::Result<super::Translation> {
         let r = self
             .space
-            .translate_at(&self.snapshot, Iova(iova), len, access);
+            .translate_held(&self.snapshot, Iova(iova), len, access);
         if let Err(Error::Fault { addr, .. }) = &r {
             let mut m = self.miss.lock().unwrap_or_else(|e| e.into_inner());
             m.get_or_insert(Miss {
