@@ -23,6 +23,13 @@
 //! vhost-user back end does). A view kept past an unmap would still read the old memory, which a
 //! device must not touch once the unmap is answered.
 //!
+//! **Repeated accesses.** A ring pass reads the same few pages over and over (the rings, the
+//! descriptor table, the request headers), so each access first asks the mapping its thread hit
+//! last, as [`DmaSpace::translate`] does, but checked against the generation of the view's own
+//! snapshot: a hit taken in that snapshot names a mapping the view keeps mapped. Only where that
+//! fails does it read the page table or, for addresses the table does not cover (libblkio's are
+//! its own process addresses, above the table's 512 GiB), search the sorted index.
+//!
 //! **Misses.** A translation that fails because nothing is mapped (EFAULT,
 //! [`crate::Error::Fault`]) is a miss an IOTLB can fill: the view remembers the first one
 //! ([`DmaMemory::take_miss`]) before failing the access with
