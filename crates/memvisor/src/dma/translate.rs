@@ -67,6 +67,31 @@ struct LastHit {
     copies: bool,
 }
 
+impl LastHit {
+    /// The translation of `[iova, iova + len)` for `access` if this hit answers it in space
+    /// `space` at `generation`. The conditions are joined without short-circuits: the outcome
+    /// is one branch, as in the cursor.
+    #[inline(always)]
+    fn answer(
+        self,
+        space: u64,
+        generation: u64,
+        iova: Iova,
+        len: u64,
+        access: Prot,
+    ) -> Option<Translation> {
+        let hits = (self.space == space)
+            & (self.generation == generation)
+            & (iova.0.wrapping_sub(self.start) <= self.last.wrapping_sub(self.start))
+            & (self.prot & access.0 == access.0)
+            & (len != 0);
+        hits.then(|| Translation {
+            hva: Hva(iova.0.wrapping_add(self.delta)),
+            len: len.min(self.last - iova.0 + 1),
+        })
+    }
+}
+
 thread_local! {
     /// Space id 0 is never given out, so the initial value never hits.
     static LAST_HIT: Cell<LastHit> = const {
@@ -404,21 +429,15 @@ impl DmaSpace {
     /// is the caller's to keep valid (a [`DmaCursor`] holds its snapshot instead).
     #[inline]
     pub fn translate(&self, iova: Iova, len: u64, access: Prot) -> Result<Translation> {
-        let h = LAST_HIT.with(Cell::get);
         let head = &self.shared.head.0;
-        // As in the cursor: the conditions joined without short-circuits, one branch.
-        if (h.space == head.id)
-            & (h.generation == head.generation.load(Ordering::Acquire))
-            & (iova.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
-            & (h.prot & access.0 == access.0)
-            & (len != 0)
+        let generation = head.generation.load(Ordering::Acquire);
+        match LAST_HIT
+            .with(Cell::get)
+            .answer(head.id, generation, iova, len, access)
         {
-            return Ok(Translation {
-                hva: Hva(iova.0.wrapping_add(h.delta)),
-                len: len.min(h.last - iova.0 + 1),
-            });
+            Some(t) => Ok(t),
+            None => self.translate_slow(iova, len, access),
         }
-        self.translate_slow(iova, len, access)
     }
 
     /// A plain translation the thread's last hit does not answer: one try on the current
@@ -460,20 +479,14 @@ impl DmaSpace {
         len: u64,
         access: Prot,
     ) -> Result<Translation> {
-        let h = LAST_HIT.with(Cell::get);
-        // As in `translate`: the conditions joined without short-circuits, one branch.
-        if (h.space == self.shared.head.0.id)
-            & (h.generation == snap.generation)
-            & (iova.0.wrapping_sub(h.start) <= h.last.wrapping_sub(h.start))
-            & (h.prot & access.0 == access.0)
-            & (len != 0)
+        let space = self.shared.head.0.id;
+        match LAST_HIT
+            .with(Cell::get)
+            .answer(space, snap.generation, iova, len, access)
         {
-            return Ok(Translation {
-                hva: Hva(iova.0.wrapping_add(h.delta)),
-                len: len.min(h.last - iova.0 + 1),
-            });
+            Some(t) => Ok(t),
+            None => self.translate_at(snap, iova, len, access),
         }
-        self.translate_at(snap, iova, len, access)
     }
 
     /// [`DmaSpace::translate`] in `snap`, a snapshot the caller holds (a view's), without
