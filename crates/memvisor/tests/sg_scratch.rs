@@ -9,7 +9,7 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use memvisor::dma::{SgBuf, SgGuard, SgScratch, SgWalk};
-use memvisor::{Backing, BackingKind, DmaConfig, DmaSpace, Iova, Prot};
+use memvisor::{Backing, BackingKind, DmaConfig, DmaCursor, DmaSpace, Iova, Prot};
 
 const PAGE: u64 = 4096;
 const MIB: u64 = 1 << 20;
@@ -184,6 +184,34 @@ fn a_thousand_requests_allocate_nothing_after_warm_up() {
     );
 }
 
+/// The checks after a hit in the read-only mapping at `ro`, of `len` bytes, with a writable
+/// mapping right after it in IOVA and apart on the host: a read there makes it the hit and a
+/// second read is answered as the space answers it; a write there is refused (EPERM); a read
+/// from it into the next mapping gets two segments, the second on the next mapping's memory.
+fn read_only_hit(d: &DmaSpace, cursor: &mut DmaCursor, scratch: &mut SgScratch, ro: u64, len: u64) {
+    let buf = |iova: u64, len: u64, prot: Prot| SgBuf {
+        iova: Iova(iova),
+        len,
+        prot,
+    };
+    let read = [buf(ro, 16, Prot::READ), buf(ro + 64, 16, Prot::READ)];
+    cursor.translate_sg_into(&read, scratch).unwrap();
+    let want = d.translate_sg(Iova(ro + 64), 16, Prot::READ).unwrap();
+    assert_eq!(scratch.buffer(1), want, "a second buffer in the hit");
+    let write = [buf(ro, 16, Prot::READ), buf(ro + 8, 8, Prot::WRITE)];
+    let err = cursor.translate_sg_into(&write, scratch).unwrap_err();
+    assert_eq!(
+        err.errno(),
+        libc::EPERM,
+        "a write in the read-only hit: {err}"
+    );
+    let across = [buf(ro, 16, Prot::READ), buf(ro + len - 8, 16, Prot::READ)];
+    cursor.translate_sg_into(&across, scratch).unwrap();
+    let want = d.translate_sg(Iova(ro + len - 8), 16, Prot::READ).unwrap();
+    assert_eq!(want.len(), 2, "the two mappings are apart on the host");
+    assert_eq!(scratch.buffer(1), &want[..], "a buffer past the hit's end");
+}
+
 /// A cursor's `translate_sg_into` after the cursor hit a mapping: a write in a read-only
 /// mapping is refused (EPERM), a buffer that runs past the mapping's end takes the next
 /// mapping's host page (or fails where nothing is mapped), a buffer that asks for no access
@@ -213,25 +241,7 @@ fn translate_sg_into_checks_each_buffer_whatever_the_cursor_hit_last() {
     };
     let mut cursor = d.cursor();
     let mut scratch = SgScratch::for_queue(0);
-    // A read in the read-only page makes it the hit; a write there is still refused (EPERM).
-    let read = [buf(ro, 16, Prot::READ), buf(ro + 64, 16, Prot::READ)];
-    cursor.translate_sg_into(&read, &mut scratch).unwrap();
-    let want = d.translate_sg(Iova(ro + 64), 16, Prot::READ).unwrap();
-    assert_eq!(scratch.buffer(1), want, "a second buffer in the hit");
-    let write = [buf(ro, 16, Prot::READ), buf(ro + 8, 8, Prot::WRITE)];
-    let err = cursor.translate_sg_into(&write, &mut scratch).unwrap_err();
-    assert_eq!(
-        err.errno(),
-        libc::EPERM,
-        "a write in the read-only hit: {err}"
-    );
-    // A read that starts in the hit and runs into the next mapping: two segments, the second
-    // on the other mapping's host page, not the hit's page extended.
-    let across = [buf(ro, 16, Prot::READ), buf(ro + PAGE - 8, 16, Prot::READ)];
-    cursor.translate_sg_into(&across, &mut scratch).unwrap();
-    let want = d.translate_sg(Iova(ro + PAGE - 8), 16, Prot::READ).unwrap();
-    assert_eq!(want.len(), 2, "the two pages are apart on the host");
-    assert_eq!(scratch.buffer(1), &want[..], "a buffer past the hit's end");
+    read_only_hit(&d, &mut cursor, &mut scratch, ro, PAGE);
     // In guest RAM (the page table's huge words answer there): a buffer that asks for no
     // access is refused (EINVAL), an empty one has no segment, and one that runs past the
     // mapping's end is refused (EFAULT) rather than answered from its granule.
@@ -299,29 +309,7 @@ fn translate_sg_into_above_the_page_table_answers_from_its_last_two_mappings_alo
         let want = d.translate_sg(r.iova, r.len, r.prot).unwrap();
         assert_eq!(scratch.buffer(i), &want[..], "buffer {i} of the request");
     }
-    // A read in the read-only mapping makes it the hit; a write there is still refused.
-    let read = [buf(high, 16, Prot::READ), buf(high + 64, 16, Prot::READ)];
-    cursor.translate_sg_into(&read, &mut scratch).unwrap();
-    let want = d.translate_sg(Iova(high + 64), 16, Prot::READ).unwrap();
-    assert_eq!(scratch.buffer(1), want, "a second buffer in the hit");
-    let write = [buf(high, 16, Prot::READ), buf(high + 8, 8, Prot::WRITE)];
-    let err = cursor.translate_sg_into(&write, &mut scratch).unwrap_err();
-    assert_eq!(
-        err.errno(),
-        libc::EPERM,
-        "a write in the read-only hit: {err}"
-    );
-    // From the hit into the next mapping: two segments, on the next mapping's host memory.
-    let across = [
-        buf(high, 16, Prot::READ),
-        buf(high + 4 * PAGE - 8, 16, Prot::READ),
-    ];
-    cursor.translate_sg_into(&across, &mut scratch).unwrap();
-    let want = d
-        .translate_sg(Iova(high + 4 * PAGE - 8), 16, Prot::READ)
-        .unwrap();
-    assert_eq!(want.len(), 2, "the two mappings are apart on the host");
-    assert_eq!(scratch.buffer(1), &want[..], "a buffer past the hit's end");
+    read_only_hit(&d, &mut cursor, &mut scratch, high, 4 * PAGE);
     // Inside the hit: no access asked is refused, an empty buffer has no segment, and a buffer
     // past the mapping's end is refused.
     let hit_big = [buf(big, 8, Prot::READ)];
