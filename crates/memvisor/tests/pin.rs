@@ -380,7 +380,17 @@ fn pin_pages_nests_per_page_in_every_grouping() {
 #[test]
 fn unmap_asks_devices_to_unpin_and_is_busy_when_they_do_not() {
     let b = mem(16);
-    let (d, registry) = space(PinMode::Lazy, LockLimit::Unlimited);
+    // The space asks again after 1 ms, then 2, 4, ... until `unpin_wait`. The 5 ms of the
+    // other tests' spaces let a loaded machine (a build beside the tests) reach the bound
+    // before the second ask, and "asked again" failed; 100 ms leaves room for several.
+    let registry = PinRegistry::new(LockLimit::Unlimited);
+    let d = DmaSpace::new(DmaConfig {
+        pin_mode: PinMode::Lazy,
+        registry: Some(registry.clone()),
+        unpin_wait: std::time::Duration::from_millis(100),
+        ..DmaConfig::default()
+    })
+    .unwrap();
     d.map_backing(Iova(0x10_0000), &b, 0, 8 * PAGE, Prot::RW)
         .unwrap();
     d.map_backing(Iova(0x20_0000), &b, 8 * PAGE, 8 * PAGE, Prot::RW)
