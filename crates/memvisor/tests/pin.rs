@@ -26,11 +26,20 @@ fn mem(pages: u64) -> Arc<Backing> {
 /// A space with a registry of its own (tests run in parallel over separate memory). Pins that
 /// devices keep fail an unmap after 5 ms, not the default second.
 fn space(mode: PinMode, limit: LockLimit) -> (DmaSpace, Arc<PinRegistry>) {
+    space_waiting(mode, limit, std::time::Duration::from_millis(5))
+}
+
+/// [`space`] whose unmaps wait `unpin_wait` for devices to let their pins go.
+fn space_waiting(
+    mode: PinMode,
+    limit: LockLimit,
+    unpin_wait: std::time::Duration,
+) -> (DmaSpace, Arc<PinRegistry>) {
     let registry = PinRegistry::new(limit);
     let d = DmaSpace::new(DmaConfig {
         pin_mode: mode,
         registry: Some(registry.clone()),
-        unpin_wait: std::time::Duration::from_millis(5),
+        unpin_wait,
         ..DmaConfig::default()
     })
     .unwrap();
@@ -383,14 +392,8 @@ fn unmap_asks_devices_to_unpin_and_is_busy_when_they_do_not() {
     // The space asks again after 1 ms, then 2, 4, ... until `unpin_wait`. The 5 ms of the
     // other tests' spaces let a loaded machine (a build beside the tests) reach the bound
     // before the second ask, and "asked again" failed; 100 ms leaves room for several.
-    let registry = PinRegistry::new(LockLimit::Unlimited);
-    let d = DmaSpace::new(DmaConfig {
-        pin_mode: PinMode::Lazy,
-        registry: Some(registry.clone()),
-        unpin_wait: std::time::Duration::from_millis(100),
-        ..DmaConfig::default()
-    })
-    .unwrap();
+    let wait = std::time::Duration::from_millis(100);
+    let (d, registry) = space_waiting(PinMode::Lazy, LockLimit::Unlimited, wait);
     d.map_backing(Iova(0x10_0000), &b, 0, 8 * PAGE, Prot::RW)
         .unwrap();
     d.map_backing(Iova(0x20_0000), &b, 8 * PAGE, 8 * PAGE, Prot::RW)

@@ -14,6 +14,15 @@ use memvisor::{Backing, BackingKind, DmaConfig, DmaCursor, DmaSpace, Iova, Prot}
 const PAGE: u64 = 4096;
 const MIB: u64 = 1 << 20;
 
+/// A buffer of `len` bytes at `iova` that the device accesses as `prot`.
+fn buf(iova: u64, len: u64, prot: Prot) -> SgBuf {
+    SgBuf {
+        iova: Iova(iova),
+        len,
+        prot,
+    }
+}
+
 /// The system allocator, counting the allocations of threads that turned counting on.
 struct Counting;
 
@@ -78,11 +87,6 @@ fn request(i: u64, out: &mut Vec<SgBuf>) {
     out.clear();
     let small = |k: u64| (1 << 30) + 2 * (k % 64) * PAGE;
     let big = 16 * MIB + (i * 7919 % 2040) * PAGE;
-    let buf = |iova: u64, len: u64, prot: Prot| SgBuf {
-        iova: Iova(iova),
-        len,
-        prot,
-    };
     out.push(buf(small(i), 16, Prot::READ));
     out.push(buf(big, 4 * PAGE, Prot::WRITE));
     if i % 3 == 0 {
@@ -189,11 +193,6 @@ fn a_thousand_requests_allocate_nothing_after_warm_up() {
 /// second read is answered as the space answers it; a write there is refused (EPERM); a read
 /// from it into the next mapping gets two segments, the second on the next mapping's memory.
 fn read_only_hit(d: &DmaSpace, cursor: &mut DmaCursor, scratch: &mut SgScratch, ro: u64, len: u64) {
-    let buf = |iova: u64, len: u64, prot: Prot| SgBuf {
-        iova: Iova(iova),
-        len,
-        prot,
-    };
     let read = [buf(ro, 16, Prot::READ), buf(ro + 64, 16, Prot::READ)];
     cursor.translate_sg_into(&read, scratch).unwrap();
     let want = d.translate_sg(Iova(ro + 64), 16, Prot::READ).unwrap();
@@ -234,11 +233,6 @@ fn translate_sg_into_checks_each_buffer_whatever_the_cursor_hit_last() {
     let big = 16 * MIB;
     d.map_backing(Iova(big), &b, 8 * MIB, 8 * MIB, Prot::RW)
         .unwrap();
-    let buf = |iova: u64, len: u64, prot: Prot| SgBuf {
-        iova: Iova(iova),
-        len,
-        prot,
-    };
     let mut cursor = d.cursor();
     let mut scratch = SgScratch::for_queue(0);
     read_only_hit(&d, &mut cursor, &mut scratch, ro, PAGE);
@@ -291,11 +285,6 @@ fn translate_sg_into_above_the_page_table_answers_from_its_last_two_mappings_alo
     let big = high + 4 * MIB;
     d.map_backing(Iova(big), &b, 8 * MIB, 6 * MIB, Prot::RW)
         .unwrap();
-    let buf = |iova: u64, len: u64, prot: Prot| SgBuf {
-        iova: Iova(iova),
-        len,
-        prot,
-    };
     let mut cursor = d.cursor();
     let mut scratch = SgScratch::for_queue(0);
     // A request's shape: header, data, status; header and status in one mapping.
