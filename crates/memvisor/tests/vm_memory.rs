@@ -528,6 +528,57 @@ fn the_device_view_translates_checks_and_remembers_misses() {
 }
 
 #[test]
+fn a_views_read_value_reads_what_read_obj_reads_with_memvisors_errors() {
+    const IO: u64 = 0x1_0000_0000;
+    let table = slots([SlotFlags::NONE; 3]);
+    let snap = table.snapshot();
+    let dma = DmaSpace::new(DmaConfig::default()).unwrap();
+    dma.map_guest(Iova(IO), &snap, Gpa(0), 64 * KIB, Prot::READ)
+        .unwrap();
+    dma.map_guest(
+        Iova(IO + 64 * KIB),
+        &snap,
+        Gpa(256 * KIB),
+        64 * KIB,
+        Prot::RW,
+    )
+    .unwrap();
+    table.write(Gpa(0x40), &pattern(16, 3)).unwrap();
+    table.write(Gpa(64 * KIB - 8), &pattern(8, 9)).unwrap();
+    table.write(Gpa(256 * KIB), &pattern(8, 11)).unwrap();
+    let view = dma.memory();
+    for at in [IO + 0x40, IO + 0x41, IO + 64 * KIB - 8, IO + 64 * KIB - 3] {
+        // `at + 64 KiB - 3` lies across the two mappings: two guest pages far apart.
+        let want = view.read_obj::<u128>(GuestAddress(at)).unwrap();
+        assert_eq!(view.read_value::<u128>(Iova(at)).unwrap(), want, "{at:#x}");
+        let want = view.read_obj::<u16>(GuestAddress(at)).unwrap();
+        assert_eq!(view.read_value::<u16>(Iova(at)).unwrap(), want, "{at:#x}");
+    }
+    assert_eq!(
+        view.read_value::<u64>(Iova(IO + 0x40)).unwrap(),
+        u64::from_le_bytes(pattern(8, 3).try_into().unwrap())
+    );
+    // Off the end: EFAULT, and the miss is the first unmapped byte.
+    let end = IO + 128 * KIB;
+    let e = view.read_value::<u64>(Iova(end - 4)).unwrap_err();
+    assert_eq!(e.errno(), libc::EFAULT, "{e}");
+    let miss = view.take_miss().unwrap();
+    assert_eq!((miss.iova, miss.access), (Iova(end), Prot::READ));
+    // A range past the top of the address space: EINVAL naming it, no miss.
+    let e = view.read_value::<u64>(Iova(u64::MAX - 3)).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    assert!(e.to_string().contains("0xfffffffffffffffc"), "{e}");
+    assert_eq!(view.take_miss(), None);
+    // The view keeps its snapshot: what it read stays readable there after an unmap.
+    dma.unmap(Iova(IO), 64 * KIB).unwrap();
+    assert_eq!(
+        view.read_value::<u64>(Iova(IO + 0x40)).unwrap(),
+        u64::from_le_bytes(pattern(8, 3).try_into().unwrap())
+    );
+    assert!(dma.memory().read_value::<u64>(Iova(IO + 0x40)).is_err());
+}
+
+#[test]
 fn writes_through_the_device_view_are_device_writes_for_the_dirty_log() {
     let table = slots([SlotFlags::NONE; 3]);
     let dma = identity_space(&table);

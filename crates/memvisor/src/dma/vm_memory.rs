@@ -115,6 +115,41 @@ impl DmaMemory {
         Ok(())
     }
 
+    /// Reads a `T` at `iova` in the view's snapshot, as a device reads it: translated like every
+    /// access of the view (its thread's last hit first), a miss remembered, and the bytes copied
+    /// with [`crate::copy`]'s device copies (a racing guest write leaves any mix of old and new
+    /// bytes, never undefined behaviour). What vm-memory's `Bytes::read_obj` does through
+    /// [`GuestMemory::get_slices`], without its slice iterator and error chain around each
+    /// piece: reading a split ring's 16-byte descriptor this way costs a translation and one
+    /// copy. Errors as [`DmaMemory::check`] for READ: EFAULT where nothing is mapped (a miss),
+    /// EPERM where a mapping does not allow READ, EINVAL where the range wraps.
+    #[inline]
+    pub fn read_value<T: ::vm_memory::ByteValued>(&self, iova: Iova) -> crate::Result<T> {
+        let mut value = T::zeroed();
+        let bytes = value.as_mut_slice();
+        let len = bytes.len() as u64;
+        let end = iova.0.checked_add(len).ok_or(Error::RangeWraps {
+            what: "view read",
+            start: iova.0,
+            len,
+        })?;
+        let (mut at, mut done) = (iova.0, 0usize);
+        while at < end {
+            let t = self.translate(at, end - at, Prot::READ)?;
+            let n = t.len as usize;
+            // SAFETY: the translation is of the view's snapshot, which the view holds while
+            // `self` is borrowed: its `t.len` bytes at `t.hva` stay mapped and readable for the
+            // copy, and they are guest memory, never `value` (a local). `t.len` is at most
+            // `end - at`, so the copy stays inside `bytes`.
+            unsafe {
+                crate::copy::from_guest(t.hva.0 as usize as *const u8, &mut bytes[done..done + n])
+            };
+            done += n;
+            at += t.len;
+        }
+        Ok(value)
+    }
+
     /// One translation in the view's snapshot, remembering a miss.
     fn translate(&self, iova: u64, len: u64, access: Prot) -> crate::Result<super::Translation> {
         let r = self
