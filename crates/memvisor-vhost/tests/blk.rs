@@ -186,6 +186,89 @@ fn a_data_buffer_past_the_top_of_the_address_space_is_refused() {
     assert_eq!(backend.device().stats().failed, 1);
 }
 
+/// Every chain is read by the ring's own walker: a malformed one, as a hostile or broken driver
+/// may post, fails alone. Its head comes back with nothing written, no status byte is written
+/// (a malformed chain's last byte is not to be trusted), the failure is counted, and the next
+/// request on the ring is served.
+#[test]
+fn malformed_chains_fail_alone_and_the_ring_goes_on() {
+    use memvisor_testkit::guest_ring::{Desc, VRING_DESC_F_NEXT as NEXT, VRING_DESC_F_WRITE};
+    const INDIRECT: u16 = 4;
+    const TABLE: u64 = 0x90000;
+    let d = |addr, len, flags, next| Desc {
+        addr,
+        len,
+        flags,
+        next,
+    };
+    let disk = image(MIB);
+    disk.write_all_at(&[0x3c; 512], 0).unwrap();
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk, BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    // An indirect table whose second entry names another indirect table.
+    for (k, e) in [d(HDR, 16, NEXT, 1), d(TABLE, 32, INDIRECT, 0)]
+        .iter()
+        .enumerate()
+    {
+        let mut raw = [0u8; 16];
+        raw[..8].copy_from_slice(&e.addr.to_le_bytes());
+        raw[8..12].copy_from_slice(&e.len.to_le_bytes());
+        raw[12..14].copy_from_slice(&e.flags.to_le_bytes());
+        raw[14..].copy_from_slice(&e.next.to_le_bytes());
+        g.mem.write(Gpa(TABLE + 16 * k as u64), &raw).unwrap();
+    }
+    let cases = [
+        (
+            "a loop",
+            vec![0, 1],
+            vec![
+                d(HDR, 16, NEXT, 1),
+                d(STATUS, 1, VRING_DESC_F_WRITE | NEXT, 0),
+            ],
+        ),
+        (
+            "a next past the table",
+            vec![0],
+            vec![d(HDR, 16, NEXT, RING_SIZE + 3)],
+        ),
+        (
+            "an indirect table of 20 bytes",
+            vec![0],
+            vec![d(TABLE, 20, INDIRECT, 0)],
+        ),
+        (
+            "an indirect table inside one",
+            vec![0],
+            vec![d(TABLE, 32, INDIRECT, 0)],
+        ),
+        (
+            "an indirect table past guest memory",
+            vec![0],
+            vec![d(64 * MIB, 48, INDIRECT, 0)],
+        ),
+    ];
+    let n = cases.len() as u64;
+    for (what, ids, descs) in cases {
+        header(&g, 0, 0);
+        let head = g.ring.add_raw(&ids, &descs).unwrap();
+        g.ring.publish(head).unwrap();
+        g.kick();
+        assert_eq!(
+            g.wait_used(),
+            (head, 0),
+            "{what}: returned, nothing written"
+        );
+        assert_eq!(status(&g), 0xff, "{what}: no status byte written");
+        let next = request(&mut g, 0, 0, &[(DATA, 512, true)]);
+        assert_eq!(next, (0, 513), "{what}: the next request is served");
+    }
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats().failed, n);
+    assert_eq!(backend.device().stats().reads, n);
+}
+
 #[test]
 fn every_queue_of_a_multiqueue_device_serves_requests() {
     let disk = image(MIB);

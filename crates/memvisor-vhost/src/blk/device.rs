@@ -8,9 +8,7 @@ use std::time::Instant;
 use memvisor::dma::{DmaCursor, Miss, SgBuf, SgGuard, SgWalk};
 use memvisor::{DmaSpace, Prot};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
-use virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT;
-use virtio_queue::{QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress};
+use virtio_queue::QueueOwnedT;
 
 use super::fixed::Claim;
 use super::io::{Pages, Ready, ns_between};
@@ -382,26 +380,8 @@ impl Blk {
             // Heads a back end before this one left in flight come first (the driver kicked
             // for them long ago), then the available ring.
             let redo = queue.resubmit();
-            let (head, indirect, cut) = match redo {
-                Some(head) => match queue.chain(&mem, head) {
-                    Ok((got, indirect)) => {
-                        *bufs = got;
-                        (head, indirect, mem.take_miss())
-                    }
-                    Err(e) => {
-                        if let (true, Some(m)) = (ask, mem.take_miss()) {
-                            queue.resubmit_later(head);
-                            return Ok(Some(vec![m]));
-                        }
-                        self.count(index).failed.add(1);
-                        log::warn!("blk: queue {index}: request {head} left in flight: {e}");
-                        if let Err(e) = queue.add_used(&mem, head, 0) {
-                            log::warn!("blk: queue {index}: cannot return head {head}: {e}");
-                        }
-                        *any = true;
-                        continue;
-                    }
-                },
+            let head = match redo {
+                Some(head) => head,
                 None => {
                     let chain = match queue.iter(&mem) {
                         Ok(mut avail) => avail.next(),
@@ -424,21 +404,37 @@ impl Blk {
                         }
                         break;
                     };
-                    let head = chain.head_index();
-                    let flags_at = queue.desc_table() + 16 * u64::from(head) + 12;
-                    let indirect = mem
-                        .read_obj::<u16>(GuestAddress(flags_at))
-                        .is_ok_and(|f| u32::from(f) & VRING_DESC_F_INDIRECT != 0);
-                    bufs.clear();
-                    bufs.extend(chain.map(|d| Buf {
-                        addr: d.addr().0,
-                        len: d.len(),
-                        write: d.is_write_only(),
-                    }));
-                    // virtio-queue ends a chain at a descriptor it cannot read: a miss in the
-                    // table (or an indirect table) cut it short.
-                    (head, indirect, mem.take_miss())
+                    // Only the head is taken from virtio-queue: the chain is read by the ring's
+                    // own walker, for new heads and redone ones alike.
+                    chain.head_index()
                 }
+            };
+            let (indirect, cut) = match queue.chain(&mem, head, bufs) {
+                Ok(indirect) => (indirect, None),
+                Err(e) => match mem.take_miss() {
+                    // A descriptor behind a vIOMMU not in the IOTLB: put the chain back and ask.
+                    Some(m) if ask => {
+                        match redo {
+                            Some(head) => queue.resubmit_later(head),
+                            None => queue.go_to_previous_position(),
+                        }
+                        return Ok(Some(vec![m]));
+                    }
+                    // Cut short by a miss with no one to ask: failed below, with no status.
+                    Some(m) => (false, Some(m)),
+                    None => {
+                        if redo.is_none() {
+                            queue.taken(head);
+                        }
+                        self.count(index).failed.add(1);
+                        log::warn!("blk: queue {index}: request {head} not served: {e}");
+                        if let Err(e) = queue.add_used(&mem, head, 0) {
+                            log::warn!("blk: queue {index}: cannot return head {head}: {e}");
+                        }
+                        *any = true;
+                        continue;
+                    }
+                },
             };
             // One walk of the device space per request: it holds the buffers' pages and
             // finds their host addresses, or finds what is not mapped. Behind a vIOMMU every
