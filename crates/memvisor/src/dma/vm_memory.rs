@@ -117,7 +117,7 @@ impl DmaMemory {
 
     /// Reads a `T` at `iova` in the view's snapshot, as a device reads it: translated like every
     /// access of the view (its thread's last hit first), a miss remembered, and the bytes copied
-    /// with [`crate::copy`]'s device copies (a racing guest write leaves any mix of old and new
+    /// with memvisor's device copies (a racing guest write leaves any mix of old and new
     /// bytes, never undefined behaviour). What vm-memory's `Bytes::read_obj` does through
     /// [`GuestMemory::get_slices`], without its slice iterator and error chain around each
     /// piece: reading a split ring's 16-byte descriptor this way costs a translation and one
