@@ -95,9 +95,11 @@ pub enum Error {
     /// An IOTLB message of an unknown type or permission, or not in whole pages (EINVAL).
     #[error("{0}")]
     BadIotlb(String),
-    /// A descriptor chain the device refuses (no readable header, a buffer in the wrong
-    /// direction, sectors past the disk's end, a loop): that request fails with an error
-    /// status on its ring, the ring goes on (EINVAL).
+    /// A descriptor chain the device refuses: one it cannot walk (a loop, a `next` past its
+    /// table, an indirect table inside another), which goes back with nothing written and no
+    /// status, or one whose request it refuses (no readable header, a buffer in the wrong
+    /// direction, sectors past the disk's end), which fails with an error status. Either way
+    /// only that request fails and the ring goes on (EINVAL).
     #[error("{0}")]
     BadChain(String),
     /// A descriptor whose table entry is in no guest memory the device can read (EFAULT).

@@ -416,17 +416,18 @@ impl Ring {
     /// killed after publishing several heads at once would have its successor — ours or
     /// another implementation — redo heads the driver already had back. A head that cannot be
     /// returned (out of range, its element unwritable) is handed to `failed` and the rest go
-    /// on. Ask [`Ring::needs_notification`] once after the batch.
-    pub fn add_used_batch<M: GuestMemory>(
+    /// on. Each element is one [`DmaMemory::write_value`] (a device write: its page is marked
+    /// dirty while the space logs them). Ask [`Ring::needs_notification`] once after the batch.
+    pub fn add_used_batch(
         &mut self,
-        mem: &M,
+        mem: &DmaMemory,
         used: impl IntoIterator<Item = (u16, u32)>,
-        mut failed: impl FnMut(u16, virtio_queue::Error),
+        mut failed: impl FnMut(u16, Error),
     ) {
         if self.inflight.is_some() {
             for (head, len) in used {
                 if let Err(e) = self.add_used(mem, head, len) {
-                    failed(head, e);
+                    failed(head, Error::BadRing(e.to_string()));
                 }
             }
             return;
@@ -438,19 +439,23 @@ impl Ring {
         let mut last = None;
         for (head, len) in used {
             if head >= size {
-                failed(head, virtio_queue::Error::InvalidDescriptorIndex);
+                failed(
+                    head,
+                    Error::BadRing(format!("head {head} past the ring's {size} descriptors")),
+                );
                 continue;
             }
             // The used ring: flags, idx, then 8-byte elements (id: le32, len: le32).
             let Some(at) = ring.checked_add(4 + 8 * u64::from(next % size)) else {
-                failed(head, virtio_queue::Error::AddressOverflow);
+                failed(
+                    head,
+                    Error::BadRing(format!("used ring at {ring:#x} past the address space")),
+                );
                 continue;
             };
-            let mut element = [0u8; 8];
-            element[..4].copy_from_slice(&u32::from(head).to_le_bytes());
-            element[4..].copy_from_slice(&len.to_le_bytes());
-            if let Err(e) = mem.write_slice(&element, GuestAddress(at)) {
-                failed(head, virtio_queue::Error::GuestMemory(e));
+            let element = u64::from(head) | u64::from(len) << 32;
+            if let Err(e) = mem.write_value(Iova(at), element.to_le()) {
+                failed(head, e.into());
                 continue;
             }
             next = next.wrapping_add(1);
@@ -472,7 +477,7 @@ impl Ring {
                 self.queue.set_next_used(next);
             }
             // Nothing was published: the ring is unusable (its next pass says so).
-            Err(e) => failed(last, e),
+            Err(e) => failed(last, Error::BadRing(e.to_string())),
         }
     }
 

@@ -11,7 +11,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use common::*;
-use memvisor::{Gpa, SlotMemory};
+use memvisor::{DmaConfig, DmaMemory, DmaSpace, Gpa, Iova, Prot, SlotMemory};
 use memvisor_vhost::ring::InflightRegion;
 use memvisor_vhost::{Blk, BlkOptions, Ring};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -193,14 +193,18 @@ fn a_polling_worker_whose_queue_goes_quiet_sleeps() {
     let _ = t.join().unwrap();
 }
 
+/// The guest's memory as a device sees it without an IOMMU (device address = guest physical):
+/// the view a back end reads and writes its rings through.
+fn device_view(g: &Guest) -> DmaMemory {
+    let dma = DmaSpace::new(DmaConfig::default()).unwrap();
+    dma.map_guest(Iova(0), &g.mem.snapshot(), Gpa(0), g.size, Prot::RW)
+        .unwrap();
+    dma.memory()
+}
+
 /// A ring of the guest's, served by a `Ring` with event indexes, and `n` chains of one
 /// buffer each made available and taken by the device; returns the ring and the heads.
-fn taken(
-    g: &mut Guest,
-    mem: &SlotMemory,
-    n: u16,
-    log: Option<&InflightRegion>,
-) -> (Ring, Vec<u16>) {
+fn taken(g: &mut Guest, mem: &DmaMemory, n: u16, log: Option<&InflightRegion>) -> (Ring, Vec<u16>) {
     let mut q = Queue::new(RING_SIZE).unwrap();
     g.ring.configure(&mut q);
     q.set_event_idx(true);
@@ -230,7 +234,7 @@ fn taken(
 fn a_batch_of_completions_is_published_by_one_index_store_and_asks_for_one_interrupt() {
     let n = 8;
     let mut g = Guest::new(MIB);
-    let mem = SlotMemory::from_table(&g.mem);
+    let mem = device_view(&g);
     let (mut ring, heads) = taken(&mut g, &mem, n, None);
     // The driver wants an interrupt once the first chain is back.
     g.ring.set_used_event(0).unwrap();
@@ -288,7 +292,7 @@ fn with_an_inflight_log_a_batch_goes_back_one_logged_chain_at_a_time() {
     use std::os::unix::fs::FileExt;
     let n = 4;
     let mut g = Guest::new(MIB);
-    let mem = SlotMemory::from_table(&g.mem);
+    let mem = device_view(&g);
     let log = InflightRegion::create(1, RING_SIZE).unwrap();
     let (mut ring, heads) = taken(&mut g, &mem, n, Some(&log));
     let file = std::fs::File::from(log.fd().unwrap().try_clone_to_owned().unwrap());

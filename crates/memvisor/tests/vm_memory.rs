@@ -579,6 +579,53 @@ fn a_views_read_value_reads_what_read_obj_reads_with_memvisors_errors() {
 }
 
 #[test]
+fn a_views_write_value_writes_what_write_obj_writes_as_a_device_write() {
+    const IO: u64 = 0x1_0000_0000;
+    let table = slots([SlotFlags::NONE; 3]);
+    let snap = table.snapshot();
+    let dma = DmaSpace::new(DmaConfig::default()).unwrap();
+    dma.map_guest(Iova(IO), &snap, Gpa(0), 64 * KIB, Prot::RW)
+        .unwrap();
+    dma.map_guest(
+        Iova(IO + 64 * KIB),
+        &snap,
+        Gpa(256 * KIB),
+        64 * KIB,
+        Prot::READ,
+    )
+    .unwrap();
+    dma.start_dirty_tracking().unwrap();
+    let view = dma.memory();
+    view.write_value(Iova(IO + 0x2003), 0x0102_0304_0506_0708u64)
+        .unwrap();
+    let mut back = [0u8; 8];
+    table.read(Gpa(0x2003), &mut back).unwrap();
+    assert_eq!(back, 0x0102_0304_0506_0708u64.to_ne_bytes());
+    let words = dma.get_and_clear_dirty(Iova(IO), 64 * KIB, 4096).unwrap();
+    assert_eq!(words[0], 1 << 2, "the page written, and only it, is dirty");
+    // Into the read-only mapping: EPERM, nothing written there, no miss.
+    let e = view
+        .write_value(Iova(IO + 64 * KIB + 8), u32::MAX)
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::EPERM, "{e}");
+    let mut ro = [0u8; 4];
+    table.read(Gpa(256 * KIB + 8), &mut ro).unwrap();
+    assert_eq!(ro, [0; 4]);
+    assert_eq!(view.take_miss(), None);
+    // Off the end of the space: EFAULT, the miss its first byte, for WRITE.
+    let e = view.write_value(Iova(IO + 128 * KIB), 1u16).unwrap_err();
+    assert_eq!(e.errno(), libc::EFAULT, "{e}");
+    let miss = view.take_miss().unwrap();
+    assert_eq!(
+        (miss.iova, miss.access),
+        (Iova(IO + 128 * KIB), Prot::WRITE)
+    );
+    // A range past the top: EINVAL.
+    let e = view.write_value(Iova(u64::MAX), 1u16).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+}
+
+#[test]
 fn writes_through_the_device_view_are_device_writes_for_the_dirty_log() {
     let table = slots([SlotFlags::NONE; 3]);
     let dma = identity_space(&table);

@@ -340,7 +340,7 @@ fn finish<D: Device, R: Rings>(
             continue;
         };
         let name = device.name();
-        let failed = |head: u16, e: virtio_queue::Error| {
+        let failed = |head: u16, e: crate::Error| {
             log::warn!("{name}: queue {index}: cannot return head {head}: {e}");
         };
         // TEST ONLY: with `reorder` (the device ended them last first), a pause between

@@ -150,6 +150,40 @@ impl DmaMemory {
         Ok(value)
     }
 
+    /// Writes `value` at `iova` in the view's snapshot, as a device writes it: translated for
+    /// WRITE like every write of the view (its pages marked dirty while the space logs them), a
+    /// miss remembered, the bytes copied with memvisor's device copies. The write counterpart of
+    /// [`DmaMemory::read_value`] (a used ring's 8-byte element), with its errors for WRITE. A
+    /// value across two mappings is written piece by piece, as vm-memory's `write_slice` does:
+    /// a piece that fails leaves the pieces before it written.
+    #[inline]
+    pub fn write_value<T: ::vm_memory::ByteValued>(
+        &self,
+        iova: Iova,
+        value: T,
+    ) -> crate::Result<()> {
+        let bytes = value.as_slice();
+        let len = bytes.len() as u64;
+        let end = iova.0.checked_add(len).ok_or(Error::RangeWraps {
+            what: "view write",
+            start: iova.0,
+            len,
+        })?;
+        let (mut at, mut done) = (iova.0, 0usize);
+        while at < end {
+            let t = self.translate(at, end - at, Prot::WRITE)?;
+            let n = t.len as usize;
+            // SAFETY: the translation is of the view's snapshot, which the view holds while
+            // `self` is borrowed: its `t.len` bytes at `t.hva` stay mapped and writable for the
+            // copy, and they are guest memory, never `value` (a local). `t.len` is at most
+            // `end - at`, so the copy reads inside `bytes`.
+            unsafe { crate::copy::to_guest(&bytes[done..done + n], t.hva.0 as usize as *mut u8) };
+            done += n;
+            at += t.len;
+        }
+        Ok(())
+    }
+
     /// One translation in the view's snapshot, remembering a miss.
     fn translate(&self, iova: u64, len: u64, access: Prot) -> crate::Result<super::Translation> {
         let r = self
