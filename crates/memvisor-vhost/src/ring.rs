@@ -232,6 +232,11 @@ pub struct Ring {
     checked_used: u16,
     /// Stores of the used index so far ([`Ring::used_index_stores`]).
     index_stores: u64,
+    /// The heads the last read of the available index showed made available: the next
+    /// available indexes `[avail_from, avail_to)` (wrapping), read without reading the index
+    /// again ([`Ring::next_head`]).
+    avail_from: u16,
+    avail_to: u16,
 }
 
 impl Ring {
@@ -307,12 +312,61 @@ impl Ring {
     fn assemble(queue: Queue, inflight: Option<InflightQueue>, resubmit: VecDeque<u16>) -> Ring {
         Ring {
             checked_used: queue.next_used(),
+            avail_from: queue.next_avail(),
+            avail_to: queue.next_avail(),
             queue,
             inflight,
             resubmit,
             polling: false,
             index_stores: 0,
         }
+    }
+
+    /// The head of the next chain the driver made available, if there is one, taken off the
+    /// available ring: the next available index moves past it (and
+    /// `Queue::go_to_previous_position` puts it back). What virtio-queue's `AvailIter` gives,
+    /// read through the device space's view ([`DmaMemory::read_value`]) instead of vm-memory's
+    /// slice iterator. The available index is read only once every head its last read showed
+    /// was taken, then ordered before the ring's entries (acquire); a driver's index more than
+    /// the ring's size past the next head to take is refused, as virtio-queue refuses it. A
+    /// read the view cannot make (a miss behind a vIOMMU: [`DmaMemory::take_miss`] says so)
+    /// is an error.
+    pub fn next_head(&mut self, mem: &DmaMemory) -> Result<Option<u16>> {
+        if !self.queue.ready() {
+            return Err(Error::BadRing("the ring is not ready".into()));
+        }
+        let next = self.queue.next_avail();
+        let size = self.queue.size();
+        let ring = self.queue.avail_ring();
+        let past = |what: &str| {
+            Error::BadRing(format!(
+                "available ring at {ring:#x}: {what} past the address space"
+            ))
+        };
+        // Heads in `[avail_from, avail_to)` are known made available; else read the index.
+        if next.wrapping_sub(self.avail_from) >= self.avail_to.wrapping_sub(self.avail_from) {
+            let at = ring.checked_add(2).ok_or_else(|| past("its index"))?;
+            let idx = u16::from_le(mem.read_value::<u16>(Iova(at))?);
+            // The driver wrote the entries before the index: read them after it.
+            fence(Ordering::Acquire);
+            let ahead = idx.wrapping_sub(next);
+            if ahead > size {
+                return Err(Error::BadRing(format!(
+                    "available index {idx} is {ahead} heads past the next one to take ({next}), \
+                     more than the ring's {size}"
+                )));
+            }
+            (self.avail_from, self.avail_to) = (next, idx);
+            if ahead == 0 {
+                return Ok(None);
+            }
+        }
+        let at = ring
+            .checked_add(4 + 2 * u64::from(next % size))
+            .ok_or_else(|| past("an entry"))?;
+        let head = u16::from_le(mem.read_value::<u16>(Iova(at))?);
+        self.queue.set_next_avail(next.wrapping_add(1));
+        Ok(Some(head))
     }
 
     /// A ring with no inflight log (tests, fuzzing, devices that need none).

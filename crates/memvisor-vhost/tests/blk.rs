@@ -269,6 +269,41 @@ fn malformed_chains_fail_alone_and_the_ring_goes_on() {
     assert_eq!(backend.device().stats().reads, n);
 }
 
+/// A driver may make at most the ring's size of heads available beyond those the device took
+/// (virtio 1.2, 2.7.6). An available index further ahead is a broken ring: it is stopped and
+/// serves nothing more (no stale ring entry is taken for a request), and the back end goes on
+/// answering its frontend.
+#[test]
+fn an_available_index_more_than_the_ring_ahead_stops_the_ring() {
+    let disk = image(MIB);
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(Blk::new(disk, BlkOptions::default()).unwrap());
+    setup(&c, &g);
+    assert_eq!(request(&mut g, 0, 0, &[(DATA, 512, true)]), (0, 513));
+    // One head taken; an index RING_SIZE + 1 past it.
+    g.ring.set_avail_idx(2 + RING_SIZE).unwrap();
+    g.kick();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // The driver's index back where its ring is, and a good request: not served.
+    g.ring.set_avail_idx(1).unwrap();
+    header(&g, 0, 0);
+    g.post(&[(HDR, 16, false), (DATA, 512, true), (STATUS, 1, true)]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(
+        g.ring.get_used().unwrap(),
+        None,
+        "a stopped ring serves nothing"
+    );
+    assert_eq!(status(&g), 0xff);
+    assert!(
+        c.get_u64(memvisor_vhost::proto::req::GET_QUEUE_NUM).is_ok(),
+        "the back end still answers"
+    );
+    drop(c);
+    let (backend, _) = t.join().unwrap();
+    assert_eq!(backend.device().stats().reads, 1);
+}
+
 #[test]
 fn every_queue_of_a_multiqueue_device_serves_requests() {
     let disk = image(MIB);

@@ -382,32 +382,24 @@ impl Blk {
             let redo = queue.resubmit();
             let head = match redo {
                 Some(head) => head,
-                None => {
-                    let chain = match queue.iter(&mem) {
-                        Ok(mut avail) => avail.next(),
-                        Err(e) => {
-                            if let (true, Some(m)) = (ask, mem.take_miss()) {
-                                return Ok(Some(vec![m]));
-                            }
-                            return Err(Error::BadRing(format!(
-                                "queue {index}: available ring unusable: {e}"
-                            )));
-                        }
-                    };
-                    let Some(chain) = chain else {
-                        if let (true, Some(m)) = (ask, mem.take_miss()) {
-                            return Ok(Some(vec![m]));
-                        }
+                None => match queue.next_head(&mem) {
+                    Ok(Some(head)) => head,
+                    Ok(None) => {
                         // With event indexes, re-arm and look once more for a late arrival.
                         if queue.enable_notification(&mem).unwrap_or(false) {
                             continue;
                         }
                         break;
-                    };
-                    // Only the head is taken from virtio-queue: the chain is read by the ring's
-                    // own walker, for new heads and redone ones alike.
-                    chain.head_index()
-                }
+                    }
+                    Err(e) => {
+                        if let (true, Some(m)) = (ask, mem.take_miss()) {
+                            return Ok(Some(vec![m]));
+                        }
+                        return Err(Error::BadRing(format!(
+                            "queue {index}: available ring unusable: {e}"
+                        )));
+                    }
+                },
             };
             let (indirect, cut) = match queue.chain(&mem, head, bufs) {
                 Ok(indirect) => (indirect, None),
