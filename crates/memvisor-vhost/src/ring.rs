@@ -32,16 +32,21 @@
 //! as ours: it is read through bounds-checked copies, and a head it names is just a request to
 //! read from the ring, checked like any other.
 //!
-//! **Chains by head.** virtio-queue gives the heads on the available ring; the chains, of new
-//! heads and of heads to redo (which are not on the ring any more) alike, are read by
-//! [`Ring::chain`], which walks the descriptor table itself: direct and indirect descriptors,
-//! with the limits virtio-queue keeps (a chain no longer than its table, a `next` inside it, no
-//! indirect table inside another). Each descriptor is one read of the device space's view
-//! ([`memvisor::DmaMemory::read_value`]: a translation and a 16-byte copy), not vm-memory's
-//! slice iterator, which cost a libblkio request ~1,200 instructions for its three
-//! descriptors. A malformed chain is an error: the device fails that request alone.
+//! **Heads and chains.** Heads come off the available ring through [`Ring::next_head`]; the
+//! chains, of new heads and of heads to redo (which are not on the ring any more) alike, are
+//! read by [`Ring::read_chain`], which walks the descriptor table itself: direct and indirect
+//! descriptors, with the limits virtio-queue keeps (a chain no longer than its table, a `next`
+//! inside it, no indirect table inside another); chains go back with [`Ring::return_batch`].
+//! Each ring entry, descriptor and used element is one small read or write of the device
+//! space's view ([`memvisor::DmaMemory::read_value`], `write_value`: a translation and one
+//! copy), not vm-memory's slice iterator, which cost a libblkio request ~2,200 instructions for
+//! its ring entry, three descriptors and used element. virtio-queue keeps the queue's state
+//! and notifications. [`Ring::chain`] and [`Ring::add_used_batch`] do the same walk and batch
+//! through any vm-memory `GuestMemory`. A malformed chain is an error: the device fails that
+//! request alone.
 
 use std::collections::VecDeque;
+use std::io;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
@@ -50,7 +55,7 @@ use memvisor::{Backing, BackingKind, DmaMemory, Iova};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemory};
+use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryError};
 
 use crate::error::{Error, Result};
 
@@ -470,18 +475,54 @@ impl Ring {
     /// killed after publishing several heads at once would have its successor — ours or
     /// another implementation — redo heads the driver already had back. A head that cannot be
     /// returned (out of range, its element unwritable) is handed to `failed` and the rest go
-    /// on. Each element is one [`DmaMemory::write_value`] (a device write: its page is marked
-    /// dirty while the space logs them). Ask [`Ring::needs_notification`] once after the batch.
-    pub fn add_used_batch(
+    /// on. Ask [`Ring::needs_notification`] once after the batch. A device that writes through
+    /// the device space's view uses [`Ring::return_batch`], the same without vm-memory's slice
+    /// iterator.
+    pub fn add_used_batch<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        used: impl IntoIterator<Item = (u16, u32)>,
+        failed: impl FnMut(u16, virtio_queue::Error),
+    ) {
+        let write = |at: u64, element: u64| {
+            mem.write_obj(element, GuestAddress(at))
+                .map_err(virtio_queue::Error::GuestMemory)
+        };
+        self.used_batch(mem, used, write, failed);
+    }
+
+    /// [`Ring::add_used_batch`] through the device space's view: each element one
+    /// [`DmaMemory::write_value`] (a device write: its page is marked dirty while the space
+    /// logs pages). What the vhost-user back end returns its chains with.
+    pub fn return_batch(
         &mut self,
         mem: &DmaMemory,
         used: impl IntoIterator<Item = (u16, u32)>,
-        mut failed: impl FnMut(u16, Error),
+        failed: impl FnMut(u16, virtio_queue::Error),
+    ) {
+        let write = |at: u64, element: u64| {
+            mem.write_value(Iova(at), element).map_err(|e| {
+                virtio_queue::Error::GuestMemory(GuestMemoryError::IOError(io::Error::other(e)))
+            })
+        };
+        self.used_batch(mem, used, write, failed);
+    }
+
+    /// The batch of [`Ring::add_used_batch`] and [`Ring::return_batch`]; `write` puts one used
+    /// element (id in the low half, length in the high half, little-endian) at a device
+    /// address.
+    #[inline(always)]
+    fn used_batch<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        used: impl IntoIterator<Item = (u16, u32)>,
+        mut write: impl FnMut(u64, u64) -> std::result::Result<(), virtio_queue::Error>,
+        mut failed: impl FnMut(u16, virtio_queue::Error),
     ) {
         if self.inflight.is_some() {
             for (head, len) in used {
                 if let Err(e) = self.add_used(mem, head, len) {
-                    failed(head, Error::BadRing(e.to_string()));
+                    failed(head, e);
                 }
             }
             return;
@@ -493,23 +534,17 @@ impl Ring {
         let mut last = None;
         for (head, len) in used {
             if head >= size {
-                failed(
-                    head,
-                    Error::BadRing(format!("head {head} past the ring's {size} descriptors")),
-                );
+                failed(head, virtio_queue::Error::InvalidDescriptorIndex);
                 continue;
             }
             // The used ring: flags, idx, then 8-byte elements (id: le32, len: le32).
             let Some(at) = ring.checked_add(4 + 8 * u64::from(next % size)) else {
-                failed(
-                    head,
-                    Error::BadRing(format!("used ring at {ring:#x} past the address space")),
-                );
+                failed(head, virtio_queue::Error::AddressOverflow);
                 continue;
             };
             let element = u64::from(head) | u64::from(len) << 32;
-            if let Err(e) = mem.write_value(Iova(at), element.to_le()) {
-                failed(head, e.into());
+            if let Err(e) = write(at, element.to_le()) {
+                failed(head, e);
                 continue;
             }
             next = next.wrapping_add(1);
@@ -531,7 +566,7 @@ impl Ring {
                 self.queue.set_next_used(next);
             }
             // Nothing was published: the ring is unusable (its next pass says so).
-            Err(e) => failed(last, Error::BadRing(e.to_string())),
+            Err(e) => failed(last, e),
         }
     }
 
@@ -571,12 +606,39 @@ impl Ring {
     }
 
     /// The descriptors of the chain at `head`, read from the descriptor table (and an indirect
-    /// table it names) through `mem` into `out`; whether it was indirect. Every chain a device
-    /// serves is read here, from the available ring or redone from the inflight log: one
-    /// descriptor is one [`DmaMemory::read_value`] (a translation and a 16-byte copy). A
-    /// descriptor that cannot be read (a miss behind a vIOMMU: [`DmaMemory::take_miss`] says
-    /// so) or a malformed chain is an error; `out` is then partly filled.
-    pub fn chain(&self, mem: &DmaMemory, head: u16, out: &mut Vec<Desc>) -> Result<bool> {
+    /// table it names) through `mem`; whether it was indirect. A device that reads through the
+    /// device space's view uses [`Ring::read_chain`], the same walk without vm-memory's slice
+    /// iterator.
+    pub fn chain<M: GuestMemory>(&self, mem: &M, head: u16) -> Result<(Vec<Desc>, bool)> {
+        let mut out = Vec::new();
+        let indirect = self.walk(head, &mut out, |at| {
+            mem.read_obj(GuestAddress(at)).map_err(|e| e.to_string())
+        })?;
+        Ok((out, indirect))
+    }
+
+    /// [`Ring::chain`] through the device space's view, into `out` (emptied first): each
+    /// descriptor one [`DmaMemory::read_value`] (a translation and a 16-byte copy). The
+    /// vhost-user back end reads every chain this way, of new heads and of heads redone from
+    /// the inflight log. A descriptor that cannot be read (a miss behind a vIOMMU:
+    /// [`DmaMemory::take_miss`] says so) or a malformed chain is an error; `out` is then
+    /// partly filled.
+    pub fn read_chain(&self, mem: &DmaMemory, head: u16, out: &mut Vec<Desc>) -> Result<bool> {
+        self.walk(head, out, |at| {
+            mem.read_value(Iova(at)).map_err(|e| e.to_string())
+        })
+    }
+
+    /// The walk of [`Ring::chain`] and [`Ring::read_chain`], with the limits virtio-queue keeps:
+    /// a chain no longer than its table, a `next` inside it, no indirect table inside another.
+    /// `read` copies out the 16-byte descriptor at a device address, or says why it cannot.
+    #[inline(always)]
+    fn walk(
+        &self,
+        head: u16,
+        out: &mut Vec<Desc>,
+        read: impl Fn(u64) -> std::result::Result<Descriptor, String>,
+    ) -> Result<bool> {
         let size = self.queue.size();
         if head >= size {
             return Err(Error::BadChain(format!(
@@ -589,20 +651,19 @@ impl Ring {
                 .ok_or_else(|| Error::BadChain(format!("descriptor {i} past the address space")))?;
             // virtio-queue's split descriptor: the specification's 16-byte layout,
             // little-endian, copied out of guest memory.
-            let d: Descriptor =
-                mem.read_value(Iova(at))
-                    .map_err(|e| Error::DescriptorUnreadable {
-                        index: i,
-                        addr: at,
-                        why: e.to_string(),
-                    })?;
+            let d = read(at).map_err(|why| Error::DescriptorUnreadable {
+                index: i,
+                addr: at,
+                why,
+            })?;
             Ok((d.addr().0, d.len(), d.flags(), d.next()))
         };
         let first = read(self.queue.desc_table(), head)?;
         let (addr, len, flags, _) = first;
+        let indirect = flags & INDIRECT != 0;
         // A direct chain's head is read once: it is also the chain's first descriptor.
-        let mut pending = (flags & INDIRECT == 0).then_some(first);
-        let (table, count, mut i) = if flags & INDIRECT != 0 {
+        let mut pending = (!indirect).then_some(first);
+        let (table, count, mut i) = if indirect {
             if len == 0 || len % DESC != 0 || len / DESC > u32::from(MAX_QUEUE) {
                 return Err(Error::BadChain(format!(
                     "indirect table of {len} bytes at head {head}"
@@ -612,7 +673,6 @@ impl Ring {
         } else {
             (self.queue.desc_table(), size, head)
         };
-        let indirect = table != self.queue.desc_table();
         out.clear();
         loop {
             if out.len() >= usize::from(count) {

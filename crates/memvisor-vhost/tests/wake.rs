@@ -239,7 +239,7 @@ fn a_batch_of_completions_is_published_by_one_index_store_and_asks_for_one_inter
     // The driver wants an interrupt once the first chain is back.
     g.ring.set_used_event(0).unwrap();
     let stores = ring.used_index_stores();
-    ring.add_used_batch(
+    ring.return_batch(
         &mem,
         heads.iter().map(|&h| (h, 100 + u32::from(h))),
         |h, e| panic!("head {h}: {e}"),
@@ -273,7 +273,7 @@ fn a_batch_of_completions_is_published_by_one_index_store_and_asks_for_one_inter
         g.ring.publish(h).unwrap();
     }
     while ring.iter(&mem).unwrap().next().is_some() {}
-    ring.add_used_batch(
+    ring.return_batch(
         &mem,
         [(heads2[0], 1), (RING_SIZE, 1), (heads2[1], 2)],
         |h, _| refused.push(h),

@@ -5,7 +5,7 @@
 //! not lent out, a worker its one ring. A *pass* over a ring ([`pass`]) has the device process
 //! it, then ends what the device finished meanwhile ([`Device::complete`]: transfers the kernel
 //! finished at once): each finished chain goes back on its used ring — one ring at a time, in
-//! one batch ([`Ring::add_used_batch`]: one store of the used index when the ring keeps no
+//! one batch ([`Ring::return_batch`]: one store of the used index when the ring keeps no
 //! inflight log), so each ring is asked once whether its driver wants an interrupt (event
 //! indexes) — what the
 //! requests wrote goes into the frontend's dirty log in one drain, and only then are the
@@ -340,7 +340,7 @@ fn finish<D: Device, R: Rings>(
             continue;
         };
         let name = device.name();
-        let failed = |head: u16, e: crate::Error| {
+        let failed = |head: u16, e: virtio_queue::Error| {
             log::warn!("{name}: queue {index}: cannot return head {head}: {e}");
         };
         // TEST ONLY: with `reorder` (the device ended them last first), a pause between
@@ -352,7 +352,7 @@ fn finish<D: Device, R: Rings>(
                 if !std::ptr::eq(u, &chunk[0]) {
                     std::thread::sleep(memvisor::faults::REORDER_GAP);
                 }
-                ring.add_used_batch(&mem, [(u.head, u.len)], failed);
+                ring.return_batch(&mem, [(u.head, u.len)], failed);
             }
             if ring.needs_notification(&mem).unwrap_or(true) {
                 tell.push(index);
@@ -361,7 +361,7 @@ fn finish<D: Device, R: Rings>(
         }
         // The pass's chains for this ring go back together: one store of the used index
         // (without an inflight log), then one question whether to interrupt.
-        ring.add_used_batch(&mem, chunk.iter().map(|u| (u.head, u.len)), failed);
+        ring.return_batch(&mem, chunk.iter().map(|u| (u.head, u.len)), failed);
         if ring.needs_notification(&mem).unwrap_or(true) {
             tell.push(index);
         }

@@ -401,7 +401,7 @@ impl Blk {
                     }
                 },
             };
-            let (indirect, cut) = match queue.chain(&mem, head, bufs) {
+            let (indirect, cut) = match queue.read_chain(&mem, head, bufs) {
                 Ok(indirect) => (indirect, None),
                 Err(e) => match mem.take_miss() {
                     // A descriptor behind a vIOMMU not in the IOTLB: put the chain back and ask.

@@ -134,8 +134,9 @@ pub struct BlkOptions {
     pub serial: String,
     /// Serve the image read-only.
     pub read_only: bool,
-    /// Offer `VIRTIO_F_IOMMU_PLATFORM`: the device can sit behind a vIOMMU (then without
-    /// indirect descriptors, whose tables virtio-queue reads at guest physical addresses).
+    /// Offer `VIRTIO_F_IOMMU_PLATFORM`: the device can sit behind a vIOMMU (its rings,
+    /// descriptors, indirect tables and buffers are then all at I/O virtual addresses, read
+    /// through the IOTLB).
     pub iommu: bool,
     /// Microseconds the serving loop polls the rings after the last request before it sleeps
     /// until a kick ([`Device::poll`]); 0: no polling.

@@ -470,8 +470,9 @@ impl DmaSpace {
     /// mapping it names is in `snap` whatever the space has done since, and `snap` keeps its
     /// memory. Rings, descriptors and request headers are read this way, many times a request,
     /// nearly always in the mapping read last.
+    /// The hit is checked inline in each access; the rest is a call of its own.
     #[cfg(feature = "vm-memory")]
-    #[inline]
+    #[inline(always)]
     pub(super) fn translate_held(
         &self,
         snap: &DmaSnapshot,
@@ -485,8 +486,21 @@ impl DmaSpace {
             .answer(space, snap.generation, iova, len, access)
         {
             Some(t) => Ok(t),
-            None => self.translate_at(snap, iova, len, access),
+            None => self.translate_held_walked(snap, iova, len, access),
         }
+    }
+
+    /// [`DmaSpace::translate_held`] past the thread's last hit.
+    #[cfg(feature = "vm-memory")]
+    #[inline(never)]
+    fn translate_held_walked(
+        &self,
+        snap: &DmaSnapshot,
+        iova: Iova,
+        len: u64,
+        access: Prot,
+    ) -> Result<Translation> {
+        self.translate_at(snap, iova, len, access)
     }
 
     /// [`DmaSpace::translate`] in `snap`, a snapshot the caller holds (a view's), without

@@ -30,6 +30,14 @@
 //! fails does it read the page table or, for addresses the table does not cover (libblkio's are
 //! its own process addresses, above the table's 512 GiB), search the sorted index.
 //!
+//! **Small values.** A device that walks its own rings reads and writes 2-, 8- and 16-byte
+//! values (an available ring entry, a used element, a descriptor). Through the vm-memory
+//! traits each costs a slice iterator and an error chain around one piece, more than the
+//! translation; [`DmaMemory::read_value`] and [`DmaMemory::write_value`] make the same
+//! translation (same hit, checks, dirty marking and misses) and one device copy. The
+//! vhost-user back end reads every chain and available ring entry, and writes every used
+//! element, this way.
+//!
 //! **Misses.** A translation that fails because nothing is mapped (EFAULT,
 //! [`crate::Error::Fault`]) is a miss an IOTLB can fill: the view remembers the first one
 //! ([`DmaMemory::take_miss`]) before failing the access with
@@ -125,7 +133,7 @@ impl DmaMemory {
     /// piece: reading a split ring's 16-byte descriptor this way costs a translation and one
     /// copy. Errors as [`DmaMemory::check`] for READ: EFAULT where nothing is mapped (a miss),
     /// EPERM where a mapping does not allow READ, EINVAL where the range wraps.
-    #[inline]
+    #[inline(always)]
     pub fn read_value<T: ::vm_memory::ByteValued>(&self, iova: Iova) -> crate::Result<T> {
         let mut value = T::zeroed();
         let bytes = value.as_mut_slice();
@@ -160,7 +168,7 @@ impl DmaMemory {
     /// [`DmaMemory::read_value`] (a used ring's 8-byte element), with its errors for WRITE. A
     /// value across two mappings is written piece by piece, as vm-memory's `write_slice` does:
     /// a piece that fails leaves the pieces before it written.
-    #[inline]
+    #[inline(always)]
     pub fn write_value<T: ::vm_memory::ByteValued>(
         &self,
         iova: Iova,
