@@ -467,23 +467,26 @@ fn the_device_view_behaves_as_the_slots_at_iova_equal_gpa() {
     assert!(view.physical_memory().is_none(), "addresses are IOVAs");
 }
 
-#[test]
-fn the_device_view_translates_checks_and_remembers_misses() {
-    const IO: u64 = 0x1_0000_0000;
+/// Where [`two_mappings`] maps slot 0's first 64 KiB; slot 2's follow at `IO + 64 KiB`.
+const IO: u64 = 0x1_0000_0000;
+
+/// Three slots, and a device space with slot 0's first 64 KiB at [`IO`] (`first`) and slot 2's
+/// right after it (`second`): two guest pages far apart, adjacent by IOVA.
+fn two_mappings(first: Prot, second: Prot) -> (SlotTable, DmaSpace) {
     let table = slots([SlotFlags::NONE; 3]);
     let snap = table.snapshot();
     let dma = DmaSpace::new(DmaConfig::default()).unwrap();
-    // Slot 0's memory read-only at IO, slot 2's read-write right after it.
-    dma.map_guest(Iova(IO), &snap, Gpa(0), 64 * KIB, Prot::READ)
+    dma.map_guest(Iova(IO), &snap, Gpa(0), 64 * KIB, first)
         .unwrap();
-    dma.map_guest(
-        Iova(IO + 64 * KIB),
-        &snap,
-        Gpa(256 * KIB),
-        64 * KIB,
-        Prot::RW,
-    )
-    .unwrap();
+    dma.map_guest(Iova(IO + 64 * KIB), &snap, Gpa(256 * KIB), 64 * KIB, second)
+        .unwrap();
+    (table, dma)
+}
+
+#[test]
+fn the_device_view_translates_checks_and_remembers_misses() {
+    // Slot 0's memory read-only at IO, slot 2's read-write right after it.
+    let (table, dma) = two_mappings(Prot::READ, Prot::RW);
     table.write(Gpa(0x40), &pattern(64, 5)).unwrap();
     let view = dma.memory();
     let mut back = [0u8; 64];
@@ -529,20 +532,7 @@ fn the_device_view_translates_checks_and_remembers_misses() {
 
 #[test]
 fn a_views_read_value_reads_what_read_obj_reads_with_memvisors_errors() {
-    const IO: u64 = 0x1_0000_0000;
-    let table = slots([SlotFlags::NONE; 3]);
-    let snap = table.snapshot();
-    let dma = DmaSpace::new(DmaConfig::default()).unwrap();
-    dma.map_guest(Iova(IO), &snap, Gpa(0), 64 * KIB, Prot::READ)
-        .unwrap();
-    dma.map_guest(
-        Iova(IO + 64 * KIB),
-        &snap,
-        Gpa(256 * KIB),
-        64 * KIB,
-        Prot::RW,
-    )
-    .unwrap();
+    let (table, dma) = two_mappings(Prot::READ, Prot::RW);
     table.write(Gpa(0x40), &pattern(16, 3)).unwrap();
     table.write(Gpa(64 * KIB - 8), &pattern(8, 9)).unwrap();
     table.write(Gpa(256 * KIB), &pattern(8, 11)).unwrap();
@@ -580,20 +570,7 @@ fn a_views_read_value_reads_what_read_obj_reads_with_memvisors_errors() {
 
 #[test]
 fn a_views_write_value_writes_what_write_obj_writes_as_a_device_write() {
-    const IO: u64 = 0x1_0000_0000;
-    let table = slots([SlotFlags::NONE; 3]);
-    let snap = table.snapshot();
-    let dma = DmaSpace::new(DmaConfig::default()).unwrap();
-    dma.map_guest(Iova(IO), &snap, Gpa(0), 64 * KIB, Prot::RW)
-        .unwrap();
-    dma.map_guest(
-        Iova(IO + 64 * KIB),
-        &snap,
-        Gpa(256 * KIB),
-        64 * KIB,
-        Prot::READ,
-    )
-    .unwrap();
+    let (table, dma) = two_mappings(Prot::RW, Prot::READ);
     dma.start_dirty_tracking().unwrap();
     let view = dma.memory();
     view.write_value(Iova(IO + 0x2003), 0x0102_0304_0506_0708u64)

@@ -111,18 +111,7 @@ impl DmaMemory {
     /// The first byte of `[iova, iova + len)` the view cannot give `access` to, and why;
     /// `Ok(())` if every byte is reachable. Remembers a miss as an access would.
     pub fn check(&self, iova: Iova, len: u64, access: Prot) -> crate::Result<()> {
-        let Some(end) = iova.0.checked_add(len) else {
-            return Err(Error::RangeWraps {
-                what: "view access",
-                start: iova.0,
-                len,
-            });
-        };
-        let mut at = iova.0;
-        while at < end {
-            at += self.translate(at, end - at, access)?.len;
-        }
-        Ok(())
+        self.pieces(iova, len, access, "view access", |_, _| {})
     }
 
     /// Reads a `T` at `iova` in the view's snapshot, as a device reads it: translated like every
@@ -137,28 +126,19 @@ impl DmaMemory {
     pub fn read_value<T: ::vm_memory::ByteValued>(&self, iova: Iova) -> crate::Result<T> {
         let mut value = T::zeroed();
         let bytes = value.as_mut_slice();
-        let len = bytes.len() as u64;
-        let Some(end) = iova.0.checked_add(len) else {
-            return Err(Error::RangeWraps {
-                what: "view read",
-                start: iova.0,
-                len,
-            });
-        };
-        let (mut at, mut done) = (iova.0, 0usize);
-        while at < end {
-            let t = self.translate(at, end - at, Prot::READ)?;
-            let n = t.len as usize;
-            // SAFETY: the translation is of the view's snapshot, which the view holds while
-            // `self` is borrowed: its `t.len` bytes at `t.hva` stay mapped and readable for the
-            // copy, and they are guest memory, never `value` (a local). `t.len` is at most
-            // `end - at`, so the copy stays inside `bytes`.
-            unsafe {
-                crate::copy::from_guest(t.hva.0 as usize as *const u8, &mut bytes[done..done + n])
-            };
-            done += n;
-            at += t.len;
-        }
+        self.pieces(
+            iova,
+            bytes.len() as u64,
+            Prot::READ,
+            "view read",
+            |hva, at| {
+                // SAFETY: `pieces` hands out host addresses of the view's snapshot, which the view
+                // holds while `self` is borrowed: the piece's bytes at `hva` stay mapped and
+                // readable for the copy, and they are guest memory, never `value` (a local). `at`
+                // lies inside `bytes`.
+                unsafe { crate::copy::from_guest(hva, &mut bytes[at]) }
+            },
+        )?;
         Ok(value)
     }
 
@@ -175,23 +155,45 @@ impl DmaMemory {
         value: T,
     ) -> crate::Result<()> {
         let bytes = value.as_slice();
-        let len = bytes.len() as u64;
+        self.pieces(
+            iova,
+            bytes.len() as u64,
+            Prot::WRITE,
+            "view write",
+            |hva, at| {
+                // SAFETY: as in `read_value`: the piece's bytes at `hva` stay mapped and writable
+                // for the copy, they are guest memory, never `value`, and `at` lies inside `bytes`.
+                unsafe { crate::copy::to_guest(&bytes[at], hva) }
+            },
+        )
+    }
+
+    /// Translates `[iova, iova + len)` for `access` piece by piece (one piece per mapping it
+    /// crosses), handing each piece's host address and its place in the range to `each`; the
+    /// first failure ends it (a miss remembered). `what` names the access in a wrapping range's
+    /// error.
+    #[inline(always)]
+    fn pieces(
+        &self,
+        iova: Iova,
+        len: u64,
+        access: Prot,
+        what: &'static str,
+        mut each: impl FnMut(*mut u8, std::ops::Range<usize>),
+    ) -> crate::Result<()> {
         let Some(end) = iova.0.checked_add(len) else {
             return Err(Error::RangeWraps {
-                what: "view write",
+                what,
                 start: iova.0,
                 len,
             });
         };
         let (mut at, mut done) = (iova.0, 0usize);
         while at < end {
-            let t = self.translate(at, end - at, Prot::WRITE)?;
+            let t = self.translate(at, end - at, access)?;
+            // `t.len` is at most `end - at`: the pieces stay inside `[0, len)`.
             let n = t.len as usize;
-            // SAFETY: the translation is of the view's snapshot, which the view holds while
-            // `self` is borrowed: its `t.len` bytes at `t.hva` stay mapped and writable for the
-            // copy, and they are guest memory, never `value` (a local). `t.len` is at most
-            // `end - at`, so the copy reads inside `bytes`.
-            unsafe { crate::copy::to_guest(&bytes[done..done + n], t.hva.0 as usize as *mut u8) };
+            each(t.hva.0 as usize as *mut u8, done..done + n);
             done += n;
             at += t.len;
         }
