@@ -632,6 +632,12 @@ impl Ring {
     /// The walk of [`Ring::chain`] and [`Ring::read_chain`], with the limits virtio-queue keeps:
     /// a chain no longer than its table, a `next` inside it, no indirect table inside another.
     /// `read` copies out the 16-byte descriptor at a device address, or says why it cannot.
+    ///
+    /// An indirect descriptor may end a direct chain, not only start one (VIRTIO 1.2, 2.7.5.3.2:
+    /// "zero or more normal chained descriptors followed by a single descriptor with
+    /// VIRTQ_DESC_F_INDIRECT"): the walk then goes on in its table, from the table's first
+    /// descriptor, and the chain ends where the table's chain ends. That descriptor's own
+    /// `WRITE` and `NEXT` flags are ignored, as the specification asks of the device.
     #[inline(always)]
     fn walk(
         &self,
@@ -658,36 +664,32 @@ impl Ring {
             })?;
             Ok((d.addr().0, d.len(), d.flags(), d.next()))
         };
-        let first = read(self.queue.desc_table(), head)?;
-        let (addr, len, flags, _) = first;
-        let indirect = flags & INDIRECT != 0;
-        // A direct chain's head is read once: it is also the chain's first descriptor.
-        let mut pending = (!indirect).then_some(first);
-        let (table, count, mut i) = if indirect {
-            if len == 0 || len % DESC != 0 || len / DESC > u32::from(MAX_QUEUE) {
-                return Err(Error::BadChain(format!(
-                    "indirect table of {len} bytes at head {head}"
-                )));
-            }
-            (addr, (len / DESC) as u16, 0)
-        } else {
-            (self.queue.desc_table(), size, head)
-        };
         out.clear();
+        let (mut table, mut count, mut i) = (self.queue.desc_table(), size, head);
+        let mut indirect = false;
+        // Descriptors read from the current table: no more than it holds, or it loops.
+        let mut steps: u16 = 0;
         loop {
-            if out.len() >= usize::from(count) {
+            if steps >= count {
                 return Err(Error::BadChain(format!(
                     "chain at head {head} longer than its table's {count} descriptors (a loop)"
                 )));
             }
-            let (addr, len, flags, next) = match pending.take() {
-                Some(d) => d,
-                None => read(table, i)?,
-            };
-            if indirect && flags & INDIRECT != 0 {
-                return Err(Error::BadChain(format!(
-                    "indirect descriptor inside the indirect table of head {head}"
-                )));
+            steps += 1;
+            let (addr, len, flags, next) = read(table, i)?;
+            if flags & INDIRECT != 0 {
+                if indirect {
+                    return Err(Error::BadChain(format!(
+                        "indirect descriptor inside the indirect table of head {head}"
+                    )));
+                }
+                if len == 0 || len % DESC != 0 || len / DESC > u32::from(MAX_QUEUE) {
+                    return Err(Error::BadChain(format!(
+                        "indirect table of {len} bytes in the chain of head {head}"
+                    )));
+                }
+                (table, count, i, steps, indirect) = (addr, (len / DESC) as u16, 0, 0, true);
+                continue;
             }
             out.push(Desc {
                 addr,
