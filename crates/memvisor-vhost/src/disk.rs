@@ -357,13 +357,10 @@ impl Disk {
                 });
             }
             if r == 0 {
-                return Err(Error::Os {
-                    op: if read { "preadv" } else { "pwritev" },
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!("the image ended at byte {off} during a transfer"),
-                    ),
-                });
+                return Err(image_ended(
+                    if read { "preadv" } else { "pwritev" },
+                    offset + done,
+                ));
             }
             done += r as u64;
             // Step past what the call moved: whole iovecs, then part of one.
@@ -977,3 +974,16 @@ mod tests {
 
 #[cfg(test)]
 mod ring_tests;
+
+/// The error of a transfer the kernel ended with 0 bytes moved before its end: the image is
+/// shorter than the transfer reached (cut by another program, or shrunk under the device).
+/// The request fails with `IOERR`; it is never answered as done.
+pub(crate) fn image_ended(op: &'static str, at: u64) -> Error {
+    Error::Os {
+        op,
+        source: std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("the image ended at byte {at} during a transfer"),
+        ),
+    }
+}

@@ -12,7 +12,7 @@ use virtio_queue::QueueOwnedT;
 
 use super::fixed::Claim;
 use super::io::{Pages, Ready, ns_between};
-use super::request::{Failure, Outcome};
+use super::request::{Failure, Framing, Outcome, frame, read_header};
 use super::throttle::Wake;
 use super::{Blk, SECTOR};
 use crate::device::{Device, Processed, Used};
@@ -239,16 +239,10 @@ impl Device for Blk {
                         }
                         .map(|m| o.done + m)
                     }
-                    Ok(0) if o.done < o.ready.total => Err(Error::Os {
-                        op: if read { "read" } else { "write" },
-                        source: std::io::Error::new(
-                            std::io::ErrorKind::UnexpectedEof,
-                            format!(
-                                "the image ended at byte {} during a transfer",
-                                offset + o.done
-                            ),
-                        ),
-                    }),
+                    Ok(0) if o.done < o.ready.total => Err(crate::disk::image_ended(
+                        if read { "read" } else { "write" },
+                        offset + o.done,
+                    )),
                     Ok(n) => Ok(o.done + n),
                     Err(e) => Err(e),
                 };
@@ -428,6 +422,13 @@ impl Blk {
                     }
                 },
             };
+            // The header, data and status byte each get descriptors of their own, however the
+            // driver laid them out (`request::frame`).
+            let framing = if cut.is_none() {
+                frame(bufs)
+            } else {
+                Err("chain cut short".into())
+            };
             // One walk of the device space per request: it holds the buffers' pages and
             // finds their host addresses, or finds what is not mapped. Behind a vIOMMU every
             // buffer must be mapped before anything is done; else (and for a chain cut short)
@@ -438,7 +439,7 @@ impl Blk {
             // It is counted only once it goes, not when put back for a miss.
             let mut admitted = None;
             if cut.is_none() {
-                match self.throttled(&dma, bufs) {
+                match self.throttled(&dma, bufs, &framing) {
                     Err(wait) => {
                         match redo {
                             Some(head) => queue.resubmit_later(head),
@@ -451,7 +452,10 @@ impl Blk {
                 }
             }
             let claimed = match (&mut cursor, cut) {
-                (Some(cursor), None) => self.claim_fixed(cursor, bufs),
+                (Some(cursor), None) => match framing {
+                    Ok(header) => self.claim_fixed(cursor, bufs, header),
+                    Err(_) => None,
+                },
                 _ => None,
             };
             let walk = match claimed {
@@ -502,7 +506,7 @@ impl Blk {
                         )))),
                         Err(e) => Err(Failure::Hold(e.into())),
                     };
-                    match self.request(index, &dma, bufs, held) {
+                    match self.request(index, &dma, bufs, &framing, held) {
                         (_, Outcome::Ready(ready)) => {
                             batch.push((head, ready));
                             if batch.len() + self.disk.in_flight() >= IN_FLIGHT {
@@ -516,7 +520,7 @@ impl Blk {
                             }
                             continue;
                         }
-                        (status_at, outcome) => self.finish(index, &dma, status_at, outcome),
+                        (status, outcome) => self.finish(index, &dma, status, outcome),
                     }
                 }
             };
@@ -537,6 +541,7 @@ impl Blk {
         &mut self,
         dma: &DmaSpace,
         bufs: &[Buf],
+        framing: &Framing,
     ) -> std::result::Result<Option<(bool, u64)>, std::time::Duration> {
         if !self.live.throttle().is_on() {
             return Ok(None);
@@ -546,19 +551,18 @@ impl Blk {
         if dma.faults().ignore_throttle {
             return Ok(None);
         }
-        let Some(hdr) = bufs.first().filter(|b| !b.write && b.len >= 16) else {
+        let Ok(header) = *framing else {
             return Ok(None);
         };
-        let mut kind = [0u8; 4];
-        if dma.dma_read(memvisor::Iova(hdr.addr), &mut kind).is_err() {
+        let Ok(hdr) = read_header(dma, &bufs[..header]) else {
             return Ok(None);
-        }
-        let write = match u32::from_le_bytes(kind) {
+        };
+        let write = match u32::from_le_bytes(hdr[..4].try_into().expect("4")) {
             VIRTIO_BLK_T_IN => false,
             VIRTIO_BLK_T_OUT => true,
             _ => return Ok(None),
         };
-        let data = bufs.get(1..bufs.len() - 1).unwrap_or_default();
+        let data = bufs.get(header..bufs.len() - 1).unwrap_or_default();
         let bytes = data.iter().map(|b| u64::from(b.len)).sum();
         // At the pass's clock: no clock read of its own.
         let now = self.pass_clock();
@@ -655,11 +659,12 @@ impl Blk {
         &mut self,
         cursor: &mut DmaCursor,
         bufs: &[Buf],
+        header: usize,
     ) -> Option<(Claim, Vec<libc::iovec>)> {
         let f = self.fixed.as_mut()?;
         f.begin();
-        // A header, data buffers, a status byte: nothing else moves data.
-        if bufs.len() < 3 || !f.may_claim() {
+        // Header descriptors, data buffers, a status byte: nothing else moves data.
+        if bufs.len() < header + 2 || !f.may_claim() {
             return None;
         }
         let sg = &mut self.sg;
@@ -667,7 +672,7 @@ impl Blk {
         cursor.translate_sg_into(sg, &mut self.xlate).ok()?;
         let mut iov = self.iovs.take();
         iov.extend(
-            (1..bufs.len() - 1)
+            (header..bufs.len() - 1)
                 .flat_map(|i| self.xlate.buffer(i))
                 .map(|s| libc::iovec {
                     iov_base: s.hva.0 as usize as *mut libc::c_void,

@@ -16,7 +16,7 @@ use memvisor::dma::SgGuard;
 use memvisor::{DmaSpace, Iova};
 
 use super::fixed::Claim;
-use super::request::{Failure, Outcome};
+use super::request::{Failure, Outcome, Status};
 use super::stats::Op;
 use super::{Blk, S_OK, SECTOR};
 #[cfg(doc)]
@@ -101,22 +101,27 @@ pub(super) struct Out {
 
 impl Blk {
     /// Moves the data buffers of a read (`to_guest`) or write between guest memory and the
-    /// image at `sector`: done here (bounced, or failed), or ready for the kernel.
+    /// image at `sector`: done here (bounced, or failed), or ready for the kernel. `data` are
+    /// the walk's buffers from `first` on (after the header's). A write with `check_first` set
+    /// (of sector 0, with `guard_first_sector`) is bounced, its first sector checked in the copy.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn transfer(
         &mut self,
         q: u16,
         dma: &DmaSpace,
+        first: usize,
         data: &[Buf],
         kept: Pages,
         sector: u64,
         to_guest: bool,
         status_at: u64,
+        check_first: bool,
     ) -> Outcome {
         let started = self.pass_clock();
         let mut total: u64 = 0;
         for b in data {
-            if b.write != to_guest {
+            // A zero-length descriptor moves nothing, whichever way it points.
+            if b.write != to_guest && b.len > 0 {
                 return Error::BadChain(format!(
                     "data buffer at {:#x} is {} for a {}",
                     b.addr,
@@ -160,18 +165,17 @@ impl Blk {
         };
         let (guard, fixed, iov, pages, held) = match kept {
             Pages::Held(guard) => {
-                // The data buffers are the chain's second to last but one: the guard's
-                // buffers 1..
+                // The data buffers are the guard's buffers `first..`.
                 let mut iov = self.iovs.take();
                 iov.extend(
-                    (1..=data.len())
+                    (first..first + data.len())
                         .flat_map(|i| guard.buffer(i))
                         .map(|s| libc::iovec {
                             iov_base: s.hva.0 as usize as *mut libc::c_void,
                             iov_len: s.len as usize,
                         }),
                 );
-                let pages = guard.buffer_pages(1..data.len() + 1);
+                let pages = guard.buffer_pages(first..first + data.len());
                 (Some(guard), None, iov, pages, pages)
             }
             Pages::Chunk(claim, iov) => {
@@ -207,13 +211,13 @@ impl Blk {
             return self.settle(q, ready, Ok(total));
         }
         let offset = sector * SECTOR;
-        if !self.disk.fits(&ready.iov, offset, total) {
+        if check_first || !self.disk.fits(&ready.iov, offset, total) {
             if ready.fixed.is_some() {
                 if let Some(f) = self.fixed.as_mut() {
                     f.uncount_fixed();
                 }
             }
-            let moved = self.bounce(q, dma, data, offset, to_guest, total);
+            let moved = self.bounce(q, dma, data, offset, to_guest, total, check_first);
             return self.settle(q, ready, moved);
         }
         Outcome::Ready(ready)
@@ -230,9 +234,13 @@ impl Blk {
         ready: Ready,
         moved: Result<u64>,
     ) -> u32 {
-        let status_at = ready.status_at;
+        let status = Status {
+            at: ready.status_at,
+            // A read's data are the writable bytes before its status byte; a write has none.
+            before: if ready.to_guest { ready.total } else { 0 },
+        };
         let outcome = self.settle(q, ready, moved);
-        self.finish(q, dma, Some(status_at), outcome)
+        self.finish(q, dma, Some(status), outcome)
     }
 
     /// What a read or write that moved `moved` came to: counted, its guard (if held) and its
@@ -462,6 +470,12 @@ impl Blk {
                 f.count_fallback();
                 None
             }
+            // Nothing moved before the end: the image ended there (the ordinary ways say the
+            // same).
+            Some(Ok(0)) if ready.total > 0 => Some(Err(crate::disk::image_ended(
+                if ready.to_guest { "read" } else { "write" },
+                offset,
+            ))),
             Some(Ok(n)) if n > 0 && n < ready.total => {
                 crate::disk::advance(&mut ready.iov, n as usize);
                 // SAFETY: as above: the rest of the same held memory.
@@ -491,9 +505,15 @@ impl Blk {
         c.evict_busy.add(d.evict_busy);
     }
 
-    /// Moves a transfer whose buffers `O_DIRECT` cannot take as they are through an aligned
-    /// buffer of our own: guest memory is copied with `dma_read` / `dma_write` (the pages stay
-    /// held meanwhile), the file is read or written whole from the buffer.
+    /// Moves a transfer through an aligned buffer of our own, when the kernel cannot be handed
+    /// the guest's buffers as they are: an `O_DIRECT` image and buffers not aligned as it needs,
+    /// or a write of sector 0 whose first 512 bytes must be checked (`check_first`, the
+    /// `guard_first_sector` option: checked in the copy that is then written, so the guest
+    /// cannot change them between the check and the write, as it could in its own memory).
+    /// Guest memory is copied with `dma_read` / `dma_write` (the pages stay held meanwhile),
+    /// the file read or written from the buffer, [`BOUNCE_MAX`] bytes at a time: however
+    /// large a request a guest makes, it costs the back end no more memory than that.
+    #[allow(clippy::too_many_arguments)]
     fn bounce(
         &mut self,
         q: u16,
@@ -502,45 +522,79 @@ impl Blk {
         offset: u64,
         to_guest: bool,
         total: u64,
+        check_first: bool,
     ) -> Result<u64> {
-        let a = self
-            .disk
-            .direct()
-            .expect("only an O_DIRECT image refuses a transfer");
-        if offset % a.offset != 0 || total % a.offset != 0 {
+        let (block, align) = match self.disk.direct() {
+            Some(a) => (
+                a.offset,
+                a.memory.max(a.offset).next_power_of_two() as usize,
+            ),
+            None => (SECTOR, memvisor::PAGE_4K as usize),
+        };
+        if offset % block != 0 || total % block != 0 {
             return Err(Error::BadChain(format!(
-                "transfer of {total} bytes at byte {offset} is not whole {}-byte blocks of the \
-                 O_DIRECT image (the device's blk_size)",
-                a.offset
+                "transfer of {total} bytes at byte {offset} is not whole {block}-byte blocks of the \
+                 O_DIRECT image (the device's blk_size)"
             )));
         }
-        let align = a.memory.max(a.offset).next_power_of_two() as usize;
-        let mut buf = AlignedBuf::new(total as usize, align).ok_or_else(|| {
+        // Whole blocks, so each window is a transfer O_DIRECT takes.
+        let window = total.min(BOUNCE_MAX.max(block) / block * block);
+        let mut buf = AlignedBuf::new(window as usize, align).ok_or_else(|| {
             Error::Invalid(format!(
-                "cannot allocate a {total}-byte bounce buffer aligned to {align}"
+                "cannot allocate a {window}-byte bounce buffer aligned to {align}"
             ))
         })?;
-        let bytes = buf.as_mut_slice();
-        if to_guest {
-            self.disk.read_at(bytes, offset)?;
-        }
-        let mut pos = 0usize;
-        for b in data.iter().filter(|b| b.len > 0) {
-            let piece = &mut bytes[pos..pos + b.len as usize];
+        let mut pieces = data.iter().filter(|b| b.len > 0);
+        // Where the copy stands in the data buffers: the current one and how far into it.
+        let mut piece = pieces.next();
+        let mut into: u64 = 0;
+        let mut done: u64 = 0;
+        while done < total {
+            let n = window.min(total - done);
+            let bytes = &mut buf.as_mut_slice()[..n as usize];
             if to_guest {
-                dma.dma_write(Iova(b.addr), piece)?;
-            } else {
-                dma.dma_read(Iova(b.addr), piece)?;
+                self.disk.read_at(bytes, offset + done)?;
             }
-            pos += b.len as usize;
-        }
-        if !to_guest {
-            self.disk.write_at(bytes, offset)?;
+            let mut pos = 0usize;
+            while pos < bytes.len() {
+                let b = piece.expect("the data buffers hold `total` bytes");
+                let take = ((u64::from(b.len) - into) as usize).min(bytes.len() - pos);
+                let at = Iova(b.addr + into);
+                let part = &mut bytes[pos..pos + take];
+                if to_guest {
+                    dma.dma_write(at, part)?;
+                } else {
+                    dma.dma_read(at, part)?;
+                }
+                pos += take;
+                into += take as u64;
+                if into == u64::from(b.len) {
+                    piece = pieces.next();
+                    into = 0;
+                }
+            }
+            if check_first && done == 0 {
+                let first = &bytes[..bytes.len().min(SECTOR as usize)];
+                if let Some(format) = crate::image_format::probe(first) {
+                    return Err(Error::BadChain(format!(
+                        "refused a write of sector 0 that carries a {format} header: the \
+                         image was probed as raw (say format=raw to allow it)"
+                    )));
+                }
+            }
+            if !to_guest {
+                self.disk.write_at(bytes, offset + done)?;
+            }
+            done += n;
         }
         self.count(q).bounced.add(1);
         Ok(total)
     }
 }
+
+/// The most a bounced transfer copies at a time ([`Blk::bounce`]): the back end's memory for
+/// one, whatever the request's size.
+const BOUNCE_MAX: u64 = 1 << 20;
 
 /// Nanoseconds from `from` to `to` (0 if `to` is earlier).
 pub(super) fn ns_between(from: Instant, to: Instant) -> u64 {

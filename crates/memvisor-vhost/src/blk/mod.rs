@@ -1,7 +1,8 @@
 //! virtio-blk over a raw image: a file or a host block device ([`crate::disk`]).
 //!
 //! A request is one descriptor chain: a 16-byte header the driver wrote (type, reserved,
-//! sector), data buffers, and a status byte the device writes last. Supported: `IN` (read),
+//! sector), data buffers, and a status byte the device writes last, laid out in descriptors
+//! however the driver likes (`request::frame` cuts them apart). Supported: `IN` (read),
 //! `OUT` (write), `FLUSH`, `GET_ID`, and on a writable disk `WRITE_ZEROES` and (where the
 //! storage can) `DISCARD`, limits in the config space; anything else is answered `UNSUPP`.
 //!
@@ -145,7 +146,8 @@ pub struct BlkOptions {
     /// ([`crate::image_format::probe`]), as QEMU does for an image it probed as raw: set it when
     /// the image's format was probed rather than given (`format=raw`), so a guest cannot turn
     /// its raw disk into an image that the next program to probe it reads as qcow2, with a
-    /// backing file of the guest's choosing.
+    /// backing file of the guest's choosing. Such a write is copied out of guest memory and
+    /// checked in the copy that is written, so the guest cannot change it after the check.
     pub guard_first_sector: bool,
     /// Reads and writes go out as io_uring fixed transfers (`READ_FIXED` / `WRITE_FIXED`)
     /// through guest memory registered in 2 MiB chunks (module `blk::fixed`): no page pinning per

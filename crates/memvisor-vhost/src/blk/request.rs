@@ -1,10 +1,18 @@
 //! One request: the chain's header, what the request asks for, and how it ends.
 //!
 //! A chain is a 16-byte header the driver wrote (type, reserved, sector), data buffers, and a
-//! status byte the device writes last — the last byte of the last descriptor. The request's
-//! buffers were held in one walk before it gets here (`device`); [`Blk::request`] reads the
-//! header and carries out what it names, or hands a read or write to `io`. Whatever happens
-//! becomes one [`Outcome`]; [`Blk::finish`] counts it and writes the status byte.
+//! status byte the device writes last — the last byte of the chain. Those are byte streams, not
+//! descriptors: a driver may put the header and a write's data in one descriptor, a read's data
+//! and the status byte in one, or a header in two (VIRTIO 1.2, 2.6.4, "Message Framing": the
+//! device must not assume how descriptors are arranged). So a chain is first cut where the
+//! header ends and where the status byte begins ([`frame`]); every step after it (the throttle,
+//! the walk that holds or claims the pages, the request) sees header descriptors, data
+//! descriptors and one 1-byte status descriptor. The chain every known driver sends (a
+//! 16-byte header descriptor, a 1-byte status descriptor) is recognised without a change.
+//!
+//! The request's buffers were held in one walk before it gets here (`device`); [`Blk::request`]
+//! reads the header and carries out what it names, or hands a read or write to `io`. Whatever
+//! happens becomes one [`Outcome`]; [`Blk::finish`] counts it and writes the status byte.
 
 use memvisor::{DmaSpace, Iova};
 use virtio_bindings::virtio_blk::{
@@ -14,7 +22,7 @@ use virtio_bindings::virtio_blk::{
 
 use super::io::{Pages, Ready, ns_between};
 use super::stats::Op;
-use super::{Blk, S_IOERR, S_OK, S_UNSUPP, SECTOR};
+use super::{Blk, S_IOERR, S_OK, S_UNSUPP};
 use crate::error::Error;
 use crate::ring::Desc as Buf;
 
@@ -46,20 +54,120 @@ impl From<Error> for Outcome {
     }
 }
 
+/// Where a framed chain's request lies ([`frame`]): the number of descriptors its 16-byte
+/// header takes (the data descriptors follow them, and the last descriptor is the status
+/// byte), or why the chain holds no request.
+pub(super) type Framing = std::result::Result<usize, String>;
+
+/// Cuts the descriptors of a chain (in order, as the ring gave them) where its 16-byte header
+/// ends and where its status byte, the chain's last device-writable byte, begins, so that the
+/// header, the data and the status byte each have descriptors of their own. Zero-length
+/// descriptors are dropped on the way, and header pieces side by side in memory are joined.
+/// The chain's bytes are unchanged: only where descriptors begin and end. A chain with no
+/// writable byte is left with no status descriptor ([`Blk::request`] says so); one whose
+/// readable bytes are fewer than 16, or that has a readable descriptor after a writable one
+/// (VIRTIO 1.2, 2.7.4: writable descriptors come last), is an error.
+pub(super) fn frame(bufs: &mut Vec<Buf>) -> Framing {
+    // What every known driver sends: nothing to cut.
+    if let (Some(h), Some(s)) = (bufs.first(), bufs.last()) {
+        if bufs.len() >= 2 && !h.write && h.len == 16 && s.write && s.len == 1 {
+            return Ok(1);
+        }
+    }
+    bufs.retain(|b| b.len > 0);
+    let readable = bufs.iter().take_while(|b| !b.write).count();
+    if bufs[readable..].iter().any(|b| !b.write) {
+        return Err("a device-readable descriptor follows a device-writable one".into());
+    }
+    // The status byte: a descriptor of its own at the last writable byte (none if the last
+    // byte lies past the address space: `request` then finds no status byte).
+    if let Some(last) = bufs.last().copied().filter(|b| b.write && b.len > 1) {
+        if let Some(at) = last.addr.checked_add(u64::from(last.len) - 1) {
+            let n = bufs.len();
+            bufs[n - 1].len -= 1;
+            bufs.push(Buf {
+                addr: at,
+                len: 1,
+                write: true,
+            });
+        }
+    }
+    // The header: the first 16 readable bytes.
+    let mut need: u32 = 16;
+    let mut pieces = 0;
+    while need > 0 {
+        if pieces == readable {
+            return Err(format!(
+                "{} readable bytes before the writable ones: no 16-byte header",
+                16 - need
+            ));
+        }
+        let b = bufs[pieces];
+        if b.len > need {
+            let Some(rest) = b.addr.checked_add(u64::from(need)) else {
+                return Err(format!(
+                    "header descriptor at {:#x} wraps the address space",
+                    b.addr
+                ));
+            };
+            bufs[pieces].len = need;
+            bufs.insert(
+                pieces + 1,
+                Buf {
+                    addr: rest,
+                    len: b.len - need,
+                    write: false,
+                },
+            );
+            need = 0;
+        } else {
+            need -= b.len;
+        }
+        pieces += 1;
+    }
+    while pieces > 1 && bufs[0].addr.checked_add(u64::from(bufs[0].len)) == Some(bufs[1].addr) {
+        bufs[0].len += bufs[1].len;
+        bufs.remove(1);
+        pieces -= 1;
+    }
+    Ok(pieces)
+}
+
+/// Reads a request's 16-byte header from its header descriptors (`frame`'s first ones).
+pub(super) fn read_header(dma: &DmaSpace, pieces: &[Buf]) -> memvisor::Result<[u8; 16]> {
+    let mut hdr = [0u8; 16];
+    let mut at = 0;
+    for b in pieces {
+        let n = (b.len as usize).min(hdr.len() - at);
+        dma.dma_read(Iova(b.addr), &mut hdr[at..at + n])?;
+        at += n;
+    }
+    Ok(hdr)
+}
+
+/// A chain's status byte: its address, and the writable bytes before it (a read's data, a
+/// `GET_ID` buffer), which the used length counts only when all of them were written.
+#[derive(Clone, Copy)]
+pub(super) struct Status {
+    pub at: u64,
+    pub before: u64,
+}
+
 impl Blk {
-    /// Starts one request chain whose buffers `held` keeps (or could not hold). Returns the
-    /// address of its status byte (`None`: the chain has none) and what became of it.
+    /// Starts one request chain, framed (`framing`), whose buffers `held` keeps (or could not
+    /// hold). Returns its status byte (`None`: the chain has none) and what became of it.
     pub(super) fn request(
         &mut self,
         q: u16,
         dma: &DmaSpace,
         bufs: &[Buf],
+        framing: &Framing,
         held: Result<Pages, Failure>,
-    ) -> (Option<u64>, Outcome) {
-        // The status byte is the last byte of the last descriptor; a descriptor that runs past
-        // the top of the address space has none (its end would wrap to a low address the chain
-        // never named).
-        let Some(status_at) = bufs
+    ) -> (Option<Status>, Outcome) {
+        // The status byte is the last descriptor's last byte (`frame` made it one byte long);
+        // a descriptor that runs past the top of the address space has none (its end would
+        // wrap to a low address the chain never named).
+        let Some(at) = bufs
             .last()
             .filter(|b| b.write && b.len >= 1 && bufs.len() >= 2)
             .and_then(|b| b.addr.checked_add(u64::from(b.len) - 1))
@@ -70,39 +178,41 @@ impl Blk {
             );
             return (None, Error::BadChain(why).into());
         };
+        let last = bufs.len() - 1;
+        let status = Status {
+            at,
+            before: bufs[..last]
+                .iter()
+                .filter(|b| b.write)
+                .map(|b| u64::from(b.len))
+                .sum(),
+        };
+        let header = match framing {
+            Ok(header) => *header,
+            Err(why) => return (Some(status), Error::BadChain(why.clone()).into()),
+        };
         let outcome = match held {
-            Ok(guard) => self.serve(q, dma, &bufs[0], &bufs[1..bufs.len() - 1], guard, status_at),
+            Ok(guard) => self.serve(q, dma, &bufs[..header], &bufs[header..last], guard, at),
             Err(f) => Outcome::Failed(f),
         };
-        (Some(status_at), outcome)
+        (Some(status), outcome)
     }
 
-    /// Carries out the request of header descriptor `hdr_buf` with `data` buffers.
+    /// Carries out the request of header descriptors `hdr_bufs` with `data` buffers (the
+    /// walk's buffers from `hdr_bufs.len()` on).
     fn serve(
         &mut self,
         q: u16,
         dma: &DmaSpace,
-        hdr_buf: &Buf,
+        hdr_bufs: &[Buf],
         data: &[Buf],
         kept: Pages,
         status_at: u64,
     ) -> Outcome {
-        if hdr_buf.write || hdr_buf.len < 16 {
-            return Error::BadChain(format!(
-                "first descriptor ({} bytes, {}) is not a 16-byte readable header",
-                hdr_buf.len,
-                if hdr_buf.write {
-                    "writable"
-                } else {
-                    "readable"
-                }
-            ))
-            .into();
-        }
-        let mut hdr = [0u8; 16];
-        if let Err(e) = dma.dma_read(Iova(hdr_buf.addr), &mut hdr) {
-            return Error::from(e).into();
-        }
+        let hdr = match read_header(dma, hdr_bufs) {
+            Ok(hdr) => hdr,
+            Err(e) => return Error::from(e).into(),
+        };
         let kind = u32::from_le_bytes(hdr[0..4].try_into().expect("4"));
         let sector = u64::from_le_bytes(hdr[8..16].try_into().expect("8"));
         match kind {
@@ -111,26 +221,25 @@ impl Blk {
                 if !to_guest && self.options.read_only {
                     return Error::BadChain("write to a read-only disk".into()).into();
                 }
-                if !to_guest && sector == 0 && self.options.guard_first_sector {
-                    match first_sector_format(dma, data) {
-                        Ok(Some(format)) => {
-                            log::warn!(
-                                "blk: refused a write of sector 0 that carries a {format} \
-                                 header: the image was probed as raw (say format=raw to allow it)"
-                            );
-                            self.count(q).failed.add(1);
-                            return Outcome::Done(S_IOERR, 0);
-                        }
-                        Ok(None) => {}
-                        Err(e) => return e.into(),
-                    }
-                }
+                // A write of sector 0 with the guard on is checked in the copy that is written
+                // (`Blk::bounce`), never in guest memory the guest may change after the check.
+                let check_first = !to_guest && sector == 0 && self.options.guard_first_sector;
                 // A read or write that goes: its claim (made before the header was read)
                 // counts in the fixed / ordinary / fallback shares; no other request's does.
                 if let Some(f) = self.fixed.as_mut() {
                     f.tally();
                 }
-                self.transfer(q, dma, data, kept, sector, to_guest, status_at)
+                self.transfer(
+                    q,
+                    dma,
+                    hdr_bufs.len(),
+                    data,
+                    kept,
+                    sector,
+                    to_guest,
+                    status_at,
+                    check_first,
+                )
             }
             VIRTIO_BLK_T_FLUSH => {
                 // Timed on its own (two clock reads): a flush is its fdatasync, which takes
@@ -155,18 +264,26 @@ impl Blk {
                 }
             }
             VIRTIO_BLK_T_GET_ID => {
-                let Some(b) = data.first().filter(|b| b.write) else {
+                // The id fills the first 20 writable bytes, across descriptors.
+                if data.first().is_none_or(|b| !b.write) {
                     return Error::BadChain("GET_ID without a writable buffer".into()).into();
-                };
+                }
                 let mut id = [0u8; ID_BYTES];
                 let s = self.options.serial.as_bytes();
                 let n = s.len().min(ID_BYTES);
                 id[..n].copy_from_slice(&s[..n]);
-                let n = (b.len as usize).min(ID_BYTES);
-                match dma.dma_write(Iova(b.addr), &id[..n]) {
-                    Ok(()) => Outcome::Done(S_OK, n as u32),
-                    Err(e) => Error::from(e).into(),
+                let mut put = 0;
+                for b in data.iter().take_while(|b| b.write) {
+                    if put == ID_BYTES {
+                        break;
+                    }
+                    let n = (b.len as usize).min(ID_BYTES - put);
+                    if let Err(e) = dma.dma_write(Iova(b.addr), &id[put..put + n]) {
+                        return Error::from(e).into();
+                    }
+                    put += n;
                 }
+                Outcome::Done(S_OK, put as u32)
             }
             other => {
                 log::debug!("blk: request type {other} not supported");
@@ -176,14 +293,16 @@ impl Blk {
         }
     }
 
-    /// Ends a request: counts a failure, writes the status byte at `status_at` (if the chain
-    /// has one); returns the bytes written into the chain. Not for [`Outcome::Ready`], which
-    /// ends when the kernel is done with it ([`Blk::end_transfer`]).
+    /// Ends a request: counts a failure, writes the status byte (if the chain has one);
+    /// returns the used length: the bytes written from the chain's first writable byte on
+    /// without a gap (VIRTIO 1.2, 2.7.8: never more than the device wrote there), so the
+    /// status byte counts only after all the writable bytes before it. Not for
+    /// [`Outcome::Ready`], which ends when the kernel is done with it ([`Blk::end_transfer`]).
     pub(super) fn finish(
         &mut self,
         q: u16,
         dma: &DmaSpace,
-        status_at: Option<u64>,
+        status: Option<Status>,
         outcome: Outcome,
     ) -> u32 {
         let (code, written) = match outcome {
@@ -211,31 +330,16 @@ impl Blk {
                 (S_IOERR, 0)
             }
         };
-        let Some(status_at) = status_at else {
+        let Some(status) = status else {
             return 0;
         };
-        match dma.dma_write(Iova(status_at), &[code]) {
-            Ok(()) => written + 1,
+        match dma.dma_write(Iova(status.at), &[code]) {
+            Ok(()) if u64::from(written) == status.before => written + 1,
+            Ok(()) => written,
             Err(e) => {
-                log::warn!("blk: cannot write the status byte at {status_at:#x}: {e}");
+                log::warn!("blk: cannot write the status byte at {:#x}: {e}", status.at);
                 written
             }
         }
     }
-}
-
-/// The format whose header the first sector a write carries would begin with (the first 512
-/// bytes of its data buffers), if any.
-fn first_sector_format(dma: &DmaSpace, data: &[Buf]) -> Result<Option<&'static str>, Error> {
-    let mut head = [0u8; SECTOR as usize];
-    let mut got = 0;
-    for b in data {
-        if got == head.len() {
-            break;
-        }
-        let n = (b.len as usize).min(head.len() - got);
-        dma.dma_read(Iova(b.addr), &mut head[got..got + n])?;
-        got += n;
-    }
-    Ok(crate::image_format::probe(&head[..got]))
 }
