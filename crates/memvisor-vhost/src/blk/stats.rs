@@ -130,10 +130,12 @@ pub struct BlkStats {
     /// Of those, reads and writes whose guest pages could not be held (a buffer that left
     /// guest memory meanwhile; never a host limit: holds lock nothing).
     pub pin_errors: u64,
-    /// Chains whose head named an indirect descriptor table.
+    /// Chains read through an indirect descriptor table (named by their head, or by the
+    /// descriptor that ends their direct part).
     pub indirect: u64,
-    /// Transfers copied through an aligned buffer: the image is `O_DIRECT` and the guest's
-    /// buffers were not aligned as it needs.
+    /// Transfers copied through a buffer of the back end's own: the image is `O_DIRECT` and
+    /// the guest's buffers were not aligned as it needs, or a write of sector 0 checked with
+    /// `guard_first_sector` (checked in the copy that is written).
     pub bounced: u64,
     /// Discard requests carried out.
     pub discards: u64,
