@@ -343,3 +343,66 @@ impl Blk {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::{Buf, frame};
+
+    /// The chain's bytes in order: each byte's address and direction.
+    fn bytes(bufs: &[Buf]) -> Vec<(u64, bool)> {
+        bufs.iter()
+            .flat_map(|b| (0..u64::from(b.len)).map(move |i| (b.addr + i, b.write)))
+            .collect()
+    }
+
+    /// Chains of up to 10 descriptors, 0 to 40 bytes each, 4 KiB apart, readable first and then
+    /// writable (or, one time in four, in any order).
+    fn chains() -> impl Strategy<Value = Vec<Buf>> {
+        (
+            prop::collection::vec((0u32..40, any::<bool>()), 1..10),
+            0usize..10,
+            0u8..4,
+        )
+            .prop_map(|(descs, split, shuffle)| {
+                descs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (len, w))| Buf {
+                        addr: 0x1000 * (i as u64 + 1),
+                        len,
+                        write: if shuffle == 0 { w } else { i >= split },
+                    })
+                    .collect()
+            })
+    }
+
+    proptest! {
+        /// `frame` moves no byte: the chain's bytes are the same, in the same order; the header
+        /// is its first 16 readable bytes, in readable descriptors; the status byte is the
+        /// last writable byte, in a descriptor of its own. A chain with too few readable bytes
+        /// or a readable byte after a writable one is refused.
+        #[test]
+        fn framing_cuts_descriptors_and_moves_no_byte(chain in chains()) {
+            let before = bytes(&chain);
+            let mut framed = chain.clone();
+            let result = frame(&mut framed);
+            let readable = before.iter().take_while(|b| !b.1).count();
+            let ordered = before[readable..].iter().all(|b| b.1);
+            match result {
+                Ok(header) => {
+                    prop_assert!(ordered && readable >= 16, "framed {chain:?}");
+                    prop_assert_eq!(bytes(&framed), before.clone());
+                    prop_assert!(framed[..header].iter().all(|b| !b.write));
+                    prop_assert_eq!(framed[..header].iter().map(|b| b.len).sum::<u32>(), 16);
+                    if before.last().is_some_and(|b| b.1) {
+                        let last = framed.last().unwrap();
+                        prop_assert_eq!((last.addr, last.len, last.write), (before.last().unwrap().0, 1, true));
+                    }
+                }
+                Err(_) => prop_assert!(!ordered || readable < 16, "refused {chain:?}"),
+            }
+        }
+    }
+}
