@@ -106,8 +106,10 @@ impl<D: Device + 'static> Backend<D> {
             req::REM_MEM_REG => {
                 // QEMU attaches a descriptor it need not; it is closed with the message.
                 let r = proto::single_region(request, p)?;
-                self.stop_rings_in(r.gpa, r.size);
+                // Removed first: a refused removal leaves the rings running. Nothing reads a
+                // ring between the two (no request is in flight while a message is handled).
                 self.memory_mut().remove(r)?;
+                self.stop_rings_in(r.gpa, r.size);
                 self.record_table();
                 Ok(None)
             }
@@ -227,6 +229,13 @@ impl<D: Device + 'static> Backend<D> {
                 v.kick = None;
                 v.queue = None;
                 v.base = next;
+                // A start still waiting for the IOTLB is called off too: stopped means no
+                // later update may start the ring.
+                v.pending = None;
+                v.pending_kick = None;
+                v.miss_deadline = None;
+                v.missing_since = None;
+                v.awaiting.clear();
                 Ok(Some(proto::vring_state_bytes(i, next as u32)))
             }
             req::SET_VRING_KICK | req::SET_VRING_CALL | req::SET_VRING_ERR => {
@@ -260,9 +269,15 @@ impl<D: Device + 'static> Backend<D> {
                                 why: "polling rings are not supported".into(),
                             });
                         };
-                        if self.vrings[i as usize].pending.is_some() {
+                        let v = &mut self.vrings[i as usize];
+                        if v.pending.is_some() {
                             // Waiting for the IOTLB to translate the ring: start on the update.
-                            self.vrings[i as usize].pending_kick = Some(kick);
+                            v.pending_kick = Some(kick);
+                        } else if v.started && v.queue.is_some() {
+                            // A new eventfd for a running ring: only the fd changes. Starting
+                            // it again would take it back to its SET_VRING_BASE and serve
+                            // requests already served.
+                            v.kick = Some(kick);
                         } else {
                             self.start_ring(i as usize, kick)?;
                         }
@@ -305,7 +320,16 @@ impl<D: Device + 'static> Backend<D> {
             }
             req::SET_BACKEND_REQ_FD => {
                 let fd = msg.take_fd("the back-end channel")?;
-                self.backend_req = Some(UnixStream::from(fd));
+                let ch = UnixStream::from(fd);
+                // A frontend that stops reading its channel must not stop the back end: a
+                // message that cannot go within the wait gives the channel up
+                // (`Backend::send_backend_req`).
+                ch.set_write_timeout(Some(BACKEND_REQ_WAIT))
+                    .map_err(|source| Error::Os {
+                        op: "setsockopt(SO_SNDTIMEO) on the back-end channel",
+                        source,
+                    })?;
+                self.backend_req = Some(ch);
                 Ok(None)
             }
             req::SET_LOG_BASE => {

@@ -65,6 +65,10 @@ use std::sync::Arc;
 /// ([`Vring::miss_deadline_now`]).
 const MISS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How long a message on the back-end channel may wait for the frontend to take it before the
+/// channel is given up ([`Backend::send_backend_req`]).
+const BACKEND_REQ_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// What the back end offers by itself.
 const PROTOCOL: u64 = protocol::MQ
     | protocol::REPLY_ACK
@@ -611,6 +615,11 @@ impl<D: Device + 'static> Backend<D> {
                     self.device.name(),
                     req::name(request)
                 );
+                if request == req::GET_CONFIG {
+                    // vhost-user.rst: "vhost-user back-end uses zero length of payload to
+                    // indicate an error to the vhost-user front-end".
+                    return wire::reply(sock, request, &[]);
+                }
                 if has_reply(request) {
                     // The frontend waits for data we cannot give: the conversation is over.
                     return Err(e);
@@ -675,7 +684,14 @@ impl<D: Device + 'static> Backend<D> {
             if misses.is_empty() {
                 self.vrings[i].pending = None;
                 if let Some(kick) = self.vrings[i].pending_kick.take() {
-                    self.start_ring(i, kick)?;
+                    // A ring that cannot start fails alone (told on its error eventfd): the
+                    // update that let it try was applied, and is answered so.
+                    if let Err(e) = self.start_ring(i, kick) {
+                        log::warn!("{}: ring {i} not started: {e}", self.device.name());
+                        if let Some(err) = &mut self.vrings[i].err {
+                            let _ = err.write(&1u64.to_le_bytes());
+                        }
+                    }
                 }
             } else {
                 self.send_misses(None, &misses);
@@ -733,15 +749,30 @@ impl<D: Device + 'static> Backend<D> {
         let Some(iova) = first else {
             return;
         };
-        let Some(ch) = self.backend_req.as_ref() else {
+        if self.backend_req.is_none() {
             log::warn!(
                 "{}: IOTLB miss at iova {iova:#x} but no back-end channel to ask on",
                 self.device.name()
             );
             return;
+        }
+        self.send_backend_req(&b, "IOTLB miss message");
+    }
+
+    /// Writes `bytes` (whole messages) on the back-end channel. One the frontend does not take
+    /// within [`BACKEND_REQ_WAIT`] (it stopped reading) gives the channel up: a message may
+    /// have gone in part, and nothing after it could be told apart; the back end goes on
+    /// without it (misses then fail their requests at their deadline, as with no channel).
+    fn send_backend_req(&mut self, bytes: &[u8], what: &str) {
+        let Some(ch) = self.backend_req.as_ref() else {
+            return;
         };
-        if let Err(e) = (&*ch).write_all(&b) {
-            log::warn!("{}: IOTLB miss message: {e}", self.device.name());
+        if let Err(e) = (&*ch).write_all(bytes) {
+            log::warn!(
+                "{}: {what} on the back-end channel: {e}; the channel is given up",
+                self.device.name()
+            );
+            self.backend_req = None;
         }
     }
 
@@ -772,13 +803,13 @@ impl<D: Device + 'static> Backend<D> {
     /// `CONFIG_CHANGE_MSG` on the back-end channel, if the frontend opened one.
     fn notify_config_change(&mut self) -> Result<()> {
         let wanted = protocol::BACKEND_REQ | protocol::CONFIG;
-        let Some(ch) = self.backend_req.as_ref() else {
+        if self.backend_req.is_none() {
             log::info!(
                 "{}: config changed, but the frontend has no back-end channel to hear it",
                 self.device.name()
             );
             return Ok(());
-        };
+        }
         if self.protocol_acked & wanted != wanted {
             return Ok(());
         }
@@ -788,9 +819,7 @@ impl<D: Device + 'static> Backend<D> {
             size: 0,
         }
         .bytes();
-        if let Err(e) = (&*ch).write_all(&b) {
-            log::warn!("{}: config change message: {e}", self.device.name());
-        }
+        self.send_backend_req(&b, "config change message");
         Ok(())
     }
 
@@ -982,8 +1011,12 @@ impl<D: Device + 'static> Backend<D> {
             let inside =
                 |(d, a, u): (u64, u64, u64)| [d, a, u].iter().any(|x| x.wrapping_sub(gpa) < size);
             if v.addr.is_some_and(inside) {
+                // Where it got to is kept: GET_VRING_BASE answers it, and a restart goes on
+                // from there, not from the last SET_VRING_BASE.
+                if let Some(q) = v.queue.take() {
+                    v.base = q.next_avail();
+                }
                 v.started = false;
-                v.queue = None;
             }
         }
     }
