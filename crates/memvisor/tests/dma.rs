@@ -626,21 +626,27 @@ fn errnos_and_their_order_follow_type1() {
     d.map_backing(Iova(2 * PAGE), &b, PAGE, PAGE, Prot::WRITE)
         .unwrap();
     // vfio_dma_do_map: overlap (EEXIST) before the entry limit (ENOSPC) before the valid
-    // IOVA ranges (EINVAL).
+    // IOVA ranges (EINVAL). `check_map` answers each as the map does, mapping nothing.
     let far = Iova(1 << 40);
     assert_eq!(
         errno(d.map_backing(Iova(0), &b, 0, PAGE, Prot::RW)),
         libc::EEXIST
     );
+    assert_eq!(errno(d.check_map(Iova(0), PAGE, Prot::RW)), libc::EEXIST);
     assert_eq!(
         errno(d.map_backing(far, &b, 0, PAGE, Prot::RW)),
         libc::ENOSPC
     );
+    assert_eq!(errno(d.check_map(far, PAGE, Prot::RW)), libc::ENOSPC);
     d.unmap(Iova(2 * PAGE), PAGE).unwrap();
     assert_eq!(
         errno(d.map_backing(far, &b, 0, PAGE, Prot::RW)),
         libc::EINVAL
     );
+    assert_eq!(errno(d.check_map(far, PAGE, Prot::RW)), libc::EINVAL);
+    assert_eq!(errno(d.check_map(Iova(PAGE), 0, Prot::RW)), libc::EINVAL);
+    d.check_map(Iova(2 * PAGE), PAGE, Prot::RW).unwrap();
+    assert_eq!(d.len(), 1, "check_map maps nothing");
     // vfio_dma_rw: nothing mapped or nothing to copy is EINVAL; a CPU write needs READ too.
     d.map_backing(Iova(2 * PAGE), &b, PAGE, PAGE, Prot::WRITE)
         .unwrap();

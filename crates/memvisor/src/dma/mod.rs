@@ -476,6 +476,29 @@ impl DmaSpace {
         self.insert_one(iova, size, prot, Memory::Local(host))
     }
 
+    /// Type1's checks of a new mapping of `[iova, iova + size)` with `prot`, in type1's order,
+    /// without making it: EINVAL for size 0, a misaligned or wrapping range or no access;
+    /// EEXIST where it overlaps a mapping; ENOSPC past [`DmaConfig::max_mappings`]; EINVAL
+    /// outside the allowed ranges. For a caller that must set up the memory before it maps it
+    /// (a vfio-user server mapping a client's file): a map that type1 would refuse for its
+    /// range is refused before that, and with type1's errno. The map checks again.
+    pub fn check_map(&self, iova: Iova, size: u64, prot: Prot) -> Result<()> {
+        let range = self.check_new_range(iova, size, prot)?;
+        let count = {
+            let snap = self.shared.current.load();
+            if let Err(pos) = snap.map.place(range.start().0, range.last().0) {
+                let (start, last, _) = snap.map.bounds(pos);
+                return Err(overlap(range, start, last));
+            }
+            snap.map.len() as u64 + 1
+        };
+        let limit = self.shared.config.max_mappings;
+        if count > limit as u64 {
+            return Err(too_many(count, limit.into()));
+        }
+        self.check_allowed(range)
+    }
+
     /// Maps `[iova, iova + size)` to memory of a peer that this process cannot address: a
     /// vfio-user client's map without a file descriptor (memory QEMU does not share, such as
     /// ROM or private guest RAM). The mapping takes part in everything else — type1's checks
@@ -667,14 +690,7 @@ impl DmaSpace {
                     (Err(_), OnOverlap::Report) => return Ok((false, false)),
                     (Err(pos), OnOverlap::Fail) => {
                         let (start, last, _) = map.bounds(pos);
-                        return Err(Error::Overlap {
-                            what: "dma mapping",
-                            start: n.iova.start().0,
-                            last: n.iova.last().0,
-                            existing: "mapping".into(),
-                            existing_start: start,
-                            existing_last: last,
-                        });
+                        return Err(overlap(n.iova, start, last));
                     }
                 }
             }
@@ -683,12 +699,7 @@ impl DmaSpace {
             }
             let count = map.len() as u64 + new.len() as u64;
             if count > limit as u64 {
-                return Err(Error::NoSpace {
-                    what: "dma mappings",
-                    count,
-                    limit: limit.into(),
-                    hint: "unmap some or raise DmaConfig::max_mappings",
-                });
+                return Err(too_many(count, limit.into()));
             }
             self.check_allowed(range)?;
             let mut made = std::mem::take(&mut writer.made);
@@ -833,6 +844,28 @@ fn allowed_ranges(lo: Iova, hi: Iova, reserved: &[Range<Iova>]) -> Vec<(Iova, Io
         out.push((Iova(from), hi));
     }
     out
+}
+
+/// EEXIST: a new mapping `new` overlaps the mapping `[start, last]`.
+fn overlap(new: Range<Iova>, start: u64, last: u64) -> Error {
+    Error::Overlap {
+        what: "dma mapping",
+        start: new.start().0,
+        last: new.last().0,
+        existing: "mapping".into(),
+        existing_start: start,
+        existing_last: last,
+    }
+}
+
+/// ENOSPC: `count` mappings would pass the space's `limit`.
+fn too_many(count: u64, limit: u64) -> Error {
+    Error::NoSpace {
+        what: "dma mappings",
+        count,
+        limit,
+        hint: "unmap some or raise DmaConfig::max_mappings",
+    }
 }
 
 #[cfg(test)]
