@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::time::Duration;
 
@@ -70,6 +70,8 @@ pub struct Conn {
     writer: Mutex<()>,
     pending: Mutex<HashMap<u16, SyncSender<Message>>>,
     next_id: AtomicU16,
+    /// Set while the device resets ([`Conn::cancel_requests`]): requests fail at once.
+    cancelled: AtomicBool,
 }
 
 impl Conn {
@@ -80,6 +82,7 @@ impl Conn {
             writer: Mutex::new(()),
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU16::new(0x8000),
+            cancelled: AtomicBool::new(false),
         }
     }
 
@@ -131,7 +134,18 @@ impl Conn {
     pub fn request(&self, command: u16, body: &[&[u8]], timeout: Duration) -> Result<Message> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx): (SyncSender<Message>, Receiver<Message>) = sync_channel(1);
-        lock(&self.pending).insert(id, tx);
+        {
+            // Checked under the lock `cancel_requests` empties the table with: a request
+            // either sees the flag or is in the table when it is emptied.
+            let mut pending = lock(&self.pending);
+            if self.cancelled.load(Ordering::Relaxed) {
+                return Err(Error::Refused {
+                    errno: libc::ECANCELED,
+                    why: format!("{} (id {id}): the device is resetting", cmd::name(command)),
+                });
+            }
+            pending.insert(id, tx);
+        }
         let size = HEADER + body.iter().map(|p| p.len()).sum::<usize>();
         let h = Header {
             id,
@@ -160,7 +174,13 @@ impl Conn {
         let m = got?;
         if m.header.flags & flags::ERROR != 0 {
             return Err(Error::Refused {
-                errno: m.header.error as i32,
+                // vfio-user.rst: the errno "may be zero even if the Error bit is set": it
+                // failed all the same.
+                errno: if m.header.error == 0 {
+                    libc::EIO
+                } else {
+                    m.header.error as i32
+                },
                 why: format!(
                     "{}: the client answered errno {}",
                     cmd::name(command),
@@ -191,6 +211,21 @@ impl Conn {
     /// their timeout.
     pub fn fail_pending(&self) {
         lock(&self.pending).clear();
+    }
+
+    /// Fails the requests waiting for a reply and every new one, until
+    /// [`Conn::resume_requests`]: for a device reset on the thread that delivers replies,
+    /// which could not deliver the replies the device waits for while it resets.
+    pub fn cancel_requests(&self) {
+        let mut pending = lock(&self.pending);
+        self.cancelled.store(true, Ordering::Relaxed);
+        pending.clear();
+    }
+
+    /// Lets requests go again after [`Conn::cancel_requests`].
+    pub fn resume_requests(&self) {
+        let _pending = lock(&self.pending);
+        self.cancelled.store(false, Ordering::Relaxed);
     }
 
     /// Shuts the socket down, waking the server loop.

@@ -522,7 +522,14 @@ impl<D: Device> Server<D> {
             cmd::REGION_WRITE => self.region_write(&m.body),
             cmd::REGION_WRITE_MULTI => self.region_write_multi(&m.body),
             cmd::DEVICE_RESET => {
-                self.device.reset()?;
+                // The device may be waiting for replies to its own DMA_READ / DMA_WRITE, which
+                // only this thread delivers: they fail at once while it resets, or the reset
+                // would wait out each one's timeout (vfio-user.rst: never stall command
+                // processing waiting for replies on the other channel).
+                self.conn.cancel_requests();
+                let r = self.device.reset();
+                self.conn.resume_requests();
+                r?;
                 Ok(Vec::new())
             }
             cmd::DMA_READ | cmd::DMA_WRITE => Err(Error::Invalid(format!(
@@ -653,8 +660,22 @@ impl<D: Device> Server<D> {
         };
         #[cfg(feature = "test-hooks")]
         self.drop_zombies(map.iova, map.size);
-        // Type1's checks on the IOVA range come first (size 0, alignment, overlap) in
-        // map_backing; the file range is checked where it is mapped.
+        // Type1's checks on the IOVA range come first (size 0, alignment, overlap, count), as
+        // in type1, before the client's file is looked at or mapped; the file range is
+        // checked where it is mapped.
+        self.port.dma.check_map(Iova(map.iova), map.size, prot)?;
+        // A device write through a descriptor the client opened read-only would write what
+        // the client itself cannot (a mapping of the same file made for another map or
+        // another connection would otherwise let it): EACCES, as mmap gives.
+        if prot.contains(Prot::WRITE) && !writable(&fd)? {
+            return Err(Error::Refused {
+                errno: libc::EACCES,
+                why: format!(
+                    "DMA_MAP at iova {:#x} asks WRITE of a descriptor opened read-only",
+                    map.iova
+                ),
+            });
+        }
         let (backing, offset) = self.mappings.map_within(fd, map.offset, map.size)?;
         self.port
             .dma
@@ -721,16 +742,16 @@ impl<D: Device> Server<D> {
             self.record(format_args!("A"));
             b
         } else if let Some((pgsize, room)) = u.bitmap {
-            let (b, words) =
-                self.take_back(|dma| dma.unmap_get_dirty(Iova(u.iova), u.size, pgsize))?;
-            let need = (u.size / pgsize).div_ceil(8);
-            if room < need {
-                // Nothing can be undone here, so the size is checked first by the space
-                // (EINVAL for a bitmap of the wrong shape) and the room now.
+            // The room first: an unmap cannot be undone, and type1 refuses a bitmap of the
+            // wrong size before it unmaps anything (a page size of 0 is the space's to refuse).
+            let need = (u.size / pgsize.max(1)).div_ceil(8);
+            if pgsize != 0 && room < need {
                 return Err(Error::BadDma(format!(
                     "DMA_UNMAP: dirty bitmap of {room} bytes, {need} needed"
                 )));
             }
+            let (b, words) =
+                self.take_back(|dma| dma.unmap_get_dirty(Iova(u.iova), u.size, pgsize))?;
             for w in words {
                 bitmap.extend_from_slice(&w.to_le_bytes());
             }
@@ -976,3 +997,19 @@ impl<D: Device> Server<D> {
 
 /// The `DEVICE_GET_INFO` flags of a resettable PCI device.
 pub const PCI_DEVICE: u32 = device_flags::PCI | device_flags::RESET;
+
+/// Whether `fd` was opened for writing (`fcntl(F_GETFL)`).
+fn writable(fd: &OwnedFd) -> Result<bool> {
+    // SAFETY: F_GETFL reads the descriptor's flags; the descriptor is ours and open.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(Error::Refused {
+            errno: libc::EBADF,
+            why: format!(
+                "fcntl(F_GETFL) on a DMA_MAP descriptor: {}",
+                std::io::Error::last_os_error()
+            ),
+        });
+    }
+    Ok(flags & libc::O_ACCMODE != libc::O_RDONLY)
+}
