@@ -233,3 +233,19 @@ impl Conn {
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
     }
 }
+
+/// Whether `fd` was opened for writing (`fcntl(F_GETFL)`).
+pub(crate) fn opened_for_writing(fd: &OwnedFd) -> Result<bool> {
+    // SAFETY: F_GETFL reads the descriptor's flags; the descriptor is ours and open.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(Error::Refused {
+            errno: libc::EBADF,
+            why: format!(
+                "fcntl(F_GETFL) on a DMA_MAP descriptor: {}",
+                std::io::Error::last_os_error()
+            ),
+        });
+    }
+    Ok(flags & libc::O_ACCMODE != libc::O_RDONLY)
+}

@@ -660,14 +660,13 @@ impl<D: Device> Server<D> {
         };
         #[cfg(feature = "test-hooks")]
         self.drop_zombies(map.iova, map.size);
-        // Type1's checks on the IOVA range come first (size 0, alignment, overlap, count), as
-        // in type1, before the client's file is looked at or mapped; the file range is
-        // checked where it is mapped.
+        // Type1's checks on the IOVA range come first (size 0, alignment, overlap, count),
+        // before the client's file is looked at or mapped (the file range is checked there).
         self.port.dma.check_map(Iova(map.iova), map.size, prot)?;
         // A device write through a descriptor the client opened read-only would write what
         // the client itself cannot (a mapping of the same file made for another map or
         // another connection would otherwise let it): EACCES, as mmap gives.
-        if prot.contains(Prot::WRITE) && !writable(&fd)? {
+        if prot.contains(Prot::WRITE) && !crate::conn::opened_for_writing(&fd)? {
             return Err(Error::Refused {
                 errno: libc::EACCES,
                 why: format!(
@@ -997,19 +996,3 @@ impl<D: Device> Server<D> {
 
 /// The `DEVICE_GET_INFO` flags of a resettable PCI device.
 pub const PCI_DEVICE: u32 = device_flags::PCI | device_flags::RESET;
-
-/// Whether `fd` was opened for writing (`fcntl(F_GETFL)`).
-fn writable(fd: &OwnedFd) -> Result<bool> {
-    // SAFETY: F_GETFL reads the descriptor's flags; the descriptor is ours and open.
-    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 {
-        return Err(Error::Refused {
-            errno: libc::EBADF,
-            why: format!(
-                "fcntl(F_GETFL) on a DMA_MAP descriptor: {}",
-                std::io::Error::last_os_error()
-            ),
-        });
-    }
-    Ok(flags & libc::O_ACCMODE != libc::O_RDONLY)
-}
