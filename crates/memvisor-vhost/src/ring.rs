@@ -16,10 +16,12 @@
 //! - Completing head `h` ([`Ring::add_used`]): `last_batch_head = h`; the used element and the
 //!   used index are written; `desc[h].inflight = 0`; `used_idx =` the used index.
 //! - Starting ([`Ring::new`]): a log whose `used_idx` differs from the ring's used index belongs
-//!   to a back end that died between writing the used index and clearing the entry, so
-//!   `desc[last_batch_head].inflight = 0` and `used_idx` catches up. Every head still in flight is
-//!   then redone, oldest counter first, before anything new ([`Ring::resubmit`]); the next
-//!   available index is the used index plus their number.
+//!   to a back end that died between writing the used index and clearing the entries, so the
+//!   last batch's entries (from `last_batch_head`, by `next`, as many as the two indexes
+//!   differ) are cleared and `used_idx` catches up. Every head still in flight is then redone,
+//!   oldest counter first, before anything new ([`Ring::resubmit`]); the next available index
+//!   is the used index plus their number. A log naming more heads in flight than the driver
+//!   made available and did not get back is set aside.
 //!
 //! Each store is ordered after the one before it by a fence, so a back end killed between any
 //! two of them leaves a log the next one reads right. Hence a ring with a log returns chains
@@ -281,11 +283,20 @@ impl Ring {
             .used_idx(mem, Ordering::Acquire)
             .map_err(|e| Error::BadRing(format!("ring {index}: used index unreadable: {e}")))?
             .0;
-        if u16::from_le_bytes(q.read(14)) != used {
-            // Died after publishing the last completion and before clearing its entry.
-            let last = u16::from_le_bytes(q.read(12));
-            if last < q.heads {
-                q.write(InflightQueue::entry(last), &[0]);
+        let logged = u16::from_le_bytes(q.read(14));
+        if logged != used {
+            // Died after publishing its last batch of completions and before clearing their
+            // entries: the batch is `used - logged` heads, listed from `last_batch_head` by
+            // each entry's `next` (vhost-user.rst, "When reconnecting"). Ours are batches of
+            // one; another back end's may be longer.
+            let mut head = u16::from_le_bytes(q.read(12));
+            for _ in 0..used.wrapping_sub(logged).min(q.heads) {
+                if head >= q.heads {
+                    break;
+                }
+                let e: [u8; 16] = q.read(InflightQueue::entry(head));
+                q.write(InflightQueue::entry(head), &[0]);
+                head = u16::from_le_bytes([e[6], e[7]]);
             }
             q.write(14, &used.to_le_bytes());
         }
@@ -295,6 +306,26 @@ impl Ring {
                 (e[0] == 1).then(|| (u64::from_le_bytes(e[8..16].try_into().expect("8")), h))
             })
             .collect();
+        // No more can be in flight than the driver made available and has not had back: a
+        // log that says otherwise (a frontend's or a dying back end's garbage) names heads
+        // that are no requests. It is set aside, and the ring goes on from the base the
+        // frontend gave, as without a log.
+        let avail = queue
+            .avail_idx(mem, Ordering::Acquire)
+            .map_err(|e| Error::BadRing(format!("ring {index}: available index unreadable: {e}")))?
+            .0;
+        let out = avail.wrapping_sub(used);
+        if left.len() > usize::from(out) {
+            log::warn!(
+                "ring {index}: the inflight log names {} heads in flight, but only {out} were \
+                 made available and not returned: the log is set aside",
+                left.len()
+            );
+            for &(_, h) in &left {
+                q.write(InflightQueue::entry(h), &[0]);
+            }
+            return Ok(Ring::assemble(queue, Some(q), VecDeque::new()));
+        }
         left.sort_unstable();
         q.counter = left.last().map_or(0, |&(c, _)| c.wrapping_add(1));
         let next = used.wrapping_add(left.len() as u16);
@@ -470,10 +501,10 @@ impl Ring {
     /// Returns the chains `used` (head, bytes written) to the driver, in order. Without an
     /// inflight log their elements are written and then published by one store of the used
     /// index (with release order: the driver that reads the index sees every element). With a
-    /// log, each goes back as [`Ring::add_used`] does, index store and all: the log's recovery
-    /// (vhost-user, "Inflight I/O tracking") mends only `last_batch_head`, so a back end
-    /// killed after publishing several heads at once would have its successor — ours or
-    /// another implementation — redo heads the driver already had back. A head that cannot be
+    /// log, each goes back as [`Ring::add_used`] does, index store and all: libvhost-user's and
+    /// DPDK's recovery mends only `last_batch_head`, so a back end killed after publishing
+    /// several heads at once would have such a successor redo heads the driver already had
+    /// back (ours follows the batch's list). A head that cannot be
     /// returned (out of range, its element unwritable) is handed to `failed` and the rest go
     /// on. Ask [`Ring::needs_notification`] once after the batch. A device that writes through
     /// the device space's view uses [`Ring::return_batch`], the same without vm-memory's slice
