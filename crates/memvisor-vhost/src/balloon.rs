@@ -298,11 +298,13 @@ impl Device for BalloonDevice {
     }
 
     fn attach(&mut self, memory: &FrontendMemory) -> Result<()> {
-        let model = Balloon::new(
-            memory.space().clone(),
-            DiscardOptions::default(),
-            self.queue_max,
-        )?;
+        // The pins to respect are those of the registry the device spaces pin through (the
+        // process's, or one a test or an embedder handed the back end).
+        let options = DiscardOptions {
+            registry: Some(memory.registry().clone()),
+            ..DiscardOptions::default()
+        };
+        let model = Balloon::new(memory.space().clone(), options, self.queue_max)?;
         self.model = Some(model);
         #[cfg(feature = "test-hooks")]
         {

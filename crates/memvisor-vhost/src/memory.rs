@@ -166,6 +166,12 @@ impl ProcessState {
 }
 
 impl FrontendMemory {
+    /// The pin registry this memory's device spaces pin through (the process state's): what
+    /// a discard of this memory must ask, so that no page a device holds is given back.
+    pub(crate) fn registry(&self) -> &Arc<PinRegistry> {
+        &self.state.registry
+    }
+
     /// No memory yet; descriptors will be mapped through `state`'s mappings, and the device
     /// space pins through its registry.
     pub fn new(state: &ProcessState) -> Result<Self> {
