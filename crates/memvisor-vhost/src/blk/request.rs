@@ -67,6 +67,7 @@ pub(super) type Framing = std::result::Result<usize, String>;
 /// writable byte is left with no status descriptor ([`Blk::request`] says so); one whose
 /// readable bytes are fewer than 16, or that has a readable descriptor after a writable one
 /// (VIRTIO 1.2, 2.7.4: writable descriptors come last), is an error.
+#[inline]
 pub(super) fn frame(bufs: &mut Vec<Buf>) -> Framing {
     // What every known driver sends: nothing to cut.
     if let (Some(h), Some(s)) = (bufs.first(), bufs.last()) {
