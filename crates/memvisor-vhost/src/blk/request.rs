@@ -75,6 +75,12 @@ pub(super) fn frame(bufs: &mut Vec<Buf>) -> Framing {
             return Ok(1);
         }
     }
+    cut(bufs)
+}
+
+/// [`frame`] for a chain laid out otherwise: the cuts themselves.
+#[cold]
+fn cut(bufs: &mut Vec<Buf>) -> Framing {
     bufs.retain(|b| b.len > 0);
     let readable = bufs.iter().take_while(|b| !b.write).count();
     if bufs[readable..].iter().any(|b| !b.write) {
