@@ -319,6 +319,9 @@ impl Runtime {
 
     /// `blk-del {"id", "force"}`: stops the device and releases everything it had.
     pub fn blk_del(&self, args: &Value) -> Result<Value, CommandError> {
+        // Not while a blk-add is between listing its device and starting its thread: the
+        // delete would find the device and no thread to stop, which would go on serving.
+        let _one = self.adding.lock().unwrap_or_else(|e| e.into_inner());
         let id = string_arg(args, "blk-del", "id")?;
         let force = match args.get("force") {
             None => false,
@@ -450,6 +453,16 @@ impl Handler for Runtime {
         }
         c.push("blk-resize");
         c
+    }
+
+    fn arguments(&self, command: &str) -> Option<&'static [&'static str]> {
+        match command {
+            "blk-del" => Some(&["id", "force"]),
+            "blk-resize" => Some(&["id", "size"]),
+            // blk-add checks its own (the --blk options).
+            "blk-add" => None,
+            other => self.registry.arguments(other),
+        }
     }
 
     fn execute(&self, command: &str, args: &Value) -> Result<Value, CommandError> {

@@ -348,6 +348,15 @@ impl Handler for Registry {
         ]
     }
 
+    fn arguments(&self, command: &str) -> Option<&'static [&'static str]> {
+        match command {
+            "query-devices" | "query-stats" => Some(&["device"]),
+            "balloon-set-target" => Some(&["device", "target-mib"]),
+            // blk-set-throttle checks its own (QEMU's limits).
+            _ => None,
+        }
+    }
+
     fn execute(&self, command: &str, args: &Value) -> Result<Value, CommandError> {
         match command {
             "query-devices" => Ok(json!(

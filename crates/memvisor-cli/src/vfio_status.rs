@@ -250,6 +250,10 @@ impl Handler for VfioStatus {
         vec!["query-devices", "query-stats"]
     }
 
+    fn arguments(&self, command: &str) -> Option<&'static [&'static str]> {
+        matches!(command, "query-devices" | "query-stats").then_some(&["device"][..])
+    }
+
     fn execute(&self, command: &str, args: &Value) -> Result<Value, CommandError> {
         match command {
             "query-devices" => {

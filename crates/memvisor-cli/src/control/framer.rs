@@ -7,6 +7,15 @@
 //! else at the top level at the end of its line (it is answered with an error). A command
 //! longer than [`MAX_LINE`] is not kept, only counted through to its end. The nesting depth
 //! saturates, so no input can overflow it.
+//!
+//! **Strings** are QMP's: `"…"` and, as QEMU's parser takes them, `'…'` ([`requote`] turns
+//! the second kind into JSON before the command is parsed).
+//!
+//! **A lexical error resets it** (qmp-spec.rst, "Forcing the JSON parser into known-good
+//! state"): an ASCII control character other than tab, CR and LF, or a byte that is never in
+//! UTF-8 (0xC0, 0xC1, 0xF5 to 0xFF), ends whatever was being read as a frame of its own (it is
+//! answered with an error) and leaves the framer at the top level, so a client that lost track
+//! of its braces sends 0xFF and starts again.
 
 use super::MAX_LINE;
 
@@ -30,7 +39,8 @@ pub(super) enum Frame {
 pub(super) struct Framer {
     buf: Vec<u8>,
     depth: u32,
-    in_string: bool,
+    /// The quote that opened the string being read (`"` or `'`), if one is.
+    in_string: Option<u8>,
     escape: bool,
     /// Inside something that is not an object or array: it ends at a newline.
     bare: bool,
@@ -58,6 +68,14 @@ impl Framer {
 
     /// Takes one byte; a frame when it ends one.
     pub(super) fn push(&mut self, b: u8) -> Option<Frame> {
+        if lexical_error(b) {
+            self.keep(b);
+            self.depth = 0;
+            self.in_string = None;
+            self.escape = false;
+            self.bare = false;
+            return Some(self.take());
+        }
         if self.bare {
             if b == b'\n' {
                 self.bare = false;
@@ -81,18 +99,18 @@ impl Framer {
             return None;
         }
         self.keep(b);
-        if self.in_string {
+        if let Some(quote) = self.in_string {
             if self.escape {
                 self.escape = false;
             } else if b == b'\\' {
                 self.escape = true;
-            } else if b == b'"' {
-                self.in_string = false;
+            } else if b == quote {
+                self.in_string = None;
             }
             return None;
         }
         match b {
-            b'"' => self.in_string = true,
+            b'"' | b'\'' => self.in_string = Some(b),
             b'{' | b'[' => self.depth = self.depth.saturating_add(1),
             b'}' | b']' => {
                 self.depth -= 1;
@@ -104,4 +122,48 @@ impl Framer {
         }
         None
     }
+}
+
+/// A byte no JSON text holds outside a string's escapes, which QEMU's lexer takes as an
+/// error: an ASCII control character other than tab, LF and CR, or a byte never in UTF-8.
+fn lexical_error(b: u8) -> bool {
+    matches!(b, 0x00..=0x08 | 0x0b | 0x0c | 0x0e..=0x1f | 0xc0 | 0xc1 | 0xf5..=0xff)
+}
+
+/// `text` with its single-quoted strings (QEMU's extension of JSON, which QMP accepts) written
+/// as JSON strings: `'a"b\'c'` becomes `"a\"b'c"`. Double-quoted strings and everything
+/// outside strings are left as they are.
+pub(super) fn requote(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.contains('\'') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    let mut quote = None;
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        match (quote, c) {
+            (None, '"' | '\'') => {
+                quote = Some(c);
+                out.push('"');
+            }
+            (None, c) => out.push(c),
+            (Some(_), '\\') => match chars.next() {
+                // An escaped single quote (QEMU takes it in either kind) needs no escape in a
+                // JSON string.
+                Some('\'') => out.push('\''),
+                Some(e) => {
+                    out.push('\\');
+                    out.push(e);
+                }
+                None => out.push('\\'),
+            },
+            (Some(q), c) if c == q => {
+                quote = None;
+                out.push('"');
+            }
+            (Some('\''), '"') => out.push_str("\\\""),
+            (Some(_), c) => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }

@@ -97,6 +97,31 @@ pub trait Handler: Send + Sync {
     fn commands(&self) -> Vec<&'static str>;
     /// Runs `command` with `arguments` (an object, empty if none came).
     fn execute(&self, command: &str, arguments: &Value) -> Result<Value, CommandError>;
+    /// The arguments `command` takes, where the handler lists them: any other is refused
+    /// before the command runs (qmp-spec.rst: a key the server does not understand is an
+    /// error, reported before any side effect). `None`: the command checks its own.
+    fn arguments(&self, command: &str) -> Option<&'static [&'static str]> {
+        let _ = command;
+        None
+    }
+}
+
+/// `GenericError` for an argument `command` does not take, in QEMU's words.
+fn unexpected(handler: &dyn Handler, command: &str, arguments: &Value) -> Result<(), CommandError> {
+    let (Some(allowed), Some(given)) = (handler.arguments(command), arguments.as_object()) else {
+        return Ok(());
+    };
+    match given.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(k) => Err(CommandError::generic(format!(
+            "Parameter '{k}' is unexpected ({command} takes {})",
+            if allowed.is_empty() {
+                "no arguments".to_string()
+            } else {
+                allowed.join(", ")
+            }
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// A client in command mode: its number, the channel to its writer thread, and its socket (shut
@@ -213,9 +238,9 @@ pub fn serve(
             if threads.len() >= MAX_CLIENTS {
                 let mut s = sock;
                 let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-                let _ = writeln!(
+                let _ = write!(
                     s,
-                    "{}",
+                    "{}\r\n",
                     error_line(
                         &CommandError::generic(format!(
                             "{MAX_CLIENTS} control clients are connected already; try again later"
@@ -326,7 +351,8 @@ fn connection(
 
 fn write_lines(mut out: UnixStream, rx: Receiver<String>) {
     for line in rx {
-        if writeln!(out, "{line}").is_err() {
+        // qmp-spec.rst: what the server sends always ends with CRLF.
+        if write!(out, "{line}\r\n").is_err() {
             // The client is gone; the reader sees it too.
             let _ = out.shutdown(std::net::Shutdown::Both);
             return;
@@ -343,7 +369,7 @@ pub fn respond(handler: &dyn Handler, line: &[u8], negotiated: bool) -> (String,
         return (String::new(), Then::Next);
     }
     let fail = |e: CommandError, id: Option<&Value>| (error_line(&e, id), Then::Next);
-    let request: Value = match serde_json::from_str(text) {
+    let request: Value = match serde_json::from_str(&framer::requote(text)) {
         Ok(v) => v,
         Err(e) => {
             return fail(
@@ -415,7 +441,11 @@ pub fn respond(handler: &dyn Handler, line: &[u8], negotiated: bool) -> (String,
             Then::Next,
         ),
         ("quit", true) => (Ok(json!({})), Then::Quit),
-        (command, true) => (handler.execute(command, arguments), Then::Next),
+        (command, true) => (
+            unexpected(handler, command, arguments)
+                .and_then(|()| handler.execute(command, arguments)),
+            Then::Next,
+        ),
     };
     match result {
         Ok(value) => {
@@ -599,6 +629,50 @@ mod tests {
         // Too long: skipped through its end, then the next one is whole.
         let long = format!(r#"{{"pad": "{}"}}{a}"#, "}".repeat(MAX_LINE));
         assert_eq!(frames(long.as_bytes()), [Frame::TooLong, message(a)]);
+        // Single-quoted strings are strings: a brace inside one ends nothing.
+        let q = r#"{'execute': 'echo', 'arguments': {'s': '}"'}}"#;
+        assert_eq!(frames(q.as_bytes()), [message(q)]);
+    }
+
+    /// qmp-spec.rst, "Forcing the JSON parser into known-good state": a control character
+    /// (other than tab, CR, LF) or 0xFF ends what was being read, and the next command is read
+    /// whole.
+    #[test]
+    fn a_lexical_error_brings_the_framer_back_to_the_top_level() {
+        let a = r#"{"execute":"qmp_capabilities","id":"after"}"#;
+        for bad in [0x1bu8, 0xff, 0x00, 0xc0] {
+            let mut input = br#"{"execute": "echo", "arguments": {"s": "x"#.to_vec();
+            input.push(bad);
+            input.extend_from_slice(a.as_bytes());
+            let got = frames(&input);
+            assert_eq!(got.len(), 2, "{bad:#x}: {got:?}");
+            assert_eq!(got[1], message(a), "{bad:#x}");
+            // What was cut off is answered with an error, not taken as a command.
+            let Frame::Message(cut) = &got[0] else {
+                panic!("{bad:#x}: {got:?}")
+            };
+            assert_eq!(answer(cut)["error"]["class"], "GenericError", "{bad:#x}");
+        }
+    }
+
+    #[test]
+    fn single_quoted_strings_are_read_as_json_strings() {
+        for (text, want) in [
+            (r#"{'a': 'b'}"#, json!({"a": "b"})),
+            (r#"{'a': 'say "hi"'}"#, json!({"a": "say \"hi\""})),
+            (r#"{'a': 'it\'s'}"#, json!({"a": "it's"})),
+            (
+                r#"{"a": "it's", 'b': "x\"y"}"#,
+                json!({"a": "it's", "b": "x\"y"}),
+            ),
+        ] {
+            let v: Value = serde_json::from_str(&framer::requote(text))
+                .unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(v, want, "{text}");
+        }
+        let a = answer(br#"{'execute': 'echo', 'id': 'sq'}"#);
+        assert_eq!(a["id"], "sq", "{a}");
+        assert!(a.get("error").is_none(), "{a}");
     }
 
     #[test]
