@@ -13,7 +13,10 @@
  * for the same mistake (e.g. -EINVAL for an unmap that would cut a mapping in two). NULL
  * pointers where one is required, unknown flag bits and lengths past PTRDIFF_MAX bytes are
  * -EINVAL. On failure nothing was changed and no out argument was written (unless its comment
- * says otherwise), and memvisor_last_error() says why.
+ * says otherwise), and memvisor_last_error() says why. One exception, while dirty tracking is
+ * on: a walk for WRITE that fails part way (memvisor_dma_translate_sg, memvisor_dma_hold_sg)
+ * may leave the pages of the buffers before the failure marked dirty, as a device that wrote
+ * them would; a migration copies them once more, nothing is lost.
  *
  * OWNERSHIP. Each handle type below says which function makes it and which one frees it.
  * Every free function accepts NULL. Handles name shared objects, so freeing one never pulls
@@ -278,8 +281,9 @@ typedef struct memvisor_sg memvisor_sg;
 
 /*
  * Translates the `n` buffers and holds their pages (no mlock, no charge to RLIMIT_MEMLOCK)
- * until memvisor_sg_release. -EFAULT if a buffer's page is not mapped with its permission:
- * then nothing is held and *miss_iova (may be NULL) is the first unmapped IOVA.
+ * until memvisor_sg_release. -EFAULT if a buffer's page is not mapped: then nothing is held
+ * and *miss_iova (may be NULL) is the first unmapped IOVA. -EPERM if a mapping lacks a
+ * buffer's access (type1's answer): nothing is held and *miss_iova is not written.
  */
 int memvisor_dma_hold_sg(const memvisor_dma *dma, const memvisor_sg_buf *bufs, size_t n,
                          memvisor_sg **sg, uint64_t *miss_iova);

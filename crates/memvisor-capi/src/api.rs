@@ -569,6 +569,10 @@ pub unsafe extern "C" fn memvisor_dma_map_raw(
         // SAFETY: NULL or a live handle.
         let dma = unsafe { handle(dma, "dma") }?;
         let prot = prot(prot_bits, "prot")?;
+        if hva.is_null() {
+            // NULL is no memory, whatever its alignment: a translation there would hand out 0.
+            return Err(Failure::invalid("hva is NULL".into()));
+        }
         // SAFETY: the caller's promise of the header (memvisor_dma_map_raw), map_raw's own:
         // the memory stays mapped until the mapping is unmapped.
         unsafe { dma.0.map_raw(Iova(iova), Hva(hva as u64), size, prot) }?;

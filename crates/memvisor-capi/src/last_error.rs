@@ -45,13 +45,16 @@ fn remember(function: &str, message: &str) {
     // A NUL inside the message would end it early in C: shown as a visible escape instead.
     let text = format!("{function}: {message}").replace('\0', "\\0");
     let text = CString::new(text).unwrap_or_default();
-    LAST.with(|last| *last.borrow_mut() = text);
+    // A call from a pthread key destructor runs after the thread's Rust thread-locals are
+    // gone: the message is dropped there, never a panic (which could not unwind into C).
+    let _ = LAST.try_with(|last| *last.borrow_mut() = text);
 }
 
-/// The message of this thread's last failure ("" before any); valid until the next failing
-/// call on this thread.
+/// The message of this thread's last failure ("" before any, and on a thread whose
+/// thread-locals are already torn down); valid until the next failing call on this thread.
 pub(crate) fn last() -> *const c_char {
-    LAST.with(|last| last.borrow().as_ptr())
+    LAST.try_with(|last| last.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
 
 /// This thread's last message as Rust text (for tests).

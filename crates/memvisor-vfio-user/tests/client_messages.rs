@@ -165,7 +165,7 @@ fn start() -> (Client, JoinHandle<(ServerStats, Result<()>)>) {
 
 fn memfd(size: u64) -> OwnedFd {
     // SAFETY: memfd_create with a NUL-terminated name; checked.
-    let fd = unsafe { libc::memfd_create(c"vfio-user-review".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"vfio-user-client".as_ptr(), libc::MFD_CLOEXEC) };
     assert!(fd >= 0);
     // SAFETY: a new descriptor we own.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
