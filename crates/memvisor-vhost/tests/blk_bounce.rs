@@ -11,19 +11,6 @@ use memvisor_vhost::{Blk, BlkOptions};
 const HDR: u64 = 0x10000;
 const STATUS: u64 = 0x80000;
 
-fn hdr_bytes(kind: u32, sector: u64) -> [u8; 16] {
-    let mut h = [0u8; 16];
-    h[0..4].copy_from_slice(&kind.to_le_bytes());
-    h[8..16].copy_from_slice(&sector.to_le_bytes());
-    h
-}
-
-fn byte_at(g: &Guest, at: u64) -> u8 {
-    let mut s = [0u8];
-    g.mem.read(Gpa(at), &mut s).unwrap();
-    s[0]
-}
-
 /// Peak resident set of this process, in bytes.
 fn max_rss() -> u64 {
     // SAFETY: a rusage is plain integers, for which all zeros is a value.
@@ -71,7 +58,7 @@ fn one_bounced_request_does_not_make_the_back_end_allocate_its_whole_size() {
     let mut g = Guest::new(8 * MIB);
     let (c, t) = serve(Blk::new(disk, BlkOptions::default()).unwrap());
     setup(&c, &g);
-    g.mem.write(Gpa(HDR), &hdr_bytes(0, 0)).unwrap();
+    g.mem.write(Gpa(HDR), &blk_header(0, 0)).unwrap();
     g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
     let mut table = vec![(HDR, 16u32, NEXT)];
     table.extend((0..PIECES).map(|_| (BUF, PIECE, NEXT | VRING_DESC_F_WRITE)));

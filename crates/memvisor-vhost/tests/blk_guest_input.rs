@@ -20,19 +20,6 @@ fn image(bytes: u64) -> File {
     memfd(bytes)
 }
 
-fn hdr_bytes(kind: u32, sector: u64) -> [u8; 16] {
-    let mut h = [0u8; 16];
-    h[0..4].copy_from_slice(&kind.to_le_bytes());
-    h[8..16].copy_from_slice(&sector.to_le_bytes());
-    h
-}
-
-fn byte_at(g: &Guest, at: u64) -> u8 {
-    let mut s = [0u8];
-    g.mem.read(Gpa(at), &mut s).unwrap();
-    s[0]
-}
-
 fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len as u32).map(|i| (i * 31 + seed) as u8 | 1).collect()
 }
@@ -49,7 +36,7 @@ fn a_write_whose_first_data_shares_the_header_descriptor_lands_in_place() {
     setup(&c, &g);
     let a = pattern(512, 7);
     let b = pattern(512, 100);
-    g.mem.write(Gpa(HDR), &hdr_bytes(1, 4)).unwrap();
+    g.mem.write(Gpa(HDR), &blk_header(1, 4)).unwrap();
     g.mem.write(Gpa(HDR + 16), &a).unwrap();
     g.mem.write(Gpa(DATA), &b).unwrap();
     g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
@@ -120,7 +107,7 @@ fn a_failed_read_does_not_claim_its_data_buffer_was_written() {
     let mut g = Guest::new(4 * MIB);
     let (c, _t) = serve(Blk::new(disk.try_clone().unwrap(), BlkOptions::default()).unwrap());
     setup(&c, &g);
-    g.mem.write(Gpa(HDR), &hdr_bytes(0, 2048)).unwrap(); // past the end (2048 sectors)
+    g.mem.write(Gpa(HDR), &blk_header(0, 2048)).unwrap(); // past the end (2048 sectors)
     g.mem.write(Gpa(DATA), &[0xee; 512]).unwrap();
     g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
     g.post(&[(HDR, 16, false), (DATA, 512, true), (STATUS, 1, true)]);
@@ -156,7 +143,7 @@ fn a_fixed_read_that_finds_the_image_ended_is_not_ok() {
     negotiate_without(&c, &g, F_LOG_ALL);
     start_ring(&c, &g);
     let read = |g: &mut Guest, sector: u64| {
-        g.mem.write(Gpa(HDR), &hdr_bytes(0, sector)).unwrap();
+        g.mem.write(Gpa(HDR), &blk_header(0, sector)).unwrap();
         g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
         g.mem.write(Gpa(DATA), &[0xee; 4096]).unwrap();
         g.post(&[(HDR, 16, false), (DATA, 4096, true), (STATUS, 1, true)]);

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 
@@ -14,28 +13,7 @@ use memvisor::Gpa;
 use memvisor_vhost::proto::{self, Region, req};
 use memvisor_vhost::{Blk, BlkOptions};
 
-fn disk() -> File {
-    let f = memfd(MIB);
-    f.set_len(MIB).unwrap();
-    f
-}
-
 const STATUS: u64 = 0x30000;
-
-/// One read request through ring 0; returns the status byte.
-fn read_one(g: &mut Guest) -> u8 {
-    g.mem.write(Gpa(0x10000), &[0u8; 16]).unwrap();
-    g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
-    g.post(&[
-        (0x10000, 16, false),
-        (0x20000, 512, true),
-        (STATUS, 1, true),
-    ]);
-    g.wait_used();
-    let mut s = [0u8];
-    g.mem.read(Gpa(STATUS), &mut s).unwrap();
-    s[0]
-}
 
 fn running(live: &memvisor_vhost::BackendLive) -> bool {
     live.queues()[0].running
@@ -47,7 +25,7 @@ fn running(live: &memvisor_vhost::BackendLive) -> bool {
 #[test]
 fn a_refused_rem_mem_reg_leaves_the_running_ring_alone() {
     let mut g = Guest::new(4 * MIB);
-    let (c, t, live) = serve_live(Blk::new(disk(), BlkOptions::default()).unwrap());
+    let (c, t, live) = serve_live(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
     setup(&c, &g);
     assert_eq!(read_one(&mut g), 0);
     assert!(running(&live));
@@ -75,7 +53,7 @@ fn a_refused_rem_mem_reg_leaves_the_running_ring_alone() {
 #[test]
 fn get_vring_base_after_rem_mem_reg_reports_the_rings_progress() {
     let mut g = Guest::new(4 * MIB);
-    let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+    let (c, t) = serve(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
     setup(&c, &g);
     assert_eq!(read_one(&mut g), 0);
     assert_eq!(read_one(&mut g), 0);
@@ -105,7 +83,7 @@ fn get_vring_base_after_rem_mem_reg_reports_the_rings_progress() {
 #[test]
 fn a_new_kick_fd_for_a_running_ring_does_not_rewind_it() {
     let mut g = Guest::new(4 * MIB);
-    let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+    let (c, t) = serve(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
     setup(&c, &g);
     assert_eq!(read_one(&mut g), 0);
     assert_eq!(read_one(&mut g), 0);
@@ -426,7 +404,7 @@ mod iommu {
 #[test]
 fn a_table_failing_at_its_third_region_maps_nothing_and_keeps_the_old_one() {
     let mut g = Guest::new(4 * MIB);
-    let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+    let (c, t) = serve(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
     setup(&c, &g);
     let f = memfd_named(2 * MIB, c"third-region");
     let mut pipe = [0; 2];
@@ -472,7 +450,7 @@ fn a_table_failing_at_its_third_region_maps_nothing_and_keeps_the_old_one() {
 #[test]
 fn a_bad_get_config_is_answered_with_an_empty_payload() {
     let g = Guest::new(4 * MIB);
-    let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+    let (c, t) = serve(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
     negotiate(&c, &g);
     let r = c.get(req::GET_CONFIG, &proto::config_bytes(300, 0, &[0; 8]));
     drop(c);

@@ -4,44 +4,19 @@
 
 mod common;
 
-use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::*;
-use memvisor::Gpa;
 use memvisor_vhost::proto::{self, Region, VringAddr, req};
 use memvisor_vhost::{Blk, BlkOptions, Error, WireError};
-
-fn disk() -> File {
-    let f = memfd(MIB);
-    f.set_len(MIB).unwrap();
-    f
-}
-
-/// One read request through ring 0; returns the status byte.
-fn read_one(g: &mut Guest) -> u8 {
-    let mut h = [0u8; 16];
-    h[0] = 0; // IN
-    g.mem.write(Gpa(0x10000), &h).unwrap();
-    g.mem.write(Gpa(0x30000), &[0xff]).unwrap();
-    g.post(&[
-        (0x10000, 16, false),
-        (0x20000, 512, true),
-        (0x30000, 1, true),
-    ]);
-    g.wait_used();
-    let mut s = [0u8];
-    g.mem.read(Gpa(0x30000), &mut s).unwrap();
-    s[0]
-}
 
 #[test]
 fn hostile_messages_are_refused_and_change_nothing() {
     let mut g = Guest::new(4 * MIB);
-    let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+    let (c, t) = serve(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
     setup(&c, &g);
     assert_eq!(read_one(&mut g), 0);
 
@@ -279,7 +254,7 @@ fn framing_errors_end_the_connection() {
         }),
         ("a header cut short", vec![1, 0, 0]),
     ] {
-        let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+        let (c, t) = serve(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
         c.raw(&bytes, &[]).unwrap();
         if what == "a header cut short" {
             drop(c);
@@ -288,7 +263,7 @@ fn framing_errors_end_the_connection() {
         assert!(end.is_err(), "{what}: {end:?}");
     }
     // More descriptors than a message may carry.
-    let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+    let (c, t) = serve(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
     let f = memfd(MIB);
     let fds = vec![f.as_raw_fd(); 12];
     c.send(req::SET_MEM_TABLE, 0, &proto::mem_table_bytes(&[]), &fds)
@@ -320,7 +295,7 @@ fn serve_on_socket(
     let s2 = stop.clone();
     let t = std::thread::spawn(move || {
         let mut b = memvisor_vhost::Backend::new(
-            Blk::new(disk(), BlkOptions::default()).unwrap(),
+            Blk::new(mib_disk(), BlkOptions::default()).unwrap(),
             &memvisor_vhost::ProcessState::new(
                 memvisor::SharedMappings::global(),
                 memvisor::PinRegistry::global(),
@@ -410,7 +385,7 @@ fn seconds_of_random_hostile_traffic_leave_a_working_back_end() {
 fn a_running_ring_may_be_told_its_own_addresses_again() {
     // QEMU re-sends SET_VRING_ADDR with the log flag when migration starts.
     let mut g = Guest::new(4 * MIB);
-    let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+    let (c, t) = serve(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
     setup(&c, &g);
     let again = VringAddr {
         flags: 1,

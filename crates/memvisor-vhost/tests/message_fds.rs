@@ -4,36 +4,11 @@
 
 mod common;
 
-use std::fs::File;
 use std::os::fd::AsRawFd;
 
 use common::*;
-use memvisor::Gpa;
 use memvisor_vhost::proto::{self, Region, req};
 use memvisor_vhost::{Blk, BlkOptions};
-
-fn disk() -> File {
-    let f = memfd(MIB);
-    f.set_len(MIB).unwrap();
-    f
-}
-
-const STATUS: u64 = 0x30000;
-
-/// One read request through ring 0; returns the status byte.
-fn read_one(g: &mut Guest) -> u8 {
-    g.mem.write(Gpa(0x10000), &[0u8; 16]).unwrap();
-    g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
-    g.post(&[
-        (0x10000, 16, false),
-        (0x20000, 512, true),
-        (STATUS, 1, true),
-    ]);
-    g.wait_used();
-    let mut s = [0u8];
-    g.mem.read(Gpa(STATUS), &mut s).unwrap();
-    s[0]
-}
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
@@ -43,7 +18,7 @@ fn open_fds() -> usize {
 #[test]
 fn fd_accounting_refused_messages_close_their_descriptors() {
     let mut g = Guest::new(4 * MIB);
-    let (c, t) = serve(Blk::new(disk(), BlkOptions::default()).unwrap());
+    let (c, t) = serve(Blk::new(mib_disk(), BlkOptions::default()).unwrap());
     setup(&c, &g);
     assert_eq!(read_one(&mut g), 0);
     let e = eventfd();

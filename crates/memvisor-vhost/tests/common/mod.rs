@@ -218,6 +218,42 @@ impl Guest {
     }
 }
 
+/// A blk request's 16-byte header: request type `kind`, `sector`.
+pub fn blk_header(kind: u32, sector: u64) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&kind.to_le_bytes());
+    h[8..16].copy_from_slice(&sector.to_le_bytes());
+    h
+}
+
+/// The byte of guest memory at guest address `at`.
+pub fn byte_at(g: &Guest, at: u64) -> u8 {
+    let mut s = [0u8];
+    g.mem.read(Gpa(at), &mut s).unwrap();
+    s[0]
+}
+
+/// A 1 MiB memfd image.
+pub fn mib_disk() -> File {
+    let f = memfd(MIB);
+    f.set_len(MIB).unwrap();
+    f
+}
+
+/// One 512-byte read of sector 0 through ring 0 (header at 0x10000, data at 0x20000, status at
+/// 0x30000); returns its status byte.
+pub fn read_one(g: &mut Guest) -> u8 {
+    g.mem.write(Gpa(0x10000), &blk_header(0, 0)).unwrap();
+    g.mem.write(Gpa(0x30000), &[0xff]).unwrap();
+    g.post(&[
+        (0x10000, 16, false),
+        (0x20000, 512, true),
+        (0x30000, 1, true),
+    ]);
+    g.wait_used();
+    byte_at(g, 0x30000)
+}
+
 /// Mappings of the memfd named `name` in this process (from /proc/self/maps).
 pub fn mappings_of(name: &str) -> usize {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
