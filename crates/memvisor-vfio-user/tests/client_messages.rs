@@ -3,217 +3,28 @@
 //! refused for its bitmap, a map over a region whatever its file range, WRITE through a
 //! read-only descriptor; and edge messages that must get type1's errnos.
 
-use std::io::Read;
+mod common;
+
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::net::UnixStream;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use memvisor::DmaConfig;
-use memvisor::dma::{LockLimit, PinRegistry};
+use common::*;
 use memvisor_vfio_user::dmadev::{reg, status};
 use memvisor_vfio_user::proto::{self, DmaMap, DmaUnmap, HEADER, Header, cmd, flags};
 use memvisor_vfio_user::{DmaDev, Result, Server, ServerStats};
 
-struct Client {
-    sock: UnixStream,
-    id: u16,
-}
-
-type Answer = (u32, Vec<u8>);
-
-/// One message from the server: its header and body.
-fn read_msg(sock: &UnixStream) -> (Header, Vec<u8>) {
-    let mut h = [0u8; HEADER];
-    (&*sock).read_exact(&mut h).unwrap();
-    let h = Header::parse(&h);
-    let mut body = vec![0u8; h.size as usize - HEADER];
-    (&*sock).read_exact(&mut body).unwrap();
-    (h, body)
-}
-
-impl Client {
-    fn send(&mut self, command: u16, body: &[u8], fds: &[i32]) {
-        self.id += 1;
-        let h = Header {
-            id: self.id,
-            command,
-            size: (HEADER + body.len()) as u32,
-            flags: flags::COMMAND,
-            error: 0,
-        };
-        let mut b = h.to_bytes().to_vec();
-        b.extend_from_slice(body);
-        memvisor_wire::send_with_fds(&self.sock, &b, fds).unwrap();
-    }
-
-    fn recv(&mut self) -> Answer {
-        let (h, body) = read_msg(&self.sock);
-        assert!(h.is_reply(), "{h:?}");
-        assert_eq!(h.id, self.id, "reply to the last request");
-        let errno = if h.flags & flags::ERROR != 0 {
-            h.error
-        } else {
-            0
-        };
-        (errno, body)
-    }
-
-    fn call(&mut self, command: u16, body: &[u8], fds: &[i32]) -> Answer {
-        self.send(command, body, fds);
-        self.recv()
-    }
-
-    fn ok(&mut self, command: u16, body: &[u8], fds: &[i32]) -> Vec<u8> {
-        let (e, b) = self.call(command, body, fds);
-        assert_eq!(e, 0, "{} failed with errno {e}", cmd::name(command));
-        b
-    }
-
-    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) {
-        self.ok(
-            cmd::REGION_WRITE,
-            &region_write_body(region, offset, data),
-            &[],
-        );
-    }
-
-    fn reg32(&mut self, offset: u64) -> u32 {
-        let b = proto::RegionAccess {
-            offset,
-            region: 0,
-            count: 4,
-        }
-        .to_bytes();
-        let r = self.ok(cmd::REGION_READ, &b, &[]);
-        u32::from_le_bytes(r[16..20].try_into().unwrap())
-    }
-
-    fn map_flags(
-        &mut self,
-        fd: Option<&OwnedFd>,
-        fl: u32,
-        offset: u64,
-        iova: u64,
-        size: u64,
-    ) -> u32 {
-        let m = DmaMap {
-            argsz: 32,
-            flags: fl,
-            offset,
-            iova,
-            size,
-        };
-        match fd {
-            Some(fd) => self.call(cmd::DMA_MAP, &m.to_bytes(), &[fd.as_raw_fd()]).0,
-            None => self.call(cmd::DMA_MAP, &m.to_bytes(), &[]).0,
-        }
-    }
-
-    fn unmap(&mut self, iova: u64, size: u64) -> (u32, u64) {
-        let u = DmaUnmap {
-            argsz: 24,
-            flags: 0,
-            iova,
-            size,
-            bitmap: None,
-        };
-        let (e, b) = self.call(cmd::DMA_UNMAP, &u.to_bytes(), &[]);
-        (e, if e == 0 { proto::u64_at(&b, 16) } else { 0 })
-    }
-}
-
-fn region_write_body(region: u32, offset: u64, data: &[u8]) -> Vec<u8> {
-    let mut b = proto::RegionAccess {
-        offset,
-        region,
-        count: data.len() as u32,
-    }
-    .to_bytes()
-    .to_vec();
-    b.extend_from_slice(data);
-    b
-}
-
-fn config() -> DmaConfig {
-    DmaConfig {
-        registry: Some(PinRegistry::new(LockLimit::Unlimited)),
-        ..DmaConfig::default()
-    }
-}
-
-fn start_with(
+/// A client past the VERSION handshake, `before` run on the server first.
+fn ready_with(
     before: impl FnOnce(&Server<DmaDev>),
 ) -> (Client, JoinHandle<(ServerStats, Result<()>)>) {
-    let (a, b) = UnixStream::pair().unwrap();
-    let server = Server::new(b, config(), memvisor::SharedMappings::global(), DmaDev::new).unwrap();
-    before(&server);
-    let t = std::thread::spawn(move || server.serve());
-    let mut c = Client { sock: a, id: 0 };
-    let v = proto::Version {
-        major: 0,
-        minor: 0,
-        json: r#"{"capabilities":{"max_msg_fds":16}}"#.into(),
-    };
-    c.ok(cmd::VERSION, &v.to_bytes(), &[]);
+    let (mut c, t) = start_with(before);
+    handshake(&mut c);
     (c, t)
 }
 
-fn start() -> (Client, JoinHandle<(ServerStats, Result<()>)>) {
-    start_with(|_| {})
-}
-
-fn memfd(size: u64) -> OwnedFd {
-    // SAFETY: memfd_create with a NUL-terminated name; checked.
-    let fd = unsafe { libc::memfd_create(c"vfio-user-client".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: a new descriptor we own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: ftruncate on our descriptor.
-    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), size as i64) }, 0);
-    fd
-}
-
-fn pwrite(fd: &OwnedFd, off: u64, data: &[u8]) {
-    // SAFETY: writes from a live buffer to our descriptor.
-    let n = unsafe { libc::pwrite(fd.as_raw_fd(), data.as_ptr().cast(), data.len(), off as i64) };
-    assert_eq!(n as usize, data.len());
-}
-
-fn pread(fd: &OwnedFd, off: u64, len: usize) -> Vec<u8> {
-    let mut b = vec![0u8; len];
-    // SAFETY: reads into a live buffer from our descriptor.
-    let n = unsafe { libc::pread(fd.as_raw_fd(), b.as_mut_ptr().cast(), len, off as i64) };
-    assert_eq!(n as usize, len);
-    b
-}
-
-fn eventfd() -> OwnedFd {
-    // SAFETY: eventfd with valid flags; checked.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: a new descriptor we own.
-    unsafe { OwnedFd::from_raw_fd(fd) }
-}
-
-fn msi(c: &mut Client) -> OwnedFd {
-    let irq = eventfd();
-    let mut set = Vec::new();
-    for v in [20u32, 0x24, 1, 0, 1] {
-        set.extend_from_slice(&v.to_le_bytes());
-    }
-    c.ok(cmd::DEVICE_SET_IRQS, &set, &[irq.as_raw_fd()]);
-    irq
-}
-
-fn put_desc(mem: &OwnedFd, at: u64, src: u64, dst: u64, len: u32) {
-    let mut d = Vec::new();
-    d.extend_from_slice(&src.to_le_bytes());
-    d.extend_from_slice(&dst.to_le_bytes());
-    d.extend_from_slice(&len.to_le_bytes());
-    d.extend_from_slice(&u32::MAX.to_le_bytes());
-    d.extend_from_slice(&0u64.to_le_bytes());
-    pwrite(mem, at, &d);
+fn ready() -> (Client, JoinHandle<(ServerStats, Result<()>)>) {
+    ready_with(|_| {})
 }
 
 /// Answers one request of the server's (DMA_READ / DMA_WRITE) with a reply carrying `error`
@@ -256,13 +67,13 @@ const R: u64 = 8 << 20;
 /// still a failure: the descriptor must not read as done (status 0).
 #[test]
 fn an_error_reply_with_errno_zero_still_fails_the_dma() {
-    let (mut c, t) = start();
+    let (mut c, t) = ready();
     let irq = msi(&mut c);
     let mem = memfd(8 << 20);
     assert_eq!(c.map_flags(Some(&mem), 3, 0, 0, 8 << 20), 0);
     assert_eq!(c.map_flags(None, 3, 0, R, 1 << 20), 0);
     pwrite(&mem, DST, &[0x11; 64]);
-    put_desc(&mem, DESC, R, DST, 64);
+    put_desc_at(&mem, DESC, R, DST, 64);
     c.region_write(0, reg::DESC, &DESC.to_le_bytes());
     c.region_write(0, reg::COUNT, &1u32.to_le_bytes());
     c.region_write(0, reg::MODE, &0u32.to_le_bytes());
@@ -319,7 +130,7 @@ fn an_error_reply_with_errno_zero_still_fails_the_dma() {
 /// is refused with EINVAL after the range was unmapped.
 #[test]
 fn an_unmap_refused_for_its_bitmap_size_unmaps_nothing() {
-    let (mut c, t) = start_with(|s| s.port().dma().start_dirty_tracking().unwrap());
+    let (mut c, t) = ready_with(|s| s.port().dma().start_dirty_tracking().unwrap());
     let mem = memfd(1 << 20);
     assert_eq!(c.map_flags(Some(&mem), 3, 0, 0x10000, 0x4000), 0);
     let dirty = DmaUnmap {
@@ -331,7 +142,7 @@ fn an_unmap_refused_for_its_bitmap_size_unmaps_nothing() {
     };
     let e = c.call(cmd::DMA_UNMAP, &dirty.to_bytes(), &[]).0;
     assert_eq!(e, libc::EINVAL as u32);
-    let after = c.unmap(0x10000, 0x4000);
+    let after = c.unmap(0x10000, 0x4000, 0);
     drop(c);
     let _ = t.join().unwrap();
     assert_eq!(
@@ -347,7 +158,7 @@ fn an_unmap_refused_for_its_bitmap_size_unmaps_nothing() {
 /// (`map_within`) before type1's checks of the IOVA range.
 #[test]
 fn a_map_over_an_existing_region_is_eexist_whatever_its_file_range() {
-    let (mut c, t) = start();
+    let (mut c, t) = ready();
     let mem = memfd(1 << 20);
     assert_eq!(c.map_flags(Some(&mem), 3, 0, 0x10000, 0x4000), 0);
     let e = c.map_flags(Some(&mem), 3, 2 << 20, 0x12000, 0x1000);
@@ -368,13 +179,13 @@ fn a_map_over_an_existing_region_is_eexist_whatever_its_file_range() {
 /// for its whole 5 s timeout.
 #[test]
 fn a_reset_while_the_device_reads_client_memory_is_not_stalled() {
-    let (mut c, t) = start();
+    let (mut c, t) = ready();
     let _irq = msi(&mut c);
     let mem = memfd(8 << 20);
     assert_eq!(c.map_flags(Some(&mem), 3, 0, 0, 8 << 20), 0);
     assert_eq!(c.map_flags(None, 3, 0, R, 1 << 20), 0);
     for i in 0..2u64 {
-        put_desc(&mem, DESC + 32 * i, R + i * 4096, DST + i * 4096, 64);
+        put_desc_at(&mem, DESC + 32 * i, R + i * 4096, DST + i * 4096, 64);
     }
     c.region_write(0, reg::DESC, &DESC.to_le_bytes());
     c.region_write(0, reg::COUNT, &2u32.to_le_bytes());
@@ -440,9 +251,9 @@ fn a_writable_map_of_a_read_only_descriptor_does_not_depend_on_other_connections
     assert!(ro >= 0);
     // SAFETY: a new descriptor we own.
     let ro = unsafe { OwnedFd::from_raw_fd(ro) };
-    let (mut b, tb) = start();
+    let (mut b, tb) = ready();
     let alone = b.map_flags(Some(&ro), 3, 0, 0x10000, 0x4000);
-    let (mut a, ta) = start();
+    let (mut a, ta) = ready();
     assert_eq!(a.map_flags(Some(&mem), 3, 0, 0x10000, 0x4000), 0);
     let shared = b.map_flags(Some(&ro), 3, 0, 0x10000, 0x4000);
     drop((a, b));
@@ -460,7 +271,7 @@ fn a_writable_map_of_a_read_only_descriptor_does_not_depend_on_other_connections
 /// connection with EPROTO.
 #[test]
 fn edge_messages_get_type1s_errnos_and_the_connection_goes_on() {
-    let (mut c, t) = start();
+    let (mut c, t) = ready();
     let mem = memfd(1 << 20);
     // Wrap, top of the space, size 0 unmap, ALL with a range.
     assert_eq!(
@@ -472,9 +283,9 @@ fn edge_messages_get_type1s_errnos_and_the_connection_goes_on() {
         0,
         "last page of the space"
     );
-    assert_eq!(c.unmap(u64::MAX - 0xfff, 0x1000), (0, 0x1000));
-    assert_eq!(c.unmap(0x1000, 0).0, libc::EINVAL as u32);
-    assert_eq!(c.unmap(0x2000, u64::MAX - 0xfff).0, libc::EINVAL as u32);
+    assert_eq!(c.unmap(u64::MAX - 0xfff, 0x1000, 0), (0, 0x1000));
+    assert_eq!(c.unmap(0x1000, 0, 0).0, libc::EINVAL as u32);
+    assert_eq!(c.unmap(0x2000, u64::MAX - 0xfff, 0).0, libc::EINVAL as u32);
     assert_eq!(
         c.map_flags(Some(&mem), 4, 0, 0x1000, 0x1000),
         libc::EINVAL as u32
@@ -600,7 +411,7 @@ fn edge_messages_get_type1s_errnos_and_the_connection_goes_on() {
 
 #[test]
 fn pipelined_requests_and_a_hang_up_mid_message() {
-    let (mut c, t) = start();
+    let (mut c, t) = ready();
     let mem = memfd(1 << 20);
     // 64 requests before reading any reply, some posted.
     for i in 0..64u64 {
@@ -629,7 +440,7 @@ fn pipelined_requests_and_a_hang_up_mid_message() {
         assert_eq!((h.id, h.flags), (7, flags::REPLY));
     }
     c.id = 0;
-    assert_eq!(c.unmap(0, 0x200000).0, 0);
+    assert_eq!(c.unmap(0, 0x200000, 0).0, 0);
     // Half a DMA_MAP, its descriptor attached, then the client leaves.
     let h = Header {
         id: 1,
