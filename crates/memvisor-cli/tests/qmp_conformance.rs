@@ -7,62 +7,15 @@ mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Dir, MIB};
+use common::{Dir, InProcess, MIB};
 use memvisor::{PinRegistry, SharedMappings};
-use memvisor_cli::control::{self, Client as Control};
-use memvisor_cli::runtime::Runtime;
-use memvisor_cli::status::Registry;
+use memvisor_cli::control::Client as Control;
 use memvisor_vhost::ProcessState;
 use serde_json::{Value, json};
-
-struct InProcess {
-    runtime: Arc<Runtime>,
-    stop: Arc<AtomicBool>,
-    control: Option<std::thread::JoinHandle<()>>,
-    ctl: PathBuf,
-}
-
-impl InProcess {
-    fn start(dir: &Dir) -> InProcess {
-        let state = ProcessState::new(SharedMappings::global(), PinRegistry::global());
-        let ctl = dir.join("ctl.sock");
-        let registry = Arc::new(Registry::new(state.registry.clone()));
-        let runtime = Arc::new(Runtime::new(
-            registry.clone(),
-            &state,
-            false,
-            true,
-            vec![ctl.clone()],
-        ));
-        let listener = memvisor_cli::listener::at(&ctl).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let (handler, events, flag) = (runtime.clone(), registry.events.clone(), stop.clone());
-        let control = std::thread::spawn(move || {
-            control::serve(&listener.socket, handler, events, &flag).unwrap();
-        });
-        InProcess {
-            runtime,
-            stop,
-            control: Some(control),
-            ctl,
-        }
-    }
-}
-
-impl Drop for InProcess {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.control.take() {
-            let _ = t.join();
-        }
-        let _ = self.runtime.finish();
-    }
-}
 
 /// A raw connection: the greeting read (its raw bytes returned), nothing negotiated.
 fn raw(ctl: &std::path::Path) -> (UnixStream, Vec<u8>) {
@@ -105,7 +58,10 @@ fn answer_with_id(s: &UnixStream, id: &Value) -> Option<Value> {
 #[test]
 fn server_messages_end_with_crlf() {
     let dir = Dir::new("qmp-crlf");
-    let s = InProcess::start(&dir);
+    let s = InProcess::start(
+        &dir,
+        &ProcessState::new(SharedMappings::global(), PinRegistry::global()),
+    );
     let (mut c, greeting) = raw(&s.ctl);
     assert!(
         greeting.ends_with(b"\r\n"),
@@ -130,7 +86,10 @@ fn server_messages_end_with_crlf() {
 #[test]
 fn a_control_character_or_0xff_brings_the_parser_back() {
     let dir = Dir::new("qmp-resync");
-    let s = InProcess::start(&dir);
+    let s = InProcess::start(
+        &dir,
+        &ProcessState::new(SharedMappings::global(), PinRegistry::global()),
+    );
     for reset in [&b"\x1b"[..], b"\xff"] {
         let (mut c, _) = raw(&s.ctl);
         // An incomplete command (its arguments never closed), then the reset, then a command.
@@ -152,7 +111,10 @@ fn a_control_character_or_0xff_brings_the_parser_back() {
 #[test]
 fn single_quoted_strings_are_accepted() {
     let dir = Dir::new("qmp-squote");
-    let s = InProcess::start(&dir);
+    let s = InProcess::start(
+        &dir,
+        &ProcessState::new(SharedMappings::global(), PinRegistry::global()),
+    );
     let (mut c, _) = raw(&s.ctl);
     c.write_all(b"{'execute': 'qmp_capabilities', 'id': 'sq'}\n")
         .unwrap();
@@ -169,7 +131,10 @@ fn single_quoted_strings_are_accepted() {
 #[test]
 fn an_unknown_argument_is_refused_not_ignored() {
     let dir = Dir::new("qmp-extra");
-    let s = InProcess::start(&dir);
+    let s = InProcess::start(
+        &dir,
+        &ProcessState::new(SharedMappings::global(), PinRegistry::global()),
+    );
     let disk = dir.image("d.img", MIB);
     let sock = dir.join("d.sock");
     let mut ctl = Control::connect(&s.ctl).unwrap();
@@ -198,7 +163,10 @@ fn an_unknown_argument_is_refused_not_ignored() {
 #[test]
 fn blk_del_racing_blk_add_never_leaves_an_unlisted_device_serving() {
     let dir = Dir::new("qmp-race");
-    let s = InProcess::start(&dir);
+    let s = InProcess::start(
+        &dir,
+        &ProcessState::new(SharedMappings::global(), PinRegistry::global()),
+    );
     let disk = dir.image("d.img", MIB);
     // Unraced, blk-del removes the socket before it answers.
     {

@@ -12,17 +12,13 @@ use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{BIN, DATA, Dir, Guest, MIB, Server, wait_for};
+use common::{BIN, DATA, Dir, Guest, InProcess, MIB, Server, wait_for};
 use memvisor::{Gpa, PinRegistry, SharedMappings};
-use memvisor_cli::control::{self, Client as Control};
-use memvisor_cli::runtime::Runtime;
-use memvisor_cli::status::Registry;
+use memvisor_cli::control::Client as Control;
 use memvisor_testkit::vhost::client::Client;
 use memvisor_vhost::ProcessState;
 use memvisor_vhost::image_lock::{self, Access, LockError, Locked, Locking};
@@ -30,50 +26,6 @@ use memvisor_vhost::proto::{self, backend_req, protocol, req};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-/// A server with no device at start and a control socket, in this process.
-struct InProcess {
-    runtime: Arc<Runtime>,
-    stop: Arc<AtomicBool>,
-    control: Option<std::thread::JoinHandle<()>>,
-    ctl: PathBuf,
-}
-
-impl InProcess {
-    fn start(dir: &Dir, state: &ProcessState) -> InProcess {
-        let ctl = dir.join("ctl.sock");
-        let registry = Arc::new(Registry::new(state.registry.clone()));
-        let runtime = Arc::new(Runtime::new(
-            registry.clone(),
-            state,
-            false,
-            true,
-            vec![ctl.clone()],
-        ));
-        let listener = memvisor_cli::listener::at(&ctl).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let (handler, events, flag) = (runtime.clone(), registry.events.clone(), stop.clone());
-        let control = std::thread::spawn(move || {
-            control::serve(&listener.socket, handler, events, &flag).unwrap();
-        });
-        InProcess {
-            runtime,
-            stop,
-            control: Some(control),
-            ctl,
-        }
-    }
-}
-
-impl Drop for InProcess {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.control.take() {
-            let _ = t.join();
-        }
-        let _ = self.runtime.finish();
-    }
-}
 
 fn state() -> ProcessState {
     ProcessState::new(SharedMappings::global(), PinRegistry::global())

@@ -1,6 +1,7 @@
 //! What the CLI's integration tests share: a scratch directory of their own, a server binary
-//! started quietly and killed on drop, waiting for its sockets, and a test guest (a memfd with one
-//! ring in it) that a vhost-user frontend drives. Each test binary uses only some of these.
+//! started quietly and killed on drop, waiting for its sockets, a test guest (a memfd with one
+//! ring in it) that a vhost-user frontend drives, and a server with a control socket run in
+//! the test's own process. Each test binary uses only some of these.
 #![allow(dead_code)]
 
 use std::fs::File;
@@ -9,11 +10,16 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use memvisor::{Backing, Gpa, SlotSpec, SlotTable};
+use memvisor_cli::control;
+use memvisor_cli::runtime::Runtime;
+use memvisor_cli::status::Registry;
 use memvisor_testkit::guest_ring::{Desc, GuestRing, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use memvisor_testkit::vhost::client::Client;
+use memvisor_vhost::ProcessState;
 use memvisor_vhost::proto::{self, Region, VringAddr, req};
 
 /// The `memvisor` binary under test.
@@ -245,5 +251,49 @@ impl Guest {
         let mut s = [0u8];
         self.mem.read(Gpa(STATUS), &mut s).unwrap();
         s[0]
+    }
+}
+
+/// A server with no device at start and a control socket, in this process.
+pub struct InProcess {
+    pub runtime: Arc<Runtime>,
+    stop: Arc<AtomicBool>,
+    control: Option<std::thread::JoinHandle<()>>,
+    pub ctl: PathBuf,
+}
+
+impl InProcess {
+    pub fn start(dir: &Dir, state: &ProcessState) -> InProcess {
+        let ctl = dir.join("ctl.sock");
+        let registry = Arc::new(Registry::new(state.registry.clone()));
+        let runtime = Arc::new(Runtime::new(
+            registry.clone(),
+            state,
+            false,
+            true,
+            vec![ctl.clone()],
+        ));
+        let listener = memvisor_cli::listener::at(&ctl).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (handler, events, flag) = (runtime.clone(), registry.events.clone(), stop.clone());
+        let control = std::thread::spawn(move || {
+            control::serve(&listener.socket, handler, events, &flag).unwrap();
+        });
+        InProcess {
+            runtime,
+            stop,
+            control: Some(control),
+            ctl,
+        }
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.control.take() {
+            let _ = t.join();
+        }
+        let _ = self.runtime.finish();
     }
 }
