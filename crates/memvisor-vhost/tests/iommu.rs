@@ -1,6 +1,8 @@
 //! Behind a vIOMMU: ring and buffer addresses are IOVAs the frontend's IOTLB messages map; a
 //! missing translation is asked for with a MISS on the back-end channel; invalidated or never
-//! mapped IOVAs fail the request that names them and nothing else.
+//! mapped IOVAs fail the request that names them and nothing else. IOTLB messages a frontend
+//! could send wrong, a ring stopped while its start waits for the IOTLB, and a frontend that
+//! stops reading its back-end channel.
 
 mod common;
 
@@ -731,4 +733,224 @@ fn measure_miss_latency_one_at_a_time_against_together() {
         drop(c);
         t.join().unwrap().1.ok();
     }
+}
+
+/// IOTLB messages a spec-reading frontend could send wrong: each refused (non-zero ack)
+/// or harmless, and the back end still answers.
+#[test]
+fn odd_iotlb_and_inflight_messages_are_refused_or_harmless() {
+    let g = Guest::new(4 * MIB);
+    let (c, t) = serve(iommu_blk(&[0x5a; 4096]));
+    let _ours = connect_behind_iommu(&c, &g);
+    let m = |iova: u64, size: u64, gpa: u64, perm: u8, kind: u8| {
+        IotlbMsg {
+            iova,
+            size,
+            uaddr: USER + gpa,
+            perm,
+            kind,
+        }
+        .bytes()
+    };
+    let cases: Vec<(&str, Vec<u8>, bool)> = vec![
+        ("update size 0", m(IO, 0, 0, 3, iotlb::UPDATE), false),
+        (
+            "update wrapping iova",
+            m(u64::MAX - 0xfff, 0x2000, 0, 3, iotlb::UPDATE),
+            false,
+        ),
+        (
+            "update past the region",
+            m(IO, 8 * MIB, 0, 3, iotlb::UPDATE),
+            false,
+        ),
+        ("update perm 0", m(IO, 0x1000, 0, 0, iotlb::UPDATE), false),
+        ("update perm 4", m(IO, 0x1000, 0, 4, iotlb::UPDATE), false),
+        ("type 0", m(IO, 0x1000, 0, 3, 0), false),
+        ("type miss", m(IO, 0x1000, 0, 3, iotlb::MISS), false),
+        ("type access fail", m(IO, 0x1000, 0, 3, 4), false),
+        (
+            "invalidate never mapped",
+            m(IO, 0x1000, 0, 0, iotlb::INVALIDATE),
+            true,
+        ),
+        ("invalidate size 0", m(IO, 0, 0, 0, iotlb::INVALIDATE), true),
+        (
+            "invalidate wrapping",
+            m(u64::MAX, u64::MAX, 0, 0, iotlb::INVALIDATE),
+            true,
+        ),
+        (
+            "short payload",
+            m(IO, 0x1000, 0, 3, iotlb::UPDATE)[..25].to_vec(),
+            false,
+        ),
+        ("good update", m(IO, 0x1000, 0, 3, iotlb::UPDATE), true),
+    ];
+    for (what, p, ok) in &cases {
+        let a = c
+            .ack(req::IOTLB_MSG, p, &[])
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(a == 0, *ok, "{what}: ack {a}");
+    }
+    // Inflight descriptions: shapes that cannot be mapped.
+    let f = memfd(MIB);
+    let inf = |size: u64, off: u64, nq: u16, qs: u16| {
+        proto::Inflight {
+            mmap_size: size,
+            mmap_offset: off,
+            num_queues: nq,
+            queue_size: qs,
+        }
+        .bytes()
+    };
+    for (what, p) in [
+        ("offset wraps", inf(4096, u64::MAX - 4095, 1, 16)),
+        ("offset past the file", inf(4096, 4 * MIB, 1, 16)),
+        ("size too small", inf(64, 0, 1, 256)),
+        ("0 queues", inf(4096, 0, 0, 16)),
+        ("queue size 0", inf(4096, 0, 1, 0)),
+    ] {
+        let a = c
+            .ack(req::SET_INFLIGHT_FD, &p, &[f.as_raw_fd()])
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_ne!(a, 0, "inflight {what}: accepted");
+    }
+    assert!(c.get_u64(req::GET_FEATURES).is_ok());
+    drop(c);
+    let _ = t.join().unwrap();
+}
+
+/// An UPDATE that translates a waiting ring which then cannot start (its descriptor table
+/// misaligned): the update itself was applied, yet it is answered as a failure, and the
+/// ring's own failure is reported nowhere else.
+#[test]
+fn an_applied_update_is_not_answered_as_a_failure_because_a_ring_cannot_start() {
+    let g = Guest::new(4 * MIB);
+    let (c, t) = serve(iommu_blk(&[0x5a; 4096]));
+    let _ours = connect_behind_iommu(&c, &g);
+    let st = |n: u32| proto::vring_state_bytes(0, n);
+    let addr = VringAddr {
+        desc: IO + RING_AT + 8,
+        ..io_vring_addr(&g)
+    };
+    for (r, p, fds) in [
+        (req::SET_VRING_NUM, st(RING_SIZE as u32), vec![]),
+        (req::SET_VRING_ADDR, addr.bytes(), vec![]),
+        (req::SET_VRING_BASE, st(0), vec![]),
+        (
+            req::SET_VRING_KICK,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.kick.as_raw_fd()],
+        ),
+    ] {
+        assert_eq!(c.ack(r, &p, &fds).unwrap(), 0, "{}", req::name(r));
+    }
+    let a = update(&c, IO + RING_AT, RING_AT, 4096, 3);
+    drop(c);
+    let _ = t.join().unwrap();
+    assert_eq!(
+        a, 0,
+        "the IOTLB update was applied but acknowledged as failed"
+    );
+}
+
+/// A ring whose IOVAs are not translated yet waits for an UPDATE with its kick put aside.
+/// GET_VRING_BASE stops it; an UPDATE arriving afterwards must not start it again.
+#[test]
+fn an_iotlb_update_after_get_vring_base_does_not_restart_the_stopped_ring() {
+    let mut g = Guest::new(4 * MIB);
+    let (c, t) = serve(iommu_blk(&[0x5a; 4096]));
+    let _ours = connect_behind_iommu(&c, &g);
+    for (iova, gpa, perm) in [
+        (IO + HDR, HDR, 1),
+        (IO + DATA, DATA, 3),
+        (IO + STATUS, STATUS, 3),
+    ] {
+        assert_eq!(update(&c, iova, gpa, 4096, perm), 0);
+    }
+    let st = |n: u32| proto::vring_state_bytes(0, n);
+    for (r, p, fds) in [
+        (req::SET_VRING_NUM, st(RING_SIZE as u32), vec![]),
+        (req::SET_VRING_ADDR, io_vring_addr(&g).bytes(), vec![]),
+        (req::SET_VRING_BASE, st(0), vec![]),
+        (
+            req::SET_VRING_CALL,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.call.as_raw_fd()],
+        ),
+        (
+            req::SET_VRING_KICK,
+            0u64.to_le_bytes().to_vec(),
+            vec![g.kick.as_raw_fd()],
+        ),
+        (req::SET_VRING_ENABLE, st(1), vec![]),
+    ] {
+        assert_eq!(c.ack(r, &p, &fds).unwrap(), 0, "{}", req::name(r));
+    }
+    // The frontend stops the ring.
+    let base = c.get(req::GET_VRING_BASE, &st(0)).unwrap();
+    assert_eq!(base, st(0));
+    // The driver still posts a request; then the ring's page gets its translation.
+    g.mem.write(Gpa(HDR), &[0u8; 16]).unwrap();
+    g.mem.write(Gpa(STATUS), &[0xff]).unwrap();
+    g.post(&[
+        (IO + HDR, 16, false),
+        (IO + DATA, 512, true),
+        (IO + STATUS, 1, true),
+    ]);
+    assert_eq!(update(&c, IO + RING_AT, RING_AT, 4096, 3), 0);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut s = [0u8];
+    g.mem.read(Gpa(STATUS), &mut s).unwrap();
+    drop(c);
+    let _ = t.join().unwrap();
+    assert_eq!(
+        s[0], 0xff,
+        "a ring stopped by GET_VRING_BASE was started by a later IOTLB update and served \
+         a request"
+    );
+}
+
+/// A frontend that does not read its back-end channel (or is blocked waiting for a reply
+/// of ours) must not stop the back end answering: MISS messages are written with a
+/// blocking write_all on that channel.
+#[test]
+fn a_full_backend_channel_does_not_hang_the_back_end() {
+    let g = Guest::new(4 * MIB);
+    let (c, t) = serve(iommu_blk(&[0x5a; 4096]));
+    let ours = connect_behind_iommu(&c, &g);
+    c.socket()
+        .set_read_timeout(Some(std::time::Duration::from_secs(3)))
+        .unwrap();
+    let mut answered = 0;
+    let mut failure = None;
+    for i in 0..20_000u64 {
+        // Ring addresses at three fresh IOVA pages: three MISS messages each time.
+        let x = 0x1_0000_0000 + i * 0x4000;
+        let a = VringAddr {
+            index: 0,
+            flags: 0,
+            desc: x,
+            avail: x + 0x1000,
+            used: x + 0x2000,
+            log: 0,
+        };
+        match c.ack(req::SET_VRING_ADDR, &a.bytes(), &[]) {
+            Ok(0) => answered += 1,
+            Ok(n) => panic!("SET_VRING_ADDR {i} refused: {n}"),
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+    }
+    // Unblock the back end's thread before judging.
+    drop(ours);
+    drop(c);
+    let _ = t.join();
+    assert!(
+        failure.is_none(),
+        "the back end stopped answering after {answered} messages: {failure:?}"
+    );
 }
