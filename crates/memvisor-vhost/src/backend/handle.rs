@@ -276,8 +276,10 @@ impl<D: Device + 'static> Backend<D> {
                         } else if v.started && v.queue.is_some() {
                             // A new eventfd for a running ring: only the fd changes. Starting
                             // it again would take it back to its SET_VRING_BASE and serve
-                            // requests already served.
+                            // requests already served. A kick the old eventfd got and nobody
+                            // read goes with it: the ring is looked at once now.
                             v.kick = Some(kick);
+                            self.process(i as usize)?;
                         } else {
                             self.start_ring(i as usize, kick)?;
                         }
