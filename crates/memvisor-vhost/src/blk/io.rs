@@ -211,7 +211,7 @@ impl Blk {
             return self.settle(q, ready, Ok(total));
         }
         let offset = sector * SECTOR;
-        if check_first || !self.disk.fits(&ready.iov, offset, total) {
+        if (check_first && total > 0) || !self.disk.fits(&ready.iov, offset, total) {
             if ready.fixed.is_some() {
                 if let Some(f) = self.fixed.as_mut() {
                     f.uncount_fixed();
