@@ -1148,11 +1148,3 @@ fn a_probed_image_refuses_a_write_that_would_give_sector_0_a_format_header() {
     disk.read_exact_at(&mut first, 0).unwrap();
     assert_eq!(&first[..4], b"QFI\xfb");
 }
-
-/// Says "skipped: <what>" where the test runner shows it: on the process's real stderr (libtest
-/// captures `println!` and `eprintln!` of passing tests, not a write to `io::stderr()`), in one
-/// write so that tests running beside this one do not cut the line.
-fn skipped(what: &str) {
-    use std::io::Write;
-    let _ = std::io::stderr().write_all(format!("skipped: {what}\n").as_bytes());
-}

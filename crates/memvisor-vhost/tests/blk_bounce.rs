@@ -50,7 +50,9 @@ fn one_bounced_request_does_not_make_the_back_end_allocate_its_whole_size() {
     {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("skipped: O_DIRECT in the temporary directory: {e}");
+            skipped(&format!(
+                "one bounced request: O_DIRECT in the temporary directory: {e}"
+            ));
             return;
         }
     };

@@ -409,14 +409,6 @@ fn a_4096_byte_sector_loop_device_has_blk_size_4096() {
     let _ = t.join().unwrap();
 }
 
-/// Says "skipped: <what>" where the test runner shows it: on the process's real stderr (libtest
-/// captures `println!` and `eprintln!` of passing tests, not a write to `io::stderr()`), in one
-/// write so that tests running beside this one do not cut the line.
-fn skipped(what: &str) {
-    use std::io::Write;
-    let _ = std::io::stderr().write_all(format!("skipped: {what}\n").as_bytes());
-}
-
 /// `blk-resize` on a block device: its size is its own, so a size other than the one it has is
 /// refused by value; once the device grew on the host, a resize without a size reads the new
 /// size, which the config space then shows.
