@@ -5,6 +5,9 @@
 //!   through the table before the replacement is in no log the table still has. The next
 //!   `take_dirty_log` must still hold it, beside the page the guest wrote; and a flag change
 //!   that keeps the slot's log (no replacement) must not be reported as one.
+//! - **A slot split in two** in one batch: the new slot over the half split off must report
+//!   the pages of that half written before the split (KVM drops the old memslot's bitmap, the
+//!   table the old slot's log).
 //! - **A slot KVM refused** staying in the table: the other slots' logs go on, and the refused
 //!   slot's log fails with KVM's refusal, naming it.
 //!
@@ -123,6 +126,64 @@ fn a_slot_replaced_in_place_loses_no_write_with_classic_get_dirty_log() {
     for how in [Replace::OneBatch, Replace::OneSync] {
         replaced_in_place(options, how, "dirty log: replaced slot (classic)");
     }
+}
+
+/// A logging slot of 32 pages split in one batch: slot 1 keeps its first 16 pages, a new slot 2
+/// takes the other 16 (the same memory at the same guest addresses). A page of the second half
+/// written before the split, by the guest (KVM's bitmap of the old memslot, which KVM drops with
+/// it) or through the table (the old slot's memvisor log), must be in slot 2's next log.
+fn split_in_two(options: Options, name: &str) {
+    let Some(kvm) = kvm_or_skip(name) else { return };
+    let mut g = guest(&kvm, options, 2 * PAGES * 4096);
+    let whole = SlotSpec::new(1, Gpa(BASE), g.memory.clone())
+        .window(0, 2 * PAGES * 4096)
+        .flags(SlotFlags::LOG_DIRTY);
+    g.slots.insert(whole).unwrap();
+    assert_eq!(
+        pages(&g.slots.take_dirty_log(1).unwrap()),
+        Vec::<u64>::new()
+    );
+    // Old slot 1's pages 20 (the guest) and 25 (the table): pages 4 and 9 of slot 2 after the
+    // split.
+    guest_write(&mut g, BASE + 20 * 4096);
+    table_write(&g, BASE + 25 * 4096);
+    let (first, second) = (
+        SlotSpec::new(1, Gpa(BASE), g.memory.clone())
+            .window(0, PAGES * 4096)
+            .flags(SlotFlags::LOG_DIRTY),
+        SlotSpec::new(2, Gpa(BASE + PAGES * 4096), g.memory.clone())
+            .window(PAGES * 4096, PAGES * 4096)
+            .flags(SlotFlags::LOG_DIRTY),
+    );
+    g.slots
+        .update(|e| {
+            e.remove(1)?;
+            e.insert(first)?;
+            e.insert(second)
+        })
+        .unwrap();
+    let two = pages(&g.slots.take_dirty_log(2).unwrap());
+    println!("{name}: after the split, slot 2's log holds pages {two:?}");
+    assert!(
+        two.contains(&4) && two.contains(&9),
+        "the guest's write to old page 20 and the table's to old page 25 (slot 2's pages 4 and \
+         9) were dropped with the old memslot: slot 2's log after the split is {two:?}"
+    );
+    // The log goes on exactly after that.
+    guest_write(&mut g, BASE + 30 * 4096);
+    assert_eq!(pages(&g.slots.take_dirty_log(2).unwrap()), vec![14]);
+}
+
+#[test]
+fn a_logging_slot_split_in_two_loses_no_write_to_the_part_split_off() {
+    split_in_two(Options::default(), "dirty log: split slot (manual protect)");
+    split_in_two(
+        Options {
+            manual_protect: false,
+            ..Options::default()
+        },
+        "dirty log: split slot (classic)",
+    );
 }
 
 #[test]
