@@ -64,7 +64,9 @@
 //!    once rather than risk missing one. Likewise every page of a logging slot replaced in
 //!    place (removed and inserted again, even with an identical spec: KVM's memslot stays, but
 //!    the table started the new slot a log of its own, and the old slot's table writes are in
-//!    no log the table still reaches).
+//!    no log the table still reaches). And every page of a new logging slot over guest
+//!    addresses that a logging slot deleted in the same sync held (a slot split in two, or
+//!    moved to a new id): the old memslot's bitmap and the old slot's log went with it.
 //!
 //! Without the capability, step 1 reads and clears at once (KVM's classic behaviour) and step 2
 //! is skipped. With [`Options::dirty_ring`] the vCPUs' pages come from KVM's per-vCPU dirty
@@ -89,7 +91,7 @@ use kvm_bindings::{
 use kvm_ioctls::{Cap, VmFd};
 use memvisor::slots::Snapshot;
 use memvisor::slots::{Slot, SlotEdit};
-use memvisor::{DmaSpace, Gpa, Iova, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable};
+use memvisor::{DmaSpace, Gpa, Iova, Range, SlotCursor, SlotFlags, SlotId, SlotSpec, SlotTable};
 use vmm_sys_util::ioctl::ioctl_with_ref;
 
 use crate::error::{Error, Result};
@@ -546,8 +548,15 @@ impl KvmSlots {
         let mut delete: Vec<(SlotId, bool)> = Vec::new();
         let mut flags_only: Vec<(Arc<Slot>, bool)> = Vec::new();
         let mut create: Vec<Arc<Slot>> = Vec::new();
+        // Guest ranges of the logging memslots this sync deletes (removed or re-created): KVM
+        // drops each one's bitmap with it, and the table the log of a slot it removed.
+        let mut left: Vec<Range<Gpa>> = Vec::new();
         for (id, old) in &state.installed {
+            let old_logs = old.flags & KVM_MEM_LOG_DIRTY_PAGES != 0;
             let Some(&new) = current.get(id) else {
+                if old_logs {
+                    left.push(old.slot.range());
+                }
                 delete.push((*id, false));
                 continue;
             };
@@ -576,12 +585,26 @@ impl KvmSlots {
                 // A moved, resized, re-backed or read-only-toggled slot: delete, re-create.
                 // When it logs before and after, all its pages are reported once (module
                 // documentation, step 4).
+                if old_logs {
+                    left.push(old.slot.range());
+                }
                 delete.push((*id, logs));
                 create.push(new.clone());
             }
         }
         for (id, slot) in &current {
             if !state.installed.contains_key(id) {
+                // A new logging slot over guest addresses a logging memslot deleted here held
+                // (a slot split, or moved to a new id): what was written there since the last
+                // read is in no log any more, so it reports all its pages once (step 4).
+                if kvm_flags(slot) & KVM_MEM_LOG_DIRTY_PAGES != 0
+                    && left.iter().any(|r| r.overlaps(&slot.range()))
+                {
+                    or_into(
+                        state.carried.entry(*id).or_default(),
+                        &all_dirty(pages_of(slot)),
+                    );
+                }
                 create.push((*slot).clone());
             }
         }
