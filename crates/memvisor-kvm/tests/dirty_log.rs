@@ -322,6 +322,57 @@ fn a_full_dirty_ring_is_harvested_on_the_vcpu_thread_and_nothing_is_lost() {
 }
 
 #[test]
+fn a_dirty_ring_larger_than_kvm_takes_is_refused_with_kvms_errno_naming_the_size() {
+    let name = "dirty ring too big";
+    let Some(kvm) = kvm_or_skip(name) else { return };
+    let vm = kvm.create_vm().expect("KVM_CREATE_VM");
+    let max = vm.check_extension_raw(kvm_bindings::KVM_CAP_DIRTY_LOG_RING_ACQ_REL.into());
+    if max <= 0 {
+        println!("skipped: {name}: KVM lacks KVM_CAP_DIRTY_LOG_RING_ACQ_REL");
+        return;
+    }
+    // Twice the largest ring KVM offers: a power of two, above every minimum.
+    let entries = (max as u32 / 16) * 2;
+    let bytes = u64::from(entries) * 16;
+    // KVM's own answer for that size (kvm_vm_ioctl_enable_dirty_log_ring: E2BIG).
+    let cap = kvm_bindings::kvm_enable_cap {
+        cap: kvm_bindings::KVM_CAP_DIRTY_LOG_RING_ACQ_REL,
+        args: [bytes, 0, 0, 0],
+        ..Default::default()
+    };
+    let kernel = vm
+        .enable_cap(&cap)
+        .expect_err("KVM took a ring above its own maximum")
+        .errno();
+    drop(vm);
+    // The refusal of the size, not PVM's (a test-hooks build lets rings through on PVM; no
+    // guest runs here).
+    #[allow(unused_mut)]
+    let mut options = Options {
+        dirty_ring: Some(entries),
+        ..Options::default()
+    };
+    #[cfg(feature = "test-hooks")]
+    {
+        options.faults.rings_on_pvm = true;
+    }
+    if pvm() && !cfg!(feature = "test-hooks") {
+        println!("skipped: {name}: PVM refuses rings first (run with --features test-hooks)");
+        return;
+    }
+    let vm = std::sync::Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
+    let err = memvisor_kvm::KvmSlots::with_options(vm, memvisor::SlotTable::new(), options)
+        .expect_err("a ring above KVM's maximum was taken");
+    println!("{name}: KVM answers {kernel} for {bytes} bytes; the binding: {err}");
+    assert_eq!(
+        err.errno(),
+        kernel,
+        "the binding must refuse a {entries}-entry ring with the errno KVM gives: {err}"
+    );
+    assert!(err.to_string().contains(&entries.to_string()), "{err}");
+}
+
+#[test]
 fn many_pages_cleared_in_chunks() {
     // A 704 KiB slot (176 pages: two full words and 48 pages of a third) with clear chunks of
     // 64 pages: a clean word between dirty ones, and a last chunk that ends at the slot's end
