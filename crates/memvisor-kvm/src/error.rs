@@ -82,6 +82,21 @@ pub enum Error {
         entries: u32,
     },
 
+    /// A dirty ring larger than KVM takes (E2BIG, as `KVM_ENABLE_CAP` answers for it).
+    #[error(
+        "dirty ring of {entries} entries ({bytes} bytes) is larger than KVM takes: at most \
+         {max_bytes} bytes ({} entries)",
+        max_bytes / 16
+    )]
+    RingTooBig {
+        /// Entries asked for.
+        entries: u32,
+        /// Their size in bytes.
+        bytes: u64,
+        /// The largest ring KVM takes (`KVM_CAP_DIRTY_LOG_RING_ACQ_REL`), in bytes.
+        max_bytes: u32,
+    },
+
     /// memvisor refused the change or the access.
     #[error(transparent)]
     Memvisor(#[from] memvisor::Error),
@@ -95,6 +110,7 @@ impl Error {
             Error::NoMemslot { .. } => libc::ENOSPC,
             Error::NotInKvm { .. } => libc::ENOENT,
             Error::RingOverrun { .. } => libc::EOVERFLOW,
+            Error::RingTooBig { .. } => libc::E2BIG,
             Error::Memvisor(e) => e.errno(),
         }
     }

@@ -158,7 +158,9 @@ pub struct Options {
     /// two; `KVM_CAP_DIRTY_LOG_RING_ACQ_REL`) instead of KVM's bitmaps. Must be set before the
     /// VM has vCPUs: bind first, then create them with [`Vcpu::new`](crate::Vcpu::new).
     /// Refused with EOPNOTSUPP where KVM lacks the capability and on a KVM known to overrun
-    /// rings (PVM: see the `ring` module); use the bitmap (`None`) there.
+    /// rings (PVM: see the `ring` module); use the bitmap (`None`) there. A ring larger than
+    /// KVM takes is refused with E2BIG, as KVM does; one below a page or of no power of two
+    /// with EINVAL.
     pub dirty_ring: Option<u32>,
     /// TEST ONLY (feature `test-hooks`): the faults the binding injects
     /// ([`Faults::rings_on_pvm`](memvisor::faults::Faults::rings_on_pvm) lets dirty rings
@@ -1020,7 +1022,7 @@ fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32, options: &Options)
         }
         .into());
     }
-    if !entries.is_power_of_two() || bytes > u64::from(caps.dirty_ring_bytes) || bytes < 4096 {
+    if !entries.is_power_of_two() || bytes < 4096 {
         return Err(memvisor::Error::Invalid(format!(
             "dirty ring of {entries} entries ({bytes} bytes): KVM takes a power of two from 4096 \
              to {} bytes (256 to {} entries)",
@@ -1028,6 +1030,14 @@ fn enable_rings(vm: &Arc<VmFd>, caps: &KvmCaps, entries: u32, options: &Options)
             caps.dirty_ring_bytes / 16
         ))
         .into());
+    }
+    if bytes > u64::from(caps.dirty_ring_bytes) {
+        // E2BIG, as kvm_vm_ioctl_enable_dirty_log_ring answers (EINVAL is for the two above).
+        return Err(Error::RingTooBig {
+            entries,
+            bytes,
+            max_bytes: caps.dirty_ring_bytes,
+        });
     }
     let cap = kvm_enable_cap {
         cap: KVM_CAP_DIRTY_LOG_RING_ACQ_REL,
