@@ -236,6 +236,19 @@ impl Rings {
     /// [`Rings::harvest`]; with `always_reset`, `KVM_RESET_DIRTY_RINGS` runs even when this
     /// call collected nothing (entries another thread marked may not be reset yet).
     pub(crate) fn harvest_inner(&self, always_reset: bool) -> Result<u64> {
+        self.harvest_between(always_reset, || {})
+    }
+
+    /// TEST ONLY (feature `test-hooks`): a vCPU's full-ring harvest
+    /// ([`Rings::harvest`], resetting even when it collected nothing) that runs `between` after
+    /// it collected and marked the entries and before its `KVM_RESET_DIRTY_RINGS`: the window in
+    /// which another thread's dirty-log call may run.
+    #[cfg(feature = "test-hooks")]
+    pub fn harvest_with(&self, between: impl FnOnce()) -> Result<u64> {
+        self.harvest_between(true, between)
+    }
+
+    fn harvest_between(&self, always_reset: bool, between: impl FnOnce()) -> Result<u64> {
         let mut inner = self.lock();
         let Inner { rings, pending } = &mut *inner;
         let mut collected = 0u64;
@@ -267,6 +280,7 @@ impl Rings {
         // The reset runs without the lock: KVM may wait in it for a running vCPU, and that vCPU,
         // its ring full, harvests too.
         drop(inner);
+        between();
         if collected > 0 || always_reset {
             // SAFETY: KVM_RESET_DIRTY_RINGS takes no argument; the fd is this VM's.
             let ret = unsafe { ioctl(self.vm.as_ref(), KVM_RESET_DIRTY_RINGS()) };

@@ -321,6 +321,108 @@ fn a_full_dirty_ring_is_harvested_on_the_vcpu_thread_and_nothing_is_lost() {
     }
 }
 
+/// The flags of the entries of a vCPU's dirty ring that name one page, read through a mapping
+/// of the ring of the test's own (KVM's flags: 1 dirty, 2 collected, 0 reset by KVM).
+#[cfg(feature = "test-hooks")]
+fn ring_flags(vcpu: &memvisor_kvm::Vcpu, entries: u32, slot: u32, offset: u64) -> Vec<u32> {
+    use std::os::fd::AsRawFd;
+    let len = entries as usize * size_of::<kvm_bindings::kvm_dirty_gfn>();
+    // SAFETY: a new shared read-only mapping of the vCPU fd's ring, at the offset KVM documents
+    // (KVM_DIRTY_LOG_PAGE_OFFSET pages), unmapped below; nothing else is at the address.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            vcpu.fd().as_raw_fd(),
+            kvm_bindings::KVM_DIRTY_LOG_PAGE_OFFSET as libc::off_t * 4096,
+        )
+    };
+    assert_ne!(ptr, libc::MAP_FAILED, "mmap of the dirty ring");
+    let ring = ptr.cast::<kvm_bindings::kvm_dirty_gfn>();
+    let mut flags = Vec::new();
+    for i in 0..entries as usize {
+        // SAFETY: i < entries, inside the mapping; volatile reads of memory KVM writes.
+        let (f, s, o) = unsafe {
+            let e = ring.add(i);
+            (
+                std::ptr::read_volatile(&raw const (*e).flags),
+                std::ptr::read_volatile(&raw const (*e).slot),
+                std::ptr::read_volatile(&raw const (*e).offset),
+            )
+        };
+        if (s, o) == (slot, offset) {
+            flags.push(f);
+        }
+    }
+    // SAFETY: the mapping made above, not used after this.
+    unsafe { libc::munmap(ptr, len) };
+    flags
+}
+
+/// A vCPU's full-ring harvest has collected a page (marked its entry RESET) and not yet called
+/// `KVM_RESET_DIRTY_RINGS` when the migration thread reads the slot's log. That read reports
+/// the page, and its caller copies it at once: KVM must have reset the entry by then (api.rst,
+/// KVM_CAP_DIRTY_LOG_RING: the reset is what write-protects the page again), or a guest write
+/// after the copy and before the vCPU's reset finds the page writable and pushes nothing.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_page_another_harvest_collected_is_reported_only_once_kvm_reset_its_entry() {
+    let name = "dirty ring: a read inside a vCPU's harvest";
+    let Some(mut g) = ring_guest(name, 16 * 4096) else {
+        return;
+    };
+    const BASE: u64 = 0x20000;
+    g.slots
+        .insert(
+            SlotSpec::new(1, Gpa(BASE), g.memory.clone())
+                .window(0, 16 * 4096)
+                .flags(SlotFlags::LOG_DIRTY),
+        )
+        .unwrap();
+    assert_eq!(
+        pages(&g.slots.take_dirty_log(1).unwrap()),
+        Vec::<u64>::new()
+    );
+    let kvm_slot = g.slots.kvm_slot(1).unwrap();
+    let rings = g.slots.rings().unwrap().clone();
+    let entries = rings.entries();
+    probe(&mut g.vcpu, segment(BASE + 3 * 4096));
+    assert_eq!(
+        ring_flags(&g.vcpu, entries, kvm_slot, 3),
+        vec![1],
+        "page 3 pushed"
+    );
+    let (mut during, mut flags) = (Vec::new(), Vec::new());
+    rings
+        .harvest_with(|| {
+            // The migration thread reads page 3 (and would copy it now), then the guest writes it
+            // again.
+            during = pages(&g.slots.take_dirty_log(1).unwrap());
+            flags = ring_flags(&g.vcpu, entries, kvm_slot, 3);
+            let p = probe(&mut g.vcpu, segment(BASE + 3 * 4096));
+            assert_eq!(p.write_exit, None);
+        })
+        .unwrap();
+    let after = pages(&g.slots.take_dirty_log(1).unwrap());
+    println!(
+        "{name}: the read inside the harvest {during:?} (page 3's entry flags then {flags:?}), \
+         the next read {after:?}"
+    );
+    assert_eq!(during, vec![3]);
+    assert!(
+        flags.first() == Some(&0),
+        "page 3 was reported while its ring entry was still {flags:?} (2: collected, not reset \
+         by KVM): the page is not write-protected again when the caller copies it"
+    );
+    assert_eq!(
+        after,
+        vec![3],
+        "the write after the read that reported page 3"
+    );
+}
+
 #[test]
 fn a_dirty_ring_larger_than_kvm_takes_is_refused_with_kvms_errno_naming_the_size() {
     let name = "dirty ring too big";
