@@ -14,7 +14,10 @@
 //!
 //! A page written after step 2 dirties again: it is in the next harvest. A page written between
 //! 1 and 2 was still writable (no new entry) and its data is in memory before the caller copies
-//! the pages this harvest reported. So the order never under-reports, as with the bitmap.
+//! the pages this harvest reported. So the order never under-reports, as with the bitmap. That
+//! holds for pages another thread's harvest collected too: a harvest resets whenever entries
+//! were marked whose reset has not returned yet, even if it collected none itself, so no page
+//! is reported before KVM write-protected it again.
 //!
 //! The binding ([`KvmSlots`](crate::KvmSlots)) harvests before it reads a slot's log and before
 //! it deletes a memslot (dropping that slot's pending bits: a re-created slot reports all its
@@ -125,6 +128,12 @@ struct Inner {
     /// Harvested, not yet reported: KVM slot number -> bitmap (bit `i` of word `i / 64` is the
     /// slot's page `i`).
     pending: BTreeMap<u32, Vec<u64>>,
+    /// Entries marked `RESET` by any harvest so far, and how many of them a
+    /// `KVM_RESET_DIRTY_RINGS` that returned has freed: while `marked > reset` another
+    /// harvest's pages are in `pending` but not write-protected again, and a harvest must reset
+    /// before they are reported.
+    marked: u64,
+    reset: u64,
 }
 
 /// Every vCPU's dirty ring of one VM, and the pages harvested from them.
@@ -154,6 +163,8 @@ impl Rings {
             inner: Mutex::new(Inner {
                 rings: Vec::new(),
                 pending: BTreeMap::new(),
+                marked: 0,
+                reset: 0,
             }),
             overrun: AtomicBool::new(false),
         }
@@ -250,7 +261,7 @@ impl Rings {
 
     fn harvest_between(&self, always_reset: bool, between: impl FnOnce()) -> Result<u64> {
         let mut inner = self.lock();
-        let Inner { rings, pending } = &mut *inner;
+        let Inner { rings, pending, .. } = &mut *inner;
         let mut collected = 0u64;
         for ring in rings.iter_mut() {
             loop {
@@ -277,11 +288,16 @@ impl Rings {
                 collected += 1;
             }
         }
+        inner.marked += collected;
+        let marked = inner.marked;
+        // Entries marked here or by another harvest whose reset has not returned yet: reset
+        // before any of their pages is reported.
+        let unreset = marked > inner.reset;
         // The reset runs without the lock: KVM may wait in it for a running vCPU, and that vCPU,
         // its ring full, harvests too.
         drop(inner);
         between();
-        if collected > 0 || always_reset {
+        if unreset || always_reset {
             // SAFETY: KVM_RESET_DIRTY_RINGS takes no argument; the fd is this VM's.
             let ret = unsafe { ioctl(self.vm.as_ref(), KVM_RESET_DIRTY_RINGS()) };
             if ret < 0 {
@@ -291,6 +307,9 @@ impl Rings {
                     vmm_sys_util::errno::Error::last(),
                 ));
             }
+            // Every entry marked before this reset began is free again.
+            let mut inner = self.lock();
+            inner.reset = inner.reset.max(marked);
         }
         Ok(collected)
     }
