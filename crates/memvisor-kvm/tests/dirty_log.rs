@@ -165,10 +165,10 @@ fn run(options: Options, name: &str) {
         );
     }
     #[cfg(not(feature = "test-hooks"))]
-    println!(
-        "skipped: {name}: write between read and clear: needs --features test-hooks \
+    skipped(&format!(
+        "{name}: write between read and clear: needs --features test-hooks \
          (cargo test -p memvisor-kvm --features test-hooks --test dirty_log)"
-    );
+    ));
 
     // Turning logging off and on again: a flags-only update; the log restarts empty and works.
     g.slots.set_flags(2, SlotFlags::NONE).unwrap();
@@ -240,7 +240,7 @@ fn ring_guest(name: &str, memory: u64) -> Option<Guest> {
     let kvm = kvm_or_skip(name)?;
     let vm = kvm.create_vm().expect("KVM_CREATE_VM");
     if vm.check_extension_raw(kvm_bindings::KVM_CAP_DIRTY_LOG_RING_ACQ_REL.into()) <= 0 {
-        println!("skipped: {name}: KVM lacks KVM_CAP_DIRTY_LOG_RING_ACQ_REL");
+        skipped(&format!("{name}: KVM lacks KVM_CAP_DIRTY_LOG_RING_ACQ_REL"));
         return None;
     }
     drop(vm);
@@ -254,9 +254,9 @@ fn ring_guest(name: &str, memory: u64) -> Option<Guest> {
             Err(e) if e.errno() == libc::EINVAL => continue,
             Err(e) if e.errno() == libc::EOPNOTSUPP && pvm() => {
                 assert!(e.to_string().contains("use the dirty bitmap"), "{e}");
-                println!(
-                    "skipped: {name}: dirty rings unsound on this KVM (PVM overruns them): {e}"
-                );
+                skipped(&format!(
+                    "{name}: dirty rings unsound on this KVM (PVM overruns them): {e}"
+                ));
                 return None;
             }
             Err(e) => panic!("{name}: {e}"),
@@ -430,7 +430,7 @@ fn a_dirty_ring_larger_than_kvm_takes_is_refused_with_kvms_errno_naming_the_size
     let vm = kvm.create_vm().expect("KVM_CREATE_VM");
     let max = vm.check_extension_raw(kvm_bindings::KVM_CAP_DIRTY_LOG_RING_ACQ_REL.into());
     if max <= 0 {
-        println!("skipped: {name}: KVM lacks KVM_CAP_DIRTY_LOG_RING_ACQ_REL");
+        skipped(&format!("{name}: KVM lacks KVM_CAP_DIRTY_LOG_RING_ACQ_REL"));
         return;
     }
     // Twice the largest ring KVM offers: a power of two, above every minimum.
@@ -459,7 +459,9 @@ fn a_dirty_ring_larger_than_kvm_takes_is_refused_with_kvms_errno_naming_the_size
         options.faults.rings_on_pvm = true;
     }
     if pvm() && !cfg!(feature = "test-hooks") {
-        println!("skipped: {name}: PVM refuses rings first (run with --features test-hooks)");
+        skipped(&format!(
+            "{name}: PVM refuses rings first (run with --features test-hooks)"
+        ));
         return;
     }
     let vm = std::sync::Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));

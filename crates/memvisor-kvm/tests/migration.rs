@@ -521,13 +521,11 @@ fn dirty_rings_are_refused_on_pvm_and_the_bitmap_is_not() {
         return;
     };
     if !pvm() {
-        println!("skipped: dirty rings refused on PVM: this KVM is not PVM");
+        skipped("dirty rings refused on PVM: this KVM is not PVM");
         return;
     }
     if rings_let_through() {
-        println!(
-            "skipped: dirty rings refused on PVM: MEMVISOR_TEST_RINGS_ON_PVM lets them through"
-        );
+        skipped("dirty rings refused on PVM: MEMVISOR_TEST_RINGS_ON_PVM lets them through");
         return;
     }
     let (src, _mem) = memory(&WRITER);

@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::io::Write;
 use std::process::Command;
 
 use common::*;
@@ -37,13 +36,10 @@ fn a_test_without_dev_kvm_says_skipped_where_the_runner_shows_it() {
     let out = match out {
         Ok(out) if String::from_utf8_lossy(&out.stdout).contains("running 1 test") => out,
         other => {
-            let _ = std::io::stderr().write_all(
-                format!(
-                    "skipped: a test without /dev/kvm: no mount namespace with an empty /dev \
-                     (root and unshare needed): {other:?}\n"
-                )
-                .as_bytes(),
-            );
+            skipped(&format!(
+                "a test without /dev/kvm: no mount namespace with an empty /dev (root and \
+                 unshare needed): {other:?}"
+            ));
             return;
         }
     };

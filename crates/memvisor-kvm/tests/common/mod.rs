@@ -29,16 +29,24 @@ pub const PROBE_PROGRAM: [u8; 18] = [
     0xEB, 0xEE, //       jmp 0
 ];
 
-/// The KVM device, or `None` after printing why the test is skipped.
+/// Says "skipped: <what>" where the test runner shows it: on the process's real stderr (libtest
+/// captures `println!` and `eprintln!` of passing tests, not a write to `io::stderr()`), in one
+/// write so that tests running beside this one do not cut the line.
+pub fn skipped(what: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("skipped: {what}\n").as_bytes());
+}
+
+/// The KVM device, or `None` after saying why the test is skipped.
 pub fn kvm_or_skip(test: &str) -> Option<Kvm> {
     if !std::path::Path::new("/dev/kvm").exists() {
-        println!("skipped: {test}: no /dev/kvm");
+        skipped(&format!("{test}: no /dev/kvm"));
         return None;
     }
     match Kvm::new() {
         Ok(kvm) => Some(kvm),
         Err(e) => {
-            println!("skipped: {test}: /dev/kvm cannot be opened: {e}");
+            skipped(&format!("{test}: /dev/kvm cannot be opened: {e}"));
             None
         }
     }
@@ -74,11 +82,13 @@ pub fn rings_or_skip(kvm: &Kvm, test: &str, entries: u32) -> bool {
         Ok(_) => true,
         Err(e) if e.errno() == libc::EOPNOTSUPP && pvm() => {
             assert!(e.to_string().contains("use the dirty bitmap"), "{e}");
-            println!("skipped: {test}: dirty rings unsound on this KVM (PVM overruns them): {e}");
+            skipped(&format!(
+                "{test}: dirty rings unsound on this KVM (PVM overruns them): {e}"
+            ));
             false
         }
         Err(e) if e.errno() == libc::EOPNOTSUPP => {
-            println!("skipped: {test}: {e}");
+            skipped(&format!("{test}: {e}"));
             false
         }
         Err(e) => panic!("{test}: {e}"),
